@@ -1,0 +1,50 @@
+"""``smartexit <stage> [--config FILE] [key=value ...]``.
+
+Each stage is a typed config dataclass and a ``main(cfg) -> int``. A
+:class:`SmartExitError` (bad path, bad config, mismatched artifact) prints
+``error: ...`` and exits with code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable
+
+from edge.configio import parse_overrides
+from edge.errors import SmartExitError
+
+# stage -> (module, config class, entry point, one-line help)
+STAGES: dict[str, tuple[str, str, str, str]] = {
+    "train-tiny": ("edge.train_tiny", "TrainConfig", "main", "train the bundled tiny model (an hour or two)"),
+    "distill": ("edge.distill", "DistillConfig", "main", "train exit heads by multi-exit distillation"),
+    "generate": ("edge.demo_generate", "GenerateConfig", "main", "reference early-exit generation on held-out prompts"),
+    "report": ("edge.report", "ReportConfig", "main", "write report.json / report.md from the run manifest"),
+}
+
+
+def _load(stage: str) -> tuple[type, Callable[[object], int]]:
+    module, cfg_name, fn_name, _ = STAGES[stage]
+    mod = importlib.import_module(module)
+    return getattr(mod, cfg_name), getattr(mod, fn_name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="smartexit", description="SmartExit early-exit LLM pipeline")
+    sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
+    for name, (_, _, _, help_text) in STAGES.items():
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--config", help="YAML file with this stage's settings")
+        p.add_argument("overrides", nargs="*", metavar="key=value")
+    args = parser.parse_args(argv)
+    try:
+        cfg_cls, entry = _load(args.stage)
+        cfg = parse_overrides(cfg_cls(), args.overrides, args.config)
+        return int(entry(cfg))
+    except SmartExitError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

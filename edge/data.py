@@ -1,0 +1,141 @@
+"""The bundled corpus: the Python standard library's source, split by file.
+
+Each ``.py`` file of the running interpreter's standard library (site-packages
+excluded) goes to train / calibration / test by the sha256 of its relative
+path, so the split is deterministic and independent of file order. The
+calibration and test splits are shipped with the project (``edge/assets/data``,
+xz-compressed JSON lines) so every machine sees byte-identical text whatever
+Python it runs; only training reads the interpreter's files.
+"""
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import lzma
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+from edge.errors import SmartExitError
+
+ASSETS = Path(__file__).parent / "assets"
+DATA_DIR = ASSETS / "data"
+CALIB_PERCENT = 4  # buckets 0..3 -> calibration
+TEST_PERCENT = 4  # buckets 4..7 -> test
+
+
+class Split(str, enum.Enum):
+    TRAIN = "train"
+    CALIBRATION = "calibration"
+    TEST = "test"
+
+
+@dataclass(frozen=True)
+class Document:
+    path: str  # relative to the source root
+    text: str
+
+
+def split_of(rel_path: str) -> Split:
+    """Deterministic split for a file, from the first 8 hex digits of sha256(path) mod 100."""
+    bucket = int(hashlib.sha256(rel_path.encode()).hexdigest()[:8], 16) % 100
+    if bucket < CALIB_PERCENT:
+        return Split.CALIBRATION
+    if bucket < CALIB_PERCENT + TEST_PERCENT:
+        return Split.TEST
+    return Split.TRAIN
+
+
+def stdlib_documents(root: str | Path | None = None) -> list[Document]:
+    """All UTF-8 ``.py`` files under the standard library (sorted by path)."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    docs = []
+    for p in sorted(root.rglob("*.py")):
+        rel = p.relative_to(root).as_posix()
+        if "site-packages" in rel.split("/") or "dist-packages" in rel.split("/"):
+            continue
+        try:
+            docs.append(Document(rel, p.read_text(encoding="utf-8")))
+        except (UnicodeDecodeError, OSError):
+            continue
+    return docs
+
+
+def split_documents(docs: list[Document]) -> dict[Split, list[Document]]:
+    out: dict[Split, list[Document]] = {s: [] for s in Split}
+    for d in docs:
+        out[split_of(d.path)].append(d)
+    return out
+
+
+def write_jsonl_xz(path: Path, docs: list[Document]) -> None:
+    from edge.artifacts import atomic_path
+
+    with atomic_path(path) as tmp:
+        with lzma.open(tmp, "wt", encoding="utf-8", preset=9) as f:
+            for d in docs:
+                f.write(json.dumps({"path": d.path, "text": d.text}) + "\n")
+
+
+def read_jsonl_xz(path: Path) -> list[Document]:
+    try:
+        with lzma.open(path, "rt", encoding="utf-8") as f:
+            return [Document(**json.loads(line)) for line in f if line.strip()]
+    except (OSError, lzma.LZMAError, json.JSONDecodeError, TypeError) as exc:
+        raise SmartExitError(f"{path} is not a valid xz-compressed JSON-lines corpus: {exc}") from exc
+
+
+def load_split(split: Split | str) -> list[Document]:
+    """The shipped calibration / test split, or the interpreter's train split."""
+    split = Split(split)
+    if split is Split.TRAIN:
+        return split_documents(stdlib_documents())[Split.TRAIN]
+    path = DATA_DIR / f"{split.value}.jsonl.xz"
+    if not path.is_file():
+        raise SmartExitError(f"{path} is missing: the shipped {split.value} split is part of the package")
+    return read_jsonl_xz(path)
+
+
+def load_text_dir(folder: str | Path, suffixes: tuple[str, ...] = (".txt", ".py", ".md")) -> list[Document]:
+    """A user's folder of text files as documents (for ``--eval-data DIR``)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise SmartExitError(f"evaluation data folder {folder} does not exist")
+    docs = []
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and p.suffix in suffixes:
+            try:
+                docs.append(Document(p.relative_to(folder).as_posix(), p.read_text(encoding="utf-8")))
+            except UnicodeDecodeError as exc:
+                raise SmartExitError(f"{p} is not UTF-8 text: {exc}") from exc
+    if not docs:
+        raise SmartExitError(f"{folder} holds no text files ({', '.join(suffixes)})")
+    return docs
+
+
+def ship_splits(out_dir: Path = DATA_DIR) -> dict:
+    """Write the calibration / test splits and ``split.json`` (file lists and hashes)."""
+    import platform
+
+    from edge.artifacts import atomic_write_json
+
+    parts = split_documents(stdlib_documents())
+    record = {
+        "source": "Python standard library .py files (site-packages excluded)",
+        "python": platform.python_version(),
+        "rule": f"bucket = int(sha256(relative_path)[:8], 16) % 100; <{CALIB_PERCENT} calibration, "
+                f"<{CALIB_PERCENT + TEST_PERCENT} test, else train",
+        "splits": {},
+    }
+    for split, docs in parts.items():
+        record["splits"][split.value] = {
+            "files": len(docs),
+            "bytes": sum(len(d.text.encode()) for d in docs),
+            "paths_sha256": hashlib.sha256("\n".join(d.path for d in docs).encode()).hexdigest(),
+        }
+        if split is not Split.TRAIN:
+            write_jsonl_xz(out_dir / f"{split.value}.jsonl.xz", docs)
+            record["splits"][split.value]["paths"] = [d.path for d in docs]
+    atomic_write_json(out_dir / "split.json", record)
+    return record

@@ -1,0 +1,92 @@
+"""``smartexit report``: assemble ``report.json`` / ``report.md`` from the run's manifest.
+
+Every number in the report is a metric a stage recorded in ``manifest.json``;
+the report adds nothing of its own. Later stages add sections by adding a
+builder to ``SECTIONS``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from edge.artifacts import Manifest, atomic_write_json, atomic_write_text
+
+
+@dataclass
+class ReportConfig:
+    run_dir: str = "artifacts/demo"
+
+
+def _model(m: Manifest) -> dict[str, Any]:
+    d = m.stage("distill")["metrics"]
+    return {"params": d["params"], "layers": d["layers"], "exits": d["exits"],
+            "heldout_top1": d["heldout_top1"], "heldout_ppl": d["heldout_ppl"], "heldout_tokens": d["tokens"]}
+
+
+def _distill(m: Manifest) -> dict[str, Any]:
+    st = m.stage("distill")
+    d = st["metrics"]
+    return {"exit_agreement": d["exit_agreement"], "exit_accuracy": d["exit_accuracy"],
+            "steps": st["config"]["steps"], "freeze_backbone": st["config"]["freeze_backbone"],
+            "adapter_rank": st["config"]["exits"]["adapter_rank"], "seconds": st["seconds"]}
+
+
+def _generate(m: Manifest) -> dict[str, Any]:
+    return dict(m.stage("generate")["metrics"])
+
+
+SECTIONS: dict[str, tuple[str, Callable[[Manifest], dict[str, Any]]]] = {
+    "model": ("distill", _model),
+    "distill": ("distill", _distill),
+    "generate": ("generate", _generate),
+}
+
+
+def build(run_dir: str | Path) -> dict[str, Any]:
+    m = Manifest(run_dir)
+    report: dict[str, Any] = {"run": m.data.get("run")}
+    for name, (stage, fn) in SECTIONS.items():
+        if stage in m.data["stages"]:
+            report[name] = fn(m)
+    return report
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    lines = [f"# SmartExit report: run `{report.get('run')}`", ""]
+    if "model" in report:
+        mo = report["model"]
+        lines += ["## Model", "",
+                  f"- parameters: {mo['params']:,}; layers: {mo['layers']}; exits after layers {mo['exits']}",
+                  f"- held-out (test split, {mo['heldout_tokens']:,} tokens): perplexity {mo['heldout_ppl']:.3f}, "
+                  f"top-1 next-token accuracy {mo['heldout_top1']:.4f}", ""]
+    if "distill" in report:
+        di = report["distill"]
+        lines += ["## Multi-exit distillation", "",
+                  f"{di['steps']} steps, backbone {'frozen' if di['freeze_backbone'] else 'fine-tuned'}, "
+                  f"adapter rank {di['adapter_rank']}, {di['seconds']:.0f} s.", "",
+                  "| exit layer | agreement with final layer | top-1 accuracy |", "| ---: | ---: | ---: |"]
+        for k, a in di["exit_agreement"].items():
+            lines.append(f"| {k} | {a:.4f} | {di['exit_accuracy'][k]:.4f} |")
+        lines.append("")
+    if "generate" in report:
+        g = report["generate"]
+        lines += ["## Reference early-exit generator", "",
+                  f"- {g['prompts']} held-out prompts, {g['max_new_tokens']} new tokens each, greedy.",
+                  f"- exits disabled reproduces full-model greedy decoding: **{g['disabled_equals_full_greedy']}**",
+                  f"- fixed max-probability threshold {g['threshold']} (uncalibrated): mean exit layer "
+                  f"{g['mean_exit_layer']:.2f}, position-wise token match with full depth {g['token_match_vs_full']:.4f}",
+                  "- exit fractions: " + ", ".join(f"layer {k}: {v:.3f}" for k, v in g["exit_fraction"].items()),
+                  ""]
+    return "\n".join(lines)
+
+
+def main(cfg: ReportConfig) -> int:
+    report = build(cfg.run_dir)
+    run_dir = Path(cfg.run_dir)
+    atomic_write_json(run_dir / "report.json", report)
+    atomic_write_text(run_dir / "report.md", render_markdown(report))
+    print(json.dumps({k: v for k, v in report.items() if k == "model"}, indent=2))
+    print(f"report: {run_dir / 'report.json'} and {run_dir / 'report.md'}")
+    return 0
