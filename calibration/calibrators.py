@@ -1,0 +1,311 @@
+"""Per-exit calibrators: signals [N, F] -> P(exit's token == full model's token).
+
+Three kinds (:class:`CalibratorKind`):
+
+- ``platt``: logistic regression on all standardised signals (Platt 1999,
+  "Probabilistic outputs for support vector machines"); score = the logit.
+- ``isotonic``: the Platt score recalibrated by isotonic regression
+  (Zadrozny & Elkan 2002, "Transforming classifier scores into accurate
+  multiclass probability estimates"); order-preserving, so it ranks tokens
+  exactly as Platt does.
+- ``maxprob``: isotonic map of the softmax top-1 probability alone, the
+  CALM-style baseline (Schuster et al. 2022).
+
+Fitting uses scikit-learn; a fitted calibrator is a handful of numbers
+(:meth:`Calibrator.to_dict`) and predicts with plain numpy, so deployment
+needs no scikit-learn. Metrics (ECE, Brier, reliability curve) are pure
+functions at the end of the file.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from calibration.signals import SIGNAL_NAMES
+from edge.errors import ConfigError
+
+TOP1_COLUMN = SIGNAL_NAMES.index("top1_prob")
+
+
+class CalibratorKind(str, enum.Enum):
+    PLATT = "platt"
+    ISOTONIC = "isotonic"
+    MAXPROB = "maxprob"
+
+
+def _kind(kind: CalibratorKind | str) -> CalibratorKind:
+    try:
+        return CalibratorKind(kind)
+    except ValueError:
+        raise ConfigError(f"unknown calibrator kind {kind!r}; expected one of "
+                          f"{[k.value for k in CalibratorKind]}") from None
+
+
+def _sigmoid(s: np.ndarray) -> np.ndarray:
+    """Numerically stable logistic function, elementwise."""
+    e = np.exp(-np.abs(s))
+    return np.where(s >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+def _check_xy(X: Any, y: Any | None, what: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """Validate features [N, F] (and 0/1 targets [N]); return float64 copies."""
+    X = np.asarray(X, dtype=np.float64)
+    if X.ndim != 2:
+        raise ConfigError(f"{what}: features must be 2-D [N, F], got shape {X.shape}")
+    if X.shape[0] == 0:
+        raise ConfigError("empty split: no tokens")
+    if not np.isfinite(X).all():
+        raise ConfigError(f"{what}: features contain NaN or infinite values")
+    if y is None:
+        return X, None
+    y = np.asarray(y)
+    if y.shape != (X.shape[0],):
+        raise ConfigError(f"{what}: targets must have shape ({X.shape[0]},), got {y.shape}")
+    y = y.astype(np.float64)
+    if not np.isin(y, (0.0, 1.0)).all():
+        raise ConfigError(f"{what}: targets must be 0/1 (1 = exit agrees with the last exit)")
+    return X, y
+
+
+@dataclass
+class Calibrator:
+    """One exit's calibrator. Fit with :meth:`fit`; all fitted state is plain numbers.
+
+    Fields after fitting: ``mean``/``std`` [F] standardise the signals,
+    ``coef`` [F] and ``intercept`` give the Platt logit, ``iso_x``/``iso_y`` [T]
+    are the isotonic knots (isotonic, maxprob), ``constant`` is set instead
+    when the training targets were all 0 or all 1.
+    """
+
+    kind: CalibratorKind = CalibratorKind.ISOTONIC
+    C: float = 1.0  # inverse L2 strength of the logistic regression (sklearn default)
+    n_features: int = 0
+    mean: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    std: np.ndarray = field(default_factory=lambda: np.ones(0))
+    coef: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    intercept: float = 0.0
+    iso_x: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    iso_y: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    constant: float | None = None
+    fitted: bool = False
+
+    def __post_init__(self) -> None:
+        self.kind = _kind(self.kind)
+        if not self.C > 0:
+            raise ConfigError(f"calibrator C must be > 0, got {self.C}")
+
+    # ----------------------------------------------------------------- fit
+    def fit(self, X: np.ndarray, y: np.ndarray) -> "Calibrator":
+        """Fit on signals X [N, F] and targets y [N] (1 = correct exit); returns self.
+
+        Raises:
+            ConfigError: bad shapes, NaN/inf features, non-binary targets,
+                maxprob with no top1_prob column.
+        """
+        X, y = _check_xy(X, y, f"{self.kind.value} calibrator fit")
+        f = X.shape[1]
+        if self.kind is CalibratorKind.MAXPROB and f <= TOP1_COLUMN:
+            raise ConfigError(f"maxprob calibrator needs column {TOP1_COLUMN} (top1_prob); got F={f}")
+        self.n_features = f
+        self.mean = X.mean(axis=0)  # [F]
+        sd = X.std(axis=0)  # [F]
+        self.std = np.where(sd > 1e-12, sd, 1.0)  # a constant signal is left unscaled
+        self.coef, self.intercept = np.zeros(f), 0.0
+        self.iso_x, self.iso_y = np.zeros(0), np.zeros(0)
+        self.constant = None
+        rate = float(y.mean())
+        if rate in (0.0, 1.0):  # degenerate targets: nothing to learn, predict the rate
+            self.constant = rate
+            self.fitted = True
+            return self
+        if self.kind is not CalibratorKind.MAXPROB:
+            from sklearn.linear_model import LogisticRegression
+
+            lr = LogisticRegression(C=self.C, solver="lbfgs", max_iter=1000)
+            lr.fit((X - self.mean) / self.std, y)
+            self.coef = lr.coef_[0].astype(np.float64)
+            self.intercept = float(lr.intercept_[0])
+        self.fitted = True
+        if self.kind is not CalibratorKind.PLATT:
+            from sklearn.isotonic import IsotonicRegression
+
+            iso = IsotonicRegression(out_of_bounds="clip", y_min=0.0, y_max=1.0, increasing=True)
+            iso.fit(self.score(X), y)
+            self.iso_x = np.asarray(iso.X_thresholds_, dtype=np.float64)
+            self.iso_y = np.asarray(iso.y_thresholds_, dtype=np.float64)
+        return self
+
+    # ------------------------------------------------------------- predict
+    def _check_fitted(self, X: np.ndarray) -> np.ndarray:
+        if not self.fitted:
+            raise ConfigError(f"{self.kind.value} calibrator is not fitted; call fit() first")
+        X, _ = _check_xy(X, None, f"{self.kind.value} calibrator")
+        if X.shape[1] != self.n_features:
+            raise ConfigError(f"{self.kind.value} calibrator was fitted on F={self.n_features} signals, "
+                              f"got F={X.shape[1]}")
+        return X
+
+    def score(self, X: np.ndarray) -> np.ndarray:
+        """Raw 1-D score s [N]; :meth:`predict` is monotone non-decreasing in it.
+
+        Platt and isotonic: the logistic logit w.((x - mean) / std) + b. Maxprob:
+        the top1_prob column.
+        """
+        X = self._check_fitted(X)  # [N, F]
+        if self.kind is CalibratorKind.MAXPROB:
+            return X[:, TOP1_COLUMN].copy()
+        return ((X - self.mean) / self.std) @ self.coef + self.intercept  # [N]
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        """Calibrated probability p [N] in [0, 1] that this exit's token is the full model's."""
+        s = self.score(X)  # [N]
+        if self.constant is not None:
+            return np.full(s.shape, self.constant)
+        if self.kind is CalibratorKind.PLATT:
+            return _sigmoid(s)
+        # np.interp clips to the end knots, as sklearn's out_of_bounds="clip"
+        return np.clip(np.interp(s, self.iso_x, self.iso_y), 0.0, 1.0)
+
+    # -------------------------------------------------------- serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable parameters; :meth:`from_dict` rebuilds an identical predictor."""
+        if not self.fitted:
+            raise ConfigError(f"{self.kind.value} calibrator is not fitted; nothing to serialise")
+        return {
+            "kind": self.kind.value,
+            "C": float(self.C),
+            "n_features": int(self.n_features),
+            "mean": [float(v) for v in self.mean],
+            "std": [float(v) for v in self.std],
+            "coef": [float(v) for v in self.coef],
+            "intercept": float(self.intercept),
+            "iso_x": [float(v) for v in self.iso_x],
+            "iso_y": [float(v) for v in self.iso_y],
+            "constant": None if self.constant is None else float(self.constant),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Calibrator":
+        """Rebuild a fitted calibrator from :meth:`to_dict` output (no scikit-learn needed).
+
+        Raises:
+            ConfigError: a missing field or arrays of the wrong length.
+        """
+        need = ("kind", "n_features", "mean", "std", "coef", "intercept", "iso_x", "iso_y", "constant")
+        missing = [k for k in need if k not in d]
+        if missing:
+            raise ConfigError(f"calibrator dict is missing fields {missing}")
+        f = int(d["n_features"])
+        cal = cls(kind=d["kind"], C=float(d.get("C", 1.0)), n_features=f,
+                  mean=np.asarray(d["mean"], dtype=np.float64), std=np.asarray(d["std"], dtype=np.float64),
+                  coef=np.asarray(d["coef"], dtype=np.float64), intercept=float(d["intercept"]),
+                  iso_x=np.asarray(d["iso_x"], dtype=np.float64), iso_y=np.asarray(d["iso_y"], dtype=np.float64),
+                  constant=None if d["constant"] is None else float(d["constant"]), fitted=True)
+        for name in ("mean", "std", "coef"):
+            if getattr(cal, name).shape != (f,):
+                raise ConfigError(f"calibrator dict field {name!r} must have {f} entries, "
+                                  f"got {getattr(cal, name).shape}")
+        if cal.iso_x.shape != cal.iso_y.shape:
+            raise ConfigError(f"calibrator dict: iso_x {cal.iso_x.shape} and iso_y {cal.iso_y.shape} differ")
+        if cal.constant is None and cal.kind is not CalibratorKind.PLATT and cal.iso_x.size == 0:
+            raise ConfigError(f"calibrator dict: {cal.kind.value} calibrator has no isotonic knots")
+        return cal
+
+
+def fit_calibrators(signals: dict[int, np.ndarray], targets: dict[int, np.ndarray],
+                    kind: CalibratorKind | str = CalibratorKind.ISOTONIC, C: float = 1.0) -> dict[int, Calibrator]:
+    """Fit one calibrator per exit except the last (never a decision point).
+
+    Args:
+        signals: exit layer -> signals [N, F] (from :func:`calibration.signals.exit_signals`).
+        targets: exit layer -> 0/1 [N] (from :func:`calibration.signals.exit_targets`).
+        kind: calibrator kind.
+        C: inverse L2 strength of the logistic regression.
+
+    Returns:
+        exit layer -> fitted :class:`Calibrator`, for every exit but the last.
+
+    Raises:
+        ConfigError: keys that differ, fewer than 2 exits, or bad arrays.
+    """
+    kind = _kind(kind)
+    layers = sorted(signals)
+    if sorted(targets) != layers:
+        raise ConfigError(f"fit_calibrators: target exits {sorted(targets)} differ from signal exits {layers}")
+    if len(layers) < 2:
+        raise ConfigError(f"fit_calibrators: need at least 2 exits (the last is never a decision point), "
+                          f"got {layers}")
+    return {k: Calibrator(kind=kind, C=C).fit(signals[k], targets[k]) for k in layers[:-1]}
+
+
+# ------------------------------------------------------------------ metrics
+class ReliabilityCurve(NamedTuple):
+    """Per equal-width bin: mean confidence, accuracy (NaN where the bin is empty) and count."""
+
+    conf: np.ndarray  # [bins]
+    acc: np.ndarray  # [bins]
+    count: np.ndarray  # [bins] int64
+
+
+def _check_py(p: Any, y: Any, bins: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    p = np.asarray(p, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    if p.ndim != 1 or p.shape != y.shape:
+        raise ConfigError(f"metrics: p and y must be 1-D of equal length, got {p.shape} and {y.shape}")
+    if p.size == 0:
+        raise ConfigError("empty split: no tokens")
+    if not np.isfinite(p).all() or (p < 0).any() or (p > 1).any():
+        raise ConfigError("metrics: probabilities must be finite and in [0, 1]")
+    if not np.isin(y, (0.0, 1.0)).all():
+        raise ConfigError("metrics: targets must be 0/1")
+    if bins is not None and (int(bins) != bins or bins < 1):
+        raise ConfigError(f"metrics: bins must be a positive integer, got {bins}")
+    return p, y
+
+
+def reliability_curve(p: np.ndarray, y: np.ndarray, bins: int = 15) -> ReliabilityCurve:
+    """Reliability diagram data over ``bins`` equal-width bins of [0, 1] (Guo et al. 2017).
+
+    Args:
+        p: predicted probabilities [N] in [0, 1].
+        y: 0/1 outcomes [N].
+        bins: number of bins; p == 1 falls in the last bin.
+
+    Returns:
+        :class:`ReliabilityCurve` (conf, acc, count), each [bins]; empty bins have NaN conf/acc.
+
+    Raises:
+        ConfigError: bad shapes, p outside [0, 1], non-binary y, bins < 1.
+    """
+    p, y = _check_py(p, y, bins)
+    idx = np.minimum((p * bins).astype(np.int64), bins - 1)  # [N]
+    count = np.bincount(idx, minlength=bins)  # [bins]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        conf = np.bincount(idx, weights=p, minlength=bins) / count
+        acc = np.bincount(idx, weights=y, minlength=bins) / count
+    return ReliabilityCurve(conf, acc, count.astype(np.int64))
+
+
+def expected_calibration_error(p: np.ndarray, y: np.ndarray, bins: int = 15) -> float:
+    """ECE = sum_b (n_b / N) |acc_b - conf_b| over equal-width bins (Guo et al. 2017,
+    "On Calibration of Modern Neural Networks").
+
+    Raises:
+        ConfigError: as :func:`reliability_curve`.
+    """
+    conf, acc, count = reliability_curve(p, y, bins)
+    full = count > 0
+    return float((count[full] * np.abs(acc[full] - conf[full])).sum() / count.sum())
+
+
+def brier_score(p: np.ndarray, y: np.ndarray) -> float:
+    """Mean squared error of probabilities against 0/1 outcomes (Brier 1950).
+
+    Raises:
+        ConfigError: bad shapes, p outside [0, 1], non-binary y.
+    """
+    p, y = _check_py(p, y)
+    return float(np.mean((p - y) ** 2))

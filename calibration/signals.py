@@ -1,0 +1,165 @@
+"""Exit signals: per-token features an exit rule can threshold on.
+
+A model has exits at layers e_1 < ... < e_m (e_m is the full model). For N
+tokens each exit gives logits [N, V] and the normalised hidden state [N, D]
+that fed the LM head. :func:`exit_signals` turns these into one float64
+feature matrix [N, F] per exit with the columns :data:`SIGNAL_NAMES`:
+
+- ``top1_prob``: softmax top-1 probability (the CALM "softmax confidence",
+  Schuster et al. 2022, "Confident Adaptive Language Modeling");
+- ``margin``: top-1 minus top-2 probability;
+- ``entropy``: softmax entropy in nats (DeeBERT, Xin et al. 2020);
+- ``agree_prev``: 1.0 if this exit's argmax equals the previous exit's;
+- ``agree_run``: length of the run of consecutive agreeing exits ending here,
+  divided by m (patience, PABEE, Zhou et al. 2020);
+- ``cos_prev``: cosine similarity of this exit's hidden state with the
+  previous exit's (CALM's "hidden-state saturation").
+
+All functions are pure: arrays in, arrays out.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from edge.errors import ConfigError
+
+SIGNAL_NAMES: tuple[str, ...] = ("top1_prob", "margin", "entropy", "agree_prev", "agree_run", "cos_prev")
+
+
+def _checked_logits(logits: dict[int, np.ndarray]) -> tuple[list[int], dict[int, np.ndarray]]:
+    """Validate a per-exit logits dict; return the sorted layers and float64 copies."""
+    if not logits:
+        raise ConfigError("exit signals: no exits given (logits dict is empty)")
+    layers = sorted(logits)
+    out: dict[int, np.ndarray] = {}
+    shape = None
+    for k in layers:
+        z = np.asarray(logits[k], dtype=np.float64)  # [N, V]
+        if z.ndim != 2:
+            raise ConfigError(f"exit {k}: logits must be 2-D [N, V], got shape {z.shape}")
+        if z.shape[0] == 0:
+            raise ConfigError("empty split: no tokens")
+        if z.shape[1] < 2:
+            raise ConfigError(f"exit {k}: logits need a vocabulary of at least 2, got V={z.shape[1]}")
+        if shape is not None and z.shape != shape:
+            raise ConfigError(f"exit {k}: logits shape {z.shape} disagrees with exit {layers[0]}'s {shape}")
+        if not np.isfinite(z).all():
+            raise ConfigError(f"exit {k}: logits contain NaN or infinite values")
+        shape = z.shape
+        out[k] = z
+    return layers, out
+
+
+def argmaxes(logits: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+    """Per-exit argmax token.
+
+    Args:
+        logits: exit layer -> logits [N, V].
+
+    Returns:
+        exit layer -> int64 argmax [N] (ties go to the lowest token id, as np.argmax).
+
+    Raises:
+        ConfigError: empty dict, N == 0, shapes that disagree, NaN or infinite logits.
+    """
+    layers, z = _checked_logits(logits)
+    return {k: np.argmax(z[k], axis=1).astype(np.int64) for k in layers}  # [N]
+
+
+def exit_targets(argmax: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+    """Calibration target per exit: 1 where the exit's argmax equals the last exit's, else 0.
+
+    Args:
+        argmax: exit layer -> argmax [N] (from :func:`argmaxes`).
+
+    Returns:
+        exit layer -> int64 0/1 [N]; the last exit is all ones.
+
+    Raises:
+        ConfigError: empty dict or arrays of different lengths.
+    """
+    if not argmax:
+        raise ConfigError("exit targets: no exits given (argmax dict is empty)")
+    layers = sorted(argmax)
+    final = np.asarray(argmax[layers[-1]])  # [N]
+    out = {}
+    for k in layers:
+        a = np.asarray(argmax[k])  # [N]
+        if a.shape != final.shape or a.ndim != 1:
+            raise ConfigError(f"exit {k}: argmax shape {a.shape} disagrees with the last exit's {final.shape}")
+        out[k] = (a == final).astype(np.int64)
+    return out
+
+
+def _softmax_stats(z: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Logits [N, V] -> (top1 [N], margin [N], entropy [N]) of the softmax, computed stably."""
+    z = z - z.max(axis=1, keepdims=True)  # [N, V], max entry is 0: exp cannot overflow
+    logsum = np.log(np.exp(z).sum(axis=1, keepdims=True))  # [N, 1], in [0, log V]
+    logp = z - logsum  # [N, V] log-softmax, finite
+    p = np.exp(logp)  # [N, V]
+    top2 = np.partition(p, p.shape[1] - 2, axis=1)[:, -2:]  # [N, 2]: (second, first)
+    top1 = top2[:, 1]
+    margin = top1 - top2[:, 0]
+    entropy = -(p * logp).sum(axis=1)  # [N]; p underflowing to 0 contributes exactly 0
+    # rounding can put entropy a few ulps outside its mathematical range [0, log V]
+    entropy = np.clip(entropy, 0.0, np.log(p.shape[1]))
+    return top1, margin, entropy
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row-wise cosine similarity of a [N, D] and b [N, D] -> [N]; 0 where either row is zero."""
+    dot = (a * b).sum(axis=1)  # [N]
+    norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)  # [N]
+    safe = np.where(norms > 0, norms, 1.0)
+    return np.where(norms > 0, np.clip(dot / safe, -1.0, 1.0), 0.0)
+
+
+def exit_signals(logits: dict[int, np.ndarray], hidden: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+    """Feature matrix per exit, columns in the order of :data:`SIGNAL_NAMES`.
+
+    Args:
+        logits: exit layer -> logits [N, V]; same N and V at every exit.
+        hidden: exit layer -> normalised hidden state [N, D] that fed the LM head;
+            same keys as ``logits``, same N and D at every exit.
+
+    Returns:
+        exit layer -> float64 [N, F] with F = len(SIGNAL_NAMES). At the first
+        exit ``agree_prev``, ``agree_run`` and ``cos_prev`` are 0.0.
+
+    Raises:
+        ConfigError: empty dicts, N == 0, keys or shapes that disagree, NaN or
+            infinite values.
+    """
+    layers, z = _checked_logits(logits)
+    if sorted(hidden) != layers:
+        raise ConfigError(f"exit signals: hidden exits {sorted(hidden)} differ from logits exits {layers}")
+    n = z[layers[0]].shape[0]
+    h: dict[int, np.ndarray] = {}
+    for k in layers:
+        hk = np.asarray(hidden[k], dtype=np.float64)  # [N, D]
+        if hk.ndim != 2 or hk.shape[0] != n:
+            raise ConfigError(f"exit {k}: hidden must be [N={n}, D], got shape {hk.shape}")
+        if h and hk.shape != h[layers[0]].shape:
+            raise ConfigError(f"exit {k}: hidden shape {hk.shape} disagrees with exit {layers[0]}'s "
+                              f"{h[layers[0]].shape}")
+        if not np.isfinite(hk).all():
+            raise ConfigError(f"exit {k}: hidden states contain NaN or infinite values")
+        h[k] = hk
+
+    m = len(layers)
+    out: dict[int, np.ndarray] = {}
+    prev_arg = None  # [N]
+    run = np.zeros(n)  # [N], agreeing pairs in the run ending at the current exit
+    for i, k in enumerate(layers):
+        top1, margin, entropy = _softmax_stats(z[k])
+        arg = np.argmax(z[k], axis=1)  # [N]
+        if prev_arg is None:
+            agree = np.zeros(n)
+            cos = np.zeros(n)
+        else:
+            agree = (arg == prev_arg).astype(np.float64)
+            cos = _cosine(h[k], h[layers[i - 1]])
+        run = np.where(agree > 0, run + 1.0, 0.0)
+        out[k] = np.stack([top1, margin, entropy, agree, run / m, cos], axis=1)  # [N, F]
+        prev_arg = arg
+    return out

@@ -1,0 +1,162 @@
+"""Multi-exit model, distillation loop and the reference early-exit generator."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from edge.artifacts import atomic_dir
+from edge.config import preset
+from edge.distill import DistillConfig, distill_loss, train_exits
+from edge.errors import CheckpointError, ConfigError, SmartExitError
+from edge.exits import ExitConfig, MultiExitModel, load_multi_exit, save_multi_exit
+from edge.generate import _decode_step, confidence_rule, generate
+from edge.model import Decoder
+
+
+def _model(seed=0, layers=(1, 2, 3, 4), rank=4) -> MultiExitModel:
+    dec = Decoder(preset("micro"))
+    dec.init_weights(seed, std=0.2)  # large std -> peaked, non-trivial predictions
+    return MultiExitModel(dec.eval(), ExitConfig(layers=list(layers), adapter_rank=rank)).eval()
+
+
+def _greedy_no_cache(dec: Decoder, prompt, n):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(dec(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_exit_config_validation():
+    with pytest.raises(ConfigError, match="strictly increasing"):
+        ExitConfig(layers=[6, 3])
+    with pytest.raises(ConfigError, match="past the model"):
+        ExitConfig(layers=[3, 20]).resolved(12)
+    assert ExitConfig(layers=[3, 6]).resolved(12) == [3, 6, 12]
+
+
+def test_last_exit_equals_full_model():
+    m = _model()
+    ids = torch.randint(0, 256, (2, 20))
+    with torch.no_grad():
+        assert torch.equal(m(ids)[4], m.backbone(ids).logits)
+
+
+def test_untrained_adapter_is_plain_final_head():
+    m = _model()
+    h = torch.randn(1, 3, 64)
+    with torch.no_grad():
+        assert torch.allclose(m.exit_logits(2, h), m.backbone.head(h))
+
+
+def test_generation_with_exits_disabled_is_full_greedy():
+    m = _model(seed=3)
+    prompt = [5, 17, 99, 3, 42]
+    out = generate(m, prompt, 24)
+    assert out.tokens == _greedy_no_cache(m.backbone, prompt, 24)
+    assert set(out.exit_layers) == {4}
+
+
+def test_always_exit_rule_exits_at_first_exit():
+    m = _model(seed=3)
+    out = generate(m, [1, 2, 3], 10, rule=lambda layer, logits: True)
+    assert out.exit_layers[0] == 4  # the first token comes from the full-depth prefill
+    assert out.exit_layers[1:] == [1] * 9
+
+
+def test_state_propagation_fills_skipped_layers_from_exit_hidden():
+    m = _model(seed=4)
+    bb = m.backbone
+    prompt = [7, 8, 9]
+    out = bb(torch.tensor([prompt]))
+    keys, values = list(out.keys), list(out.values)
+    tok = int(out.logits[0, -1].argmax())
+    with torch.no_grad():
+        _, layer = _decode_step(m, tok, len(prompt), keys, values, lambda layer, logits: layer == 2)
+        assert layer == 2
+        # recompute the exit hidden state after layer 2 for the new token, with the prompt as past
+        full = bb(torch.tensor([prompt + [tok]]))
+        h2 = full.hidden_states[2][:, -1:]
+        cos, sin = bb.rope(torch.tensor([[len(prompt)]]))
+        for j in (2, 3):
+            k, v = bb.layers[j].kv_only(h2, cos, sin)
+            assert torch.allclose(keys[j][:, :, -1:], k, atol=1e-5)
+            assert torch.allclose(values[j][:, :, -1:], v, atol=1e-5)
+        for j in (0, 1):  # layers that ran hold the true keys
+            assert torch.allclose(keys[j][:, :, -1:], full.keys[j][:, :, -1:], atol=1e-5)
+
+
+def test_stop_token_and_lengths():
+    m = _model(seed=3)
+    prompt = [5, 17, 99]
+    first = generate(m, prompt, 5).tokens[0]
+    out = generate(m, prompt, 5, stop_ids=[first])
+    assert out.tokens == [first] and out.stopped == "stop_token"
+
+
+@pytest.mark.parametrize("prompt,n,msg", [
+    ([], 4, "empty prompt"),
+    ([1, 300], 4, "outside the vocabulary"),
+    ([1] * 120, 16, "exceeds the context window of 128"),
+])
+def test_bad_prompts(prompt, n, msg):
+    with pytest.raises(SmartExitError, match=msg):
+        generate(_model(), prompt, n)
+
+
+def test_confidence_rule():
+    logits = torch.tensor([10.0, 0.0, 0.0])
+    assert confidence_rule(0.9)(1, logits) and not confidence_rule(0.99999)(1, logits)
+
+
+def test_distill_loss_zero_when_student_equals_teacher_and_kl_only():
+    t = torch.randn(6, 10)
+    assert distill_loss(t, t, torch.zeros(6, dtype=torch.long), 2.0, 1.0).abs().item() < 1e-6
+
+
+def test_distillation_improves_agreement_and_keeps_backbone():
+    m = _model(seed=5, layers=(1, 4), rank=8)
+    before = {k: v.clone() for k, v in m.backbone.state_dict().items()}
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, 5000).astype(np.uint16)
+    x = torch.from_numpy(tokens[:129].astype(np.int64)).unsqueeze(0)
+
+    def agreement():
+        with torch.no_grad():
+            out = m(x)
+        return (out[1].argmax(-1) == out[4].argmax(-1)).float().mean().item()
+
+    a0 = agreement()
+    losses = train_exits(m, tokens, DistillConfig(steps=60, batch_size=4, seq_len=32, lr=1e-2, kl_weight=1.0))
+    assert np.mean(losses[-10:]) < np.mean(losses[:10])
+    assert agreement() > a0
+    for k, v in m.backbone.state_dict().items():
+        assert torch.equal(v, before[k]), f"frozen backbone changed: {k}"
+
+
+def test_multi_exit_checkpoint_roundtrip_and_tamper(tmp_path):
+    m = _model(seed=6)
+    with torch.no_grad():
+        for p in m.heads.parameters():
+            p.add_(0.01)
+        for p in m.backbone.parameters():  # the checkpoint stores the backbone in fp16
+            p.copy_(p.half().float())
+    folder = tmp_path / "me"
+    with atomic_dir(folder) as tmp:
+        save_multi_exit(m, tmp, tokenizer=None, metrics={"a": 1}, source={})
+    loaded = load_multi_exit(folder)
+    ids = torch.randint(0, 256, (1, 12))
+    with torch.no_grad():
+        a, b = m(ids), loaded(ids)
+    for k in m.exit_layers:
+        assert torch.allclose(a[k], b[k], atol=1e-5)
+    f = folder / "exits.safetensors"
+    f.write_bytes(f.read_bytes()[:-4] + b"abcd")
+    with pytest.raises(CheckpointError, match="does not match"):
+        load_multi_exit(folder)
+
+
+def test_not_a_multi_exit_folder(tmp_path):
+    with pytest.raises(CheckpointError, match="not a multi-exit checkpoint"):
+        load_multi_exit(tmp_path)
