@@ -169,6 +169,35 @@ class Calibrator:
         # np.interp clips to the end knots, as sklearn's out_of_bounds="clip"
         return np.clip(np.interp(s, self.iso_x, self.iso_y), 0.0, 1.0)
 
+    def score_threshold(self, lam: float) -> float:
+        """Smallest raw score s with predict(s) >= lam (+inf if none): the raw-signal rule.
+
+        A runtime without the calibrator exits when ``score(x) >= score_threshold(lam)``,
+        which is the same decision as ``predict(x) >= lam`` because predict is monotone
+        non-decreasing (and piecewise linear between isotonic knots).
+        """
+        if not self.fitted:
+            raise ConfigError(f"{self.kind.value} calibrator is not fitted")
+        if self.constant is not None:
+            return -np.inf if self.constant >= lam else np.inf
+        if self.kind is CalibratorKind.PLATT:
+            if lam <= 0.0:
+                return -np.inf
+            if lam >= 1.0:
+                return np.inf
+            return float(np.log(lam / (1.0 - lam)))
+        x, y = self.iso_x, self.iso_y
+        if y[0] >= lam:
+            return -np.inf
+        idx = np.flatnonzero(y >= lam)
+        if idx.size == 0:
+            return np.inf
+        i = int(idx[0])  # y[i-1] < lam <= y[i]: the crossing is on the segment (x[i-1], x[i]]
+        if x[i] == x[i - 1]:
+            return float(x[i])
+        t = (lam - y[i - 1]) / (y[i] - y[i - 1])
+        return float(x[i - 1] + t * (x[i] - x[i - 1]))
+
     # -------------------------------------------------------- serialisation
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable parameters; :meth:`from_dict` rebuilds an identical predictor."""

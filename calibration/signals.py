@@ -114,13 +114,17 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.where(norms > 0, np.clip(dot / safe, -1.0, 1.0), 0.0)
 
 
-def exit_signals(logits: dict[int, np.ndarray], hidden: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+def exit_signals(logits: dict[int, np.ndarray], hidden: dict[int, np.ndarray],
+                 num_exits: int | None = None) -> dict[int, np.ndarray]:
     """Feature matrix per exit, columns in the order of :data:`SIGNAL_NAMES`.
 
     Args:
         logits: exit layer -> logits [N, V]; same N and V at every exit.
         hidden: exit layer -> normalised hidden state [N, D] that fed the LM head;
             same keys as ``logits``, same N and D at every exit.
+        num_exits: the model's number of exits m (normalises ``agree_run``);
+            default ``len(logits)``. A runtime that has only seen the first
+            exits of a token passes the full m so its features match.
 
     Returns:
         exit layer -> float64 [N, F] with F = len(SIGNAL_NAMES). At the first
@@ -146,7 +150,7 @@ def exit_signals(logits: dict[int, np.ndarray], hidden: dict[int, np.ndarray]) -
             raise ConfigError(f"exit {k}: hidden states contain NaN or infinite values")
         h[k] = hk
 
-    m = len(layers)
+    m = num_exits or len(layers)
     out: dict[int, np.ndarray] = {}
     prev_arg = None  # [N]
     run = np.zeros(n)  # [N], agreeing pairs in the run ending at the current exit
