@@ -12,14 +12,14 @@ DEMO_CFG := configs/demo.yaml
 MODEL_FILES := $(wildcard edge/assets/tiny/*) $(wildcard edge/assets/data/*)
 SRC := $(shell find edge calibration exporters scheduler -name '*.py' 2>/dev/null)
 
-.PHONY: demo test test-all venv distill generate report train-tiny clean help
+.PHONY: demo test venv distill calibrate generate report train-tiny clean help
 .DEFAULT_GOAL := help
 
 help:
 	@echo "make demo        run every stage on the bundled tiny model -> $(ART)/report.md"
 	@echo "make test        run the test suite (unit + integration; gpu/jetson tiers skip without hardware)"
 	@echo "make train-tiny  retrain the bundled tiny model (1-2 h on 2 cores, resumable)"
-	@echo "make distill | generate | report   one stage at a time (RUN=name picks artifacts/<name>)"
+	@echo "make distill | calibrate | generate | report   one stage at a time (RUN=name picks artifacts/<name>)"
 
 venv: $(STAMP)
 $(STAMP): requirements/lock.txt pyproject.toml
@@ -33,14 +33,18 @@ $(STAMP): requirements/lock.txt pyproject.toml
 $(ART)/multi_exit/exits.json: $(STAMP) $(MODEL_FILES) $(DEMO_CFG) $(SRC)
 	$(SE) distill --config $(DEMO_CFG) run_dir=$(ART)
 
+$(ART)/calibration/thresholds.json: $(ART)/multi_exit/exits.json
+	$(SE) calibrate run_dir=$(ART)
+
 $(ART)/.generate.done: $(ART)/multi_exit/exits.json
 	$(SE) generate run_dir=$(ART)
 	@touch $@
 
-$(ART)/report.json: $(ART)/multi_exit/exits.json $(ART)/.generate.done
+$(ART)/report.json: $(ART)/multi_exit/exits.json $(ART)/calibration/thresholds.json $(ART)/.generate.done
 	$(SE) report run_dir=$(ART)
 
 distill: $(ART)/multi_exit/exits.json
+calibrate: $(ART)/calibration/thresholds.json
 generate: $(ART)/.generate.done
 report: $(ART)/report.json
 

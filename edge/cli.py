@@ -18,6 +18,8 @@ from edge.errors import SmartExitError
 STAGES: dict[str, tuple[str, str, str, str]] = {
     "train-tiny": ("edge.train_tiny", "TrainConfig", "main", "train the bundled tiny model (an hour or two)"),
     "distill": ("edge.distill", "DistillConfig", "main", "train exit heads by multi-exit distillation"),
+    "calibrate": ("calibration.stage", "CalibrateConfig", "main",
+                  "calibrated exit thresholds with a certified false-exit bound (--eval-data DIR to check your data)"),
     "generate": ("edge.demo_generate", "GenerateConfig", "main", "reference early-exit generation on held-out prompts"),
     "report": ("edge.report", "ReportConfig", "main", "write report.json / report.md from the run manifest"),
 }
@@ -36,14 +38,31 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--config", help="YAML file with this stage's settings")
         p.add_argument("overrides", nargs="*", metavar="key=value")
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
     try:
         cfg_cls, entry = _load(args.stage)
-        cfg = parse_overrides(cfg_cls(), args.overrides, args.config)
+        cfg = parse_overrides(cfg_cls(), args.overrides + _flags_to_overrides(extra), args.config)
         return int(entry(cfg))
     except SmartExitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
+
+
+def _flags_to_overrides(extra: list[str]) -> list[str]:
+    """``--eval-data DIR`` / ``--eval-data=DIR`` -> ``eval_data=DIR`` (any config key works as a flag)."""
+    out, i = [], 0
+    while i < len(extra):
+        arg = extra[i]
+        if not arg.startswith("--"):
+            raise SmartExitError(f"unexpected argument {arg!r}; use key=value")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(extra):
+                raise SmartExitError(f"{arg} needs a value")
+            value, i = extra[i + 1], i + 1
+        out.append(f"{key.replace('-', '_')}={value}")
+        i += 1
+    return out
 
 
 if __name__ == "__main__":

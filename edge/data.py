@@ -97,6 +97,25 @@ def load_split(split: Split | str) -> list[Document]:
     return read_jsonl_xz(path)
 
 
+def heldout_prompts(tok, docs: list[Document], n: int, length: int, seed: int) -> list[list[int]]:
+    """``n`` prompts of ``length`` tokens, each from a distinct document of ``docs`` (seeded)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for i in rng.permutation(len(docs)):
+        ids = tok.encode(docs[i].text).ids
+        if len(ids) < length + 1:
+            continue
+        start = int(rng.integers(0, len(ids) - length))
+        prompts.append(ids[start:start + length])
+        if len(prompts) == n:
+            break
+    if len(prompts) < n:
+        raise SmartExitError(f"only {len(prompts)} documents have >= {length + 1} tokens; {n} prompts were asked for")
+    return prompts
+
+
 def load_text_dir(folder: str | Path, suffixes: tuple[str, ...] = (".txt", ".py", ".md")) -> list[Document]:
     """A user's folder of text files as documents (for ``--eval-data DIR``)."""
     folder = Path(folder)

@@ -11,11 +11,10 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import torch
 
 from edge.artifacts import Manifest
-from edge.data import Split, load_split
+from edge.data import Split, heldout_prompts, load_split
 from edge.errors import ConfigError
 from edge.exits import load_multi_exit
 from edge.generate import confidence_rule, generate
@@ -41,24 +40,6 @@ class GenerateConfig:
             raise ConfigError("generate: prompts, prompt_tokens and max_new_tokens must be >= 1")
 
 
-def heldout_prompts(tok, n: int, length: int, seed: int) -> list[list[int]]:
-    """``n`` prompts of ``length`` tokens from distinct test-split documents (seeded)."""
-    docs = load_split(Split.TEST)
-    rng = np.random.default_rng(seed)
-    prompts = []
-    for i in rng.permutation(len(docs)):
-        ids = tok.encode(docs[i].text).ids
-        if len(ids) < length + 1:
-            continue
-        start = int(rng.integers(0, len(ids) - length))
-        prompts.append(ids[start:start + length])
-        if len(prompts) == n:
-            break
-    if len(prompts) < n:
-        raise ConfigError(f"the test split has only {len(prompts)} documents with >= {length + 1} tokens")
-    return prompts
-
-
 def main(cfg: GenerateConfig) -> int:
     t0 = time.time()
     torch.set_num_threads(cfg.threads)
@@ -66,7 +47,7 @@ def main(cfg: GenerateConfig) -> int:
     ckpt = manifest.verified_output("distill", "checkpoint")
     model = load_multi_exit(ckpt)
     tok = load_tokenizer(ckpt)
-    prompts = heldout_prompts(tok, cfg.prompts, cfg.prompt_tokens, cfg.seed)
+    prompts = heldout_prompts(tok, load_split(Split.TEST), cfg.prompts, cfg.prompt_tokens, cfg.seed)
     rule = confidence_rule(cfg.threshold)
     identical, matched, total, exits = 0, 0, 0, Counter()
     t_full = t_exit = 0.0

@@ -19,13 +19,15 @@ from edge.errors import SmartExitError
 from edge.exits import MultiExitModel
 from edge.model import attention_mask
 
-# An exit rule sees (exit layer, logits [V] at that exit) and says whether to stop there.
-ExitRule = Callable[[int, torch.Tensor], bool]
+# An exit rule sees (exit layer, logits [V], normalised exit hidden state [D]) for the
+# current token and says whether to stop there. Rules that keep per-token state across
+# exits (consistency signals) also have ``reset()``, called before each token.
+ExitRule = Callable[[int, torch.Tensor, torch.Tensor], bool]
 
 
 def confidence_rule(threshold: float) -> ExitRule:
     """Stop when the exit's top-1 probability reaches ``threshold`` (the uncalibrated baseline)."""
-    def rule(layer: int, logits: torch.Tensor) -> bool:
+    def rule(layer: int, logits: torch.Tensor, hidden: torch.Tensor) -> bool:
         return torch.softmax(logits.float(), -1).max().item() >= threshold
     return rule
 
@@ -94,6 +96,8 @@ def _decode_step(model: MultiExitModel, token: int, pos: int, keys: list, values
     cos, sin = bb.rope(positions)
     mask = attention_mask(positions, torch.arange(pos + 1).unsqueeze(0), window=bb.cfg.sliding_window)
     h = bb.embed(torch.tensor([[token]]))
+    if hasattr(rule, "reset"):
+        rule.reset()
     done = 0
     for layer in model.exit_layers:
         for j in range(done, layer):
@@ -105,8 +109,9 @@ def _decode_step(model: MultiExitModel, token: int, pos: int, keys: list, values
             return int(model.exit_logits(layer, h)[0, -1].argmax()), depth
         if rule is None:
             continue
-        logits = model.exit_logits(layer, h)[0, -1]
-        if rule(layer, logits):
+        hidden = model.exit_hidden(layer, h)[0, -1]
+        logits = torch.nn.functional.linear(hidden, bb.head_weight)
+        if rule(layer, logits, hidden):
             for j in range(layer, depth):  # state propagation into the skipped layers
                 k, v = bb.layers[j].kv_only(h, cos, sin)
                 keys[j] = torch.cat((keys[j], k), dim=2)

@@ -37,9 +37,14 @@ def _generate(m: Manifest) -> dict[str, Any]:
     return dict(m.stage("generate")["metrics"])
 
 
+def _calibration(m: Manifest) -> dict[str, Any]:
+    return dict(m.stage("calibrate")["metrics"])
+
+
 SECTIONS: dict[str, tuple[str, Callable[[Manifest], dict[str, Any]]]] = {
     "model": ("distill", _model),
     "distill": ("distill", _distill),
+    "calibration": ("calibrate", _calibration),
     "generate": ("generate", _generate),
 }
 
@@ -70,6 +75,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         for k, a in di["exit_agreement"].items():
             lines.append(f"| {k} | {a:.4f} | {di['exit_accuracy'][k]:.4f} |")
         lines.append("")
+    if "calibration" in report:
+        lines += _calibration_md(report["calibration"])
     if "generate" in report:
         g = report["generate"]
         lines += ["## Reference early-exit generator", "",
@@ -90,3 +97,40 @@ def main(cfg: ReportConfig) -> int:
     print(json.dumps({k: v for k, v in report.items() if k == "model"}, indent=2))
     print(f"report: {run_dir / 'report.json'} and {run_dir / 'report.md'}")
     return 0
+
+
+def _fmt(v: Any, spec: str = ".4f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def _calibration_md(c: dict[str, Any]) -> list[str]:
+    fr = c["free_run"]
+    lines = [
+        "## Calibrated exit rule", "",
+        f"{c['calibrator']} calibration of confidence + consistency signals; Learn-then-Test with the "
+        f"{c['pvalue']} p-value on {c['n_calibration_tokens']:,} calibration tokens "
+        f"(at least {c['min_calibration_tokens']} needed). Evaluated on {c['n_test_tokens']:,} tokens of the "
+        f"{c['eval_data']}, never seen by calibration.", "",
+        f"- certified: **{c['certified']}**; threshold lambda = {c['lambda']:.3f} on the calibrated probability",
+        f"- false-exit rate: bound {c['bound']:.4f} (eps {c['epsilon']}, delta {c['delta']}); calibration "
+        f"{c['false_exit_rate_calib']:.4f}; test (teacher-forced) **{c['false_exit_rate_test']:.4f}**; "
+        f"test free-running **{c['free_run_false_exit_rate_test']:.4f}** ({fr['tokens']} decoded tokens, "
+        f"{fr['false_exits']} false exits, {fr['full_depth_mismatches']} full-depth mismatches)",
+        f"- accuracy: full {c['accuracy_full']:.4f}, with exits {c['accuracy_exit']:.4f}, relative loss "
+        f"**{c['accuracy_loss_rel']:.4f}**",
+        f"- layers skipped: **{c['layers_skipped_frac']:.3f}**; exit fractions: "
+        + ", ".join(f"layer {k}: {v:.3f}" for k, v in c["exit_fraction"].items()),
+        "- the guarantee assumes calibration and test tokens are exchangeable; tokens of one file are "
+        "correlated, and the split is by file",
+        "", "| system | certified | lambda | false exits (calib) | bound | false exits (test) | layers skipped | "
+        "accuracy loss |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in c["comparison"]:
+        lines.append(f"| {r['system']} | {r['certified']} | {r['lambda']:.3f} | {r['false_exit_rate_calib']:.4f} | "
+                     f"{_fmt(r['bound'])} | {r['false_exit_rate_test']:.4f} | {r['layers_skipped_frac']:.3f} | "
+                     f"{r['accuracy_loss_rel']:.4f} |")
+    lines += ["", "| exit | ECE (test) | Brier (test) |", "| ---: | ---: | ---: |"]
+    for k, q in (c.get("calibration_quality") or {}).items():
+        lines.append(f"| {k} | {q['ece']:.4f} | {q['brier']:.4f} |")
+    lines += ["", "Plots: `calibration/reliability.png`, `calibration/exit_depth.png`.", ""]
+    return lines

@@ -60,7 +60,7 @@ def test_generation_with_exits_disabled_is_full_greedy():
 
 def test_always_exit_rule_exits_at_first_exit():
     m = _model(seed=3)
-    out = generate(m, [1, 2, 3], 10, rule=lambda layer, logits: True)
+    out = generate(m, [1, 2, 3], 10, rule=lambda layer, logits, hidden: True)
     assert out.exit_layers[0] == 4  # the first token comes from the full-depth prefill
     assert out.exit_layers[1:] == [1] * 9
 
@@ -73,7 +73,7 @@ def test_state_propagation_fills_skipped_layers_from_exit_hidden():
     keys, values = list(out.keys), list(out.values)
     tok = int(out.logits[0, -1].argmax())
     with torch.no_grad():
-        _, layer = _decode_step(m, tok, len(prompt), keys, values, lambda layer, logits: layer == 2)
+        _, layer = _decode_step(m, tok, len(prompt), keys, values, lambda layer, logits, hidden: layer == 2)
         assert layer == 2
         # recompute the exit hidden state after layer 2 for the new token, with the prompt as past
         full = bb(torch.tensor([prompt + [tok]]))
@@ -107,7 +107,8 @@ def test_bad_prompts(prompt, n, msg):
 
 def test_confidence_rule():
     logits = torch.tensor([10.0, 0.0, 0.0])
-    assert confidence_rule(0.9)(1, logits) and not confidence_rule(0.99999)(1, logits)
+    hidden = torch.zeros(4)
+    assert confidence_rule(0.9)(1, logits, hidden) and not confidence_rule(0.99999)(1, logits, hidden)
 
 
 def test_distill_loss_zero_when_student_equals_teacher_and_kl_only():

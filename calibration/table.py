@@ -1,0 +1,126 @@
+"""The threshold table (``thresholds.json``) and the exit rule that applies it.
+
+The table is bound to one multi-exit checkpoint by the sha256 of its folder;
+loading it against another checkpoint is an error that shows both hashes.
+Per exit layer it holds the calibrator (so the calibrated probability can be
+recomputed) and the equivalent raw-score threshold, so a runtime can decide
+with plain arithmetic on the exit signals.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from calibration.calibrators import Calibrator
+from calibration.signals import SIGNAL_NAMES, exit_signals
+from edge.artifacts import atomic_write_json, sha256_path
+from edge.errors import ArtifactError, ConfigError
+
+TABLE_VERSION = 1
+
+
+@dataclass
+class ThresholdTable:
+    checkpoint_sha256: str
+    exit_layers: list[int]  # all exits, the last is the full model
+    calibrator_kind: str
+    lam: float  # threshold on the calibrated probability (shared by all decision exits)
+    score_thresholds: dict[int, float]  # decision exit -> raw-score threshold
+    calibrators: dict[int, Calibrator]
+    certificate: dict[str, Any] = field(default_factory=dict)  # eps, delta, n, empirical rate, bound, ...
+    signal_names: tuple[str, ...] = SIGNAL_NAMES
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": TABLE_VERSION,
+            "checkpoint_sha256": self.checkpoint_sha256,
+            "exit_layers": self.exit_layers,
+            "signal_names": list(self.signal_names),
+            "calibrator_kind": self.calibrator_kind,
+            "lambda": self.lam,
+            **self.certificate,
+            "layers": {
+                str(k): {"score_threshold": _finite_or_str(self.score_thresholds[k]),
+                         "calibrator": self.calibrators[k].to_dict()}
+                for k in self.exit_layers[:-1]
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "thresholds.json") -> "ThresholdTable":
+        try:
+            if d["version"] != TABLE_VERSION:
+                raise ConfigError(f"{source}: table version {d['version']} is not {TABLE_VERSION}")
+            layers = [int(k) for k in d["exit_layers"]]
+            per = {int(k): v for k, v in d["layers"].items()}
+            cert_keys = [k for k in d if k not in ("version", "checkpoint_sha256", "exit_layers", "signal_names",
+                                                   "calibrator_kind", "lambda", "layers")]
+            return cls(
+                checkpoint_sha256=d["checkpoint_sha256"], exit_layers=layers, calibrator_kind=d["calibrator_kind"],
+                lam=float(d["lambda"]),
+                score_thresholds={k: float(v["score_threshold"]) for k, v in per.items()},
+                calibrators={k: Calibrator.from_dict(v["calibrator"]) for k, v in per.items()},
+                certificate={k: d[k] for k in cert_keys}, signal_names=tuple(d["signal_names"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"{source}: malformed threshold table ({exc!r})") from exc
+
+    def save(self, path: str | Path) -> Path:
+        return atomic_write_json(path, self.to_dict())
+
+
+def _finite_or_str(x: float) -> float | str:
+    return x if np.isfinite(x) else ("inf" if x > 0 else "-inf")
+
+
+def load_table(path: str | Path, checkpoint: str | Path) -> ThresholdTable:
+    """Load ``thresholds.json`` and check it was calibrated for ``checkpoint``.
+
+    Raises:
+        ArtifactError: the table was calibrated for a different checkpoint (both hashes shown).
+        ConfigError: a missing or malformed table.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"threshold table {path} does not exist (run `smartexit calibrate`)")
+    try:
+        table = ThresholdTable.from_dict(json.loads(path.read_text()), source=str(path))
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
+    actual = sha256_path(checkpoint)
+    if actual != table.checkpoint_sha256:
+        raise ArtifactError(
+            f"{path} was calibrated for checkpoint sha256 {table.checkpoint_sha256}, but {checkpoint} has "
+            f"sha256 {actual}; re-run `smartexit calibrate` for this checkpoint"
+        )
+    return table
+
+
+class TableRule:
+    """Exit rule for :func:`edge.generate.generate` that applies a threshold table.
+
+    Keeps the exits seen so far for the current token, recomputes the signals
+    exactly as calibration did, and compares the raw score with the table's
+    threshold (equivalent to calibrated probability >= lambda).
+    """
+
+    def __init__(self, table: ThresholdTable) -> None:
+        self.table = table
+        self._logits: dict[int, np.ndarray] = {}
+        self._hidden: dict[int, np.ndarray] = {}
+
+    def reset(self) -> None:
+        self._logits.clear()
+        self._hidden.clear()
+
+    def __call__(self, layer: int, logits: torch.Tensor, hidden: torch.Tensor) -> bool:
+        """logits [V], hidden [D] (normalised) of exit ``layer`` for the current token."""
+        self._logits[layer] = logits.detach().double().numpy()[None]
+        self._hidden[layer] = hidden.detach().double().numpy()[None]
+        feats = exit_signals(self._logits, self._hidden, num_exits=len(self.table.exit_layers))[layer]  # [1, F]
+        return bool(self.table.calibrators[layer].score(feats)[0] >= self.table.score_thresholds[layer])
