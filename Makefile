@@ -60,3 +60,5 @@ test: $(STAMP)
 
 clean:
 	rm -rf artifacts
+
+-include deploy/jetson/jetson.mk

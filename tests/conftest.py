@@ -44,3 +44,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)"))
         if "jetson" in item.keywords and not on_jetson:
             item.add_marker(pytest.mark.skip(reason="needs a Jetson (no /etc/nv_tegra_release)"))
+
+
+@pytest.fixture(scope="session")
+def micro_run(tmp_path_factory) -> Path:
+    """A run folder with a distilled micro model (random weights, own small tokenizer)."""
+    from edge.cli import main as cli
+    from edge.data import Split, load_split
+    from edge.tokenizer import train_tokenizer
+
+    root = tmp_path_factory.mktemp("micro")
+    tok = train_tokenizer([d.text for d in load_split(Split.CALIBRATION)[:20]], vocab_size=400)
+    model_dir = make_hf_checkpoint(root / "model", "llama", vocab_size=tok.get_vocab_size(), initializer_range=0.2)
+    tok.save(str(model_dir / "tokenizer.json"))
+    run = root / "run"
+    rc = cli(["distill", f"model={model_dir}", f"run_dir={run}", "steps=3", "seq_len=32", "batch_size=2",
+              "train_tokens=4000", "eval_windows=2", "exits.layers=[1,2,3]", "exits.adapter_rank=4"])
+    assert rc == 0
+    return run

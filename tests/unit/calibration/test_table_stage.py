@@ -1,0 +1,114 @@
+"""Threshold table (hash binding, raw-score rule) and the calibrate stage's error handling."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from calibration.calibrators import Calibrator, CalibratorKind, fit_calibrators
+from calibration.collect import collect
+from calibration.risk import cascade
+from calibration.signals import exit_targets
+from calibration.table import TableRule, ThresholdTable, load_table
+from edge.artifacts import sha256_path
+from edge.cli import main as cli
+from edge.errors import ArtifactError
+from edge.exits import load_multi_exit
+
+
+@pytest.mark.parametrize("kind", list(CalibratorKind))
+def test_score_threshold_is_the_same_decision(kind):
+    rng = np.random.default_rng(0)
+    X = rng.uniform(0, 1, size=(3000, 6))
+    y = (rng.uniform(size=3000) < 0.3 + 0.6 * X[:, 0]).astype(int)
+    cal = Calibrator(kind=kind).fit(X, y)
+    Xt = rng.uniform(0, 1, size=(2000, 6))
+    p, s = cal.predict(Xt), cal.score(Xt)
+    for lam in (0.2, 0.5, 0.7, 0.85, 0.95):
+        t = cal.score_threshold(lam)
+        disagree = (p >= lam) != (s >= t)
+        # a token exactly at the crossing may round either way
+        assert disagree.sum() <= 1, (lam, disagree.sum())
+
+
+def _table_for(run, lam=0.6):
+    ckpt = run / "multi_exit"
+    model = load_multi_exit(ckpt)
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, model.backbone.cfg.vocab_size, 2000).astype(np.uint16)
+    data = collect(model, tokens, 32, 1024)
+    cals = fit_calibrators(data.signals, exit_targets(data.argmax), CalibratorKind.PLATT)
+    table = ThresholdTable(sha256_path(ckpt), model.exit_layers, "platt", lam,
+                           {k: c.score_threshold(lam) for k, c in cals.items()}, cals, {"epsilon": 0.1})
+    return model, data, cals, table, tokens
+
+
+def test_table_roundtrip_and_hash_binding(micro_run, tmp_path):
+    _, _, _, table, _ = _table_for(micro_run)
+    path = tmp_path / "thresholds.json"
+    table.save(path)
+    loaded = load_table(path, micro_run / "multi_exit")
+    assert loaded.score_thresholds == pytest.approx(table.score_thresholds)
+    other = tmp_path / "other_ckpt"
+    shutil.copytree(micro_run / "multi_exit", other)
+    meta = json.loads((other / "exits.json").read_text())
+    meta["metrics"]["tampered"] = True
+    (other / "exits.json").write_text(json.dumps(meta))
+    with pytest.raises(ArtifactError) as err:
+        load_table(path, other)
+    assert table.checkpoint_sha256 in str(err.value) and sha256_path(other) in str(err.value)
+
+
+@torch.no_grad()
+def test_runtime_rule_matches_teacher_forced_cascade(micro_run):
+    model, data, cals, table, tokens = _table_for(micro_run, lam=0.5)
+    probs = {k: c.predict(data.signals[k]) for k, c in cals.items()}
+    expected = cascade(probs, table.lam, data.final)
+    assert len(set(expected.tolist())) > 1, "the test needs tokens exiting at different depths"
+    rule = TableRule(table)
+    w = torch.from_numpy(tokens[:33].astype(np.int64)).unsqueeze(0)
+    out = model.backbone(w[:, :-1])
+    for t in range(32):
+        rule.reset()
+        got = data.final
+        for k in model.exit_layers[:-1]:
+            hidden = model.exit_hidden(k, out.hidden_states[k])[0, t]
+            logits = torch.nn.functional.linear(hidden, model.backbone.head_weight)
+            if rule(k, logits, hidden):
+                got = k
+                break
+        assert got == expected[t], t
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["epsilon=1.5"], "epsilon must be in (0, 1)"),
+    (["delta=0"], "delta must be in (0, 1)"),
+    (["calib_tokens=100"], "at least 332 calibration tokens"),
+    (["calibrator=maxprob"], "platt or isotonic"),
+])
+def test_calibrate_bad_input(micro_run, capsys, args, msg):
+    assert cli(["calibrate", f"run_dir={micro_run}", *args]) == 2
+    assert msg in capsys.readouterr().err
+    assert not (micro_run / "calibration").exists()
+
+
+def test_calibrate_empty_eval_data(micro_run, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli(["calibrate", f"run_dir={micro_run}", "--eval-data", str(empty)]) == 2
+    assert "holds no text files" in capsys.readouterr().err
+    assert not (micro_run / "calibration").exists()
+
+
+def test_calibrate_refuses_modified_checkpoint(micro_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(micro_run, run)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["stages"]["distill"]["outputs"]["checkpoint"]["path"] = str(run / "multi_exit")
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    (run / "multi_exit" / "exits.json").write_text("{}")
+    assert cli(["calibrate", f"run_dir={run}"]) == 2
+    assert "changed since stage 'distill'" in capsys.readouterr().err
