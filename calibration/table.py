@@ -122,5 +122,9 @@ class TableRule:
         """logits [V], hidden [D] (normalised) of exit ``layer`` for the current token."""
         self._logits[layer] = logits.detach().double().numpy()[None]
         self._hidden[layer] = hidden.detach().double().numpy()[None]
-        feats = exit_signals(self._logits, self._hidden, num_exits=len(self.table.exit_layers))[layer]  # [1, F]
-        return bool(self.table.calibrators[layer].score(feats)[0] >= self.table.score_thresholds[layer])
+        return bool(self.decide(layer, self._logits, self._hidden)[0])
+
+    def decide(self, layer: int, logits: dict[int, np.ndarray], hidden: dict[int, np.ndarray]) -> np.ndarray:
+        """Batched form for the engine: exits reached so far -> logits [B, V], hidden [B, D]; bool [B]."""
+        feats = exit_signals(logits, hidden, num_exits=len(self.table.exit_layers))[layer]  # [B, F]
+        return self.table.calibrators[layer].score(feats) >= self.table.score_thresholds[layer]

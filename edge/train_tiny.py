@@ -165,6 +165,9 @@ def finish(cfg: TrainConfig, model: Decoder, tok, log: list[dict]) -> dict:
     }
     atomic_write_json(out / "training.json", {"summary": summary, "log": log})
     _plot_loss(log, out / "loss.png")
+    from edge.model_card import write_model_card
+
+    write_model_card(out, cfg.threads)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("config", "split")}, indent=2))
     return summary
 

@@ -1,0 +1,1 @@
+"""The SmartExit runtime engine: continuous batching, chunked prefill, batched hierarchical exits."""

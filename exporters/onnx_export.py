@@ -1,0 +1,381 @@
+"""Export a :class:`MultiExitModel` to per-segment ONNX graphs for an early-exit engine.
+
+The decoder is cut at its exits: segment ``i`` holds the decoder layers after
+exit ``i-1`` up to and including exit ``i`` (exits [3, 6, 9, 12] give segments
+of layers 1-3, 4-6, 7-9, 10-12, 1-based). The engine runs ``embed``, then one
+segment at a time, reads the segment's exit logits and stops when it is
+confident; the layers it skipped get their keys / values from ``kvfill``
+(CALM's state propagation, Schuster et al. 2022: skipped layers store the K/V
+of the exit hidden state).
+
+Graphs and their tensors (``j`` = 0-based decoder layer index; B batch, T new
+tokens, P past length, S = P + T, D hidden size, KV key/value heads, hd head
+dim, V vocabulary; B, T, P and S are dynamic axes):
+
+``embed.onnx``
+    in:  ``input_ids`` int64 [B, T]
+    out: ``hidden`` float32 [B, T, D]
+``segment_{i}.onnx`` (one per exit)
+    in:  ``hidden`` float32 [B, T, D] (residual stream before the segment's first layer),
+         ``positions`` int64 [B, T],
+         ``attn_mask`` float32 [B, 1, T, S] (additive, 0 or a large negative; build it with
+         :func:`edge.model.attention_mask` over the past slots then the new tokens),
+         ``past_key_{j}``, ``past_value_{j}`` float32 [B, KV, P, hd] per layer j (P may be 0)
+    out: ``hidden_out`` [B, T, D] (residual stream after the segment's last layer),
+         ``exit_hidden`` [B, T, D] (the exit head's normalised hidden, input of the LM head),
+         ``logits`` [B, T, V] (exit logits),
+         ``present_key_{j}``, ``present_value_{j}`` [B, KV, T, hd] per layer j (new tokens only;
+         the caller writes them into its cache)
+``kvfill_{i}.onnx`` (every segment but the first)
+    in:  ``hidden`` [B, T, D] (raw residual stream at exit i-1, *before* its head),
+         ``positions`` int64 [B, T]
+    out: ``present_key_{j}``, ``present_value_{j}`` [B, KV, T, hd] per layer j of segment i
+         (:meth:`edge.model.DecoderLayer.kv_only`)
+
+RoPE cos / sin are computed inside each graph from ``positions``; attention,
+RoPE and RMSNorm stay decomposed (no ``com.microsoft`` ops) so TensorRT's
+parser accepts the graphs. ``graphs.json`` in the output folder records the
+exits, the segments, every graph's file, I/O names and sha256, the checkpoint
+sha256, the opset and whether ``onnx.checker`` passed.
+"""
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import onnx
+import torch
+import torch.nn.functional as F
+from onnx import external_data_helper as edh
+from torch import nn
+
+from edge.artifacts import atomic_dir, atomic_write_json, sha256_file
+from edge.errors import ArtifactError, ConfigError
+from edge.exits import MultiExitModel
+from edge.model import rope_cos_sin
+
+GRAPHS_JSON = "graphs.json"
+GRAPHS_FORMAT = 1
+SUPPORTED_OPSETS = (17, 18)
+# Protobuf's hard limit: one ModelProto cannot exceed 2 GiB, larger weights go to external data.
+PROTOBUF_LIMIT = 2**31
+
+
+@dataclass
+class ExportConfig:
+    """How to export (opset, trace shapes, when to use external data)."""
+
+    opset: int = 17
+    # Dummy shapes for tracing: distinct and > 1 so the exporter cannot fold B, T or P into constants.
+    trace_batch: int = 2
+    trace_seq: int = 3
+    trace_past: int = 5
+    # Graphs whose weights exceed this many bytes are saved with one external data file.
+    external_data_threshold: int = PROTOBUF_LIMIT - (64 << 20)
+
+    def __post_init__(self) -> None:
+        if self.opset not in SUPPORTED_OPSETS:
+            raise ConfigError(f"export.opset must be one of {SUPPORTED_OPSETS} (TensorRT-friendly), got {self.opset}")
+        for name in ("trace_batch", "trace_seq", "trace_past"):
+            if getattr(self, name) < 2:
+                raise ConfigError(f"export.{name} must be >= 2 so the axis stays dynamic, got {getattr(self, name)}")
+        if len({self.trace_batch, self.trace_seq, self.trace_past}) != 3:
+            raise ConfigError("export.trace_batch, trace_seq and trace_past must differ (else the tracer may tie them)")
+
+
+@dataclass
+class GraphInfo:
+    """One exported graph: file, I/O names, content hash (and its external data file, if any)."""
+
+    file: str
+    inputs: list[str]
+    outputs: list[str]
+    sha256: str
+    external_data: str | None = None
+    external_data_sha256: str | None = None
+
+
+@dataclass
+class ExportManifest:
+    """What :func:`export_onnx` wrote; ``to_dict`` is the content of ``graphs.json``."""
+
+    out_dir: Path
+    exit_layers: list[int]  # 1-based, last = num_layers
+    segments: list[dict[str, Any]]  # {"index", "exit_layer" (1-based), "layers" (0-based indices)}
+    graphs: dict[str, GraphInfo]  # "embed", "segment_{i}", "kvfill_{i}"
+    checkpoint_sha256: str
+    opset: int
+    checker: bool
+    model: dict[str, int] = field(default_factory=dict)  # hidden_size, num_kv_heads, head_dim, vocab_size...
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": GRAPHS_FORMAT,
+            "exit_layers": self.exit_layers,
+            "segments": self.segments,
+            "graphs": {k: asdict(v) for k, v in self.graphs.items()},
+            "checkpoint_sha256": self.checkpoint_sha256,
+            "opset": self.opset,
+            "checker": self.checker,
+            "model": self.model,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def segment_layers(exit_layers: list[int]) -> list[list[int]]:
+    """0-based decoder layer indices of each segment: [2, 4] -> [[0, 1], [2, 3]]."""
+    bounds = [0, *exit_layers]
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(len(exit_layers))]
+
+
+def segment_io(layers: list[int]) -> tuple[list[str], list[str]]:
+    """Input and output names of the segment graph over 0-based ``layers``."""
+    past = [n for j in layers for n in (f"past_key_{j}", f"past_value_{j}")]
+    present = [n for j in layers for n in (f"present_key_{j}", f"present_value_{j}")]
+    return ["hidden", "positions", "attn_mask", *past], ["hidden_out", "exit_hidden", "logits", *present]
+
+
+def kvfill_io(layers: list[int]) -> tuple[list[str], list[str]]:
+    """Input and output names of the kvfill graph over 0-based ``layers``."""
+    present = [n for j in layers for n in (f"present_key_{j}", f"present_value_{j}")]
+    return ["hidden", "positions"], present
+
+
+# --- graph modules: thin wrappers that call the model's own layers ---------------------------------
+
+class _EmbedGraph(nn.Module):
+    def __init__(self, model: MultiExitModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.backbone.embed(input_ids)  # [B, T, D]
+
+
+class _SegmentGraph(nn.Module):
+    def __init__(self, model: MultiExitModel, layers: list[int], exit_layer: int) -> None:
+        super().__init__()
+        self.model, self.layers, self.exit_layer = model, layers, exit_layer
+
+    def forward(self, hidden, positions, attn_mask, *past):
+        backbone = self.model.backbone
+        cos, sin = rope_cos_sin(positions, backbone.inv_freq)  # [B, 1, T, hd]
+        h, presents = hidden, []
+        for n, j in enumerate(self.layers):
+            # always a mask tensor: Attention's mask=None fast path is SDPA, not for export
+            h, k, v = backbone.layers[j](h, cos, sin, past[2 * n], past[2 * n + 1], attn_mask)
+            presents += [k, v]  # [B, KV, T, hd]
+        e = self.model.exit_hidden(self.exit_layer, h)  # [B, T, D]
+        logits = F.linear(e, backbone.head_weight)  # [B, T, V]
+        return (h, e, logits, *presents)
+
+
+class _KVFillGraph(nn.Module):
+    def __init__(self, model: MultiExitModel, layers: list[int]) -> None:
+        super().__init__()
+        self.model, self.layers = model, layers
+
+    def forward(self, hidden, positions):
+        backbone = self.model.backbone
+        cos, sin = rope_cos_sin(positions, backbone.inv_freq)
+        out = []
+        for j in self.layers:
+            out += list(backbone.layers[j].kv_only(hidden, cos, sin))
+        return tuple(out)
+
+
+def _dynamic_axes(inputs: list[str], outputs: list[str]) -> dict[str, dict[int, str]]:
+    axes: dict[str, dict[int, str]] = {}
+    for name in inputs + outputs:
+        if name == "attn_mask":
+            axes[name] = {0: "batch", 2: "seq", 3: "total"}
+        elif name.startswith("past_"):
+            axes[name] = {0: "batch", 2: "past"}
+        elif name.startswith("present_"):
+            axes[name] = {0: "batch", 2: "seq"}
+        else:  # input_ids, positions, hidden, hidden_out, exit_hidden, logits
+            axes[name] = {0: "batch", 1: "seq"}
+    return axes
+
+
+def _export_one(module: nn.Module, args: tuple, path: Path, inputs: list[str], outputs: list[str],
+                cfg: ExportConfig) -> None:
+    with warnings.catch_warnings():
+        # The legacy TorchScript exporter is deliberate (NOTES.md: the dynamo exporter fails on
+        # FakeQuantize); its deprecation notice is noise here.
+        warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*legacy TorchScript-based ONNX export")
+        # ... and torch's exporter calls its own deprecated exporter_context (torch 2.13).
+        warnings.filterwarnings("ignore", category=DeprecationWarning, message="The feature will be removed")
+        torch.onnx.export(module, args, str(path), dynamo=False, opset_version=cfg.opset,
+                          input_names=inputs, output_names=outputs,
+                          dynamic_axes=_dynamic_axes(inputs, outputs), do_constant_folding=True)
+
+
+def _static_dims(name: str, d: int, kv_heads: int, head_dim: int, vocab: int) -> dict[int, int]:
+    """Fixed axes of a graph output (the rest are the dynamic axes of :func:`_dynamic_axes`)."""
+    if name.startswith("present_"):
+        return {1: kv_heads, 3: head_dim}
+    return {2: vocab} if name == "logits" else {2: d}
+
+
+def _pin_output_dims(path: Path, static: dict[str, dict[int, int]]) -> None:
+    """Write the fixed sizes into the outputs' shapes.
+
+    The tracer leaves some fixed axes symbolic (RoPE's rotate-half concat makes the head dim of
+    ``present_key_*`` read 'Addpresent_key_0_dim_3'); engines size their output buffers from these.
+    """
+    proto = onnx.load(str(path), load_external_data=False)
+    for out in proto.graph.output:
+        dims = out.type.tensor_type.shape.dim
+        for axis, size in static.get(out.name, {}).items():
+            dims[axis].dim_value = size  # clears dim_param (oneof)
+    onnx.save_model(proto, str(path))
+
+
+def _finish_graph(path: Path, cfg: ExportConfig, weight_bytes: int, inputs: list[str],
+                  outputs: list[str], static: dict[str, dict[int, int]]) -> GraphInfo:
+    """Pin fixed output dims, move large weights to one external data file, check, hash."""
+    _pin_output_dims(path, static)
+    data_name = None
+    if weight_bytes > cfg.external_data_threshold:
+        proto = onnx.load(str(path), load_external_data=False)
+        # the legacy exporter writes one file per tensor beside a > 2 GiB graph; gather them into one
+        written = {edh.ExternalDataInfo(t).location for t in proto.graph.initializer if edh.uses_external_data(t)}
+        edh.load_external_data_for_model(proto, str(path.parent))
+        for loc in written:
+            (path.parent / loc).unlink()
+        data_name = f"{path.name}.data"
+        onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=data_name, size_threshold=1024)
+    try:
+        onnx.checker.check_model(str(path))  # by path: works with external data and > 2 GiB
+    except onnx.checker.ValidationError as exc:
+        raise ArtifactError(f"{path.name}: onnx.checker rejected the exported graph: {exc}") from exc
+    info = GraphInfo(path.name, inputs, outputs, sha256_file(path))
+    if data_name:
+        info.external_data, info.external_data_sha256 = data_name, sha256_file(path.parent / data_name)
+    return info
+
+
+def _weight_bytes(model: MultiExitModel, layers: list[int], with_head: bool) -> int:
+    backbone = model.backbone
+    n = sum(p.numel() * p.element_size() for j in layers for p in backbone.layers[j].parameters())
+    if with_head:
+        n += backbone.head_weight.numel() * backbone.head_weight.element_size()
+    return n
+
+
+def export_onnx(model: MultiExitModel, out_dir: str | Path, cfg: ExportConfig,
+                checkpoint_sha256: str) -> ExportManifest:
+    """Export ``embed``, one ``segment_{i}`` per exit and ``kvfill_{i}`` per later segment.
+
+    Args:
+        model: the multi-exit model (fp32; put in eval mode here).
+        out_dir: folder to (re)create atomically with the graphs and ``graphs.json``.
+        cfg: opset and trace shapes.
+        checkpoint_sha256: hash of the checkpoint the model was loaded from, recorded so that
+            :func:`verify_graphs` can refuse graphs of another checkpoint.
+
+    Returns:
+        The :class:`ExportManifest` written to ``graphs.json``.
+
+    Raises:
+        ArtifactError: a graph fails ``onnx.checker`` (nothing is left in ``out_dir``).
+    """
+    t0 = time.perf_counter()
+    out_dir = Path(out_dir)
+    model = model.eval()
+    mcfg = model.backbone.cfg
+    b, t, p = cfg.trace_batch, cfg.trace_seq, cfg.trace_past
+    d, kvh, hd = mcfg.hidden_size, mcfg.num_kv_heads, mcfg.head_dim
+    g = torch.Generator().manual_seed(0)  # trace inputs; leaves the caller's RNG alone
+    ids = torch.randint(0, mcfg.vocab_size, (b, t), generator=g)
+    hidden = torch.randn(b, t, d, generator=g)
+    positions = (torch.arange(t) + p).unsqueeze(0).expand(b, t).contiguous()
+    mask = torch.zeros(b, 1, t, p + t)  # values do not matter for tracing, only that it is a tensor
+    seg_layers = segment_layers(model.exit_layers)
+    emb = model.backbone.embed_tokens.weight
+    # (name, module, trace args, inputs, outputs, weight bytes)
+    jobs = [("embed", _EmbedGraph(model), (ids,), ["input_ids"], ["hidden"], emb.numel() * emb.element_size())]
+    for i, (layers, exit_layer) in enumerate(zip(seg_layers, model.exit_layers)):
+        past = tuple(torch.randn(b, kvh, p, hd, generator=g) for _ in range(2 * len(layers)))
+        jobs.append((f"segment_{i}", _SegmentGraph(model, layers, exit_layer), (hidden, positions, mask, *past),
+                     *segment_io(layers), _weight_bytes(model, layers, True)))
+        if i > 0:
+            jobs.append((f"kvfill_{i}", _KVFillGraph(model, layers), (hidden, positions), *kvfill_io(layers),
+                         _weight_bytes(model, layers, False)))
+    graphs: dict[str, GraphInfo] = {}
+    with atomic_dir(out_dir) as tmp, torch.no_grad():
+        for name, module, args, ins, outs, nbytes in jobs:
+            path = tmp / f"{name}.onnx"
+            _export_one(module, args, path, ins, outs, cfg)
+            static = {o: _static_dims(o, d, kvh, hd, mcfg.vocab_size) for o in outs}
+            graphs[name] = _finish_graph(path, cfg, nbytes, ins, outs, static)
+        manifest = ExportManifest(
+            out_dir=out_dir, exit_layers=list(model.exit_layers),
+            segments=[{"index": i, "exit_layer": e, "layers": ls}
+                      for i, (ls, e) in enumerate(zip(seg_layers, model.exit_layers))],
+            graphs=graphs, checkpoint_sha256=checkpoint_sha256, opset=cfg.opset,
+            checker=True,  # _finish_graph raises (and nothing is written) if a graph fails the checker
+            model={"num_layers": mcfg.num_layers, "hidden_size": d, "num_kv_heads": kvh, "head_dim": hd,
+                   "vocab_size": mcfg.vocab_size, "sliding_window": mcfg.sliding_window},
+        )
+        manifest.seconds = time.perf_counter() - t0
+        atomic_write_json(tmp / GRAPHS_JSON, manifest.to_dict())
+    return manifest
+
+
+def load_graphs_json(graphs_dir: str | Path) -> dict[str, Any]:
+    """Read ``graphs.json`` of an export folder.
+
+    Raises:
+        ArtifactError: missing, not JSON, or not a graphs.json this module wrote.
+    """
+    path = Path(graphs_dir) / GRAPHS_JSON
+    if not path.is_file():
+        raise ArtifactError(f"{path} is missing: {graphs_dir} is not an ONNX export folder (run `smartexit export`)")
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ArtifactError(f"{path} is not valid JSON: {exc}") from exc
+    if meta.get("format") != GRAPHS_FORMAT or not isinstance(meta.get("graphs"), dict):
+        raise ArtifactError(f"{path}: expected format {GRAPHS_FORMAT} with a 'graphs' table, "
+                            f"got format {meta.get('format')!r}")
+    return meta
+
+
+def verify_graphs(graphs_dir: str | Path, checkpoint_sha256: str) -> dict[str, Any]:
+    """Check that the graphs in ``graphs_dir`` are the ones exported from ``checkpoint_sha256``.
+
+    Returns:
+        The parsed ``graphs.json``.
+
+    Raises:
+        ArtifactError: the export is of another checkpoint, or a graph file (or its external
+            data) is missing or its sha256 differs from the one recorded at export time.
+    """
+    graphs_dir = Path(graphs_dir)
+    meta = load_graphs_json(graphs_dir)
+    recorded = meta.get("checkpoint_sha256")
+    if recorded != checkpoint_sha256:
+        raise ArtifactError(
+            f"{graphs_dir / GRAPHS_JSON}: graphs were exported from checkpoint sha256 {recorded}, "
+            f"expected {checkpoint_sha256}; re-export for this checkpoint")
+    for name, g in meta["graphs"].items():
+        for file, want in ((g["file"], g["sha256"]), (g.get("external_data"), g.get("external_data_sha256"))):
+            if file is None:
+                continue
+            path = graphs_dir / file
+            if not path.is_file():
+                raise ArtifactError(f"{path} (graph {name!r}) is missing")
+            actual = sha256_file(path)
+            if actual != want:
+                raise ArtifactError(
+                    f"{path} (graph {name!r}) sha256 {actual} != recorded {want}: the file changed after export "
+                    f"(a segment graph from another checkpoint?); re-export")
+    return meta

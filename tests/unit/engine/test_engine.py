@@ -1,0 +1,218 @@
+"""The engine against the reference generator, batching invariance, KV modes, control surface."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from edge.config import ModelConfig
+from edge.engine.backend import TorchBackend, make_backend
+from edge.engine.engine import Engine, EngineConfig, KVMode, Request, build_mask
+from edge.engine.rules import ConfidenceRule
+from edge.engine.sampling import choose_token
+from edge.errors import ConfigError, SmartExitError
+from edge.exits import ExitConfig, MultiExitModel
+from edge.generate import generate
+from edge.model import Decoder, attention_mask
+
+CFG = ModelConfig(vocab_size=300, hidden_size=64, num_layers=6, num_heads=4, num_kv_heads=2,
+                  intermediate_size=96, max_position_embeddings=128)
+
+
+def _model(seed=0, **overrides) -> MultiExitModel:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(**{**CFG.to_dict(), **overrides})
+    dec = Decoder(cfg)
+    dec.init_weights(seed, std=0.3)
+    m = MultiExitModel(dec.eval(), ExitConfig(layers=[2, 4, 6], adapter_rank=4)).eval()
+    with torch.no_grad():
+        for p in m.heads.parameters():
+            p.add_(0.05 * torch.randn(p.shape))
+    return m
+
+
+def _prompts(n, seed=0, lo=3, hi=20):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 300, rng.integers(lo, hi)).tolist() for _ in range(n)]
+
+
+class _RefRule:
+    """The batched ConfidenceRule as a per-token reference-generator rule."""
+
+    def __init__(self, threshold):
+        self.inner = ConfidenceRule(threshold)
+
+    def __call__(self, layer, logits, hidden):
+        return bool(self.inner.decide(layer, {layer: logits.double().numpy()[None]}, {})[0])
+
+
+def _run(engine, prompts, max_tokens=12, **kw):
+    out = {}
+    ids = [engine.submit(Request(p, max_tokens, **kw)) for p in prompts]
+    events = []
+    while engine.has_work:
+        events += engine.step()
+    for e in events:
+        out.setdefault(e.request_id, []).append((e.token, e.exit_layer))
+    return [out[i] for i in ids]
+
+
+def test_build_mask_matches_model_mask():
+    q = np.array([[5, 6], [2, 3]])
+    past = np.array([5, 2])
+    got = build_mask(q, past, 5, np.ones((2, 2), bool), window=None)
+    k_pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 2, 3]])
+    k_valid = torch.tensor([[True] * 7, [True, True, False, False, False, True, True]])
+    ref = attention_mask(torch.from_numpy(q), k_pos, k_valid)
+    assert np.array_equal(got, ref.numpy())
+
+
+@pytest.mark.parametrize("threshold", [None, 0.3])
+def test_engine_matches_reference_generator_one_at_a_time(threshold):
+    m = _model()
+    rule = ConfidenceRule(threshold) if threshold else None
+    for p in _prompts(3):
+        eng = Engine(TorchBackend(m), EngineConfig(max_seqs=1, max_len=128), rule=rule)
+        got = _run(eng, [p])[0]
+        ref = generate(m, p, 12, rule=_RefRule(threshold) if threshold else None)
+        assert [t for t, _ in got] == ref.tokens
+        assert [e for _, e in got] == ref.exit_layers
+    if threshold:
+        assert any(e < 6 for e in ref.exit_layers), "threshold should make some tokens exit early"
+
+
+@pytest.mark.parametrize("mode", list(KVMode))
+def test_batched_equals_sequential(mode):
+    m = _model(seed=1)
+    prompts = _prompts(5, seed=1)
+    cfg = dict(max_len=128, kv_mode=mode, prefill_budget=16)
+    seq = [_run(Engine(TorchBackend(m), EngineConfig(max_seqs=1, **cfg), ConfidenceRule(0.3)), [p])[0]
+           for p in prompts]
+    batched = _run(Engine(TorchBackend(m), EngineConfig(max_seqs=3, max_running=3, **cfg), ConfidenceRule(0.3)),
+                   prompts)
+    assert batched == seq
+
+
+def test_defer_mode_no_exits_equals_full_greedy():
+    m = _model(seed=2)
+    p = _prompts(1, seed=2)[0]
+    got = _run(Engine(TorchBackend(m), EngineConfig(max_len=128, kv_mode=KVMode.DEFER)), [p])[0]
+    assert [t for t, _ in got] == generate(m, p, 12).tokens
+
+
+class _ExitOnceAt2:
+    """Exit at layer 2 on the first decode step only."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def decide(self, layer, logits, hidden):
+        self.calls += layer == 2
+        return np.full(logits[layer].shape[0], layer == 2 and self.calls == 1)
+
+
+@pytest.mark.parametrize("mode", list(KVMode))
+def test_skipped_layer_kv_is_filled_as_specified(mode):
+    """Token at position n exits after layer 2; the next token runs full depth. The cache of layers
+    3..6 at position n must hold: (propagate) K/V projections of the exit residual; (defer) K/V of
+    those layers actually run on the exit residual, attending to the cached past."""
+    m = _model(seed=3)
+    bb = m.backbone
+    prompt = _prompts(1, seed=3)[0]
+    n = len(prompt)
+    eng = Engine(TorchBackend(m), EngineConfig(max_seqs=1, max_len=128, kv_mode=mode), _ExitOnceAt2())
+    out = _run(eng, [prompt], max_tokens=3)[0]
+    assert [e for _, e in out] == [6, 2, 6]
+    with torch.no_grad():
+        full = bb(torch.tensor([prompt + [out[0][0]]]))
+        h = full.hidden_states[2][:, n:n + 1]  # exit residual of position n (its past is exact)
+        cos, sin = bb.rope(torch.tensor([[n]]))
+        mask = attention_mask(torch.tensor([[n]]), torch.arange(n + 1)[None])
+        for j in range(2, 6):
+            if mode is KVMode.PROPAGATE:
+                k, v = bb.layers[j].kv_only(h, cos, sin)
+            else:
+                pk = torch.from_numpy(eng.cache.keys[j][:1, :, :n].copy())
+                pv = torch.from_numpy(eng.cache.values[j][:1, :, :n].copy())
+                h, k, v = bb.layers[j](h, cos, sin, pk, pv, mask)
+            assert np.allclose(eng.cache.keys[j][0, :, n], k[0, :, 0].numpy(), atol=1e-5), j
+            assert np.allclose(eng.cache.values[j][0, :, n], v[0, :, 0].numpy(), atol=1e-5), j
+
+
+def test_prefill_budget_chunks_and_admission_queue():
+    m = _model(seed=4)
+    prompts = _prompts(4, seed=4, lo=30, hi=40)
+    ref = [_run(Engine(TorchBackend(m), EngineConfig(max_seqs=1, max_len=128)), [p])[0] for p in prompts]
+    eng = Engine(TorchBackend(m), EngineConfig(max_seqs=2, max_len=128, prefill_budget=7, max_running=2))
+    ids = [eng.submit(Request(p, 12)) for p in prompts]
+    eng.step()
+    st = eng.stats()
+    assert st.waiting == 2 and st.running == 2  # more requests than slots: queued, not crashed
+    assert st.prefill_backlog_tokens == sum(len(p) for p in prompts) - 7
+    events = []
+    while eng.has_work:
+        events += eng.step()
+    got = {i: [(e.token, e.exit_layer) for e in events if e.request_id == i] for i in ids}
+    assert [got[i] for i in ids] == ref
+
+
+def test_streaming_callback_cancel_and_control():
+    m = _model(seed=5)
+    seen = []
+    eng = Engine(TorchBackend(m), EngineConfig(max_seqs=2, max_len=128))
+    a = eng.submit(Request([1, 2, 3], 50, on_token=seen.append))
+    b = eng.submit(Request([4, 5, 6], 5))
+    for _ in range(4):
+        eng.step()
+    assert [e.index for e in seen] == list(range(len(seen))) and len(seen) >= 3
+    assert eng.cancel(a) and not eng.cancel(a)
+    assert eng.cache.free_slots == 1
+    eng.set_prefill_budget(3)
+    eng.set_admission_limit(1)
+    assert eng.stats().prefill_budget == 3 and eng.stats().max_running == 1
+    with pytest.raises(ConfigError):
+        eng.set_prefill_budget(0)
+    eng.run()
+    assert not eng.has_work and eng.cache.free_slots == 2 and b not in eng.stats().deadlines
+
+
+def test_stop_tokens_and_sampling_reproducible():
+    m = _model(seed=6)
+    p = [7, 8, 9]
+    first = _run(Engine(TorchBackend(m), EngineConfig(max_len=128)), [p])[0][0][0]
+    out = _run(Engine(TorchBackend(m), EngineConfig(max_len=128)), [p], stop_ids=(first,))[0]
+    assert len(out) == 1
+    s1 = _run(Engine(TorchBackend(m), EngineConfig(max_len=128)), [p], temperature=1.0, top_p=0.9, seed=3)[0]
+    s2 = _run(Engine(TorchBackend(m), EngineConfig(max_len=128)), [p], temperature=1.0, top_p=0.9, seed=3)[0]
+    assert s1 == s2
+
+
+def test_top_p_keeps_smallest_nucleus():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    rng = np.random.default_rng(0)
+    draws = {choose_token(logits, 1.0, 0.7, rng) for _ in range(300)}
+    assert draws == {0, 1}
+    assert choose_token(logits, 0.0, 1.0, None) == 0
+
+
+@pytest.mark.parametrize("req,msg", [
+    (Request([], 4), "empty prompt"),
+    (Request([1] * 120, 16), "exceeds the context window"),
+    (Request([1, 999], 4), "outside the vocabulary"),
+])
+def test_bad_requests(req, msg):
+    eng = Engine(TorchBackend(_model()), EngineConfig(max_len=128))
+    with pytest.raises(SmartExitError, match=msg):
+        eng.submit(req)
+
+
+def test_unknown_backend():
+    with pytest.raises(ConfigError, match="unknown backend"):
+        make_backend("tpu", _model())
+
+
+def test_sliding_window_model():
+    m = _model(seed=7, sliding_window=8)
+    p = _prompts(1, seed=7, lo=15, hi=16)[0]
+    got = _run(Engine(TorchBackend(m), EngineConfig(max_len=128, prefill_budget=5)), [p])[0]
+    assert [t for t, _ in got] == generate(m, p, 12).tokens
