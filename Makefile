@@ -12,14 +12,14 @@ DEMO_CFG := configs/demo.yaml
 MODEL_FILES := $(wildcard edge/assets/tiny/*) $(wildcard edge/assets/data/*)
 SRC := $(shell find edge calibration exporters scheduler -name '*.py' 2>/dev/null)
 
-.PHONY: demo test venv distill calibrate generate report train-tiny clean help
+.PHONY: demo test venv distill calibrate export bench generate report train-tiny clean help
 .DEFAULT_GOAL := help
 
 help:
 	@echo "make demo        run every stage on the bundled tiny model -> $(ART)/report.md"
 	@echo "make test        run the test suite (unit + integration; gpu/jetson tiers skip without hardware)"
 	@echo "make train-tiny  retrain the bundled tiny model (1-2 h on 2 cores, resumable)"
-	@echo "make distill | calibrate | generate | report   one stage at a time (RUN=name picks artifacts/<name>)"
+	@echo "make distill | calibrate | export | bench | generate | report   one stage at a time (RUN=name picks artifacts/<name>)"
 
 venv: $(STAMP)
 $(STAMP): requirements/lock.txt pyproject.toml
@@ -40,11 +40,20 @@ $(ART)/.generate.done: $(ART)/multi_exit/exits.json
 	$(SE) generate run_dir=$(ART)
 	@touch $@
 
-$(ART)/report.json: $(ART)/multi_exit/exits.json $(ART)/calibration/thresholds.json $(ART)/.generate.done
+$(ART)/onnx/graphs.json: $(ART)/multi_exit/exits.json
+	$(SE) export run_dir=$(ART)
+
+$(ART)/bench/decode.json: $(ART)/onnx/graphs.json $(ART)/calibration/thresholds.json
+	$(SE) bench decode --config configs/bench_decode.yaml run_dir=$(ART)
+
+$(ART)/report.json: $(ART)/multi_exit/exits.json $(ART)/calibration/thresholds.json $(ART)/.generate.done \
+		$(ART)/onnx/graphs.json $(ART)/bench/decode.json
 	$(SE) report run_dir=$(ART)
 
 distill: $(ART)/multi_exit/exits.json
 calibrate: $(ART)/calibration/thresholds.json
+export: $(ART)/onnx/graphs.json
+bench: $(ART)/bench/decode.json
 generate: $(ART)/.generate.done
 report: $(ART)/report.json
 

@@ -20,6 +20,11 @@ STAGES: dict[str, tuple[str, str, str, str]] = {
     "distill": ("edge.distill", "DistillConfig", "main", "train exit heads by multi-exit distillation"),
     "calibrate": ("calibration.stage", "CalibrateConfig", "main",
                   "calibrated exit thresholds with a certified false-exit bound (--eval-data DIR to check your data)"),
+    "export": ("exporters.stage", "ExportStageConfig", "main", "ONNX graphs per segment, gated on parity with torch"),
+    "engines": ("exporters.tensorrt", "EnginesConfig", "main",
+                "TensorRT engines from the ONNX graphs (on the device) + trtexec command lines"),
+    "bench decode": ("edge.bench.decode", "DecodeBenchConfig", "main",
+                     "decode throughput: transformers, LayerSkip, SmartExit full depth and with exits"),
     "generate": ("edge.demo_generate", "GenerateConfig", "main", "reference early-exit generation on held-out prompts"),
     "report": ("edge.report", "ReportConfig", "main", "write report.json / report.md from the run manifest"),
 }
@@ -32,6 +37,9 @@ def _load(stage: str) -> tuple[type, Callable[[object], int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) >= 2 and f"{argv[0]} {argv[1]}" in STAGES:  # two-word stages: `bench decode`
+        argv = [f"{argv[0]} {argv[1]}", *argv[2:]]
     parser = argparse.ArgumentParser(prog="smartexit", description="SmartExit early-exit LLM pipeline")
     sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
     for name, (_, _, _, help_text) in STAGES.items():

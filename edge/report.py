@@ -41,11 +41,25 @@ def _calibration(m: Manifest) -> dict[str, Any]:
     return dict(m.stage("calibrate")["metrics"])
 
 
+def _export(m: Manifest) -> dict[str, Any]:
+    d = m.stage("export")["metrics"]
+    p = d["parity"]
+    return {"graphs": d["graphs"], "opset": d["opset"], "parity_passed": p["passed"],
+            "argmax_agreement": p["argmax_agreement"], "atol": p["atol"],
+            "max_abs_diff": max(v for outs in p["max_abs_diff"].values() for v in outs.values())}
+
+
+def _bench(m: Manifest) -> dict[str, Any]:
+    return dict(m.stage("bench_decode")["metrics"])
+
+
 SECTIONS: dict[str, tuple[str, Callable[[Manifest], dict[str, Any]]]] = {
     "model": ("distill", _model),
     "distill": ("distill", _distill),
     "calibration": ("calibrate", _calibration),
     "generate": ("generate", _generate),
+    "export": ("export", _export),
+    "decode_bench": ("bench_decode", _bench),
 }
 
 
@@ -86,7 +100,29 @@ def render_markdown(report: dict[str, Any]) -> str:
                   f"{g['mean_exit_layer']:.2f}, position-wise token match with full depth {g['token_match_vs_full']:.4f}",
                   "- exit fractions: " + ", ".join(f"layer {k}: {v:.3f}" for k, v in g["exit_fraction"].items()),
                   ""]
+    if "export" in report:
+        e = report["export"]
+        lines += ["## ONNX export", "", f"{e['graphs']} graphs at opset {e['opset']}; parity with torch: "
+                  f"**{e['parity_passed']}** (max abs diff {e['max_abs_diff']:.2e} <= atol {e['atol']}, argmax "
+                  f"agreement {e['argmax_agreement']:.2%}).", ""]
+    if "decode_bench" in report:
+        lines += _bench_md(report["decode_bench"])
     return "\n".join(lines)
+
+
+def _bench_md(b: dict[str, Any]) -> list[str]:
+    lines = ["## Decode benchmark", "", "| batch | system | tokens/s | p50 ms | p95 ms | mean exit layer |",
+             "| ---: | --- | ---: | ---: | ---: | ---: |"]
+    for batch, row in b["batches"].items():
+        for s, v in row["systems"].items():
+            lines.append(f"| {batch} | {s} | {v['tokens_per_s']:.1f} | {_fmt(v['token_latency_p50_ms'], '.2f')} | "
+                         f"{_fmt(v['token_latency_p95_ms'], '.2f')} | {_fmt(v['mean_exit_layer'], '.2f')} |")
+    lines += ["", "- " + ", ".join(f"{k} {_fmt(v, '.3f')}" for k, v in b.items()
+                                    if k.startswith("speedup") or k in ("false_exit_rate",)),
+              "- decode step of (d) at batch 1, ms: " + ", ".join(f"{k} {v:.3f}" for k, v in b["profile_b1"].items()),
+              "- peak RSS (MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in (b.get("peak_rss_mib") or {}).items()),
+              "", "Details: `bench/decode.md`, chart `bench/decode.png`.", ""]
+    return lines
 
 
 def main(cfg: ReportConfig) -> int:

@@ -34,7 +34,8 @@ class TrainConfig:
     vocab_size: int = 4096
     seq_len: int = 512
     batch_size: int = 12
-    steps: int = 1000
+    steps: int = 800  # steps actually run
+    schedule_steps: int = 1000  # horizon of the cosine schedule (lr is still ~6e-4 at step 800)
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup: int = 60
@@ -49,7 +50,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warm-up then cosine decay to ``min_lr``."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
-    frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    frac = (step - cfg.warmup) / max(1, cfg.schedule_steps - cfg.warmup)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, frac)))
 
 
@@ -118,7 +119,7 @@ def train(cfg: TrainConfig) -> dict:
         step, log = state["step"], state["log"]
         print(f"resumed at step {step}", flush=True)
     model.train()
-    t0 = time.time()
+    t0 = time.time() - (log[-1]["time"] if log else 0.0)  # wall time accumulates across resumes
     while step < cfg.steps:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
@@ -132,7 +133,7 @@ def train(cfg: TrainConfig) -> dict:
         step += 1
         log.append({"step": step, "loss": loss.item(), "lr": lr_at(step - 1, cfg), "time": time.time() - t0})
         if step % 5 == 0:
-            print(f"step {step}/{cfg.steps} loss {loss.item():.4f} {(time.time() - t0) / len(log):.2f}s/step",
+            print(f"step {step}/{cfg.steps} loss {loss.item():.4f} {(time.time() - t0) / step:.2f}s/step",
                   flush=True)
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
             with atomic_path(ckpt) as tmp:

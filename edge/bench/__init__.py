@@ -1,0 +1,1 @@
+"""Benchmarks: decode throughput against the peers (more workloads arrive with serving)."""

@@ -1,0 +1,350 @@
+"""``smartexit bench decode``: decode throughput of SmartExit against the peers, side by side.
+
+Systems, on the same weights and the same held-out prompts (equal length, no padding):
+  hf           (a) transformers ``generate``, full model, greedy;
+  layerskip    (b) transformers ``generate(assistant_early_exit=k)``: LayerSkip-style lossless
+                   self-speculation (Elhoushi et al. 2024); transformers supports batch 1 only;
+  engine_full  (c) the SmartExit engine on ONNX Runtime at full depth;
+  engine_exit  (d) the same engine with the calibrated threshold table.
+Per batch size: warm-up runs, then repeats in which the systems run interleaved (rotated
+order); ratios are computed repeat by repeat and their median reported. Tokens/s counts
+generated tokens over the whole ``generate`` call (prefill included, the same for all).
+Peak resident memory is measured per system in a fresh subprocess.
+"""
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from calibration.table import TableRule, load_table
+from edge.artifacts import Manifest, atomic_dir, atomic_write_json
+from edge.data import Split, heldout_prompts, load_split
+from edge.engine.backend import make_backend
+from edge.engine.engine import Engine, EngineConfig, KVMode, Request
+from edge.engine.profile import ProfiledBackend, ProfiledRule
+from edge.engine.rules import NeverExit
+from edge.errors import ConfigError
+from edge.exits import MultiExitModel, load_multi_exit
+from edge.tokenizer import load_tokenizer
+
+STAGE = "bench_decode"
+SYSTEMS = ("hf", "layerskip", "engine_full", "engine_exit")
+LABELS = {"hf": "(a) transformers generate", "layerskip": "(b) transformers LayerSkip self-speculation",
+          "engine_full": "(c) SmartExit engine, ORT, full depth", "engine_exit": "(d) SmartExit engine, ORT, exits"}
+
+
+@dataclass
+class DecodeBenchConfig:
+    run_dir: str = "artifacts/demo"
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])
+    prompt_tokens: int = 64
+    new_tokens: int = 32
+    warmup: int = 1
+    repeats: int = 3
+    layerskip_exit: int = 6
+    kv_mode: KVMode = KVMode.PROPAGATE
+    threads: int = 2
+    memory: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ConfigError("bench.batch_sizes must be a non-empty list of positive sizes")
+        if self.repeats < 1 or self.new_tokens < 2 or self.prompt_tokens < 1:
+            raise ConfigError("bench: repeats >= 1, new_tokens >= 2 and prompt_tokens >= 1 are required")
+
+
+@dataclass
+class RunResult:
+    tokens: list[list[int]]  # [B][N]
+    exit_layers: list[list[int]] | None
+    seconds: float
+    token_latencies: list[float]  # seconds between consecutive tokens of a sequence
+
+
+# ------------------------------------------------------------------ systems
+class _Stamps:
+    """transformers streamer that timestamps every generation step (the first put is the prompt)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def run_hf(model, prompts: list[list[int]], n: int, early_exit: int | None = None) -> RunResult:
+    from transformers import GenerationConfig
+
+    ids = torch.tensor(prompts)
+    stamps = _Stamps()
+    gen = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                           eos_token_id=None, assistant_early_exit=early_exit)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen, streamer=stamps)
+    seconds = time.perf_counter() - t0
+    gaps = np.diff(stamps.times[1:]).tolist()  # between generated-token steps
+    if early_exit:  # a step of assisted decoding emits several tokens: spread its time over them
+        gaps = [seconds / n] * (n - 1)
+    return RunResult(out[:, len(prompts[0]):].tolist(), None, seconds, gaps)
+
+
+def run_engine(backend, rule, prompts: list[list[int]], n: int, kv_mode: KVMode) -> RunResult:
+    b = len(prompts)
+    cfg = EngineConfig(max_seqs=b, max_running=b, max_len=len(prompts[0]) + n,
+                       prefill_budget=b * len(prompts[0]), kv_mode=kv_mode)
+    engine = Engine(backend, cfg, rule)
+    stamps: dict[int, list[float]] = {}
+    toks: dict[int, list[tuple[int, int]]] = {}
+
+    def on_token(ev):
+        stamps.setdefault(ev.request_id, []).append(time.perf_counter())
+        toks.setdefault(ev.request_id, []).append((ev.token, ev.exit_layer))
+
+    t0 = time.perf_counter()
+    ids = [engine.submit(Request(p, n, on_token=on_token)) for p in prompts]
+    engine.run()
+    seconds = time.perf_counter() - t0
+    gaps = [g for i in ids for g in np.diff(stamps[i]).tolist()]
+    return RunResult([[t for t, _ in toks[i]] for i in ids], [[e for _, e in toks[i]] for i in ids], seconds, gaps)
+
+
+class Systems:
+    """Loads every system once; ``run(name, prompts, n)`` generates with it."""
+
+    def __init__(self, cfg: DecodeBenchConfig, ckpt: Path, graphs: Path, thresholds: Path,
+                 model: MultiExitModel, only: tuple[str, ...] = SYSTEMS) -> None:
+        import transformers
+
+        self.cfg = cfg
+        transformers.logging.set_verbosity_error()
+        if {"hf", "layerskip"} & set(only):
+            self.hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+        if {"engine_full", "engine_exit"} & set(only):
+            self.backend = make_backend("onnxruntime", model, graphs, checkpoint=ckpt, threads=cfg.threads)
+            self.table_rule = TableRule(load_table(thresholds, ckpt))
+
+    def run(self, name: str, prompts: list[list[int]], n: int, backend=None, rule=None) -> RunResult:
+        if name == "hf":
+            return run_hf(self.hf, prompts, n)
+        if name == "layerskip":
+            return run_hf(self.hf, prompts, n, early_exit=self.cfg.layerskip_exit)
+        if name == "engine_full":
+            return run_engine(backend or self.backend, rule or NeverExit(), prompts, n, self.cfg.kv_mode)
+        return run_engine(backend or self.backend, rule or self.table_rule, prompts, n, self.cfg.kv_mode)
+
+
+def applicable(name: str, batch: int) -> bool:
+    return not (name == "layerskip" and batch > 1)  # transformers: assisted generation needs batch 1
+
+
+# ------------------------------------------------------------------ measurement
+@torch.no_grad()
+def false_exit_rate(model: MultiExitModel, prompts: list[list[int]], res: RunResult) -> tuple[int, int]:
+    """(mismatches, tokens): tokens that differ from the full model's greedy choice on the same prefix."""
+    bad = total = 0
+    for p, toks in zip(prompts, res.tokens):
+        pred = model.backbone(torch.tensor([p + toks])).logits[0].argmax(-1)
+        for i in range(1, len(toks)):  # token 0 comes from the full-depth prefill
+            total += 1
+            bad += toks[i] != int(pred[len(p) + i - 1])
+    return bad, total
+
+
+def summarise(runs: dict[str, list[RunResult]], batch: int, n: int) -> dict[str, dict[str, float]]:
+    rows = {}
+    for name, rs in runs.items():
+        lat = np.concatenate([r.token_latencies for r in rs]) if rs else np.zeros(0)
+        layers = [e for r in rs for seq in (r.exit_layers or []) for e in seq]
+        rows[name] = {
+            "tokens_per_s": float(np.median([batch * n / r.seconds for r in rs])),
+            "token_latency_p50_ms": float(1e3 * np.percentile(lat, 50)) if lat.size else None,
+            "token_latency_p95_ms": float(1e3 * np.percentile(lat, 95)) if lat.size else None,
+            "mean_exit_layer": float(np.mean(layers)) if layers else None,
+        }
+    return rows
+
+
+def paired_ratio(runs: dict[str, list[RunResult]], num: str, den: str) -> float | None:
+    """Median over repeats of (tokens/s of num) / (tokens/s of den), pairing repeat r with repeat r."""
+    if num not in runs or den not in runs:
+        return None
+    return float(np.median([d.seconds / u.seconds for u, d in zip(runs[num], runs[den])]))
+
+
+def peak_rss_mib(system: str, run_dir: str, batch: int, cfg: DecodeBenchConfig) -> float:
+    """Peak RSS of a fresh process that loads ``system`` and runs it once at ``batch``."""
+    out = subprocess.run([sys.executable, "-m", "edge.bench.decode", "--memory", system, run_dir, str(batch),
+                          str(cfg.prompt_tokens), str(cfg.new_tokens), str(cfg.threads)],
+                         capture_output=True, text=True, check=False, timeout=600)
+    if out.returncode != 0:
+        raise ConfigError(f"memory probe for {system} failed: {out.stderr.strip()[-400:]}")
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def _paths(run_dir: str) -> tuple[Path, Path, Path]:
+    m = Manifest(run_dir)
+    return (m.verified_output("distill", "checkpoint"), m.verified_output("export", "graphs"),
+            m.verified_output("calibrate", "thresholds"))
+
+
+def _memory_probe(argv: list[str]) -> None:
+    system, run_dir, batch, prompt_tokens, new_tokens, threads = argv
+    cfg = DecodeBenchConfig(run_dir=run_dir, prompt_tokens=int(prompt_tokens), new_tokens=int(new_tokens),
+                            threads=int(threads))
+    torch.set_num_threads(cfg.threads)
+    ckpt, graphs, thresholds = _paths(run_dir)
+    model = load_multi_exit(ckpt) if system.startswith("engine") else None
+    systems = Systems(cfg, ckpt, graphs, thresholds, model, only=(system,))
+    prompts = heldout_prompts(load_tokenizer(ckpt), load_split(Split.TEST), int(batch), cfg.prompt_tokens, cfg.seed)
+    systems.run(system, prompts, cfg.new_tokens)
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # KiB on Linux
+
+
+def profile_step(systems: Systems, prompts: list[list[int]], n: int) -> dict[str, float]:
+    """Where the time of (d)'s decode goes: ms per decode step by component, at this batch."""
+    backend = ProfiledBackend(systems.backend)
+    rule = ProfiledRule(systems.table_rule)
+    res = systems.run("engine_exit", prompts, n, backend=backend, rule=rule)
+    steps = n - 1
+    parts = {k: 1e3 * v / steps for k, v in {**backend.seconds, "exit_rule": rule.seconds}.items()}
+    parts["total"] = 1e3 * res.seconds / steps
+    parts["engine_other"] = parts["total"] - sum(v for k, v in parts.items() if k != "total")
+    return {k: round(v, 3) for k, v in parts.items()}
+
+
+def main(cfg: DecodeBenchConfig) -> int:
+    t0 = time.time()
+    torch.set_num_threads(cfg.threads)
+    ckpt, graphs, thresholds = _paths(cfg.run_dir)
+    model = load_multi_exit(ckpt)
+    if not 1 <= cfg.layerskip_exit < model.num_layers:
+        raise ConfigError(f"bench.layerskip_exit must be in [1, {model.num_layers - 1}], got {cfg.layerskip_exit}")
+    tok = load_tokenizer(ckpt)
+    systems = Systems(cfg, ckpt, graphs, thresholds, model)
+    results: dict[str, Any] = {"config": {**asdict(cfg), "kv_mode": cfg.kv_mode.value}, "batches": {}}
+    fe_bad = fe_total = match_c = 0
+    for b in cfg.batch_sizes:
+        prompts = heldout_prompts(tok, load_split(Split.TEST), b, cfg.prompt_tokens, cfg.seed)
+        names = [s for s in SYSTEMS if applicable(s, b)]
+        runs: dict[str, list[RunResult]] = {s: [] for s in names}
+        for rep in range(cfg.warmup + cfg.repeats):
+            order = names[rep % len(names):] + names[:rep % len(names)]
+            for s in order:
+                r = systems.run(s, prompts, cfg.new_tokens)
+                if rep >= cfg.warmup:
+                    runs[s].append(r)
+        bad, total = false_exit_rate(model, prompts, runs["engine_exit"][0])
+        fe_bad, fe_total = fe_bad + bad, fe_total + total
+        full, ex = runs["engine_full"][0].tokens, runs["engine_exit"][0].tokens
+        match_c += sum(a == b_ for x, y in zip(full, ex) for a, b_ in zip(x, y))
+        results["batches"][str(b)] = {
+            "systems": summarise(runs, b, cfg.new_tokens),
+            "speedup_exit_vs_full": paired_ratio(runs, "engine_exit", "engine_full"),
+            "speedup_exit_vs_hf": paired_ratio(runs, "engine_exit", "hf"),
+            "speedup_exit_vs_layerskip": paired_ratio(runs, "engine_exit", "layerskip"),
+            "full_engine_equals_hf": runs["engine_full"][0].tokens == runs["hf"][0].tokens,
+            "false_exit_rate": bad / max(1, total),
+        }
+        print(f"batch {b}: " + ", ".join(f"{s} {v['tokens_per_s']:.1f} tok/s"
+                                         for s, v in results["batches"][str(b)]["systems"].items()), flush=True)
+    results["false_exit_rate"] = fe_bad / max(1, fe_total)
+    results["false_exit_tokens"] = fe_total
+    results["token_match_vs_full_engine"] = match_c / (sum(cfg.batch_sizes) * cfg.new_tokens)
+    results["profile_b1"] = profile_step(systems, heldout_prompts(tok, load_split(Split.TEST), 1,
+                                                                  cfg.prompt_tokens, cfg.seed), cfg.new_tokens)
+    if cfg.memory:
+        b = max(cfg.batch_sizes)
+        results["peak_rss_mib"] = {s: peak_rss_mib(s, cfg.run_dir, b if applicable(s, b) else 1, cfg)
+                                   for s in SYSTEMS}
+    summary = headline(results)
+    out = Path(cfg.run_dir) / "bench"
+    with atomic_dir(out) as tmp:
+        atomic_write_json(tmp / "decode.json", {**results, "summary": summary})
+        (tmp / "decode.md").write_text(render_markdown(results, summary))
+        plot(results, tmp / "decode.png")
+    Manifest(cfg.run_dir).record(STAGE, inputs={"checkpoint": ckpt, "graphs": graphs, "thresholds": thresholds},
+                                 config=results["config"], outputs={"json": out / "decode.json",
+                                                                    "png": out / "decode.png"},
+                                 metrics={**summary, "batches": results["batches"],
+                                          "profile_b1": results["profile_b1"],
+                                          "peak_rss_mib": results.get("peak_rss_mib")},
+                                 seconds=time.time() - t0)
+    print(f"decode benchmark: {out / 'decode.md'}")
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def headline(results: dict[str, Any]) -> dict[str, Any]:
+    bs = results["batches"]
+    first, last = str(min(map(int, bs))), str(max(map(int, bs)))
+    return {
+        "speedup_exit_vs_full_b1": bs[first]["speedup_exit_vs_full"],
+        f"speedup_exit_vs_full_b{last}": bs[last]["speedup_exit_vs_full"],
+        "speedup_exit_vs_hf_b1": bs[first]["speedup_exit_vs_hf"],
+        "speedup_exit_vs_layerskip_b1": bs[first]["speedup_exit_vs_layerskip"],
+        "false_exit_rate": results["false_exit_rate"],
+        "token_match_vs_full_engine": results["token_match_vs_full_engine"],
+    }
+
+
+def render_markdown(results: dict[str, Any], summary: dict[str, Any]) -> str:
+    cfg = results["config"]
+    mem = results.get("peak_rss_mib", {})
+    lines = [f"# Decode benchmark", "",
+             f"{cfg['prompt_tokens']}-token held-out prompts, {cfg['new_tokens']} new tokens, greedy; "
+             f"{cfg['warmup']} warm-up + {cfg['repeats']} interleaved repeats; medians; {cfg['threads']} threads; "
+             f"KV mode {cfg['kv_mode']}.", "",
+             "| batch | system | tokens/s | token latency p50 (ms) | p95 (ms) | peak RSS (MiB) | mean exit layer |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    f = lambda v, s=".2f": "n/a" if v is None else format(v, s)  # noqa: E731
+    for b, row in results["batches"].items():
+        for s, v in row["systems"].items():
+            lines.append(f"| {b} | {LABELS[s]} | {v['tokens_per_s']:.1f} | {f(v['token_latency_p50_ms'])} | "
+                         f"{f(v['token_latency_p95_ms'])} | {f(mem.get(s), '.0f')} | {f(v['mean_exit_layer'])} |")
+    lines += ["", "| batch | (d)/(c) | (d)/(a) | (d)/(b) | false exits of (d) |", "| ---: | ---: | ---: | ---: | ---: |"]
+    for b, row in results["batches"].items():
+        lines.append(f"| {b} | {f(row['speedup_exit_vs_full'])} | {f(row['speedup_exit_vs_hf'])} | "
+                     f"{f(row['speedup_exit_vs_layerskip'])} | {row['false_exit_rate']:.4f} |")
+    prof = results["profile_b1"]
+    lines += ["", "Where one decode step of (d) goes at batch 1 (ms per step): "
+              + ", ".join(f"{k} {v:.3f}" for k, v in prof.items()), ""]
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = list(results["batches"])
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    width = 0.2
+    for k, s in enumerate(SYSTEMS):
+        vals = [results["batches"][b]["systems"].get(s, {}).get("tokens_per_s", 0.0) for b in batches]
+        ax.bar(np.arange(len(batches)) + (k - 1.5) * width, vals, width, label=LABELS[s])
+    ax.set_xticks(np.arange(len(batches)), [f"batch {b}" for b in batches])
+    ax.set_ylabel("tokens / s")
+    ax.set_title("Decode throughput (higher is better)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--memory":
+    _memory_probe(sys.argv[2:])

@@ -1,0 +1,471 @@
+"""TensorRT engines from the exported ONNX graphs: trtexec command lines, a Python-API builder, a runner.
+
+TensorRT plans are specific to the GPU, the TensorRT version and the JetPack they were built
+with, so engines are built on the device that runs them (NOTES.md). This module therefore always
+writes ``build_engines.sh`` (one ``trtexec`` line per graph, paths relative to the script's
+folder) and, where TensorRT and a CUDA GPU are present, also builds the plans itself.
+
+Optimisation profile (one per engine; B batch, T new tokens, P past length):
+
+- min: B=1, T=1, P=0. TensorRT supports empty tensors (dimensions of length 0) since 7.1; the
+  TensorRT 7.0 check ``x > 0`` on profile dimensions is gone (NVIDIA/TensorRT#337), and TensorRT 10
+  accepts an empty input bound to any non-null address. P=0 is the prefill of a new sequence, so
+  one engine serves prefill and decode (NOTES.md: one graph that always takes a possibly
+  zero-length past). (check on device: trtexec accepts ``past_key_0:1x2x0x16`` in --minShapes.)
+- opt: ``opt_batch``, ``opt_seq`` (1: decode-optimised), ``opt_past``.
+- max: ``max_batch``, ``max_seq`` (the prefill chunk), ``max_past`` (the context window).
+  The mask's last axis is P + T for each of min / opt / max.
+"""
+from __future__ import annotations
+
+import enum
+import os
+import shlex
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from edge.artifacts import Manifest, atomic_path, atomic_write_json, atomic_write_text, sha256_file, sha256_path
+from edge.errors import ArtifactError, ConfigError, MissingExtraError, SmartExitError, require
+from exporters.onnx_export import load_graphs_json, verify_graphs
+
+STAGE = "engines"
+ENGINES_JSON = "engines.json"
+SCRIPT = "build_engines.sh"
+COMMANDS_JSON = "trtexec_commands.json"
+ENGINES_FORMAT = 1
+# JetPack installs trtexec here without putting it on PATH.
+JETPACK_TRTEXEC_DIR = "/usr/src/tensorrt/bin"
+QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
+MATMUL_OPS = frozenset({"MatMul", "Gemm"})
+Shape = tuple[int, ...]
+
+
+class Precision(str, enum.Enum):
+    FP16 = "fp16"
+    FP32 = "fp32"
+    INT8 = "int8"  # explicit quantization: the graphs must carry Q/DQ nodes (calibrators are deprecated)
+
+
+class NoCudaDeviceError(SmartExitError):
+    """TensorRT is importable but no CUDA GPU is visible to build or run engines on."""
+
+
+@dataclass
+class EngineBuildConfig:
+    """Precision, workspace and optimisation-profile bounds of the engines."""
+
+    precision: Precision = Precision.FP16
+    workspace_mib: int = 1024
+    max_batch: int = 16
+    opt_batch: int = 4
+    max_seq: int = 256  # prefill chunk
+    opt_seq: int = 1  # decode-optimised
+    max_past: int = 512  # the context window
+    opt_past: int = 128
+    timing_cache: str | None = None  # default: <out_dir>/timing.cache
+    # Types come from the graph, no precision flags; TensorRT 11 drops the FP16/INT8 builder
+    # flags in favour of strong typing.
+    strongly_typed: bool = False
+
+    def __post_init__(self) -> None:
+        try:
+            self.precision = Precision(self.precision)
+        except ValueError:
+            raise ConfigError(f"engines.precision must be one of {[p.value for p in Precision]}, "
+                              f"got {self.precision!r}") from None
+        for name in ("workspace_mib", "max_batch", "opt_batch", "max_seq", "opt_seq", "max_past"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"engines.{name} must be >= 1, got {getattr(self, name)}")
+        if self.opt_past < 0:
+            raise ConfigError(f"engines.opt_past must be >= 0, got {self.opt_past}")
+        for opt, mx in (("opt_batch", "max_batch"), ("opt_seq", "max_seq"), ("opt_past", "max_past")):
+            if getattr(self, opt) > getattr(self, mx):
+                raise ConfigError(f"engines.{opt}={getattr(self, opt)} exceeds engines.{mx}={getattr(self, mx)}")
+
+    def timing_cache_path(self, out_dir: str | Path) -> Path:
+        return Path(self.timing_cache) if self.timing_cache else Path(out_dir) / "timing.cache"
+
+
+# --- pure functions ---------------------------------------------------------------------------------
+
+def _model_dim(model_dims: dict[str, int], key: str) -> int:
+    if not isinstance(model_dims.get(key), int):
+        raise ArtifactError(f"graphs.json 'model' entry lacks integer {key!r} (has {sorted(model_dims)}); re-export")
+    return model_dims[key]
+
+
+def profile_shapes(graph_name: str, input_names: list[str], model_dims: dict[str, int],
+                   cfg: EngineBuildConfig) -> dict[str, tuple[Shape, Shape, Shape]]:
+    """(min, opt, max) shape of every input of one exported graph.
+
+    Args:
+        graph_name: ``embed``, ``segment_{i}`` or ``kvfill_{i}``.
+        input_names: the graph's inputs as recorded in graphs.json.
+        model_dims: graphs.json's ``model`` entry (hidden_size, num_kv_heads, head_dim, ...).
+        cfg: the profile bounds.
+
+    Returns:
+        ``{input: (min, opt, max)}`` in ``input_names`` order.
+
+    Raises:
+        ArtifactError: unknown graph kind, an input this graph kind does not have, or a missing dim.
+    """
+    bts = ((1, 1, 0), (cfg.opt_batch, cfg.opt_seq, cfg.opt_past), (cfg.max_batch, cfg.max_seq, cfg.max_past))
+    kind = graph_name.split("_")[0]
+    if kind not in ("embed", "segment", "kvfill"):
+        raise ArtifactError(f"unknown graph {graph_name!r}: expected embed, segment_<i> or kvfill_<i>")
+    d = _model_dim(model_dims, "hidden_size")
+    out: dict[str, tuple[Shape, Shape, Shape]] = {}
+    for name in input_names:
+        if kind == "embed" and name == "input_ids":
+            shape = [(b, t) for b, t, _ in bts]  # [B, T]
+        elif kind != "embed" and name == "hidden":
+            shape = [(b, t, d) for b, t, _ in bts]  # [B, T, D]
+        elif kind != "embed" and name == "positions":
+            shape = [(b, t) for b, t, _ in bts]  # [B, T]
+        elif kind == "segment" and name == "attn_mask":
+            shape = [(b, 1, t, p + t) for b, t, p in bts]  # [B, 1, T, P + T]
+        elif kind == "segment" and name.startswith(("past_key_", "past_value_")):
+            kv, hd = _model_dim(model_dims, "num_kv_heads"), _model_dim(model_dims, "head_dim")
+            shape = [(b, kv, p, hd) for b, _, p in bts]  # [B, KV, P, hd]
+        else:
+            raise ArtifactError(f"graph {graph_name!r} has an unexpected input {name!r}")
+        out[name] = (shape[0], shape[1], shape[2])
+    return out
+
+
+def _dims(shape: Shape) -> str:
+    return "x".join(str(s) for s in shape)
+
+
+def trtexec_argv(onnx_path: str | Path, engine_path: str | Path, shapes: dict[str, tuple[Shape, Shape, Shape]],
+                 cfg: EngineBuildConfig) -> list[str]:
+    """The ``trtexec`` command line that builds one engine (TensorRT 10 flags).
+
+    The timing cache is ``cfg.timing_cache`` or ``timing.cache`` beside the engine. INT8 also enables
+    FP16 so layers without Q/DQ run in FP16, not FP32; FP32 disables TF32 (trtexec enables it by
+    default on Ampere and later, Orin included) so an FP32 engine is an exact reference. With
+    ``strongly_typed`` the graph's types decide and no precision flag is passed.
+    """
+    engine_path = Path(engine_path)
+    argv = ["trtexec", f"--onnx={onnx_path}", f"--saveEngine={engine_path}"]
+    for flag, i in (("--minShapes", 0), ("--optShapes", 1), ("--maxShapes", 2)):
+        argv.append(f"{flag}=" + ",".join(f"{name}:{_dims(s[i])}" for name, s in shapes.items()))
+    argv.append(f"--memPoolSize=workspace:{cfg.workspace_mib}M")
+    if cfg.strongly_typed:
+        argv.append("--stronglyTyped")
+    else:
+        argv += {Precision.FP16: ["--fp16"], Precision.INT8: ["--fp16", "--int8"],
+                 Precision.FP32: ["--noTF32"]}[cfg.precision]
+    cache = cfg.timing_cache or engine_path.parent / "timing.cache"
+    argv += [f"--timingCacheFile={cache}", "--profilingVerbosity=detailed", "--dumpLayerInfo"]
+    return argv
+
+
+def graph_features(onnx_path: str | Path) -> dict[str, bool]:
+    """What an ONNX graph carries: Q/DQ nodes, MatMul/Gemm nodes, float16 tensors (no weights loaded)."""
+    proto = onnx.load(str(onnx_path), load_external_data=False)
+    ops = {n.op_type for n in proto.graph.node}
+    fp16 = onnx.TensorProto.FLOAT16
+    typed = [*proto.graph.input, *proto.graph.output, *proto.graph.value_info]
+    return {"qdq": bool(ops & QDQ_OPS), "matmul": bool(ops & MATMUL_OPS),
+            "fp16": any(t.data_type == fp16 for t in proto.graph.initializer)
+            or any(v.type.tensor_type.elem_type == fp16 for v in typed)}
+
+
+def check_precision(graphs_dir: str | Path, meta: dict[str, Any], cfg: EngineBuildConfig) -> None:
+    """Refuse a precision the graphs cannot give.
+
+    INT8 comes only from Q/DQ nodes (explicit quantization): every graph with a MatMul/Gemm must
+    carry Q/DQ (``embed`` is a table lookup and is exempt). A strongly typed FP16 build needs a
+    graph that carries float16 tensors, else it would silently build FP32.
+
+    Raises:
+        ConfigError: naming the graph and what it lacks.
+    """
+    if cfg.precision is Precision.FP32 or (cfg.precision is Precision.FP16 and not cfg.strongly_typed):
+        return
+    for name, g in meta["graphs"].items():
+        feats = graph_features(Path(graphs_dir) / g["file"])
+        if cfg.precision is Precision.INT8 and feats["matmul"] and not feats["qdq"]:
+            raise ConfigError(
+                f"engines.precision=int8 but {Path(graphs_dir) / g['file']} (graph {name!r}) has no "
+                f"QuantizeLinear/DequantizeLinear nodes: TensorRT builds INT8 from Q/DQ only; export a "
+                f"quantized model or use precision=fp16")
+        if cfg.precision is Precision.FP16 and cfg.strongly_typed and not feats["fp16"]:
+            raise ConfigError(
+                f"engines.strongly_typed with precision=fp16, but {Path(graphs_dir) / g['file']} (graph "
+                f"{name!r}) has no float16 tensors: a strongly typed network takes its types from the graph "
+                f"and would build FP32; set strongly_typed=false or export an fp16 graph")
+
+
+def _graph_jobs(graphs_dir: Path, out_dir: Path, meta: dict[str, Any], cfg: EngineBuildConfig):
+    """(name, onnx path, plan path, shapes) per graph, in graphs.json order."""
+    for name, g in meta["graphs"].items():
+        shapes = profile_shapes(name, g["inputs"], meta.get("model", {}), cfg)
+        yield name, graphs_dir / g["file"], out_dir / f"{name}.plan", shapes
+
+
+def _rel(path: Path, start: Path) -> str:
+    return os.path.relpath(path.resolve(), start.resolve())
+
+
+def write_trtexec_script(graphs_dir: str | Path, out_dir: str | Path, cfg: EngineBuildConfig) -> Path:
+    """Write ``<out_dir>/build_engines.sh`` and ``<out_dir>/trtexec_commands.json``.
+
+    Paths in both are relative to ``out_dir`` (the script ``cd``s there), so the run folder can be
+    copied to the Jetson as a whole.
+
+    Returns:
+        The script's path.
+
+    Raises:
+        ArtifactError: graphs_dir is not an export folder; ConfigError: see :func:`check_precision`.
+    """
+    graphs_dir, out_dir = Path(graphs_dir), Path(out_dir)
+    meta = load_graphs_json(graphs_dir)
+    check_precision(graphs_dir, meta, cfg)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rel_cfg = EngineBuildConfig(**{**asdict(cfg), "timing_cache": _rel(cfg.timing_cache_path(out_dir), out_dir)})
+    commands = {name: trtexec_argv(_rel(onnx_path, out_dir), plan.name, shapes, rel_cfg)
+                for name, onnx_path, plan, shapes in _graph_jobs(graphs_dir, out_dir, meta, cfg)}
+    lines = [
+        "#!/usr/bin/env bash",
+        "# Build SmartExit's TensorRT engines with trtexec.",
+        "# Run this on the Jetson (or GPU machine) that will run the engines: a TensorRT plan only runs",
+        "# on the GPU model, TensorRT version and JetPack it was built with. Paths are relative to",
+        "# this script's folder; copy the whole run folder (onnx/ and engines/) to the device.",
+        f"# precision {cfg.precision.value}, strongly_typed {cfg.strongly_typed}, "
+        f"checkpoint sha256 {meta.get('checkpoint_sha256')}",
+        "set -euo pipefail",
+        'cd "$(dirname "$0")"',
+        f'export PATH="$PATH:{JETPACK_TRTEXEC_DIR}"',
+        *(shlex.join(argv) for argv in commands.values()),
+    ]
+    script = atomic_write_text(out_dir / SCRIPT, "\n".join(lines) + "\n")
+    os.chmod(script, 0o755)
+    atomic_write_json(out_dir / COMMANDS_JSON, {
+        "format": ENGINES_FORMAT, "cwd": "the folder holding this file", "precision": cfg.precision.value,
+        "strongly_typed": cfg.strongly_typed, "checkpoint_sha256": meta.get("checkpoint_sha256"),
+        "commands": commands})
+    return script
+
+
+# --- building with the Python API (TensorRT and a CUDA GPU required) --------------------------------
+
+def _require_tensorrt(script: Path | None = None):
+    where = f"run {script} there" if script else f"run the {SCRIPT} that `smartexit engines` writes"
+    try:
+        trt = require("tensorrt", "tensorrt")
+    except MissingExtraError as exc:
+        raise MissingExtraError(
+            f"TensorRT is not installed here, so no engines were built. Engines are built on the device "
+            f"that runs them: on a Jetson (deploy/jetson), copy the run folder and {where} with JetPack's "
+            f"trtexec ({JETPACK_TRTEXEC_DIR}); or install the 'tensorrt' extra "
+            f"(pip install 'smartexit[tensorrt]') on a machine with an NVIDIA GPU") from exc
+    import torch
+
+    if not torch.cuda.is_available():
+        raise NoCudaDeviceError(
+            f"TensorRT {trt.__version__} is installed but no CUDA GPU is visible (torch.cuda.is_available() "
+            f"is False): engines are built on the GPU that runs them; on a Jetson, {where}")
+    return trt
+
+
+def _build_plan(trt, onnx_path: Path, shapes: dict[str, tuple[Shape, Shape, Shape]], cfg: EngineBuildConfig,
+                cache_bytes: bytes) -> tuple[bytes, bytes]:
+    """Serialized engine and updated timing cache for one graph."""
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) if cfg.strongly_typed else 0
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):  # by path: external data resolves beside the graph
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise ArtifactError(f"{onnx_path}: TensorRT's ONNX parser rejected the graph: {errors}")
+    inputs = {network.get_input(i).name for i in range(network.num_inputs)}
+    if inputs != set(shapes):
+        raise ArtifactError(f"{onnx_path}: network inputs {sorted(inputs)} != graphs.json inputs {sorted(shapes)}")
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, cfg.workspace_mib << 20)
+    if not cfg.strongly_typed:
+        if cfg.precision in (Precision.FP16, Precision.INT8):
+            config.set_flag(trt.BuilderFlag.FP16)
+        if cfg.precision is Precision.INT8:
+            config.set_flag(trt.BuilderFlag.INT8)
+        if cfg.precision is Precision.FP32:
+            config.clear_flag(trt.BuilderFlag.TF32)  # same as trtexec --noTF32
+    config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
+    profile = builder.create_optimization_profile()
+    for name, (mn, opt, mx) in shapes.items():
+        profile.set_shape(name, mn, opt, mx)
+    if config.add_optimization_profile(profile) < 0:
+        raise ConfigError(f"{onnx_path}: TensorRT rejected the optimisation profile {shapes}")
+    cache = config.create_timing_cache(cache_bytes)
+    if not config.set_timing_cache(cache, False):  # another TensorRT version / GPU: start afresh
+        cache = config.create_timing_cache(b"")
+        config.set_timing_cache(cache, False)
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise ArtifactError(f"{onnx_path}: TensorRT failed to build an engine (its log above says why)")
+    return bytes(plan), bytes(cache.serialize())
+
+
+def build_engines(graphs_dir: str | Path, out_dir: str | Path, cfg: EngineBuildConfig,
+                  checkpoint_sha256: str) -> dict[str, Any]:
+    """Verify the graphs, write the trtexec script, then build every graph into ``<out_dir>/<graph>.plan``.
+
+    Returns:
+        The content of ``<out_dir>/engines.json`` (per engine: file, sha256, precision, shapes,
+        TensorRT version, build seconds, checkpoint sha256).
+
+    Raises:
+        ArtifactError: graphs of another checkpoint, changed files, a graph TensorRT rejects.
+        ConfigError: a precision the graphs cannot give (:func:`check_precision`).
+        MissingExtraError: TensorRT is not installed (the script is written all the same).
+        NoCudaDeviceError: no CUDA GPU (the script is written all the same).
+    """
+    graphs_dir, out_dir = Path(graphs_dir), Path(out_dir)
+    meta = verify_graphs(graphs_dir, checkpoint_sha256)
+    script = write_trtexec_script(graphs_dir, out_dir, cfg)
+    trt = _require_tensorrt(script)
+    import torch
+
+    cache_path = cfg.timing_cache_path(out_dir)
+    cache_bytes = cache_path.read_bytes() if cache_path.is_file() else b""
+    engines: dict[str, Any] = {}
+    tmp = Path(tempfile.mkdtemp(prefix=".building.", dir=out_dir))  # plans move in only if all build
+    try:
+        for name, onnx_path, plan_path, shapes in _graph_jobs(graphs_dir, out_dir, meta, cfg):
+            t0 = time.perf_counter()
+            plan, cache_bytes = _build_plan(trt, onnx_path, shapes, cfg, cache_bytes)
+            (tmp / plan_path.name).write_bytes(plan)
+            with atomic_path(cache_path) as p:  # the cache is worth keeping even if a later graph fails
+                p.write_bytes(cache_bytes)
+            engines[name] = {
+                "file": plan_path.name, "sha256": sha256_file(tmp / plan_path.name),
+                "precision": cfg.precision.value, "strongly_typed": cfg.strongly_typed,
+                "shapes": {k: {"min": list(v[0]), "opt": list(v[1]), "max": list(v[2])} for k, v in shapes.items()},
+                "tensorrt_version": trt.__version__, "build_seconds": round(time.perf_counter() - t0, 3),
+                "checkpoint_sha256": checkpoint_sha256, "onnx_sha256": meta["graphs"][name]["sha256"],
+            }
+        for info in engines.values():
+            os.chmod(tmp / info["file"], 0o644)
+            os.replace(tmp / info["file"], out_dir / info["file"])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    result = {"format": ENGINES_FORMAT, "tensorrt_version": trt.__version__,
+              "device": torch.cuda.get_device_name(), "checkpoint_sha256": checkpoint_sha256,
+              "build": {**asdict(cfg), "precision": cfg.precision.value}, "engines": engines}
+    atomic_write_json(out_dir / ENGINES_JSON, result)
+    return result
+
+
+# --- running a plan ----------------------------------------------------------------------------------
+
+_TORCH_DTYPES = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT8": "int8", "UINT8": "uint8",
+                 "INT32": "int32", "INT64": "int64", "BOOL": "bool"}
+
+
+class TrtRunner:
+    """One TensorRT plan run with torch CUDA tensors as its buffers (numpy in, numpy out)."""
+
+    def __init__(self, engine_path: str | Path) -> None:
+        self.trt = trt = _require_tensorrt()
+        import torch
+
+        self.torch = torch
+        self.path = Path(engine_path)
+        if not self.path.is_file():
+            raise ArtifactError(f"{self.path} (TensorRT plan) is missing")
+        self._runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        self.engine = self._runtime.deserialize_cuda_engine(self.path.read_bytes())
+        if self.engine is None:
+            raise ArtifactError(f"{self.path}: TensorRT {trt.__version__} cannot load this plan (built with "
+                                f"another TensorRT version or for another GPU?); rebuild it on this device")
+        self.context = self.engine.create_execution_context()
+        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
+        self.inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        self.outputs = [n for n in names if n not in self.inputs]
+        self.stream = torch.cuda.Stream()
+
+    def _dtype(self, name: str):
+        dt = str(self.engine.get_tensor_dtype(name)).rsplit(".", 1)[-1]  # "DataType.FLOAT" -> "FLOAT"
+        if dt not in _TORCH_DTYPES:
+            raise ArtifactError(f"{self.path}: tensor {name!r} has type {dt}, which TrtRunner does not handle")
+        return getattr(self.torch, _TORCH_DTYPES[dt])
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run the engine once on ``feeds`` (every input by name); returns every output by name.
+
+        Raises:
+            ConfigError: a missing or unknown input, or a shape outside the engine's profile.
+            SmartExitError: TensorRT failed to enqueue the work.
+        """
+        torch, ctx = self.torch, self.context
+        if set(feeds) != set(self.inputs):
+            raise ConfigError(f"{self.path.name}: inputs {sorted(feeds)} given, the engine takes {sorted(self.inputs)}")
+        keep = []  # device buffers must outlive the execution
+        for name in self.inputs:
+            arr = np.ascontiguousarray(feeds[name])
+            if not ctx.set_input_shape(name, arr.shape):
+                lo, _, hi = self.engine.get_tensor_profile_shape(name, 0)
+                raise ConfigError(f"{self.path.name}: input {name!r} shape {arr.shape} is outside the "
+                                  f"engine's profile {tuple(lo)}..{tuple(hi)}")
+            t = torch.from_numpy(arr).to(device="cuda", dtype=self._dtype(name))
+            if t.numel() == 0:  # an empty input still needs a non-null address
+                t = torch.empty(1, dtype=t.dtype, device="cuda")
+            keep.append(t)
+            ctx.set_tensor_address(name, t.data_ptr())
+        outs = {}
+        for name in self.outputs:
+            shape = tuple(ctx.get_tensor_shape(name))  # known once every input shape is set
+            outs[name] = torch.empty(shape, dtype=self._dtype(name), device="cuda")
+            buf = outs[name] if outs[name].numel() else torch.empty(1, dtype=outs[name].dtype, device="cuda")
+            keep.append(buf)
+            ctx.set_tensor_address(name, buf.data_ptr())
+        self.stream.wait_stream(torch.cuda.current_stream())  # inputs were copied on the current stream
+        if not ctx.execute_async_v3(self.stream.cuda_stream):
+            raise SmartExitError(f"{self.path.name}: TensorRT execute_async_v3 failed (see its log)")
+        self.stream.synchronize()
+        return {n: (t.float() if t.dtype == torch.bfloat16 else t).cpu().numpy() for n, t in outs.items()}
+
+
+# --- stage entry -------------------------------------------------------------------------------------
+
+@dataclass
+class EnginesConfig:
+    """``smartexit engines``: build TensorRT engines from ``<run_dir>/onnx`` into ``<run_dir>/engines``."""
+
+    run_dir: str = "artifacts/demo"
+    build: EngineBuildConfig = field(default_factory=EngineBuildConfig)
+
+
+def main(cfg: EnginesConfig) -> int:
+    """Build the engines of a run folder and record the ``engines`` stage.
+
+    Raises:
+        SmartExitError: any of :func:`build_engines`'s errors, or a missing / changed export or checkpoint.
+    """
+    t0 = time.time()
+    manifest = Manifest(cfg.run_dir)
+    graphs = manifest.verified_output("export", "graphs")
+    ckpt = manifest.verified_output("distill", "checkpoint")
+    out = Path(cfg.run_dir) / "engines"
+    result = build_engines(graphs, out, cfg.build, sha256_path(ckpt))
+    manifest.record(STAGE, inputs={"graphs": graphs, "checkpoint": ckpt},
+                    config={"run_dir": cfg.run_dir, "build": result["build"]},
+                    outputs={"engines": out},
+                    metrics={"tensorrt_version": result["tensorrt_version"], "device": result["device"],
+                             "build_seconds": {k: v["build_seconds"] for k, v in result["engines"].items()}},
+                    seconds=time.time() - t0)
+    print(f"engines: {len(result['engines'])} plans in {out} (TensorRT {result['tensorrt_version']}, "
+          f"{result['device']})")
+    return 0

@@ -1,0 +1,44 @@
+"""Every stage on a small random model: export gate, calibrate, decode benchmark, report."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from edge.cli import main as cli
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def run(micro_run, tmp_path_factory):
+    run = tmp_path_factory.mktemp("pipeline") / "run"
+    shutil.copytree(micro_run, run)
+    return run
+
+
+def test_failing_parity_gate_stops_with_numbers(run, capsys):
+    assert cli(["export", f"run_dir={run}", "atol=0", "rtol=0", "prompt_tokens=16", "parity_prompts=2"]) == 2
+    err = capsys.readouterr().err
+    assert "ONNX parity failed" in err and "largest max abs diffs" in err
+    assert not (run / "onnx").exists()
+    assert "export" not in json.loads((run / "manifest.json").read_text())["stages"]
+
+
+def test_export_calibrate_bench_report(run):
+    assert cli(["export", f"run_dir={run}", "prompt_tokens=16", "parity_prompts=2", "threads=1"]) == 0
+    assert (run / "onnx" / "graphs.json").is_file()
+    assert cli(["calibrate", f"run_dir={run}", "seq_len=32", "calib_tokens=2000", "test_tokens=1000",
+                "free_run_prompts=2", "prompt_tokens=16", "free_run_tokens=6", "threads=1"]) == 0
+    assert cli(["bench", "decode", f"run_dir={run}", "batch_sizes=[1,2]", "prompt_tokens=16", "new_tokens=6",
+                "repeats=1", "warmup=0", "layerskip_exit=2", "memory=false", "threads=1"]) == 0
+    assert cli(["report", f"run_dir={run}"]) == 0
+    report = json.loads((run / "report.json").read_text())
+    bench = report["decode_bench"]
+    for key in ("speedup_exit_vs_full_b1", "speedup_exit_vs_hf_b1", "speedup_exit_vs_layerskip_b1",
+                "false_exit_rate"):
+        assert isinstance(bench[key], float), key
+    assert bench["batches"]["1"]["full_engine_equals_hf"] is True
+    assert report["export"]["parity_passed"] is True
+    assert (run / "bench" / "decode.png").is_file()
