@@ -167,3 +167,29 @@ def exit_signals(logits: dict[int, np.ndarray], hidden: dict[int, np.ndarray],
         out[k] = np.stack([top1, margin, entropy, agree, run / m, cos], axis=1)  # [N, F]
         prev_arg = arg
     return out
+
+
+def last_exit_signals(logits: dict[int, np.ndarray], hidden: dict[int, np.ndarray],
+                      num_exits: int | None = None) -> np.ndarray:
+    """Signals [N, F] of the deepest exit in ``logits`` only: what a runtime needs at that exit.
+
+    Same values as ``exit_signals(logits, hidden, num_exits)[max(logits)]``, but the softmax is
+    computed for the deepest exit alone (earlier exits contribute only their argmax and hidden).
+    Inputs are not re-validated: this is the engine's hot path.
+    """
+    layers = sorted(logits)
+    k = layers[-1]
+    z = np.asarray(logits[k], dtype=np.float64)  # [N, V]
+    n = z.shape[0]
+    top1, margin, entropy = _softmax_stats(z)
+    if len(layers) == 1:
+        zeros = np.zeros(n)
+        return np.stack([top1, margin, entropy, zeros, zeros, zeros], axis=1)
+    args = [np.argmax(logits[j], axis=1) for j in layers]  # [N] per exit
+    run = np.zeros(n)
+    for a, b in zip(args[:-1], args[1:]):
+        run = np.where(a == b, run + 1.0, 0.0)
+    agree = (args[-1] == args[-2]).astype(np.float64)
+    cos = _cosine(np.asarray(hidden[k], dtype=np.float64), np.asarray(hidden[layers[-2]], dtype=np.float64))
+    m = num_exits or len(layers)
+    return np.stack([top1, margin, entropy, agree, run / m, cos], axis=1)  # [N, F]

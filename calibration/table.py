@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from calibration.calibrators import Calibrator
-from calibration.signals import SIGNAL_NAMES, exit_signals
+from calibration.signals import SIGNAL_NAMES, last_exit_signals
 from edge.artifacts import atomic_write_json, sha256_path
 from edge.errors import ArtifactError, ConfigError
 
@@ -126,5 +126,5 @@ class TableRule:
 
     def decide(self, layer: int, logits: dict[int, np.ndarray], hidden: dict[int, np.ndarray]) -> np.ndarray:
         """Batched form for the engine: exits reached so far -> logits [B, V], hidden [B, D]; bool [B]."""
-        feats = exit_signals(logits, hidden, num_exits=len(self.table.exit_layers))[layer]  # [B, F]
+        feats = last_exit_signals(logits, hidden, num_exits=len(self.table.exit_layers))  # [B, F]
         return self.table.calibrators[layer].score(feats) >= self.table.score_thresholds[layer]

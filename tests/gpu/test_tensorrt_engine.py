@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from edge.model import attention_mask  # noqa: F401  (the mask convention the graphs expect; built inline below)
+from edge.model import attention_mask
 from exporters.onnx_export import ExportConfig, export_onnx
 from exporters.tensorrt import ENGINES_JSON, EngineBuildConfig, TrtRunner, build_engines
 from tests.unit.exporters.test_onnx_export import CKPT, make_model, session
@@ -22,7 +22,6 @@ pytestmark = pytest.mark.gpu
 trt = pytest.importorskip("tensorrt")
 
 KV, HD, D = 2, 16, 64
-NEG = -1e9  # additive mask value for hidden slots
 SMALL = dict(max_batch=4, opt_batch=2, max_seq=16, opt_seq=1, max_past=32, opt_past=8, workspace_mib=256)
 
 
@@ -44,8 +43,8 @@ def _feeds(batch: int, seq: int, past: int, seed: int) -> dict[str, np.ndarray]:
     g = np.random.default_rng(seed)
     hidden = g.standard_normal((batch, seq, D)).astype(np.float32)
     positions = np.broadcast_to(np.arange(past, past + seq), (batch, seq)).astype(np.int64).copy()
-    mask = np.zeros((batch, 1, seq, past + seq), np.float32)
-    mask[:, :, :, past:] = np.triu(np.full((seq, seq), NEG, np.float32), 1)  # causal over the new tokens
+    k_pos = torch.arange(past + seq).expand(batch, -1)
+    mask = attention_mask(torch.from_numpy(positions), k_pos).numpy()  # [B, 1, T, P + T], causal
     feeds = {"hidden": hidden, "positions": positions, "attn_mask": mask}
     for j in (0, 1):
         feeds[f"past_key_{j}"] = g.standard_normal((batch, KV, past, HD)).astype(np.float32)
@@ -102,7 +101,3 @@ def test_shape_outside_profile_is_refused(engines):
     _, out = engines
     with pytest.raises(ConfigError, match="outside the engine's profile"):
         TrtRunner(out / "embed.plan").run({"input_ids": np.zeros((8, 1), np.int64)})  # max_batch is 4
-
-
-def test_cuda_visible():
-    assert torch.cuda.is_available()

@@ -140,3 +140,18 @@ def test_signal_ranges(n, v, m, data):
         assert ((entropy >= 0) & (entropy <= math.log(v))).all()
         assert ((x[:, COL["agree_run"]] >= 0) & (x[:, COL["agree_run"]] < 1)).all()
         assert (np.abs(x[:, COL["cos_prev"]]) <= 1).all()
+
+
+def test_last_exit_signals_equal_full_computation():
+    from calibration.signals import exit_signals, last_exit_signals
+
+    rng = np.random.default_rng(7)
+    layers = [3, 6, 9, 12]
+    # few distinct argmaxes so agreement runs occur
+    logits = {k: rng.normal(size=(50, 5)) * 3 for k in layers}
+    hidden = {k: rng.normal(size=(50, 8)) for k in layers}
+    for upto in range(1, 5):
+        sub = layers[:upto]
+        full = exit_signals({k: logits[k] for k in sub}, {k: hidden[k] for k in sub}, num_exits=4)[sub[-1]]
+        last = last_exit_signals({k: logits[k] for k in sub}, {k: hidden[k] for k in sub}, num_exits=4)
+        assert np.array_equal(full, last)

@@ -135,7 +135,8 @@ def test_graph_features_sees_qdq(graphs, tmp_path):
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 2])
     scale = helper.make_tensor("s", TensorProto.FLOAT, [], [0.1])
-    nodes = [helper.make_node("QuantizeLinear", ["x", "s"], ["q"]), helper.make_node("DequantizeLinear", ["q", "s"], ["d"]),
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s"], ["q"]),
+             helper.make_node("DequantizeLinear", ["q", "s"], ["d"]),
              helper.make_node("MatMul", ["d", "d"], ["y"])]
     path = tmp_path / "qdq.onnx"
     onnx.save(helper.make_model(helper.make_graph(nodes, "g", [x], [y], [scale])), str(path))
