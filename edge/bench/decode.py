@@ -206,6 +206,12 @@ def _memory_probe(argv: list[str]) -> None:
     cfg = DecodeBenchConfig(run_dir=run_dir, prompt_tokens=int(prompt_tokens), new_tokens=int(new_tokens),
                             threads=int(threads))
     torch.set_num_threads(cfg.threads)
+    if system == "baseline":  # the interpreter with every library imported, nothing loaded
+        import onnxruntime  # noqa: F401
+        import transformers  # noqa: F401
+
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        return
     ckpt, graphs, thresholds = _paths(run_dir)
     model = load_multi_exit(ckpt) if system.startswith("engine") else None
     systems = Systems(cfg, ckpt, graphs, thresholds, model, only=(system,))
@@ -269,7 +275,7 @@ def main(cfg: DecodeBenchConfig) -> int:
     if cfg.memory:
         b = max(cfg.batch_sizes)
         results["peak_rss_mib"] = {s: peak_rss_mib(s, cfg.run_dir, b if applicable(s, b) else 1, cfg)
-                                   for s in SYSTEMS}
+                                   for s in ("baseline", *SYSTEMS)}
     summary = headline(results)
     out = Path(cfg.run_dir) / "bench"
     with atomic_dir(out) as tmp:
@@ -307,7 +313,9 @@ def render_markdown(results: dict[str, Any], summary: dict[str, Any]) -> str:
     lines = [f"# Decode benchmark", "",
              f"{cfg['prompt_tokens']}-token held-out prompts, {cfg['new_tokens']} new tokens, greedy; "
              f"{cfg['warmup']} warm-up + {cfg['repeats']} interleaved repeats; medians; {cfg['threads']} threads; "
-             f"KV mode {cfg['kv_mode']}.", "",
+             f"KV mode {cfg['kv_mode']}. Peak RSS: a fresh process per system at the largest batch "
+             f"(batch 1 for LayerSkip); `baseline` is the same process with the libraries imported and no "
+             f"model loaded ({mem.get('baseline', float('nan')):.0f} MiB).", "",
              "| batch | system | tokens/s | token latency p50 (ms) | p95 (ms) | peak RSS (MiB) | mean exit layer |",
              "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     f = lambda v, s=".2f": "n/a" if v is None else format(v, s)  # noqa: E731
