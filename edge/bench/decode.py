@@ -5,7 +5,9 @@ Systems, on the same weights and the same held-out prompts (equal length, no pad
   layerskip    (b) transformers ``generate(assistant_early_exit=k)``: LayerSkip-style lossless
                    self-speculation (Elhoushi et al. 2024); transformers supports batch 1 only;
   engine_full  (c) the SmartExit engine on ONNX Runtime at full depth;
-  engine_exit  (d) the same engine with the calibrated threshold table.
+  engine_exit  (d) the same engine with the calibrated threshold table (skipped layers' K/V by
+                   state propagation);
+  engine_exit_defer  (d') as (d), skipped layers' K/V by deferred recomputation.
 Per batch size: warm-up runs, then repeats in which the systems run interleaved (rotated
 order); ratios are computed repeat by repeat and their median reported. Tokens/s counts
 generated tokens over the whole ``generate`` call (prefill included, the same for all).
@@ -37,9 +39,10 @@ from edge.exits import MultiExitModel, load_multi_exit
 from edge.tokenizer import load_tokenizer
 
 STAGE = "bench_decode"
-SYSTEMS = ("hf", "layerskip", "engine_full", "engine_exit")
+SYSTEMS = ("hf", "layerskip", "engine_full", "engine_exit", "engine_exit_defer")
 LABELS = {"hf": "(a) transformers generate", "layerskip": "(b) transformers LayerSkip self-speculation",
-          "engine_full": "(c) SmartExit engine, ORT, full depth", "engine_exit": "(d) SmartExit engine, ORT, exits"}
+          "engine_full": "(c) SmartExit engine, ORT, full depth", "engine_exit": "(d) SmartExit engine, ORT, exits",
+          "engine_exit_defer": "(d') as (d), deferred K/V recomputation"}
 
 
 @dataclass
@@ -51,7 +54,6 @@ class DecodeBenchConfig:
     warmup: int = 1
     repeats: int = 3
     layerskip_exit: int = 6
-    kv_mode: KVMode = KVMode.PROPAGATE
     threads: int = 2
     memory: bool = True
     seed: int = 0
@@ -133,7 +135,7 @@ class Systems:
         transformers.logging.set_verbosity_error()
         if {"hf", "layerskip"} & set(only):
             self.hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-        if {"engine_full", "engine_exit"} & set(only):
+        if {"engine_full", "engine_exit", "engine_exit_defer"} & set(only):
             self.backend = make_backend("onnxruntime", model, graphs, checkpoint=ckpt, threads=cfg.threads)
             self.table_rule = TableRule(load_table(thresholds, ckpt))
 
@@ -143,8 +145,9 @@ class Systems:
         if name == "layerskip":
             return run_hf(self.hf, prompts, n, early_exit=self.cfg.layerskip_exit)
         if name == "engine_full":
-            return run_engine(backend or self.backend, rule or NeverExit(), prompts, n, self.cfg.kv_mode)
-        return run_engine(backend or self.backend, rule or self.table_rule, prompts, n, self.cfg.kv_mode)
+            return run_engine(backend or self.backend, rule or NeverExit(), prompts, n, KVMode.PROPAGATE)
+        mode = KVMode.DEFER if name == "engine_exit_defer" else KVMode.PROPAGATE
+        return run_engine(backend or self.backend, rule or self.table_rule, prompts, n, mode)
 
 
 def applicable(name: str, batch: int) -> bool:
@@ -241,8 +244,9 @@ def main(cfg: DecodeBenchConfig) -> int:
         raise ConfigError(f"bench.layerskip_exit must be in [1, {model.num_layers - 1}], got {cfg.layerskip_exit}")
     tok = load_tokenizer(ckpt)
     systems = Systems(cfg, ckpt, graphs, thresholds, model)
-    results: dict[str, Any] = {"config": {**asdict(cfg), "kv_mode": cfg.kv_mode.value}, "batches": {}}
+    results: dict[str, Any] = {"config": asdict(cfg), "batches": {}}
     fe_bad = fe_total = match_c = 0
+    defer_bad = defer_total = 0
     for b in cfg.batch_sizes:
         prompts = heldout_prompts(tok, load_split(Split.TEST), b, cfg.prompt_tokens, cfg.seed)
         names = [s for s in SYSTEMS if applicable(s, b)]
@@ -255,6 +259,8 @@ def main(cfg: DecodeBenchConfig) -> int:
                     runs[s].append(r)
         bad, total = false_exit_rate(model, prompts, runs["engine_exit"][0])
         fe_bad, fe_total = fe_bad + bad, fe_total + total
+        d_bad, d_total = false_exit_rate(model, prompts, runs["engine_exit_defer"][0])
+        defer_bad, defer_total = defer_bad + d_bad, defer_total + d_total
         full, ex = runs["engine_full"][0].tokens, runs["engine_exit"][0].tokens
         match_c += sum(a == b_ for x, y in zip(full, ex) for a, b_ in zip(x, y))
         results["batches"][str(b)] = {
@@ -262,12 +268,15 @@ def main(cfg: DecodeBenchConfig) -> int:
             "speedup_exit_vs_full": paired_ratio(runs, "engine_exit", "engine_full"),
             "speedup_exit_vs_hf": paired_ratio(runs, "engine_exit", "hf"),
             "speedup_exit_vs_layerskip": paired_ratio(runs, "engine_exit", "layerskip"),
+            "speedup_defer_vs_full": paired_ratio(runs, "engine_exit_defer", "engine_full"),
             "full_engine_equals_hf": runs["engine_full"][0].tokens == runs["hf"][0].tokens,
             "false_exit_rate": bad / max(1, total),
+            "false_exit_rate_defer": d_bad / max(1, d_total),
         }
         print(f"batch {b}: " + ", ".join(f"{s} {v['tokens_per_s']:.1f} tok/s"
                                          for s, v in results["batches"][str(b)]["systems"].items()), flush=True)
     results["false_exit_rate"] = fe_bad / max(1, fe_total)
+    results["false_exit_rate_defer"] = defer_bad / max(1, defer_total)
     results["false_exit_tokens"] = fe_total
     results["token_match_vs_full_engine"] = match_c / (sum(cfg.batch_sizes) * cfg.new_tokens)
     results["profile_b1"] = profile_step(systems, heldout_prompts(tok, load_split(Split.TEST), 1,
@@ -303,6 +312,8 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
         "speedup_exit_vs_hf_b1": bs[first]["speedup_exit_vs_hf"],
         "speedup_exit_vs_layerskip_b1": bs[first]["speedup_exit_vs_layerskip"],
         "false_exit_rate": results["false_exit_rate"],
+        f"speedup_defer_vs_full_b1": bs[first]["speedup_defer_vs_full"],
+        "false_exit_rate_defer": results["false_exit_rate_defer"],
         "token_match_vs_full_engine": results["token_match_vs_full_engine"],
     }
 
@@ -312,8 +323,8 @@ def render_markdown(results: dict[str, Any], summary: dict[str, Any]) -> str:
     mem = results.get("peak_rss_mib", {})
     lines = [f"# Decode benchmark", "",
              f"{cfg['prompt_tokens']}-token held-out prompts, {cfg['new_tokens']} new tokens, greedy; "
-             f"{cfg['warmup']} warm-up + {cfg['repeats']} interleaved repeats; medians; {cfg['threads']} threads; "
-             f"KV mode {cfg['kv_mode']}. Peak RSS: a fresh process per system at the largest batch "
+             f"{cfg['warmup']} warm-up + {cfg['repeats']} interleaved repeats; medians; {cfg['threads']} threads. "
+             f"Peak RSS: a fresh process per system at the largest batch "
              f"(batch 1 for LayerSkip); `baseline` is the same process with the libraries imported and no "
              f"model loaded ({mem.get('baseline', float('nan')):.0f} MiB).", "",
              "| batch | system | tokens/s | token latency p50 (ms) | p95 (ms) | peak RSS (MiB) | mean exit layer |",
@@ -323,10 +334,12 @@ def render_markdown(results: dict[str, Any], summary: dict[str, Any]) -> str:
         for s, v in row["systems"].items():
             lines.append(f"| {b} | {LABELS[s]} | {v['tokens_per_s']:.1f} | {f(v['token_latency_p50_ms'])} | "
                          f"{f(v['token_latency_p95_ms'])} | {f(mem.get(s), '.0f')} | {f(v['mean_exit_layer'])} |")
-    lines += ["", "| batch | (d)/(c) | (d)/(a) | (d)/(b) | false exits of (d) |", "| ---: | ---: | ---: | ---: | ---: |"]
+    lines += ["", "| batch | (d)/(c) | (d)/(a) | (d)/(b) | (d')/(c) | false exits (d) | false exits (d') |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for b, row in results["batches"].items():
         lines.append(f"| {b} | {f(row['speedup_exit_vs_full'])} | {f(row['speedup_exit_vs_hf'])} | "
-                     f"{f(row['speedup_exit_vs_layerskip'])} | {row['false_exit_rate']:.4f} |")
+                     f"{f(row['speedup_exit_vs_layerskip'])} | {f(row['speedup_defer_vs_full'])} | "
+                     f"{row['false_exit_rate']:.4f} | {row['false_exit_rate_defer']:.4f} |")
     prof = results["profile_b1"]
     lines += ["", "Where one decode step of (d) goes at batch 1 (ms per step): "
               + ", ".join(f"{k} {v:.3f}" for k, v in prof.items()), ""]
@@ -341,10 +354,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
     batches = list(results["batches"])
     fig, ax = plt.subplots(figsize=(7, 3.8))
-    width = 0.2
+    width = 0.16
     for k, s in enumerate(SYSTEMS):
         vals = [results["batches"][b]["systems"].get(s, {}).get("tokens_per_s", 0.0) for b in batches]
-        ax.bar(np.arange(len(batches)) + (k - 1.5) * width, vals, width, label=LABELS[s])
+        ax.bar(np.arange(len(batches)) + (k - 2) * width, vals, width, label=LABELS[s])
     ax.set_xticks(np.arange(len(batches)), [f"batch {b}" for b in batches])
     ax.set_ylabel("tokens / s")
     ax.set_title("Decode throughput (higher is better)")

@@ -1,0 +1,36 @@
+"""Pure parts of the decode benchmark: pairing, summaries, applicability."""
+from __future__ import annotations
+
+import pytest
+
+from edge.bench.decode import DecodeBenchConfig, RunResult, applicable, paired_ratio, summarise
+from edge.errors import ConfigError
+
+
+def _r(seconds, lat=(0.01, 0.02), layers=None):
+    return RunResult([[1, 2]], layers, seconds, list(lat))
+
+
+def test_paired_ratio_is_median_of_per_repeat_ratios():
+    runs = {"a": [_r(1.0), _r(2.0), _r(4.0)], "b": [_r(2.0), _r(2.0), _r(2.0)]}
+    # tokens/s ratio a/b = seconds_b / seconds_a per repeat: 2, 1, 0.5 -> median 1
+    assert paired_ratio(runs, "a", "b") == pytest.approx(1.0)
+    assert paired_ratio(runs, "a", "missing") is None
+
+
+def test_summarise_counts_tokens_and_latency():
+    rows = summarise({"x": [_r(0.5, layers=[[3, 12]])]}, batch=4, n=10)
+    assert rows["x"]["tokens_per_s"] == pytest.approx(80.0)
+    assert rows["x"]["token_latency_p50_ms"] == pytest.approx(15.0)
+    assert rows["x"]["mean_exit_layer"] == pytest.approx(7.5)
+
+
+def test_layerskip_only_at_batch_one():
+    assert applicable("layerskip", 1) and not applicable("layerskip", 4) and applicable("hf", 16)
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError):
+        DecodeBenchConfig(batch_sizes=[])
+    with pytest.raises(ConfigError):
+        DecodeBenchConfig(new_tokens=1)
