@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from calibration.calibrators import (CalibratorKind, brier_score, expected_calibration_error, fit_calibrators,
                                      reliability_curve)
@@ -30,12 +29,11 @@ from calibration.evaluate import EvalResult, evaluate_cascade, free_run
 from calibration.risk import PValue, default_grid, false_exit_counts, learn_then_test, min_calibration_tokens
 from calibration.signals import exit_targets
 from calibration.table import ThresholdTable, TableRule
-from edge.artifacts import Manifest, atomic_dir, sha256_path
+from edge.artifacts import atomic_dir, sha256_path
 from edge.data import Split, heldout_prompts, load_split, load_text_dir
 from edge.distill import heldout_tokens
 from edge.errors import ConfigError
-from edge.exits import load_multi_exit
-from edge.tokenizer import load_tokenizer
+from edge.run import open_run
 
 STAGE = "calibrate"
 TOP1 = 0  # column of top1_prob in the signal matrix
@@ -117,11 +115,8 @@ def _ltt(name: str, kind: CalibratorKind, cal: Collected, test: Collected, cfg: 
 
 def main(cfg: CalibrateConfig) -> int:
     t0 = time.time()
-    torch.set_num_threads(cfg.threads)
-    manifest = Manifest(cfg.run_dir)
-    ckpt = manifest.verified_output("distill", "checkpoint")
-    model = load_multi_exit(ckpt)
-    tok = load_tokenizer(ckpt)
+    run = open_run(cfg.run_dir, cfg.threads)
+    manifest, ckpt, model, tok = run.manifest, run.path, run.model, run.tokenizer
     n_min = min_calibration_tokens(cfg.epsilon, cfg.delta, cfg.pvalue)
     if cfg.calib_tokens < n_min:
         raise ConfigError(f"calib_tokens={cfg.calib_tokens} is too few to certify epsilon={cfg.epsilon} at "

@@ -13,12 +13,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from edge.artifacts import Manifest
+
 from edge.data import Split, heldout_prompts, load_split
 from edge.errors import ConfigError
-from edge.exits import load_multi_exit
+from edge.run import open_run
 from edge.generate import confidence_rule, generate
-from edge.tokenizer import load_tokenizer
 
 STAGE = "generate"
 
@@ -42,11 +41,8 @@ class GenerateConfig:
 
 def main(cfg: GenerateConfig) -> int:
     t0 = time.time()
-    torch.set_num_threads(cfg.threads)
-    manifest = Manifest(cfg.run_dir)
-    ckpt = manifest.verified_output("distill", "checkpoint")
-    model = load_multi_exit(ckpt)
-    tok = load_tokenizer(ckpt)
+    run = open_run(cfg.run_dir, cfg.threads)
+    manifest, ckpt, model, tok = run.manifest, run.path, run.model, run.tokenizer
     prompts = heldout_prompts(tok, load_split(Split.TEST), cfg.prompts, cfg.prompt_tokens, cfg.seed)
     rule = confidence_rule(cfg.threshold)
     identical, matched, total, exits = 0, 0, 0, Counter()

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from edge.artifacts import atomic_path, atomic_write_json, atomic_write_text
+from edge.artifacts import atomic_path, atomic_write_json
 from edge.config import preset
 from edge.data import Split, load_split, ship_splits, split_documents, stdlib_documents
 from edge.model import Decoder

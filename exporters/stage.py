@@ -13,12 +13,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
 
-from edge.artifacts import Manifest, sha256_path
+from edge.artifacts import sha256_path
 from edge.data import Split, heldout_prompts, load_split
-from edge.exits import load_multi_exit
-from edge.tokenizer import load_tokenizer
+from edge.run import open_run
 from exporters.onnx_export import ExportConfig, export_onnx
 from exporters.parity import PARITY_ATOL, PARITY_RTOL, check_parity, require_parity
 
@@ -39,11 +37,8 @@ class ExportStageConfig:
 
 def main(cfg: ExportStageConfig) -> int:
     t0 = time.time()
-    torch.set_num_threads(cfg.threads)
-    manifest = Manifest(cfg.run_dir)
-    ckpt = manifest.verified_output("distill", "checkpoint")
-    model = load_multi_exit(ckpt)
-    tok = load_tokenizer(ckpt)
+    run = open_run(cfg.run_dir, cfg.threads)
+    manifest, ckpt, model, tok = run.manifest, run.path, run.model, run.tokenizer
     prompts = heldout_prompts(tok, load_split(Split.TEST), cfg.parity_prompts, cfg.prompt_tokens, cfg.seed)
     out = Path(cfg.run_dir) / "onnx"
     # export beside the final folder, gate, and only then swap it in

@@ -312,7 +312,7 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
         "speedup_exit_vs_hf_b1": bs[first]["speedup_exit_vs_hf"],
         "speedup_exit_vs_layerskip_b1": bs[first]["speedup_exit_vs_layerskip"],
         "false_exit_rate": results["false_exit_rate"],
-        f"speedup_defer_vs_full_b1": bs[first]["speedup_defer_vs_full"],
+        "speedup_defer_vs_full_b1": bs[first]["speedup_defer_vs_full"],
         "false_exit_rate_defer": results["false_exit_rate_defer"],
         "token_match_vs_full_engine": results["token_match_vs_full_engine"],
     }
@@ -321,7 +321,7 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
 def render_markdown(results: dict[str, Any], summary: dict[str, Any]) -> str:
     cfg = results["config"]
     mem = results.get("peak_rss_mib", {})
-    lines = [f"# Decode benchmark", "",
+    lines = ["# Decode benchmark", "",
              f"{cfg['prompt_tokens']}-token held-out prompts, {cfg['new_tokens']} new tokens, greedy; "
              f"{cfg['warmup']} warm-up + {cfg['repeats']} interleaved repeats; medians; {cfg['threads']} threads. "
              f"Peak RSS: a fresh process per system at the largest batch "
