@@ -26,7 +26,8 @@ $(STAMP): requirements/lock.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements/lock.txt
-	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e . > $(VENV)/install.log 2>&1 \
+		|| { cat $(VENV)/install.log; exit 1; }
 	@touch $@
 
 # ---- pipeline stages (real file dependencies: an edit re-runs only what is stale) ----
