@@ -92,17 +92,27 @@ def exit_targets(argmax: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
 
 
 def _softmax_stats(z: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Logits [N, V] -> (top1 [N], margin [N], entropy [N]) of the softmax, computed stably."""
-    z = z - z.max(axis=1, keepdims=True)  # [N, V], max entry is 0: exp cannot overflow
-    logsum = np.log(np.exp(z).sum(axis=1, keepdims=True))  # [N, 1], in [0, log V]
-    logp = z - logsum  # [N, V] log-softmax, finite
-    p = np.exp(logp)  # [N, V]
-    top2 = np.partition(p, p.shape[1] - 2, axis=1)[:, -2:]  # [N, 2]: (second, first)
-    top1 = top2[:, 1]
-    margin = top1 - top2[:, 0]
-    entropy = -(p * logp).sum(axis=1)  # [N]; p underflowing to 0 contributes exactly 0
+    """Logits [N, V] -> (top1 [N], margin [N], entropy [N]) of the softmax, computed stably.
+
+    One exp pass in float32 (this is the engine's per-exit hot path): with m the max logit,
+    e = exp(z - m) and S = sum(e): top1 = 1/S, top2 = exp(z2 - m)/S for the second-largest
+    logit z2, entropy = log S - sum(e * (z - m)) / S. Results are float64.
+    """
+    z = np.asarray(z, dtype=np.float32)
+    rows = np.arange(z.shape[0])
+    first = z.argmax(axis=1)  # [N]
+    zmax = z[rows, first][:, None]  # [N, 1]
+    d = z - zmax  # [N, V], <= 0: exp cannot overflow
+    e = np.exp(d)  # [N, V]
+    total = e.sum(axis=1, dtype=np.float64)  # [N], >= 1
+    d[rows, first] = -np.inf
+    second = np.exp(d.max(axis=1).astype(np.float64))  # [N]: exp(z2 - m)
+    d[rows, first] = 0.0
+    top1 = 1.0 / total
+    margin = (1.0 - second) / total
+    entropy = np.log(total) - (e * d).sum(axis=1, dtype=np.float64) / total
     # rounding can put entropy a few ulps outside its mathematical range [0, log V]
-    entropy = np.clip(entropy, 0.0, np.log(p.shape[1]))
+    entropy = np.clip(entropy, 0.0, np.log(z.shape[1]))
     return top1, margin, entropy
 
 
@@ -179,9 +189,8 @@ def last_exit_signals(logits: dict[int, np.ndarray], hidden: dict[int, np.ndarra
     """
     layers = sorted(logits)
     k = layers[-1]
-    z = np.asarray(logits[k], dtype=np.float64)  # [N, V]
-    n = z.shape[0]
-    top1, margin, entropy = _softmax_stats(z)
+    n = logits[k].shape[0]
+    top1, margin, entropy = _softmax_stats(logits[k])
     if len(layers) == 1:
         zeros = np.zeros(n)
         return np.stack([top1, margin, entropy, zeros, zeros, zeros], axis=1)
