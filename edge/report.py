@@ -44,7 +44,8 @@ def _calibration(m: Manifest) -> dict[str, Any]:
 def _export(m: Manifest) -> dict[str, Any]:
     d = m.stage("export")["metrics"]
     p = d["parity"]
-    return {"graphs": d["graphs"], "opset": d["opset"], "parity_passed": p["passed"],
+    return {"graphs": d["graphs"], "graphs_full_depth": d["graphs_full"], "opset": d["opset"],
+            "parity_passed": p["passed"] and d["parity_full"]["passed"],
             "argmax_agreement": p["argmax_agreement"], "atol": p["atol"],
             "max_abs_diff": max(v for outs in p["max_abs_diff"].values() for v in outs.values())}
 
@@ -102,7 +103,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                   ""]
     if "export" in report:
         e = report["export"]
-        lines += ["## ONNX export", "", f"{e['graphs']} graphs at opset {e['opset']}; parity with torch: "
+        lines += ["## ONNX export", "", f"{e['graphs']} graphs (+ {e['graphs_full_depth']} for the full-depth "
+                  f"baseline without exit heads) at opset {e['opset']}; parity with torch: "
                   f"**{e['parity_passed']}** (max abs diff {e['max_abs_diff']:.2e} <= atol {e['atol']}, argmax "
                   f"agreement {e['argmax_agreement']:.2%}).", ""]
     if "decode_bench" in report:

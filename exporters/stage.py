@@ -1,6 +1,8 @@
 """``smartexit export``: ONNX graphs of the run's multi-exit checkpoint, gated on parity with torch.
 
-The export goes to ``<run_dir>/onnx``; the parity report (max abs diff per
+The export goes to ``<run_dir>/onnx``, and the same decoder without exit heads (one
+segment, the final head: the no-exit baseline the benchmark compares with) to
+``<run_dir>/onnx_full``; the parity reports (max abs diff per
 graph and output, argmax agreement on held-out prompts) is recorded in the
 manifest. A failed gate removes nothing that was there before, records
 nothing, and stops the pipeline with the numbers (exit code 2).
@@ -16,6 +18,7 @@ from pathlib import Path
 
 from edge.artifacts import sha256_path
 from edge.data import Split, heldout_prompts, load_split
+from edge.exits import ExitConfig, MultiExitModel
 from edge.run import open_run
 from exporters.onnx_export import ExportConfig, export_onnx
 from exporters.parity import PARITY_ATOL, PARITY_RTOL, check_parity, require_parity
@@ -35,29 +38,40 @@ class ExportStageConfig:
     threads: int = 2
 
 
+def full_depth(model: MultiExitModel) -> MultiExitModel:
+    """The same decoder with no decision exits: one segment, the final head only (the no-exit baseline)."""
+    return MultiExitModel(model.backbone, ExitConfig(layers=[model.num_layers], adapter_rank=0)).eval()
+
+
 def main(cfg: ExportStageConfig) -> int:
     t0 = time.time()
     run = open_run(cfg.run_dir, cfg.threads)
     manifest, ckpt, model, tok = run.manifest, run.path, run.model, run.tokenizer
     prompts = heldout_prompts(tok, load_split(Split.TEST), cfg.parity_prompts, cfg.prompt_tokens, cfg.seed)
-    out = Path(cfg.run_dir) / "onnx"
-    # export beside the final folder, gate, and only then swap it in
+    full = full_depth(model)
+    outs, reports, counts = {}, {}, {}
+    # export beside the final folders, gate both, and only then swap them in
     staging = Path(tempfile.mkdtemp(prefix=".onnx-staging.", dir=cfg.run_dir))
     try:
-        graphs = staging / "onnx"
-        exported = export_onnx(model, graphs, ExportConfig(opset=cfg.opset), checkpoint_sha256=sha256_path(ckpt))
-        report = check_parity(model, graphs, prompts, atol=cfg.atol, rtol=cfg.rtol)
-        require_parity(report)
-        if out.exists():
-            shutil.rmtree(out)
-        graphs.rename(out)
+        for key, name, m in (("graphs", "onnx", model), ("graphs_full", "onnx_full", full)):
+            exported = export_onnx(m, staging / name, ExportConfig(opset=cfg.opset), checkpoint_sha256=sha256_path(ckpt))
+            reports[key] = check_parity(m, staging / name, prompts, atol=cfg.atol, rtol=cfg.rtol)
+            require_parity(reports[key])
+            counts[key] = len(exported.graphs)
+        for key, name in (("graphs", "onnx"), ("graphs_full", "onnx_full")):
+            outs[key] = Path(cfg.run_dir) / name
+            if outs[key].exists():
+                shutil.rmtree(outs[key])
+            (staging / name).rename(outs[key])
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    metrics = {"graphs": len(exported.graphs), "opset": cfg.opset, "export_seconds": exported.seconds,
-               "parity": report.to_dict()}
-    manifest.record(STAGE, inputs={"checkpoint": ckpt}, config=asdict(cfg), outputs={"graphs": out},
+    report = reports["graphs"]
+    metrics = {"graphs": counts["graphs"], "graphs_full": counts["graphs_full"], "opset": cfg.opset,
+               "parity": report.to_dict(), "parity_full": reports["graphs_full"].to_dict()}
+    manifest.record(STAGE, inputs={"checkpoint": ckpt}, config=asdict(cfg), outputs=outs,
                     metrics=metrics, seconds=time.time() - t0)
     worst = report.worst(1)[0]
-    print(f"exported {len(exported.graphs)} ONNX graphs to {out}; parity passed (argmax agreement "
-          f"{report.argmax_agreement:.2%}, worst max abs diff {worst[0]}/{worst[1]} {worst[2]:.2e})")
+    print(f"exported {counts['graphs']} ONNX graphs to {outs['graphs']} and the {counts['graphs_full']} "
+          f"full-depth graphs (no exit heads, the baseline) to {outs['graphs_full']}; parity passed "
+          f"(argmax agreement {report.argmax_agreement:.2%}, worst max abs diff {worst[0]}/{worst[1]} {worst[2]:.2e})")
     return 0

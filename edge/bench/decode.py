@@ -4,7 +4,8 @@ Systems, on the same weights and the same held-out prompts (equal length, no pad
   hf           (a) transformers ``generate``, full model, greedy;
   layerskip    (b) transformers ``generate(assistant_early_exit=k)``: LayerSkip-style lossless
                    self-speculation (Elhoushi et al. 2024); transformers supports batch 1 only;
-  engine_full  (c) the SmartExit engine on ONNX Runtime at full depth;
+  engine_full  (c) the SmartExit engine on ONNX Runtime at full depth: the graphs of the same
+                   decoder without exit heads (``onnx_full``), so no exit overhead is charged;
   engine_exit  (d) the same engine with the calibrated threshold table (skipped layers' K/V by
                    state propagation);
   engine_exit_defer  (d') as (d), skipped layers' K/V by deferred recomputation.
@@ -37,6 +38,7 @@ from edge.engine.rules import NeverExit
 from edge.errors import ConfigError
 from edge.exits import MultiExitModel, load_multi_exit
 from edge.tokenizer import load_tokenizer
+from exporters.stage import full_depth
 
 STAGE = "bench_decode"
 SYSTEMS = ("hf", "layerskip", "engine_full", "engine_exit", "engine_exit_defer")
@@ -127,7 +129,7 @@ def run_engine(backend, rule, prompts: list[list[int]], n: int, kv_mode: KVMode)
 class Systems:
     """Loads every system once; ``run(name, prompts, n)`` generates with it."""
 
-    def __init__(self, cfg: DecodeBenchConfig, ckpt: Path, graphs: Path, thresholds: Path,
+    def __init__(self, cfg: DecodeBenchConfig, ckpt: Path, graphs: Path, graphs_full: Path, thresholds: Path,
                  model: MultiExitModel, only: tuple[str, ...] = SYSTEMS) -> None:
         import transformers
 
@@ -135,7 +137,10 @@ class Systems:
         transformers.logging.set_verbosity_error()
         if {"hf", "layerskip"} & set(only):
             self.hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-        if {"engine_full", "engine_exit", "engine_exit_defer"} & set(only):
+        if "engine_full" in only:
+            self.full_backend = make_backend("onnxruntime", full_depth(model), graphs_full, checkpoint=ckpt,
+                                             threads=cfg.threads)
+        if {"engine_exit", "engine_exit_defer"} & set(only):
             self.backend = make_backend("onnxruntime", model, graphs, checkpoint=ckpt, threads=cfg.threads)
             self.table_rule = TableRule(load_table(thresholds, ckpt))
 
@@ -145,7 +150,7 @@ class Systems:
         if name == "layerskip":
             return run_hf(self.hf, prompts, n, early_exit=self.cfg.layerskip_exit)
         if name == "engine_full":
-            return run_engine(backend or self.backend, rule or NeverExit(), prompts, n, KVMode.PROPAGATE)
+            return run_engine(self.full_backend, NeverExit(), prompts, n, KVMode.PROPAGATE)
         mode = KVMode.DEFER if name == "engine_exit_defer" else KVMode.PROPAGATE
         return run_engine(backend or self.backend, rule or self.table_rule, prompts, n, mode)
 
@@ -198,10 +203,10 @@ def peak_rss_mib(system: str, run_dir: str, batch: int, cfg: DecodeBenchConfig) 
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def _paths(run_dir: str) -> tuple[Path, Path, Path]:
+def _paths(run_dir: str) -> tuple[Path, Path, Path, Path]:
     m = Manifest(run_dir)
     return (m.verified_output("distill", "checkpoint"), m.verified_output("export", "graphs"),
-            m.verified_output("calibrate", "thresholds"))
+            m.verified_output("export", "graphs_full"), m.verified_output("calibrate", "thresholds"))
 
 
 def _memory_probe(argv: list[str]) -> None:
@@ -215,9 +220,9 @@ def _memory_probe(argv: list[str]) -> None:
 
         print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         return
-    ckpt, graphs, thresholds = _paths(run_dir)
+    ckpt, graphs, graphs_full, thresholds = _paths(run_dir)
     model = load_multi_exit(ckpt) if system.startswith("engine") else None
-    systems = Systems(cfg, ckpt, graphs, thresholds, model, only=(system,))
+    systems = Systems(cfg, ckpt, graphs, graphs_full, thresholds, model, only=(system,))
     prompts = heldout_prompts(load_tokenizer(ckpt), load_split(Split.TEST), int(batch), cfg.prompt_tokens, cfg.seed)
     systems.run(system, prompts, cfg.new_tokens)
     print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # KiB on Linux
@@ -238,12 +243,12 @@ def profile_step(systems: Systems, prompts: list[list[int]], n: int) -> dict[str
 def main(cfg: DecodeBenchConfig) -> int:
     t0 = time.time()
     torch.set_num_threads(cfg.threads)
-    ckpt, graphs, thresholds = _paths(cfg.run_dir)
+    ckpt, graphs, graphs_full, thresholds = _paths(cfg.run_dir)
     model = load_multi_exit(ckpt)
     if not 1 <= cfg.layerskip_exit < model.num_layers:
         raise ConfigError(f"bench.layerskip_exit must be in [1, {model.num_layers - 1}], got {cfg.layerskip_exit}")
     tok = load_tokenizer(ckpt)
-    systems = Systems(cfg, ckpt, graphs, thresholds, model)
+    systems = Systems(cfg, ckpt, graphs, graphs_full, thresholds, model)
     results: dict[str, Any] = {"config": asdict(cfg), "batches": {}}
     fe_bad = fe_total = match_c = 0
     defer_bad = defer_total = 0
@@ -291,7 +296,8 @@ def main(cfg: DecodeBenchConfig) -> int:
         atomic_write_json(tmp / "decode.json", {**results, "summary": summary})
         (tmp / "decode.md").write_text(render_markdown(results, summary))
         plot(results, tmp / "decode.png")
-    Manifest(cfg.run_dir).record(STAGE, inputs={"checkpoint": ckpt, "graphs": graphs, "thresholds": thresholds},
+    Manifest(cfg.run_dir).record(STAGE, inputs={"checkpoint": ckpt, "graphs": graphs, "graphs_full": graphs_full,
+                                                "thresholds": thresholds},
                                  config=results["config"], outputs={"json": out / "decode.json",
                                                                     "png": out / "decode.png"},
                                  metrics={**summary, "batches": results["batches"],
