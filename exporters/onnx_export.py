@@ -26,7 +26,7 @@ dim, V vocabulary; B, T, P and S are dynamic axes):
          ``logits`` [B, T, V] (exit logits),
          ``present_key_{j}``, ``present_value_{j}`` [B, KV, T, hd] per layer j (new tokens only;
          the caller writes them into its cache)
-``kvfill_{i}.onnx`` (every segment but the first)
+``kvfill_{i}.onnx`` (every segment but the first; it covers the layers of segments i..last)
     in:  ``hidden`` [B, T, D] (raw residual stream at exit i-1, *before* its head),
          ``positions`` int64 [B, T]
     out: ``present_key_{j}``, ``present_value_{j}`` [B, KV, T, hd] per layer j of segment i
@@ -306,9 +306,10 @@ def export_onnx(model: MultiExitModel, out_dir: str | Path, cfg: ExportConfig,
         past = tuple(torch.randn(b, kvh, p, hd, generator=g) for _ in range(2 * len(layers)))
         jobs.append((f"segment_{i}", _SegmentGraph(model, layers, exit_layer), (hidden, positions, mask, *past),
                      *segment_io(layers), _weight_bytes(model, layers, True)))
-        if i > 0:
-            jobs.append((f"kvfill_{i}", _KVFillGraph(model, layers), (hidden, positions), *kvfill_io(layers),
-                         _weight_bytes(model, layers, False)))
+        if i > 0:  # K/V of every layer from segment i to the end: one call fills all skipped layers
+            suffix = [j for seg in seg_layers[i:] for j in seg]
+            jobs.append((f"kvfill_{i}", _KVFillGraph(model, suffix), (hidden, positions), *kvfill_io(suffix),
+                         _weight_bytes(model, suffix, False)))
     graphs: dict[str, GraphInfo] = {}
     with atomic_dir(out_dir) as tmp, torch.no_grad():
         for name, module, args, ins, outs, nbytes in jobs:

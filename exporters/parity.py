@@ -135,10 +135,11 @@ def _pipeline(model: MultiExitModel, cmp: _Comparer, phase: str, ids: torch.Tens
     h = backbone.embed(ids)  # [B, T, D]
     cmp.run("embed", phase, {"input_ids": ids}, [h])
     new_kv, logits = [], None
-    for i, (layers, exit_layer) in enumerate(zip(segment_layers(model.exit_layers), model.exit_layers)):
+    seg_layers = segment_layers(model.exit_layers)
+    for i, (layers, exit_layer) in enumerate(zip(seg_layers, model.exit_layers)):
         feeds = {"hidden": h, "positions": positions, "attn_mask": mask}
-        if i > 0:  # kvfill from the raw hidden state at the previous exit
-            refs = [x for j in layers for x in backbone.layers[j].kv_only(h, cos, sin)]
+        if i > 0:  # kvfill of segments i..last from the raw hidden state at the previous exit
+            refs = [x for seg in seg_layers[i:] for j in seg for x in backbone.layers[j].kv_only(h, cos, sin)]
             cmp.run(f"kvfill_{i}", phase, {"hidden": h, "positions": positions}, refs)
         presents = []
         for j in layers:

@@ -44,6 +44,10 @@ class Backend(abc.ABC):
         # 0-based decoder layer indices of each segment
         self.segments = [list(range(a, b)) for a, b in zip(starts, exit_layers)]
 
+    def suffix_layers(self, i: int) -> list[int]:
+        """0-based layers of segments i..last (what ``kvfill(i)`` returns K/V for)."""
+        return [j for seg in self.segments[i:] for j in seg]
+
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """ids int64 [B, T] -> hidden [B, T, D]."""
         if ids.min(initial=0) < 0 or ids.max(initial=0) >= self.vocab_size:
@@ -59,7 +63,8 @@ class Backend(abc.ABC):
         return self._segment(i, hidden, positions, mask, past_k, past_v)
 
     def kvfill(self, i: int, hidden: np.ndarray, positions: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """K/V of segment i's layers for exited rows: hidden [B, T, D] is the raw residual at the exit."""
+        """K/V of every layer of segments i..last for rows that exited after segment i-1 (one call);
+        hidden [B, T, D] is the raw residual at the exit."""
         if i == 0:
             raise ConfigError("segment 0 is never skipped")
         return self._kvfill(i, hidden, positions)
@@ -110,7 +115,7 @@ class TorchBackend(Backend):
         cos, sin = bb.rope(torch.from_numpy(positions))
         h = torch.from_numpy(hidden)
         keys, values = [], []
-        for j in self.segments[i]:
+        for j in self.suffix_layers(i):
             k, v = bb.layers[j].kv_only(h, cos, sin)
             keys.append(k.numpy())
             values.append(v.numpy())

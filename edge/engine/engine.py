@@ -322,10 +322,9 @@ class Engine:
         pos = np.array([[s.length] for s in exited], np.int64)
         h = np.stack([new_h[s.id] for s in exited])[:, None]  # [B, 1, D]
         ones = np.ones((len(exited), 1), bool)
-        for j in range(i + 1, len(self.backend.segments)):
-            keys, values = self.backend.kvfill(j, h, pos)
-            for layer, k, v in zip(self.backend.segments[j], keys, values):
-                self.cache.write(layer, slots, pos, ones, k, v)
+        keys, values = self.backend.kvfill(i + 1, h, pos)
+        for layer, k, v in zip(self.backend.suffix_layers(i + 1), keys, values):
+            self.cache.write(layer, slots, pos, ones, k, v)
 
     def _emit(self, seq: _Seq, token: int, exit_layer: int) -> TokenEvent:
         seq.tokens.append(token)
