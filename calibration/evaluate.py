@@ -15,7 +15,8 @@ import torch
 from calibration.collect import Collected
 from calibration.risk import cascade
 from edge.exits import MultiExitModel
-from edge.generate import ExitRule, generate
+from edge.engine.backend import TorchBackend
+from edge.engine.engine import KVMode, generate_batch
 
 
 @dataclass
@@ -53,33 +54,31 @@ class FreeRunResult:
     prompts: int
     tokens: int  # decoded tokens judged (the first token of each prompt comes from full-depth prefill)
     false_exits: int  # exited early and differs from the full model on the same prefix
-    full_depth_mismatches: int  # ran full depth yet differs (stale K/V from earlier exits)
+    full_depth_mismatches: int  # ran full depth yet differs (approximate K/V left by earlier exits)
     false_exit_rate: float  # (false_exits + full_depth_mismatches) / tokens
     exited_frac: float
     mean_exit_layer: float
 
 
 @torch.no_grad()
-def free_run(model: MultiExitModel, prompts: list[list[int]], max_new_tokens: int, rule: ExitRule) -> FreeRunResult:
-    """Greedy generation with early exits; every decoded token is checked against the full
-    model run on exactly the prefix the early-exit generator produced."""
+def free_run(model: MultiExitModel, prompts: list[list[int]], max_new_tokens: int, rule,
+             kv_mode: KVMode) -> FreeRunResult:
+    """Greedy generation with early exits in the engine (torch backend, ``kv_mode`` for skipped layers);
+    every decoded token is checked against the full model run on exactly the prefix generated."""
     tokens = false_exits = stale = exited = 0
     layer_sum = 0
     depth = model.num_layers
-    for p in prompts:
-        res = generate(model, p, max_new_tokens, rule=rule)
-        seq = torch.tensor([p + res.tokens])
-        full_pred = model.backbone(seq).logits[0].argmax(-1)  # [T]: prediction for position t+1
-        for i in range(1, len(res.tokens)):
+    for p, (gen, layers) in zip(prompts, generate_batch(TorchBackend(model), rule, prompts, max_new_tokens, kv_mode)):
+        full_pred = model.backbone(torch.tensor([p + gen])).logits[0].argmax(-1)  # [T]: prediction for t+1
+        for i in range(1, len(gen)):  # token 0 comes from the full-depth prefill
             ref = int(full_pred[len(p) + i - 1])
-            layer = res.exit_layers[i]
             tokens += 1
-            layer_sum += layer
-            if layer < depth:
+            layer_sum += layers[i]
+            if layers[i] < depth:
                 exited += 1
-                false_exits += res.tokens[i] != ref
+                false_exits += gen[i] != ref
             else:
-                stale += res.tokens[i] != ref
+                stale += gen[i] != ref
     return FreeRunResult(
         prompts=len(prompts), tokens=tokens, false_exits=false_exits, full_depth_mismatches=stale,
         false_exit_rate=(false_exits + stale) / max(1, tokens), exited_frac=exited / max(1, tokens),

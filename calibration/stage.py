@@ -31,6 +31,7 @@ from calibration.signals import exit_targets
 from calibration.table import ThresholdTable, TableRule
 from edge.artifacts import atomic_dir, sha256_path
 from edge.data import Split, heldout_prompts, load_split, load_text_dir
+from edge.engine.engine import KVMode
 from edge.distill import heldout_tokens
 from edge.errors import ConfigError
 from edge.run import open_run
@@ -50,9 +51,10 @@ class CalibrateConfig:
     calib_tokens: int = 100_000
     test_tokens: int = 50_000
     eval_data: str | None = None  # a folder of text files to evaluate on instead of the test split
-    free_run_prompts: int = 16
+    free_run_prompts: int = 32
     prompt_tokens: int = 64
-    free_run_tokens: int = 48
+    free_run_tokens: int = 64
+    kv_mode: KVMode = KVMode.DEFER  # skipped layers' K/V in the free-running check (both are reported)
     seed: int = 0
     threads: int = 2
 
@@ -149,7 +151,8 @@ def main(cfg: CalibrateConfig) -> int:
         },
     )
     prompts = heldout_prompts(tok, eval_docs, cfg.free_run_prompts, cfg.prompt_tokens, cfg.seed)
-    fr = free_run(model, prompts, cfg.free_run_tokens, TableRule(table))
+    runs = {mode: free_run(model, prompts, cfg.free_run_tokens, TableRule(table), mode) for mode in KVMode}
+    fr = runs[cfg.kv_mode]
 
     test_correct = test.correct()
     curves = {f"exit {k}": reliability_curve(test_probs[k], test_correct[k]) for k in cals}
@@ -159,7 +162,8 @@ def main(cfg: CalibrateConfig) -> int:
         "eval_data": cfg.eval_data or "test split", "certified": res.certified, "lambda": res.lam,
         "bound": res.bound, "false_exit_rate_calib": res.empirical_risk,
         "false_exit_rate_test": system.test.false_exit_rate,
-        "free_run_false_exit_rate_test": fr.false_exit_rate, "free_run": asdict(fr),
+        "free_run_false_exit_rate_test": fr.false_exit_rate, "kv_mode": cfg.kv_mode.value,
+        "free_run": asdict(fr), "free_run_by_kv_mode": {m.value: asdict(r) for m, r in runs.items()},
         "accuracy_full": system.test.accuracy_full, "accuracy_exit": system.test.accuracy_exit,
         "accuracy_loss_rel": system.test.accuracy_loss_rel, "layers_skipped_frac": system.test.layers_skipped_frac,
         "exit_fraction": system.test.exit_fraction, "calibration_quality": system.calibration_quality,

@@ -152,8 +152,13 @@ def _calibration_md(c: dict[str, Any]) -> list[str]:
         f"- certified: **{c['certified']}**; threshold lambda = {c['lambda']:.3f} on the calibrated probability",
         f"- false-exit rate: bound {c['bound']:.4f} (eps {c['epsilon']}, delta {c['delta']}); calibration "
         f"{c['false_exit_rate_calib']:.4f}; test (teacher-forced) **{c['false_exit_rate_test']:.4f}**; "
-        f"test free-running **{c['free_run_false_exit_rate_test']:.4f}** ({fr['tokens']} decoded tokens, "
-        f"{fr['false_exits']} false exits, {fr['full_depth_mismatches']} full-depth mismatches)",
+        f"test free-running **{c['free_run_false_exit_rate_test']:.4f}** with skipped layers' K/V by "
+        f"{c['kv_mode']} ({fr['tokens']} decoded tokens, {fr['false_exits']} false exits, "
+        f"{fr['full_depth_mismatches']} full-depth tokens changed by approximate K/V)",
+        "- free-running by K/V mode: " + "; ".join(
+            f"{m}: {r['false_exit_rate']:.4f} ({r['false_exits']} false exits + {r['full_depth_mismatches']} "
+            f"full-depth mismatches in {r['tokens']} tokens, {r['exited_frac']:.3f} exited)"
+            for m, r in c["free_run_by_kv_mode"].items()),
         f"- accuracy: full {c['accuracy_full']:.4f}, with exits {c['accuracy_exit']:.4f}, relative loss "
         f"**{c['accuracy_loss_rel']:.4f}**",
         f"- layers skipped: **{c['layers_skipped_frac']:.3f}**; exit fractions: "

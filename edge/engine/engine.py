@@ -347,3 +347,19 @@ class Engine:
             self.cache.release(seq.slot)
             seq.slot = -1
         seq.pending.clear()
+
+
+def generate_batch(backend: Backend, rule: BatchExitRule | None, prompts: list[list[int]], max_tokens: int,
+                   kv_mode: KVMode = KVMode.PROPAGATE) -> list[tuple[list[int], list[int]]]:
+    """Greedy-generate all prompts together; returns (tokens, exit layers) per prompt, in order."""
+    cfg = EngineConfig(max_seqs=len(prompts), max_running=len(prompts),
+                       max_len=max(len(p) for p in prompts) + max_tokens,
+                       prefill_budget=sum(len(p) for p in prompts), kv_mode=kv_mode)
+    engine = Engine(backend, cfg, rule)
+    ids = [engine.submit(Request(list(p), max_tokens)) for p in prompts]
+    out: dict[int, tuple[list[int], list[int]]] = {i: ([], []) for i in ids}
+    while engine.has_work:
+        for ev in engine.step():
+            out[ev.request_id][0].append(ev.token)
+            out[ev.request_id][1].append(ev.exit_layer)
+    return [out[i] for i in ids]
