@@ -22,7 +22,8 @@ class ReportConfig:
 def _model(m: Manifest) -> dict[str, Any]:
     d = m.stage("distill")["metrics"]
     return {"params": d["params"], "layers": d["layers"], "exits": d["exits"],
-            "heldout_top1": d["heldout_top1"], "heldout_ppl": d["heldout_ppl"], "heldout_tokens": d["tokens"]}
+            "heldout_top1": d["heldout_top1"], "heldout_ppl": d["heldout_ppl"], "heldout_tokens": d["tokens"],
+            "heldout_window": m.stage("distill")["config"]["seq_len"]}
 
 
 def _distill(m: Manifest) -> dict[str, Any]:
@@ -79,7 +80,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         mo = report["model"]
         lines += ["## Model", "",
                   f"- parameters: {mo['params']:,}; layers: {mo['layers']}; exits after layers {mo['exits']}",
-                  f"- held-out (test split, {mo['heldout_tokens']:,} tokens): perplexity {mo['heldout_ppl']:.3f}, "
+                  f"- held-out (test split, {mo['heldout_tokens']:,} tokens in windows of {mo['heldout_window']}; "
+                  f"the model card uses windows of 512): perplexity {mo['heldout_ppl']:.3f}, "
                   f"top-1 next-token accuracy {mo['heldout_top1']:.4f}", ""]
     if "distill" in report:
         di = report["distill"]
@@ -122,7 +124,7 @@ def _bench_md(b: dict[str, Any]) -> list[str]:
     lines += ["", "- " + ", ".join(f"{k} {_fmt(v, '.3f')}" for k, v in b.items()
                                     if k.startswith("speedup") or k in ("false_exit_rate",)),
               "- decode step of (d) at batch 1, ms: " + ", ".join(f"{k} {v:.3f}" for k, v in b["profile_b1"].items()),
-              "- peak RSS (MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in (b.get("peak_rss_mib") or {}).items()),
+              "- peak RSS over the libraries-imported baseline (MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in (b.get("peak_rss_mib") or {}).items()),
               "", "Details: `bench/decode.md`, chart `bench/decode.png`.", ""]
     return lines
 

@@ -17,7 +17,6 @@ Peak resident memory is measured per system in a fresh subprocess.
 from __future__ import annotations
 
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -56,6 +55,7 @@ class DecodeBenchConfig:
     warmup: int = 1
     repeats: int = 3
     layerskip_exit: int = 6
+    batch1_prompts: int = 4  # batch 1 runs this many prompts one after another (one prompt says little)
     threads: int = 2
     memory: bool = True
     seed: int = 0
@@ -106,6 +106,14 @@ def run_hf(model, prompts: list[list[int]], n: int, early_exit: int | None = Non
     return RunResult(out[:, len(prompts[0]):].tolist(), None, seconds, gaps)
 
 
+def run_groups(fn, groups: list[list[list[int]]], n: int) -> RunResult:
+    """Run ``fn(prompts, n)`` on each group in turn and pool the results."""
+    parts = [fn(g, n) for g in groups]
+    return RunResult([t for p in parts for t in p.tokens],
+                     None if parts[0].exit_layers is None else [e for p in parts for e in p.exit_layers],
+                     sum(p.seconds for p in parts), [g for p in parts for g in p.token_latencies])
+
+
 def run_engine(backend, rule, prompts: list[list[int]], n: int, kv_mode: KVMode) -> RunResult:
     b = len(prompts)
     cfg = EngineConfig(max_seqs=b, max_running=b, max_len=len(prompts[0]) + n,
@@ -144,7 +152,13 @@ class Systems:
             self.backend = make_backend("onnxruntime", model, graphs, checkpoint=ckpt, threads=cfg.threads)
             self.table_rule = TableRule(load_table(thresholds, ckpt))
 
-    def run(self, name: str, prompts: list[list[int]], n: int, backend=None, rule=None) -> RunResult:
+    def run(self, name: str, prompts: list[list[int]], n: int, backend=None, rule=None,
+            group: int | None = None) -> RunResult:
+        """Generate with system ``name``; prompts run ``group`` at a time (default: all at once)."""
+        group = group or len(prompts)
+        if group < len(prompts):
+            return run_groups(lambda g, k: self.run(name, g, k, backend, rule), [
+                prompts[i:i + group] for i in range(0, len(prompts), group)], n)
         if name == "hf":
             return run_hf(self.hf, prompts, n)
         if name == "layerskip":
@@ -172,13 +186,13 @@ def false_exit_rate(model: MultiExitModel, prompts: list[list[int]], res: RunRes
     return bad, total
 
 
-def summarise(runs: dict[str, list[RunResult]], batch: int, n: int) -> dict[str, dict[str, float]]:
+def summarise(runs: dict[str, list[RunResult]], sequences: int, n: int) -> dict[str, dict[str, float]]:
     rows = {}
     for name, rs in runs.items():
         lat = np.concatenate([r.token_latencies for r in rs]) if rs else np.zeros(0)
         layers = [e for r in rs for seq in (r.exit_layers or []) for e in seq]
         rows[name] = {
-            "tokens_per_s": float(np.median([batch * n / r.seconds for r in rs])),
+            "tokens_per_s": float(np.median([sequences * n / r.seconds for r in rs])),
             "token_latency_p50_ms": float(1e3 * np.percentile(lat, 50)) if lat.size else None,
             "token_latency_p95_ms": float(1e3 * np.percentile(lat, 95)) if lat.size else None,
             "mean_exit_layer": float(np.mean(layers)) if layers else None,
@@ -214,26 +228,35 @@ def _memory_probe(argv: list[str]) -> None:
     cfg = DecodeBenchConfig(run_dir=run_dir, prompt_tokens=int(prompt_tokens), new_tokens=int(new_tokens),
                             threads=int(threads))
     torch.set_num_threads(cfg.threads)
-    if system == "baseline":  # the interpreter with every library imported, nothing loaded
-        import onnxruntime  # noqa: F401
-        import transformers  # noqa: F401
+    import onnxruntime  # noqa: F401  (import every library first: their import peak is not the system's)
+    import transformers  # noqa: F401
 
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    if system == "baseline":  # the interpreter with every library imported, nothing loaded
+        print(_vm_kib("VmRSS") / 1024)
         return
+    before = _vm_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # Linux: reset the peak RSS (VmHWM) to the current RSS
     ckpt, graphs, graphs_full, thresholds = _paths(run_dir)
     model = load_multi_exit(ckpt) if system.startswith("engine") else None
     systems = Systems(cfg, ckpt, graphs, graphs_full, thresholds, model, only=(system,))
     prompts = heldout_prompts(load_tokenizer(ckpt), load_split(Split.TEST), int(batch), cfg.prompt_tokens, cfg.seed)
     systems.run(system, prompts, cfg.new_tokens)
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # KiB on Linux
+    print((_vm_kib("VmHWM") - before) / 1024)  # MiB the system added at its peak
+
+
+def _vm_kib(field_name: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1])
+    raise ConfigError(f"/proc/self/status has no {field_name} (peak memory is measured on Linux only)")
 
 
 def profile_step(systems: Systems, prompts: list[list[int]], n: int) -> dict[str, float]:
     """Where the time of (d)'s decode goes: ms per decode step by component, at this batch."""
     backend = ProfiledBackend(systems.backend)
     rule = ProfiledRule(systems.table_rule)
-    res = systems.run("engine_exit", prompts, n, backend=backend, rule=rule)
-    steps = n - 1
+    res = systems.run("engine_exit", prompts, n, backend=backend, rule=rule, group=1)
+    steps = len(prompts) * (n - 1)
     parts = {k: 1e3 * v / steps for k, v in {**backend.seconds, "exit_rule": rule.seconds}.items()}
     parts["total"] = 1e3 * res.seconds / steps
     parts["engine_other"] = parts["total"] - sum(v for k, v in parts.items() if k != "total")
@@ -253,13 +276,14 @@ def main(cfg: DecodeBenchConfig) -> int:
     fe_bad = fe_total = match_c = 0
     defer_bad = defer_total = 0
     for b in cfg.batch_sizes:
-        prompts = heldout_prompts(tok, load_split(Split.TEST), b, cfg.prompt_tokens, cfg.seed)
+        n_prompts = cfg.batch1_prompts if b == 1 else b
+        prompts = heldout_prompts(tok, load_split(Split.TEST), n_prompts, cfg.prompt_tokens, cfg.seed)
         names = [s for s in SYSTEMS if applicable(s, b)]
         runs: dict[str, list[RunResult]] = {s: [] for s in names}
         for rep in range(cfg.warmup + cfg.repeats):
             order = names[rep % len(names):] + names[:rep % len(names)]
             for s in order:
-                r = systems.run(s, prompts, cfg.new_tokens)
+                r = systems.run(s, prompts, cfg.new_tokens, group=b)
                 if rep >= cfg.warmup:
                     runs[s].append(r)
         bad, total = false_exit_rate(model, prompts, runs["engine_exit"][0])
@@ -269,7 +293,7 @@ def main(cfg: DecodeBenchConfig) -> int:
         full, ex = runs["engine_full"][0].tokens, runs["engine_exit"][0].tokens
         match_c += sum(a == b_ for x, y in zip(full, ex) for a, b_ in zip(x, y))
         results["batches"][str(b)] = {
-            "systems": summarise(runs, b, cfg.new_tokens),
+            "systems": summarise(runs, n_prompts, cfg.new_tokens),
             "speedup_exit_vs_full": paired_ratio(runs, "engine_exit", "engine_full"),
             "speedup_exit_vs_hf": paired_ratio(runs, "engine_exit", "hf"),
             "speedup_exit_vs_layerskip": paired_ratio(runs, "engine_exit", "layerskip"),
@@ -283,8 +307,9 @@ def main(cfg: DecodeBenchConfig) -> int:
     results["false_exit_rate"] = fe_bad / max(1, fe_total)
     results["false_exit_rate_defer"] = defer_bad / max(1, defer_total)
     results["false_exit_tokens"] = fe_total
-    results["token_match_vs_full_engine"] = match_c / (sum(cfg.batch_sizes) * cfg.new_tokens)
-    results["profile_b1"] = profile_step(systems, heldout_prompts(tok, load_split(Split.TEST), 1,
+    results["token_match_vs_full_engine"] = match_c / sum(
+        (cfg.batch1_prompts if b == 1 else b) * cfg.new_tokens for b in cfg.batch_sizes)
+    results["profile_b1"] = profile_step(systems, heldout_prompts(tok, load_split(Split.TEST), cfg.batch1_prompts,
                                                                   cfg.prompt_tokens, cfg.seed), cfg.new_tokens)
     if cfg.memory:
         b = max(cfg.batch_sizes)
@@ -329,11 +354,11 @@ def render_markdown(results: dict[str, Any], summary: dict[str, Any]) -> str:
     mem = results.get("peak_rss_mib", {})
     lines = ["# Decode benchmark", "",
              f"{cfg['prompt_tokens']}-token held-out prompts, {cfg['new_tokens']} new tokens, greedy; "
-             f"{cfg['warmup']} warm-up + {cfg['repeats']} interleaved repeats; medians; {cfg['threads']} threads. "
-             f"Peak RSS: a fresh process per system at the largest batch "
-             f"(batch 1 for LayerSkip); `baseline` is the same process with the libraries imported and no "
-             f"model loaded ({mem.get('baseline', float('nan')):.0f} MiB).", "",
-             "| batch | system | tokens/s | token latency p50 (ms) | p95 (ms) | peak RSS (MiB) | mean exit layer |",
+             f"{cfg['warmup']} warm-up + {cfg['repeats']} interleaved repeats; medians; {cfg['threads']} threads; "
+             f"batch 1 runs {cfg['batch1_prompts']} prompts one after another. Peak RSS: a fresh process per system at the largest batch "
+             f"(batch 1 for LayerSkip), counted from the RSS after the libraries are imported (`baseline`, "
+             f"{mem.get('baseline', float('nan')):.0f} MiB): loading and running the system.", "",
+             "| batch | system | tokens/s | token latency p50 (ms) | p95 (ms) | peak RSS over baseline (MiB) | mean exit layer |",
              "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     f = lambda v, s=".2f": "n/a" if v is None else format(v, s)  # noqa: E731
     for b, row in results["batches"].items():

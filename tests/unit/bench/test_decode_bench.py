@@ -19,7 +19,7 @@ def test_paired_ratio_is_median_of_per_repeat_ratios():
 
 
 def test_summarise_counts_tokens_and_latency():
-    rows = summarise({"x": [_r(0.5, layers=[[3, 12]])]}, batch=4, n=10)
+    rows = summarise({"x": [_r(0.5, layers=[[3, 12]])]}, sequences=4, n=10)
     assert rows["x"]["tokens_per_s"] == pytest.approx(80.0)
     assert rows["x"]["token_latency_p50_ms"] == pytest.approx(15.0)
     assert rows["x"]["mean_exit_layer"] == pytest.approx(7.5)
