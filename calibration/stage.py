@@ -180,7 +180,7 @@ def main(cfg: CalibrateConfig) -> int:
                             f"{cfg.calibrator.value} calibration on held-out tokens")
         exit_depth_histogram({s.name[:3]: {int(k): v for k, v in s.test.exit_fraction.items()} for s in systems},
                              tmp / "exit_depth.png", "exit depth on held-out tokens")
-    manifest.record(STAGE, inputs={"checkpoint": ckpt}, config=_jsonable(asdict(cfg)),
+    manifest.record(STAGE, inputs={"checkpoint": ckpt}, config=asdict(cfg),
                     outputs={"thresholds": out / "thresholds.json", "reliability_png": out / "reliability.png",
                              "exit_depth_png": out / "exit_depth.png"},
                     metrics=metrics, seconds=time.time() - t0)
@@ -197,6 +197,3 @@ def _check_finite(metrics: dict[str, Any]) -> None:
         if v is None or not np.isfinite(v):
             raise ConfigError(f"calibration produced a non-finite {key}: {v}")
 
-
-def _jsonable(d: dict) -> dict:
-    return {k: (v.value if hasattr(v, "value") else v) for k, v in d.items()}

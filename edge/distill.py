@@ -196,7 +196,7 @@ def main(cfg: DistillConfig) -> int:
         save_multi_exit(model, tmp, tokenizer=Path(model_dir) / "tokenizer.json", metrics=metrics,
                         source={"model": str(model_dir)})
     manifest = Manifest(run_dir)
-    manifest.record(STAGE, inputs={"model": model_dir}, config=_jsonable(asdict(cfg)),
+    manifest.record(STAGE, inputs={"model": model_dir}, config=asdict(cfg),
                     outputs={"checkpoint": out}, metrics=metrics, seconds=time.time() - t0)
     print(f"multi-exit checkpoint: {out}")
     for k in model.exit_layers:
@@ -204,6 +204,3 @@ def main(cfg: DistillConfig) -> int:
               f"accuracy {metrics['exit_accuracy'][str(k)]:.3f}")
     return 0
 
-
-def _jsonable(d: dict) -> dict:
-    return {k: (v.value if hasattr(v, "value") else v) for k, v in d.items()}

@@ -278,15 +278,13 @@ class Engine:
         decided: dict[int, tuple[int, int]] = {}  # seq index -> (token, exit layer)
         for i in range(nseg):
             act = [seqs[a] for a in active]
-            rows = []
-            for s in act:
-                pend = [p for p in s.pending if p.next_seg <= i]
-                rows.append(([p.pos for p in pend] + [s.length],
-                             np.stack([p.hidden for p in pend] + [new_h[s.id]])))
+            pend = [[p for p in s.pending if p.next_seg <= i] for s in act]  # rows that run this segment
+            rows = [([p.pos for p in ps] + [s.length], np.stack([p.hidden for p in ps] + [new_h[s.id]]))
+                    for s, ps in zip(act, pend)]
             out, _ = self._segment_rows(i, act, rows)
             for r, s in enumerate(act):
                 n = len(rows[r][0])
-                for q, p in enumerate([p for p in s.pending if p.next_seg <= i]):
+                for q, p in enumerate(pend[r]):
                     p.hidden, p.next_seg = out.hidden[r, q], i + 1
                 new_h[s.id] = out.hidden[r, n - 1]
                 s.pending = [p for p in s.pending if p.next_seg < nseg]
