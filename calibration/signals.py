@@ -202,3 +202,34 @@ def last_exit_signals(logits: dict[int, np.ndarray], hidden: dict[int, np.ndarra
     cos = _cosine(np.asarray(hidden[k], dtype=np.float64), np.asarray(hidden[layers[-2]], dtype=np.float64))
     m = num_exits or len(layers)
     return np.stack([top1, margin, entropy, agree, run / m, cos], axis=1)  # [N, F]
+
+
+def signals_from_stats(stats: dict[int, np.ndarray], tokens: dict[int, np.ndarray], hidden: dict[int, np.ndarray],
+                       num_exits: int | None = None) -> np.ndarray:
+    """Signals [N, F] of the deepest exit from what the segment graphs output, not from logits.
+
+    Args:
+        stats: exit layer -> [N, 3] (top-1 probability, margin, entropy), as computed in the graph by
+            :func:`edge.exits.exit_decision_stats`; only the deepest exit's row is read.
+        tokens: exit layer -> argmax [N] of every exit reached so far.
+        hidden: exit layer -> normalised hidden [N, D]; the deepest two are read.
+        num_exits: the model's number of exits m.
+
+    Returns:
+        The same columns as :func:`last_exit_signals` (equal up to float32 rounding of the softmax
+        statistics, which the graph computes in float32). The engine's hot path: no validation.
+    """
+    layers = sorted(tokens)
+    k = layers[-1]
+    s = np.asarray(stats[k], dtype=np.float64)  # [N, 3]
+    n = s.shape[0]
+    m = num_exits or len(layers)
+    if len(layers) == 1:
+        zeros = np.zeros((n, 3))
+        return np.concatenate([s, zeros], axis=1)
+    run = np.zeros(n)
+    for a, b in zip(layers[:-1], layers[1:]):
+        run = np.where(tokens[a] == tokens[b], run + 1.0, 0.0)
+    agree = (tokens[k] == tokens[layers[-2]]).astype(np.float64)
+    cos = _cosine(np.asarray(hidden[k], dtype=np.float64), np.asarray(hidden[layers[-2]], dtype=np.float64))
+    return np.concatenate([s, np.stack([agree, run / m, cos], axis=1)], axis=1)  # [N, F]

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from calibration.calibrators import Calibrator
-from calibration.signals import SIGNAL_NAMES, last_exit_signals
+from calibration.signals import SIGNAL_NAMES, last_exit_signals, signals_from_stats
 from edge.artifacts import atomic_write_json, sha256_path
 from edge.errors import ArtifactError, ConfigError
 
@@ -122,9 +122,14 @@ class TableRule:
         """logits [V], hidden [D] (normalised) of exit ``layer`` for the current token."""
         self._logits[layer] = logits.detach().double().numpy()[None]
         self._hidden[layer] = hidden.detach().double().numpy()[None]
-        return bool(self.decide(layer, self._logits, self._hidden)[0])
+        feats = last_exit_signals(self._logits, self._hidden, num_exits=len(self.table.exit_layers))  # [1, F]
+        return bool(self._passes(layer, feats)[0])
 
-    def decide(self, layer: int, logits: dict[int, np.ndarray], hidden: dict[int, np.ndarray]) -> np.ndarray:
-        """Batched form for the engine: exits reached so far -> logits [B, V], hidden [B, D]; bool [B]."""
-        feats = last_exit_signals(logits, hidden, num_exits=len(self.table.exit_layers))  # [B, F]
+    def decide(self, layer: int, stats: dict[int, np.ndarray], tokens: dict[int, np.ndarray],
+               hidden: dict[int, np.ndarray]) -> np.ndarray:
+        """Batched form for the engine (:mod:`edge.engine.rules`): bool [B]."""
+        feats = signals_from_stats(stats, tokens, hidden, num_exits=len(self.table.exit_layers))  # [B, F]
+        return self._passes(layer, feats)
+
+    def _passes(self, layer: int, feats: np.ndarray) -> np.ndarray:
         return self.table.calibrators[layer].score(feats) >= self.table.score_thresholds[layer]

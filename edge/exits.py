@@ -113,6 +113,27 @@ class MultiExitModel(nn.Module):
             p.requires_grad_(False)
 
 
+def exit_decision_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What an exit rule reads instead of the logits, computed where the logits are (in the graph).
+
+    logits [..., V] -> (stats [..., 3] float32: softmax top-1 probability, top-1 minus top-2
+    probability, entropy in nats; argmax [...] int64, lowest id on ties). Same formulas as
+    :func:`calibration.signals._softmax_stats`: with m the max logit, e = exp(z - m), S = sum(e):
+    top1 = 1/S, margin = (1 - exp(z2 - m))/S, entropy = log S - sum(e (z - m))/S. Exported as
+    ReduceMax / Exp / ReduceSum / TopK / ArgMax, which TensorRT parses.
+    """
+    z = logits.float()
+    m = z.amax(-1, keepdim=True)  # [..., 1]
+    d = z - m  # [..., V], <= 0
+    e = d.exp()
+    total = e.sum(-1)  # [...], >= 1
+    second = z.topk(2, dim=-1).values[..., 1] - m[..., 0]  # [...], z2 - m <= 0
+    top1 = 1.0 / total
+    margin = (1.0 - second.exp()) / total
+    entropy = (total.log() - (e * d).sum(-1) / total).clamp_min(0.0)  # rounding can dip below 0
+    return torch.stack([top1, margin, entropy], -1), z.argmax(-1)
+
+
 def save_multi_exit(model: MultiExitModel, folder: str | Path, *, tokenizer: str | Path | None,
                     metrics: dict[str, Any], source: dict[str, Any]) -> Path:
     """Write a multi-exit checkpoint folder (caller wraps it in :func:`atomic_dir`)."""

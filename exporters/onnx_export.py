@@ -24,6 +24,9 @@ dim, V vocabulary; B, T, P and S are dynamic axes):
     out: ``hidden_out`` [B, T, D] (residual stream after the segment's last layer),
          ``exit_hidden`` [B, T, D] (the exit head's normalised hidden, input of the LM head),
          ``logits`` [B, T, V] (exit logits),
+         ``exit_stats`` [B, T, 3] (softmax top-1 probability, top-1 minus top-2, entropy) and
+         ``exit_token`` int64 [B, T] (argmax): what the exit rule reads, so the engine never
+         runs a softmax over V on the host (:func:`edge.exits.exit_decision_stats`),
          ``present_key_{j}``, ``present_value_{j}`` [B, KV, T, hd] per layer j (new tokens only;
          the caller writes them into its cache)
 ``kvfill_{i}.onnx`` (every segment but the first; it covers the layers of segments i..last)
@@ -55,11 +58,11 @@ from torch import nn
 
 from edge.artifacts import atomic_dir, atomic_write_json, sha256_file
 from edge.errors import ArtifactError, ConfigError
-from edge.exits import MultiExitModel
+from edge.exits import MultiExitModel, exit_decision_stats
 from edge.model import rope_cos_sin
 
 GRAPHS_JSON = "graphs.json"
-GRAPHS_FORMAT = 1
+GRAPHS_FORMAT = 2  # 2: segment graphs also output exit_stats and exit_token
 SUPPORTED_OPSETS = (17, 18)
 # Protobuf's hard limit: one ModelProto cannot exceed 2 GiB, larger weights go to external data.
 PROTOBUF_LIMIT = 2**31
@@ -137,7 +140,8 @@ def segment_io(layers: list[int]) -> tuple[list[str], list[str]]:
     """Input and output names of the segment graph over 0-based ``layers``."""
     past = [n for j in layers for n in (f"past_key_{j}", f"past_value_{j}")]
     present = [n for j in layers for n in (f"present_key_{j}", f"present_value_{j}")]
-    return ["hidden", "positions", "attn_mask", *past], ["hidden_out", "exit_hidden", "logits", *present]
+    return (["hidden", "positions", "attn_mask", *past],
+            ["hidden_out", "exit_hidden", "logits", "exit_stats", "exit_token", *present])
 
 
 def kvfill_io(layers: list[int]) -> tuple[list[str], list[str]]:
@@ -172,7 +176,8 @@ class _SegmentGraph(nn.Module):
             presents += [k, v]  # [B, KV, T, hd]
         e = self.model.exit_hidden(self.exit_layer, h)  # [B, T, D]
         logits = F.linear(e, backbone.head_weight)  # [B, T, V]
-        return (h, e, logits, *presents)
+        stats, token = exit_decision_stats(logits)  # [B, T, 3], [B, T]
+        return (h, e, logits, stats, token, *presents)
 
 
 class _KVFillGraph(nn.Module):
@@ -198,7 +203,7 @@ def _dynamic_axes(inputs: list[str], outputs: list[str]) -> dict[str, dict[int, 
             axes[name] = {0: "batch", 2: "past"}
         elif name.startswith("present_"):
             axes[name] = {0: "batch", 2: "seq"}
-        else:  # input_ids, positions, hidden, hidden_out, exit_hidden, logits
+        else:  # input_ids, positions, hidden, hidden_out, exit_hidden, logits, exit_stats, exit_token
             axes[name] = {0: "batch", 1: "seq"}
     return axes
 
@@ -220,7 +225,9 @@ def _static_dims(name: str, d: int, kv_heads: int, head_dim: int, vocab: int) ->
     """Fixed axes of a graph output (the rest are the dynamic axes of :func:`_dynamic_axes`)."""
     if name.startswith("present_"):
         return {1: kv_heads, 3: head_dim}
-    return {2: vocab} if name == "logits" else {2: d}
+    if name == "exit_token":
+        return {}
+    return {"logits": {2: vocab}, "exit_stats": {2: 3}}.get(name, {2: d})
 
 
 def _pin_output_dims(path: Path, static: dict[str, dict[int, int]]) -> None:
@@ -346,7 +353,8 @@ def load_graphs_json(graphs_dir: str | Path) -> dict[str, Any]:
         raise ArtifactError(f"{path} is not valid JSON: {exc}") from exc
     if meta.get("format") != GRAPHS_FORMAT or not isinstance(meta.get("graphs"), dict):
         raise ArtifactError(f"{path}: expected format {GRAPHS_FORMAT} with a 'graphs' table, "
-                            f"got format {meta.get('format')!r}")
+                            f"got format {meta.get('format')!r} (an export from an older SmartExit: re-run "
+                            f"`smartexit export`)")
     return meta
 
 

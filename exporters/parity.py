@@ -21,7 +21,7 @@ import onnxruntime as ort
 import torch
 
 from edge.errors import ArtifactError, ConfigError
-from edge.exits import MultiExitModel
+from edge.exits import MultiExitModel, exit_decision_stats
 from edge.model import attention_mask
 from exporters.onnx_export import load_graphs_json, segment_layers
 
@@ -150,7 +150,7 @@ def _pipeline(model: MultiExitModel, cmp: _Comparer, phase: str, ids: torch.Tens
             new_kv.append((k, v))
         e = model.exit_hidden(exit_layer, h)
         logits = model.exit_logits(exit_layer, h)
-        cmp.run(f"segment_{i}", phase, feeds, [h, e, logits, *presents])
+        cmp.run(f"segment_{i}", phase, feeds, [h, e, logits, *exit_decision_stats(logits), *presents])
     return new_kv, logits
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from edge.errors import ConfigError
-from edge.exits import MultiExitModel
+from edge.exits import MultiExitModel, exit_decision_stats
 
 
 @dataclass
@@ -23,6 +23,8 @@ class SegmentOut:
     hidden: np.ndarray  # [B, T, D] residual stream after the segment's last layer
     exit_hidden: np.ndarray  # [B, T, D] normalised exit hidden (LM-head input)
     logits: np.ndarray  # [B, T, V] exit logits
+    stats: np.ndarray  # [B, T, 3] float32: top-1 probability, top-1 minus top-2, entropy
+    token: np.ndarray  # [B, T] int64 argmax of the logits
     keys: list[np.ndarray]  # per layer of the segment [B, KV, T, hd] for the new rows
     values: list[np.ndarray]
 
@@ -107,7 +109,8 @@ class TorchBackend(Backend):
         layer = self.exit_layers[i]
         eh = self.model.exit_hidden(layer, h)
         logits = torch.nn.functional.linear(eh, bb.head_weight)
-        return SegmentOut(h.numpy(), eh.numpy(), logits.numpy(), keys, values)
+        stats, token = exit_decision_stats(logits)
+        return SegmentOut(h.numpy(), eh.numpy(), logits.numpy(), stats.numpy(), token.numpy(), keys, values)
 
     @torch.no_grad()
     def _kvfill(self, i, hidden, positions):

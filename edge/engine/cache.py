@@ -36,10 +36,16 @@ class KVCache:
         """Keys / values [B, KV, past, hd] of ``slots`` (positions >= a slot's length are stale: mask them)."""
         return self.keys[layer][slots, :, :past], self.values[layer][slots, :, :past]
 
-    def write(self, layer: int, slots: np.ndarray, positions: np.ndarray, rows: np.ndarray,
+    def write(self, layer: int, slots: np.ndarray, positions: np.ndarray, rows: np.ndarray | None,
               k: np.ndarray, v: np.ndarray) -> None:
         """Store new keys / values k, v [B, KV, T, hd]: row r of batch b goes to position positions[b, r]
-        for the (b, r) pairs selected by the boolean ``rows`` [B, T]."""
+        for the (b, r) pairs selected by the boolean ``rows`` [B, T] (None: every pair)."""
+        if rows is None and positions.shape[1] == 1:  # one new token per sequence: the decode step
+            self.keys[layer][slots, :, positions[:, 0]] = k[:, :, 0]
+            self.values[layer][slots, :, positions[:, 0]] = v[:, :, 0]
+            return
+        if rows is None:
+            rows = np.ones(positions.shape, bool)
         b_idx, r_idx = np.nonzero(rows)
         self.keys[layer][slots[b_idx], :, positions[b_idx, r_idx]] = k[b_idx, :, r_idx]
         self.values[layer][slots[b_idx], :, positions[b_idx, r_idx]] = v[b_idx, :, r_idx]

@@ -218,6 +218,9 @@ class Engine:
         """Run segment i; rows[b] = (positions, hidden [T_b, D]) for seqs[b]; writes their K/V."""
         b = len(seqs)
         t = max(len(p) for p, _ in rows)
+        if t == 1:  # decode without deferred rows: one new token per sequence
+            positions = np.array([p for p, _ in rows], np.int64)  # [B, 1]
+            return self._segment(i, seqs, np.stack([h for _, h in rows]).reshape(b, 1, -1), positions, None)
         d = rows[0][1].shape[-1]
         hidden = np.zeros((b, t, d), np.float32)
         positions = np.zeros((b, t), np.int64)
@@ -228,12 +231,24 @@ class Engine:
             positions[r, :n] = pos
             positions[r, n:] = pos[-1]
             valid[r, :n] = True
+        return self._segment(i, seqs, hidden, positions, valid)
+
+    def _segment(self, i: int, seqs: list[_Seq], hidden: np.ndarray, positions: np.ndarray,
+                 valid: np.ndarray | None):
+        """Run segment i on hidden [B, T, D] at positions [B, T] (``valid`` [B, T], None = all rows
+        valid); reads the past from the cache and writes the new rows' K/V into it."""
         past_len = positions[:, 0].copy()
         P = int(past_len.max())
         slots = np.array([s.slot for s in seqs])
         seg_layers = self.backend.segments[i]
         pk, pv = zip(*(self.cache.gather(j, slots, P) for j in seg_layers))
-        mask = build_mask(positions, past_len, P, valid, self.backend.sliding_window)
+        if valid is None and positions.shape[1] == 1 and self.backend.sliding_window is None:
+            # the decode mask: its own past, then itself
+            mask = np.zeros((len(seqs), 1, 1, P + 1), np.float32)
+            mask[:, 0, 0, :P][np.arange(P)[None, :] >= past_len[:, None]] = NEG
+        else:
+            ok = np.ones(positions.shape, bool) if valid is None else valid
+            mask = build_mask(positions, past_len, P, ok, self.backend.sliding_window)
         out = self.backend.segment(i, hidden, positions, mask, list(pk), list(pv))
         for j, k, v in zip(seg_layers, out.keys, out.values):
             self.cache.write(j, slots, positions, valid, k, v)
@@ -272,42 +287,50 @@ class Engine:
         nseg = len(self.backend.segments)
         last = np.array([[s.tokens[-1]] for s in seqs], np.int64)
         new_h = {s.id: h for s, h in zip(seqs, self.backend.embed(last)[:, 0])}  # [D] per seq
-        hist_logits: dict[int, np.ndarray] = {}
-        hist_hidden: dict[int, np.ndarray] = {}
+        # what the rule sees, per exit reached so far, for the rows still running
+        stats: dict[int, np.ndarray] = {}  # [B, 3]
+        tokens: dict[int, np.ndarray] = {}  # [B]
+        hidden: dict[int, np.ndarray] = {}  # [B, D]
         active = list(range(len(seqs)))  # indices into seqs of rows still running
         decided: dict[int, tuple[int, int]] = {}  # seq index -> (token, exit layer)
         for i in range(nseg):
             act = [seqs[a] for a in active]
             pend = [[p for p in s.pending if p.next_seg <= i] for s in act]  # rows that run this segment
             rows = [([p.pos for p in ps] + [s.length], np.stack([p.hidden for p in ps] + [new_h[s.id]]))
-                    for s, ps in zip(act, pend)]
+                    if ps else ([s.length], new_h[s.id][None]) for s, ps in zip(act, pend)]
             out, _ = self._segment_rows(i, act, rows)
+            idx = np.array([len(pos) - 1 for pos, _ in rows])  # each sequence's new token
             for r, s in enumerate(act):
-                n = len(rows[r][0])
                 for q, p in enumerate(pend[r]):
                     p.hidden, p.next_seg = out.hidden[r, q], i + 1
-                new_h[s.id] = out.hidden[r, n - 1]
-                s.pending = [p for p in s.pending if p.next_seg < nseg]
+                new_h[s.id] = out.hidden[r, idx[r]]
+                if pend[r]:
+                    s.pending = [p for p in s.pending if p.next_seg < nseg]
             layer = self.backend.exit_layers[i]
-            idx = [len(rows[r][0]) - 1 for r in range(len(act))]
-            cur_logits = out.logits[np.arange(len(act)), idx]  # [B, V]
-            cur_hidden = out.exit_hidden[np.arange(len(act)), idx]
+            rix = np.arange(len(act))
+            stats[layer], tokens[layer] = out.stats[rix, idx], out.token[rix, idx]
             if i == nseg - 1:
                 stop = np.ones(len(act), bool)
             else:
-                hist_logits[layer], hist_hidden[layer] = cur_logits, cur_hidden
-                stop = np.asarray(self.rule.decide(layer, hist_logits, hist_hidden), bool)
+                hidden[layer] = out.exit_hidden[rix, idx]
+                stop = np.asarray(self.rule.decide(layer, stats, tokens, hidden), bool)
             for r in np.flatnonzero(stop):
                 s = act[r]
-                decided[active[r]] = (choose_token(cur_logits[r], s.req.temperature, s.req.top_p, s.rng), layer)
+                if s.req.temperature > 0:
+                    token = choose_token(out.logits[r, idx[r]], s.req.temperature, s.req.top_p, s.rng)
+                else:
+                    token = int(tokens[layer][r])
+                decided[active[r]] = (token, layer)
             if i < nseg - 1 and stop.any():
                 self._fill_skipped([act[r] for r in np.flatnonzero(stop)], i, new_h)
             keep = ~stop
-            active = [a for a, k in zip(active, keep) if k]
-            for k in list(hist_logits):
-                hist_logits[k], hist_hidden[k] = hist_logits[k][keep], hist_hidden[k][keep]
-            if not active:
+            if not keep.any():
                 break
+            if not keep.all():
+                active = [a for a, k in zip(active, keep) if k]
+                for trace in (stats, tokens, hidden):
+                    for k in trace:
+                        trace[k] = trace[k][keep]
         return [self._emit(seqs[a], tok, layer) for a, (tok, layer) in sorted(decided.items())]
 
     def _fill_skipped(self, exited: list[_Seq], i: int, new_h: dict[int, np.ndarray]) -> None:

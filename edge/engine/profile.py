@@ -38,8 +38,8 @@ class ProfiledRule:
         self.inner = inner
         self.seconds = 0.0
 
-    def decide(self, layer, logits, hidden):
+    def decide(self, layer, stats, tokens, hidden):
         t = time.perf_counter()
-        out = self.inner.decide(layer, logits, hidden)
+        out = self.inner.decide(layer, stats, tokens, hidden)
         self.seconds += time.perf_counter() - t
         return out

@@ -1,8 +1,11 @@
 """Batched exit rules for the engine.
 
-``decide(layer, logits, hidden)`` gets, for the rows still running, the logits
-[B, V] and normalised hidden states [B, D] of every exit reached so far
-(``logits[layer]`` is the current one) and returns a bool [B]: exit here.
+``decide(layer, stats, tokens, hidden)`` gets, for the rows still running and
+for every exit reached so far (``layer`` is the current one): the softmax
+statistics [B, 3] (top-1 probability, top-1 minus top-2, entropy) and the
+argmax [B] that the segment graph computed, and the normalised hidden state
+[B, D]; it returns a bool [B]: exit here. The logits themselves never reach the
+rule, so no softmax over the vocabulary runs on the host.
 """
 from __future__ import annotations
 
@@ -10,16 +13,18 @@ from typing import Protocol
 
 import numpy as np
 
+ExitTrace = dict[int, np.ndarray]  # exit layer -> per-row array
+
 
 class BatchExitRule(Protocol):
-    def decide(self, layer: int, logits: dict[int, np.ndarray], hidden: dict[int, np.ndarray]) -> np.ndarray: ...
+    def decide(self, layer: int, stats: ExitTrace, tokens: ExitTrace, hidden: ExitTrace) -> np.ndarray: ...
 
 
 class NeverExit:
     """Full depth for every token (the engine's baseline)."""
 
-    def decide(self, layer, logits, hidden):
-        return np.zeros(logits[layer].shape[0], dtype=bool)
+    def decide(self, layer, stats, tokens, hidden):
+        return np.zeros(tokens[layer].shape[0], dtype=bool)
 
 
 class ConfidenceRule:
@@ -28,8 +33,5 @@ class ConfidenceRule:
     def __init__(self, threshold: float) -> None:
         self.threshold = threshold
 
-    def decide(self, layer, logits, hidden):
-        z = logits[layer].astype(np.float64)
-        z = z - z.max(axis=1, keepdims=True)
-        top1 = 1.0 / np.exp(z).sum(axis=1)  # max prob = exp(0) / sum
-        return top1 >= self.threshold
+    def decide(self, layer, stats, tokens, hidden):
+        return stats[layer][:, 0] >= self.threshold

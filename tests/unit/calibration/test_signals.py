@@ -155,3 +155,31 @@ def test_last_exit_signals_equal_full_computation():
         full = exit_signals({k: logits[k] for k in sub}, {k: hidden[k] for k in sub}, num_exits=4)[sub[-1]]
         last = last_exit_signals({k: logits[k] for k in sub}, {k: hidden[k] for k in sub}, num_exits=4)
         assert np.array_equal(full, last)
+
+
+def test_signals_from_graph_stats_equal_signals_from_logits():
+    """The engine's rule reads softmax statistics computed in the segment graph (float32, torch /
+    ONNX); they must give the calibration signals up to float32 rounding, ties included."""
+    import torch
+
+    from calibration.signals import last_exit_signals, signals_from_stats
+    from edge.exits import exit_decision_stats
+
+    rng = np.random.default_rng(11)
+    layers = [3, 6, 9, 12]
+    logits = {k: (rng.normal(size=(64, 300)) * rng.uniform(0.1, 20)).astype(np.float32) for k in layers}
+    logits[3][0, :2] = 50.0  # a tie for the top: margin 0, argmax the lower id
+    logits[6][:, 7] += 30.0  # a near-certain exit: top-1 probability ~1, entropy ~0
+    hidden = {k: rng.normal(size=(64, 16)) for k in layers}
+    stats, tokens = {}, {}
+    for k in layers:
+        s, t = exit_decision_stats(torch.from_numpy(logits[k]))
+        stats[k], tokens[k] = s.numpy(), t.numpy()
+    for upto in range(1, 5):
+        sub = layers[:upto]
+        ref = last_exit_signals({k: logits[k] for k in sub}, {k: hidden[k] for k in sub}, num_exits=4)
+        got = signals_from_stats({k: stats[k] for k in sub}, {k: tokens[k] for k in sub},
+                                 {k: hidden[k] for k in sub}, num_exits=4)
+        assert np.allclose(got, ref, rtol=1e-5, atol=1e-6), upto
+        assert np.array_equal(tokens[sub[-1]], np.argmax(logits[sub[-1]], axis=1))
+    assert stats[3][0, 1] == 0.0 and tokens[3][0] == 0

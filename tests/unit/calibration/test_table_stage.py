@@ -16,7 +16,7 @@ from calibration.table import TableRule, ThresholdTable, load_table
 from edge.artifacts import sha256_path
 from edge.cli import main as cli
 from edge.errors import ArtifactError
-from edge.exits import load_multi_exit
+from edge.exits import exit_decision_stats, load_multi_exit
 
 
 @pytest.mark.parametrize("kind", list(CalibratorKind))
@@ -71,6 +71,17 @@ def test_runtime_rule_matches_teacher_forced_cascade(micro_run):
     rule = TableRule(table)
     w = torch.from_numpy(tokens[:33].astype(np.int64)).unsqueeze(0)
     out = model.backbone(w[:, :-1])
+    batched = np.full(32, data.final)  # the engine's form: all 32 tokens at once, from graph statistics
+    running = np.ones(32, bool)
+    stats, toks, hid = {}, {}, {}
+    for k in model.exit_layers[:-1]:
+        hidden = model.exit_hidden(k, out.hidden_states[k])[0]  # [32, D]
+        s, a = exit_decision_stats(torch.nn.functional.linear(hidden, model.backbone.head_weight))
+        stats[k], toks[k], hid[k] = s.numpy(), a.numpy(), hidden.numpy()
+        stop = rule.decide(k, stats, toks, hid) & running
+        batched[stop] = k
+        running &= ~stop
+    assert np.array_equal(batched, expected[:32])
     for t in range(32):
         rule.reset()
         got = data.final

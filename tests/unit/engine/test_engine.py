@@ -11,7 +11,7 @@ from edge.engine.engine import Engine, EngineConfig, KVMode, Request, build_mask
 from edge.engine.rules import ConfidenceRule
 from edge.engine.sampling import choose_token
 from edge.errors import ConfigError, SmartExitError
-from edge.exits import ExitConfig, MultiExitModel
+from edge.exits import ExitConfig, MultiExitModel, exit_decision_stats
 from edge.generate import generate
 from edge.model import Decoder, attention_mask
 
@@ -43,7 +43,8 @@ class _RefRule:
         self.inner = ConfidenceRule(threshold)
 
     def __call__(self, layer, logits, hidden):
-        return bool(self.inner.decide(layer, {layer: logits.double().numpy()[None]}, {})[0])
+        stats, token = exit_decision_stats(logits[None])
+        return bool(self.inner.decide(layer, {layer: stats.numpy()}, {layer: token.numpy()}, {})[0])
 
 
 def _run(engine, prompts, max_tokens=12, **kw):
@@ -106,9 +107,9 @@ class _ExitOnceAt2:
     def __init__(self):
         self.calls = 0
 
-    def decide(self, layer, logits, hidden):
+    def decide(self, layer, stats, tokens, hidden):
         self.calls += layer == 2
-        return np.full(logits[layer].shape[0], layer == 2 and self.calls == 1)
+        return np.full(tokens[layer].shape[0], layer == 2 and self.calls == 1)
 
 
 @pytest.mark.parametrize("mode", list(KVMode))

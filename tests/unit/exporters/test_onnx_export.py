@@ -14,7 +14,7 @@ import torch
 
 from edge.config import Arch, ModelConfig
 from edge.errors import ArtifactError, ConfigError
-from edge.exits import ExitConfig, MultiExitModel
+from edge.exits import ExitConfig, MultiExitModel, exit_decision_stats
 from edge.model import Decoder, attention_mask
 from exporters import onnx_export
 from exporters.onnx_export import GRAPHS_JSON, ExportConfig, export_onnx, verify_graphs
@@ -81,7 +81,8 @@ def test_graphs_json_checker_opset_no_contrib(exported):
     assert meta["graphs"]["segment_1"]["inputs"] == [
         "hidden", "positions", "attn_mask", "past_key_2", "past_value_2", "past_key_3", "past_value_3"]
     assert meta["graphs"]["segment_1"]["outputs"] == [
-        "hidden_out", "exit_hidden", "logits", "present_key_2", "present_value_2", "present_key_3", "present_value_3"]
+        "hidden_out", "exit_hidden", "logits", "exit_stats", "exit_token",
+        "present_key_2", "present_value_2", "present_key_3", "present_value_3"]
     assert meta["graphs"]["kvfill_1"]["inputs"] == ["hidden", "positions"]
     for g in meta["graphs"].values():
         path = out / g["file"]
@@ -101,7 +102,8 @@ def _segment_ref(model, i, layers, h, pos, mask, past):
         h, k, v = model.backbone.layers[j](h, cos, sin, *past[j], mask)
         presents += [k, v]
     e = model.exit_layers[i]
-    return [h, model.exit_hidden(e, h), model.exit_logits(e, h), *presents]
+    logits = model.exit_logits(e, h)
+    return [h, model.exit_hidden(e, h), logits, *exit_decision_stats(logits), *presents]
 
 
 @pytest.mark.parametrize("b,t,p", [(1, 1, 0), (1, 5, 7), (3, 1, 7), (3, 5, 0)])
