@@ -110,21 +110,33 @@ class Attention(nn.Module):
 
         Returns (out [B, T, D], k, v [B, KV, T, hd] of the new tokens)."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        kvh, hd = self.num_kv_heads, self.head_dim
+        rep = self.num_heads // kvh  # GQA: each KV head serves `rep` consecutive query heads
+        q = self.q_proj(x).view(b, t, self.num_heads, hd).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k_new, v_new = self.kv(x, cos, sin)
-        k = torch.cat((past_k, k_new), dim=2) if past_k is not None else k_new
-        v = torch.cat((past_v, v_new), dim=2) if past_v is not None else v_new
-        rep = self.num_heads // self.num_kv_heads
-        if rep > 1:  # GQA: each KV head serves `rep` consecutive query heads
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
         if mask is None:  # plain causal self-attention (training): use the fused kernel
+            k, v = k_new, v_new
+            if rep > 1:
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), k_new, v_new
-        scores = (q @ k.transpose(-1, -2)) * (self.head_dim ** -0.5) + mask  # [B, H, T, S]
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        out = (probs @ v).transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
+        # The decode path (and the exported graphs): the past is read where it lies, never copied.
+        # Query heads are grouped under their KV head instead of repeating K/V, and scores against
+        # the past and the new tokens are computed apart instead of concatenating K/V: at decode
+        # those copies were most of a layer's memory traffic.
+        qg = q.reshape(b, kvh, rep * t, hd)  # rows: (query head within group, token)
+        scores = qg @ k_new.transpose(-1, -2)  # [B, KV, rep*T, T]
+        if past_k is not None:
+            scores = torch.cat((qg @ past_k.transpose(-1, -2), scores), dim=-1)  # [B, KV, rep*T, P+T]
+        scores = scores.view(b, kvh, rep, t, -1) * (hd ** -0.5) + mask.unsqueeze(2)  # mask [B, 1, 1, T, S]
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(b, kvh, rep * t, -1)
+        if past_k is not None:
+            p = past_k.shape[2]
+            out = probs[..., :p] @ past_v + probs[..., p:] @ v_new  # [B, KV, rep*T, hd]
+        else:
+            out = probs @ v_new
+        out = out.view(b, self.num_heads, t, hd).transpose(1, 2).reshape(b, t, self.num_heads * hd)
         return self.o_proj(out), k_new, v_new
 
 
