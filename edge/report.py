@@ -121,8 +121,13 @@ def _bench_md(b: dict[str, Any]) -> list[str]:
         for s, v in row["systems"].items():
             lines.append(f"| {batch} | {s} | {v['tokens_per_s']:.1f} | {_fmt(v['token_latency_p50_ms'], '.2f')} | "
                          f"{_fmt(v['token_latency_p95_ms'], '.2f')} | {_fmt(v['mean_exit_layer'], '.2f')} |")
-    lines += ["", "- " + ", ".join(f"{k} {_fmt(v, '.3f')}" for k, v in b.items()
-                                    if k.startswith("speedup") or k in ("false_exit_rate",)),
+    scalars = {k: v for k, v in b.items() if not isinstance(v, dict)
+               and (k.startswith("speedup") or k == "false_exit_rate")}
+    by_mode = {k: v for k, v in b.items() if k.endswith("_by_mode")}
+    lines += ["", f"- (d) = exits with skipped layers' K/V by {b.get('kv_mode')}: "
+              + ", ".join(f"{k} {_fmt(v, '.3f')}" for k, v in scalars.items()),
+              "- both K/V modes: " + "; ".join(
+                  f"{k} " + ", ".join(f"{m} {_fmt(x, '.3f')}" for m, x in v.items()) for k, v in by_mode.items()),
               "- decode step of (d) at batch 1, ms: " + ", ".join(f"{k} {v:.3f}" for k, v in b["profile_b1"].items()),
               "- peak RSS over the libraries-imported baseline (MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in (b.get("peak_rss_mib") or {}).items()),
               "", "Details: `bench/decode.md`, chart `bench/decode.png`.", ""]

@@ -6,9 +6,10 @@ Systems, on the same weights and the same held-out prompts (equal length, no pad
                    self-speculation (Elhoushi et al. 2024); transformers supports batch 1 only;
   engine_full  (c) the SmartExit engine on ONNX Runtime at full depth: the graphs of the same
                    decoder without exit heads (``onnx_full``), so no exit overhead is charged;
-  engine_exit  (d) the same engine with the calibrated threshold table (skipped layers' K/V by
-                   state propagation);
-  engine_exit_defer  (d') as (d), skipped layers' K/V by deferred recomputation.
+  engine_exit_propagate, engine_exit_defer
+               (d) the same engine with the calibrated threshold table, skipped layers' K/V by
+                   state propagation or by deferred recomputation; both are measured, and
+                   ``kv_mode`` names the one reported as (d) (the other is (d')).
 Per batch size: warm-up runs, then repeats in which the systems run interleaved (rotated
 order); ratios are computed repeat by repeat and their median reported. Tokens/s counts
 generated tokens over the whole ``generate`` call (prefill included, the same for all).
@@ -40,10 +41,15 @@ from edge.tokenizer import load_tokenizer
 from exporters.stage import full_depth
 
 STAGE = "bench_decode"
-SYSTEMS = ("hf", "layerskip", "engine_full", "engine_exit", "engine_exit_defer")
+SYSTEMS = ("hf", "layerskip", "engine_full", "engine_exit_propagate", "engine_exit_defer")
 LABELS = {"hf": "(a) transformers generate", "layerskip": "(b) transformers LayerSkip self-speculation",
-          "engine_full": "(c) SmartExit engine, ORT, full depth", "engine_exit": "(d) SmartExit engine, ORT, exits",
-          "engine_exit_defer": "(d') as (d), deferred K/V recomputation"}
+          "engine_full": "(c) SmartExit engine, ORT, full depth",
+          "engine_exit_propagate": "SmartExit engine, ORT, exits, K/V by propagation",
+          "engine_exit_defer": "SmartExit engine, ORT, exits, K/V by deferred recomputation"}
+
+
+def exit_system(mode: KVMode | str) -> str:
+    return f"engine_exit_{KVMode(mode).value}"
 
 
 @dataclass
@@ -59,8 +65,10 @@ class DecodeBenchConfig:
     threads: int = 2
     memory: bool = True
     seed: int = 0
+    kv_mode: KVMode = KVMode.PROPAGATE  # which exit system is (d); both are measured
 
     def __post_init__(self) -> None:
+        self.kv_mode = KVMode(self.kv_mode)
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ConfigError("bench.batch_sizes must be a non-empty list of positive sizes")
         if self.repeats < 1 or self.new_tokens < 2 or self.prompt_tokens < 1:
@@ -148,7 +156,7 @@ class Systems:
         if "engine_full" in only:
             self.full_backend = make_backend("onnxruntime", full_depth(model), graphs_full, checkpoint=ckpt,
                                              threads=cfg.threads)
-        if {"engine_exit", "engine_exit_defer"} & set(only):
+        if {"engine_exit_propagate", "engine_exit_defer"} & set(only):
             self.backend = make_backend("onnxruntime", model, graphs, checkpoint=ckpt, threads=cfg.threads)
             self.table_rule = TableRule(load_table(thresholds, ckpt))
 
@@ -165,7 +173,7 @@ class Systems:
             return run_hf(self.hf, prompts, n, early_exit=self.cfg.layerskip_exit)
         if name == "engine_full":
             return run_engine(self.full_backend, NeverExit(), prompts, n, KVMode.PROPAGATE)
-        mode = KVMode.DEFER if name == "engine_exit_defer" else KVMode.PROPAGATE
+        mode = KVMode(name.removeprefix("engine_exit_"))
         return run_engine(backend or self.backend, rule or self.table_rule, prompts, n, mode)
 
 
@@ -251,11 +259,11 @@ def _vm_kib(field_name: str) -> int:
     raise ConfigError(f"/proc/self/status has no {field_name} (peak memory is measured on Linux only)")
 
 
-def profile_step(systems: Systems, prompts: list[list[int]], n: int) -> dict[str, float]:
+def profile_step(systems: Systems, prompts: list[list[int]], n: int, system: str) -> dict[str, float]:
     """Where the time of (d)'s decode goes: ms per decode step by component, at this batch."""
     backend = ProfiledBackend(systems.backend)
     rule = ProfiledRule(systems.table_rule)
-    res = systems.run("engine_exit", prompts, n, backend=backend, rule=rule, group=1)
+    res = systems.run(system, prompts, n, backend=backend, rule=rule, group=1)
     steps = len(prompts) * (n - 1)
     parts = {k: 1e3 * v / steps for k, v in {**backend.seconds, "exit_rule": rule.seconds}.items()}
     parts["total"] = 1e3 * res.seconds / steps
@@ -272,9 +280,12 @@ def main(cfg: DecodeBenchConfig) -> int:
         raise ConfigError(f"bench.layerskip_exit must be in [1, {model.num_layers - 1}], got {cfg.layerskip_exit}")
     tok = load_tokenizer(ckpt)
     systems = Systems(cfg, ckpt, graphs, graphs_full, thresholds, model)
-    results: dict[str, Any] = {"config": asdict(cfg), "batches": {}}
-    fe_bad = fe_total = match_c = 0
-    defer_bad = defer_total = 0
+    results: dict[str, Any] = {"config": asdict(cfg), "batches": {}, "kv_mode": cfg.kv_mode.value,
+                               "ort_pool_threads": systems.backend.pool_threads}
+    d_sys = exit_system(cfg.kv_mode)
+    exit_systems = [exit_system(m) for m in KVMode]
+    false_exits = {s: [0, 0] for s in exit_systems}  # system -> [mismatches, tokens]
+    match_c = 0
     for b in cfg.batch_sizes:
         n_prompts = cfg.batch1_prompts if b == 1 else b
         prompts = heldout_prompts(tok, load_split(Split.TEST), n_prompts, cfg.prompt_tokens, cfg.seed)
@@ -286,31 +297,34 @@ def main(cfg: DecodeBenchConfig) -> int:
                 r = systems.run(s, prompts, cfg.new_tokens, group=b)
                 if rep >= cfg.warmup:
                     runs[s].append(r)
-        bad, total = false_exit_rate(model, prompts, runs["engine_exit"][0])
-        fe_bad, fe_total = fe_bad + bad, fe_total + total
-        d_bad, d_total = false_exit_rate(model, prompts, runs["engine_exit_defer"][0])
-        defer_bad, defer_total = defer_bad + d_bad, defer_total + d_total
-        full, ex = runs["engine_full"][0].tokens, runs["engine_exit"][0].tokens
+        row_fe = {}
+        for s in exit_systems:
+            bad, total = false_exit_rate(model, prompts, runs[s][0])
+            false_exits[s][0] += bad
+            false_exits[s][1] += total
+            row_fe[s] = bad / max(1, total)
+        full, ex = runs["engine_full"][0].tokens, runs[d_sys][0].tokens
         match_c += sum(a == b_ for x, y in zip(full, ex) for a, b_ in zip(x, y))
         results["batches"][str(b)] = {
             "systems": summarise(runs, n_prompts, cfg.new_tokens),
-            "speedup_exit_vs_full": paired_ratio(runs, "engine_exit", "engine_full"),
-            "speedup_exit_vs_hf": paired_ratio(runs, "engine_exit", "hf"),
-            "speedup_exit_vs_layerskip": paired_ratio(runs, "engine_exit", "layerskip"),
-            "speedup_defer_vs_full": paired_ratio(runs, "engine_exit_defer", "engine_full"),
+            "speedup_exit_vs_full": paired_ratio(runs, d_sys, "engine_full"),
+            "speedup_exit_vs_hf": paired_ratio(runs, d_sys, "hf"),
+            "speedup_exit_vs_layerskip": paired_ratio(runs, d_sys, "layerskip"),
+            "speedup_vs_full_by_mode": {m.value: paired_ratio(runs, exit_system(m), "engine_full") for m in KVMode},
             "full_engine_equals_hf": runs["engine_full"][0].tokens == runs["hf"][0].tokens,
-            "false_exit_rate": bad / max(1, total),
-            "false_exit_rate_defer": d_bad / max(1, d_total),
+            "false_exit_rate": row_fe[d_sys],
+            "false_exit_rate_by_mode": {m.value: row_fe[exit_system(m)] for m in KVMode},
         }
         print(f"batch {b}: " + ", ".join(f"{s} {v['tokens_per_s']:.1f} tok/s"
                                          for s, v in results["batches"][str(b)]["systems"].items()), flush=True)
-    results["false_exit_rate"] = fe_bad / max(1, fe_total)
-    results["false_exit_rate_defer"] = defer_bad / max(1, defer_total)
-    results["false_exit_tokens"] = fe_total
+    rates = {s: bad / max(1, total) for s, (bad, total) in false_exits.items()}
+    results["false_exit_rate"] = rates[d_sys]
+    results["false_exit_rate_by_mode"] = {m.value: rates[exit_system(m)] for m in KVMode}
+    results["false_exit_tokens"] = false_exits[d_sys][1]
     results["token_match_vs_full_engine"] = match_c / sum(
         (cfg.batch1_prompts if b == 1 else b) * cfg.new_tokens for b in cfg.batch_sizes)
     results["profile_b1"] = profile_step(systems, heldout_prompts(tok, load_split(Split.TEST), cfg.batch1_prompts,
-                                                                  cfg.prompt_tokens, cfg.seed), cfg.new_tokens)
+                                                                  cfg.prompt_tokens, cfg.seed), cfg.new_tokens, d_sys)
     if cfg.memory:
         b = max(cfg.batch_sizes)
         results["peak_rss_mib"] = {s: peak_rss_mib(s, cfg.run_dir, b if applicable(s, b) else 1, cfg)
@@ -343,8 +357,10 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
         "speedup_exit_vs_hf_b1": bs[first]["speedup_exit_vs_hf"],
         "speedup_exit_vs_layerskip_b1": bs[first]["speedup_exit_vs_layerskip"],
         "false_exit_rate": results["false_exit_rate"],
-        "speedup_defer_vs_full_b1": bs[first]["speedup_defer_vs_full"],
-        "false_exit_rate_defer": results["false_exit_rate_defer"],
+        "kv_mode": results["kv_mode"],
+        "speedup_vs_full_b1_by_mode": bs[first]["speedup_vs_full_by_mode"],
+        f"speedup_vs_full_b{last}_by_mode": bs[last]["speedup_vs_full_by_mode"],
+        "false_exit_rate_by_mode": results["false_exit_rate_by_mode"],
         "token_match_vs_full_engine": results["token_match_vs_full_engine"],
     }
 
@@ -354,7 +370,9 @@ def render_markdown(results: dict[str, Any], summary: dict[str, Any]) -> str:
     mem = results.get("peak_rss_mib", {})
     lines = ["# Decode benchmark", "",
              f"{cfg['prompt_tokens']}-token held-out prompts, {cfg['new_tokens']} new tokens, greedy; "
-             f"{cfg['warmup']} warm-up + {cfg['repeats']} interleaved repeats; medians; {cfg['threads']} threads; "
+             f"{cfg['warmup']} warm-up + {cfg['repeats']} interleaved repeats; medians; {cfg['threads']} threads "
+             f"(ONNX Runtime: one shared pool of {results['ort_pool_threads']}); (d) = exits with K/V by "
+             f"{results['kv_mode']}; "
              f"batch 1 runs {cfg['batch1_prompts']} prompts one after another. Peak RSS: a fresh process per system at the largest batch "
              f"(batch 1 for LayerSkip), counted from the RSS after the libraries are imported (`baseline`, "
              f"{mem.get('baseline', float('nan')):.0f} MiB): loading and running the system.", "",
@@ -365,12 +383,15 @@ def render_markdown(results: dict[str, Any], summary: dict[str, Any]) -> str:
         for s, v in row["systems"].items():
             lines.append(f"| {b} | {LABELS[s]} | {v['tokens_per_s']:.1f} | {f(v['token_latency_p50_ms'])} | "
                          f"{f(v['token_latency_p95_ms'])} | {f(mem.get(s), '.0f')} | {f(v['mean_exit_layer'])} |")
-    lines += ["", "| batch | (d)/(c) | (d)/(a) | (d)/(b) | (d')/(c) | false exits (d) | false exits (d') |",
-              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    modes = list(results["false_exit_rate_by_mode"])
+    lines += ["", "| batch | (d)/(c) | (d)/(a) | (d)/(b) | "
+              + " | ".join(f"{m}/(c) | false exits, {m}" for m in modes) + " |",
+              "| ---: | ---: | ---: | ---: | " + " | ".join("---: | ---:" for _ in modes) + " |"]
     for b, row in results["batches"].items():
         lines.append(f"| {b} | {f(row['speedup_exit_vs_full'])} | {f(row['speedup_exit_vs_hf'])} | "
-                     f"{f(row['speedup_exit_vs_layerskip'])} | {f(row['speedup_defer_vs_full'])} | "
-                     f"{row['false_exit_rate']:.4f} | {row['false_exit_rate_defer']:.4f} |")
+                     f"{f(row['speedup_exit_vs_layerskip'])} | "
+                     + " | ".join(f"{f(row['speedup_vs_full_by_mode'][m])} | {row['false_exit_rate_by_mode'][m]:.4f}"
+                                  for m in modes) + " |")
     prof = results["profile_b1"]
     lines += ["", "Where one decode step of (d) goes at batch 1 (ms per step): "
               + ", ".join(f"{k} {v:.3f}" for k, v in prof.items()), ""]
