@@ -53,3 +53,14 @@ def test_provider_choice():
     assert pick_providers(["CUDAExecutionProvider", "CPUExecutionProvider"])[0] == "CUDAExecutionProvider"
     with pytest.raises(ConfigError, match="not available"):
         pick_providers(["CPUExecutionProvider"], ["TensorrtExecutionProvider"])
+
+
+def test_backends_share_one_thread_pool(exported):
+    """Every session of every backend in a process runs on one ONNX Runtime pool (sized once)."""
+    m, ckpt, graphs = exported
+    first = make_backend("onnxruntime", m, graphs, checkpoint=ckpt, threads=1)
+    second = make_backend("onnxruntime", m, graphs, checkpoint=ckpt, threads=2)
+    assert first.pool_threads == second.pool_threads
+    prompts = _prompts(2, seed=13)
+    cfg = dict(max_seqs=2, max_running=2, max_len=64, prefill_budget=16)
+    assert _run(Engine(first, EngineConfig(**cfg)), prompts, 6) == _run(Engine(second, EngineConfig(**cfg)), prompts, 6)
