@@ -102,6 +102,17 @@ class _Seq:
 
 
 @dataclass
+class _DecodeOut:
+    """One segment's results for the decode rows, in row order."""
+
+    hidden: list[np.ndarray]  # per row [T_b, D]: residual after the segment (deferred rows, then the new token)
+    stats: np.ndarray  # [B, 3] the new token's exit statistics
+    token: np.ndarray  # [B] its exit argmax
+    exit_hidden: np.ndarray  # [B, D] its normalised exit hidden
+    logits: list[np.ndarray]  # per row [V]
+
+
+@dataclass
 class EngineStats:
     waiting: int
     prefill_backlog_tokens: int
@@ -298,28 +309,26 @@ class Engine:
             pend = [[p for p in s.pending if p.next_seg <= i] for s in act]  # rows that run this segment
             rows = [([p.pos for p in ps] + [s.length], np.stack([p.hidden for p in ps] + [new_h[s.id]]))
                     if ps else ([s.length], new_h[s.id][None]) for s, ps in zip(act, pend)]
-            out, _ = self._segment_rows(i, act, rows)
-            idx = np.array([len(pos) - 1 for pos, _ in rows])  # each sequence's new token
+            out = self._decode_segment(i, act, rows)
             for r, s in enumerate(act):
                 for q, p in enumerate(pend[r]):
-                    p.hidden, p.next_seg = out.hidden[r, q], i + 1
-                new_h[s.id] = out.hidden[r, idx[r]]
+                    p.hidden, p.next_seg = out.hidden[r][q], i + 1
+                new_h[s.id] = out.hidden[r][-1]
                 if pend[r]:
                     s.pending = [p for p in s.pending if p.next_seg < nseg]
             layer = self.backend.exit_layers[i]
-            rix = np.arange(len(act))
-            stats[layer], tokens[layer] = out.stats[rix, idx], out.token[rix, idx]
+            stats[layer], tokens[layer] = out.stats, out.token
             if i == nseg - 1:
                 stop = np.ones(len(act), bool)
             else:
-                hidden[layer] = out.exit_hidden[rix, idx]
+                hidden[layer] = out.exit_hidden
                 stop = np.asarray(self.rule.decide(layer, stats, tokens, hidden), bool)
             for r in np.flatnonzero(stop):
                 s = act[r]
                 if s.req.temperature > 0:
-                    token = choose_token(out.logits[r, idx[r]], s.req.temperature, s.req.top_p, s.rng)
+                    token = choose_token(out.logits[r], s.req.temperature, s.req.top_p, s.rng)
                 else:
-                    token = int(tokens[layer][r])
+                    token = int(out.token[r])
                 decided[active[r]] = (token, layer)
             if i < nseg - 1 and stop.any():
                 self._fill_skipped([act[r] for r in np.flatnonzero(stop)], i, new_h)
@@ -332,6 +341,29 @@ class Engine:
                     for k in trace:
                         trace[k] = trace[k][keep]
         return [self._emit(seqs[a], tok, layer) for a, (tok, layer) in sorted(decided.items())]
+
+    def _decode_segment(self, i: int, act: list[_Seq], rows: list[tuple[list[int], np.ndarray]]) -> _DecodeOut:
+        """Segment i for the decode rows. Sequences carrying deferred rows (T > 1) run in a call of
+        their own, so that one pending row does not pad every sequence of the batch to T = 2."""
+        multi = [r for r, (pos, _) in enumerate(rows) if len(pos) > 1]
+        if multi and len(multi) < len(rows):
+            single = [r for r, (pos, _) in enumerate(rows) if len(pos) == 1]
+            groups = [single, multi]
+        else:
+            groups = [list(range(len(rows)))]
+        b, d = len(rows), rows[0][1].shape[-1]
+        res = _DecodeOut([None] * b, np.empty((b, 3), np.float32), np.empty(b, np.int64),
+                         np.empty((b, d), np.float32), [None] * b)
+        for g in groups:
+            out, _ = self._segment_rows(i, [act[r] for r in g], [rows[r] for r in g])
+            idx = np.array([len(rows[r][0]) - 1 for r in g])  # each sequence's new token
+            gi = np.arange(len(g))
+            res.stats[g], res.token[g] = out.stats[gi, idx], out.token[gi, idx]
+            res.exit_hidden[g] = out.exit_hidden[gi, idx]
+            for q, r in enumerate(g):
+                res.hidden[r] = out.hidden[q, :idx[q] + 1]
+                res.logits[r] = out.logits[q, idx[q]]
+        return res
 
     def _fill_skipped(self, exited: list[_Seq], i: int, new_h: dict[int, np.ndarray]) -> None:
         """K/V of segments i+1.. for rows that exited after segment i."""
