@@ -159,6 +159,18 @@ class Calibrator:
             return X[:, TOP1_COLUMN].copy()
         return ((X - self.mean) / self.std) @ self.coef + self.intercept  # [N]
 
+    def linear_score(self) -> tuple[np.ndarray, float]:
+        """(w [F], b) such that ``score(X) == X @ w + b``: the runtime form of the rule, one dot product
+        per token with no standardisation pass (constant calibrators give w = 0, b = 0)."""
+        if not self.fitted:
+            raise ConfigError(f"{self.kind.value} calibrator is not fitted")
+        if self.kind is CalibratorKind.MAXPROB:
+            w = np.zeros(self.n_features)
+            w[TOP1_COLUMN] = 1.0
+            return w, 0.0
+        w = self.coef / self.std  # [F]
+        return w, float(self.intercept - self.mean @ w)
+
     def predict(self, X: np.ndarray) -> np.ndarray:
         """Calibrated probability p [N] in [0, 1] that this exit's token is the full model's."""
         s = self.score(X)  # [N]

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from calibration.calibrators import Calibrator
-from calibration.signals import SIGNAL_NAMES, last_exit_signals, signals_from_stats
+from calibration.signals import SIGNAL_NAMES, last_exit_signals
 from edge.artifacts import atomic_write_json, sha256_path
 from edge.errors import ArtifactError, ConfigError
 
@@ -110,7 +110,12 @@ class TableRule:
     """
 
     def __init__(self, table: ThresholdTable) -> None:
+        if tuple(table.signal_names) != SIGNAL_NAMES:
+            raise ConfigError(f"threshold table signals {list(table.signal_names)} are not this version's "
+                              f"{list(SIGNAL_NAMES)}; re-run `smartexit calibrate`")
         self.table = table
+        self._m = len(table.exit_layers)
+        self._linear = {k: c.linear_score() for k, c in table.calibrators.items()}  # layer -> (w [F], b)
         self._logits: dict[int, np.ndarray] = {}
         self._hidden: dict[int, np.ndarray] = {}
 
@@ -127,9 +132,25 @@ class TableRule:
 
     def decide(self, layer: int, stats: dict[int, np.ndarray], tokens: dict[int, np.ndarray],
                hidden: dict[int, np.ndarray]) -> np.ndarray:
-        """Batched form for the engine (:mod:`edge.engine.rules`): bool [B]."""
-        feats = signals_from_stats(stats, tokens, hidden, num_exits=len(self.table.exit_layers))  # [B, F]
-        return self._passes(layer, feats)
+        """Batched form for the engine (:mod:`edge.engine.rules`): bool [B].
+
+        The calibrator's score is linear in the signals, so it is accumulated column by column
+        (the same value as :func:`calibration.signals.signals_from_stats` then the calibrator,
+        without building the feature matrix): this runs at every exit of every decode step.
+        """
+        w, b = self._linear[layer]
+        score = stats[layer].astype(np.float64) @ w[:3] + b  # top1_prob, margin, entropy
+        layers = sorted(tokens)
+        if len(layers) > 1:
+            prev = layers[-2]
+            run = np.zeros(len(score))
+            for a, c in zip(layers[:-1], layers[1:]):
+                run = np.where(tokens[a] == tokens[c], run + 1.0, 0.0)
+            h, g = hidden[layer].astype(np.float64), hidden[prev].astype(np.float64)
+            norms = np.sqrt((h * h).sum(1) * (g * g).sum(1))
+            cos = np.where(norms > 0, np.clip((h * g).sum(1) / np.where(norms > 0, norms, 1.0), -1.0, 1.0), 0.0)
+            score += (tokens[layer] == tokens[prev]) * w[3] + run / self._m * w[4] + cos * w[5]
+        return score >= self.table.score_thresholds[layer]
 
     def _passes(self, layer: int, feats: np.ndarray) -> np.ndarray:
         return self.table.calibrators[layer].score(feats) >= self.table.score_thresholds[layer]

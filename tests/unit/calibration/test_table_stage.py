@@ -32,6 +32,8 @@ def test_score_threshold_is_the_same_decision(kind):
         disagree = (p >= lam) != (s >= t)
         # a token exactly at the crossing may round either way
         assert disagree.sum() <= 1, (lam, disagree.sum())
+    w, b = cal.linear_score()  # the runtime form: one dot product
+    assert np.allclose(Xt @ w + b, s, rtol=1e-12, atol=1e-9)
 
 
 def _table_for(run, lam=0.6):
