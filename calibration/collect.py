@@ -67,3 +67,17 @@ def collect(model: MultiExitModel, tokens: np.ndarray, seq_len: int, max_tokens:
         nxt.append(w[0, 1:].numpy())
     return Collected(layers, {k: np.concatenate(v) for k, v in sig.items()},
                      {k: np.concatenate(v) for k, v in arg.items()}, np.concatenate(nxt))
+
+
+@torch.no_grad()
+def top1_accuracy(backbone, tokens: np.ndarray, seq_len: int, max_tokens: int) -> float:
+    """Greedy next-token accuracy of a decoder at full depth on the same windows :func:`collect` reads."""
+    backbone.eval()
+    windows = min((len(tokens) - 1) // seq_len, max(1, max_tokens // seq_len))
+    correct = total = 0
+    for i in range(windows):
+        w = torch.from_numpy(tokens[i * seq_len:(i + 1) * seq_len + 1].astype(np.int64)).unsqueeze(0)
+        pred = backbone(w[:, :-1]).logits[0].argmax(-1)
+        correct += int((pred == w[0, 1:]).sum())
+        total += seq_len
+    return correct / max(1, total)

@@ -24,7 +24,7 @@ import numpy as np
 
 from calibration.calibrators import (CalibratorKind, brier_score, expected_calibration_error, fit_calibrators,
                                      reliability_curve)
-from calibration.collect import Collected, collect
+from calibration.collect import Collected, collect, top1_accuracy
 from calibration.evaluate import EvalResult, evaluate_cascade, free_run
 from calibration.risk import PValue, default_grid, false_exit_counts, learn_then_test, min_calibration_tokens
 from calibration.signals import exit_targets
@@ -33,7 +33,10 @@ from edge.artifacts import atomic_dir, sha256_path
 from edge.data import Split, heldout_prompts, load_split, load_text_dir
 from edge.engine.engine import KVMode
 from edge.distill import heldout_tokens
-from edge.errors import ConfigError
+from edge.bundled import resolve_model
+from edge.checkpoint import load_decoder
+from edge.errors import CheckpointError, ConfigError
+from edge.exits import read_exits_json
 from edge.run import open_run
 
 STAGE = "calibrate"
@@ -154,6 +157,8 @@ def main(cfg: CalibrateConfig) -> int:
     runs = {mode: free_run(model, prompts, cfg.free_run_tokens, TableRule(table), mode) for mode in KVMode}
     fr = runs[cfg.kv_mode]
 
+    base = _base_model_accuracy(ckpt, heldout_tokens(tok, eval_docs), cfg)
+    base = _base_model_accuracy(ckpt, heldout_tokens(tok, eval_docs), cfg)
     test_correct = test.correct()
     curves = {f"exit {k}": reliability_curve(test_probs[k], test_correct[k]) for k in cals}
     metrics = {
@@ -166,6 +171,8 @@ def main(cfg: CalibrateConfig) -> int:
         "free_run": asdict(fr), "free_run_by_kv_mode": {m.value: asdict(r) for m, r in runs.items()},
         "accuracy_full": system.test.accuracy_full, "accuracy_exit": system.test.accuracy_exit,
         "accuracy_loss_rel": system.test.accuracy_loss_rel, "layers_skipped_frac": system.test.layers_skipped_frac,
+        **({"accuracy_base_model": base, "accuracy_loss_rel_vs_base_model": 1.0 - system.test.accuracy_exit / base}
+           if base else {}),
         "exit_fraction": system.test.exit_fraction, "calibration_quality": system.calibration_quality,
         "comparison": [s.row() for s in systems],
     }
@@ -189,6 +196,21 @@ def main(cfg: CalibrateConfig) -> int:
     print(f"test: false exits {system.test.false_exit_rate:.4f}, free-run {fr.false_exit_rate:.4f}, "
           f"accuracy loss {system.test.accuracy_loss_rel:.4f}, layers skipped {system.test.layers_skipped_frac:.3f}")
     return 0
+
+
+def _base_model_accuracy(ckpt: Path, tokens, cfg: CalibrateConfig) -> float | None:
+    """Full-depth accuracy, on the evaluation tokens, of the model the checkpoint was distilled from,
+    when distillation changed the decoder (``freeze_backbone=false``); None otherwise. Accuracy
+    loss is then reported against that model too, not only against the fine-tuned full depth."""
+    source = read_exits_json(ckpt).get("source", {})
+    if not source.get("backbone_finetuned"):
+        return None
+    try:
+        base = load_decoder(resolve_model(source.get("base_model", source.get("model"))))
+    except CheckpointError as exc:  # the base model moved: calibrate anyway, say what is missing
+        print(f"note: no accuracy against the base model ({exc})", flush=True)
+        return None
+    return top1_accuracy(base, tokens, cfg.seq_len, cfg.test_tokens)
 
 
 def _check_finite(metrics: dict[str, Any]) -> None:

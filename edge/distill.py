@@ -186,15 +186,22 @@ def main(cfg: DistillConfig) -> int:
     exits = ExitConfig(**asdict(cfg.exits))
     model = MultiExitModel(backbone, exits)
     test_ids = heldout_tokens(tok)
+    base_metrics = None
+    if not cfg.freeze_backbone:  # the decoder changes: measure what it was, on the same windows
+        base = MultiExitModel(load_decoder(model_dir), ExitConfig(layers=[backbone.cfg.num_layers], adapter_rank=0))
+        base_metrics = exit_metrics(base, test_ids, cfg.seq_len, cfg.eval_windows)
     losses = train_exits(model, sample_train_tokens(tok, cfg.train_tokens, cfg.seed), cfg)
     metrics = exit_metrics(model, test_ids, cfg.seq_len, cfg.eval_windows)
+    if base_metrics is not None:
+        metrics.update(base_heldout_ppl=base_metrics["heldout_ppl"], base_heldout_top1=base_metrics["heldout_top1"])
     metrics.update(params=backbone.cfg.num_params(), layers=backbone.cfg.num_layers,
                    exits=model.exit_layers, final_loss=float(np.mean(losses[-20:])) if losses else None)
     run_dir = Path(cfg.run_dir)
     out = run_dir / "multi_exit"
     with atomic_dir(out) as tmp:
         save_multi_exit(model, tmp, tokenizer=Path(model_dir) / "tokenizer.json", metrics=metrics,
-                        source={"model": str(model_dir)})
+                        source={"model": str(model_dir), "base_model": cfg.model,
+                                "backbone_finetuned": not cfg.freeze_backbone})
     manifest = Manifest(run_dir)
     manifest.record(STAGE, inputs={"model": model_dir}, config=asdict(cfg),
                     outputs={"checkpoint": out}, metrics=metrics, seconds=time.time() - t0)

@@ -31,7 +31,8 @@ def _distill(m: Manifest) -> dict[str, Any]:
     d = st["metrics"]
     return {"exit_agreement": d["exit_agreement"], "exit_accuracy": d["exit_accuracy"],
             "steps": st["config"]["steps"], "freeze_backbone": st["config"]["freeze_backbone"],
-            "adapter_rank": st["config"]["exits"]["adapter_rank"], "seconds": st["seconds"]}
+            "adapter_rank": st["config"]["exits"]["adapter_rank"], "seconds": st["seconds"],
+            **{k: d[k] for k in ("base_heldout_ppl", "base_heldout_top1", "heldout_ppl", "heldout_top1") if k in d}}
 
 
 def _generate(m: Manifest) -> dict[str, Any]:
@@ -91,6 +92,11 @@ def render_markdown(report: dict[str, Any]) -> str:
                   "| exit layer | agreement with final layer | top-1 accuracy |", "| ---: | ---: | ---: |"]
         for k, a in di["exit_agreement"].items():
             lines.append(f"| {k} | {a:.4f} | {di['exit_accuracy'][k]:.4f} |")
+        if "base_heldout_ppl" in di:
+            lines += ["", f"The decoder itself was fine-tuned with the exit losses (LayerSkip-style early-exit "
+                      f"training against the frozen base model). Full depth, same held-out windows: perplexity "
+                      f"{di['base_heldout_ppl']:.3f} (base) -> {di['heldout_ppl']:.3f}, top-1 "
+                      f"{di['base_heldout_top1']:.4f} -> {di['heldout_top1']:.4f}."]
         lines.append("")
     if "calibration" in report:
         lines += _calibration_md(report["calibration"])
@@ -167,7 +173,9 @@ def _calibration_md(c: dict[str, Any]) -> list[str]:
             f"full-depth mismatches in {r['tokens']} tokens, {r['exited_frac']:.3f} exited)"
             for m, r in c["free_run_by_kv_mode"].items()),
         f"- accuracy: full {c['accuracy_full']:.4f}, with exits {c['accuracy_exit']:.4f}, relative loss "
-        f"**{c['accuracy_loss_rel']:.4f}**",
+        f"**{c['accuracy_loss_rel']:.4f}**" + (
+            f"; against the base model before fine-tuning ({c['accuracy_base_model']:.4f}): "
+            f"**{c['accuracy_loss_rel_vs_base_model']:.4f}**" if "accuracy_base_model" in c else ""),
         f"- layers skipped: **{c['layers_skipped_frac']:.3f}**; exit fractions: "
         + ", ".join(f"layer {k}: {v:.3f}" for k, v in c["exit_fraction"].items()),
         "- the guarantee assumes calibration and test tokens are exchangeable; tokens of one file are "

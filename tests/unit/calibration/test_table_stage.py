@@ -125,3 +125,21 @@ def test_calibrate_refuses_modified_checkpoint(micro_run, tmp_path, capsys):
     (run / "multi_exit" / "exits.json").write_text("{}")
     assert cli(["calibrate", f"run_dir={run}"]) == 2
     assert "changed since stage 'distill'" in capsys.readouterr().err
+
+
+def test_finetuned_backbone_is_measured_against_its_base_model(micro_run, tmp_path):
+    """freeze_backbone=false changes the decoder: distillation records the base model's held-out
+    numbers next to the new ones, and calibration reports accuracy loss against the base too."""
+    base = micro_run.parent / "model"
+    run = tmp_path / "ft"
+    assert cli(["distill", f"model={base}", f"run_dir={run}", "steps=2", "seq_len=32", "batch_size=2",
+                "train_tokens=4000", "eval_windows=2", "exits.layers=[1,2,3]", "exits.adapter_rank=4",
+                "freeze_backbone=false", "lr=0.01"]) == 0
+    meta = json.loads((run / "multi_exit" / "exits.json").read_text())
+    assert meta["source"]["backbone_finetuned"] is True and meta["source"]["base_model"] == str(base)
+    assert meta["metrics"]["base_heldout_ppl"] != meta["metrics"]["heldout_ppl"]
+    assert cli(["calibrate", f"run_dir={run}", "seq_len=32", "calib_tokens=2000", "test_tokens=1000",
+                "free_run_prompts=2", "prompt_tokens=16", "free_run_tokens=4", "threads=1", "epsilon=0.2"]) == 0
+    cal = json.loads((run / "manifest.json").read_text())["stages"]["calibrate"]["metrics"]
+    assert 0.0 <= cal["accuracy_base_model"] <= 1.0
+    assert cal["accuracy_loss_rel_vs_base_model"] == pytest.approx(1 - cal["accuracy_exit"] / cal["accuracy_base_model"])
