@@ -199,14 +199,15 @@ def main(cfg: CalibrateConfig) -> int:
 
 
 def _base_model_accuracy(ckpt: Path, tokens, cfg: CalibrateConfig) -> float | None:
-    """Full-depth accuracy, on the evaluation tokens, of the model the checkpoint was distilled from,
-    when distillation changed the decoder (``freeze_backbone=false``); None otherwise. Accuracy
-    loss is then reported against that model too, not only against the fine-tuned full depth."""
+    """Full-depth accuracy, on the evaluation tokens, of the base model when the checkpoint's decoder
+    was fine-tuned (``freeze_backbone=false`` here, or earlier as recorded in the model's
+    ``lineage.json``); None otherwise. Accuracy loss is then reported against that model too, not
+    only against the fine-tuned full depth."""
     source = read_exits_json(ckpt).get("source", {})
     if not source.get("backbone_finetuned"):
         return None
     try:
-        base = load_decoder(resolve_model(source.get("base_model", source.get("model"))))
+        base = load_decoder(resolve_model(source["base_model"]))
     except CheckpointError as exc:  # the base model moved: calibrate anyway, say what is missing
         print(f"note: no accuracy against the base model ({exc})", flush=True)
         return None

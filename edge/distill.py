@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from edge.artifacts import Manifest, atomic_dir
-from edge.bundled import resolve_model
+from edge.bundled import read_lineage, resolve_model
 from edge.checkpoint import load_decoder
 from edge.data import Split, load_split
 from edge.errors import ConfigError
@@ -35,7 +35,7 @@ STAGE = "distill"
 @dataclass
 class DistillConfig:
     run_dir: str = "artifacts/demo"
-    model: str = "bundled"  # "bundled" or a local HF folder
+    model: str = "bundled"  # "bundled", "bundled-ee" or a local HF folder
     exits: ExitConfig = field(default_factory=ExitConfig)
     steps: int = 200
     batch_size: int = 8
@@ -186,9 +186,14 @@ def main(cfg: DistillConfig) -> int:
     exits = ExitConfig(**asdict(cfg.exits))
     model = MultiExitModel(backbone, exits)
     test_ids = heldout_tokens(tok)
+    # The decoder differs from its base model when this run fine-tunes it, or when the model given
+    # was itself fine-tuned (its lineage.json says from what): measure the base on the same windows.
+    lineage = read_lineage(model_dir)
+    base_model = cfg.model if not cfg.freeze_backbone else lineage.get("base_model")
     base_metrics = None
-    if not cfg.freeze_backbone:  # the decoder changes: measure what it was, on the same windows
-        base = MultiExitModel(load_decoder(model_dir), ExitConfig(layers=[backbone.cfg.num_layers], adapter_rank=0))
+    if base_model is not None:
+        base = MultiExitModel(load_decoder(resolve_model(base_model)),
+                              ExitConfig(layers=[backbone.cfg.num_layers], adapter_rank=0))
         base_metrics = exit_metrics(base, test_ids, cfg.seq_len, cfg.eval_windows)
     losses = train_exits(model, sample_train_tokens(tok, cfg.train_tokens, cfg.seed), cfg)
     metrics = exit_metrics(model, test_ids, cfg.seq_len, cfg.eval_windows)
@@ -200,8 +205,8 @@ def main(cfg: DistillConfig) -> int:
     out = run_dir / "multi_exit"
     with atomic_dir(out) as tmp:
         save_multi_exit(model, tmp, tokenizer=Path(model_dir) / "tokenizer.json", metrics=metrics,
-                        source={"model": str(model_dir), "base_model": cfg.model,
-                                "backbone_finetuned": not cfg.freeze_backbone})
+                        source={"model": str(model_dir), "given": cfg.model, "base_model": base_model,
+                                "backbone_finetuned": base_model is not None})
     manifest = Manifest(run_dir)
     manifest.record(STAGE, inputs={"model": model_dir}, config=asdict(cfg),
                     outputs={"checkpoint": out}, metrics=metrics, seconds=time.time() - t0)

@@ -15,7 +15,7 @@ from calibration.signals import exit_targets
 from calibration.table import TableRule, ThresholdTable, load_table
 from edge.artifacts import sha256_path
 from edge.cli import main as cli
-from edge.errors import ArtifactError
+from edge.errors import ArtifactError, CheckpointError
 from edge.exits import exit_decision_stats, load_multi_exit
 
 
@@ -143,3 +143,24 @@ def test_finetuned_backbone_is_measured_against_its_base_model(micro_run, tmp_pa
     cal = json.loads((run / "manifest.json").read_text())["stages"]["calibrate"]["metrics"]
     assert 0.0 <= cal["accuracy_base_model"] <= 1.0
     assert cal["accuracy_loss_rel_vs_base_model"] == pytest.approx(1 - cal["accuracy_exit"] / cal["accuracy_base_model"])
+
+
+def test_lineage_of_a_finetuned_model_carries_to_frozen_distillation(micro_run, tmp_path):
+    """A model folder made by `make-ee` (decoder fine-tuned, lineage.json) distilled with the decoder
+    frozen still reports against the model it came from."""
+    from edge.bundled import make_bundled_ee, read_lineage
+
+    base = micro_run.parent / "model"
+    ft = tmp_path / "ft"
+    assert cli(["distill", f"model={base}", f"run_dir={ft}", "steps=2", "seq_len=32", "batch_size=2",
+                "train_tokens=4000", "eval_windows=2", "exits.layers=[1,2,3]", "exits.adapter_rank=4",
+                "freeze_backbone=false", "lr=0.01"]) == 0
+    ee = make_bundled_ee(ft, tmp_path / "model-ee")
+    assert read_lineage(ee)["base_model"] == str(base) and not (ee / "exits.json").exists()
+    run = tmp_path / "heads"
+    assert cli(["distill", f"model={ee}", f"run_dir={run}", "steps=2", "seq_len=32", "batch_size=2",
+                "train_tokens=4000", "eval_windows=2", "exits.layers=[1,2,3]", "exits.adapter_rank=4"]) == 0
+    source = json.loads((run / "multi_exit" / "exits.json").read_text())["source"]
+    assert source["backbone_finetuned"] is True and source["base_model"] == str(base)
+    with pytest.raises(CheckpointError, match="kept its decoder frozen"):
+        make_bundled_ee(run, tmp_path / "nope")
