@@ -9,16 +9,17 @@ RUN ?= demo
 ART := artifacts/$(RUN)
 SE := $(BIN)/smartexit
 DEMO_CFG := configs/demo.yaml
-MODEL_FILES := $(wildcard edge/assets/tiny/*) $(wildcard edge/assets/data/*)
+MODEL_FILES := $(wildcard edge/assets/tiny/*) $(wildcard edge/assets/tiny-ee/*) $(wildcard edge/assets/data/*)
 SRC := $(shell find edge calibration exporters scheduler -name '*.py' 2>/dev/null)
 
-.PHONY: demo test venv distill calibrate export bench generate report train-tiny clean help
+.PHONY: demo test venv distill calibrate export bench generate report train-tiny train-tiny-ee clean help
 .DEFAULT_GOAL := help
 
 help:
 	@echo "make demo        run every stage on the bundled tiny model -> $(ART)/report.md"
 	@echo "make test        run the test suite (unit + integration; gpu/jetson tiers skip without hardware)"
 	@echo "make train-tiny  retrain the bundled tiny model (1-2 h on 2 cores, resumable)"
+	@echo "make train-tiny-ee  early-exit fine-tune it into bundled-ee (about 25 min on 2 cores)"
 	@echo "make distill | calibrate | export | bench | generate | report   one stage at a time (RUN=name picks artifacts/<name>)"
 
 venv: $(STAMP)
@@ -63,6 +64,10 @@ demo: $(ART)/report.json
 
 train-tiny: $(STAMP)
 	$(SE) train-tiny
+
+train-tiny-ee: $(STAMP)
+	$(SE) distill --config configs/tiny_ee.yaml run_dir=runs/tiny-ee
+	$(BIN)/python -m edge.bundled make-ee runs/tiny-ee
 
 # ---- tests ----
 test: $(STAMP)

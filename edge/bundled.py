@@ -67,18 +67,34 @@ def make_bundled_ee(run_dir: str | Path, out_dir: str | Path = BUNDLED_EE_DIR) -
     stage = manifest.stage("distill")
     if stage["config"].get("freeze_backbone", True):
         raise CheckpointError(f"{ckpt} kept its decoder frozen: there is no early-exit fine-tuned decoder to bundle")
-    m = meta["metrics"]
+    base_model = stage["config"]["model"]
+    m = dict(meta["metrics"])
+    if "base_heldout_ppl" not in m:  # a run from before distillation measured its base: measure it now
+        m.update(_base_metrics(base_model, ckpt, stage["config"]))
     with atomic_dir(out_dir) as tmp:
         for name in ("config.json", "model.safetensors", "tokenizer.json"):
             shutil.copyfile(Path(ckpt) / name, tmp / name)
         atomic_write_json(tmp / LINEAGE_JSON, {
-            "base_model": meta["source"]["base_model"],
+            "base_model": base_model,
             "backbone_finetuned": True,
             "recipe": {"stage": "distill", "config": stage["config"], "seconds": stage["seconds"]},
             "metrics": {k: m[k] for k in ("base_heldout_ppl", "base_heldout_top1", "heldout_ppl", "heldout_top1",
                                           "exit_agreement", "exit_accuracy", "tokens")},
         })
     return Path(out_dir)
+
+
+def _base_metrics(base_model: str, ckpt: Path, cfg: dict[str, Any]) -> dict[str, float]:
+    """Held-out perplexity / top-1 of the base model on the windows distillation evaluated."""
+    from edge.checkpoint import load_decoder
+    from edge.distill import exit_metrics, heldout_tokens
+    from edge.exits import ExitConfig, MultiExitModel
+    from edge.tokenizer import load_tokenizer
+
+    dec = load_decoder(resolve_model(base_model))
+    model = MultiExitModel(dec, ExitConfig(layers=[dec.cfg.num_layers], adapter_rank=0))
+    got = exit_metrics(model, heldout_tokens(load_tokenizer(ckpt)), cfg["seq_len"], cfg["eval_windows"])
+    return {"base_heldout_ppl": got["heldout_ppl"], "base_heldout_top1": got["heldout_top1"]}
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "make-ee":
