@@ -158,7 +158,6 @@ def main(cfg: CalibrateConfig) -> int:
     fr = runs[cfg.kv_mode]
 
     base = _base_model_accuracy(ckpt, heldout_tokens(tok, eval_docs), cfg)
-    base = _base_model_accuracy(ckpt, heldout_tokens(tok, eval_docs), cfg)
     test_correct = test.correct()
     curves = {f"exit {k}": reliability_curve(test_probs[k], test_correct[k]) for k in cals}
     metrics = {

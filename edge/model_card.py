@@ -74,19 +74,20 @@ def ort_decode_step_ms(model: Decoder, batch: int, past: int, threads: int, reps
     import onnxruntime as ort
 
     from edge.exits import ExitConfig, MultiExitModel
+    from edge.ortsession import session_options
     from exporters.onnx_export import ExportConfig, export_onnx
 
     cfg = model.cfg
     with tempfile.TemporaryDirectory() as tmp:
         full = MultiExitModel(model, ExitConfig(layers=[cfg.num_layers], adapter_rank=0)).eval()
         export_onnx(full, Path(tmp) / "g", ExportConfig(), checkpoint_sha256="timing-only")
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
+        opts = session_options(ort, threads)
         sess = ort.InferenceSession(str(Path(tmp) / "g" / "segment_0.onnx"), opts, providers=["CPUExecutionProvider"])
         rng = np.random.default_rng(0)
         feeds = {"hidden": rng.standard_normal((batch, 1, cfg.hidden_size), np.float32),
                  "positions": np.full((batch, 1), past, np.int64),
-                 "attn_mask": np.zeros((batch, 1, 1, past + 1), np.float32)}
+                 "attn_mask": np.zeros((batch, 1, 1, past + 1), np.float32),
+                 "exit_index": np.zeros(batch, np.int64)}
         for j in range(cfg.num_layers):
             for kind in ("key", "value"):
                 feeds[f"past_{kind}_{j}"] = rng.standard_normal((batch, cfg.num_kv_heads, past, cfg.head_dim),

@@ -20,12 +20,15 @@ dim, V vocabulary; B, T, P and S are dynamic axes):
          ``positions`` int64 [B, T],
          ``attn_mask`` float32 [B, 1, T, S] (additive, 0 or a large negative; build it with
          :func:`edge.model.attention_mask` over the past slots then the new tokens),
-         ``past_key_{j}``, ``past_value_{j}`` float32 [B, KV, P, hd] per layer j (P may be 0)
+         ``past_key_{j}``, ``past_value_{j}`` float32 [B, KV, P, hd] per layer j (P may be 0),
+         ``exit_index`` int64 [B] (the row of each sequence whose exit head is computed: its
+         newest token; a prefill chunk or deferred rows need no head for the other rows)
     out: ``hidden_out`` [B, T, D] (residual stream after the segment's last layer),
-         ``exit_hidden`` [B, T, D] (the exit head's normalised hidden, input of the LM head),
-         ``logits`` [B, T, V] (exit logits),
-         ``exit_stats`` [B, T, 3] (softmax top-1 probability, top-1 minus top-2, entropy) and
-         ``exit_token`` int64 [B, T] (argmax): what the exit rule reads, so the engine never
+         ``exit_hidden`` [B, 1, D] (the exit head's normalised hidden at ``exit_index``, input of
+         the LM head),
+         ``logits`` [B, 1, V] (exit logits there),
+         ``exit_stats`` [B, 1, 3] (softmax top-1 probability, top-1 minus top-2, entropy) and
+         ``exit_token`` int64 [B, 1] (argmax): what the exit rule reads, so the engine never
          runs a softmax over V on the host (:func:`edge.exits.exit_decision_stats`),
          ``present_key_{j}``, ``present_value_{j}`` [B, KV, T, hd] per layer j (new tokens only;
          the caller writes them into its cache)
@@ -62,7 +65,7 @@ from edge.exits import MultiExitModel, exit_decision_stats
 from edge.model import rope_cos_sin
 
 GRAPHS_JSON = "graphs.json"
-GRAPHS_FORMAT = 2  # 2: segment graphs also output exit_stats and exit_token
+GRAPHS_FORMAT = 3  # 2: segment graphs output exit_stats, exit_token; 3: exit head on exit_index rows only
 SUPPORTED_OPSETS = (17, 18)
 # Protobuf's hard limit: one ModelProto cannot exceed 2 GiB, larger weights go to external data.
 PROTOBUF_LIMIT = 2**31
@@ -140,7 +143,7 @@ def segment_io(layers: list[int]) -> tuple[list[str], list[str]]:
     """Input and output names of the segment graph over 0-based ``layers``."""
     past = [n for j in layers for n in (f"past_key_{j}", f"past_value_{j}")]
     present = [n for j in layers for n in (f"present_key_{j}", f"present_value_{j}")]
-    return (["hidden", "positions", "attn_mask", *past],
+    return (["hidden", "positions", "attn_mask", *past, "exit_index"],
             ["hidden_out", "exit_hidden", "logits", "exit_stats", "exit_token", *present])
 
 
@@ -166,7 +169,8 @@ class _SegmentGraph(nn.Module):
         super().__init__()
         self.model, self.layers, self.exit_layer = model, layers, exit_layer
 
-    def forward(self, hidden, positions, attn_mask, *past):
+    def forward(self, hidden, positions, attn_mask, *rest):
+        *past, exit_index = rest
         backbone = self.model.backbone
         cos, sin = rope_cos_sin(positions, backbone.inv_freq)  # [B, 1, T, hd]
         h, presents = hidden, []
@@ -174,9 +178,10 @@ class _SegmentGraph(nn.Module):
             # always a mask tensor: Attention's mask=None fast path is SDPA, not for export
             h, k, v = backbone.layers[j](h, cos, sin, past[2 * n], past[2 * n + 1], attn_mask)
             presents += [k, v]  # [B, KV, T, hd]
-        e = self.model.exit_hidden(self.exit_layer, h)  # [B, T, D]
-        logits = F.linear(e, backbone.head_weight)  # [B, T, V]
-        stats, token = exit_decision_stats(logits)  # [B, T, 3], [B, T]
+        rows = torch.gather(h, 1, exit_index.view(-1, 1, 1).expand(-1, 1, h.shape[-1]))  # [B, 1, D]
+        e = self.model.exit_hidden(self.exit_layer, rows)  # [B, 1, D]
+        logits = F.linear(e, backbone.head_weight)  # [B, 1, V]
+        stats, token = exit_decision_stats(logits)  # [B, 1, 3], [B, 1]
         return (h, e, logits, stats, token, *presents)
 
 
@@ -203,7 +208,9 @@ def _dynamic_axes(inputs: list[str], outputs: list[str]) -> dict[str, dict[int, 
             axes[name] = {0: "batch", 2: "past"}
         elif name.startswith("present_"):
             axes[name] = {0: "batch", 2: "seq"}
-        else:  # input_ids, positions, hidden, hidden_out, exit_hidden, logits, exit_stats, exit_token
+        elif name in ("exit_index", "exit_hidden", "logits", "exit_stats", "exit_token"):
+            axes[name] = {0: "batch"}  # one row per sequence
+        else:  # input_ids, positions, hidden, hidden_out
             axes[name] = {0: "batch", 1: "seq"}
     return axes
 
@@ -225,9 +232,9 @@ def _static_dims(name: str, d: int, kv_heads: int, head_dim: int, vocab: int) ->
     """Fixed axes of a graph output (the rest are the dynamic axes of :func:`_dynamic_axes`)."""
     if name.startswith("present_"):
         return {1: kv_heads, 3: head_dim}
-    if name == "exit_token":
-        return {}
-    return {"logits": {2: vocab}, "exit_stats": {2: 3}}.get(name, {2: d})
+    one = {1: 1}  # exit outputs: one row per sequence
+    return {"exit_token": one, "logits": {**one, 2: vocab}, "exit_stats": {**one, 2: 3},
+            "exit_hidden": {**one, 2: d}}.get(name, {2: d})
 
 
 def _pin_output_dims(path: Path, static: dict[str, dict[int, int]]) -> None:
@@ -311,7 +318,9 @@ def export_onnx(model: MultiExitModel, out_dir: str | Path, cfg: ExportConfig,
     jobs = [("embed", _EmbedGraph(model), (ids,), ["input_ids"], ["hidden"], emb.numel() * emb.element_size())]
     for i, (layers, exit_layer) in enumerate(zip(seg_layers, model.exit_layers)):
         past = tuple(torch.randn(b, kvh, p, hd, generator=g) for _ in range(2 * len(layers)))
-        jobs.append((f"segment_{i}", _SegmentGraph(model, layers, exit_layer), (hidden, positions, mask, *past),
+        exit_index = torch.randint(0, t, (b,), generator=g)
+        jobs.append((f"segment_{i}", _SegmentGraph(model, layers, exit_layer),
+                     (hidden, positions, mask, *past, exit_index),
                      *segment_io(layers), _weight_bytes(model, layers, True)))
         if i > 0:  # K/V of every layer from segment i to the end: one call fills all skipped layers
             suffix = [j for seg in seg_layers[i:] for j in seg]

@@ -21,6 +21,7 @@ import onnxruntime as ort
 import torch
 
 from edge.errors import ArtifactError, ConfigError
+from edge.ortsession import session_options
 from edge.exits import MultiExitModel, exit_decision_stats
 from edge.model import attention_mask
 from exporters.onnx_export import load_graphs_json, segment_layers
@@ -70,9 +71,7 @@ class _Comparer:
     """Runs graphs in ORT on torch-made inputs and accumulates diffs, failures and argmax counts."""
 
     def __init__(self, graphs_dir: Path, meta: dict[str, Any], atol: float, rtol: float) -> None:
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = 1  # parity, not speed: stay off the other cores
-        so.inter_op_num_threads = 1
+        so = session_options(ort)
         self.meta, self.atol, self.rtol = meta, atol, rtol
         self.sessions = {name: ort.InferenceSession(str(graphs_dir / g["file"]), so, providers=["CPUExecutionProvider"])
                          for name, g in meta["graphs"].items()}
@@ -129,8 +128,10 @@ def _pipeline(model: MultiExitModel, cmp: _Comparer, phase: str, ids: torch.Tens
               past: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> tuple[list, torch.Tensor]:
     """Torch forward through every graph, comparing ORT on the same inputs.
 
-    Returns (new per-layer (k, v) [B, KV, T, hd], final exit logits [B, T, V])."""
+    Exit heads run on each sequence's last row (as the engine asks for its newest token).
+    Returns (new per-layer (k, v) [B, KV, T, hd], final exit logits [B, 1, V])."""
     backbone = model.backbone
+    exit_index = torch.full((ids.shape[0],), ids.shape[1] - 1, dtype=torch.long)
     cos, sin = backbone.rope(positions)
     h = backbone.embed(ids)  # [B, T, D]
     cmp.run("embed", phase, {"input_ids": ids}, [h])
@@ -148,8 +149,10 @@ def _pipeline(model: MultiExitModel, cmp: _Comparer, phase: str, ids: torch.Tens
             h, k, v = backbone.layers[j](h, cos, sin, pk, pv, mask)
             presents += [k, v]
             new_kv.append((k, v))
-        e = model.exit_hidden(exit_layer, h)
-        logits = model.exit_logits(exit_layer, h)
+        feeds["exit_index"] = exit_index
+        rows = h[torch.arange(h.shape[0]), exit_index].unsqueeze(1)  # [B, 1, D]
+        e = model.exit_hidden(exit_layer, rows)
+        logits = model.exit_logits(exit_layer, rows)  # [B, 1, V]
         cmp.run(f"segment_{i}", phase, feeds, [h, e, logits, *exit_decision_stats(logits), *presents])
     return new_kv, logits
 

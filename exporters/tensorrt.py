@@ -132,6 +132,8 @@ def profile_shapes(graph_name: str, input_names: list[str], model_dims: dict[str
             shape = [(b, t) for b, t, _ in bts]  # [B, T]
         elif kind == "segment" and name == "attn_mask":
             shape = [(b, 1, t, p + t) for b, t, p in bts]  # [B, 1, T, P + T]
+        elif kind == "segment" and name == "exit_index":
+            shape = [(b,) for b, _, _ in bts]  # [B]
         elif kind == "segment" and name.startswith(("past_key_", "past_value_")):
             kv, hd = _model_dim(model_dims, "num_kv_heads"), _model_dim(model_dims, "head_dim")
             shape = [(b, kv, p, hd) for b, _, p in bts]  # [B, KV, P, hd]

@@ -21,10 +21,11 @@ from edge.exits import MultiExitModel, exit_decision_stats
 @dataclass
 class SegmentOut:
     hidden: np.ndarray  # [B, T, D] residual stream after the segment's last layer
-    exit_hidden: np.ndarray  # [B, T, D] normalised exit hidden (LM-head input)
-    logits: np.ndarray  # [B, T, V] exit logits
-    stats: np.ndarray  # [B, T, 3] float32: top-1 probability, top-1 minus top-2, entropy
-    token: np.ndarray  # [B, T] int64 argmax of the logits
+    # the exit head, at each sequence's exit_index row only:
+    exit_hidden: np.ndarray  # [B, D] normalised exit hidden (LM-head input)
+    logits: np.ndarray  # [B, V] exit logits
+    stats: np.ndarray  # [B, 3] float32: top-1 probability, top-1 minus top-2, entropy
+    token: np.ndarray  # [B] int64 argmax of the logits
     keys: list[np.ndarray]  # per layer of the segment [B, KV, T, hd] for the new rows
     values: list[np.ndarray]
 
@@ -57,12 +58,15 @@ class Backend(abc.ABC):
         return self._embed(ids.astype(np.int64))
 
     def segment(self, i: int, hidden: np.ndarray, positions: np.ndarray, mask: np.ndarray,
-                past_k: list[np.ndarray], past_v: list[np.ndarray]) -> SegmentOut:
+                past_k: list[np.ndarray], past_v: list[np.ndarray], exit_index: np.ndarray) -> SegmentOut:
         """Run segment i on rows hidden [B, T, D] at positions [B, T] with past [B, KV, P, hd] per layer
-        and additive mask [B, 1, T, P+T]."""
+        and additive mask [B, 1, T, P+T]; the exit head runs on row ``exit_index[b]`` of each sequence."""
         if len(past_k) != len(self.segments[i]) or len(past_v) != len(self.segments[i]):
             raise ConfigError(f"segment {i} has {len(self.segments[i])} layers, got {len(past_k)} past tensors")
-        return self._segment(i, hidden, positions, mask, past_k, past_v)
+        exit_index = np.asarray(exit_index, np.int64)
+        if exit_index.shape != (hidden.shape[0],) or exit_index.min() < 0 or exit_index.max() >= hidden.shape[1]:
+            raise ConfigError(f"exit_index must hold one row in [0, {hidden.shape[1]}) per sequence, got {exit_index}")
+        return self._segment(i, hidden, positions, mask, past_k, past_v, exit_index)
 
     def kvfill(self, i: int, hidden: np.ndarray, positions: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """K/V of every layer of segments i..last for rows that exited after segment i-1 (one call);
@@ -75,7 +79,7 @@ class Backend(abc.ABC):
     def _embed(self, ids: np.ndarray) -> np.ndarray: ...
 
     @abc.abstractmethod
-    def _segment(self, i, hidden, positions, mask, past_k, past_v) -> SegmentOut: ...
+    def _segment(self, i, hidden, positions, mask, past_k, past_v, exit_index) -> SegmentOut: ...
 
     @abc.abstractmethod
     def _kvfill(self, i, hidden, positions) -> tuple[list[np.ndarray], list[np.ndarray]]: ...
@@ -95,7 +99,7 @@ class TorchBackend(Backend):
         return self.model.backbone.embed(torch.from_numpy(ids)).numpy()
 
     @torch.no_grad()
-    def _segment(self, i, hidden, positions, mask, past_k, past_v):
+    def _segment(self, i, hidden, positions, mask, past_k, past_v, exit_index):
         bb = self.model.backbone
         pos = torch.from_numpy(positions)
         cos, sin = bb.rope(pos)
@@ -107,7 +111,7 @@ class TorchBackend(Backend):
             keys.append(k.numpy())
             values.append(v.numpy())
         layer = self.exit_layers[i]
-        eh = self.model.exit_hidden(layer, h)
+        eh = self.model.exit_hidden(layer, h[torch.arange(h.shape[0]), torch.from_numpy(exit_index)])  # [B, D]
         logits = torch.nn.functional.linear(eh, bb.head_weight)
         stats, token = exit_decision_stats(logits)
         return SegmentOut(h.numpy(), eh.numpy(), logits.numpy(), stats.numpy(), token.numpy(), keys, values)

@@ -231,7 +231,8 @@ class Engine:
         t = max(len(p) for p, _ in rows)
         if t == 1:  # decode without deferred rows: one new token per sequence
             positions = np.array([p for p, _ in rows], np.int64)  # [B, 1]
-            return self._segment(i, seqs, np.stack([h for _, h in rows]).reshape(b, 1, -1), positions, None)
+            return self._segment(i, seqs, np.stack([h for _, h in rows]).reshape(b, 1, -1), positions, None,
+                                 np.zeros(b, np.int64))
         d = rows[0][1].shape[-1]
         hidden = np.zeros((b, t, d), np.float32)
         positions = np.zeros((b, t), np.int64)
@@ -242,12 +243,14 @@ class Engine:
             positions[r, :n] = pos
             positions[r, n:] = pos[-1]
             valid[r, :n] = True
-        return self._segment(i, seqs, hidden, positions, valid)
+        last = np.array([len(pos) - 1 for pos, _ in rows], np.int64)  # each sequence's newest row
+        return self._segment(i, seqs, hidden, positions, valid, last)
 
     def _segment(self, i: int, seqs: list[_Seq], hidden: np.ndarray, positions: np.ndarray,
-                 valid: np.ndarray | None):
+                 valid: np.ndarray | None, exit_index: np.ndarray):
         """Run segment i on hidden [B, T, D] at positions [B, T] (``valid`` [B, T], None = all rows
-        valid); reads the past from the cache and writes the new rows' K/V into it."""
+        valid; the exit head runs on row ``exit_index[b]``); reads the past from the cache and writes
+        the new rows' K/V into it."""
         past_len = positions[:, 0].copy()
         P = int(past_len.max())
         slots = np.array([s.slot for s in seqs])
@@ -260,7 +263,7 @@ class Engine:
         else:
             ok = np.ones(positions.shape, bool) if valid is None else valid
             mask = build_mask(positions, past_len, P, ok, self.backend.sliding_window)
-        out = self.backend.segment(i, hidden, positions, mask, list(pk), list(pv))
+        out = self.backend.segment(i, hidden, positions, mask, list(pk), list(pv), exit_index)
         for j, k, v in zip(seg_layers, out.keys, out.values):
             self.cache.write(j, slots, positions, valid, k, v)
         return out, valid
@@ -290,7 +293,7 @@ class Engine:
             if seq.prefilled == len(seq.req.prompt):
                 self.prefilling.remove(seq)
                 self.decoding.append(seq)
-                token = choose_token(out.logits[r, n - 1], seq.req.temperature, seq.req.top_p, seq.rng)
+                token = choose_token(out.logits[r], seq.req.temperature, seq.req.top_p, seq.rng)
                 events.append(self._emit(seq, token, self.backend.num_layers))
         return events
 
@@ -356,13 +359,10 @@ class Engine:
                          np.empty((b, d), np.float32), [None] * b)
         for g in groups:
             out, _ = self._segment_rows(i, [act[r] for r in g], [rows[r] for r in g])
-            idx = np.array([len(rows[r][0]) - 1 for r in g])  # each sequence's new token
-            gi = np.arange(len(g))
-            res.stats[g], res.token[g] = out.stats[gi, idx], out.token[gi, idx]
-            res.exit_hidden[g] = out.exit_hidden[gi, idx]
+            res.stats[g], res.token[g], res.exit_hidden[g] = out.stats, out.token, out.exit_hidden
             for q, r in enumerate(g):
-                res.hidden[r] = out.hidden[q, :idx[q] + 1]
-                res.logits[r] = out.logits[q, idx[q]]
+                res.hidden[r] = out.hidden[q, :len(rows[r][0])]
+                res.logits[r] = out.logits[q]
         return res
 
     def _fill_skipped(self, exited: list[_Seq], i: int, new_h: dict[int, np.ndarray]) -> None:

@@ -13,6 +13,7 @@ import numpy as np
 from edge.artifacts import sha256_path
 from edge.engine.backend import BACKENDS, Backend, SegmentOut
 from edge.errors import ConfigError, require
+from edge.ortsession import pool_threads, session_options
 from edge.exits import MultiExitModel
 
 PREFERRED_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
@@ -26,20 +27,6 @@ def pick_providers(available: list[str], requested: list[str] | None = None) -> 
             raise ConfigError(f"onnxruntime providers {missing} are not available; this build has {available}")
         return list(requested)
     return [p for p in PREFERRED_PROVIDERS if p in available]
-
-
-_POOL_THREADS: int | None = None  # size of this process's shared ORT intra-op pool, once created
-
-
-def shared_thread_pool(ort, threads: int) -> int:
-    """Create the process-wide ONNX Runtime thread pool (``threads`` intra-op threads, 0 = one per
-    core) unless it exists; returns its size. ONNX Runtime cannot resize it: the first backend
-    of a process sizes it, later ones share it whatever they ask for."""
-    global _POOL_THREADS
-    if _POOL_THREADS is None:
-        ort.set_global_thread_pool_sizes(threads, 1)
-        _POOL_THREADS = threads
-    return _POOL_THREADS
 
 
 class OrtBackend(Backend):
@@ -58,14 +45,8 @@ class OrtBackend(Backend):
         meta = verify_graphs(graphs_dir, expected) if expected else _load_meta(graphs_dir)
         if meta["exit_layers"] != self.exit_layers:
             raise ConfigError(f"graphs in {graphs_dir} have exits {meta['exit_layers']}, model has {self.exit_layers}")
-        opts = ort.SessionOptions()
-        # Every session of the engine runs one after another within a step: they share one
-        # process-wide intra-op pool. Per-session pools either spin and steal the core the next
-        # session needs (measured: 1-13 ms stalls per call) or, with spinning off, pay a thread
-        # wake-up on every parallel operator (measured: ~2x per segment call at batch 1).
-        self.pool_threads = shared_thread_pool(ort, threads)
-        opts.use_per_session_threads = False
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        opts = session_options(ort, threads)  # one thread pool for every session (edge/ortsession.py)
+        self.pool_threads = pool_threads()
         self.providers = pick_providers(ort.get_available_providers(), providers)
 
         def session(name: str):
@@ -79,16 +60,16 @@ class OrtBackend(Backend):
     def _embed(self, ids):
         return self._embed_s.run(["hidden"], {"input_ids": ids})[0]
 
-    def _segment(self, i, hidden, positions, mask, past_k, past_v):
+    def _segment(self, i, hidden, positions, mask, past_k, past_v, exit_index):
         feeds = {"hidden": np.ascontiguousarray(hidden, np.float32), "positions": positions.astype(np.int64),
-                 "attn_mask": mask}
+                 "attn_mask": mask, "exit_index": exit_index}
         for j, pk, pv in zip(self.segments[i], past_k, past_v):
             feeds[f"past_key_{j}"] = np.ascontiguousarray(pk)
             feeds[f"past_value_{j}"] = np.ascontiguousarray(pv)
         outs = self._seg[i].run(None, feeds)
         n = len(self.segments[i])
-        return SegmentOut(outs[0], outs[1], outs[2], outs[3], outs[4], list(outs[5:5 + 2 * n:2]),
-                          list(outs[6:6 + 2 * n:2]))
+        return SegmentOut(outs[0], outs[1][:, 0], outs[2][:, 0], outs[3][:, 0], outs[4][:, 0],
+                          list(outs[5:5 + 2 * n:2]), list(outs[6:6 + 2 * n:2]))
 
     def _kvfill(self, i, hidden, positions):
         outs = self._fill[i].run(None, {"hidden": np.ascontiguousarray(hidden, np.float32),

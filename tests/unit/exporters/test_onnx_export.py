@@ -16,6 +16,7 @@ from edge.config import Arch, ModelConfig
 from edge.errors import ArtifactError, ConfigError
 from edge.exits import ExitConfig, MultiExitModel, exit_decision_stats
 from edge.model import Decoder, attention_mask
+from edge.ortsession import session_options
 from exporters import onnx_export
 from exporters.onnx_export import GRAPHS_JSON, ExportConfig, export_onnx, verify_graphs
 from exporters.parity import PARITY_ATOL, ParityReport, check_parity, require_parity
@@ -46,10 +47,7 @@ def make_model(seed: int = 0, layers: tuple[int, ...] = (2, 4), **overrides) -> 
 
 
 def session(path: Path) -> ort.InferenceSession:
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
-    so.inter_op_num_threads = 1
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(str(path), session_options(ort), providers=["CPUExecutionProvider"])
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +77,7 @@ def test_graphs_json_checker_opset_no_contrib(exported):
     assert [s["layers"] for s in meta["segments"]] == [[0, 1], [2, 3]]
     assert sorted(meta["graphs"]) == ["embed", "kvfill_1", "segment_0", "segment_1"]
     assert meta["graphs"]["segment_1"]["inputs"] == [
-        "hidden", "positions", "attn_mask", "past_key_2", "past_value_2", "past_key_3", "past_value_3"]
+        "hidden", "positions", "attn_mask", "past_key_2", "past_value_2", "past_key_3", "past_value_3", "exit_index"]
     assert meta["graphs"]["segment_1"]["outputs"] == [
         "hidden_out", "exit_hidden", "logits", "exit_stats", "exit_token",
         "present_key_2", "present_value_2", "present_key_3", "present_value_3"]
@@ -95,15 +93,16 @@ def test_graphs_json_checker_opset_no_contrib(exported):
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temp dirs left
 
 
-def _segment_ref(model, i, layers, h, pos, mask, past):
+def _segment_ref(model, i, layers, h, pos, mask, past, exit_index):
     cos, sin = model.backbone.rope(pos)
     presents = []
     for j in layers:
         h, k, v = model.backbone.layers[j](h, cos, sin, *past[j], mask)
         presents += [k, v]
     e = model.exit_layers[i]
-    logits = model.exit_logits(e, h)
-    return [h, model.exit_hidden(e, h), logits, *exit_decision_stats(logits), *presents]
+    rows = h[torch.arange(h.shape[0]), exit_index].unsqueeze(1)  # [B, 1, D]: the head runs on these only
+    logits = model.exit_logits(e, rows)
+    return [h, model.exit_hidden(e, rows), logits, *exit_decision_stats(logits), *presents]
 
 
 @pytest.mark.parametrize("b,t,p", [(1, 1, 0), (1, 5, 7), (3, 1, 7), (3, 5, 0)])
@@ -122,11 +121,13 @@ def test_axes_are_dynamic(exported, b, t, p):
         (got,) = session(out / "embed.onnx").run(None, {"input_ids": ids.numpy()})
         np.testing.assert_allclose(got, h.numpy(), atol=PARITY_ATOL)
         for i, layers in enumerate([[0, 1], [2, 3]]):
-            feeds = {"hidden": h.numpy(), "positions": pos.numpy(), "attn_mask": mask.numpy()}
+            exit_index = torch.randint(0, t, (b,), generator=g)  # a different row per sequence
+            feeds = {"hidden": h.numpy(), "positions": pos.numpy(), "attn_mask": mask.numpy(),
+                     "exit_index": exit_index.numpy()}
             for j in layers:
                 feeds[f"past_key_{j}"], feeds[f"past_value_{j}"] = past[j][0].numpy(), past[j][1].numpy()
             got = session(out / f"segment_{i}.onnx").run(None, feeds)
-            ref = _segment_ref(model, i, layers, h, pos, mask, past)
+            ref = _segment_ref(model, i, layers, h, pos, mask, past, exit_index)
             for o, r in zip(got, ref):
                 assert o.shape == tuple(r.shape)
                 np.testing.assert_allclose(o, r.numpy(), atol=PARITY_ATOL, rtol=1e-4)
