@@ -45,7 +45,8 @@ def _feeds(batch: int, seq: int, past: int, seed: int) -> dict[str, np.ndarray]:
     positions = np.broadcast_to(np.arange(past, past + seq), (batch, seq)).astype(np.int64).copy()
     k_pos = torch.arange(past + seq).expand(batch, -1)
     mask = attention_mask(torch.from_numpy(positions), k_pos).numpy()  # [B, 1, T, P + T], causal
-    feeds = {"hidden": hidden, "positions": positions, "attn_mask": mask}
+    feeds = {"hidden": hidden, "positions": positions, "attn_mask": mask,
+             "exit_index": g.integers(0, seq, batch).astype(np.int64)}
     for j in (0, 1):
         feeds[f"past_key_{j}"] = g.standard_normal((batch, KV, past, HD)).astype(np.float32)
         feeds[f"past_value_{j}"] = g.standard_normal((batch, KV, past, HD)).astype(np.float32)
