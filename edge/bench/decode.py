@@ -334,6 +334,7 @@ def main(cfg: DecodeBenchConfig) -> int:
         results["peak_rss_mib"] = {s: peak_rss_mib(s, cfg.run_dir, b if applicable(s, b) else 1, cfg)
                                    for s in ("baseline", *SYSTEMS)}
     summary = headline(results)
+    summary["goals"] = goals(summary)
     out = Path(cfg.run_dir) / "bench"
     with atomic_dir(out) as tmp:
         atomic_write_json(tmp / "decode.json", {**results, "summary": summary})
@@ -350,6 +351,25 @@ def main(cfg: DecodeBenchConfig) -> int:
     print(f"decode benchmark: {out / 'decode.md'}")
     print(json.dumps(summary, indent=2))
     return 0
+
+
+# The engine issue's targets: (metric in the headline, at least this); false exits at most 0.009.
+GOALS = {"speedup_exit_vs_full_b1": 1.5, "speedup_exit_vs_full_b16": 1.35, "speedup_exit_vs_hf_b1": 3.0,
+         "speedup_exit_vs_layerskip_b1": 1.0}
+MAX_FALSE_EXIT_RATE = 0.009
+
+
+def goals(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each goal with the measured value, whether it is met and by how much it is missed."""
+    out = {}
+    for key, target in GOALS.items():
+        v = summary.get(key)
+        if v is not None:
+            out[key] = {"goal": f">= {target}", "measured": v, "met": v >= target, "shortfall": max(0.0, target - v)}
+    fe = summary["false_exit_rate"]
+    out["false_exit_rate"] = {"goal": f"<= {MAX_FALSE_EXIT_RATE}", "measured": fe, "met": fe <= MAX_FALSE_EXIT_RATE,
+                              "shortfall": max(0.0, fe - MAX_FALSE_EXIT_RATE)}
+    return out
 
 
 def headline(results: dict[str, Any]) -> dict[str, Any]:
@@ -398,6 +418,10 @@ def render_markdown(results: dict[str, Any], summary: dict[str, Any]) -> str:
                      f"{f(row['speedup_exit_vs_layerskip'])} | "
                      + " | ".join(f"{f(row['speedup_vs_full_by_mode'][m])} | {row['false_exit_rate_by_mode'][m]:.4f}"
                                   for m in modes) + " |")
+    lines += ["", "| goal | target | measured | met | missed by |", "| --- | ---: | ---: | --- | ---: |"]
+    for k, g in summary.get("goals", {}).items():
+        lines.append(f"| {k} | {g['goal']} | {g['measured']:.3f} | {'yes' if g['met'] else 'no'} | "
+                     f"{g['shortfall']:.3f} |")
     prof = results["profile_b1"]
     lines += ["", "The ceiling is layers / mean exit layer of (d): its (d)/(c) if time were proportional to "
               "the layers a token runs and exit decisions were free. With deferred K/V the skipped layers "

@@ -40,5 +40,6 @@ def test_export_calibrate_bench_report(run):
                 "false_exit_rate"):
         assert isinstance(bench[key], float), key
     assert bench["batches"]["1"]["full_engine_equals_hf"] is True
+    assert set(bench["goals"]) >= {"speedup_exit_vs_full_b1", "false_exit_rate"}
     assert report["export"]["parity_passed"] is True
     assert (run / "bench" / "decode.png").is_file()

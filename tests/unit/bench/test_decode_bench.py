@@ -34,3 +34,14 @@ def test_config_validation():
         DecodeBenchConfig(batch_sizes=[])
     with pytest.raises(ConfigError):
         DecodeBenchConfig(new_tokens=1)
+
+
+def test_goals_say_whether_met_and_by_how_much():
+    from edge.bench.decode import goals
+
+    g = goals({"speedup_exit_vs_full_b1": 0.75, "speedup_exit_vs_full_b16": 1.4, "speedup_exit_vs_hf_b1": None,
+               "speedup_exit_vs_layerskip_b1": 2.0, "false_exit_rate": 0.012})
+    assert g["speedup_exit_vs_full_b1"]["met"] is False and g["speedup_exit_vs_full_b1"]["shortfall"] == pytest.approx(0.75)
+    assert g["speedup_exit_vs_full_b16"]["met"] is True and g["speedup_exit_vs_full_b16"]["shortfall"] == 0.0
+    assert "speedup_exit_vs_hf_b1" not in g  # not measured: no verdict
+    assert g["false_exit_rate"]["met"] is False and g["false_exit_rate"]["shortfall"] == pytest.approx(0.003)
