@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from calibration.calibrators import Calibrator
-from calibration.signals import SIGNAL_NAMES, last_exit_signals
+from calibration.signals import SIGNAL_NAMES, _cosine, last_exit_signals
 from edge.artifacts import atomic_write_json, sha256_path
 from edge.errors import ArtifactError, ConfigError
 
@@ -146,9 +146,7 @@ class TableRule:
             run = np.zeros(len(score))
             for a, c in zip(layers[:-1], layers[1:]):
                 run = np.where(tokens[a] == tokens[c], run + 1.0, 0.0)
-            h, g = hidden[layer].astype(np.float64), hidden[prev].astype(np.float64)
-            norms = np.sqrt((h * h).sum(1) * (g * g).sum(1))
-            cos = np.where(norms > 0, np.clip((h * g).sum(1) / np.where(norms > 0, norms, 1.0), -1.0, 1.0), 0.0)
+            cos = _cosine(hidden[layer].astype(np.float64), hidden[prev].astype(np.float64))
             score += (tokens[layer] == tokens[prev]) * w[3] + run / self._m * w[4] + cos * w[5]
         return score >= self.table.score_thresholds[layer]
 
