@@ -93,8 +93,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         for k, a in di["exit_agreement"].items():
             lines.append(f"| {k} | {a:.4f} | {di['exit_accuracy'][k]:.4f} |")
         if "base_heldout_ppl" in di:
-            lines += ["", f"The decoder itself was fine-tuned with the exit losses (LayerSkip-style early-exit "
-                      f"training against the frozen base model). Full depth, same held-out windows: perplexity "
+            when = ("before this run (the model's lineage.json names its base); this run kept it frozen"
+                    if di["freeze_backbone"] else "in this run")
+            lines += ["", f"The decoder was fine-tuned with the exit losses (LayerSkip-style early-exit training "
+                      f"against the frozen base model) {when}. Full depth, same held-out windows: perplexity "
                       f"{di['base_heldout_ppl']:.3f} (base) -> {di['heldout_ppl']:.3f}, top-1 "
                       f"{di['base_heldout_top1']:.4f} -> {di['heldout_top1']:.4f}."]
         lines.append("")
