@@ -37,7 +37,7 @@ def test_config_validation():
 
 
 def test_goals_say_whether_met_and_by_how_much():
-    from edge.bench.decode import goals
+    from edge.bench.summary import goals
 
     g = goals({"speedup_exit_vs_full_b1": 0.75, "speedup_exit_vs_full_b16": 1.4, "speedup_exit_vs_hf_b1": None,
                "speedup_exit_vs_layerskip_b1": 2.0, "false_exit_rate": 0.012})
