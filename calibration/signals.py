@@ -189,19 +189,9 @@ def last_exit_signals(logits: dict[int, np.ndarray], hidden: dict[int, np.ndarra
     """
     layers = sorted(logits)
     k = layers[-1]
-    n = logits[k].shape[0]
-    top1, margin, entropy = _softmax_stats(logits[k])
-    if len(layers) == 1:
-        zeros = np.zeros(n)
-        return np.stack([top1, margin, entropy, zeros, zeros, zeros], axis=1)
-    args = [np.argmax(logits[j], axis=1) for j in layers]  # [N] per exit
-    run = np.zeros(n)
-    for a, b in zip(args[:-1], args[1:]):
-        run = np.where(a == b, run + 1.0, 0.0)
-    agree = (args[-1] == args[-2]).astype(np.float64)
-    cos = _cosine(np.asarray(hidden[k], dtype=np.float64), np.asarray(hidden[layers[-2]], dtype=np.float64))
-    m = num_exits or len(layers)
-    return np.stack([top1, margin, entropy, agree, run / m, cos], axis=1)  # [N, F]
+    stats = {k: np.stack(_softmax_stats(logits[k]), axis=1)}  # [N, 3]
+    tokens = {j: np.argmax(logits[j], axis=1) for j in layers}  # [N] per exit
+    return signals_from_stats(stats, tokens, hidden, num_exits)
 
 
 def signals_from_stats(stats: dict[int, np.ndarray], tokens: dict[int, np.ndarray], hidden: dict[int, np.ndarray],

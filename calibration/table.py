@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from calibration.calibrators import Calibrator
-from calibration.signals import SIGNAL_NAMES, _cosine, last_exit_signals
+from calibration.signals import SIGNAL_NAMES, last_exit_signals, signals_from_stats
 from edge.artifacts import atomic_write_json, sha256_path
 from edge.errors import ArtifactError, ConfigError
 
@@ -134,21 +134,12 @@ class TableRule:
                hidden: dict[int, np.ndarray]) -> np.ndarray:
         """Batched form for the engine (:mod:`edge.engine.rules`): bool [B].
 
-        The calibrator's score is linear in the signals, so it is accumulated column by column
-        (the same value as :func:`calibration.signals.signals_from_stats` then the calibrator,
-        without building the feature matrix): this runs at every exit of every decode step.
+        The calibrator's score is linear in the signals: one dot product per token, no
+        standardisation or validation pass (this runs at every exit of every decode step).
         """
         w, b = self._linear[layer]
-        score = stats[layer].astype(np.float64) @ w[:3] + b  # top1_prob, margin, entropy
-        layers = sorted(tokens)
-        if len(layers) > 1:
-            prev = layers[-2]
-            run = np.zeros(len(score))
-            for a, c in zip(layers[:-1], layers[1:]):
-                run = np.where(tokens[a] == tokens[c], run + 1.0, 0.0)
-            cos = _cosine(hidden[layer].astype(np.float64), hidden[prev].astype(np.float64))
-            score += (tokens[layer] == tokens[prev]) * w[3] + run / self._m * w[4] + cos * w[5]
-        return score >= self.table.score_thresholds[layer]
+        feats = signals_from_stats(stats, tokens, hidden, num_exits=self._m)  # [B, F]
+        return feats @ w + b >= self.table.score_thresholds[layer]
 
     def _passes(self, layer: int, feats: np.ndarray) -> np.ndarray:
         return self.table.calibrators[layer].score(feats) >= self.table.score_thresholds[layer]

@@ -70,7 +70,12 @@ def make_bundled_ee(run_dir: str | Path, out_dir: str | Path = BUNDLED_EE_DIR) -
     base_model = stage["config"]["model"]
     m = dict(meta["metrics"])
     if "base_heldout_ppl" not in m:  # a run from before distillation measured its base: measure it now
-        m.update(_base_metrics(base_model, ckpt, stage["config"]))
+        from edge.distill import base_model_metrics, heldout_tokens
+        from edge.tokenizer import load_tokenizer
+
+        cfg = stage["config"]
+        tokens = heldout_tokens(load_tokenizer(ckpt))
+        m.update(base_model_metrics(base_model, tokens, cfg["seq_len"], cfg["eval_windows"]))
     with atomic_dir(out_dir) as tmp:
         for name in ("config.json", "model.safetensors", "tokenizer.json"):
             shutil.copyfile(Path(ckpt) / name, tmp / name)
@@ -82,19 +87,6 @@ def make_bundled_ee(run_dir: str | Path, out_dir: str | Path = BUNDLED_EE_DIR) -
                                           "exit_agreement", "exit_accuracy", "tokens")},
         })
     return Path(out_dir)
-
-
-def _base_metrics(base_model: str, ckpt: Path, cfg: dict[str, Any]) -> dict[str, float]:
-    """Held-out perplexity / top-1 of the base model on the windows distillation evaluated."""
-    from edge.checkpoint import load_decoder
-    from edge.distill import exit_metrics, heldout_tokens
-    from edge.exits import ExitConfig, MultiExitModel
-    from edge.tokenizer import load_tokenizer
-
-    dec = load_decoder(resolve_model(base_model))
-    model = MultiExitModel(dec, ExitConfig(layers=[dec.cfg.num_layers], adapter_rank=0))
-    got = exit_metrics(model, heldout_tokens(load_tokenizer(ckpt)), cfg["seq_len"], cfg["eval_windows"])
-    return {"base_heldout_ppl": got["heldout_ppl"], "base_heldout_top1": got["heldout_top1"]}
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "make-ee":

@@ -125,6 +125,15 @@ def exit_metrics(model: MultiExitModel, tokens: np.ndarray, seq_len: int, window
     }
 
 
+def base_model_metrics(base_model: str, tokens: np.ndarray, seq_len: int, windows: int) -> dict[str, float]:
+    """Held-out perplexity and top-1 of a model at full depth, as ``base_heldout_*`` (the model a
+    fine-tuned decoder came from, measured on the windows :func:`exit_metrics` reads)."""
+    dec = load_decoder(resolve_model(base_model))
+    got = exit_metrics(MultiExitModel(dec, ExitConfig(layers=[dec.cfg.num_layers], adapter_rank=0)),
+                       tokens, seq_len, windows)
+    return {"base_heldout_ppl": got["heldout_ppl"], "base_heldout_top1": got["heldout_top1"]}
+
+
 def train_exits(model: MultiExitModel, tokens: np.ndarray, cfg: DistillConfig) -> list[float]:
     """Run the distillation loop in place; returns the per-step losses."""
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -190,15 +199,12 @@ def main(cfg: DistillConfig) -> int:
     # was itself fine-tuned (its lineage.json says from what): measure the base on the same windows.
     lineage = read_lineage(model_dir)
     base_model = cfg.model if not cfg.freeze_backbone else lineage.get("base_model")
-    base_metrics = None
-    if base_model is not None:
-        base = MultiExitModel(load_decoder(resolve_model(base_model)),
-                              ExitConfig(layers=[backbone.cfg.num_layers], adapter_rank=0))
-        base_metrics = exit_metrics(base, test_ids, cfg.seq_len, cfg.eval_windows)
+    base_metrics = None if base_model is None else base_model_metrics(base_model, test_ids, cfg.seq_len,
+                                                                      cfg.eval_windows)
     losses = train_exits(model, sample_train_tokens(tok, cfg.train_tokens, cfg.seed), cfg)
     metrics = exit_metrics(model, test_ids, cfg.seq_len, cfg.eval_windows)
     if base_metrics is not None:
-        metrics.update(base_heldout_ppl=base_metrics["heldout_ppl"], base_heldout_top1=base_metrics["heldout_top1"])
+        metrics.update(base_metrics)
     metrics.update(params=backbone.cfg.num_params(), layers=backbone.cfg.num_layers,
                    exits=model.exit_layers, final_loss=float(np.mean(losses[-20:])) if losses else None)
     run_dir = Path(cfg.run_dir)

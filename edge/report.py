@@ -130,9 +130,9 @@ def _bench_md(b: dict[str, Any]) -> list[str]:
             lines.append(f"| {batch} | {s} | {v['tokens_per_s']:.1f} | {_fmt(v['token_latency_p50_ms'], '.2f')} | "
                          f"{_fmt(v['token_latency_p95_ms'], '.2f')} | {_fmt(v['mean_exit_layer'], '.2f')} |")
     if b.get("goals"):
-        lines += ["", "| goal | target | measured | met | missed by |", "| --- | ---: | ---: | --- | ---: |"]
-        lines += [f"| {k} | {g['goal']} | {g['measured']:.3f} | {'yes' if g['met'] else 'no'} | {g['shortfall']:.3f} |"
-                  for k, g in b["goals"].items()]
+        from edge.bench.summary import goals_table
+
+        lines += ["", *goals_table(b["goals"])]
     scalars = {k: v for k, v in b.items() if not isinstance(v, dict)
                and (k.startswith("speedup") or k == "false_exit_rate")}
     by_mode = {k: v for k, v in b.items() if k.endswith("_by_mode")}

@@ -299,16 +299,16 @@ def main(cfg: DecodeBenchConfig) -> int:
             row_fe[s] = bad / max(1, total)
         full, ex = runs["engine_full"][0].tokens, runs[d_sys][0].tokens
         match_c += sum(a == b_ for x, y in zip(full, ex) for a, b_ in zip(x, y))
+        systems_row = summarise(runs, n_prompts, cfg.new_tokens)
         results["batches"][str(b)] = {
-            "systems": summarise(runs, n_prompts, cfg.new_tokens),
+            "systems": systems_row,
             "speedup_exit_vs_full": paired_ratio(runs, d_sys, "engine_full"),
             "speedup_exit_vs_hf": paired_ratio(runs, d_sys, "hf"),
             "speedup_exit_vs_layerskip": paired_ratio(runs, d_sys, "layerskip"),
             "speedup_vs_full_by_mode": {m.value: paired_ratio(runs, exit_system(m), "engine_full") for m in KVMode},
             # what (d)/(c) would be if time were proportional to the layers a token runs and
             # deciding cost nothing: the bound the exit depth alone sets
-            "exit_depth_ceiling": model.num_layers / float(np.mean(
-                [e for r in runs[d_sys] for seq in r.exit_layers for e in seq])),
+            "exit_depth_ceiling": model.num_layers / systems_row[d_sys]["mean_exit_layer"],
             "full_engine_equals_hf": runs["engine_full"][0].tokens == runs["hf"][0].tokens,
             "false_exit_rate": row_fe[d_sys],
             "false_exit_rate_by_mode": {m.value: row_fe[exit_system(m)] for m in KVMode},

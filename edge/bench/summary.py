@@ -35,6 +35,13 @@ def goals(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def goals_table(goals_: dict[str, dict[str, Any]]) -> list[str]:
+    """Markdown rows of :func:`goals` (the benchmark's page and the run report show the same table)."""
+    return ["| goal | target | measured | met | missed by |", "| --- | ---: | ---: | --- | ---: |",
+            *(f"| {k} | {g['goal']} | {g['measured']:.3f} | {'yes' if g['met'] else 'no'} | {g['shortfall']:.3f} |"
+              for k, g in goals_.items())]
+
+
 def headline(results: dict[str, Any]) -> dict[str, Any]:
     bs = results["batches"]
     first, last = str(min(map(int, bs))), str(max(map(int, bs)))
@@ -81,10 +88,7 @@ def render_markdown(results: dict[str, Any], summary: dict[str, Any]) -> str:
                      f"{f(row['speedup_exit_vs_layerskip'])} | "
                      + " | ".join(f"{f(row['speedup_vs_full_by_mode'][m])} | {row['false_exit_rate_by_mode'][m]:.4f}"
                                   for m in modes) + " |")
-    lines += ["", "| goal | target | measured | met | missed by |", "| --- | ---: | ---: | --- | ---: |"]
-    for k, g in summary.get("goals", {}).items():
-        lines.append(f"| {k} | {g['goal']} | {g['measured']:.3f} | {'yes' if g['met'] else 'no'} | "
-                     f"{g['shortfall']:.3f} |")
+    lines += ["", *goals_table(summary.get("goals", {}))]
     prof = results["profile_b1"]
     lines += ["", "The ceiling is layers / mean exit layer of (d): its (d)/(c) if time were proportional to "
               "the layers a token runs and exit decisions were free. With deferred K/V the skipped layers "

@@ -266,7 +266,7 @@ class Engine:
         out = self.backend.segment(i, hidden, positions, mask, list(pk), list(pv), exit_index)
         for j, k, v in zip(seg_layers, out.keys, out.values):
             self.cache.write(j, slots, positions, valid, k, v)
-        return out, valid
+        return out
 
     def _prefill(self) -> list[TokenEvent]:
         budget = self.cfg.prefill_budget
@@ -285,7 +285,7 @@ class Engine:
                 for (s, n), x in zip(chunk, ids)]
         out = None
         for i in range(len(self.backend.segments)):
-            out, _ = self._segment_rows(i, seqs, rows)
+            out = self._segment_rows(i, seqs, rows)
             rows = [(pos, out.hidden[r, :len(pos)]) for r, (pos, _) in enumerate(rows)]
         events = []
         for r, (seq, n) in enumerate(chunk):
@@ -358,7 +358,7 @@ class Engine:
         res = _DecodeOut([None] * b, np.empty((b, 3), np.float32), np.empty(b, np.int64),
                          np.empty((b, d), np.float32), [None] * b)
         for g in groups:
-            out, _ = self._segment_rows(i, [act[r] for r in g], [rows[r] for r in g])
+            out = self._segment_rows(i, [act[r] for r in g], [rows[r] for r in g])
             res.stats[g], res.token[g], res.exit_hidden[g] = out.stats, out.token, out.exit_hidden
             for q, r in enumerate(g):
                 res.hidden[r] = out.hidden[q, :len(rows[r][0])]
