@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from edge.bundled import BUNDLED_DIR, BUNDLED_EE_DIR, read_lineage, resolve_model
+from edge.bundled import BUNDLED_DIR, BUNDLED_EE_DIR, quality_gate, read_lineage, resolve_model
 from edge.checkpoint import load_decoder
 from edge.errors import CheckpointError
 
@@ -29,3 +29,42 @@ def test_unknown_folder_and_bad_lineage(tmp_path):
         read_lineage(tmp_path)
     (tmp_path / "lineage.json").write_text(json.dumps({"base_model": "bundled"}))
     assert read_lineage(tmp_path)["base_model"] == "bundled"
+
+
+def test_quality_gate_is_relative_and_one_sided():
+    base = {"base_heldout_ppl": 20.0, "base_heldout_top1": 0.40}
+    assert quality_gate({**base, "heldout_ppl": 20.19, "heldout_top1": 0.3961})["passed"]
+    assert quality_gate({**base, "heldout_ppl": 18.0, "heldout_top1": 0.45})["passed"]  # better is fine
+    assert not quality_gate({**base, "heldout_ppl": 20.21, "heldout_top1": 0.40})["passed"]
+    assert not quality_gate({**base, "heldout_ppl": 20.0, "heldout_top1": 0.3959})["passed"]
+
+
+def test_make_ee_from_a_layerskip_run_writes_lineage_card_and_plots(micro_run, tmp_path):
+    from edge.bundled import make_bundled_ee
+    from edge.cli import main as cli
+
+    base = micro_run.parent / "model"  # 4 layers, random weights, own tokenizer
+    run = tmp_path / "ls"
+    assert cli(["distill", f"model={base}", f"run_dir={run}", "steps=2", "seq_len=32", "batch_size=2",
+                "train_tokens=4000", "eval_windows=2", "exits.layers=[1,2,3,4]", "exits.adapter_rank=0",
+                "freeze_backbone=false", "lr=2.0", "layerskip.enabled=true", "layerskip.p_max=0.2",
+                "layerskip.curriculum=gradual"]) == 0
+    ee = make_bundled_ee(run, tmp_path / "ee")
+    lineage = read_lineage(ee)
+    recipe, m = lineage["recipe"], lineage["metrics"]
+    assert recipe["method"] == "layerskip" and recipe["steps"] == 2 and recipe["train_seconds"] > 0
+    rates = recipe["layer_dropout_rates"]
+    assert rates[0] == 0 and rates[-1] == pytest.approx(0.2) and rates == sorted(rates)
+    assert set(m["exit_agreement"]) == set(m["base_exit_agreement"]) == {"1", "2", "3", "4"}
+    assert sum(m["oracle_exit_hist"].values()) == pytest.approx(1.0)
+    gate = m["quality_gate"]
+    assert gate["ppl_rel_change"] == pytest.approx(m["heldout_ppl"] / m["base_heldout_ppl"] - 1)
+    card = (ee / "MODEL_CARD.md").read_text()
+    assert "LayerSkip" in card and f"{m['heldout_ppl']:.3f}" in card and "exit_depth.png" in card
+    for png in ("exit_losses.png", "exit_depth.png"):
+        assert (ee / png).stat().st_size < 100_000
+    # Adam at lr 2 wrecks the decoder: full depth far past the gate, shipping it is refused, nothing written
+    assert gate["ppl_rel_change"] > 0.01 and not gate["passed"]
+    with pytest.raises(CheckpointError, match="quality gate"):
+        make_bundled_ee(run, tmp_path / "refused", enforce_gate=True)
+    assert not (tmp_path / "refused").exists()
