@@ -93,14 +93,18 @@ def sha256_file(path: str | Path) -> str:
 
 
 def sha256_path(path: str | Path) -> str:
-    """sha256 of a file, or of a folder (relative names and file hashes, sorted)."""
+    """sha256 of a file, or of a folder (relative names and file hashes, sorted). Hidden entries
+    (a name starting with '.', at any depth) are derived caches, such as ONNX Runtime's optimised
+    graphs in ``.ort_cache/``, and are not part of the artifact."""
     path = Path(path)
     if path.is_file():
         return sha256_file(path)
     if not path.is_dir():
         raise ArtifactError(f"{path} does not exist")
     h = hashlib.sha256()
-    for f in sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")):
+    files = (p for p in path.rglob("*") if p.is_file()
+             and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    for f in sorted(files):
         h.update(f.relative_to(path).as_posix().encode() + b"\0" + sha256_file(f).encode() + b"\n")
     return h.hexdigest()
 

@@ -63,9 +63,12 @@ from edge.artifacts import atomic_dir, atomic_write_json, sha256_file
 from edge.errors import ArtifactError, ConfigError
 from edge.exits import MultiExitModel, exit_decision_stats
 from edge.model import rope_cos_sin
+from exporters.ort_fused import build_fused, fused_supported, save_fused
 
 GRAPHS_JSON = "graphs.json"
-GRAPHS_FORMAT = 3  # 2: segment graphs output exit_stats, exit_token; 3: exit head on exit_index rows only
+GRAPHS_FORMAT = 4  # 2: segment graphs output exit_stats, exit_token; 3: exit head on exit_index rows only;
+# 4: fused ONNX Runtime graphs (exporters/ort_fused.py) beside the portable ones, model.max_positions
+FUSED_DIR = "fused"
 SUPPORTED_OPSETS = (17, 18)
 # Protobuf's hard limit: one ModelProto cannot exceed 2 GiB, larger weights go to external data.
 PROTOBUF_LIMIT = 2**31
@@ -117,6 +120,8 @@ class ExportManifest:
     opset: int
     checker: bool
     model: dict[str, int] = field(default_factory=dict)  # hidden_size, num_kv_heads, head_dim, vocab_size...
+    fused: dict[str, GraphInfo] = field(default_factory=dict)  # the ONNX Runtime graphs, in FUSED_DIR
+    fused_skipped: str | None = None  # why there are none
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -129,6 +134,8 @@ class ExportManifest:
             "opset": self.opset,
             "checker": self.checker,
             "model": self.model,
+            "fused": {"dir": FUSED_DIR, "graphs": {k: asdict(v) for k, v in self.fused.items()}} if self.fused else None,
+            "fused_skipped": self.fused_skipped,
             "seconds": round(self.seconds, 3),
         }
 
@@ -340,8 +347,18 @@ def export_onnx(model: MultiExitModel, out_dir: str | Path, cfg: ExportConfig,
             graphs=graphs, checkpoint_sha256=checkpoint_sha256, opset=cfg.opset,
             checker=True,  # _finish_graph raises (and nothing is written) if a graph fails the checker
             model={"num_layers": mcfg.num_layers, "hidden_size": d, "num_kv_heads": kvh, "head_dim": hd,
-                   "vocab_size": mcfg.vocab_size, "sliding_window": mcfg.sliding_window},
+                   "vocab_size": mcfg.vocab_size, "sliding_window": mcfg.sliding_window,
+                   "max_positions": mcfg.max_position_embeddings},
         )
+        manifest.fused_skipped = fused_supported(model)
+        if manifest.fused_skipped is None:
+            fused = save_fused(build_fused(model, seg_layers), tmp / FUSED_DIR, cfg.external_data_threshold)
+            for name, (file, ins, outs, data) in fused.items():
+                info = GraphInfo(f"{FUSED_DIR}/{file}", ins, outs, sha256_file(tmp / FUSED_DIR / file))
+                if data:
+                    info.external_data = f"{FUSED_DIR}/{data}"
+                    info.external_data_sha256 = sha256_file(tmp / FUSED_DIR / data)
+                manifest.fused[name] = info
         manifest.seconds = time.perf_counter() - t0
         atomic_write_json(tmp / GRAPHS_JSON, manifest.to_dict())
     return manifest
@@ -384,7 +401,8 @@ def verify_graphs(graphs_dir: str | Path, checkpoint_sha256: str) -> dict[str, A
         raise ArtifactError(
             f"{graphs_dir / GRAPHS_JSON}: graphs were exported from checkpoint sha256 {recorded}, "
             f"expected {checkpoint_sha256}; re-export for this checkpoint")
-    for name, g in meta["graphs"].items():
+    fused = (meta.get("fused") or {}).get("graphs", {})
+    for name, g in [*meta["graphs"].items(), *((f"fused/{k}", v) for k, v in fused.items())]:
         for file, want in ((g["file"], g["sha256"]), (g.get("external_data"), g.get("external_data_sha256"))):
             if file is None:
                 continue

@@ -226,3 +226,91 @@ def check_parity(model: MultiExitModel, graphs_dir: str | Path, prompts: list[li
     failures += list(cmp.failed.values())
     agreement = cmp.agree / cmp.total if cmp.total else 0.0
     return ParityReport(not failures and agreement == 1.0, cmp.diff, agreement, failures, atol, rtol)
+
+
+# fp32, two kernels for the same math (ONNX Runtime's fused operators vs torch): the rounding of a
+# dot product of length n grows like eps32 * sqrt(n) relative to its scale (eps32 = 1.2e-7); over a
+# vocabulary-sized LM head (n up to 4096-128k) and a dozen layers of residual updates that is
+# about 1e-5 of the output's scale. 1e-4 leaves an order of magnitude; argmax must agree exactly.
+FUSED_RTOL = 1e-4
+
+
+def check_fused_parity(model: MultiExitModel, graphs_dir: str | Path, prompts: list[list[int]],
+                       rtol: float = FUSED_RTOL, decode_steps: int = DECODE_STEPS) -> ParityReport:
+    """Compare the fused ONNX Runtime graphs with ``model`` in torch, through the engine's backends.
+
+    Both backends run the same calls on caches of their own: each prompt's prefill (B = 1, T = len),
+    then ``decode_steps`` batched one-row steps over all prompts (per-row cache lengths), once on
+    consecutive slots (the in-place path) and once over every other slot (the gathered path), and a
+    K/V fill of every later segment. Every segment gets the torch backend's input, so a difference is
+    that graph's own. An output passes when max |ort - torch| <= rtol * max |torch| (relative to the
+    output's scale: FUSED_RTOL says why), and every exit argmax agrees.
+    """
+    from edge.engine.backend import TorchBackend, make_backend
+    from edge.engine.cache import KVCache
+
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ConfigError("check_fused_parity needs at least one prompt, each with at least one token")
+    model = model.eval()
+    ref = TorchBackend(model)
+    got = make_backend("onnxruntime", graphs_dir=graphs_dir)
+    cfg = model.backbone.cfg
+    b = len(prompts)
+    slots_total = 2 * b  # room for the scattered layout
+    cap = max(map(len, prompts)) + decode_steps + 1
+    caches = [KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, slots_total, cap) for _ in range(2)]
+    ref.attach(caches[0])
+    got.attach(caches[1])
+    diff: dict[str, dict[str, float]] = {}
+    failures: list[str] = []
+    agree = total = 0
+
+    def compare(name: str, phase: str, o, r) -> None:
+        nonlocal agree, total
+        for field_name in ("hidden", "exit_hidden", "logits", "stats"):
+            a, e = getattr(o, field_name), getattr(r, field_name)
+            if e is None:
+                continue
+            d = float(np.abs(a - e).max())
+            diff.setdefault(name, {})[field_name] = max(d, diff.get(name, {}).get(field_name, 0.0))
+            scale = float(np.abs(e).max()) or 1.0
+            if not d <= rtol * scale:
+                failures.append(f"{name}/{field_name} ({phase}): max abs diff {d:.3g} > {rtol:g} x scale {scale:.3g}")
+        same = o.token == r.token
+        agree += int(same.sum())
+        total += same.size
+        if not same.all():
+            failures.append(f"{name}/exit_token ({phase}): argmax differs at {int((~same).sum())} of {same.size}")
+
+    def run_all(x, slots, start, phase):
+        for i in range(len(ref.segments)):
+            r = ref.segment(i, x, slots, start)
+            o = got.segment(i, x, slots, start)
+            compare(f"segment_{i}", phase, o, r)
+            if i + 1 < len(ref.segments):
+                h = r.hidden[:, -1]
+                ref.kvfill(i + 1, h, slots, start + x.shape[1] - 1)
+                got.kvfill(i + 1, h, slots, start + x.shape[1] - 1)
+            x = r.hidden
+        return r
+
+    for layout, slots in (("consecutive", np.arange(b)), ("scattered", np.arange(b) * 2)):
+        nexts = []
+        for n, prompt in enumerate(prompts):
+            r = run_all(np.array([prompt], np.int64), slots[n:n + 1], np.array([0]), f"prefill {n}, {layout}")
+            nexts.append(int(r.token[0]))
+        start = np.array([len(p) for p in prompts])
+        ids = np.array(nexts, np.int64)[:, None]
+        for s in range(decode_steps):
+            r = run_all(ids, slots, start, f"decode step {s}, {layout}")
+            ids, start = r.token[:, None].astype(np.int64), start + 1
+        for j in range(cfg.num_layers):  # every cached row both backends wrote, incl. the K/V fills
+            for kind, a, e in (("key", caches[1].keys[j], caches[0].keys[j]),
+                               ("value", caches[1].values[j], caches[0].values[j])):
+                d = float(np.abs(a[slots] - e[slots]).max())
+                diff.setdefault("cache", {})[f"{kind}_{j}"] = d
+                scale = float(np.abs(e[slots]).max()) or 1.0
+                if not d <= rtol * scale:
+                    failures.append(f"cache/{kind}_{j} ({layout}): max abs diff {d:.3g} > {rtol:g} x scale {scale:.3g}")
+    agreement = agree / total if total else 0.0
+    return ParityReport(not failures and agreement == 1.0, diff, agreement, failures, 0.0, rtol)

@@ -21,7 +21,7 @@ from edge.data import Split, heldout_prompts, load_split
 from edge.exits import ExitConfig, MultiExitModel
 from edge.run import open_run
 from exporters.onnx_export import ExportConfig, export_onnx
-from exporters.parity import PARITY_ATOL, PARITY_RTOL, check_parity, require_parity
+from exporters.parity import FUSED_RTOL, PARITY_ATOL, PARITY_RTOL, check_fused_parity, check_parity, require_parity
 
 STAGE = "export"
 
@@ -34,6 +34,7 @@ class ExportStageConfig:
     prompt_tokens: int = 48
     atol: float = PARITY_ATOL
     rtol: float = PARITY_RTOL
+    fused_rtol: float = FUSED_RTOL  # the fused ONNX Runtime graphs, relative to each output's scale
     seed: int = 0
     threads: int = 2
 
@@ -57,7 +58,10 @@ def main(cfg: ExportStageConfig) -> int:
             exported = export_onnx(m, staging / name, ExportConfig(opset=cfg.opset), checkpoint_sha256=sha256_path(ckpt))
             reports[key] = check_parity(m, staging / name, prompts, atol=cfg.atol, rtol=cfg.rtol)
             require_parity(reports[key])
-            counts[key] = len(exported.graphs)
+            if exported.fused:
+                reports[f"{key}_fused"] = check_fused_parity(m, staging / name, prompts, rtol=cfg.fused_rtol)
+                require_parity(reports[f"{key}_fused"])
+            counts[key] = len(exported.graphs) + len(exported.fused)
         for key, name in (("graphs", "onnx"), ("graphs_full", "onnx_full")):
             outs[key] = Path(cfg.run_dir) / name
             if outs[key].exists():
@@ -67,7 +71,9 @@ def main(cfg: ExportStageConfig) -> int:
         shutil.rmtree(staging, ignore_errors=True)
     report = reports["graphs"]
     metrics = {"graphs": counts["graphs"], "graphs_full": counts["graphs_full"], "opset": cfg.opset,
-               "parity": report.to_dict(), "parity_full": reports["graphs_full"].to_dict()}
+               "parity": report.to_dict(), "parity_full": reports["graphs_full"].to_dict(),
+               "parity_fused": reports["graphs_fused"].to_dict() if "graphs_fused" in reports else None,
+               "fused_skipped": exported.fused_skipped}
     manifest.record(STAGE, inputs={"checkpoint": ckpt}, config=asdict(cfg), outputs=outs,
                     metrics=metrics, seconds=time.time() - t0)
     worst = report.worst(1)[0]

@@ -4,7 +4,7 @@ Systems, on the same weights and the same held-out prompts (equal length, no pad
   hf           (a) transformers ``generate``, full model, greedy;
   layerskip    (b) transformers ``generate(assistant_early_exit=k)``: LayerSkip-style lossless
                    self-speculation (Elhoushi et al. 2024); transformers supports batch 1 only;
-  engine_full  (c) the SmartExit engine on ONNX Runtime at full depth: the graphs of the same
+  engine_full  (c) the SmartExit engine on ONNX Runtime at full depth: the fused graph of the same
                    decoder without exit heads (``onnx_full``), so no exit overhead is charged;
   engine_exit_propagate, engine_exit_defer
                (d) the same engine with the calibrated threshold table, skipped layers' K/V by
@@ -14,6 +14,11 @@ Per batch size: warm-up runs, then repeats in which the systems run interleaved 
 order); ratios are computed repeat by repeat and their median reported. Tokens/s counts
 generated tokens over the whole ``generate`` call (prefill included, the same for all).
 Peak resident memory is measured per system in a fresh subprocess.
+
+Also measured: what segmenting costs by itself (k chained layer-span calls against one call,
+:mod:`edge.bench.segments`), and (d)/(c) against its ceiling: layers / mean layers *computed* per
+token, counting what the K/V mode recomputes (propagation: the skipped layers' K/V projections;
+deferral: every skipped layer, run later with the next token).
 """
 from __future__ import annotations
 
@@ -39,7 +44,7 @@ from edge.engine.rules import NeverExit
 from edge.errors import ConfigError
 from edge.exits import MultiExitModel, load_multi_exit
 from edge.tokenizer import load_tokenizer
-from exporters.stage import full_depth
+from edge.bench.segments import segment_call_overhead
 
 STAGE = "bench_decode"
 def exit_system(mode: KVMode | str) -> str:
@@ -60,6 +65,7 @@ class DecodeBenchConfig:
     memory: bool = True
     seed: int = 0
     kv_mode: KVMode = KVMode.PROPAGATE  # which exit system is (d); both are measured
+    overhead_spans: int = 4  # segment-cost row: this many chained layer spans vs one call
 
     def __post_init__(self) -> None:
         self.kv_mode = KVMode(self.kv_mode)
@@ -144,15 +150,32 @@ class Systems:
         import transformers
 
         self.cfg = cfg
+        self.loaded = set(only) - {"llamacpp"}
+        self.llamacpp_skipped: str | None = None
         transformers.logging.set_verbosity_error()
+        if "llamacpp" in only:
+            self._load_llamacpp(ckpt)
         if {"hf", "layerskip"} & set(only):
             self.hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
         if "engine_full" in only:
-            self.full_backend = make_backend("onnxruntime", full_depth(model), graphs_full, checkpoint=ckpt,
+            self.full_backend = make_backend("onnxruntime", graphs_dir=graphs_full, checkpoint=ckpt,
                                              threads=cfg.threads)
         if {"engine_exit_propagate", "engine_exit_defer"} & set(only):
-            self.backend = make_backend("onnxruntime", model, graphs, checkpoint=ckpt, threads=cfg.threads)
+            self.backend = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=cfg.threads)
             self.table_rule = TableRule(load_table(thresholds, ckpt))
+
+    def _load_llamacpp(self, ckpt: Path) -> None:
+        """The peer (f), if llama-cpp-python is installed (``make llamacpp``): the checkpoint converted
+        to an f32 GGUF by the converter of llama.cpp's own source distribution, its tokenizer checked
+        against ours."""
+        from edge.bench import llamacpp
+
+        self.llamacpp_skipped = llamacpp.available()
+        if self.llamacpp_skipped is None:
+            gguf = llamacpp.convert_to_gguf(ckpt, Path(self.cfg.run_dir) / "llamacpp", outtype="f32")
+            llamacpp.verify_tokenizer(ckpt, gguf)
+            self.peer = llamacpp.LlamaCppPeer(gguf, self.cfg.threads)
+            self.loaded.add("llamacpp")
 
     def run(self, name: str, prompts: list[list[int]], n: int, backend=None, rule=None,
             group: int | None = None) -> RunResult:
@@ -167,12 +190,16 @@ class Systems:
             return run_hf(self.hf, prompts, n, early_exit=self.cfg.layerskip_exit)
         if name == "engine_full":
             return run_engine(self.full_backend, NeverExit(), prompts, n, KVMode.PROPAGATE)
+        if name == "llamacpp":
+            tokens, seconds, gaps = self.peer.generate(prompts[0], n)
+            return RunResult([list(tokens)], None, seconds, list(gaps))
         mode = KVMode(name.removeprefix("engine_exit_"))
         return run_engine(backend or self.backend, rule or self.table_rule, prompts, n, mode)
 
 
 def applicable(name: str, batch: int) -> bool:
-    return not (name == "layerskip" and batch > 1)  # transformers: assisted generation needs batch 1
+    # transformers' assisted generation needs batch 1; llama.cpp is measured as a batch-1 decoder
+    return not (name in ("layerskip", "llamacpp") and batch > 1)
 
 
 # ------------------------------------------------------------------ measurement
@@ -186,6 +213,28 @@ def false_exit_rate(model: MultiExitModel, prompts: list[list[int]], res: RunRes
             total += 1
             bad += toks[i] != int(pred[len(p) + i - 1])
     return bad, total
+
+
+def _token_match(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of positions where two systems' greedy tokens agree."""
+    pairs = [(x, y) for p, q in zip(a, b) for x, y in zip(p, q)]
+    return sum(x == y for x, y in pairs) / max(1, len(pairs))
+
+
+def kv_fraction(model: MultiExitModel) -> float:
+    """Share of a decoder layer's multiply-adds that its K/V projections are (what propagation
+    computes for a skipped layer): 2 D KV hd over D (H hd) + 2 D KV hd + (H hd) D + 3 D F."""
+    c = model.backbone.cfg
+    kv = 2 * c.hidden_size * c.num_kv_heads * c.head_dim
+    return kv / (2 * c.hidden_size * c.num_heads * c.head_dim + kv + 3 * c.hidden_size * c.intermediate_size)
+
+
+def layers_computed(exit_layers: list[int], num_layers: int, mode: KVMode, kv_frac: float) -> float:
+    """Mean layers computed per token, recomputation counted: a token that exits at layer k runs k
+    layers, then (propagate) the K/V projections of the skipped ones or (defer) all of them later."""
+    e = np.asarray(exit_layers, np.float64)
+    skipped = num_layers - e
+    return float(np.mean(e + (kv_frac * skipped if KVMode(mode) is KVMode.PROPAGATE else skipped)))
 
 
 def summarise(runs: dict[str, list[RunResult]], sequences: int, n: int) -> dict[str, dict[str, float]]:
@@ -275,7 +324,14 @@ def main(cfg: DecodeBenchConfig) -> int:
     tok = load_tokenizer(ckpt)
     systems = Systems(cfg, ckpt, graphs, graphs_full, thresholds, model)
     results: dict[str, Any] = {"config": asdict(cfg), "batches": {}, "kv_mode": cfg.kv_mode.value,
-                               "ort_pool_threads": systems.backend.pool_threads}
+                               "ort_pool_threads": systems.backend.pool_threads,
+                               "llamacpp_skipped": systems.llamacpp_skipped}
+    kv_frac = kv_fraction(model)
+    results["segment_call_overhead"] = {str(b): segment_call_overhead(model, cfg.overhead_spans, b,
+                                                                      cfg.prompt_tokens + cfg.new_tokens).to_dict()
+                                        for b in (1, max(cfg.batch_sizes))}
+    print("segment calls vs one call: " + ", ".join(f"batch {b} {r['ratio']:.3f}x"
+                                                     for b, r in results["segment_call_overhead"].items()), flush=True)
     d_sys = exit_system(cfg.kv_mode)
     exit_systems = [exit_system(m) for m in KVMode]
     false_exits = {s: [0, 0] for s in exit_systems}  # system -> [mismatches, tokens]
@@ -283,7 +339,7 @@ def main(cfg: DecodeBenchConfig) -> int:
     for b in cfg.batch_sizes:
         n_prompts = cfg.batch1_prompts if b == 1 else b
         prompts = heldout_prompts(tok, load_split(Split.TEST), n_prompts, cfg.prompt_tokens, cfg.seed)
-        names = [s for s in SYSTEMS if applicable(s, b)]
+        names = [s for s in SYSTEMS if applicable(s, b) and s in systems.loaded]
         runs: dict[str, list[RunResult]] = {s: [] for s in names}
         for rep in range(cfg.warmup + cfg.repeats):
             order = names[rep % len(names):] + names[:rep % len(names)]
@@ -299,12 +355,27 @@ def main(cfg: DecodeBenchConfig) -> int:
             row_fe[s] = bad / max(1, total)
         full, ex = runs["engine_full"][0].tokens, runs[d_sys][0].tokens
         match_c += sum(a == b_ for x, y in zip(full, ex) for a, b_ in zip(x, y))
+        if "llamacpp" in runs:  # its speed counts only if it decodes what we decode
+            match = _token_match(runs["llamacpp"][0].tokens, runs["engine_full"][0].tokens)
+            results["llamacpp_token_match"] = match
+            if match < 1.0:
+                results["llamacpp_skipped"] = (f"its greedy tokens match the full-depth engine's on only "
+                                               f"{match:.1%} of tokens: speed not reported")
+                del runs["llamacpp"]
         systems_row = summarise(runs, n_prompts, cfg.new_tokens)
+        exits_d = [e for seq in runs[d_sys][0].exit_layers for e in seq[1:]]  # decoded tokens (the first is prefill)
+        ceiling = model.num_layers / layers_computed(exits_d, model.num_layers, cfg.kv_mode, kv_frac)
+        speedup = paired_ratio(runs, d_sys, "engine_full")
         results["batches"][str(b)] = {
             "systems": systems_row,
-            "speedup_exit_vs_full": paired_ratio(runs, d_sys, "engine_full"),
+            "speedup_exit_vs_full": speedup,
+            # layers / mean layers computed per token of (d), recomputation counted (module docstring)
+            "compute_ceiling": ceiling,
+            "efficiency_vs_ceiling": speedup / ceiling,
             "speedup_exit_vs_hf": paired_ratio(runs, d_sys, "hf"),
             "speedup_exit_vs_layerskip": paired_ratio(runs, d_sys, "layerskip"),
+            "speedup_full_vs_llamacpp": paired_ratio(runs, "engine_full", "llamacpp"),
+            "speedup_exit_vs_llamacpp": paired_ratio(runs, d_sys, "llamacpp"),
             "speedup_vs_full_by_mode": {m.value: paired_ratio(runs, exit_system(m), "engine_full") for m in KVMode},
             # what (d)/(c) would be if time were proportional to the layers a token runs and
             # deciding cost nothing: the bound the exit depth alone sets
@@ -326,7 +397,10 @@ def main(cfg: DecodeBenchConfig) -> int:
     if cfg.memory:
         b = max(cfg.batch_sizes)
         results["peak_rss_mib"] = {s: peak_rss_mib(s, cfg.run_dir, b if applicable(s, b) else 1, cfg)
-                                   for s in ("baseline", *SYSTEMS)}
+                                   for s in ("baseline", *SYSTEMS) if s == "baseline" or s in systems.loaded}
+    cal = Manifest(cfg.run_dir).stage("calibrate")["metrics"]  # quality is measured there, on more tokens
+    results["calibration"] = {k: cal.get(k) for k in ("layers_skipped_frac", "accuracy_loss_rel",
+                                                       "free_run_false_exit_rate_test", "kv_mode")}
     summary = headline(results)
     summary["goals"] = goals(summary)
     out = Path(cfg.run_dir) / "bench"

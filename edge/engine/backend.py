@@ -1,147 +1,214 @@
 """Backends: how one segment of the model is computed. One small interface, a registry by name.
 
-The engine speaks numpy float32 at this boundary. A *segment* is the decoder
-layers between two exits plus that exit's head; segment i ends at exit
-``exit_layers[i]``. Public methods validate, private ones compute.
+The engine speaks numpy at this boundary. A *segment* is the decoder layers between two exits
+plus that exit's head; segment i ends at exit ``exit_layers[i]``. Segment 0 starts from token
+ids (the embedding is part of it). A backend computes on the engine's :class:`KVCache` where it
+lies: it reads each sequence's past from its slot and writes only the new rows. Public methods
+validate, private ones compute.
+
+A call holds B sequences with T new rows each, with T == 1 (a decode step; every row has its own
+cache length) or B == 1 (a prompt chunk, or one sequence's deferred rows): the shapes ONNX
+Runtime's fused attention takes, and all the engine needs.
 """
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
-import torch
 
+from edge.engine.cache import KVCache
 from edge.errors import ConfigError
-from edge.exits import MultiExitModel, exit_decision_stats
+
+NEG = np.finfo(np.float32).min
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the engine needs to know about a multi-exit model (from the model or from graphs.json)."""
+
+    num_layers: int
+    exit_layers: tuple[int, ...]  # 1-based, the last is num_layers
+    hidden_size: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_positions: int
+    sliding_window: int | None = None
+
+    @classmethod
+    def of(cls, model) -> "ModelSpec":
+        cfg = model.backbone.cfg
+        return cls(cfg.num_layers, tuple(model.exit_layers), cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim,
+                   cfg.vocab_size, cfg.max_position_embeddings, cfg.sliding_window)
+
+    @property
+    def segments(self) -> list[list[int]]:
+        """0-based decoder layers of each segment."""
+        starts = [0, *self.exit_layers[:-1]]
+        return [list(range(a, b)) for a, b in zip(starts, self.exit_layers)]
 
 
 @dataclass
 class SegmentOut:
-    hidden: np.ndarray  # [B, T, D] residual stream after the segment's last layer
-    # the exit head, at each sequence's exit_index row only:
-    exit_hidden: np.ndarray  # [B, D] normalised exit hidden (LM-head input)
-    logits: np.ndarray  # [B, V] exit logits
+    """One segment's results; arrays may be the backend's own buffers, valid until its next call."""
+
+    hidden: np.ndarray | None  # [B, T, D] residual after the segment (None after the last one)
+    exit_hidden: np.ndarray  # [B, D] normalised exit hidden (LM-head input) of each sequence's last row
+    logits: np.ndarray  # [B, V] exit logits there
     stats: np.ndarray  # [B, 3] float32: top-1 probability, top-1 minus top-2, entropy
     token: np.ndarray  # [B] int64 argmax of the logits
-    keys: list[np.ndarray]  # per layer of the segment [B, KV, T, hd] for the new rows
-    values: list[np.ndarray]
 
 
 class Backend(abc.ABC):
-    """Computes embeddings, segments and K/V fills for a multi-exit model."""
+    """Computes segments and K/V fills of a multi-exit model on an attached :class:`KVCache`."""
 
     name = "abstract"
 
-    def __init__(self, model: MultiExitModel) -> None:
-        cfg = model.backbone.cfg
-        self.exit_layers = list(model.exit_layers)
-        self.num_layers = cfg.num_layers
-        self.vocab_size = cfg.vocab_size
-        self.num_kv_heads, self.head_dim = cfg.num_kv_heads, cfg.head_dim
-        self.sliding_window = cfg.sliding_window
-        exit_layers = self.exit_layers
-        starts = [0, *exit_layers[:-1]]
-        # 0-based decoder layer indices of each segment
-        self.segments = [list(range(a, b)) for a, b in zip(starts, exit_layers)]
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+        self.exit_layers = list(spec.exit_layers)
+        self.num_layers = spec.num_layers
+        self.vocab_size = spec.vocab_size
+        self.num_kv_heads, self.head_dim = spec.num_kv_heads, spec.head_dim
+        self.sliding_window = spec.sliding_window
+        self.segments = spec.segments
+        self.cache: KVCache | None = None
 
     def suffix_layers(self, i: int) -> list[int]:
-        """0-based layers of segments i..last (what ``kvfill(i)`` returns K/V for)."""
+        """0-based layers of segments i..last (what ``kvfill(i)`` writes K/V for)."""
         return [j for seg in self.segments[i:] for j in seg]
 
-    def embed(self, ids: np.ndarray) -> np.ndarray:
-        """ids int64 [B, T] -> hidden [B, T, D]."""
-        if ids.min(initial=0) < 0 or ids.max(initial=0) >= self.vocab_size:
+    def attach(self, cache: KVCache) -> None:
+        """Compute on ``cache`` from now on (the engine's, allocated once)."""
+        if len(cache.keys) != self.num_layers or cache.keys[0].shape[1:] != (self.num_kv_heads, cache.capacity,
+                                                                             self.head_dim):
+            raise ConfigError(f"KV cache of shape {cache.keys[0].shape} x {len(cache.keys)} layers does not fit "
+                              f"this model ({self.num_layers} layers, {self.num_kv_heads} KV heads, head dim "
+                              f"{self.head_dim})")
+        if cache.capacity > self.spec.max_positions:
+            raise ConfigError(f"KV cache capacity {cache.capacity} exceeds the model's {self.spec.max_positions} "
+                              f"positions")
+        self.cache = cache
+        self._attached()
+
+    def segment(self, i: int, x: np.ndarray, slots: np.ndarray, start: np.ndarray) -> SegmentOut:
+        """Run segment i on new rows: token ids int64 [B, T] when i == 0, else the residual float32
+        [B, T, D]; sequence b lives in cache slot ``slots[b]`` and has ``start[b]`` tokens cached, so its
+        rows sit at positions start[b] .. start[b] + T - 1. Writes the rows' K/V into the cache; the
+        exit head runs on each sequence's last row."""
+        b, t = x.shape[:2]
+        if t != 1 and b != 1:
+            raise ConfigError(f"a segment call takes one row per sequence or one sequence, got B={b}, T={t}")
+        if self.cache is None:
+            raise ConfigError("no KV cache attached (Backend.attach)")
+        if (i == 0) != (x.dtype == np.int64):
+            raise ConfigError("segment 0 takes token ids (int64), later segments the residual (float32)")
+        if i == 0 and (x.min(initial=0) < 0 or x.max(initial=0) >= self.vocab_size):
             raise ConfigError(f"token ids outside the vocabulary [0, {self.vocab_size})")
-        return self._embed(ids.astype(np.int64))
+        if int(start.max()) + t > self.cache.capacity:
+            raise ConfigError(f"positions up to {int(start.max()) + t} exceed the cache capacity {self.cache.capacity}")
+        return self._segment(i, x, slots, start)
 
-    def segment(self, i: int, hidden: np.ndarray, positions: np.ndarray, mask: np.ndarray,
-                past_k: list[np.ndarray], past_v: list[np.ndarray], exit_index: np.ndarray) -> SegmentOut:
-        """Run segment i on rows hidden [B, T, D] at positions [B, T] with past [B, KV, P, hd] per layer
-        and additive mask [B, 1, T, P+T]; the exit head runs on row ``exit_index[b]`` of each sequence."""
-        if len(past_k) != len(self.segments[i]) or len(past_v) != len(self.segments[i]):
-            raise ConfigError(f"segment {i} has {len(self.segments[i])} layers, got {len(past_k)} past tensors")
-        exit_index = np.asarray(exit_index, np.int64)
-        if exit_index.shape != (hidden.shape[0],) or exit_index.min() < 0 or exit_index.max() >= hidden.shape[1]:
-            raise ConfigError(f"exit_index must hold one row in [0, {hidden.shape[1]}) per sequence, got {exit_index}")
-        return self._segment(i, hidden, positions, mask, past_k, past_v, exit_index)
-
-    def kvfill(self, i: int, hidden: np.ndarray, positions: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """K/V of every layer of segments i..last for rows that exited after segment i-1 (one call);
-        hidden [B, T, D] is the raw residual at the exit."""
+    def kvfill(self, i: int, hidden: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> None:
+        """Write the K/V of every layer of segments i..last for rows that exited after segment i-1:
+        hidden [B, D] is the raw residual at the exit, row b goes to ``positions[b]`` of ``slots[b]``."""
         if i == 0:
             raise ConfigError("segment 0 is never skipped")
-        return self._kvfill(i, hidden, positions)
+        self._kvfill(i, hidden, slots, positions)
+
+    def _attached(self) -> None:
+        """Hook: the cache was (re)attached."""
 
     @abc.abstractmethod
-    def _embed(self, ids: np.ndarray) -> np.ndarray: ...
+    def _segment(self, i, x, slots, start) -> SegmentOut: ...
 
     @abc.abstractmethod
-    def _segment(self, i, hidden, positions, mask, past_k, past_v, exit_index) -> SegmentOut: ...
+    def _kvfill(self, i, hidden, slots, positions) -> None: ...
 
-    @abc.abstractmethod
-    def _kvfill(self, i, hidden, positions) -> tuple[list[np.ndarray], list[np.ndarray]]: ...
+
+def build_mask(q_pos: np.ndarray, past_len: np.ndarray, P: int, window: int | None) -> np.ndarray:
+    """Additive mask [B, 1, T, P+T]: a query at q_pos [B, T] sees its sequence's cached keys
+    0..past_len-1 and the new rows at positions <= its own (and within ``window`` if set)."""
+    b = q_pos.shape[0]
+    k_pos = np.concatenate([np.broadcast_to(np.arange(P), (b, P)), q_pos], axis=1)  # [B, S]
+    k_valid = np.concatenate([np.arange(P)[None, :] < past_len[:, None], np.ones(q_pos.shape, bool)], axis=1)
+    allowed = (k_pos[:, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]  # [B, T, S]
+    if window is not None:
+        allowed &= k_pos[:, None, :] > q_pos[:, :, None] - window
+    return np.where(allowed, 0.0, NEG).astype(np.float32)[:, None]
 
 
 class TorchBackend(Backend):
-    """The reference: the PyTorch modules themselves."""
+    """The reference: the PyTorch modules themselves, on copies of the cached past."""
 
     name = "torch"
 
-    def __init__(self, model: MultiExitModel) -> None:
-        super().__init__(model)
+    def __init__(self, model) -> None:
+        super().__init__(ModelSpec.of(model))
         self.model = model.eval()
 
-    @torch.no_grad()
-    def _embed(self, ids):
-        return self.model.backbone.embed(torch.from_numpy(ids)).numpy()
+    def _segment(self, i, x, slots, start):
+        import torch
 
-    @torch.no_grad()
-    def _segment(self, i, hidden, positions, mask, past_k, past_v, exit_index):
-        bb = self.model.backbone
-        pos = torch.from_numpy(positions)
-        cos, sin = bb.rope(pos)
-        h = torch.from_numpy(hidden)
-        m = torch.from_numpy(mask)
-        keys, values = [], []
-        for j, pk, pv in zip(self.segments[i], past_k, past_v):
-            h, k, v = bb.layers[j](h, cos, sin, torch.from_numpy(pk), torch.from_numpy(pv), m)
-            keys.append(k.numpy())
-            values.append(v.numpy())
-        layer = self.exit_layers[i]
-        eh = self.model.exit_hidden(layer, h[torch.arange(h.shape[0]), torch.from_numpy(exit_index)])  # [B, D]
-        logits = torch.nn.functional.linear(eh, bb.head_weight)
-        stats, token = exit_decision_stats(logits)
-        return SegmentOut(h.numpy(), eh.numpy(), logits.numpy(), stats.numpy(), token.numpy(), keys, values)
+        with torch.no_grad():
+            bb = self.model.backbone
+            b, t = x.shape[:2]
+            positions = start[:, None] + np.arange(t)[None, :]  # [B, T]
+            cos, sin = bb.rope(torch.from_numpy(positions))
+            h = bb.embed(torch.from_numpy(x)) if i == 0 else torch.from_numpy(np.ascontiguousarray(x, np.float32))
+            p = int(start.max())
+            mask = torch.from_numpy(build_mask(positions, start, p, self.sliding_window))
+            c = self.cache
+            for j in self.segments[i]:
+                pk = torch.from_numpy(c.keys[j][slots, :, :p])  # [B, KV, P, hd] (a copy: the reference)
+                pv = torch.from_numpy(c.values[j][slots, :, :p])
+                h, k, v = bb.layers[j](h, cos, sin, pk, pv, mask)
+                for r in range(b):
+                    c.keys[j][slots[r], :, start[r]:start[r] + t] = k[r].numpy()
+                    c.values[j][slots[r], :, start[r]:start[r] + t] = v[r].numpy()
+            layer = self.exit_layers[i]
+            eh = self.model.exit_hidden(layer, h[:, -1])  # [B, D]
+            logits = torch.nn.functional.linear(eh, bb.head_weight)
+            from edge.exits import exit_decision_stats
 
-    @torch.no_grad()
-    def _kvfill(self, i, hidden, positions):
-        bb = self.model.backbone
-        cos, sin = bb.rope(torch.from_numpy(positions))
-        h = torch.from_numpy(hidden)
-        keys, values = [], []
-        for j in self.suffix_layers(i):
-            k, v = bb.layers[j].kv_only(h, cos, sin)
-            keys.append(k.numpy())
-            values.append(v.numpy())
-        return keys, values
+            stats, token = exit_decision_stats(logits)
+            last = i == len(self.segments) - 1
+            return SegmentOut(None if last else h.numpy(), eh.numpy(), logits.numpy(), stats.numpy(), token.numpy())
+
+    def _kvfill(self, i, hidden, slots, positions):
+        import torch
+
+        with torch.no_grad():
+            bb = self.model.backbone
+            cos, sin = bb.rope(torch.from_numpy(positions[:, None]))
+            h = torch.from_numpy(np.ascontiguousarray(hidden, np.float32))[:, None]  # [B, 1, D]
+            for j in self.suffix_layers(i):
+                k, v = bb.layers[j].kv_only(h, cos, sin)  # [B, KV, 1, hd]
+                self.cache.keys[j][slots, :, positions] = k[:, :, 0].numpy()
+                self.cache.values[j][slots, :, positions] = v[:, :, 0].numpy()
 
 
 BACKENDS: dict[str, Callable[..., Backend]] = {"torch": TorchBackend}
+_LAZY = {"onnxruntime": "edge.engine.ort_backend"}  # registered when first asked for
 
 
 def register(name: str, factory: Callable[..., Backend]) -> None:
     BACKENDS[name] = factory
 
 
-def make_backend(name: str, model: MultiExitModel, graphs_dir: str | Path | None = None, **kwargs) -> Backend:
-    """Backend by name: ``torch`` or ``onnxruntime`` (which needs the exported graphs)."""
-    if name == "onnxruntime" and "onnxruntime" not in BACKENDS:
-        from edge.engine import ort_backend  # noqa: F401  (registers itself)
+def make_backend(name: str, model: Any = None, graphs_dir: str | Path | None = None, **kwargs) -> Backend:
+    """Backend by name: ``torch`` (needs the model) or ``onnxruntime`` (needs only the exported graphs)."""
+    if name not in BACKENDS and name in _LAZY:
+        import importlib
+
+        importlib.import_module(_LAZY[name])  # registers itself
     if name not in BACKENDS:
-        raise ConfigError(f"unknown backend {name!r}; known: {', '.join(sorted({*BACKENDS, 'onnxruntime'}))}")
+        raise ConfigError(f"unknown backend {name!r}; known: {', '.join(sorted({*BACKENDS, *_LAZY}))}")
     if name == "torch":
+        if model is None:
+            raise ConfigError("the torch backend needs the model")
         return BACKENDS[name](model)
-    return BACKENDS[name](model, graphs_dir, **kwargs)
+    return BACKENDS[name](graphs_dir, **kwargs)

@@ -32,9 +32,6 @@ from edge.engine.rules import BatchExitRule, NeverExit
 from edge.engine.sampling import choose_token
 from edge.errors import ConfigError, SmartExitError
 
-NEG = np.finfo(np.float32).min
-
-
 class KVMode(str, enum.Enum):
     PROPAGATE = "propagate"
     DEFER = "defer"
@@ -102,17 +99,6 @@ class _Seq:
 
 
 @dataclass
-class _DecodeOut:
-    """One segment's results for the decode rows, in row order."""
-
-    hidden: list[np.ndarray]  # per row [T_b, D]: residual after the segment (deferred rows, then the new token)
-    stats: np.ndarray  # [B, 3] the new token's exit statistics
-    token: np.ndarray  # [B] its exit argmax
-    exit_hidden: np.ndarray  # [B, D] its normalised exit hidden
-    logits: list[np.ndarray]  # per row [V]
-
-
-@dataclass
 class EngineStats:
     waiting: int
     prefill_backlog_tokens: int
@@ -124,30 +110,18 @@ class EngineStats:
     free_slots: int
 
 
-def build_mask(q_pos: np.ndarray, past_len: np.ndarray, P: int, q_valid: np.ndarray,
-               window: int | None) -> np.ndarray:
-    """Additive mask [B, 1, T, P+T]: a query at q_pos [B, T] sees cached keys 0..past_len-1 and new
-    valid rows at positions <= its own (and within ``window`` if set)."""
-    b = q_pos.shape[0]
-    k_pos = np.concatenate([np.broadcast_to(np.arange(P), (b, P)), q_pos], axis=1)  # [B, S]
-    k_valid = np.concatenate([np.arange(P)[None, :] < past_len[:, None], q_valid], axis=1)  # [B, S]
-    allowed = (k_pos[:, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]  # [B, T, S]
-    if window is not None:
-        allowed &= k_pos[:, None, :] > q_pos[:, :, None] - window
-    return np.where(allowed, 0.0, NEG).astype(np.float32)[:, None]
-
-
 class Engine:
     def __init__(self, backend: Backend, cfg: EngineConfig, rule: BatchExitRule | None = None) -> None:
         self.backend, self.cfg = backend, cfg
         self.rule = rule or NeverExit()
+        if cfg.max_len > backend.spec.max_positions:
+            raise ConfigError(f"engine.max_len {cfg.max_len} exceeds the model's {backend.spec.max_positions} positions")
         self.cache = KVCache(backend.num_layers, backend.num_kv_heads, backend.head_dim, cfg.max_seqs, cfg.max_len)
-        self.layer_seg = {j: i for i, seg in enumerate(backend.segments) for j in seg}
+        backend.attach(self.cache)
         self.waiting: list[_Seq] = []
         self.prefilling: list[_Seq] = []
         self.decoding: list[_Seq] = []
         self._ids = itertools.count()
-        self._cancelled: set[int] = set()
 
     # ---------------------------------------------------------------- control
     def submit(self, req: Request) -> int:
@@ -224,160 +198,110 @@ class Engine:
             seq = self.waiting.pop(0)
             seq.slot = self.cache.alloc()
             self.prefilling.append(seq)
-
-    def _segment_rows(self, i: int, seqs: list[_Seq], rows: list[tuple[list[int], np.ndarray]]):
-        """Run segment i; rows[b] = (positions, hidden [T_b, D]) for seqs[b]; writes their K/V."""
-        b = len(seqs)
-        t = max(len(p) for p, _ in rows)
-        if t == 1:  # decode without deferred rows: one new token per sequence
-            positions = np.array([p for p, _ in rows], np.int64)  # [B, 1]
-            return self._segment(i, seqs, np.stack([h for _, h in rows]).reshape(b, 1, -1), positions, None,
-                                 np.zeros(b, np.int64))
-        d = rows[0][1].shape[-1]
-        hidden = np.zeros((b, t, d), np.float32)
-        positions = np.zeros((b, t), np.int64)
-        valid = np.zeros((b, t), bool)
-        for r, (pos, h) in enumerate(rows):
-            n = len(pos)
-            hidden[r, :n] = h
-            positions[r, :n] = pos
-            positions[r, n:] = pos[-1]
-            valid[r, :n] = True
-        last = np.array([len(pos) - 1 for pos, _ in rows], np.int64)  # each sequence's newest row
-        return self._segment(i, seqs, hidden, positions, valid, last)
-
-    def _segment(self, i: int, seqs: list[_Seq], hidden: np.ndarray, positions: np.ndarray,
-                 valid: np.ndarray | None, exit_index: np.ndarray):
-        """Run segment i on hidden [B, T, D] at positions [B, T] (``valid`` [B, T], None = all rows
-        valid; the exit head runs on row ``exit_index[b]``); reads the past from the cache and writes
-        the new rows' K/V into it."""
-        past_len = positions[:, 0].copy()
-        P = int(past_len.max())
-        slots = np.array([s.slot for s in seqs])
-        seg_layers = self.backend.segments[i]
-        pk, pv = zip(*(self.cache.gather(j, slots, P) for j in seg_layers))
-        if valid is None and positions.shape[1] == 1 and self.backend.sliding_window is None:
-            # the decode mask: its own past, then itself
-            mask = np.zeros((len(seqs), 1, 1, P + 1), np.float32)
-            mask[:, 0, 0, :P][np.arange(P)[None, :] >= past_len[:, None]] = NEG
-        else:
-            ok = np.ones(positions.shape, bool) if valid is None else valid
-            mask = build_mask(positions, past_len, P, ok, self.backend.sliding_window)
-        out = self.backend.segment(i, hidden, positions, mask, list(pk), list(pv), exit_index)
-        for j, k, v in zip(seg_layers, out.keys, out.values):
-            self.cache.write(j, slots, positions, valid, k, v)
-        return out
+        # a decode batch in slot order is one block of the cache when its slots are consecutive
+        self.decoding.sort(key=lambda s: s.slot)
 
     def _prefill(self) -> list[TokenEvent]:
+        """Spend the prefill budget on prompt chunks, one sequence per call, full depth."""
         budget = self.cfg.prefill_budget
-        chunk: list[tuple[_Seq, int]] = []
-        for seq in self.prefilling:
+        events = []
+        for seq in list(self.prefilling):
             n = min(len(seq.req.prompt) - seq.prefilled, budget)
             if n <= 0:
                 break
-            chunk.append((seq, n))
             budget -= n
-        if not chunk:
-            return []
-        seqs = [s for s, _ in chunk]
-        ids = [s.req.prompt[s.prefilled:s.prefilled + n] for s, n in chunk]
-        rows = [(list(range(s.prefilled, s.prefilled + n)), self.backend.embed(np.array([x]))[0])
-                for (s, n), x in zip(chunk, ids)]
-        out = None
-        for i in range(len(self.backend.segments)):
-            out = self._segment_rows(i, seqs, rows)
-            rows = [(pos, out.hidden[r, :len(pos)]) for r, (pos, _) in enumerate(rows)]
-        events = []
-        for r, (seq, n) in enumerate(chunk):
+            x = np.array([seq.req.prompt[seq.prefilled:seq.prefilled + n]], np.int64)  # [1, n]
+            slots, start = np.array([seq.slot]), np.array([seq.prefilled])
+            out = None
+            for i in range(len(self.backend.segments)):
+                out = self.backend.segment(i, x, slots, start)
+                x = out.hidden
             seq.prefilled += n
             if seq.prefilled == len(seq.req.prompt):
                 self.prefilling.remove(seq)
                 self.decoding.append(seq)
-                token = choose_token(out.logits[r], seq.req.temperature, seq.req.top_p, seq.rng)
+                token = choose_token(out.logits[0], seq.req.temperature, seq.req.top_p, seq.rng)
                 events.append(self._emit(seq, token, self.backend.num_layers))
         return events
 
     def _decode(self, seqs: list[_Seq]) -> list[TokenEvent]:
-        nseg = len(self.backend.segments)
-        last = np.array([[s.tokens[-1]] for s in seqs], np.int64)
-        new_h = {s.id: h for s, h in zip(seqs, self.backend.embed(last)[:, 0])}  # [D] per seq
+        """One token for every sequence: segment by segment, the rule picks the rows that stop after
+        each exit, and the batch shrinks to the rows still running."""
+        backend, nseg = self.backend, len(self.backend.segments)
+        x = np.array([[s.tokens[-1]] for s in seqs], np.int64)  # [B, 1]
+        slots = np.array([s.slot for s in seqs])
+        start = np.array([s.length for s in seqs])
+        act = seqs  # the sequences still running, in batch order
         # what the rule sees, per exit reached so far, for the rows still running
         stats: dict[int, np.ndarray] = {}  # [B, 3]
         tokens: dict[int, np.ndarray] = {}  # [B]
         hidden: dict[int, np.ndarray] = {}  # [B, D]
-        active = list(range(len(seqs)))  # indices into seqs of rows still running
-        decided: dict[int, tuple[int, int]] = {}  # seq index -> (token, exit layer)
+        decided: list[tuple[_Seq, int, int]] = []
+        deferred = self.cfg.kv_mode is KVMode.DEFER
         for i in range(nseg):
-            act = [seqs[a] for a in active]
-            pend = [[p for p in s.pending if p.next_seg <= i] for s in act]  # rows that run this segment
-            rows = [([p.pos for p in ps] + [s.length], np.stack([p.hidden for p in ps] + [new_h[s.id]]))
-                    if ps else ([s.length], new_h[s.id][None]) for s, ps in zip(act, pend)]
-            out = self._decode_segment(i, act, rows)
-            for r, s in enumerate(act):
-                for q, p in enumerate(pend[r]):
-                    p.hidden, p.next_seg = out.hidden[r][q], i + 1
-                new_h[s.id] = out.hidden[r][-1]
-                if pend[r]:
-                    s.pending = [p for p in s.pending if p.next_seg < nseg]
+            if deferred and i > 0 and any(s.pending for s in act):
+                x = self._catch_up(i, act, x, slots, start)
+            out = backend.segment(i, x, slots, start)
             layer = self.backend.exit_layers[i]
-            stats[layer], tokens[layer] = out.stats, out.token
             if i == nseg - 1:
                 stop = np.ones(len(act), bool)
             else:
-                hidden[layer] = out.exit_hidden
+                stats[layer], tokens[layer], hidden[layer] = out.stats, out.token, out.exit_hidden
                 stop = np.asarray(self.rule.decide(layer, stats, tokens, hidden), bool)
-            for r in np.flatnonzero(stop):
-                s = act[r]
-                if s.req.temperature > 0:
-                    token = choose_token(out.logits[r], s.req.temperature, s.req.top_p, s.rng)
-                else:
-                    token = int(out.token[r])
-                decided[active[r]] = (token, layer)
-            if i < nseg - 1 and stop.any():
-                self._fill_skipped([act[r] for r in np.flatnonzero(stop)], i, new_h)
-            keep = ~stop
-            if not keep.any():
-                break
-            if not keep.all():
-                active = [a for a, k in zip(active, keep) if k]
+            if stop.any():
+                rows = np.flatnonzero(stop)
+                for r in rows:
+                    s = act[r]
+                    token = (choose_token(out.logits[r], s.req.temperature, s.req.top_p, s.rng)
+                             if s.req.temperature > 0 else int(out.token[r]))
+                    decided.append((s, token, layer))
+                if i < nseg - 1:
+                    self._fill_skipped([act[r] for r in rows], i, out.hidden[rows, 0], slots[rows], start[rows])
+                keep = ~stop
+                if not keep.any():
+                    break
+                act = [s for s, k in zip(act, keep) if k]
+                slots, start = slots[keep], start[keep]
+                x = out.hidden[keep]
                 for trace in (stats, tokens, hidden):
                     for k in trace:
                         trace[k] = trace[k][keep]
-        return [self._emit(seqs[a], tok, layer) for a, (tok, layer) in sorted(decided.items())]
+            else:
+                x = out.hidden
+        decided.sort(key=lambda d: d[0].slot)
+        return [self._emit(s, token, layer) for s, token, layer in decided]
 
-    def _decode_segment(self, i: int, act: list[_Seq], rows: list[tuple[list[int], np.ndarray]]) -> _DecodeOut:
-        """Segment i for the decode rows. Sequences carrying deferred rows (T > 1) run in a call of
-        their own, so that one pending row does not pad every sequence of the batch to T = 2."""
-        multi = [r for r, (pos, _) in enumerate(rows) if len(pos) > 1]
-        if multi and len(multi) < len(rows):
-            single = [r for r, (pos, _) in enumerate(rows) if len(pos) == 1]
-            groups = [single, multi]
-        else:
-            groups = [list(range(len(rows)))]
-        b, d = len(rows), rows[0][1].shape[-1]
-        res = _DecodeOut([None] * b, np.empty((b, 3), np.float32), np.empty(b, np.int64),
-                         np.empty((b, d), np.float32), [None] * b)
-        for g in groups:
-            out = self._segment_rows(i, [act[r] for r in g], [rows[r] for r in g])
-            res.stats[g], res.token[g], res.exit_hidden[g] = out.stats, out.token, out.exit_hidden
-            for q, r in enumerate(g):
-                res.hidden[r] = out.hidden[q, :len(rows[r][0])]
-                res.logits[r] = out.logits[q]
-        return res
+    def _catch_up(self, i: int, act: list[_Seq], x: np.ndarray, slots: np.ndarray, start: np.ndarray) -> np.ndarray:
+        """Deferred rows that segment i must see before the new tokens: run them first, oldest first,
+        in batched one-row calls (phase k holds every sequence's k-th such row). Returns the new
+        tokens' input, copied if a phase call could reuse its buffer."""
+        rows = [[p for p in s.pending if p.next_seg <= i] for s in act]
+        depth = max(len(r) for r in rows)
+        if depth == 0:
+            return x
+        x = x.copy()
+        nseg = len(self.backend.segments)
+        for k in range(depth):
+            sel = [b for b, r in enumerate(rows) if len(r) > k]
+            ps = [rows[b][k] for b in sel]
+            h = np.stack([p.hidden for p in ps])[:, None]  # [B_k, 1, D]
+            out = self.backend.segment(i, h, slots[sel], np.array([p.pos for p in ps]))
+            for q, p in enumerate(ps):
+                p.next_seg = i + 1
+                if out.hidden is not None:
+                    p.hidden = out.hidden[q, 0].copy()
+        if i == nseg - 1:
+            for s in act:
+                s.pending = [p for p in s.pending if p.next_seg < nseg]
+        return x
 
-    def _fill_skipped(self, exited: list[_Seq], i: int, new_h: dict[int, np.ndarray]) -> None:
-        """K/V of segments i+1.. for rows that exited after segment i."""
+    def _fill_skipped(self, exited: list[_Seq], i: int, h: np.ndarray, slots: np.ndarray, pos: np.ndarray) -> None:
+        """K/V of segments i+1.. for rows that exited after segment i (h [B, D]: their residual)."""
         if self.cfg.kv_mode is KVMode.DEFER:
-            for s in exited:
-                s.pending.append(_Pending(s.length, new_h[s.id].copy(), i + 1))
+            for s, row in zip(exited, h):
+                s.pending.append(_Pending(s.length, row.copy(), i + 1))
             return
-        slots = np.array([s.slot for s in exited])
-        pos = np.array([[s.length] for s in exited], np.int64)
-        h = np.stack([new_h[s.id] for s in exited])[:, None]  # [B, 1, D]
-        ones = np.ones((len(exited), 1), bool)
-        keys, values = self.backend.kvfill(i + 1, h, pos)
-        for layer, k, v in zip(self.backend.suffix_layers(i + 1), keys, values):
-            self.cache.write(layer, slots, pos, ones, k, v)
+        self.backend.kvfill(i + 1, h, slots, pos)
 
     def _emit(self, seq: _Seq, token: int, exit_layer: int) -> TokenEvent:
         seq.tokens.append(token)

@@ -1,22 +1,29 @@
-"""ONNX Runtime backend over the graphs written by ``smartexit export``.
+"""ONNX Runtime backend over the fused graphs written by ``smartexit export`` (exporters/ort_fused.py).
 
-Providers: TensorRT and CUDA execution providers when this onnxruntime build
-has them, else the CPU provider. Graph hashes and the checkpoint hash are
-checked at load, so graphs from another checkpoint are refused.
+It needs only the export folder: the model's shape comes from ``graphs.json``, the graphs' hashes
+(and the checkpoint's, when given) are checked at load. The KV cache is the engine's, bound in
+place: GroupQueryAttention reads a sequence's past from its slot and appends the new rows there.
+
+A decode batch over consecutive cache slots runs on views of the cache (nothing is copied); its
+I/O binding, input and output buffers are made once per (segment, first slot, batch) and reused,
+and the hidden-state output of segment i is the input buffer of segment i+1. A batch over scattered
+slots (after some rows exited) gathers its rows' past into scratch buffers and writes the new rows
+back; ``gathered_rows`` counts those copies.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from edge.artifacts import sha256_path
-from edge.engine.backend import BACKENDS, Backend, SegmentOut
+from edge.engine.backend import BACKENDS, Backend, ModelSpec, SegmentOut
+from edge.engine.cache import contiguous_start
 from edge.errors import ConfigError, require
-from edge.ortsession import pool_threads, session_options
-from edge.exits import MultiExitModel
+from edge.ortsession import open_session, pool_threads
 
-PREFERRED_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
+PREFERRED_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
 
 
 def pick_providers(available: list[str], requested: list[str] | None = None) -> list[str]:
@@ -29,58 +36,167 @@ def pick_providers(available: list[str], requested: list[str] | None = None) -> 
     return [p for p in PREFERRED_PROVIDERS if p in available]
 
 
+@dataclass
+class _Plan:
+    """A reusable binding of one segment graph to buffers (one decode shape)."""
+
+    io: object
+    x: np.ndarray  # [B, T] ids or [B, T, D] hidden (input)
+    seqlens: np.ndarray  # [B] int32
+    total: np.ndarray  # [] int32
+    exit_index: np.ndarray  # [] int64
+    out: SegmentOut
+
+
 class OrtBackend(Backend):
     name = "onnxruntime"
 
-    def __init__(self, model: MultiExitModel, graphs_dir: str | Path | None, checkpoint: str | Path | None = None,
-                 threads: int = 0, providers: list[str] | None = None) -> None:
-        super().__init__(model)
-        ort = require("onnxruntime", "onnxruntime")
-        from exporters.onnx_export import verify_graphs
+    def __init__(self, graphs_dir: str | Path | None, checkpoint: str | Path | None = None,
+                 threads: int = 0, providers: list[str] | None = None, cache: bool = True) -> None:
+        """``cache``: open graphs through the optimised-graph cache (edge/ortsession.py)."""
+        self.ort = ort = require("onnxruntime", "onnxruntime")
+        from exporters.onnx_export import load_graphs_json, verify_graphs
 
         if graphs_dir is None:
             raise ConfigError("the onnxruntime backend needs graphs_dir (run `smartexit export`)")
         graphs_dir = Path(graphs_dir)
-        expected = sha256_path(checkpoint) if checkpoint is not None else None
-        meta = verify_graphs(graphs_dir, expected) if expected else _load_meta(graphs_dir)
-        if meta["exit_layers"] != self.exit_layers:
-            raise ConfigError(f"graphs in {graphs_dir} have exits {meta['exit_layers']}, model has {self.exit_layers}")
-        opts = session_options(ort, threads)  # one thread pool for every session (edge/ortsession.py)
-        self.pool_threads = pool_threads()
+        meta = (verify_graphs(graphs_dir, sha256_path(checkpoint)) if checkpoint is not None
+                else load_graphs_json(graphs_dir))
+        fused = meta.get("fused")
+        if not fused:
+            raise ConfigError(f"{graphs_dir}: the export has no fused ONNX Runtime graphs "
+                              f"({meta.get('fused_skipped', 'not written')}); re-run `smartexit export`")
+        m = meta["model"]
+        super().__init__(ModelSpec(m["num_layers"], tuple(meta["exit_layers"]), m["hidden_size"], m["num_kv_heads"],
+                                   m["head_dim"], m["vocab_size"], m["max_positions"], m.get("sliding_window")))
         self.providers = pick_providers(ort.get_available_providers(), providers)
 
         def session(name: str):
-            return ort.InferenceSession(str(graphs_dir / meta["graphs"][name]["file"]), opts,
-                                        providers=self.providers)
+            g = fused["graphs"][name]
+            return open_session(ort, graphs_dir / g["file"], threads, self.providers, source_sha256=g["sha256"],
+                                cache=cache)
 
-        self._embed_s = session("embed")
         self._seg = [session(f"segment_{i}") for i in range(len(self.segments))]
         self._fill = [None] + [session(f"kvfill_{i}") for i in range(1, len(self.segments))]
+        self.pool_threads = pool_threads()
+        self.gathered_rows = 0  # past rows copied for batches over scattered slots
+        self._plans: dict[tuple[int, int, int], _Plan] = {}
+        self._hidden_bufs: dict[tuple[int, int, int], np.ndarray] = {}
 
-    def _embed(self, ids):
-        return self._embed_s.run(["hidden"], {"input_ids": ids})[0]
+    def _attached(self) -> None:
+        self._plans.clear()
+        self._hidden_bufs.clear()
+        self._views: dict[tuple[int, int, int], tuple] = {}
 
-    def _segment(self, i, hidden, positions, mask, past_k, past_v, exit_index):
-        feeds = {"hidden": np.ascontiguousarray(hidden, np.float32), "positions": positions.astype(np.int64),
-                 "attn_mask": mask, "exit_index": exit_index}
-        for j, pk, pv in zip(self.segments[i], past_k, past_v):
-            feeds[f"past_key_{j}"] = np.ascontiguousarray(pk)
-            feeds[f"past_value_{j}"] = np.ascontiguousarray(pv)
-        outs = self._seg[i].run(None, feeds)
-        n = len(self.segments[i])
-        return SegmentOut(outs[0], outs[1][:, 0], outs[2][:, 0], outs[3][:, 0], outs[4][:, 0],
-                          list(outs[5:5 + 2 * n:2]), list(outs[6:6 + 2 * n:2]))
+    # ---------------------------------------------------------------- cache views
+    def _cache_values(self, j: int, s0: int, b: int) -> tuple:
+        """OrtValues over the cache rows [s0, s0 + b) of layer j (views: no copy)."""
+        key = (j, s0, b)
+        if key not in self._views:
+            c, ov = self.cache, self.ort.OrtValue.ortvalue_from_numpy
+            self._views[key] = (ov(c.keys[j][s0:s0 + b]), ov(c.values[j][s0:s0 + b]))
+        return self._views[key]
 
-    def _kvfill(self, i, hidden, positions):
-        outs = self._fill[i].run(None, {"hidden": np.ascontiguousarray(hidden, np.float32),
-                                        "positions": positions.astype(np.int64)})
-        return list(outs[0::2]), list(outs[1::2])
+    def _bind_cache(self, io, i: int, values: list[tuple]) -> None:
+        for j, (k, v) in zip(self.segments[i], values):
+            io.bind_ortvalue_input(f"past_key_{j}", k)
+            io.bind_ortvalue_input(f"past_value_{j}", v)
+            io.bind_ortvalue_output(f"present_key_{j}", k)
+            io.bind_ortvalue_output(f"present_value_{j}", v)
 
+    # ---------------------------------------------------------------- plans
+    def _hidden_buf(self, i: int, s0: int, b: int) -> np.ndarray:
+        """The [B, 1, D] buffer between segment i-1 (output) and segment i (input)."""
+        key = (i, s0, b)
+        if key not in self._hidden_bufs:
+            self._hidden_bufs[key] = np.zeros((b, 1, self.spec.hidden_size), np.float32)
+        return self._hidden_bufs[key]
 
-def _load_meta(graphs_dir: Path) -> dict:
-    from exporters.onnx_export import load_graphs_json
+    def _make_plan(self, i: int, s0: int | None, b: int, t: int, values: list[tuple] | None) -> _Plan:
+        sess = self._seg[i]
+        io = sess.io_binding()
+        ov = self.ort.OrtValue.ortvalue_from_numpy
+        d, v = self.spec.hidden_size, self.vocab_size
+        last = i == len(self.segments) - 1
+        decode = s0 is not None and t == 1
+        if i == 0:
+            x = np.zeros((b, t), np.int64)
+        else:
+            x = self._hidden_buf(i, s0, b) if decode else np.zeros((b, t, d), np.float32)
+        out = SegmentOut(
+            hidden=None if last else (self._hidden_buf(i + 1, s0, b) if decode else np.zeros((b, t, d), np.float32)),
+            exit_hidden=np.zeros((b, d), np.float32), logits=np.zeros((b, v), np.float32),
+            stats=np.zeros((b, 3), np.float32), token=np.zeros(b, np.int64))
+        plan = _Plan(io, x, np.zeros(b, np.int32), np.zeros((), np.int32), np.zeros((), np.int64), out)
+        io.bind_ortvalue_input("input_ids" if i == 0 else "hidden", ov(x))
+        io.bind_ortvalue_input("seqlens_k", ov(plan.seqlens))
+        io.bind_ortvalue_input("total_len", ov(plan.total))
+        io.bind_ortvalue_input("exit_index", ov(plan.exit_index))
+        outs = {"exit_hidden": out.exit_hidden, "logits": out.logits, "exit_stats": out.stats,
+                "exit_token": out.token}
+        if not last:
+            outs["hidden_out"] = out.hidden
+        for name, arr in outs.items():
+            io.bind_ortvalue_output(name, ov(arr))
+        if values is not None:
+            self._bind_cache(io, i, values)
+        return plan
 
-    return load_graphs_json(graphs_dir)
+    # ---------------------------------------------------------------- calls
+    def _segment(self, i, x, slots, start):
+        b, t = x.shape[:2]
+        s0 = contiguous_start(slots)
+        if s0 is not None and t == 1:
+            key = (i, s0, b)
+            plan = self._plans.get(key)
+            if plan is None:
+                values = [self._cache_values(j, s0, b) for j in self.segments[i]]
+                plan = self._plans[key] = self._make_plan(i, s0, b, t, values)
+            return self._run(i, plan, x, start, t)
+        if s0 is not None:  # one sequence, several rows: bind its cache slot, fresh buffers
+            plan = self._make_plan(i, None, b, t, [self._cache_values(j, s0, b) for j in self.segments[i]])
+            return self._run(i, plan, x, start, t)
+        return self._gathered(i, x, slots, start)
+
+    def _run(self, i: int, plan: _Plan, x: np.ndarray, start: np.ndarray, t: int) -> SegmentOut:
+        if x is not plan.x:
+            np.copyto(plan.x, x)
+        np.add(start, t - 1, out=plan.seqlens, casting="unsafe")
+        plan.total[()] = int(start.max()) + t
+        plan.exit_index[()] = t - 1
+        self._seg[i].run_with_iobinding(plan.io)
+        return plan.out
+
+    def _gathered(self, i, x, slots, start):
+        """T == 1 over scattered slots: copy their past into scratch, run, write the new rows back."""
+        b = len(slots)
+        p = int(start.max()) + 1
+        c = self.cache
+        ov = self.ort.OrtValue.ortvalue_from_numpy
+        scratch = []
+        for j in self.segments[i]:
+            k = np.empty((b, self.num_kv_heads, p, self.head_dim), np.float32)
+            v = np.empty_like(k)
+            np.take(c.keys[j][:, :, :p], slots, axis=0, out=k)
+            np.take(c.values[j][:, :, :p], slots, axis=0, out=v)
+            scratch.append((k, v))
+        self.gathered_rows += b * p * len(scratch)
+        plan = self._make_plan(i, None, b, 1, [(ov(k), ov(v)) for k, v in scratch])
+        out = self._run(i, plan, x, start, 1)
+        rows = np.arange(b)
+        for j, (k, v) in zip(self.segments[i], scratch):
+            c.keys[j][slots, :, start] = k[rows, :, start]
+            c.values[j][slots, :, start] = v[rows, :, start]
+        return out
+
+    def _kvfill(self, i, hidden, slots, positions):
+        layers = self.suffix_layers(i)
+        outs = self._fill[i].run(None, {"hidden": np.ascontiguousarray(hidden, np.float32)[:, None],
+                                        "positions": positions.astype(np.int64)[:, None]})
+        b, kvh, hd = len(slots), self.num_kv_heads, self.head_dim
+        for n, j in enumerate(layers):
+            self.cache.keys[j][slots, :, positions] = outs[2 * n].reshape(b, kvh, hd)
+            self.cache.values[j][slots, :, positions] = outs[2 * n + 1].reshape(b, kvh, hd)
 
 
 BACKENDS["onnxruntime"] = OrtBackend

@@ -8,7 +8,7 @@ from edge.engine.backend import Backend
 
 
 class ProfiledBackend:
-    """Wraps a backend; ``seconds`` holds wall time per public call kind (embed, segment, kvfill)."""
+    """Wraps a backend; ``seconds`` holds wall time per public call kind (segment_i, kvfill)."""
 
     def __init__(self, inner: Backend) -> None:
         self.inner = inner
@@ -22,9 +22,6 @@ class ProfiledBackend:
         out = fn(*args)
         self.seconds[kind] += time.perf_counter() - t
         return out
-
-    def embed(self, ids):
-        return self._timed("embed", self.inner.embed, ids)
 
     def segment(self, i, *args):
         return self._timed(f"segment_{i}", self.inner.segment, i, *args)

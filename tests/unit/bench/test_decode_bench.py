@@ -40,8 +40,29 @@ def test_goals_say_whether_met_and_by_how_much():
     from edge.bench.summary import goals
 
     g = goals({"speedup_exit_vs_full_b1": 0.75, "speedup_exit_vs_full_b16": 1.4, "speedup_exit_vs_hf_b1": None,
-               "speedup_exit_vs_layerskip_b1": 2.0, "false_exit_rate": 0.012})
-    assert g["speedup_exit_vs_full_b1"]["met"] is False and g["speedup_exit_vs_full_b1"]["shortfall"] == pytest.approx(0.75)
+               "false_exit_rate": 0.012, "segment_call_overhead": 1.02, "peak_rss_exit_vs_full": 1.0})
+    assert g["speedup_exit_vs_full_b1"]["met"] is False and g["speedup_exit_vs_full_b1"]["shortfall"] == pytest.approx(0.6)
     assert g["speedup_exit_vs_full_b16"]["met"] is True and g["speedup_exit_vs_full_b16"]["shortfall"] == 0.0
-    assert "speedup_exit_vs_hf_b1" not in g  # not measured: no verdict
+    assert g["speedup_exit_vs_hf_b1"]["met"] is None  # not measured: no verdict
     assert g["false_exit_rate"]["met"] is False and g["false_exit_rate"]["shortfall"] == pytest.approx(0.003)
+    assert g["segment_call_overhead"]["met"] is True  # an upper bound
+    assert g["peak_rss_exit_vs_full"]["met"] is False  # strictly below
+
+
+def test_layers_computed_counts_recomputation():
+    from edge.bench.decode import layers_computed
+    from edge.engine.engine import KVMode
+
+    exits = [3, 12, 9, 12]
+    assert layers_computed(exits, 12, KVMode.DEFER, 0.1) == pytest.approx(12.0)  # every skipped layer runs later
+    # propagation: the skipped layers' K/V projections only (9 + 0 + 3 + 0 skipped layers at 0.1 each)
+    assert layers_computed(exits, 12, KVMode.PROPAGATE, 0.1) == pytest.approx((36 + 1.2) / 4)
+
+
+def test_segment_split_covers_all_layers():
+    from edge.bench.segments import split_layers
+
+    assert split_layers(12, 4) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    assert sum(split_layers(10, 3), []) == list(range(10))
+    with pytest.raises(ConfigError):
+        split_layers(4, 5)

@@ -1,4 +1,5 @@
-"""The engine on ONNX Runtime gives the same tokens and exit layers as on torch."""
+"""The engine on ONNX Runtime (fused graphs, cache bound in place) gives the same tokens, exit layers
+and cache contents as on torch."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +12,9 @@ from edge.engine.rules import ConfidenceRule
 from edge.errors import ArtifactError, ConfigError
 from edge.exits import save_multi_exit
 from exporters.onnx_export import ExportConfig, export_onnx
-from tests.unit.engine.test_engine import _model, _prompts, _run
+from edge.engine.rules import NeverExit
+from tests.tolerance import assert_f32_close
+from tests.unit.engine.test_engine import CFG, _model, _prompts, _run
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +36,26 @@ def test_same_tokens_and_exit_layers_as_torch(exported, mode):
     prompts = _prompts(4, seed=12)
     cfg = dict(max_seqs=4, max_running=4, max_len=128, prefill_budget=24, kv_mode=mode)
     ref = _run(Engine(TorchBackend(m), EngineConfig(**cfg), ConfidenceRule(0.3)), prompts, max_tokens=16)
-    backend = make_backend("onnxruntime", m, graphs, checkpoint=ckpt, threads=1)
-    got = _run(Engine(backend, EngineConfig(**cfg), ConfidenceRule(0.3)), prompts, max_tokens=16)
+    ref_engine = Engine(TorchBackend(m), EngineConfig(**cfg), ConfidenceRule(0.3))
+    ref = _run(ref_engine, prompts, max_tokens=16)
+    backend = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1)
+    engine = Engine(backend, EngineConfig(**cfg), ConfidenceRule(0.3))
+    got = _run(engine, prompts, max_tokens=16)
     assert got == ref
     assert any(e < 6 for seq in got for _, e in seq), "some tokens must exit early for the test to mean anything"
+    assert backend.gathered_rows > 0, "exits leave scattered slots: the gathered path must have run"
+    for j in range(CFG.num_layers):  # the ORT engine wrote its K/V where the torch one did
+        for got_c, ref_c in ((engine.cache.keys[j], ref_engine.cache.keys[j]),
+                             (engine.cache.values[j], ref_engine.cache.values[j])):
+            assert_f32_close(got_c, ref_c, CFG.hidden_size, CFG.num_layers, f"cache layer {j}")
+
+
+def test_decode_over_consecutive_slots_copies_no_past(exported):
+    """Without exits every decode batch is one block of the cache: bound in place, nothing gathered."""
+    m, ckpt, graphs = exported
+    backend = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1)
+    _run(Engine(backend, EngineConfig(max_seqs=3, max_running=3, max_len=64)), _prompts(3, seed=14), 8)
+    assert backend.gathered_rows == 0
 
 
 def test_graphs_from_another_checkpoint_refused(exported, tmp_path):
@@ -45,7 +64,7 @@ def test_graphs_from_another_checkpoint_refused(exported, tmp_path):
     with atomic_dir(other) as tmp:
         save_multi_exit(_model(seed=99), tmp, tokenizer=None, metrics={}, source={})
     with pytest.raises(ArtifactError, match="exported from checkpoint sha256"):
-        make_backend("onnxruntime", m, graphs, checkpoint=other)
+        make_backend("onnxruntime", graphs_dir=graphs, checkpoint=other)
 
 
 def test_provider_choice():
@@ -58,9 +77,34 @@ def test_provider_choice():
 def test_backends_share_one_thread_pool(exported):
     """Every session of every backend in a process runs on one ONNX Runtime pool (sized once)."""
     m, ckpt, graphs = exported
-    first = make_backend("onnxruntime", m, graphs, checkpoint=ckpt, threads=1)
-    second = make_backend("onnxruntime", m, graphs, checkpoint=ckpt, threads=2)
+    first = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1)
+    second = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=2)
     assert first.pool_threads == second.pool_threads
     prompts = _prompts(2, seed=13)
     cfg = dict(max_seqs=2, max_running=2, max_len=64, prefill_budget=16)
     assert _run(Engine(first, EngineConfig(**cfg)), prompts, 6) == _run(Engine(second, EngineConfig(**cfg)), prompts, 6)
+
+
+def test_optimised_graphs_are_cached_and_rechecked(exported, tmp_path):
+    """The first open writes ONNX Runtime's optimised graph next to the export; later opens use it;
+    a cached graph that no longer matches its stamp is rebuilt, not trusted."""
+    import shutil
+
+    import onnxruntime as ort
+
+    from edge.ortsession import CACHE_DIR, open_session
+
+    m, ckpt, graphs = exported
+    src = tmp_path / "g"
+    shutil.copytree(graphs, src, ignore=shutil.ignore_patterns(CACHE_DIR))
+    path = src / "fused" / "segment_1.onnx"
+    open_session(ort, path)
+    cached = src / "fused" / CACHE_DIR / ort.__version__ / path.name
+    assert cached.is_file() and cached.with_name(path.name + ".json").is_file()
+    stamp = cached.stat().st_mtime_ns
+    open_session(ort, path)
+    assert cached.stat().st_mtime_ns == stamp  # reused, not rewritten
+    cached.write_bytes(cached.read_bytes() + b"\0")  # tampered
+    open_session(ort, path)
+    assert cached.stat().st_mtime_ns != stamp
+    assert sha256_path(src) == sha256_path(graphs)  # the cache is not part of the export's hash

@@ -18,8 +18,8 @@ from edge.exits import ExitConfig, MultiExitModel, exit_decision_stats
 from edge.model import Decoder, attention_mask
 from edge.ortsession import session_options
 from exporters import onnx_export
-from exporters.onnx_export import GRAPHS_JSON, ExportConfig, export_onnx, verify_graphs
-from exporters.parity import PARITY_ATOL, ParityReport, check_parity, require_parity
+from exporters.onnx_export import FUSED_DIR, GRAPHS_JSON, ExportConfig, export_onnx, verify_graphs
+from exporters.parity import PARITY_ATOL, ParityReport, check_fused_parity, check_parity, require_parity
 
 torch.set_num_threads(1)  # the machine is shared; tiny models need no more
 
@@ -180,6 +180,8 @@ def test_other_families_export_and_pass_parity(tmp_path, overrides):
     assert sorted(man.graphs) == ["embed", "kvfill_1", "kvfill_2", "segment_0", "segment_1", "segment_2"]
     report = check_parity(model, tmp_path / "g", PROMPTS, decode_steps=2)
     assert report.passed, report.failures
+    fused = check_fused_parity(model, tmp_path / "g", PROMPTS, decode_steps=2)
+    assert fused.passed, fused.failures
 
 
 def test_opset_18_and_external_data(tmp_path):
@@ -188,10 +190,13 @@ def test_opset_18_and_external_data(tmp_path):
     seg = man.graphs["segment_0"]
     assert seg.external_data == "segment_0.onnx.data" and (tmp_path / "g" / seg.external_data).is_file()
     assert sorted(p.name for p in (tmp_path / "g").iterdir()) == sorted(
-        [GRAPHS_JSON] + [f"{n}.onnx" for n in man.graphs] + [f"{n}.onnx.data" for n in man.graphs])
+        [GRAPHS_JSON, FUSED_DIR] + [f"{n}.onnx" for n in man.graphs] + [f"{n}.onnx.data" for n in man.graphs])
+    assert sorted(p.name for p in (tmp_path / "g" / FUSED_DIR).iterdir()) == sorted(
+        [f"{n}.onnx" for n in man.fused] + [f"{n}.onnx.data" for n in man.fused])
     verify_graphs(tmp_path / "g", CKPT)
     report = check_parity(model, tmp_path / "g", PROMPTS[:2], decode_steps=1)
     assert report.passed, report.failures
+    assert check_fused_parity(model, tmp_path / "g", PROMPTS[:2], decode_steps=1).passed
     with open(tmp_path / "g" / seg.external_data, "r+b") as f:
         f.write(b"\0\0\0\0")
     with pytest.raises(ArtifactError, match=r"segment_0\.onnx\.data"):

@@ -1,0 +1,321 @@
+"""ONNX Runtime graphs with fused operators, for the CPU (and CUDA) runtime.
+
+The portable export (:mod:`exporters.onnx_export`) keeps attention, RoPE and RMSNorm decomposed
+so that TensorRT can parse it; after ONNX Runtime's own optimisations it still runs about 84
+nodes per decoder layer, and at batch 1 a node costs more than its arithmetic. These graphs are
+written from the same weights with ONNX Runtime's fused operators instead, about 10 nodes per
+layer (NOTES.md: contrib ops are fine in graphs meant only for ONNX Runtime):
+
+    SkipSimplifiedLayerNormalization   residual add + RMSNorm in one pass
+    MatMul                             Q, K and V from one packed weight
+    GroupQueryAttention                RoPE from position tables, causal GQA over a fixed-capacity
+                                       cache that it appends to *in place* (past_key and
+                                       present_key are bound to the same buffer)
+    MatMul                             o_proj
+    SkipSimplifiedLayerNormalization
+    MatMul, MatMul, QuickGelu, Mul     gate, up, SiLU (QuickGelu with alpha 1 is x * sigmoid(x))
+    MatMul                             down_proj
+
+Graphs (``j`` = 0-based decoder layer; B batch, T new rows, C cache capacity, D hidden, KV
+key/value heads, hd head dim, V vocabulary). A call has T == 1 (a decode step, any B; each row
+has its own cache length) or B == 1 (a prompt chunk or a sequence's deferred rows with the
+new token): ONNX Runtime's GroupQueryAttention takes several rows per sequence only at batch 1.
+
+``segment_{i}`` (one per exit; ``full`` is the same over all layers with the final head)
+    in:  ``input_ids`` int64 [B, T] (segment 0) or ``hidden`` float32 [B, T, D] (the residual),
+         ``seqlens_k`` int32 [B] (index of each row's last new token = cached + T - 1),
+         ``total_len`` int32 [] (max over rows of cached + T),
+         ``exit_index`` int64 [] (the row whose exit head is computed: T - 1),
+         ``past_key_{j}``, ``past_value_{j}`` float32 [B, KV, C, hd]
+    out: ``hidden_out`` [B, T, D] (not in the last segment), ``exit_hidden`` [B, D],
+         ``logits`` [B, V], ``exit_stats`` [B, 3], ``exit_token`` int64 [B],
+         ``present_key_{j}``, ``present_value_{j}`` [B, KV, C, hd]: bind them to the same
+         buffers as the past (the engine's cache), and only the new rows are written.
+``kvfill_{i}`` (segments i..last, for rows that exited after segment i-1: CALM's propagation)
+    in:  ``hidden`` [B, T, D] (the residual at the exit), ``positions`` int64 [B, T]
+    out: ``key_{j}``, ``value_{j}`` float32 [B, T, KV * hd] (rotated keys; the caller writes them)
+
+Parity with the torch model is checked by :func:`exporters.parity.check_fused_parity`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from edge.errors import ConfigError
+from edge.exits import MultiExitModel
+
+MS = "com.microsoft"
+FUSED_OPSET = 17
+GQA_HEAD_MULTIPLE = 16  # ONNX Runtime's CPU GroupQueryAttention needs head_size % 16 == 0
+
+
+def fused_supported(model: MultiExitModel) -> str | None:
+    """None if the fused graphs can express ``model``, else the reason."""
+    cfg = model.backbone.cfg
+    if cfg.head_dim % GQA_HEAD_MULTIPLE:
+        return f"head_dim {cfg.head_dim} is not a multiple of {GQA_HEAD_MULTIPLE} (ONNX Runtime's CPU GroupQueryAttention)"
+    return None
+
+
+class _Builder:
+    """Accumulates nodes, initializers and I/O of one graph."""
+
+    def __init__(self, model: MultiExitModel) -> None:
+        self.model, self.cfg = model, model.backbone.cfg
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: dict[str, onnx.TensorProto] = {}
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.outputs: list[onnx.ValueInfoProto] = []
+
+    def weight(self, name: str, t: torch.Tensor | np.ndarray) -> str:
+        if name not in self.inits:
+            a = t.detach().float().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+            self.inits[name] = numpy_helper.from_array(np.array(a, order="C"), name)  # keeps 0-d arrays 0-d
+        return name
+
+    def const(self, name: str, value, dtype=np.int64) -> str:
+        return self.weight(name, np.asarray(value, dtype=dtype))
+
+    def node(self, op: str, inputs: list[str], outputs: list[str], domain: str = "", **attrs) -> list[str]:
+        self.nodes.append(helper.make_node(op, inputs, outputs, domain=domain, **attrs))
+        return outputs
+
+    def input(self, name: str, dtype: int, shape: list) -> str:
+        self.inputs.append(helper.make_tensor_value_info(name, dtype, shape))
+        return name
+
+    def output(self, name: str, dtype: int, shape: list) -> None:
+        self.outputs.append(helper.make_tensor_value_info(name, dtype, shape))
+
+    def linear(self, x: str, lin: torch.nn.Linear, name: str) -> str:
+        """x @ W^T (+ b)."""
+        y = self.node("MatMul", [x, self.weight(f"{name}.weight_t", lin.weight.T)], [f"{name}.mm"])[0]
+        if lin.bias is not None:
+            y = self.node("Add", [y, self.weight(f"{name}.bias", lin.bias)], [f"{name}.out"])[0]
+        return y
+
+    def model_proto(self, name: str) -> onnx.ModelProto:
+        graph = helper.make_graph(self.nodes, name, self.inputs, self.outputs, list(self.inits.values()))
+        proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", FUSED_OPSET),
+                                                        helper.make_opsetid(MS, 1)],
+                                  producer_name="smartexit.ort_fused")
+        proto.ir_version = 8
+        return proto
+
+    # ---------------------------------------------------------------- pieces
+    def rope_tables(self) -> tuple[str, str]:
+        """cos / sin [max_positions, hd/2] from the model's (possibly scaled) inverse frequencies."""
+        bb = self.model.backbone
+        pos = np.arange(self.cfg.max_position_embeddings, dtype=np.float64)[:, None]
+        freqs = pos * bb.inv_freq.double().numpy()[None, :]
+        return (self.weight("rope.cos", np.cos(freqs).astype(np.float32)),
+                self.weight("rope.sin", np.sin(freqs).astype(np.float32)))
+
+    def layer(self, j: int, resid: str, pending: str | None, cos: str, sin: str) -> tuple[str, str]:
+        """One decoder layer. The residual stream is ``resid`` + ``pending`` (pending None: resid
+        alone). Returns (residual after attention, MLP output): their sum is the layer's output."""
+        cfg, layer = self.cfg, self.model.backbone.layers[j]
+        eps = float(cfg.rms_norm_eps)
+        w1 = self.weight(f"l{j}.ln1", layer.input_layernorm.weight)
+        if pending is None:
+            x = self.node("SimplifiedLayerNormalization", [resid, w1], [f"l{j}.n1"], axis=-1, epsilon=eps)[0]
+        else:
+            x, _, _, resid = self.node("SkipSimplifiedLayerNormalization", [pending, resid, w1],
+                                       [f"l{j}.n1", "", "", f"l{j}.r1"], domain=MS, epsilon=eps)
+        a = layer.self_attn
+        wqkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)
+        qkv = self.node("MatMul", [x, self.weight(f"l{j}.qkv_t", wqkv.T)], [f"l{j}.qkv"])[0]
+        if a.q_proj.bias is not None:
+            bqkv = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            qkv = self.node("Add", [qkv, self.weight(f"l{j}.qkv_b", bqkv)], [f"l{j}.qkvb"])[0]
+        window = cfg.sliding_window if cfg.sliding_window is not None else -1
+        att = self.node("GroupQueryAttention",
+                        [qkv, "", "", f"past_key_{j}", f"past_value_{j}", "seqlens_k", "total_len", cos, sin],
+                        [f"l{j}.att", f"present_key_{j}", f"present_value_{j}"], domain=MS,
+                        num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads, do_rotary=1,
+                        local_window_size=int(window))[0]
+        o = self.linear(att, a.o_proj, f"l{j}.o")
+        w2 = self.weight(f"l{j}.ln2", layer.post_attention_layernorm.weight)
+        x2, _, _, resid = self.node("SkipSimplifiedLayerNormalization", [o, resid, w2],
+                                    [f"l{j}.n2", "", "", f"l{j}.r2"], domain=MS, epsilon=eps)
+        m = layer.mlp
+        gate = self.linear(x2, m.gate_proj, f"l{j}.gate")
+        up = self.linear(x2, m.up_proj, f"l{j}.up")
+        act = self.node("QuickGelu", [gate], [f"l{j}.silu"], domain=MS, alpha=1.0)[0]
+        gu = self.node("Mul", [act, up], [f"l{j}.gu"])[0]
+        return resid, self.linear(gu, m.down_proj, f"l{j}.down")
+
+    def exit_head(self, layer: int, h: str) -> None:
+        """Exit outputs for residual rows h [B, D] (the exit row of each sequence)."""
+        model, cfg = self.model, self.cfg
+        eps = float(cfg.rms_norm_eps)
+        if layer == model.num_layers:
+            norm_w = model.backbone.norm.weight
+        else:
+            head = model.heads[str(layer)]
+            if head.down is not None:
+                low = self.node("MatMul", [h, self.weight(f"e{layer}.down_t", head.down.weight.T)], [f"e{layer}.lo"])[0]
+                ad = self.node("MatMul", [low, self.weight(f"e{layer}.up_t", head.up.weight.T)], [f"e{layer}.ad"])[0]
+                h = self.node("Add", [h, ad], [f"e{layer}.h"])[0]
+            norm_w = head.norm.weight
+        eh = self.node("SimplifiedLayerNormalization", [h, self.weight(f"e{layer}.norm", norm_w)], ["exit_hidden"],
+                       axis=-1, epsilon=eps)[0]
+        logits = self.node("MatMul", [eh, self.weight("lm_head_t", model.backbone.head_weight.T)], ["logits"])[0]
+        self.decision_stats(logits)
+        d, v = cfg.hidden_size, cfg.vocab_size
+        self.output("exit_hidden", TensorProto.FLOAT, ["batch", d])
+        self.output("logits", TensorProto.FLOAT, ["batch", v])
+        self.output("exit_stats", TensorProto.FLOAT, ["batch", 3])
+        self.output("exit_token", TensorProto.INT64, ["batch"])
+
+    def decision_stats(self, logits: str) -> None:
+        """exit_stats [B, 3] (top-1 probability, top-1 minus top-2, entropy) and exit_token [B]:
+        :func:`edge.exits.exit_decision_stats` (same formulas), from one TopK and one exp pass."""
+        k2 = self.const("c.k2", [2])
+        axis = self.const("c.axis_last", [-1])
+        vals, idx = self.node("TopK", [logits, k2], ["st.top", "st.idx"], axis=-1, largest=1, sorted=1)
+        m, z2 = self.node("Split", [vals, self.const("c.split11", [1, 1])], ["st.m", "st.z2"], axis=-1)
+        d = self.node("Sub", [logits, m], ["st.d"])[0]
+        e = self.node("Exp", [d], ["st.e"])[0]
+        total = self.node("ReduceSum", [e, axis], ["st.sum"], keepdims=1)[0]
+        ed = self.node("ReduceSum", [self.node("Mul", [e, d], ["st.ed"])[0], axis], ["st.sed"], keepdims=1)[0]
+        top1 = self.node("Reciprocal", [total], ["st.top1"])[0]
+        e2 = self.node("Exp", [self.node("Sub", [z2, m], ["st.dz2"])[0]], ["st.e2"])[0]
+        fone = self.weight("c.one_f", np.ones(1, np.float32))
+        margin = self.node("Mul", [self.node("Sub", [fone, e2], ["st.1me2"])[0], top1], ["st.margin"])[0]
+        ent = self.node("Sub", [self.node("Log", [total], ["st.logs"])[0],
+                                self.node("Mul", [ed, top1], ["st.edn"])[0]], ["st.ent0"])[0]
+        ent = self.node("Relu", [ent], ["st.ent"])[0]  # rounding can dip below 0
+        self.node("Concat", [top1, margin, ent], ["exit_stats"], axis=-1)
+        self.node("Gather", [idx, self.const("c.zero_s", 0)], ["exit_token"], axis=-1)
+
+
+def _segment_proto(model: MultiExitModel, layers: list[int], exit_layer: int | None, first: bool, last: bool,
+                   name: str) -> onnx.ModelProto:
+    """A segment graph; ``exit_layer`` None: the layers only (hidden in, hidden_out out, no head)."""
+    b = _Builder(model)
+    cfg = b.cfg
+    d, kv, hd = cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
+    if first:
+        ids = b.input("input_ids", TensorProto.INT64, ["batch", "seq"])
+        h = b.node("Gather", [b.weight("embed", model.backbone.embed_tokens.weight), ids], ["embedded"])[0]
+    else:
+        h = b.input("hidden", TensorProto.FLOAT, ["batch", "seq", d])
+    b.input("seqlens_k", TensorProto.INT32, ["batch"])
+    b.input("total_len", TensorProto.INT32, [])
+    if exit_layer is not None:
+        b.input("exit_index", TensorProto.INT64, [])
+    for j in layers:
+        for kind in ("key", "value"):
+            b.input(f"past_{kind}_{j}", TensorProto.FLOAT, ["batch", kv, "capacity", hd])
+    cos, sin = b.rope_tables()
+    resid, pending = h, None
+    for j in layers:
+        resid, pending = b.layer(j, resid, pending, cos, sin)
+    out = b.node("Add", [resid, pending], ["hidden_out"])[0]
+    if not last or exit_layer is None:
+        b.output("hidden_out", TensorProto.FLOAT, ["batch", "seq", d])
+    if exit_layer is not None:
+        rows = b.node("Gather", [out, "exit_index"], ["exit_rows"], axis=1)[0]  # [B, D]
+        b.exit_head(exit_layer, rows)
+    for j in layers:
+        for kind in ("key", "value"):
+            b.output(f"present_{kind}_{j}", TensorProto.FLOAT, ["batch", kv, "capacity", hd])
+    return b.model_proto(name)
+
+
+def _kvfill_proto(model: MultiExitModel, layers: list[int], name: str) -> onnx.ModelProto:
+    b = _Builder(model)
+    cfg = b.cfg
+    d, kv, hd = cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
+    h = b.input("hidden", TensorProto.FLOAT, ["batch", "seq", d])
+    pos = b.input("positions", TensorProto.INT64, ["batch", "seq"])
+    cos, sin = b.rope_tables()
+    split = b.const("c.split_kv", [kv * hd, kv * hd])
+    for j in layers:
+        layer = model.backbone.layers[j]
+        a = layer.self_attn
+        x = b.node("SimplifiedLayerNormalization", [h, b.weight(f"l{j}.ln1", layer.input_layernorm.weight)],
+                   [f"l{j}.n1"], axis=-1, epsilon=float(cfg.rms_norm_eps))[0]
+        wkv = torch.cat([a.k_proj.weight, a.v_proj.weight], 0)
+        kvp = b.node("MatMul", [x, b.weight(f"l{j}.kv_t", wkv.T)], [f"l{j}.kv"])[0]
+        if a.k_proj.bias is not None:
+            kvp = b.node("Add", [kvp, b.weight(f"l{j}.kv_b", torch.cat([a.k_proj.bias, a.v_proj.bias]))],
+                         [f"l{j}.kvb"])[0]
+        k, v = b.node("Split", [kvp, split], [f"l{j}.k", f"value_{j}"], axis=-1)
+        b.node("RotaryEmbedding", [k, pos, cos, sin], [f"key_{j}"], domain=MS, interleaved=0, num_heads=kv)
+        b.output(f"key_{j}", TensorProto.FLOAT, ["batch", "seq", kv * hd])
+        b.output(f"value_{j}", TensorProto.FLOAT, ["batch", "seq", kv * hd])
+    return b.model_proto(name)
+
+
+@dataclass
+class FusedGraph:
+    name: str
+    proto: onnx.ModelProto
+
+
+def build_fused(model: MultiExitModel, segments: list[list[int]]) -> list[FusedGraph]:
+    """The fused ``segment_{i}`` and ``kvfill_{i}`` graphs of ``model`` cut at ``segments``
+    (0-based layers per segment; exits after each).
+
+    Raises:
+        ConfigError: the model has a shape the fused operators do not support (see
+            :func:`fused_supported`).
+    """
+    reason = fused_supported(model)
+    if reason:
+        raise ConfigError(f"fused ONNX Runtime graphs: {reason}")
+    model = model.eval()
+    out = []
+    n = len(segments)
+    with torch.no_grad():
+        for i, layers in enumerate(segments):
+            out.append(FusedGraph(f"segment_{i}", _segment_proto(model, layers, model.exit_layers[i], i == 0,
+                                                                 i == n - 1, f"segment_{i}")))
+        for i in range(1, n):
+            suffix = [j for seg in segments[i:] for j in seg]
+            out.append(FusedGraph(f"kvfill_{i}", _kvfill_proto(model, suffix, f"kvfill_{i}")))
+    return out
+
+
+def build_layer_spans(model: MultiExitModel, spans: list[list[int]]) -> list[FusedGraph]:
+    """Graphs of bare layer spans (hidden in, hidden out, no exit head), for measuring what cutting
+    the decoder into segments costs by itself (``span_{k}``)."""
+    reason = fused_supported(model)
+    if reason:
+        raise ConfigError(f"fused ONNX Runtime graphs: {reason}")
+    with torch.no_grad():
+        return [FusedGraph(f"span_{k}", _segment_proto(model.eval(), layers, None, False, False, f"span_{k}"))
+                for k, layers in enumerate(spans)]
+
+
+def save_fused(graphs: list[FusedGraph], out_dir: Path, external_data_threshold: int | None = None
+               ) -> dict[str, tuple[str, list[str], list[str], str | None]]:
+    """Write each graph as ``<name>.onnx`` in ``out_dir``, its weights in ``<name>.onnx.data`` when they
+    exceed ``external_data_threshold`` bytes (protobuf cannot hold more than 2 GiB); returns
+    name -> (file name, input names, output names, external data file or None). (``onnx.checker``
+    does not know ONNX Runtime's SimplifiedLayerNormalization, registered in the default domain:
+    loading the graphs into ONNX Runtime and the parity gate are the checks.)"""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for g in graphs:
+        path = out_dir / f"{g.name}.onnx"
+        weights = sum(numpy_helper.to_array(t).nbytes for t in g.proto.graph.initializer)
+        data = None
+        if external_data_threshold is not None and weights > external_data_threshold:
+            data = f"{path.name}.data"
+            onnx.save_model(g.proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=data, size_threshold=1024)
+        else:
+            onnx.save_model(g.proto, str(path))
+        files[g.name] = (path.name, [i.name for i in g.proto.graph.input], [o.name for o in g.proto.graph.output],
+                         data)
+    return files
