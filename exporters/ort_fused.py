@@ -31,6 +31,9 @@ new token): ONNX Runtime's GroupQueryAttention takes several rows per sequence o
          ``logits`` [B, V], ``exit_stats`` [B, 3], ``exit_token`` int64 [B],
          ``present_key_{j}``, ``present_value_{j}`` [B, KV, C, hd]: bind them to the same
          buffers as the past (the engine's cache), and only the new rows are written.
+With exit gates (``exits.gate_hidden`` > 0) a decision segment outputs ``exit_gate`` [B] (the gate's
+logit) instead of ``logits`` / ``exit_stats`` / ``exit_token``, and ``head_{i}`` computes those from
+``exit_hidden`` [B, D] for the rows that exit.
 ``kvfill_{i}`` (segments i..last, for rows that exited after segment i-1: CALM's propagation)
     in:  ``hidden`` [B, T, D] (the residual at the exit), ``positions`` int64 [B, T]
     out: ``key_{j}``, ``value_{j}`` float32 [B, T, KV * hd] (rotated keys; the caller writes them)
@@ -151,10 +154,9 @@ class _Builder:
         gu = self.node("Mul", [act, up], [f"l{j}.gu"])[0]
         return resid, self.linear(gu, m.down_proj, f"l{j}.down")
 
-    def exit_head(self, layer: int, h: str) -> None:
-        """Exit outputs for residual rows h [B, D] (the exit row of each sequence)."""
+    def exit_norm(self, layer: int, h: str) -> str:
+        """``exit_hidden`` [B, D]: the exit's adapter and norm on residual rows h [B, D]."""
         model, cfg = self.model, self.cfg
-        eps = float(cfg.rms_norm_eps)
         if layer == model.num_layers:
             norm_w = model.backbone.norm.weight
         else:
@@ -165,14 +167,26 @@ class _Builder:
                 h = self.node("Add", [h, ad], [f"e{layer}.h"])[0]
             norm_w = head.norm.weight
         eh = self.node("SimplifiedLayerNormalization", [h, self.weight(f"e{layer}.norm", norm_w)], ["exit_hidden"],
-                       axis=-1, epsilon=eps)[0]
-        logits = self.node("MatMul", [eh, self.weight("lm_head_t", model.backbone.head_weight.T)], ["logits"])[0]
+                       axis=-1, epsilon=float(cfg.rms_norm_eps))[0]
+        self.output("exit_hidden", TensorProto.FLOAT, ["batch", cfg.hidden_size])
+        return eh
+
+    def lm_head(self, eh: str) -> None:
+        """``logits`` [B, V], ``exit_stats`` [B, 3], ``exit_token`` [B] from exit hidden rows [B, D]."""
+        logits = self.node("MatMul", [eh, self.weight("lm_head_t", self.model.backbone.head_weight.T)], ["logits"])[0]
         self.decision_stats(logits)
-        d, v = cfg.hidden_size, cfg.vocab_size
-        self.output("exit_hidden", TensorProto.FLOAT, ["batch", d])
-        self.output("logits", TensorProto.FLOAT, ["batch", v])
+        self.output("logits", TensorProto.FLOAT, ["batch", self.cfg.vocab_size])
         self.output("exit_stats", TensorProto.FLOAT, ["batch", 3])
         self.output("exit_token", TensorProto.INT64, ["batch"])
+
+    def gate(self, layer: int, eh: str) -> None:
+        """``exit_gate`` [B]: the exit's gate logit (:class:`edge.exits.ExitGate`)."""
+        g = self.model.heads[str(layer)].gate
+        a = self.linear(eh, g.fc1, f"e{layer}.gate1")
+        a = self.node("QuickGelu", [a], [f"e{layer}.gsilu"], domain=MS, alpha=1.0)[0]  # SiLU
+        z = self.linear(a, g.fc2, f"e{layer}.gate2")  # [B, 1]
+        self.node("Reshape", [z, self.const("c.flat", [-1])], ["exit_gate"])
+        self.output("exit_gate", TensorProto.FLOAT, ["batch"])
 
     def decision_stats(self, logits: str) -> None:
         """exit_stats [B, 3] (top-1 probability, top-1 minus top-2, entropy) and exit_token [B]:
@@ -223,10 +237,22 @@ def _segment_proto(model: MultiExitModel, layers: list[int], exit_layer: int | N
         b.output("hidden_out", TensorProto.FLOAT, ["batch", "seq", d])
     if exit_layer is not None:
         rows = b.node("Gather", [out, "exit_index"], ["exit_rows"], axis=1)[0]  # [B, D]
-        b.exit_head(exit_layer, rows)
+        eh = b.exit_norm(exit_layer, rows)
+        if model.gated and not last:  # the head runs apart, for the rows that exit (head_{i})
+            b.gate(exit_layer, eh)
+        else:
+            b.lm_head(eh)
     for j in layers:
         for kind in ("key", "value"):
             b.output(f"present_{kind}_{j}", TensorProto.FLOAT, ["batch", kv, "capacity", hd])
+    return b.model_proto(name)
+
+
+def _head_proto(model: MultiExitModel, name: str) -> onnx.ModelProto:
+    """``head_{i}``: LM head and decision statistics of a gated exit, for the rows that exit."""
+    b = _Builder(model)
+    eh = b.input("exit_hidden", TensorProto.FLOAT, ["batch", b.cfg.hidden_size])
+    b.lm_head(eh)
     return b.model_proto(name)
 
 
@@ -282,6 +308,8 @@ def build_fused(model: MultiExitModel, segments: list[list[int]]) -> list[FusedG
         for i in range(1, n):
             suffix = [j for seg in segments[i:] for j in seg]
             out.append(FusedGraph(f"kvfill_{i}", _kvfill_proto(model, suffix, f"kvfill_{i}")))
+        if model.gated:
+            out += [FusedGraph(f"head_{i}", _head_proto(model, f"head_{i}")) for i in range(n - 1)]
     return out
 
 

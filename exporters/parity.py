@@ -267,8 +267,8 @@ def check_fused_parity(model: MultiExitModel, graphs_dir: str | Path, prompts: l
 
     def compare(name: str, phase: str, o, r) -> None:
         nonlocal agree, total
-        for field_name in ("hidden", "exit_hidden", "logits", "stats"):
-            a, e = getattr(o, field_name), getattr(r, field_name)
+        for field_name in ("hidden", "exit_hidden", "logits", "stats", "gate"):
+            a, e = getattr(o, field_name, None), getattr(r, field_name, None)
             if e is None:
                 continue
             d = float(np.abs(a - e).max())
@@ -276,6 +276,8 @@ def check_fused_parity(model: MultiExitModel, graphs_dir: str | Path, prompts: l
             scale = float(np.abs(e).max()) or 1.0
             if not d <= rtol * scale:
                 failures.append(f"{name}/{field_name} ({phase}): max abs diff {d:.3g} > {rtol:g} x scale {scale:.3g}")
+        if r.token is None:
+            return
         same = o.token == r.token
         agree += int(same.sum())
         total += same.size
@@ -287,6 +289,8 @@ def check_fused_parity(model: MultiExitModel, graphs_dir: str | Path, prompts: l
             r = ref.segment(i, x, slots, start)
             o = got.segment(i, x, slots, start)
             compare(f"segment_{i}", phase, o, r)
+            if r.gate is not None:  # a gated exit: its separate head, on the same rows
+                compare(f"head_{i}", phase, got.head(i, r.exit_hidden), ref.head(i, r.exit_hidden))
             if i + 1 < len(ref.segments):
                 h = r.hidden[:, -1]
                 ref.kvfill(i + 1, h, slots, start + x.shape[1] - 1)

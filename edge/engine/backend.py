@@ -37,12 +37,13 @@ class ModelSpec:
     vocab_size: int
     max_positions: int
     sliding_window: int | None = None
+    gated: bool = False  # decision exits output a gate; their LM head runs apart (Backend.head)
 
     @classmethod
     def of(cls, model) -> "ModelSpec":
         cfg = model.backbone.cfg
         return cls(cfg.num_layers, tuple(model.exit_layers), cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim,
-                   cfg.vocab_size, cfg.max_position_embeddings, cfg.sliding_window)
+                   cfg.vocab_size, cfg.max_position_embeddings, cfg.sliding_window, model.gated)
 
     @property
     def segments(self) -> list[list[int]]:
@@ -52,14 +53,25 @@ class ModelSpec:
 
 
 @dataclass
+class HeadOut:
+    """An exit's LM head on some rows."""
+
+    logits: np.ndarray  # [B, V] exit logits
+    stats: np.ndarray  # [B, 3] float32: top-1 probability, top-1 minus top-2, entropy
+    token: np.ndarray  # [B] int64 argmax of the logits
+
+
+@dataclass
 class SegmentOut:
-    """One segment's results; arrays may be the backend's own buffers, valid until its next call."""
+    """One segment's results; arrays may be the backend's own buffers, valid until its next call.
+    A gated decision exit gives ``gate`` and no head (None): :meth:`Backend.head` computes it."""
 
     hidden: np.ndarray | None  # [B, T, D] residual after the segment (None after the last one)
     exit_hidden: np.ndarray  # [B, D] normalised exit hidden (LM-head input) of each sequence's last row
-    logits: np.ndarray  # [B, V] exit logits there
-    stats: np.ndarray  # [B, 3] float32: top-1 probability, top-1 minus top-2, entropy
-    token: np.ndarray  # [B] int64 argmax of the logits
+    logits: np.ndarray | None  # [B, V] exit logits there
+    stats: np.ndarray | None  # [B, 3] float32: top-1 probability, top-1 minus top-2, entropy
+    token: np.ndarray | None  # [B] int64 argmax of the logits
+    gate: np.ndarray | None = None  # [B] float32 gate logit (gated decision exits)
 
 
 class Backend(abc.ABC):
@@ -112,6 +124,12 @@ class Backend(abc.ABC):
             raise ConfigError(f"positions up to {int(start.max()) + t} exceed the cache capacity {self.cache.capacity}")
         return self._segment(i, x, slots, start)
 
+    def head(self, i: int, exit_hidden: np.ndarray) -> HeadOut:
+        """The LM head of gated decision exit i on normalised exit hidden rows [B, D]."""
+        if not self.spec.gated or not 0 <= i < len(self.segments) - 1:
+            raise ConfigError(f"segment {i} has no separate head (gated decision exits only)")
+        return self._head(i, np.ascontiguousarray(exit_hidden, np.float32))
+
     def kvfill(self, i: int, hidden: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> None:
         """Write the K/V of every layer of segments i..last for rows that exited after segment i-1:
         hidden [B, D] is the raw residual at the exit, row b goes to ``positions[b]`` of ``slots[b]``."""
@@ -127,6 +145,9 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def _kvfill(self, i, hidden, slots, positions) -> None: ...
+
+    def _head(self, i, exit_hidden) -> HeadOut:
+        raise NotImplementedError
 
 
 def build_mask(q_pos: np.ndarray, past_len: np.ndarray, P: int, window: int | None) -> np.ndarray:
@@ -171,12 +192,22 @@ class TorchBackend(Backend):
                     c.values[j][slots[r], :, start[r]:start[r] + t] = v[r].numpy()
             layer = self.exit_layers[i]
             eh = self.model.exit_hidden(layer, h[:, -1])  # [B, D]
-            logits = torch.nn.functional.linear(eh, bb.head_weight)
-            from edge.exits import exit_decision_stats
-
-            stats, token = exit_decision_stats(logits)
             last = i == len(self.segments) - 1
-            return SegmentOut(None if last else h.numpy(), eh.numpy(), logits.numpy(), stats.numpy(), token.numpy())
+            if self.spec.gated and not last:
+                gate = self.model.exit_gate(layer, eh).numpy()
+                return SegmentOut(h.numpy(), eh.numpy(), None, None, None, gate)
+            head = self._head(i, eh.numpy())
+            return SegmentOut(None if last else h.numpy(), eh.numpy(), head.logits, head.stats, head.token)
+
+    def _head(self, i, exit_hidden):
+        import torch
+
+        from edge.exits import exit_decision_stats
+
+        with torch.no_grad():
+            logits = torch.nn.functional.linear(torch.from_numpy(exit_hidden), self.model.backbone.head_weight)
+            stats, token = exit_decision_stats(logits)
+            return HeadOut(logits.numpy(), stats.numpy(), token.numpy())
 
     def _kvfill(self, i, hidden, slots, positions):
         import torch

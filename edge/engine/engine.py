@@ -238,22 +238,32 @@ class Engine:
         hidden: dict[int, np.ndarray] = {}  # [B, D]
         decided: list[tuple[_Seq, int, int]] = []
         deferred = self.cfg.kv_mode is KVMode.DEFER
+        gated = backend.spec.gated
+        gates: dict[int, np.ndarray] = {}  # [B] gate logits (gated exits)
         for i in range(nseg):
             if deferred and i > 0 and any(s.pending for s in act):
                 x = self._catch_up(i, act, x, slots, start)
             out = backend.segment(i, x, slots, start)
             layer = self.backend.exit_layers[i]
+            logits, tok = out.logits, out.token
             if i == nseg - 1:
                 stop = np.ones(len(act), bool)
+            elif gated:  # decide from the gates; the LM head runs for the rows that exit
+                gates[layer], hidden[layer] = out.gate, out.exit_hidden
+                stop = np.asarray(self.rule.decide_gated(layer, gates, hidden), bool)
             else:
                 stats[layer], tokens[layer], hidden[layer] = out.stats, out.token, out.exit_hidden
                 stop = np.asarray(self.rule.decide(layer, stats, tokens, hidden), bool)
             if stop.any():
                 rows = np.flatnonzero(stop)
+                if gated and i < nseg - 1:
+                    head = backend.head(i, out.exit_hidden[rows])
+                    logits, tok = np.zeros((len(act), head.logits.shape[1]), np.float32), np.zeros(len(act), np.int64)
+                    logits[rows], tok[rows] = head.logits, head.token
                 for r in rows:
                     s = act[r]
-                    token = (choose_token(out.logits[r], s.req.temperature, s.req.top_p, s.rng)
-                             if s.req.temperature > 0 else int(out.token[r]))
+                    token = (choose_token(logits[r], s.req.temperature, s.req.top_p, s.rng)
+                             if s.req.temperature > 0 else int(tok[r]))
                     decided.append((s, token, layer))
                 if i < nseg - 1:
                     self._fill_skipped([act[r] for r in rows], i, out.hidden[rows, 0], slots[rows], start[rows])
@@ -263,7 +273,7 @@ class Engine:
                 act = [s for s, k in zip(act, keep) if k]
                 slots, start = slots[keep], start[keep]
                 x = out.hidden[keep]
-                for trace in (stats, tokens, hidden):
+                for trace in (stats, tokens, hidden, gates):
                     for k in trace:
                         trace[k] = trace[k][keep]
             else:

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from edge.artifacts import sha256_path
-from edge.engine.backend import BACKENDS, Backend, ModelSpec, SegmentOut
+from edge.engine.backend import BACKENDS, Backend, HeadOut, ModelSpec, SegmentOut
 from edge.engine.cache import contiguous_start
 from edge.errors import ConfigError, require
 from edge.ortsession import open_session, pool_threads
@@ -68,7 +68,8 @@ class OrtBackend(Backend):
                               f"({meta.get('fused_skipped', 'not written')}); re-run `smartexit export`")
         m = meta["model"]
         super().__init__(ModelSpec(m["num_layers"], tuple(meta["exit_layers"]), m["hidden_size"], m["num_kv_heads"],
-                                   m["head_dim"], m["vocab_size"], m["max_positions"], m.get("sliding_window")))
+                                   m["head_dim"], m["vocab_size"], m["max_positions"], m.get("sliding_window"),
+                                   "head_0" in fused["graphs"]))
         self.providers = pick_providers(ort.get_available_providers(), providers)
 
         def session(name: str):
@@ -78,6 +79,7 @@ class OrtBackend(Backend):
 
         self._seg = [session(f"segment_{i}") for i in range(len(self.segments))]
         self._fill = [None] + [session(f"kvfill_{i}") for i in range(1, len(self.segments))]
+        self._heads = [session(f"head_{i}") for i in range(len(self.segments) - 1)] if self.spec.gated else []
         self.pool_threads = pool_threads()
         self.gathered_rows = 0  # past rows copied for batches over scattered slots
         self._plans: dict[tuple[int, int, int], _Plan] = {}
@@ -118,6 +120,7 @@ class OrtBackend(Backend):
         ov = self.ort.OrtValue.ortvalue_from_numpy
         d, v = self.spec.hidden_size, self.vocab_size
         last = i == len(self.segments) - 1
+        gated = self.spec.gated and not last
         decode = s0 is not None and t == 1
         if i == 0:
             x = np.zeros((b, t), np.int64)
@@ -125,15 +128,19 @@ class OrtBackend(Backend):
             x = self._hidden_buf(i, s0, b) if decode else np.zeros((b, t, d), np.float32)
         out = SegmentOut(
             hidden=None if last else (self._hidden_buf(i + 1, s0, b) if decode else np.zeros((b, t, d), np.float32)),
-            exit_hidden=np.zeros((b, d), np.float32), logits=np.zeros((b, v), np.float32),
-            stats=np.zeros((b, 3), np.float32), token=np.zeros(b, np.int64))
+            exit_hidden=np.zeros((b, d), np.float32),
+            logits=None if gated else np.zeros((b, v), np.float32),
+            stats=None if gated else np.zeros((b, 3), np.float32),
+            token=None if gated else np.zeros(b, np.int64),
+            gate=np.zeros(b, np.float32) if gated else None)
         plan = _Plan(io, x, np.zeros(b, np.int32), np.zeros((), np.int32), np.zeros((), np.int64), out)
         io.bind_ortvalue_input("input_ids" if i == 0 else "hidden", ov(x))
         io.bind_ortvalue_input("seqlens_k", ov(plan.seqlens))
         io.bind_ortvalue_input("total_len", ov(plan.total))
         io.bind_ortvalue_input("exit_index", ov(plan.exit_index))
-        outs = {"exit_hidden": out.exit_hidden, "logits": out.logits, "exit_stats": out.stats,
-                "exit_token": out.token}
+        outs = {"exit_hidden": out.exit_hidden}
+        outs.update({"exit_gate": out.gate} if gated else
+                    {"logits": out.logits, "exit_stats": out.stats, "exit_token": out.token})
         if not last:
             outs["hidden_out"] = out.hidden
         for name, arr in outs.items():
@@ -188,6 +195,10 @@ class OrtBackend(Backend):
             c.keys[j][slots, :, start] = k[rows, :, start]
             c.values[j][slots, :, start] = v[rows, :, start]
         return out
+
+    def _head(self, i, exit_hidden):
+        logits, stats, token = self._heads[i].run(["logits", "exit_stats", "exit_token"], {"exit_hidden": exit_hidden})
+        return HeadOut(logits, stats, token)
 
     def _kvfill(self, i, hidden, slots, positions):
         layers = self.suffix_layers(i)

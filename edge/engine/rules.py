@@ -6,6 +6,10 @@ statistics [B, 3] (top-1 probability, top-1 minus top-2, entropy) and the
 argmax [B] that the segment graph computed, and the normalised hidden state
 [B, D]; it returns a bool [B]: exit here. The logits themselves never reach the
 rule, so no softmax over the vocabulary runs on the host.
+
+With exit gates (``exits.gate_hidden`` > 0) the engine calls ``decide_gated(layer,
+gates, hidden)`` instead: the gates' logits [B] per exit reached, and the LM head
+runs only for the rows the rule lets exit.
 """
 from __future__ import annotations
 
@@ -19,6 +23,9 @@ ExitTrace = dict[int, np.ndarray]  # exit layer -> per-row array
 class BatchExitRule(Protocol):
     def decide(self, layer: int, stats: ExitTrace, tokens: ExitTrace, hidden: ExitTrace) -> np.ndarray: ...
 
+    # models with exit gates (edge.exits.ExitGate): the gate logits [B] of every exit reached so far
+    def decide_gated(self, layer: int, gates: ExitTrace, hidden: ExitTrace) -> np.ndarray: ...
+
 
 class NeverExit:
     """Full depth for every token (the engine's baseline)."""
@@ -26,12 +33,20 @@ class NeverExit:
     def decide(self, layer, stats, tokens, hidden):
         return np.zeros(tokens[layer].shape[0], dtype=bool)
 
+    def decide_gated(self, layer, gates, hidden):
+        return np.zeros(gates[layer].shape[0], dtype=bool)
+
 
 class ConfidenceRule:
-    """Exit when the softmax top-1 probability reaches ``threshold`` (uncalibrated)."""
+    """Exit when the softmax top-1 probability (or, with gates, sigmoid of the gate logit) reaches
+    ``threshold`` (uncalibrated)."""
 
     def __init__(self, threshold: float) -> None:
         self.threshold = threshold
+        self._logit = float(np.log(threshold / (1 - threshold))) if 0 < threshold < 1 else np.inf
 
     def decide(self, layer, stats, tokens, hidden):
         return stats[layer][:, 0] >= self.threshold
+
+    def decide_gated(self, layer, gates, hidden):
+        return gates[layer] >= self._logit

@@ -20,12 +20,12 @@ CFG = ModelConfig(vocab_size=300, hidden_size=64, num_layers=6, num_heads=4, num
                   intermediate_size=96, max_position_embeddings=128)
 
 
-def _model(seed=0, **overrides) -> MultiExitModel:
+def _model(seed=0, gate_hidden=0, **overrides) -> MultiExitModel:
     torch.manual_seed(seed)
     cfg = ModelConfig(**{**CFG.to_dict(), **overrides})
     dec = Decoder(cfg)
     dec.init_weights(seed, std=0.3)
-    m = MultiExitModel(dec.eval(), ExitConfig(layers=[2, 4, 6], adapter_rank=4)).eval()
+    m = MultiExitModel(dec.eval(), ExitConfig(layers=[2, 4, 6], adapter_rank=4, gate_hidden=gate_hidden)).eval()
     with torch.no_grad():
         for p in m.heads.parameters():
             p.add_(0.05 * torch.randn(p.shape))

@@ -108,3 +108,37 @@ def test_optimised_graphs_are_cached_and_rechecked(exported, tmp_path):
     open_session(ort, path)
     assert cached.stat().st_mtime_ns != stamp
     assert sha256_path(src) == sha256_path(graphs)  # the cache is not part of the export's hash
+
+
+@pytest.fixture(scope="module")
+def exported_gated(tmp_path_factory):
+    """The same kind of model with exit gates (random: the test needs decisions, not good ones)."""
+    root = tmp_path_factory.mktemp("ort_gated")
+    m = _model(seed=15, gate_hidden=8)
+    for p in m.backbone.parameters():
+        p.data = p.data.half().float()
+    ckpt = root / "ckpt"
+    with atomic_dir(ckpt) as tmp:
+        save_multi_exit(m, tmp, tokenizer=None, metrics={}, source={})
+    export_onnx(m, root / "onnx", ExportConfig(), checkpoint_sha256=sha256_path(ckpt))
+    return m, ckpt, root / "onnx"
+
+
+@pytest.mark.parametrize("mode", list(KVMode))
+def test_gated_exits_same_as_torch_and_head_only_for_exiting_rows(exported_gated, mode):
+    from exporters.parity import check_fused_parity
+
+    m, ckpt, graphs = exported_gated
+    assert check_fused_parity(m, graphs, _prompts(3, seed=16), decode_steps=2).passed
+    prompts = _prompts(4, seed=17)
+    cfg = dict(max_seqs=4, max_running=4, max_len=128, prefill_budget=24, kv_mode=mode)
+    rule = ConfidenceRule(0.5)
+    ref = _run(Engine(TorchBackend(m), EngineConfig(**cfg), rule), prompts, max_tokens=16)
+    backend = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1)
+    rows = []
+    head = backend.head
+    backend.head = lambda i, eh: rows.append(len(eh)) or head(i, eh)
+    got = _run(Engine(backend, EngineConfig(**cfg), rule), prompts, max_tokens=16)
+    assert got == ref
+    early = sum(e < 6 for seq in got for _, e in seq)
+    assert early > 0 and sum(rows) == early  # the LM head ran for exactly the rows that exited early
