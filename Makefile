@@ -12,7 +12,7 @@ DEMO_CFG := configs/demo.yaml
 MODEL_FILES := $(wildcard edge/assets/tiny/*) $(wildcard edge/assets/tiny-ee/*) $(wildcard edge/assets/data/*)
 SRC := $(shell find edge calibration exporters scheduler -name '*.py' 2>/dev/null)
 
-.PHONY: demo test venv distill calibrate export bench generate report train-tiny train-tiny-ee clean help
+.PHONY: demo test venv distill calibrate export bench generate report train-tiny train-tiny-ee llamacpp clean help
 .DEFAULT_GOAL := help
 
 help:
@@ -20,6 +20,7 @@ help:
 	@echo "make test        run the test suite (unit + integration; gpu/jetson tiers skip without hardware)"
 	@echo "make train-tiny  retrain the bundled tiny model (1-2 h on 2 cores, resumable)"
 	@echo "make train-tiny-ee  early-exit fine-tune it into bundled-ee (about 25 min on 2 cores)"
+	@echo "make llamacpp    build llama-cpp-python from source: adds llama.cpp as system (f) of make bench"
 	@echo "make distill | calibrate | export | bench | generate | report   one stage at a time (RUN=name picks artifacts/<name>)"
 
 venv: $(STAMP)
@@ -68,6 +69,23 @@ train-tiny: $(STAMP)
 train-tiny-ee: $(STAMP)
 	$(SE) distill --config configs/tiny_ee.yaml run_dir=runs/tiny-ee
 	$(BIN)/python -m edge.bundled make-ee runs/tiny-ee
+
+# ---- llama.cpp peer of the decode benchmark (system f): built from source, never part of demo or test ----
+LLAMACPP_SRC := $(VENV)/llamacpp-src
+LLAMACPP_STAMP := $(VENV)/.llamacpp-installed
+
+llamacpp: $(LLAMACPP_STAMP)
+$(LLAMACPP_STAMP): requirements/llamacpp.txt $(STAMP)
+	@echo "building llama-cpp-python from its sdist into $(VENV) (about 6-20 min on 2 cores)"
+	rm -rf $(LLAMACPP_SRC) && mkdir -p $(LLAMACPP_SRC)
+	$(BIN)/python -m pip download --quiet --no-deps --no-binary :all: -d $(LLAMACPP_SRC) \
+		"$$(grep -m1 '^llama-cpp-python==' requirements/llamacpp.txt)"
+	tar -xzf $(LLAMACPP_SRC)/llama_cpp_python-*.tar.gz -C $(LLAMACPP_SRC) --strip-components=1
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" $(BIN)/python -m pip install --quiet \
+		--no-binary llama-cpp-python -c requirements/lock.txt -r requirements/llamacpp.txt \
+		$(LLAMACPP_SRC)/llama_cpp_python-*.tar.gz
+	$(BIN)/python -c "from edge.bench.llamacpp import available; r = available(); print(r or 'llama.cpp peer ready'); raise SystemExit(r is not None)"
+	@touch $@
 
 # ---- tests ----
 test: $(STAMP)

@@ -172,7 +172,7 @@ class Systems:
 
         self.llamacpp_skipped = llamacpp.available()
         if self.llamacpp_skipped is None:
-            gguf = llamacpp.convert_to_gguf(ckpt, Path(self.cfg.run_dir) / "llamacpp", outtype="f32")
+            gguf = llamacpp.cached_gguf(self.cfg.run_dir, ckpt, "f32")
             llamacpp.verify_tokenizer(ckpt, gguf)
             self.peer = llamacpp.LlamaCppPeer(gguf, self.cfg.threads)
             self.loaded.add("llamacpp")

@@ -26,7 +26,7 @@ from typing import Callable
 
 import numpy as np
 
-from edge.engine.backend import Backend
+from edge.engine.backend import Backend, SegmentOut
 from edge.engine.cache import KVCache
 from edge.engine.rules import BatchExitRule, NeverExit
 from edge.engine.sampling import choose_token
@@ -242,8 +242,13 @@ class Engine:
         gates: dict[int, np.ndarray] = {}  # [B] gate logits (gated exits)
         for i in range(nseg):
             if deferred and i > 0 and any(s.pending for s in act):
-                x = self._catch_up(i, act, x, slots, start)
-            out = backend.segment(i, x, slots, start)
+                if len(act) == 1:  # one call: the deferred rows, then the new token (reads the weights once)
+                    out = self._with_deferred(i, act[0], x, slots, start)
+                else:
+                    x = self._catch_up(i, act, x, slots, start)
+                    out = backend.segment(i, x, slots, start)
+            else:
+                out = backend.segment(i, x, slots, start)
             layer = self.backend.exit_layers[i]
             logits, tok = out.logits, out.token
             if i == nseg - 1:
@@ -280,6 +285,23 @@ class Engine:
                 x = out.hidden
         decided.sort(key=lambda d: d[0].slot)
         return [self._emit(s, token, layer) for s, token, layer in decided]
+
+    def _with_deferred(self, i: int, s: _Seq, x: np.ndarray, slots: np.ndarray, start: np.ndarray) -> SegmentOut:
+        """Segment i for one sequence: its deferred rows that segment i must see (the newest ones, at the
+        positions just before the new token's) and the new token, in one call of T rows."""
+        rows = [p for p in s.pending if p.next_seg <= i]
+        if not rows:
+            return self.backend.segment(i, x, slots, start)
+        h = np.concatenate([np.stack([p.hidden for p in rows])[None], x], axis=1)  # [1, k + 1, D]
+        out = self.backend.segment(i, h, slots, start - len(rows))
+        for q, p in enumerate(rows):
+            p.next_seg = i + 1
+            if out.hidden is not None:
+                p.hidden = out.hidden[0, q].copy()
+        if i == len(self.backend.segments) - 1:
+            s.pending = [p for p in s.pending if p.next_seg < i + 1]
+        hidden = None if out.hidden is None else out.hidden[:, -1:]
+        return SegmentOut(hidden, out.exit_hidden, out.logits, out.stats, out.token, out.gate)
 
     def _catch_up(self, i: int, act: list[_Seq], x: np.ndarray, slots: np.ndarray, start: np.ndarray) -> np.ndarray:
         """Deferred rows that segment i must see before the new tokens: run them first, oldest first,

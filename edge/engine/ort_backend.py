@@ -24,6 +24,7 @@ from edge.errors import ConfigError, require
 from edge.ortsession import open_session, pool_threads
 
 PREFERRED_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
+MAX_PLAN_ROWS = 8  # calls of up to this many rows per sequence keep their binding (a prompt chunk does not)
 
 
 def pick_providers(available: list[str], requested: list[str] | None = None) -> list[str]:
@@ -82,7 +83,7 @@ class OrtBackend(Backend):
         self._heads = [session(f"head_{i}") for i in range(len(self.segments) - 1)] if self.spec.gated else []
         self.pool_threads = pool_threads()
         self.gathered_rows = 0  # past rows copied for batches over scattered slots
-        self._plans: dict[tuple[int, int, int], _Plan] = {}
+        self._plans: dict[tuple[int, int, int, int], _Plan] = {}
         self._hidden_bufs: dict[tuple[int, int, int], np.ndarray] = {}
 
     def _attached(self) -> None:
@@ -121,7 +122,7 @@ class OrtBackend(Backend):
         d, v = self.spec.hidden_size, self.vocab_size
         last = i == len(self.segments) - 1
         gated = self.spec.gated and not last
-        decode = s0 is not None and t == 1
+        decode = s0 is not None and t == 1  # consecutive segments share their hidden buffer
         if i == 0:
             x = np.zeros((b, t), np.int64)
         else:
@@ -153,14 +154,14 @@ class OrtBackend(Backend):
     def _segment(self, i, x, slots, start):
         b, t = x.shape[:2]
         s0 = contiguous_start(slots)
-        if s0 is not None and t == 1:
-            key = (i, s0, b)
+        if s0 is not None and t <= MAX_PLAN_ROWS:  # decode steps, deferred rows with their new token
+            key = (i, s0, b, t)
             plan = self._plans.get(key)
             if plan is None:
                 values = [self._cache_values(j, s0, b) for j in self.segments[i]]
                 plan = self._plans[key] = self._make_plan(i, s0, b, t, values)
             return self._run(i, plan, x, start, t)
-        if s0 is not None:  # one sequence, several rows: bind its cache slot, fresh buffers
+        if s0 is not None:  # a prompt chunk: bind its cache slot, fresh buffers
             plan = self._make_plan(i, None, b, t, [self._cache_values(j, s0, b) for j in self.segments[i]])
             return self._run(i, plan, x, start, t)
         return self._gathered(i, x, slots, start)

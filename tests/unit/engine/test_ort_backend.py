@@ -142,3 +142,14 @@ def test_gated_exits_same_as_torch_and_head_only_for_exiting_rows(exported_gated
     assert got == ref
     early = sum(e < 6 for seq in got for _, e in seq)
     assert early > 0 and sum(rows) == early  # the LM head ran for exactly the rows that exited early
+
+
+@pytest.mark.parametrize("mode", list(KVMode))
+def test_one_sequence_with_exits_same_as_torch(exported, mode):
+    """Batch 1: deferred rows run in the same call as the next token (T > 1 on the bound cache)."""
+    m, ckpt, graphs = exported
+    backend = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1)
+    for p in _prompts(3, seed=18):
+        cfg = dict(max_seqs=1, max_len=128, kv_mode=mode)
+        ref = _run(Engine(TorchBackend(m), EngineConfig(**cfg), ConfidenceRule(0.3)), [p], max_tokens=16)
+        assert _run(Engine(backend, EngineConfig(**cfg), ConfidenceRule(0.3)), [p], max_tokens=16) == ref
