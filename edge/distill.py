@@ -50,6 +50,7 @@ class DistillConfig:
     eval_windows: int = 64  # held-out windows of seq_len tokens for the metrics
     threads: int = 2
     layerskip: LayerSkipConfig = field(default_factory=LayerSkipConfig)
+    gate_windows: int = 160  # train-split windows of seq_len tokens that fit the exit gates (exits.gate_hidden > 0)
 
     def __post_init__(self) -> None:
         if isinstance(self.layerskip, dict):
@@ -234,6 +235,12 @@ def main(cfg: DistillConfig) -> int:
         losses = train_exits(model, train_ids, cfg)
         extra = {}
     metrics = exit_metrics(model, test_ids, cfg.seq_len, cfg.eval_windows)
+    if model.gated:  # after the heads, on other train-split windows; AUROC on the held-out windows
+        from edge.gates import gate_data, train_gates
+
+        gate_ids = sample_train_tokens(tok, cfg.gate_windows * cfg.seq_len, cfg.seed + 1)
+        metrics["gates"] = train_gates(model, gate_data(model, gate_ids, cfg.seq_len, cfg.gate_windows),
+                                       gate_data(model, test_ids, cfg.seq_len, cfg.eval_windows), seed=cfg.seed)
     if base_metrics is not None:
         metrics.update(base_metrics)
     metrics.update(params=backbone.cfg.num_params(), layers=backbone.cfg.num_layers,
