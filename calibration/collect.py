@@ -1,9 +1,12 @@
 """Run a multi-exit model over text and collect exit signals (teacher-forced).
 
-The model reads non-overlapping windows of the token stream at full depth;
-for every position and exit we keep the exit signals, the exit's argmax and
-the true next token. Logits are reduced to signals window by window, so memory
-stays at one window's [T, V] per exit.
+:func:`collect_units` reads a batch of equal-length sequences (one per unit:
+a prompt and its continuation, generated or natural) at full depth and keeps,
+for every continuation position and exit, the exit signals, the exit's argmax
+and the next token of the sequence, tagged with the unit it belongs to.
+:func:`collect` reads non-overlapping windows of one token stream (no units).
+Logits are reduced to signals batch by batch, so memory stays at one batch's
+[B, T, V] per exit.
 """
 from __future__ import annotations
 
@@ -12,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from calibration.signals import exit_signals
+from calibration.signals import exit_signals, signals_all_exits
 from edge.errors import ConfigError
-from edge.exits import MultiExitModel
+from edge.exits import MultiExitModel, exit_decision_stats
 
 
 @dataclass
@@ -25,6 +28,8 @@ class Collected:
     signals: dict[int, np.ndarray]  # exit -> [N, F]
     argmax: dict[int, np.ndarray]  # exit -> [N]
     next_token: np.ndarray  # [N]
+    unit: np.ndarray | None = None  # [N] the unit (prompt) of each token, 0..n_units-1
+    n_units: int = 0
 
     @property
     def n(self) -> int:
@@ -38,6 +43,77 @@ class Collected:
         """Decision exits -> 1 where the exit's argmax equals the full model's (the calibration target)."""
         full = self.argmax[self.final]
         return {k: (self.argmax[k] == full).astype(np.int64) for k in self.exit_layers[:-1]}
+
+    @classmethod
+    def concat(cls, parts: list["Collected"]) -> "Collected":
+        """Unit-tagged collections one after the other; units renumbered consecutively."""
+        offsets = np.cumsum([0] + [p.n_units for p in parts[:-1]])
+        return cls(parts[0].exit_layers, {k: np.concatenate([p.signals[k] for p in parts]) for k in parts[0].signals},
+                   {k: np.concatenate([p.argmax[k] for p in parts]) for k in parts[0].argmax},
+                   np.concatenate([p.next_token for p in parts]),
+                   np.concatenate([p.unit + o for p, o in zip(parts, offsets)]), int(sum(p.n_units for p in parts)))
+
+    def select_units(self, units: np.ndarray) -> "Collected":
+        """The tokens of ``units`` (ids into this collection), renumbered 0..len(units)-1 in that order."""
+        units = np.asarray(units, dtype=np.int64)
+        remap = np.full(self.n_units, -1, np.int64)
+        remap[units] = np.arange(units.size)
+        keep = remap[self.unit] >= 0
+        order = np.argsort(remap[self.unit][keep], kind="stable")
+        idx = np.flatnonzero(keep)[order]
+        return Collected(self.exit_layers, {k: v[idx] for k, v in self.signals.items()},
+                         {k: v[idx] for k, v in self.argmax.items()}, self.next_token[idx],
+                         remap[self.unit][idx], int(units.size))
+
+
+@torch.no_grad()
+def collect_units(model: MultiExitModel, seqs: np.ndarray, first: int, batch: int = 32) -> Collected:
+    """Teacher-forced signals of the continuation of every sequence: unit u is row u of ``seqs``.
+
+    The signals are computed as the engine computes them: softmax statistics in float32 by
+    :func:`edge.exits.exit_decision_stats` (what the segment graphs output), then
+    :func:`calibration.signals.signals_from_stats`, so a calibrator is fitted on exactly the
+    features :class:`calibration.table.TableRule` sees at run time.
+
+    Args:
+        model: the multi-exit model.
+        seqs: int token ids [U, L], one unit per row (prompt + continuation).
+        first: the first position judged; positions first..L-2 are kept, each predicting the next
+            token of its row (L - 1 - first tokens per unit).
+        batch: rows per forward pass.
+
+    Returns:
+        :class:`Collected` with ``unit`` set; tokens are in row order, positions ascending.
+
+    Raises:
+        ConfigError: no rows, or nothing to judge (first >= L - 1).
+    """
+    model.eval()
+    seqs = np.asarray(seqs, dtype=np.int64)
+    if seqs.ndim != 2 or seqs.shape[0] == 0:
+        raise ConfigError(f"collect_units: expected token ids [U >= 1, L], got shape {seqs.shape}")
+    u, length = seqs.shape
+    if not 0 <= first < length - 1:
+        raise ConfigError(f"collect_units: first judged position {first} must be in [0, {length - 1})")
+    layers = model.exit_layers
+    sig: dict[int, list[np.ndarray]] = {k: [] for k in layers}
+    arg: dict[int, list[np.ndarray]] = {k: [] for k in layers}
+    for a in range(0, u, batch):
+        w = torch.from_numpy(seqs[a:a + batch])
+        out = model.backbone(w[:, :-1])
+        hidden, stats, tokens = {}, {}, {}
+        for k in layers:
+            hidden[k] = model.exit_hidden(k, out.hidden_states[k][:, first:]).flatten(0, 1)  # [B*T, D]
+            st, tk = exit_decision_stats(torch.nn.functional.linear(hidden[k], model.backbone.head_weight))
+            stats[k], tokens[k] = st.numpy(), tk.numpy()  # [B*T, 3], [B*T]
+        s = signals_all_exits(stats, tokens, {k: v.numpy() for k, v in hidden.items()})
+        for k in layers:
+            sig[k].append(s[k])
+            arg[k].append(tokens[k])
+    per = length - 1 - first
+    return Collected(layers, {k: np.concatenate(v) for k, v in sig.items()},
+                     {k: np.concatenate(v) for k, v in arg.items()}, seqs[:, first + 1:].reshape(-1),
+                     np.repeat(np.arange(u), per), u)
 
 
 @torch.no_grad()
@@ -70,14 +146,14 @@ def collect(model: MultiExitModel, tokens: np.ndarray, seq_len: int, max_tokens:
 
 
 @torch.no_grad()
-def top1_accuracy(backbone, tokens: np.ndarray, seq_len: int, max_tokens: int) -> float:
-    """Greedy next-token accuracy of a decoder at full depth on the same windows :func:`collect` reads."""
+def top1_accuracy_units(backbone, seqs: np.ndarray, first: int, batch: int = 32) -> float:
+    """Greedy next-token accuracy of a decoder at full depth on the positions :func:`collect_units`
+    judges (first..L-2 of every row of ``seqs`` [U, L])."""
     backbone.eval()
-    windows = min((len(tokens) - 1) // seq_len, max(1, max_tokens // seq_len))
-    correct = total = 0
-    for i in range(windows):
-        w = torch.from_numpy(tokens[i * seq_len:(i + 1) * seq_len + 1].astype(np.int64)).unsqueeze(0)
-        pred = backbone(w[:, :-1]).logits[0].argmax(-1)
-        correct += int((pred == w[0, 1:]).sum())
-        total += seq_len
-    return correct / max(1, total)
+    seqs = np.asarray(seqs, dtype=np.int64)
+    correct = 0
+    for a in range(0, seqs.shape[0], batch):
+        w = torch.from_numpy(seqs[a:a + batch])
+        pred = backbone(w[:, :-1]).logits[:, first:].argmax(-1)  # [B, L-1-first]
+        correct += int((pred == w[:, first + 1:]).sum())
+    return correct / (seqs.shape[0] * (seqs.shape[1] - 1 - first))

@@ -223,3 +223,16 @@ def signals_from_stats(stats: dict[int, np.ndarray], tokens: dict[int, np.ndarra
     agree = (tokens[k] == tokens[layers[-2]]).astype(np.float64)
     cos = _cosine(np.asarray(hidden[k], dtype=np.float64), np.asarray(hidden[layers[-2]], dtype=np.float64))
     return np.concatenate([s, np.stack([agree, run / m, cos], axis=1)], axis=1)  # [N, F]
+
+
+def signals_all_exits(stats: dict[int, np.ndarray], tokens: dict[int, np.ndarray],
+                      hidden: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+    """Signals [N, F] at every exit, each as :func:`signals_from_stats` computes it at run time
+    with the exits up to it (stats [N, 3], tokens [N], hidden [N, D] per exit)."""
+    layers = sorted(tokens)
+    out = {}
+    for i, k in enumerate(layers):
+        upto = layers[:i + 1]
+        out[k] = signals_from_stats({k: stats[k]}, {j: tokens[j] for j in upto},
+                                    {j: hidden[j] for j in upto[-2:]}, num_exits=len(layers))
+    return out

@@ -5,6 +5,12 @@ loading it against another checkpoint is an error that shows both hashes.
 Per exit layer it holds the calibrator (so the calibrated probability can be
 recomputed) and the equivalent raw-score threshold, so a runtime can decide
 with plain arithmetic on the exit signals.
+
+Version 2 (this one) adds ``kv_mode``: the K/V mode of skipped layers the
+certificate covers (a table certified with ``defer`` says nothing about
+``propagate``), and certificates over units (prompts) instead of tokens.
+Version 1 tables were certified on the tokens their calibrators were fitted
+on, which certifies nothing; they are refused.
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ from calibration.signals import SIGNAL_NAMES, last_exit_signals, signals_from_st
 from edge.artifacts import atomic_write_json, sha256_path
 from edge.errors import ArtifactError, ConfigError
 
-TABLE_VERSION = 1
+TABLE_VERSION = 2
 
 
 @dataclass
@@ -34,6 +40,11 @@ class ThresholdTable:
     calibrators: dict[int, Calibrator]
     certificate: dict[str, Any] = field(default_factory=dict)  # eps, delta, n, empirical rate, bound, ...
     signal_names: tuple[str, ...] = SIGNAL_NAMES
+    kv_mode: str = "defer"  # the K/V mode of skipped layers the certificate covers
+
+    def __post_init__(self) -> None:
+        if self.kv_mode not in ("defer", "propagate"):
+            raise ConfigError(f"threshold table kv_mode must be 'defer' or 'propagate', got {self.kv_mode!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -43,6 +54,7 @@ class ThresholdTable:
             "signal_names": list(self.signal_names),
             "calibrator_kind": self.calibrator_kind,
             "lambda": self.lam,
+            "kv_mode": self.kv_mode,
             **self.certificate,
             "layers": {
                 str(k): {"score_threshold": _finite_or_str(self.score_thresholds[k]),
@@ -55,17 +67,21 @@ class ThresholdTable:
     def from_dict(cls, d: dict[str, Any], source: str = "thresholds.json") -> "ThresholdTable":
         try:
             if d["version"] != TABLE_VERSION:
-                raise ConfigError(f"{source}: table version {d['version']} is not {TABLE_VERSION}")
+                raise ConfigError(f"{source}: threshold table version {d['version']} is not {TABLE_VERSION}; "
+                                  + ("version 1 tables were certified on the tokens their calibrators were fitted "
+                                     "on and name no K/V mode; " if d["version"] == 1 else "")
+                                  + "re-run `smartexit calibrate`")
             layers = [int(k) for k in d["exit_layers"]]
             per = {int(k): v for k, v in d["layers"].items()}
             cert_keys = [k for k in d if k not in ("version", "checkpoint_sha256", "exit_layers", "signal_names",
-                                                   "calibrator_kind", "lambda", "layers")]
+                                                   "calibrator_kind", "lambda", "layers", "kv_mode")]
             return cls(
                 checkpoint_sha256=d["checkpoint_sha256"], exit_layers=layers, calibrator_kind=d["calibrator_kind"],
                 lam=float(d["lambda"]),
                 score_thresholds={k: float(v["score_threshold"]) for k, v in per.items()},
                 calibrators={k: Calibrator.from_dict(v["calibrator"]) for k, v in per.items()},
                 certificate={k: d[k] for k in cert_keys}, signal_names=tuple(d["signal_names"]),
+                kv_mode=d["kv_mode"],
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{source}: malformed threshold table ({exc!r})") from exc

@@ -116,11 +116,86 @@ def heldout_prompts(tok, docs: list[Document], n: int, length: int, seed: int) -
     return prompts
 
 
+def split_by_hash(docs: list[Document], heldout_percent: int) -> tuple[list[Document], list[Document]]:
+    """A user's corpus split by document: (calibration part, held-out part).
+
+    A document is held out when int(sha256("heldout:" + relative path)[:8], 16) % 100 < heldout_percent,
+    so the split is deterministic, independent of file order, and whole documents stay on one side.
+    """
+    if not 0 < heldout_percent < 100:
+        raise SmartExitError(f"held-out percentage must be in (0, 100), got {heldout_percent}")
+    calib, held = [], []
+    for d in docs:
+        bucket = int(hashlib.sha256(f"heldout:{d.path}".encode()).hexdigest()[:8], 16) % 100
+        (held if bucket < heldout_percent else calib).append(d)
+    return calib, held
+
+
+@dataclass(frozen=True)
+class Windows:
+    """Token windows drawn from a corpus: ``ids[i]`` is ``length`` tokens of document ``doc[i]`` from
+    ``offset[i]``."""
+
+    ids: "np.ndarray"  # [n, length] int64
+    doc: "np.ndarray"  # [n] index into TokenCorpus.docs
+    offset: "np.ndarray"  # [n]
+
+
+class TokenCorpus:
+    """Documents encoded once; token windows drawn i.i.d. from them.
+
+    A draw picks a document uniformly at random among those with at least ``length`` tokens, then an
+    offset uniformly at random within it: each draw is independent of every other draw (with
+    replacement), so units drawn with different seeds are independent samples of one fixed
+    distribution, which is what a certificate over units needs.
+    """
+
+    def __init__(self, tok, docs: list[Document]) -> None:
+        import numpy as np
+
+        self.docs = docs
+        self.ids = [np.asarray(e.ids, dtype=np.int64) for e in tok.encode_batch([d.text for d in docs])]
+        self.lengths = np.array([len(x) for x in self.ids], dtype=np.int64)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def eligible(self, length: int) -> "np.ndarray":
+        """Indices of the documents with at least ``length`` tokens."""
+        import numpy as np
+
+        return np.flatnonzero(self.lengths >= length)
+
+    def positions(self, length: int) -> int:
+        """Number of distinct windows of ``length`` tokens."""
+        ok = self.lengths >= length
+        return int((self.lengths[ok] - length + 1).sum())
+
+    def draw(self, n: int, length: int, seed: int) -> Windows:
+        """``n`` windows of ``length`` tokens, i.i.d.: document uniform over the eligible ones, offset
+        uniform within it (seeded).
+
+        Raises:
+            SmartExitError: no document has ``length`` tokens.
+        """
+        import numpy as np
+
+        ok = self.eligible(length)
+        if ok.size == 0:
+            raise SmartExitError(f"no document has {length} tokens (the longest has {int(self.lengths.max(initial=0))})")
+        rng = np.random.default_rng(seed)
+        doc = ok[rng.integers(0, ok.size, n)]
+        offset = (rng.random(n) * (self.lengths[doc] - length + 1)).astype(np.int64)
+        ids = np.stack([self.ids[d][o:o + length] for d, o in zip(doc, offset)]) if n else np.zeros((0, length), np.int64)
+        return Windows(ids, doc, offset)
+
+
 def load_text_dir(folder: str | Path, suffixes: tuple[str, ...] = (".txt", ".py", ".md")) -> list[Document]:
-    """A user's folder of text files as documents (for ``--eval-data DIR``)."""
+    """A user's folder of text files as documents (for ``--eval-data DIR`` / ``--calib-data DIR``)."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise SmartExitError(f"evaluation data folder {folder} does not exist")
+        raise SmartExitError(f"data folder {folder} does not exist")
     docs = []
     for p in sorted(folder.rglob("*")):
         if p.is_file() and p.suffix in suffixes:

@@ -48,8 +48,8 @@ def test_every_stage_on_the_bundled_model(tmp_path):
     run = tmp_path / "run"
     assert cli(["distill", "model=bundled", f"run_dir={run}", "steps=4", "batch_size=2", "seq_len=128",
                 "train_tokens=20000", "eval_windows=4"]) == 0
-    assert cli(["calibrate", f"run_dir={run}", "seq_len=128", "calib_tokens=8000", "test_tokens=2000",
-                "free_run_prompts=2", "prompt_tokens=32", "free_run_tokens=8"]) == 0
+    assert cli(["calibrate", f"run_dir={run}", "epsilon=0.05", "fit_units=32", "certify_units=96",
+                "propagate_units=96", "eval_units=16", "prompt_tokens=32", "new_tokens=8", "threads=1"]) == 0
     assert cli(["generate", f"run_dir={run}", "prompts=2", "prompt_tokens=32", "max_new_tokens=8"]) == 0
     assert cli(["report", f"run_dir={run}"]) == 0
     report = json.loads((run / "report.json").read_text())
@@ -57,7 +57,7 @@ def test_every_stage_on_the_bundled_model(tmp_path):
     assert set(report["distill"]["exit_agreement"]) == {"3", "6", "9", "12"}
     assert report["distill"]["exit_agreement"]["12"] == 1.0
     cal = report["calibration"]
-    for key in ("epsilon", "delta", "n_calibration_tokens", "bound", "false_exit_rate_test",
+    for key in ("epsilon", "delta", "n_units", "n_calibration_tokens", "bound", "false_exit_rate_test",
                 "free_run_false_exit_rate_test", "accuracy_full", "accuracy_exit", "accuracy_loss_rel",
                 "layers_skipped_frac", "exit_fraction"):
         assert key in cal, key

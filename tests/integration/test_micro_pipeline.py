@@ -29,8 +29,8 @@ def test_failing_parity_gate_stops_with_numbers(run, capsys):
 def test_export_calibrate_bench_report(run):
     assert cli(["export", f"run_dir={run}", "prompt_tokens=16", "parity_prompts=2", "threads=1"]) == 0
     assert (run / "onnx" / "graphs.json").is_file()
-    assert cli(["calibrate", f"run_dir={run}", "seq_len=32", "calib_tokens=2000", "test_tokens=1000",
-                "free_run_prompts=2", "prompt_tokens=16", "free_run_tokens=6", "threads=1"]) == 0
+    assert cli(["calibrate", f"run_dir={run}", "epsilon=0.2", "fit_units=16", "certify_units=32", "propagate_units=32",
+                "eval_units=4", "prompt_tokens=16", "new_tokens=6", "batch=16", "threads=1"]) == 0
     assert cli(["bench", "decode", f"run_dir={run}", "batch_sizes=[1,2]", "prompt_tokens=16", "new_tokens=6",
                 "repeats=1", "warmup=0", "layerskip_exit=2", "memory=false", "threads=1"]) == 0
     assert cli(["report", f"run_dir={run}"]) == 0

@@ -1,5 +1,5 @@
-"""Risk control: p-values, bounds, the cascade, and the Learn-then-Test guarantee on synthetic data
-whose true false-exit rate is known exactly."""
+"""Risk control over units: the cascade, per-unit false-exit counts, and the Learn-then-Test
+guarantee on synthetic data whose true false-exit rate is known exactly."""
 from __future__ import annotations
 
 import json
@@ -7,93 +7,12 @@ import math
 
 import numpy as np
 import pytest
-from scipy.stats import binom
 
+from calibration.cascade import cascade, cascade_risk, false_exit_counts, unit_false_exit_counts
 from calibration.plots import exit_depth_histogram
-from calibration.risk import (
-    NEVER_EXIT,
-    PValue,
-    binomial_pvalue,
-    cascade,
-    cascade_risk,
-    false_exit_counts,
-    hoeffding_bentkus_pvalue,
-    hoeffding_pvalue,
-    learn_then_test,
-    min_calibration_tokens,
-    upper_confidence_bound,
-)
+from calibration.pvalues import PValue
+from calibration.risk import NEVER_EXIT, default_grid, learn_then_test
 from edge.errors import ConfigError
-
-PUBLIC_PVALUE = {PValue.HOEFFDING: hoeffding_pvalue, PValue.BINOMIAL: binomial_pvalue,
-                 PValue.HOEFFDING_BENTKUS: hoeffding_bentkus_pvalue}
-
-# ------------------------------------------------------------------ p-values
-
-
-def test_pvalue_known_values():
-    assert binomial_pvalue(0.0, 100, 0.01) == pytest.approx(0.99 ** 100, rel=1e-12)
-    assert binomial_pvalue(0.07, 100, 0.05) == pytest.approx(binom.cdf(7, 100, 0.05), rel=1e-12)  # 0.07*100 > 7
-    assert hoeffding_pvalue(0.05, 100, 0.1) == pytest.approx(math.exp(-0.5))
-    assert hoeffding_pvalue(0.2, 100, 0.1) == 1.0
-    assert hoeffding_bentkus_pvalue(0.0, 332, 0.009) == pytest.approx(0.991 ** 332, rel=1e-12)
-    assert hoeffding_bentkus_pvalue(0.2, 100, 0.1) == 1.0
-
-
-def test_hoeffding_bentkus_is_tighter_than_both_parts():
-    r = np.arange(0, 51) / 500
-    for eps in (0.01, 0.05, 0.1):
-        hb = hoeffding_bentkus_pvalue(r, 500, eps)
-        assert (hb <= hoeffding_pvalue(r, 500, eps) + 1e-15).all()  # Pinsker: KL >= 2 (a - b)^2
-        assert (hb <= math.e * binomial_pvalue(r, 500, eps) + 1e-15).all()
-        assert ((hb >= 0) & (hb <= 1)).all()
-
-
-def test_pvalue_errors():
-    with pytest.raises(ConfigError, match=r"epsilon must be in \(0, 1\), got 1.5"):
-        binomial_pvalue(0.0, 10, 1.5)
-    with pytest.raises(ConfigError, match="positive integer"):
-        hoeffding_pvalue(0.0, 0, 0.1)
-    with pytest.raises(ConfigError, match=r"empirical risk must be in \[0, 1\]"):
-        hoeffding_bentkus_pvalue(-0.1, 10, 0.1)
-
-
-@pytest.mark.parametrize("method", list(PValue))
-def test_upper_confidence_bound_is_the_smallest_passing_eps(method):
-    n, delta = 1000, 0.05
-    prev = 0.0
-    for k in (0, 1, 5, 30):
-        ucb = upper_confidence_bound(k, n, delta, method)
-        assert k / n <= ucb < 1
-        assert PUBLIC_PVALUE[method](k / n, n, ucb) <= delta
-        assert PUBLIC_PVALUE[method](k / n, n, ucb - 1e-7) > delta
-        assert ucb > prev
-        prev = ucb
-    assert upper_confidence_bound(n, n, delta, method) == 1.0
-
-
-def test_binomial_ucb_closed_form_at_zero_errors():
-    assert upper_confidence_bound(0, 500, 0.05, "binomial") == pytest.approx(1 - 0.05 ** (1 / 500), abs=1e-10)
-
-
-@pytest.mark.parametrize("method", list(PValue))
-@pytest.mark.parametrize("eps,delta", [(0.009, 0.05), (0.05, 0.1), (0.001, 0.01)])
-def test_min_calibration_tokens_matches_its_definition(method, eps, delta):
-    n = min_calibration_tokens(eps, delta, method)
-    assert PUBLIC_PVALUE[method](0.0, n, eps) <= delta
-    assert PUBLIC_PVALUE[method](0.0, n - 1, eps) > delta
-
-
-def test_min_calibration_tokens_known_values():
-    assert min_calibration_tokens(0.009, 0.05, "binomial") == 332  # ceil(log 0.05 / log 0.991)
-    # at zero errors HB's Hoeffding-KL term is (1 - eps)^n, the same as the binomial's
-    assert min_calibration_tokens(0.009, 0.05, "hoeffding_bentkus") == 332
-    assert min_calibration_tokens(0.009, 0.05, "hoeffding") == math.ceil(-math.log(0.05) / (2 * 0.009 ** 2))
-    with pytest.raises(ConfigError, match=r"delta must be in \(0, 1\), got 0"):
-        min_calibration_tokens(0.01, 0)
-    with pytest.raises(ConfigError, match="unknown p-value method 'bonferroni'"):
-        min_calibration_tokens(0.01, 0.05, "bonferroni")
-
 
 # ------------------------------------------------------------------- cascade
 PROBS = {1: np.array([0.9, 0.2, 0.6, 0.1]), 2: np.array([0.95, 0.8, 0.3, 0.2])}
@@ -135,6 +54,27 @@ def test_false_exit_counts_match_the_cascade_at_every_threshold(seed):
     np.testing.assert_array_equal(counts, expected)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_unit_counts_sum_to_the_token_counts_and_match_the_cascade(seed):
+    rng = np.random.default_rng(seed)
+    n, units = 400, 37
+    levels = np.round(np.linspace(0, 1, 11), 10)
+    probs = {k: rng.choice(levels, n) for k in (2, 5)}
+    correct = {k: rng.integers(0, 2, n) for k in probs}
+    unit = rng.integers(0, units, n)
+    lams = rng.permutation(np.concatenate([levels, rng.uniform(-0.1, 1.1, 20)]))
+    per_unit = unit_false_exit_counts(probs, correct, unit, units, lams, final_layer=9)
+    np.testing.assert_array_equal(per_unit.sum(axis=0), false_exit_counts(probs, correct, lams, 9))
+    for j in (0, 7, 20):
+        exit_at = cascade(probs, lams[j], 9)
+        idx = {2: 0, 5: 1}
+        false = np.array([exit_at[i] < 9 and not correct[exit_at[i]][i] if exit_at[i] in idx else False
+                          for i in range(n)])
+        np.testing.assert_array_equal(per_unit[:, j], np.bincount(unit[false], minlength=units))
+    with pytest.raises(ConfigError, match=r"unit ids must be in \[0, 37\)"):
+        unit_false_exit_counts(probs, correct, unit + 1, units, lams, 9)
+
+
 # -------------------------------------------------------------- learn-then-test
 def _synthetic(rng: np.random.Generator, reps: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     """Two decision exits, p ~ U(0, 1) and y ~ Bernoulli(p) independently: P [reps, 2, n], Y [reps, 2, n]."""
@@ -157,88 +97,71 @@ def test_true_risk_formula_matches_monte_carlo():
         assert mc == pytest.approx(true_risk(lam), abs=4e-3)
 
 
-def _coverage(method: PValue, eps: float, delta: float, n: int, reps: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Run LTT on ``reps`` fresh calibration sets; return the chosen lams and the naive (r_hat <= eps) lams."""
-    P, Y = _synthetic(np.random.default_rng(seed), reps, n)
-    grid = np.linspace(1.0, 0.0, 501)
-    chosen, naive = np.empty(reps), np.empty(reps)
+def _coverage(method: PValue, eps: float, delta: float, units: int, per_unit: int, reps: int,
+              seed: int) -> np.ndarray:
+    """LTT on ``reps`` fresh sets of ``units`` units of ``per_unit`` i.i.d. tokens; the chosen lams.
+    Every unit has the same expected loss R(lam), so the mean per-unit rate has mean R(lam)."""
+    P, Y = _synthetic(np.random.default_rng(seed), reps, units * per_unit)
+    grid = np.linspace(1.0, 0.0, 201)
+    unit = np.repeat(np.arange(units), per_unit)
+    chosen = np.empty(reps)
     for r in range(reps):
         probs, correct = {4: P[r, 0], 8: P[r, 1]}, {4: Y[r, 0], 8: Y[r, 1]}
-        res = learn_then_test(probs, correct, 12, eps=eps, delta=delta, method=method, grid=grid)
-        assert res.bound <= eps or not res.certified
-        chosen[r] = res.lam
-        r_hat = false_exit_counts(probs, correct, grid, 12) / n
-        fails = np.flatnonzero(r_hat > eps)
-        naive[r] = grid[fails[0] - 1] if fails.size and fails[0] > 0 else (grid[-1] if not fails.size else NEVER_EXIT)
-    return chosen, naive
+        losses = unit_false_exit_counts(probs, correct, unit, units, grid, 12) / per_unit
+        chosen[r] = learn_then_test(losses, grid, eps, delta, method, seed=r).lam
+    return chosen
 
 
 def _allowance(delta: float, reps: int) -> float:
     return delta + 3 * math.sqrt(delta * (1 - delta) / reps)
 
 
-@pytest.mark.parametrize("method", list(PValue))
+@pytest.mark.parametrize("method", [PValue.BETTING, PValue.HOEFFDING_BENTKUS])
 def test_learn_then_test_controls_the_true_false_exit_rate(method):
-    eps, delta, reps = 0.05, 0.05, 200
-    chosen, naive = _coverage(method, eps, delta, n=2000, reps=reps, seed=1)
-    violations = np.mean(true_risk(chosen) > eps)
-    assert violations <= _allowance(delta, reps)
-    assert np.mean(chosen) < 1.0 and np.all(chosen < 0.95)  # not vacuous: tokens do exit
-    assert np.mean(true_risk(chosen)) > 0.3 * eps  # and the threshold is not absurdly strict
-    # the test has power: picking lam by the empirical risk alone breaks the guarantee
-    assert np.mean(true_risk(naive) > eps) > 0.2
-
-
-def test_learn_then_test_controls_risk_at_the_default_eps():
-    eps, delta, reps = 0.009, 0.05, 100
-    chosen, _ = _coverage(PValue.HOEFFDING_BENTKUS, eps, delta, n=5000, reps=reps, seed=2)
+    eps, delta, reps = 0.05, 0.1, 100
+    chosen = _coverage(method, eps, delta, units=400, per_unit=5, reps=reps, seed=1)
     assert np.mean(true_risk(chosen) > eps) <= _allowance(delta, reps)
-    assert np.mean(chosen) < 1.0 and np.mean(true_risk(chosen)) > 0.3 * eps
+    assert np.all(chosen < 0.95)  # not vacuous: tokens do exit
+    assert np.mean(true_risk(chosen)) > 0.3 * eps  # and the threshold is not absurdly strict
 
 
-def test_learn_then_test_result_fields():
+def test_walk_fields_and_stops_at_the_first_failure():
     P, Y = _synthetic(np.random.default_rng(5), 1, 3000)
     probs, correct = {4: P[0, 0], 8: P[0, 1]}, {4: Y[0, 0], 8: Y[0, 1]}
-    res = learn_then_test(probs, correct, 12, eps=0.05, delta=0.1, method="binomial")
-    assert res.certified and res.method is PValue.BINOMIAL and res.n == 3000
-    assert all(pv <= 0.1 for _, _, pv in res.tested[:-1]) and res.tested[-1][2] > 0.1
-    assert res.lam == res.tested[-2][0]
-    rate, frac, skipped = cascade_risk(probs, correct, res.lam, 12)
-    assert res.empirical_risk == pytest.approx(rate) and res.exit_fraction == frac
-    assert res.layers_skipped_frac == pytest.approx(skipped)
-    assert res.empirical_risk <= res.bound <= 0.05
-    assert res.bound == upper_confidence_bound(round(rate * 3000), 3000, 0.1, "binomial")
-    json.dumps(res.to_dict())
+    grid = default_grid(201)
+    losses = unit_false_exit_counts(probs, correct, np.arange(3000) // 3, 1000, grid, 12) / 3
+    w = learn_then_test(losses, grid, eps=0.05, delta=0.1, method="betting", seed=0)
+    assert w.certified and not w.completed and w.n_units == 1000 and w.method is PValue.BETTING
+    assert all(pv <= 0.1 for _, _, pv in w.tested[:-1]) and w.tested[-1][2] > 0.1
+    assert w.lam == w.tested[-2][0] == grid[w.index]
+    assert w.tested[w.index][1] == pytest.approx(losses[:, w.index].mean())
+    json.dumps(w.to_dict())
+    done = learn_then_test(losses[:, :w.index + 1], grid[:w.index + 1], 0.05, 0.1, "betting", 0)
+    assert done.completed and done.lam == w.lam
 
 
 def test_learn_then_test_never_exits_when_even_the_strictest_threshold_fails():
-    n = 400
-    probs, correct = {1: np.ones(n)}, {1: np.zeros(n, dtype=int)}
-    res = learn_then_test(probs, correct, 2)
-    assert res.lam == NEVER_EXIT and not res.certified
-    assert res.exit_fraction == {1: 0.0, 2: 1.0} and res.empirical_risk == 0.0
-    assert len(res.tested) == 1 and res.tested[0][0] == 1.0
+    w = learn_then_test(np.ones((400, 3)), np.array([1.0, 0.5, 0.0]))
+    assert w.lam == NEVER_EXIT and not w.certified and not w.completed
+    assert len(w.tested) == 1 and w.tested[0][0] == 1.0
 
 
 def test_learn_then_test_errors():
-    rng = np.random.default_rng(0)
-    probs, correct = {1: rng.uniform(size=400)}, {1: rng.integers(0, 2, 400)}
+    grid = np.array([1.0, 0.5])
+    ok = np.zeros((400, 2))
     for bad in (0.0, 1.0, -0.1, 1.5):
         with pytest.raises(ConfigError, match=rf"epsilon must be in \(0, 1\), got {bad}"):
-            learn_then_test(probs, correct, 2, eps=bad)
+            learn_then_test(ok, grid, eps=bad)
         with pytest.raises(ConfigError, match=rf"delta must be in \(0, 1\), got {bad}"):
-            learn_then_test(probs, correct, 2, delta=bad)
-    small = {1: probs[1][:300]}, {1: correct[1][:300]}
-    with pytest.raises(ConfigError, match="need at least 332 tokens.*got 300"):
-        learn_then_test(*small, 2)
-    with pytest.raises(ConfigError, match="need at least 18493 tokens"):
-        learn_then_test(probs, correct, 2, method="hoeffding")
-    nan = probs[1].copy()
-    nan[7] = np.nan
-    with pytest.raises(ConfigError, match="exit 1: calibrated probabilities contain NaN"):
-        learn_then_test({1: nan}, correct, 2)
-    with pytest.raises(ConfigError, match="grid"):
-        learn_then_test(probs, correct, 2, grid=[])
+            learn_then_test(ok, grid, delta=bad)
+    with pytest.raises(ConfigError, match="need at least 369 units.*got|need at least 369 units"):
+        learn_then_test(ok[:300], grid)
+    with pytest.raises(ConfigError, match="strictly decreasing"):
+        learn_then_test(ok, grid[::-1])
+    with pytest.raises(ConfigError, match=r"losses must be \[U, G=2\]"):
+        learn_then_test(ok[:, :1], grid)
+    with pytest.raises(ConfigError, match=r"in \[0, 1\]"):
+        learn_then_test(ok + 2, grid)
 
 
 def test_exit_depth_histogram_writes_png(tmp_path):
