@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from calibration.signals import exit_signals, signals_all_exits
+from calibration.signals import GATED_SIGNAL_NAMES, exit_signals, gated_signals_all_exits, signals_all_exits
 from edge.errors import ConfigError
 from edge.exits import MultiExitModel, exit_decision_stats
 
@@ -73,7 +73,8 @@ def collect_units(model: MultiExitModel, seqs: np.ndarray, first: int, batch: in
     The signals are computed as the engine computes them: softmax statistics in float32 by
     :func:`edge.exits.exit_decision_stats` (what the segment graphs output), then
     :func:`calibration.signals.signals_from_stats`, so a calibrator is fitted on exactly the
-    features :class:`calibration.table.TableRule` sees at run time.
+    features :class:`calibration.table.TableRule` sees at run time. A model with exit gates gets
+    :data:`calibration.signals.GATED_SIGNAL_NAMES` instead (what the engine decides from there).
 
     Args:
         model: the multi-exit model.
@@ -106,7 +107,13 @@ def collect_units(model: MultiExitModel, seqs: np.ndarray, first: int, batch: in
             hidden[k] = model.exit_hidden(k, out.hidden_states[k][:, first:]).flatten(0, 1)  # [B*T, D]
             st, tk = exit_decision_stats(torch.nn.functional.linear(hidden[k], model.backbone.head_weight))
             stats[k], tokens[k] = st.numpy(), tk.numpy()  # [B*T, 3], [B*T]
-        s = signals_all_exits(stats, tokens, {k: v.numpy() for k, v in hidden.items()})
+        h = {k: v.numpy() for k, v in hidden.items()}
+        if model.gated:  # what the engine decides from: gates (the last layer is never a decision point)
+            gates = {k: model.exit_gate(k, hidden[k]).reshape(-1).numpy() for k in layers[:-1]}
+            s = gated_signals_all_exits(gates, h)
+            s[layers[-1]] = np.zeros((len(tokens[layers[-1]]), len(GATED_SIGNAL_NAMES)))
+        else:
+            s = signals_all_exits(stats, tokens, h)
         for k in layers:
             sig[k].append(s[k])
             arg[k].append(tokens[k])

@@ -19,7 +19,7 @@ from calibration.evaluate import EvalResult, evaluate_cascade
 from calibration.pvalues import PValue
 from calibration.risk import NEVER_EXIT
 
-TOP1 = 0  # column of top1_prob in the signal matrix
+TOP1 = 0  # column of top1_prob (gate_prob for a model with exit gates) in the signal matrix
 
 
 @dataclass
@@ -43,11 +43,12 @@ class System:
 
 
 def baselines(fit: Collected, certify: Collected, test: Collected, lams: np.ndarray, eps: float, delta: float,
-              method: PValue, order_seed: int | None) -> list[System]:
+              method: PValue, order_seed: int | None, gated: bool = False) -> list[System]:
     """(a) hand-tuned max-probability, (b) max-probability + LTT, (c) Platt + LTT, (d) isotonic + LTT,
     all walked over the whole grid on the certify units' teacher-forced signals (the continuations were
     generated with the shipped kind's provisional rule: for the other kinds these are comparisons,
-    not certificates of their own regime)."""
+    not certificates of their own regime). For a model with exit gates, column 0 of the signals is the
+    gate's probability, so (a) and (b) threshold the gate (CALM's learned classifier) instead."""
     systems = []
     top1 = {k: certify.signals[k][:, TOP1] for k in certify.exit_layers[:-1]}
     losses = cert.unit_losses(top1, certify, lams)  # [U, G]
@@ -55,9 +56,10 @@ def baselines(fit: Collected, certify: Collected, test: Collected, lams: np.ndar
     idx = int(np.flatnonzero(ok)[-1]) if ok.any() else None  # loosest with empirical rate <= eps
     lam = float(lams[idx]) if idx is not None else NEVER_EXIT
     rate = float(losses[:, idx].mean()) if idx is not None else 0.0
-    systems.append(System("(a) max-prob, hand-tuned, no certificate", False, lam, None, rate,
+    single = "gate prob" if gated else "max-prob"
+    systems.append(System(f"(a) {single}, hand-tuned, no certificate", False, lam, None, rate,
                           evaluate_cascade(test, {k: test.signals[k][:, TOP1] for k in top1}, lam)))
-    for kind, label in ((CalibratorKind.MAXPROB, "(b) max-prob + LTT (CALM-like)"),
+    for kind, label in ((CalibratorKind.MAXPROB, f"(b) {single} + LTT (CALM-like)"),
                         (CalibratorKind.PLATT, "(c) all signals, Platt + LTT"),
                         (CalibratorKind.ISOTONIC, "(d) all signals, isotonic + LTT")):
         cals = cert.fit(fit, kind)

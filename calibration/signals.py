@@ -15,6 +15,17 @@ feature matrix [N, F] per exit with the columns :data:`SIGNAL_NAMES`:
 - ``cos_prev``: cosine similarity of this exit's hidden state with the
   previous exit's (CALM's "hidden-state saturation").
 
+A model with exit gates (:class:`edge.exits.ExitGate`, a small MLP per
+decision exit that predicts agreement with the last layer) is decided from the
+gates alone: the engine runs the LM head only for the rows that exit, so no
+softmax statistic or argmax exists at decision time. Its signals are
+:data:`GATED_SIGNAL_NAMES`:
+
+- ``gate_prob``: sigmoid of this exit's gate logit (CALM's learned classifier,
+  Schuster et al. 2022, sec. 3.5);
+- ``gate_prob_prev``: the same at the previous exit (0 at the first);
+- ``cos_prev``: as above.
+
 All functions are pure: arrays in, arrays out.
 """
 from __future__ import annotations
@@ -24,6 +35,7 @@ import numpy as np
 from edge.errors import ConfigError
 
 SIGNAL_NAMES: tuple[str, ...] = ("top1_prob", "margin", "entropy", "agree_prev", "agree_run", "cos_prev")
+GATED_SIGNAL_NAMES: tuple[str, ...] = ("gate_prob", "gate_prob_prev", "cos_prev")
 
 
 def _checked_logits(logits: dict[int, np.ndarray]) -> tuple[list[int], dict[int, np.ndarray]]:
@@ -236,3 +248,30 @@ def signals_all_exits(stats: dict[int, np.ndarray], tokens: dict[int, np.ndarray
         out[k] = signals_from_stats({k: stats[k]}, {j: tokens[j] for j in upto},
                                     {j: hidden[j] for j in upto[-2:]}, num_exits=len(layers))
     return out
+
+
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    e = np.exp(-np.abs(z))
+    return np.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+def gated_signals(gates: dict[int, np.ndarray], hidden: dict[int, np.ndarray]) -> np.ndarray:
+    """Signals [N, 3] (:data:`GATED_SIGNAL_NAMES`) of the deepest exit in ``gates``, from the gate logits
+    [N] of every exit reached so far and the normalised hidden [N, D] of the deepest two: what
+    ``decide_gated`` sees in the engine. The engine's hot path: no validation."""
+    layers = sorted(gates)
+    k = layers[-1]
+    g = _sigmoid(np.asarray(gates[k], dtype=np.float64))  # [N]
+    if len(layers) == 1:
+        zeros = np.zeros_like(g)
+        return np.stack([g, zeros, zeros], axis=1)
+    j = layers[-2]
+    prev = _sigmoid(np.asarray(gates[j], dtype=np.float64))
+    cos = _cosine(np.asarray(hidden[k], dtype=np.float64), np.asarray(hidden[j], dtype=np.float64))
+    return np.stack([g, prev, cos], axis=1)
+
+
+def gated_signals_all_exits(gates: dict[int, np.ndarray], hidden: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+    """:func:`gated_signals` at every decision exit in ``gates``."""
+    layers = sorted(gates)
+    return {k: gated_signals({j: gates[j] for j in layers[:i + 1]}, hidden) for i, k in enumerate(layers)}

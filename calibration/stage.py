@@ -39,6 +39,7 @@ from calibration.evaluate import evaluate_cascade
 from calibration.freerun import FreeRun, free_run, free_run_until
 from calibration.pvalues import PValue, exceeds_pvalue, min_units
 from calibration.risk import default_grid
+from calibration.signals import GATED_SIGNAL_NAMES, SIGNAL_NAMES
 from calibration.statement import KVChoice, choose_shipped, statement
 from calibration.table import ThresholdTable, TableRule
 from calibration.units import check_amount, corpora, seeds
@@ -114,7 +115,8 @@ def _table(ckpt: Path, model, kind: CalibratorKind, lam: float, cals: dict[int, 
     return ThresholdTable(checkpoint_sha256=sha256_path(ckpt), exit_layers=model.exit_layers,
                           calibrator_kind=kind.value, lam=lam,
                           score_thresholds={k: c.score_threshold(lam) for k, c in cals.items()},
-                          calibrators=cals, certificate=certificate or {}, kv_mode=kv_mode.value)
+                          calibrators=cals, certificate=certificate or {}, kv_mode=kv_mode.value,
+                          signal_names=GATED_SIGNAL_NAMES if model.gated else SIGNAL_NAMES)
 
 
 def main(cfg: CalibrateConfig) -> int:
@@ -204,7 +206,7 @@ def main(cfg: CalibrateConfig) -> int:
 
     # 5. comparison
     systems = baselines(fit, cert_run.data, test, lams, cfg.epsilon, cfg.delta, cfg.pvalue,
-                        None if anytime else s["order"])
+                        None if anytime else s["order"], gated=model.gated)
     chosen = next(x for x in systems if x.name.startswith("(d)" if cfg.calibrator is CalibratorKind.ISOTONIC else "(c)"))
     tf = evaluate_cascade(test, cert.calibrated(cals, test), c.lam)
     base = _base_model_accuracy(ckpt, ev_w.ids, P)

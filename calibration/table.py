@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from calibration.calibrators import Calibrator
-from calibration.signals import SIGNAL_NAMES, last_exit_signals, signals_from_stats
+from calibration.signals import GATED_SIGNAL_NAMES, SIGNAL_NAMES, gated_signals, last_exit_signals, signals_from_stats
 from edge.artifacts import atomic_write_json, sha256_path
 from edge.errors import ArtifactError, ConfigError
 
@@ -118,22 +118,34 @@ def load_table(path: str | Path, checkpoint: str | Path) -> ThresholdTable:
 
 
 class TableRule:
-    """Exit rule for :func:`edge.generate.generate` that applies a threshold table.
+    """Exit rule that applies a threshold table.
 
-    Keeps the exits seen so far for the current token, recomputes the signals
-    exactly as calibration did, and compares the raw score with the table's
-    threshold (equivalent to calibrated probability >= lambda).
+    Recomputes the signals exactly as calibration did and compares the calibrator's raw score with the
+    table's threshold (equivalent to calibrated probability >= lambda). A table calibrated on a model
+    with exit gates (signals :data:`calibration.signals.GATED_SIGNAL_NAMES`) decides in
+    :meth:`decide_gated`, which the engine calls for such models; one calibrated on softmax signals in
+    :meth:`decide` (and :meth:`__call__` for :func:`edge.generate.generate`).
     """
 
     def __init__(self, table: ThresholdTable) -> None:
-        if tuple(table.signal_names) != SIGNAL_NAMES:
-            raise ConfigError(f"threshold table signals {list(table.signal_names)} are not this version's "
-                              f"{list(SIGNAL_NAMES)}; re-run `smartexit calibrate`")
+        names = tuple(table.signal_names)
+        if names not in (SIGNAL_NAMES, GATED_SIGNAL_NAMES):
+            raise ConfigError(f"threshold table signals {list(names)} are not this version's {list(SIGNAL_NAMES)} "
+                              f"(or {list(GATED_SIGNAL_NAMES)} for a model with exit gates); re-run "
+                              f"`smartexit calibrate`")
         self.table = table
+        self.gated = names == GATED_SIGNAL_NAMES
         self._m = len(table.exit_layers)
         self._linear = {k: c.linear_score() for k, c in table.calibrators.items()}  # layer -> (w [F], b)
         self._logits: dict[int, np.ndarray] = {}
         self._hidden: dict[int, np.ndarray] = {}
+
+    def _expect(self, gated: bool) -> None:
+        if gated != self.gated:
+            raise ConfigError("this threshold table was calibrated on "
+                              + ("exit gates, but the model it runs has none" if self.gated else
+                                 "softmax signals, but the model it runs decides from exit gates")
+                              + "; re-run `smartexit calibrate` for this checkpoint")
 
     def reset(self) -> None:
         self._logits.clear()
@@ -141,6 +153,7 @@ class TableRule:
 
     def __call__(self, layer: int, logits: torch.Tensor, hidden: torch.Tensor) -> bool:
         """logits [V], hidden [D] (normalised) of exit ``layer`` for the current token."""
+        self._expect(False)
         self._logits[layer] = logits.detach().double().numpy()[None]
         self._hidden[layer] = hidden.detach().double().numpy()[None]
         feats = last_exit_signals(self._logits, self._hidden, num_exits=len(self.table.exit_layers))  # [1, F]
@@ -153,9 +166,16 @@ class TableRule:
         The calibrator's score is linear in the signals: one dot product per token, no
         standardisation or validation pass (this runs at every exit of every decode step).
         """
+        self._expect(False)
         w, b = self._linear[layer]
         feats = signals_from_stats(stats, tokens, hidden, num_exits=self._m)  # [B, F]
         return feats @ w + b >= self.table.score_thresholds[layer]
+
+    def decide_gated(self, layer: int, gates: dict[int, np.ndarray], hidden: dict[int, np.ndarray]) -> np.ndarray:
+        """For a model with exit gates: gate logits [B] of every exit reached so far, hidden [B, D]; bool [B]."""
+        self._expect(True)
+        w, b = self._linear[layer]
+        return gated_signals(gates, hidden) @ w + b >= self.table.score_thresholds[layer]
 
     def _passes(self, layer: int, feats: np.ndarray) -> np.ndarray:
         return self.table.calibrators[layer].score(feats) >= self.table.score_thresholds[layer]

@@ -183,3 +183,20 @@ def test_signals_from_graph_stats_equal_signals_from_logits():
         assert np.allclose(got, ref, rtol=1e-5, atol=1e-6), upto
         assert np.array_equal(tokens[sub[-1]], np.argmax(logits[sub[-1]], axis=1))
     assert stats[3][0, 1] == 0.0 and tokens[3][0] == 0
+
+
+def test_gated_signals_hand_computed_and_consistent():
+    from calibration.signals import GATED_SIGNAL_NAMES, gated_signals, gated_signals_all_exits
+
+    gates = {3: np.array([0.0, 2.0]), 9: np.array([np.log(3.0), -50.0])}
+    hidden = {3: np.array([[1.0, 0.0], [1.0, 1.0]]), 9: np.array([[0.0, 2.0], [2.0, 2.0]])}
+    s = gated_signals(gates, hidden)  # deepest exit: 9
+    assert s.shape == (2, len(GATED_SIGNAL_NAMES))
+    np.testing.assert_allclose(s[:, 0], [0.75, 1 / (1 + np.exp(50.0))], rtol=1e-12)  # sigmoid(log 3) = 3/4
+    np.testing.assert_allclose(s[:, 1], 1 / (1 + np.exp(-np.array([0.0, 2.0]))), rtol=1e-12)
+    np.testing.assert_allclose(s[:, 2], [0.0, 1.0], atol=1e-12)  # orthogonal; parallel
+    first = gated_signals({3: gates[3]}, hidden)
+    np.testing.assert_array_equal(first[:, 1:], 0.0)
+    every = gated_signals_all_exits(gates, hidden)
+    np.testing.assert_array_equal(every[9], s)
+    np.testing.assert_array_equal(every[3], first)

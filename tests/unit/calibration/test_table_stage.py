@@ -246,3 +246,26 @@ def test_lineage_of_a_finetuned_model_carries_to_frozen_distillation(micro_run, 
     assert source["backbone_finetuned"] is True and source["base_model"] == str(base)
     with pytest.raises(CheckpointError, match="kept its decoder frozen"):
         make_bundled_ee(run, tmp_path / "nope")
+
+
+@pytest.mark.slow
+def test_calibrate_a_model_with_exit_gates(micro_run, tmp_path):
+    """With exit gates the engine decides from the gates alone (decide_gated): calibration fits on the
+    gates' outputs and the table's rule decides there, and refuses the other interface."""
+    from calibration.signals import GATED_SIGNAL_NAMES
+
+    base = micro_run.parent / "model"
+    run = tmp_path / "gated"
+    assert cli(["distill", f"model={base}", f"run_dir={run}", "steps=2", "seq_len=32", "batch_size=2",
+                "train_tokens=4000", "eval_windows=2", "exits.layers=[1,2,3]", "exits.adapter_rank=4",
+                "exits.gate_hidden=8", "gate_windows=8"]) == 0
+    assert cli(["calibrate", f"run_dir={run}", *MICRO]) == 0
+    table = load_table(run / "calibration" / "thresholds.json", run / "multi_exit")
+    assert tuple(table.signal_names) == GATED_SIGNAL_NAMES
+    rule = TableRule(table)
+    hidden = {1: np.ones((2, 64)), 2: np.ones((2, 64))}
+    assert rule.decide_gated(2, {1: np.array([-9.0, 9.0]), 2: np.array([-9.0, 9.0])}, hidden).shape == (2,)
+    with pytest.raises(ConfigError, match="calibrated on exit gates, but the model it runs has none"):
+        rule.decide(1, {1: np.zeros((2, 3))}, {1: np.zeros(2, int)}, {1: np.ones((2, 64))})
+    cal = json.loads((run / "manifest.json").read_text())["stages"]["calibrate"]["metrics"]
+    assert cal["comparison"][0]["system"].startswith("(a) gate prob")
