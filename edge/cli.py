@@ -19,7 +19,8 @@ STAGES: dict[str, tuple[str, str, str, str]] = {
     "train-tiny": ("edge.train_tiny", "TrainConfig", "main", "train the bundled tiny model (an hour or two)"),
     "distill": ("edge.distill", "DistillConfig", "main", "train exit heads by multi-exit distillation"),
     "calibrate": ("calibration.stage", "CalibrateConfig", "main",
-                  "calibrated exit thresholds with a certified false-exit bound (--eval-data DIR to check your data)"),
+                  "calibrated exit thresholds with a certified false-exit bound (--calib-data DIR to certify on "
+                  "your own text, --eval-data DIR to check on it)"),
     "export": ("exporters.stage", "ExportStageConfig", "main", "ONNX graphs per segment, gated on parity with torch"),
     "engines": ("exporters.tensorrt", "EnginesConfig", "main",
                 "TensorRT engines from the ONNX graphs (on the device) + trtexec command lines"),

@@ -46,10 +46,15 @@ def _calibration(m: Manifest) -> dict[str, Any]:
 def _export(m: Manifest) -> dict[str, Any]:
     d = m.stage("export")["metrics"]
     p = d["parity"]
+    fused = d.get("parity_fused")
     return {"graphs": d["graphs"], "graphs_full_depth": d["graphs_full"], "opset": d["opset"],
-            "parity_passed": p["passed"] and d["parity_full"]["passed"],
+            "parity_passed": p["passed"] and d["parity_full"]["passed"] and (fused is None or fused["passed"]),
             "argmax_agreement": p["argmax_agreement"], "atol": p["atol"],
-            "max_abs_diff": max(v for outs in p["max_abs_diff"].values() for v in outs.values())}
+            "max_abs_diff": max(v for outs in p["max_abs_diff"].values() for v in outs.values()),
+            "fused": None if fused is None else {
+                "argmax_agreement": fused["argmax_agreement"], "rtol": fused["rtol"],
+                "max_abs_diff": max(v for outs in fused["max_abs_diff"].values() for v in outs.values())},
+            "fused_skipped": d.get("fused_skipped")}
 
 
 def _bench(m: Manifest) -> dict[str, Any]:
@@ -113,10 +118,15 @@ def render_markdown(report: dict[str, Any]) -> str:
                   ""]
     if "export" in report:
         e = report["export"]
+        f = e.get("fused")
         lines += ["## ONNX export", "", f"{e['graphs']} graphs (+ {e['graphs_full_depth']} for the full-depth "
-                  f"baseline without exit heads) at opset {e['opset']}; parity with torch: "
-                  f"**{e['parity_passed']}** (max abs diff {e['max_abs_diff']:.2e} <= atol {e['atol']}, argmax "
-                  f"agreement {e['argmax_agreement']:.2%}).", ""]
+                  f"baseline without exit heads) at opset {e['opset']}: the portable graphs (standard ops, for "
+                  f"TensorRT) and the fused ONNX Runtime graphs the engine runs; parity with torch: "
+                  f"**{e['parity_passed']}** (portable: max abs diff {e['max_abs_diff']:.2e} <= atol {e['atol']}, "
+                  f"argmax agreement {e['argmax_agreement']:.2%}"
+                  + (f"; fused: max abs diff {f['max_abs_diff']:.2e} within {f['rtol']:g} of each output's scale, "
+                     f"argmax agreement {f['argmax_agreement']:.2%}" if f else
+                     f"; no fused graphs: {e.get('fused_skipped')}") + ").", ""]
     if "decode_bench" in report:
         lines += _bench_md(report["decode_bench"])
     return "\n".join(lines)
@@ -162,31 +172,33 @@ def _fmt(v: Any, spec: str = ".4f") -> str:
 
 def _calibration_md(c: dict[str, Any]) -> list[str]:
     fr = c["free_run"]
+    pt = c.get("propagate_test")
     lines = [
         "## Calibrated exit rule", "",
-        f"{c['calibrator']} calibration of confidence + consistency signals; Learn-then-Test with the "
-        f"{c['pvalue']} p-value on {c['n_calibration_tokens']:,} calibration tokens "
-        f"(at least {c['min_calibration_tokens']} needed). Evaluated on {c['n_test_tokens']:,} tokens of the "
-        f"{c['eval_data']}, never seen by calibration.", "",
-        f"- certified: **{c['certified']}**; threshold lambda = {c['lambda']:.3f} on the calibrated probability",
-        f"- false-exit rate: bound {c['bound']:.4f} (eps {c['epsilon']}, delta {c['delta']}); calibration "
-        f"{c['false_exit_rate_calib']:.4f}; test (teacher-forced) **{c['false_exit_rate_test']:.4f}**; "
-        f"test free-running **{c['free_run_false_exit_rate_test']:.4f}** with skipped layers' K/V by "
-        f"{c['kv_mode']} ({fr['tokens']} decoded tokens, {fr['false_exits']} false exits, "
-        f"{fr['full_depth_mismatches']} full-depth tokens changed by approximate K/V)",
-        "- free-running by K/V mode: " + "; ".join(
-            f"{m}: {r['false_exit_rate']:.4f} ({r['false_exits']} false exits + {r['full_depth_mismatches']} "
-            f"full-depth mismatches in {r['tokens']} tokens, {r['exited_frac']:.3f} exited)"
-            for m, r in c["free_run_by_kv_mode"].items()),
+        f"{c['calibrator']} calibration of the exit signals; Learn-then-Test with the {c['pvalue']} p-value on "
+        f"**{c['n_units']} certify prompts** ({c['tokens_per_unit']} judged tokens each; at least {c['min_units']} "
+        f"prompts are needed) drawn from {c['calibration_corpus']}, independent of the {c['n_fit_units']} prompts "
+        f"the calibrators were fitted on. Evaluated on {c['n_eval_units']} prompts of {c['eval_data']}, "
+        "never seen by calibration.", "",
+        f"> {c['certificate_statement']}", "",
+        f"- certified: **{c['certified']}** (exact for the regime that ships: {c['certificate_exact']}); threshold "
+        f"lambda = {c['lambda']:.3f} on the calibrated probability (provisional {c['lambda_provisional']:.3f})",
+        f"- mean per-prompt false-exit rate: bound {c['bound']:.4f} (eps {c['epsilon']}, delta {c['delta']}); "
+        f"certify prompts {c['false_exit_rate_calib']:.4f}; held out, free-running in the shipped K/V mode "
+        f"({c['kv_mode']}) **{c['free_run_false_exit_rate_test']:.4f}** ({fr['tokens']} decoded tokens, "
+        f"{fr['false_exits']} false exits, {fr['full_depth_mismatches']} full-depth tokens changed by approximate "
+        f"K/V); teacher-forced on natural text **{c['false_exit_rate_test']:.4f}**",
+        f"- K/V mode: {c['kv_mode_reason']}" + (
+            f" (propagation, {pt['n_units']} prompts: {pt['false_exit_rate']:.4f}, bound {pt['bound']:.4f})"
+            if pt else ""),
         f"- accuracy: full {c['accuracy_full']:.4f}, with exits {c['accuracy_exit']:.4f}, relative loss "
         f"**{c['accuracy_loss_rel']:.4f}**" + (
             f"; against the base model before fine-tuning ({c['accuracy_base_model']:.4f}): "
             f"**{c['accuracy_loss_rel_vs_base_model']:.4f}**" if "accuracy_base_model" in c else ""),
-        f"- layers skipped: **{c['layers_skipped_frac']:.3f}**; exit fractions: "
+        f"- layers skipped, free-running in the shipped mode: **{c['layers_skipped_frac']:.3f}** "
+        f"(teacher-forced {c.get('layers_skipped_frac_teacher_forced', float('nan')):.3f}); exit fractions: "
         + ", ".join(f"layer {k}: {v:.3f}" for k, v in c["exit_fraction"].items()),
-        "- the guarantee assumes calibration and test tokens are exchangeable; tokens of one file are "
-        "correlated, and the split is by file",
-        "", "| system | certified | lambda | false exits (calib) | bound | false exits (test) | layers skipped | "
+        "", "| system | certified | lambda | false exits (certify) | bound | false exits (test) | layers skipped | "
         "accuracy loss |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in c["comparison"]:
