@@ -17,10 +17,8 @@ from tests.tolerance import assert_f32_close
 from tests.unit.engine.test_engine import CFG, _model, _prompts, _run
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ort")
-    m = _model(seed=11)
+def _export(root, m):
+    """Save ``m`` as a checkpoint and export it; returns (model, checkpoint, graphs)."""
     for p in m.backbone.parameters():  # the checkpoint stores fp16: compare the same weights
         p.data = p.data.half().float()
     ckpt = root / "ckpt"
@@ -30,12 +28,16 @@ def exported(tmp_path_factory):
     return m, ckpt, root / "onnx"
 
 
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    return _export(tmp_path_factory.mktemp("ort"), _model(seed=11))
+
+
 @pytest.mark.parametrize("mode", list(KVMode))
 def test_same_tokens_and_exit_layers_as_torch(exported, mode):
     m, ckpt, graphs = exported
     prompts = _prompts(4, seed=12)
     cfg = dict(max_seqs=4, max_running=4, max_len=128, prefill_budget=24, kv_mode=mode)
-    ref = _run(Engine(TorchBackend(m), EngineConfig(**cfg), ConfidenceRule(0.3)), prompts, max_tokens=16)
     ref_engine = Engine(TorchBackend(m), EngineConfig(**cfg), ConfidenceRule(0.3))
     ref = _run(ref_engine, prompts, max_tokens=16)
     backend = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1)
@@ -113,15 +115,7 @@ def test_optimised_graphs_are_cached_and_rechecked(exported, tmp_path):
 @pytest.fixture(scope="module")
 def exported_gated(tmp_path_factory):
     """The same kind of model with exit gates (random: the test needs decisions, not good ones)."""
-    root = tmp_path_factory.mktemp("ort_gated")
-    m = _model(seed=15, gate_hidden=8)
-    for p in m.backbone.parameters():
-        p.data = p.data.half().float()
-    ckpt = root / "ckpt"
-    with atomic_dir(ckpt) as tmp:
-        save_multi_exit(m, tmp, tokenizer=None, metrics={}, source={})
-    export_onnx(m, root / "onnx", ExportConfig(), checkpoint_sha256=sha256_path(ckpt))
-    return m, ckpt, root / "onnx"
+    return _export(tmp_path_factory.mktemp("ort_gated"), _model(seed=15, gate_hidden=8))
 
 
 @pytest.mark.parametrize("mode", list(KVMode))
