@@ -47,6 +47,7 @@ sha256, the opset and whether ``onnx.checker`` passed.
 from __future__ import annotations
 
 import json
+import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -259,22 +260,34 @@ def _pin_output_dims(path: Path, static: dict[str, dict[int, int]]) -> None:
     onnx.save_model(proto, str(path))
 
 
-def _slim(path: Path) -> None:
+def slim_graphs(paths: list[Path]) -> None:
     """Fold the tracer's shape plumbing (Shape/Gather/Unsqueeze/Concat chains on fixed sizes) and
     dead nodes with onnxslim, a maintained ONNX simplifier: about half the nodes go (622 -> 312 for a
     3-layer segment of the bundled model), all standard ops, so TensorRT still parses the graph.
-    The parity gate runs on the slimmed graph."""
+    The parity gate runs on the slimmed graphs.
+
+    Runs in a process of its own: onnxslim folds constants with ONNX Runtime sessions of default
+    options, which ONNX Runtime refuses once this process made its shared thread pool
+    (edge/ortsession.py), and folding would silently do less."""
+    if not paths:
+        return
+    from edge.device import run_command
+
+    out = run_command([sys.executable, "-m", "exporters.onnx_export", "--slim", *map(str, paths)], timeout=3600)
+    if out.returncode != 0:
+        raise ArtifactError(f"onnxslim failed on {[p.name for p in paths]}: {out.stderr.strip()[-600:]}")
+
+
+def _slim_in_process(paths: list[str]) -> None:
     import onnxslim
 
-    slimmed = onnxslim.slim(onnx.load(str(path)))
-    onnx.save_model(slimmed, str(path))
+    for path in paths:
+        onnx.save_model(onnxslim.slim(onnx.load(path)), path)
 
 
 def _finish_graph(path: Path, cfg: ExportConfig, weight_bytes: int, inputs: list[str],
                   outputs: list[str], static: dict[str, dict[int, int]]) -> GraphInfo:
-    """Slim, pin fixed output dims, move large weights to one external data file, check, hash."""
-    if cfg.slim and weight_bytes <= cfg.external_data_threshold:  # a > 2 GiB graph is not loaded whole
-        _slim(path)
+    """Pin fixed output dims, move large weights to one external data file, check, hash."""
     _pin_output_dims(path, static)
     data_name = None
     if weight_bytes > cfg.external_data_threshold:
@@ -350,8 +363,11 @@ def export_onnx(model: MultiExitModel, out_dir: str | Path, cfg: ExportConfig,
     graphs: dict[str, GraphInfo] = {}
     with atomic_dir(out_dir) as tmp, torch.no_grad():
         for name, module, args, ins, outs, nbytes in jobs:
+            _export_one(module, args, tmp / f"{name}.onnx", ins, outs, cfg)
+        if cfg.slim:  # a > 2 GiB graph (external data) is not loaded whole to be slimmed
+            slim_graphs([tmp / f"{name}.onnx" for name, *_, nbytes in jobs if nbytes <= cfg.external_data_threshold])
+        for name, module, args, ins, outs, nbytes in jobs:
             path = tmp / f"{name}.onnx"
-            _export_one(module, args, path, ins, outs, cfg)
             static = {o: _static_dims(o, d, kvh, hd, mcfg.vocab_size) for o in outs}
             graphs[name] = _finish_graph(path, cfg, nbytes, ins, outs, static)
         manifest = ExportManifest(
@@ -429,3 +445,7 @@ def verify_graphs(graphs_dir: str | Path, checkpoint_sha256: str) -> dict[str, A
                     f"{path} (graph {name!r}) sha256 {actual} != recorded {want}: the file changed after export "
                     f"(a segment graph from another checkpoint?); re-export")
     return meta
+
+
+if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "--slim":
+    _slim_in_process(sys.argv[2:])
