@@ -130,10 +130,11 @@ def _softmax_stats(z: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Row-wise cosine similarity of a [N, D] and b [N, D] -> [N]; 0 where either row is zero."""
-    dot = (a * b).sum(axis=1)  # [N]
-    norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)  # [N]
-    safe = np.where(norms > 0, norms, 1.0)
-    return np.where(norms > 0, np.clip(dot / safe, -1.0, 1.0), 0.0)
+    # einsum: no [N, D] temporaries (this runs at every exit of every decode step)
+    dot = np.einsum("ij,ij->i", a, b)  # [N]
+    norms = np.sqrt(np.einsum("ij,ij->i", a, a) * np.einsum("ij,ij->i", b, b))  # [N]
+    ok = norms > 0
+    return np.where(ok, np.clip(dot / np.where(ok, norms, 1.0), -1.0, 1.0), 0.0)
 
 
 def exit_signals(logits: dict[int, np.ndarray], hidden: dict[int, np.ndarray],

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from calibration.calibrators import Calibrator
-from calibration.signals import GATED_SIGNAL_NAMES, SIGNAL_NAMES, gated_signals, last_exit_signals, signals_from_stats
+from calibration.signals import (GATED_SIGNAL_NAMES, SIGNAL_NAMES, _cosine, _sigmoid, gated_signals, last_exit_signals,
+                                 signals_from_stats)
 from edge.artifacts import atomic_write_json, sha256_path
 from edge.errors import ArtifactError, ConfigError
 
@@ -137,6 +138,14 @@ class TableRule:
         self.gated = names == GATED_SIGNAL_NAMES
         self._m = len(table.exit_layers)
         self._linear = {k: c.linear_score() for k, c in table.calibrators.items()}  # layer -> (w [F], b)
+        # the hot path's constants per decision exit: the previous decision exit (None for the first),
+        # the score's weights split by signal, and the threshold moved into the bias
+        decision = table.exit_layers[:-1]
+        self._fast = {}
+        for n, k in enumerate(decision):
+            w, b = self._linear[k]
+            w = np.asarray(w, np.float64)
+            self._fast[k] = (decision[n - 1] if n else None, decision[:n + 1], w, float(b) - table.score_thresholds[k])
         self._logits: dict[int, np.ndarray] = {}
         self._hidden: dict[int, np.ndarray] = {}
 
@@ -167,15 +176,25 @@ class TableRule:
         standardisation or validation pass (this runs at every exit of every decode step).
         """
         self._expect(False)
-        w, b = self._linear[layer]
-        feats = signals_from_stats(stats, tokens, hidden, num_exits=self._m)  # [B, F]
-        return feats @ w + b >= self.table.score_thresholds[layer]
+        prev, seen, w, b = self._fast[layer]
+        score = stats[layer].astype(np.float64) @ w[:3] + b  # top-1 probability, margin, entropy
+        if prev is not None:  # agreement with the previous exit, agreement run, hidden cosine
+            run = np.zeros(len(score))
+            for a, c in zip(seen[:-1], seen[1:]):
+                run = np.where(tokens[a] == tokens[c], run + 1.0, 0.0)
+            score += w[3] * (tokens[layer] == tokens[prev]) + w[4] / self._m * run
+            score += w[5] * _cosine(hidden[layer].astype(np.float64), hidden[prev].astype(np.float64))
+        return score >= 0.0
 
     def decide_gated(self, layer: int, gates: dict[int, np.ndarray], hidden: dict[int, np.ndarray]) -> np.ndarray:
         """For a model with exit gates: gate logits [B] of every exit reached so far, hidden [B, D]; bool [B]."""
         self._expect(True)
-        w, b = self._linear[layer]
-        return gated_signals(gates, hidden) @ w + b >= self.table.score_thresholds[layer]
+        prev, _, w, b = self._fast[layer]
+        score = w[0] * _sigmoid(gates[layer].astype(np.float64)) + b
+        if prev is not None:  # the previous exit's gate probability, hidden cosine
+            score += w[1] * _sigmoid(gates[prev].astype(np.float64))
+            score += w[2] * _cosine(hidden[layer].astype(np.float64), hidden[prev].astype(np.float64))
+        return score >= 0.0
 
     def _passes(self, layer: int, feats: np.ndarray) -> np.ndarray:
         return self.table.calibrators[layer].score(feats) >= self.table.score_thresholds[layer]

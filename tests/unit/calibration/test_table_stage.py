@@ -269,3 +269,38 @@ def test_calibrate_a_model_with_exit_gates(micro_run, tmp_path):
         rule.decide(1, {1: np.zeros((2, 3))}, {1: np.zeros(2, int)}, {1: np.ones((2, 64))})
     cal = json.loads((run / "manifest.json").read_text())["stages"]["calibrate"]["metrics"]
     assert cal["comparison"][0]["system"].startswith("(a) gate prob")
+
+
+def test_table_rule_hot_path_equals_the_signal_functions():
+    """TableRule.decide / decide_gated compute the calibrator's linear score without building the
+    signal matrix; they must decide exactly as the calibrated score over the signal functions does."""
+    from calibration.calibrators import Calibrator, CalibratorKind
+    from calibration.signals import GATED_SIGNAL_NAMES, SIGNAL_NAMES, gated_signals, signals_from_stats
+    from calibration.table import TableRule, ThresholdTable
+
+    rng = np.random.default_rng(3)
+    layers = [2, 5, 8, 12]
+    cases = [(n, g, kind) for n, g in ((SIGNAL_NAMES, False), (GATED_SIGNAL_NAMES, True))
+             for kind in (CalibratorKind.PLATT, CalibratorKind.ISOTONIC)]
+    for names, gated, kind in cases:
+        f = len(names)
+        cals = {k: Calibrator(kind).fit(rng.random((400, f)), (rng.random(400) < 0.6).astype(int))
+                for k in layers[:-1]}
+        thr = {k: float(np.median(cals[k].score(rng.random((50, f))))) for k in layers[:-1]}
+        rule = TableRule(ThresholdTable("x", layers, kind.value, 0.5, thr, cals, signal_names=names))
+        b = 64
+        stats = {k: rng.random((b, 3)).astype(np.float32) for k in layers[:-1]}
+        tokens = {k: rng.integers(0, 3, b) for k in layers[:-1]}
+        hidden = {k: rng.standard_normal((b, 16)).astype(np.float32) for k in layers[:-1]}
+        gates = {k: rng.standard_normal(b).astype(np.float32) for k in layers[:-1]}
+        for n, k in enumerate(layers[:-1]):
+            upto = layers[:n + 1]
+            if gated:
+                got = rule.decide_gated(k, {j: gates[j] for j in upto}, {j: hidden[j] for j in upto})
+                ref = cals[k].score(gated_signals({j: gates[j] for j in upto}, hidden)) >= thr[k]
+            else:
+                got = rule.decide(k, {j: stats[j] for j in upto}, {j: tokens[j] for j in upto},
+                                  {j: hidden[j] for j in upto})
+                ref = cals[k].score(signals_from_stats({k: stats[k]}, {j: tokens[j] for j in upto},
+                                                       {j: hidden[j] for j in upto}, num_exits=len(layers))) >= thr[k]
+            assert np.array_equal(got, ref), (names, k)
