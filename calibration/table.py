@@ -186,6 +186,15 @@ class TableRule:
             score += w[5] * _cosine(hidden[layer].astype(np.float64), hidden[prev].astype(np.float64))
         return score >= 0.0
 
+    def linear(self, layer: int, num_features: int) -> tuple[np.ndarray, float]:
+        """The rule at decision exit ``layer`` as a linear score of the exit's features (in the order of
+        the table's signal names): exit where features @ w + b >= 0 (the engine computes it in the
+        segment graphs). Raises ConfigError when the model's features are not the table's signals."""
+        if num_features != len(self.table.signal_names):
+            self._expect(not self.gated)  # the message says which interface the table was calibrated on
+        _, _, w, b = self._fast[layer]
+        return w, b
+
     def decide_gated(self, layer: int, gates: dict[int, np.ndarray], hidden: dict[int, np.ndarray]) -> np.ndarray:
         """For a model with exit gates: gate logits [B] of every exit reached so far, hidden [B, D]; bool [B]."""
         self._expect(True)

@@ -261,13 +261,17 @@ def check_fused_parity(model: MultiExitModel, graphs_dir: str | Path, prompts: l
     caches = [KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, slots_total, cap) for _ in range(2)]
     ref.attach(caches[0])
     got.attach(caches[1])
+    rng = np.random.default_rng(0)  # some exit rule: the features and score are part of the graphs
+    forms = {k: (rng.standard_normal(ref.spec.num_features), 0.1) for k in ref.exit_layers[:-1]}
+    ref.set_rule(forms)
+    got.set_rule(forms)
     diff: dict[str, dict[str, float]] = {}
     failures: list[str] = []
     agree = total = 0
 
     def compare(name: str, phase: str, o, r) -> None:
         nonlocal agree, total
-        for field_name in ("hidden", "exit_hidden", "logits", "stats", "gate"):
+        for field_name in ("hidden", "exit_hidden", "logits", "stats", "gate", "features", "score", "run"):
             a, e = getattr(o, field_name, None), getattr(r, field_name, None)
             if e is None:
                 continue
@@ -285,9 +289,11 @@ def check_fused_parity(model: MultiExitModel, graphs_dir: str | Path, prompts: l
             failures.append(f"{name}/exit_token ({phase}): argmax differs at {int((~same).sum())} of {same.size}")
 
     def run_all(x, slots, start, phase):
+        prev = None
         for i in range(len(ref.segments)):
-            r = ref.segment(i, x, slots, start)
-            o = got.segment(i, x, slots, start)
+            r = ref.segment(i, x, slots, start, prev)
+            o = got.segment(i, x, slots, start, prev)
+            prev = r
             compare(f"segment_{i}", phase, o, r)
             if r.gate is not None:  # a gated exit: its separate head, on the same rows
                 compare(f"head_{i}", phase, got.head(i, r.exit_hidden), ref.head(i, r.exit_hidden))

@@ -46,6 +46,12 @@ class ModelSpec:
                    cfg.vocab_size, cfg.max_position_embeddings, cfg.sliding_window, model.gated)
 
     @property
+    def num_features(self) -> int:
+        """Columns of a decision exit's features: calibration.signals' SIGNAL_NAMES (6) or, with
+        gates, GATED_SIGNAL_NAMES (3)."""
+        return 3 if self.gated else 6
+
+    @property
     def segments(self) -> list[list[int]]:
         """0-based decoder layers of each segment."""
         starts = [0, *self.exit_layers[:-1]]
@@ -72,6 +78,11 @@ class SegmentOut:
     stats: np.ndarray | None  # [B, 3] float32: top-1 probability, top-1 minus top-2, entropy
     token: np.ndarray | None  # [B] int64 argmax of the logits
     gate: np.ndarray | None = None  # [B] float32 gate logit (gated decision exits)
+    # decision exits: the exit rule's features [B, F], its linear score [B] (exit where >= 0) and the
+    # run of consecutive exit agreements [B] (softmax features) that the next decision exit reads
+    features: np.ndarray | None = None
+    score: np.ndarray | None = None
+    run: np.ndarray | None = None
 
 
 class Backend(abc.ABC):
@@ -88,6 +99,21 @@ class Backend(abc.ABC):
         self.sliding_window = spec.sliding_window
         self.segments = spec.segments
         self.cache: KVCache | None = None
+        # the exit rule's linear score per decision segment (features @ w + b); never exit by default
+        f = spec.num_features
+        self.rule_w = [np.zeros(f, np.float32) for _ in self.segments[:-1]]
+        self.rule_b = [np.full((), -1.0, np.float32) for _ in self.segments[:-1]]
+
+    def set_rule(self, forms: dict[int, tuple[np.ndarray, float]]) -> None:
+        """The exit rule as a linear score per decision exit layer: exit where features @ w + b >= 0."""
+        for i, layer in enumerate(self.exit_layers[:-1]):
+            w, b = forms[layer]
+            w = np.asarray(w, np.float32)
+            if w.shape != self.rule_w[i].shape:
+                raise ConfigError(f"exit rule for layer {layer} has {w.shape[0]} weights; this model's decision "
+                                  f"exits have {self.rule_w[i].shape[0]} features")
+            self.rule_w[i][...] = w  # in place: bound buffers see the new values
+            self.rule_b[i][()] = b
 
     def suffix_layers(self, i: int) -> list[int]:
         """0-based layers of segments i..last (what ``kvfill(i)`` writes K/V for)."""
@@ -106,11 +132,14 @@ class Backend(abc.ABC):
         self.cache = cache
         self._attached()
 
-    def segment(self, i: int, x: np.ndarray, slots: np.ndarray, start: np.ndarray) -> SegmentOut:
+    def segment(self, i: int, x: np.ndarray, slots: np.ndarray, start: np.ndarray,
+                prev: SegmentOut | None = None) -> SegmentOut:
         """Run segment i on new rows: token ids int64 [B, T] when i == 0, else the residual float32
         [B, T, D]; sequence b lives in cache slot ``slots[b]`` and has ``start[b]`` tokens cached, so its
         rows sit at positions start[b] .. start[b] + T - 1. Writes the rows' K/V into the cache; the
-        exit head runs on each sequence's last row."""
+        exit head runs on each sequence's last row. ``prev``: the previous decision exit's outputs for
+        these sequences (its token, run, gate and exit hidden feed this exit's features; None: zeros,
+        for calls whose decision does not matter)."""
         b, t = x.shape[:2]
         if t != 1 and b != 1:
             raise ConfigError(f"a segment call takes one row per sequence or one sequence, got B={b}, T={t}")
@@ -122,7 +151,7 @@ class Backend(abc.ABC):
             raise ConfigError(f"token ids outside the vocabulary [0, {self.vocab_size})")
         if int(start.max()) + t > self.cache.capacity:
             raise ConfigError(f"positions up to {int(start.max()) + t} exceed the cache capacity {self.cache.capacity}")
-        return self._segment(i, x, slots, start)
+        return self._segment(i, x, slots, start, prev)
 
     def head(self, i: int, exit_hidden: np.ndarray) -> HeadOut:
         """The LM head of gated decision exit i on normalised exit hidden rows [B, D]."""
@@ -141,7 +170,7 @@ class Backend(abc.ABC):
         """Hook: the cache was (re)attached."""
 
     @abc.abstractmethod
-    def _segment(self, i, x, slots, start) -> SegmentOut: ...
+    def _segment(self, i, x, slots, start, prev) -> SegmentOut: ...
 
     @abc.abstractmethod
     def _kvfill(self, i, hidden, slots, positions) -> None: ...
@@ -171,7 +200,7 @@ class TorchBackend(Backend):
         super().__init__(ModelSpec.of(model))
         self.model = model.eval()
 
-    def _segment(self, i, x, slots, start):
+    def _segment(self, i, x, slots, start, prev):
         import torch
 
         with torch.no_grad():
@@ -192,12 +221,37 @@ class TorchBackend(Backend):
                     c.values[j][slots[r], :, start[r]:start[r] + t] = v[r].numpy()
             layer = self.exit_layers[i]
             eh = self.model.exit_hidden(layer, h[:, -1])  # [B, D]
-            last = i == len(self.segments) - 1
-            if self.spec.gated and not last:
-                gate = self.model.exit_gate(layer, eh).numpy()
-                return SegmentOut(h.numpy(), eh.numpy(), None, None, None, gate)
-            head = self._head(i, eh.numpy())
-            return SegmentOut(None if last else h.numpy(), eh.numpy(), head.logits, head.stats, head.token)
+            if i == len(self.segments) - 1:
+                head = self._head(i, eh.numpy())
+                return SegmentOut(None, eh.numpy(), head.logits, head.stats, head.token)
+            if self.spec.gated:
+                out = SegmentOut(h.numpy(), eh.numpy(), None, None, None, self.model.exit_gate(layer, eh).numpy())
+            else:
+                head = self._head(i, eh.numpy())
+                out = SegmentOut(h.numpy(), eh.numpy(), head.logits, head.stats, head.token)
+            return self._decision(i, out, prev)
+
+    def _decision(self, i: int, out: SegmentOut, prev: SegmentOut | None) -> SegmentOut:
+        """The exit rule's features and score, as the fused graphs compute them (float32)."""
+        b = out.exit_hidden.shape[0]
+        zeros = np.zeros(b, np.float32)
+        first = i == 0
+        if prev is None:
+            prev = SegmentOut(None, np.zeros_like(out.exit_hidden), None, None, np.full(b, -1), zeros, run=zeros)
+        cos = zeros if first else _cosine32(out.exit_hidden, prev.exit_hidden)
+        if self.spec.gated:
+            g = 1.0 / (1.0 + np.exp(-out.gate))
+            pg = zeros if first else 1.0 / (1.0 + np.exp(-prev.gate))
+            feats = np.stack([g, pg, cos], axis=1).astype(np.float32)
+            run = None
+        else:
+            agree = zeros if first else (out.token == prev.token).astype(np.float32)
+            run = zeros if first else agree * (prev.run + 1)
+            m = np.float32(len(self.exit_layers))
+            feats = np.concatenate([out.stats, np.stack([agree, run / m, cos], axis=1)], axis=1).astype(np.float32)
+        out.features, out.run = feats, run
+        out.score = feats @ self.rule_w[i] + self.rule_b[i]
+        return out
 
     def _head(self, i, exit_hidden):
         import torch
@@ -220,6 +274,13 @@ class TorchBackend(Backend):
                 k, v = bb.layers[j].kv_only(h, cos, sin)  # [B, KV, 1, hd]
                 self.cache.keys[j][slots, :, positions] = k[:, :, 0].numpy()
                 self.cache.values[j][slots, :, positions] = v[:, :, 0].numpy()
+
+
+def _cosine32(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row cosine [B] in float32, 0 where either row is zero (the graphs' formula)."""
+    dot, norms = (a * b).sum(1), np.sqrt((a * a).sum(1) * (b * b).sum(1))
+    ok = norms > 0
+    return np.where(ok, np.clip(dot / np.where(ok, norms, 1), -1, 1), 0).astype(np.float32)
 
 
 BACKENDS: dict[str, Callable[..., Backend]] = {"torch": TorchBackend}

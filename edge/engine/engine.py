@@ -118,6 +118,13 @@ class Engine:
             raise ConfigError(f"engine.max_len {cfg.max_len} exceeds the model's {backend.spec.max_positions} positions")
         self.cache = KVCache(backend.num_layers, backend.num_kv_heads, backend.head_dim, cfg.max_seqs, cfg.max_len)
         backend.attach(self.cache)
+        # a rule that is a linear score of the exit's features is computed in the segment graphs, and
+        # the engine only reads its sign; any other rule is asked on the host (decide / decide_gated)
+        linear = getattr(self.rule, "linear", None)
+        self._score_in_graph = linear is not None
+        if linear is not None:
+            f = backend.spec.num_features
+            backend.set_rule({layer: linear(layer, f) for layer in backend.exit_layers[:-1]})
         self.waiting: list[_Seq] = []
         self.prefilling: list[_Seq] = []
         self.decoding: list[_Seq] = []
@@ -240,19 +247,22 @@ class Engine:
         deferred = self.cfg.kv_mode is KVMode.DEFER
         gated = backend.spec.gated
         gates: dict[int, np.ndarray] = {}  # [B] gate logits (gated exits)
+        prev = None  # the previous decision exit's outputs for the rows still running
         for i in range(nseg):
             if deferred and i > 0 and any(s.pending for s in act):
                 if len(act) == 1:  # one call: the deferred rows, then the new token (reads the weights once)
-                    out = self._with_deferred(i, act[0], x, slots, start)
+                    out = self._with_deferred(i, act[0], x, slots, start, prev)
                 else:
                     x = self._catch_up(i, act, x, slots, start)
-                    out = backend.segment(i, x, slots, start)
+                    out = backend.segment(i, x, slots, start, prev)
             else:
-                out = backend.segment(i, x, slots, start)
+                out = backend.segment(i, x, slots, start, prev)
             layer = self.backend.exit_layers[i]
             logits, tok = out.logits, out.token
             if i == nseg - 1:
                 stop = np.ones(len(act), bool)
+            elif self._score_in_graph:
+                stop = out.score >= 0.0
             elif gated:  # decide from the gates; the LM head runs for the rows that exit
                 gates[layer], hidden[layer] = out.gate, out.exit_hidden
                 stop = np.asarray(self.rule.decide_gated(layer, gates, hidden), bool)
@@ -278,22 +288,25 @@ class Engine:
                 act = [s for s, k in zip(act, keep) if k]
                 slots, start = slots[keep], start[keep]
                 x = out.hidden[keep]
+                prev = SegmentOut(None, out.exit_hidden[keep], None, None, _rows(out.token, keep),
+                                  _rows(out.gate, keep), run=_rows(out.run, keep))
                 for trace in (stats, tokens, hidden, gates):
                     for k in trace:
                         trace[k] = trace[k][keep]
             else:
-                x = out.hidden
+                x, prev = out.hidden, out
         decided.sort(key=lambda d: d[0].slot)
         return [self._emit(s, token, layer) for s, token, layer in decided]
 
-    def _with_deferred(self, i: int, s: _Seq, x: np.ndarray, slots: np.ndarray, start: np.ndarray) -> SegmentOut:
+    def _with_deferred(self, i: int, s: _Seq, x: np.ndarray, slots: np.ndarray, start: np.ndarray,
+                       prev: SegmentOut | None) -> SegmentOut:
         """Segment i for one sequence: its deferred rows that segment i must see (the newest ones, at the
         positions just before the new token's) and the new token, in one call of T rows."""
         rows = [p for p in s.pending if p.next_seg <= i]
         if not rows:
-            return self.backend.segment(i, x, slots, start)
+            return self.backend.segment(i, x, slots, start, prev)
         h = np.concatenate([np.stack([p.hidden for p in rows])[None], x], axis=1)  # [1, k + 1, D]
-        out = self.backend.segment(i, h, slots, start - len(rows))
+        out = self.backend.segment(i, h, slots, start - len(rows), prev)
         for q, p in enumerate(rows):
             p.next_seg = i + 1
             if out.hidden is not None:
@@ -301,7 +314,8 @@ class Engine:
         if i == len(self.backend.segments) - 1:
             s.pending = [p for p in s.pending if p.next_seg < i + 1]
         hidden = None if out.hidden is None else out.hidden[:, -1:]
-        return SegmentOut(hidden, out.exit_hidden, out.logits, out.stats, out.token, out.gate)
+        return SegmentOut(hidden, out.exit_hidden, out.logits, out.stats, out.token, out.gate, out.features,
+                          out.score, out.run)
 
     def _catch_up(self, i: int, act: list[_Seq], x: np.ndarray, slots: np.ndarray, start: np.ndarray) -> np.ndarray:
         """Deferred rows that segment i must see before the new tokens: run them first, oldest first,
@@ -356,6 +370,10 @@ class Engine:
             self.cache.release(seq.slot)
             seq.slot = -1
         seq.pending.clear()
+
+
+def _rows(a: np.ndarray | None, keep: np.ndarray) -> np.ndarray | None:
+    return None if a is None else a[keep]
 
 
 def generate_batch(backend: Backend, rule: BatchExitRule | None, prompts: list[list[int]], max_tokens: int,

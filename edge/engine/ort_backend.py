@@ -24,6 +24,7 @@ from edge.errors import ConfigError, require
 from edge.ortsession import open_session, pool_threads
 
 PREFERRED_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
+_PREV_FIELD = {"prev_exit_hidden": "exit_hidden", "prev_token": "token", "prev_run": "run", "prev_gate": "gate"}
 MAX_PLAN_ROWS = 8  # calls of up to this many rows per sequence keep their binding (a prompt chunk does not)
 
 
@@ -47,6 +48,7 @@ class _Plan:
     total: np.ndarray  # [] int32
     exit_index: np.ndarray  # [] int64
     out: SegmentOut
+    prev: dict[str, np.ndarray]  # the previous decision exit's outputs this graph reads, by input name
 
 
 class OrtBackend(Backend):
@@ -84,11 +86,13 @@ class OrtBackend(Backend):
         self.pool_threads = pool_threads()
         self.gathered_rows = 0  # past rows copied for batches over scattered slots
         self._plans: dict[tuple[int, int, int, int], _Plan] = {}
-        self._hidden_bufs: dict[tuple[int, int, int], np.ndarray] = {}
+        self._bufs: dict[tuple[str, int, int, int], np.ndarray] = {}
+        ov = ort.OrtValue.ortvalue_from_numpy
+        self._rule_values = [(ov(w), ov(b)) for w, b in zip(self.rule_w, self.rule_b)]  # bound once, updated in place
 
     def _attached(self) -> None:
         self._plans.clear()
-        self._hidden_bufs.clear()
+        self._bufs.clear()
         self._views: dict[tuple[int, int, int], tuple] = {}
 
     # ---------------------------------------------------------------- cache views
@@ -108,50 +112,68 @@ class OrtBackend(Backend):
             io.bind_ortvalue_output(f"present_value_{j}", v)
 
     # ---------------------------------------------------------------- plans
-    def _hidden_buf(self, i: int, s0: int, b: int) -> np.ndarray:
-        """The [B, 1, D] buffer between segment i-1 (output) and segment i (input)."""
-        key = (i, s0, b)
-        if key not in self._hidden_bufs:
-            self._hidden_bufs[key] = np.zeros((b, 1, self.spec.hidden_size), np.float32)
-        return self._hidden_bufs[key]
+    def _buf(self, name: str, i: int, s0: int | None, b: int, shape: tuple, dtype) -> np.ndarray:
+        """A buffer that segment i-1 writes and segment i reads, shared by their decode plans over the
+        same cache block (s0, b); a fresh array for any other call (s0 None)."""
+        if s0 is None:
+            return np.zeros(shape, dtype)
+        key = (name, i, s0, b)
+        if key not in self._bufs:
+            self._bufs[key] = np.zeros(shape, dtype)
+        return self._bufs[key]
 
     def _make_plan(self, i: int, s0: int | None, b: int, t: int, values: list[tuple] | None) -> _Plan:
+        """Bind segment i's graph to buffers for B = ``b`` sequences of ``t`` rows each. Decode plans
+        (s0 given, t == 1) chain through shared buffers: segment i's hidden, exit hidden, token, run and
+        gate outputs are the arrays segment i+1 reads, so a step over one cache block copies nothing."""
         sess = self._seg[i]
         io = sess.io_binding()
         ov = self.ort.OrtValue.ortvalue_from_numpy
-        d, v = self.spec.hidden_size, self.vocab_size
+        d, v, f32 = self.spec.hidden_size, self.vocab_size, np.float32
         last = i == len(self.segments) - 1
         gated = self.spec.gated and not last
-        decode = s0 is not None and t == 1  # consecutive segments share their hidden buffer
-        if i == 0:
-            x = np.zeros((b, t), np.int64)
-        else:
-            x = self._hidden_buf(i, s0, b) if decode else np.zeros((b, t, d), np.float32)
+        chain = s0 if t == 1 else None  # consecutive segments share their buffers
+        x = np.zeros((b, t), np.int64) if i == 0 else self._buf("hidden", i, chain, b, (b, t, d), f32)
         out = SegmentOut(
-            hidden=None if last else (self._hidden_buf(i + 1, s0, b) if decode else np.zeros((b, t, d), np.float32)),
-            exit_hidden=np.zeros((b, d), np.float32),
-            logits=None if gated else np.zeros((b, v), np.float32),
-            stats=None if gated else np.zeros((b, 3), np.float32),
-            token=None if gated else np.zeros(b, np.int64),
-            gate=np.zeros(b, np.float32) if gated else None)
-        plan = _Plan(io, x, np.zeros(b, np.int32), np.zeros((), np.int32), np.zeros((), np.int64), out)
+            hidden=None if last else self._buf("hidden", i + 1, chain, b, (b, t, d), f32),
+            exit_hidden=self._buf("exit_hidden", i + 1, chain, b, (b, d), f32),
+            logits=None if gated else np.zeros((b, v), f32),
+            stats=None if gated else np.zeros((b, 3), f32),
+            token=None if gated else self._buf("token", i + 1, chain, b, (b,), np.int64),
+            gate=self._buf("gate", i + 1, chain, b, (b,), f32) if gated else None)
+        prev = {}
+        if not last:  # a decision exit: the rule's features and score (exporters/ort_fused.py)
+            out.features = np.zeros((b, self.spec.num_features), f32)
+            out.score = np.zeros(b, f32)
+            if not self.spec.gated:
+                out.run = self._buf("run", i + 1, chain, b, (b,), f32)
+            if i > 0:
+                prev["prev_exit_hidden"] = self._buf("exit_hidden", i, chain, b, (b, d), f32)
+                prev.update({"prev_gate": self._buf("gate", i, chain, b, (b,), f32)} if self.spec.gated else
+                            {"prev_token": self._buf("token", i, chain, b, (b,), np.int64),
+                             "prev_run": self._buf("run", i, chain, b, (b,), f32)})
+        plan = _Plan(io, x, np.zeros(b, np.int32), np.zeros((), np.int32), np.zeros((), np.int64), out, prev)
         io.bind_ortvalue_input("input_ids" if i == 0 else "hidden", ov(x))
         io.bind_ortvalue_input("seqlens_k", ov(plan.seqlens))
         io.bind_ortvalue_input("total_len", ov(plan.total))
         io.bind_ortvalue_input("exit_index", ov(plan.exit_index))
-        outs = {"exit_hidden": out.exit_hidden}
-        outs.update({"exit_gate": out.gate} if gated else
-                    {"logits": out.logits, "exit_stats": out.stats, "exit_token": out.token})
-        if not last:
-            outs["hidden_out"] = out.hidden
+        for name, arr in prev.items():
+            io.bind_ortvalue_input(name, ov(arr))
+        outs = {"exit_hidden": out.exit_hidden, "hidden_out": out.hidden, "exit_gate": out.gate, "logits": out.logits,
+                "exit_stats": out.stats, "exit_token": out.token, "exit_features": out.features,
+                "exit_score": out.score, "exit_run": out.run}
         for name, arr in outs.items():
-            io.bind_ortvalue_output(name, ov(arr))
+            if arr is not None:
+                io.bind_ortvalue_output(name, ov(arr))
+        if not last:
+            io.bind_ortvalue_input("rule_w", self._rule_values[i][0])
+            io.bind_ortvalue_input("rule_b", self._rule_values[i][1])
         if values is not None:
             self._bind_cache(io, i, values)
         return plan
 
     # ---------------------------------------------------------------- calls
-    def _segment(self, i, x, slots, start):
+    def _segment(self, i, x, slots, start, prev):
         b, t = x.shape[:2]
         s0 = contiguous_start(slots)
         if s0 is not None and t <= MAX_PLAN_ROWS:  # decode steps, deferred rows with their new token
@@ -160,22 +182,28 @@ class OrtBackend(Backend):
             if plan is None:
                 values = [self._cache_values(j, s0, b) for j in self.segments[i]]
                 plan = self._plans[key] = self._make_plan(i, s0, b, t, values)
-            return self._run(i, plan, x, start, t)
+            return self._run(i, plan, x, start, t, prev)
         if s0 is not None:  # a prompt chunk: bind its cache slot, fresh buffers
             plan = self._make_plan(i, None, b, t, [self._cache_values(j, s0, b) for j in self.segments[i]])
-            return self._run(i, plan, x, start, t)
-        return self._gathered(i, x, slots, start)
+            return self._run(i, plan, x, start, t, prev)
+        return self._gathered(i, x, slots, start, prev)
 
-    def _run(self, i: int, plan: _Plan, x: np.ndarray, start: np.ndarray, t: int) -> SegmentOut:
+    def _run(self, i: int, plan: _Plan, x: np.ndarray, start: np.ndarray, t: int, prev: SegmentOut | None
+             ) -> SegmentOut:
         if x is not plan.x:
             np.copyto(plan.x, x)
+        if prev is not None and plan.prev:  # what the previous decision exit gave these rows
+            for name, arr in plan.prev.items():
+                src = getattr(prev, _PREV_FIELD[name])
+                if src is not arr:
+                    np.copyto(arr, src)
         np.add(start, t - 1, out=plan.seqlens, casting="unsafe")
         plan.total[()] = int(start.max()) + t
         plan.exit_index[()] = t - 1
         self._seg[i].run_with_iobinding(plan.io)
         return plan.out
 
-    def _gathered(self, i, x, slots, start):
+    def _gathered(self, i, x, slots, start, prev):
         """T == 1 over scattered slots: copy their past into scratch, run, write the new rows back."""
         b = len(slots)
         p = int(start.max()) + 1
@@ -190,7 +218,7 @@ class OrtBackend(Backend):
             scratch.append((k, v))
         self.gathered_rows += b * p * len(scratch)
         plan = self._make_plan(i, None, b, 1, [(ov(k), ov(v)) for k, v in scratch])
-        out = self._run(i, plan, x, start, 1)
+        out = self._run(i, plan, x, start, 1, prev)
         rows = np.arange(b)
         for j, (k, v) in zip(self.segments[i], scratch):
             c.keys[j][slots, :, start] = k[rows, :, start]

@@ -35,6 +35,9 @@ class ProfiledRule:
         self.inner = inner
         self.seconds = 0.0
 
+    def __getattr__(self, name):  # linear(), decide_gated(): the rule's own
+        return getattr(self.inner, name)
+
     def decide(self, layer, stats, tokens, hidden):
         t = time.perf_counter()
         out = self.inner.decide(layer, stats, tokens, hidden)

@@ -10,6 +10,12 @@ rule, so no softmax over the vocabulary runs on the host.
 With exit gates (``exits.gate_hidden`` > 0) the engine calls ``decide_gated(layer,
 gates, hidden)`` instead: the gates' logits [B] per exit reached, and the LM head
 runs only for the rows the rule lets exit.
+
+A rule that is a linear score of the exit's features (the columns of
+``calibration.signals.SIGNAL_NAMES``, or ``GATED_SIGNAL_NAMES`` with gates) says so
+with ``linear(layer, num_features) -> (w [F], b)``: exit where features @ w + b >= 0.
+The engine then has the segment graphs compute the score and only reads its sign,
+and never calls ``decide``.
 """
 from __future__ import annotations
 
@@ -23,12 +29,18 @@ ExitTrace = dict[int, np.ndarray]  # exit layer -> per-row array
 class BatchExitRule(Protocol):
     def decide(self, layer: int, stats: ExitTrace, tokens: ExitTrace, hidden: ExitTrace) -> np.ndarray: ...
 
+    # optional: the rule as a linear score of the exit features, computed in the segment graphs
+    def linear(self, layer: int, num_features: int) -> tuple[np.ndarray, float]: ...
+
     # models with exit gates (edge.exits.ExitGate): the gate logits [B] of every exit reached so far
     def decide_gated(self, layer: int, gates: ExitTrace, hidden: ExitTrace) -> np.ndarray: ...
 
 
 class NeverExit:
     """Full depth for every token (the engine's baseline)."""
+
+    def linear(self, layer, num_features):
+        return np.zeros(num_features), -1.0  # score -1 < 0: never
 
     def decide(self, layer, stats, tokens, hidden):
         return np.zeros(tokens[layer].shape[0], dtype=bool)
@@ -47,6 +59,12 @@ class ConfidenceRule:
 
     def decide(self, layer, stats, tokens, hidden):
         return stats[layer][:, 0] >= self.threshold
+
+    def linear(self, layer, num_features):
+        """top-1 probability (or, with gates, the gate probability: the first feature) >= threshold."""
+        w = np.zeros(num_features)
+        w[0] = 1.0
+        return w, -self.threshold
 
     def decide_gated(self, layer, gates, hidden):
         return gates[layer] >= self._logit
