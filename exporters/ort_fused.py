@@ -223,9 +223,7 @@ class _Builder:
         f = 3 if gated else 6
         w = self.input("rule_w", TensorProto.FLOAT, [f])
         bias = self.input("rule_b", TensorProto.FLOAT, [])
-        unsq = self.const("c.unsq1", [1])
-        col = lambda x, n: self.node("Unsqueeze", [x, unsq], [f"dc.{n}"])[0]  # noqa: E731  [B] -> [B, 1]
-        zero = self.weight("c.zero_f", np.zeros((), np.float32))
+        col = lambda x, n: self.node("Unsqueeze", [x, self.const("c.unsq1", [1])], [f"dc.{n}"])[0]  # noqa: E731
         if gated:
             g = self.node("Sigmoid", ["exit_gate"], ["dc.g"])[0]
             if first_decision:
@@ -238,15 +236,16 @@ class _Builder:
         else:
             if first_decision:
                 feats = self.node("Pad", ["exit_stats", self.const("c.pad3", [0, 0, 0, 3])], ["exit_features"])[0]
-                run = self.node("Mul", [self.node("ReduceSum", ["exit_stats", self.const("c.axis_last", [-1])],
-                                                  ["dc.any"], keepdims=0)[0], zero], ["exit_run"])[0]
+                zero = self.weight("c.zero_f", np.zeros((), np.float32))
+                self.node("Mul", [self.node("ReduceSum", ["exit_stats", self.const("c.axis_last", [-1])],
+                                            ["dc.any"], keepdims=0)[0], zero], ["exit_run"])
             else:
                 same = self.node("Equal", ["exit_token", self.input("prev_token", TensorProto.INT64, ["batch"])],
                                  ["dc.same"])[0]
                 agree = self.node("Cast", [same], ["dc.agree"], to=TensorProto.FLOAT)[0]
                 prev_run = self.input("prev_run", TensorProto.FLOAT, ["batch"])
                 run = self.node("Mul", [agree, self.node("Add", [prev_run, self.weight("c.one_f0", np.ones((), np.float32))],
-                                                         ["dc.run1"])[0]], ["exit_run"])[0]
+                                                         ["dc.run1"])[0]], ["exit_run"])[0]  # [B]
                 runm = self.node("Div", [run, self.weight("c.m_exits", np.array(len(self.model.exit_layers), np.float32))],
                                  ["dc.runm"])[0]
                 cos = self.cosine(eh, self.input("prev_exit_hidden", TensorProto.FLOAT, ["batch", d]))
