@@ -44,11 +44,20 @@ class EngineConfig:
     prefill_budget: int = 256  # prompt tokens per iteration
     max_running: int = 16  # admission limit (sequences holding a slot)
     kv_mode: KVMode = KVMode.PROPAGATE
+    # With deferral, rows exit only while the decode batch holds at most this many sequences (None: any
+    # batch). At batch 1 a sequence's deferred rows ride along with its next token in one call; at
+    # batch > 1 they need a pass of their own over every later segment (ONNX Runtime's CPU attention
+    # takes several rows with a past only at batch 1) and the rows still running sit in scattered
+    # cache slots, so exits cost more than they skip (measured: 0.47x full depth at batch 16). Above
+    # the limit every row runs to full depth: the K/V stays exact and no token exits falsely.
+    defer_exit_max_batch: int | None = 1
 
     def __post_init__(self) -> None:
         self.kv_mode = KVMode(self.kv_mode)
         if self.max_seqs < 1 or self.max_len < 2 or self.prefill_budget < 1 or self.max_running < 1:
             raise ConfigError("engine: max_seqs, prefill_budget, max_running >= 1 and max_len >= 2 are required")
+        if self.defer_exit_max_batch is not None and self.defer_exit_max_batch < 1:
+            raise ConfigError(f"engine.defer_exit_max_batch must be >= 1 or None, got {self.defer_exit_max_batch}")
 
 
 @dataclass
@@ -245,6 +254,8 @@ class Engine:
         hidden: dict[int, np.ndarray] = {}  # [B, D]
         decided: list[tuple[_Seq, int, int]] = []
         deferred = self.cfg.kv_mode is KVMode.DEFER
+        limit = self.cfg.defer_exit_max_batch
+        exits = not (deferred and limit is not None and len(seqs) > limit)
         gated = backend.spec.gated
         gates: dict[int, np.ndarray] = {}  # [B] gate logits (gated exits)
         prev = None  # the previous decision exit's outputs for the rows still running
@@ -261,6 +272,8 @@ class Engine:
             logits, tok = out.logits, out.token
             if i == nseg - 1:
                 stop = np.ones(len(act), bool)
+            elif not exits:
+                stop = np.zeros(len(act), bool)
             elif self._score_in_graph:
                 stop = out.score >= 0.0
             elif gated:  # decide from the gates; the LM head runs for the rows that exit
@@ -378,10 +391,12 @@ def _rows(a: np.ndarray | None, keep: np.ndarray) -> np.ndarray | None:
 
 def generate_batch(backend: Backend, rule: BatchExitRule | None, prompts: list[list[int]], max_tokens: int,
                    kv_mode: KVMode = KVMode.PROPAGATE) -> list[tuple[list[int], list[int]]]:
-    """Greedy-generate all prompts together; returns (tokens, exit layers) per prompt, in order."""
+    """Greedy-generate all prompts together; returns (tokens, exit layers) per prompt, in order. Rows
+    exit at any batch size (``defer_exit_max_batch=None``): with deferral each row's tokens are those
+    it would get alone, which is what free-running calibration and evaluation need."""
     cfg = EngineConfig(max_seqs=len(prompts), max_running=len(prompts),
                        max_len=max(len(p) for p in prompts) + max_tokens,
-                       prefill_budget=sum(len(p) for p in prompts), kv_mode=kv_mode)
+                       prefill_budget=sum(len(p) for p in prompts), kv_mode=kv_mode, defer_exit_max_batch=None)
     engine = Engine(backend, cfg, rule)
     ids = [engine.submit(Request(list(p), max_tokens)) for p in prompts]
     out: dict[int, tuple[list[int], list[int]]] = {i: ([], []) for i in ids}

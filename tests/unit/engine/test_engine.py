@@ -249,3 +249,25 @@ def test_sliding_window_model():
     p = _prompts(1, seed=7, lo=15, hi=16)[0]
     got = _run(Engine(TorchBackend(m), EngineConfig(max_len=128, prefill_budget=5)), [p])[0]
     assert [t for t, _ in got] == generate(m, p, 12).tokens
+
+
+@pytest.mark.parametrize("limit", [1, None])
+def test_deferral_exits_only_up_to_the_batch_limit(limit):
+    """With deferral rows exit only while the decode batch has at most ``defer_exit_max_batch`` sequences:
+    above it every row runs to full depth (exact K/V, the full model's tokens); at batch 1 they exit."""
+    m, prompts = _model(), _prompts(3, seed=21)
+    rule = ConfidenceRule(0.0)  # exit at the first exit whenever allowed
+    cfg = dict(max_len=128, kv_mode=KVMode.DEFER, defer_exit_max_batch=limit)
+    batched = _run(Engine(TorchBackend(m), EngineConfig(max_seqs=3, max_running=3, **cfg), rule), prompts)
+    full = [_run(Engine(TorchBackend(m), EngineConfig(max_seqs=1, max_len=128)), [p])[0] for p in prompts]
+    alone = [_run(Engine(TorchBackend(m), EngineConfig(max_seqs=1, **cfg), rule), [p])[0] for p in prompts]
+    first, last = m.exit_layers[0], m.exit_layers[-1]
+    assert all(e == first for seq in alone for _, e in seq[1:])  # batch 1: every decoded token exits
+    if limit is None:
+        assert batched == alone  # deferral is exact: a row's tokens do not depend on its batch
+    else:
+        # while all three sequences decode together nothing exits; the tokens are the full model's
+        assert all(e == last for seq in batched for _, e in seq)
+        assert batched == full
+    with pytest.raises(ConfigError, match="defer_exit_max_batch"):
+        EngineConfig(defer_exit_max_batch=0)
