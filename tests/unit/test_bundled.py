@@ -14,11 +14,20 @@ def test_bundled_ee_is_the_bundled_architecture_with_a_lineage():
     assert resolve_model("bundled-ee") == BUNDLED_EE_DIR
     lineage = read_lineage(BUNDLED_EE_DIR)
     assert lineage["base_model"] == "bundled" and lineage["backbone_finetuned"] is True
-    assert lineage["recipe"]["config"]["freeze_backbone"] is False
-    m = lineage["metrics"]
-    assert m["exit_agreement"]["3"] > 0.5 and abs(m["heldout_ppl"] - m["base_heldout_ppl"]) < 0.5
+    recipe, m = lineage["recipe"], lineage["metrics"]
+    assert recipe["config"]["freeze_backbone"] is False and recipe["method"] == "layerskip"
+    assert recipe["config"]["layerskip"]["enabled"] is True and len(recipe["layer_dropout_rates"]) == 12
+    # Issue 8: what ships passed the full-depth quality gate, computed from the numbers beside it.
+    assert m["quality_gate"] == quality_gate(m) and m["quality_gate"]["passed"]
+    assert set(m["exit_agreement"]) == set(m["base_exit_agreement"]) == {str(k) for k in range(1, 13)}
+    assert sum(m["oracle_exit_hist"].values()) == pytest.approx(1.0)
+    assert m["oracle_mean_exit_layer"] < m["base_oracle_mean_exit_layer"]  # the point of the training
     assert load_decoder(BUNDLED_EE_DIR).cfg == load_decoder(BUNDLED_DIR).cfg
     assert read_lineage(BUNDLED_DIR) == {}
+    card = (BUNDLED_EE_DIR / "MODEL_CARD.md").read_text()
+    assert f"{m['heldout_ppl']:.3f}" in card and f"{m['base_heldout_ppl']:.3f}" in card
+    for png in ("exit_losses.png", "exit_depth.png"):
+        assert 0 < (BUNDLED_EE_DIR / png).stat().st_size < 100_000
 
 
 def test_unknown_folder_and_bad_lineage(tmp_path):
