@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from calibration.signals import SIGNAL_NAMES
-from edge.errors import ConfigError
+from edge.core.errors import ConfigError
 
 TOP1_COLUMN = SIGNAL_NAMES.index("top1_prob")
 

@@ -36,7 +36,7 @@ from calibration.collect import Collected
 from calibration.pvalues import PValue, pvalues, upper_confidence_bound
 from calibration.risk import NEVER_EXIT, Walk, learn_then_test
 from calibration.signals import exit_targets
-from edge.errors import ConfigError
+from edge.core.errors import ConfigError
 
 # The provisional threshold is the median over PROVISIONAL_RESAMPLES bootstrap resamples (to the certify
 # sample size) of the walk's choice on the cross-fitted fit units. No further margin: calibrators fitted

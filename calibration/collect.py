@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from calibration.signals import GATED_SIGNAL_NAMES, exit_signals, gated_signals_all_exits, signals_all_exits
-from edge.errors import ConfigError
-from edge.exits import MultiExitModel, exit_decision_stats
+from edge.core.errors import ConfigError
+from edge.model.exits import MultiExitModel, exit_decision_stats
 
 
 @dataclass
@@ -71,7 +71,7 @@ def collect_units(model: MultiExitModel, seqs: np.ndarray, first: int, batch: in
     """Teacher-forced signals of the continuation of every sequence: unit u is row u of ``seqs``.
 
     The signals are computed as the engine computes them: softmax statistics in float32 by
-    :func:`edge.exits.exit_decision_stats` (what the segment graphs output), then
+    :func:`edge.model.exits.exit_decision_stats` (what the segment graphs output), then
     :func:`calibration.signals.signals_from_stats`, so a calibrator is fitted on exactly the
     features :class:`calibration.table.TableRule` sees at run time. A model with exit gates gets
     :data:`calibration.signals.GATED_SIGNAL_NAMES` instead (what the engine decides from there).

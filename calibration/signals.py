@@ -15,7 +15,7 @@ feature matrix [N, F] per exit with the columns :data:`SIGNAL_NAMES`:
 - ``cos_prev``: cosine similarity of this exit's hidden state with the
   previous exit's (CALM's "hidden-state saturation").
 
-A model with exit gates (:class:`edge.exits.ExitGate`, a small MLP per
+A model with exit gates (:class:`edge.model.exits.ExitGate`, a small MLP per
 decision exit that predicts agreement with the last layer) is decided from the
 gates alone: the engine runs the LM head only for the rows that exit, so no
 softmax statistic or argmax exists at decision time. Its signals are
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge.errors import ConfigError
+from edge.core.errors import ConfigError
 
 SIGNAL_NAMES: tuple[str, ...] = ("top1_prob", "margin", "entropy", "agree_prev", "agree_run", "cos_prev")
 GATED_SIGNAL_NAMES: tuple[str, ...] = ("gate_prob", "gate_prob_prev", "cos_prev")
@@ -213,7 +213,7 @@ def signals_from_stats(stats: dict[int, np.ndarray], tokens: dict[int, np.ndarra
 
     Args:
         stats: exit layer -> [N, 3] (top-1 probability, margin, entropy), as computed in the graph by
-            :func:`edge.exits.exit_decision_stats`; only the deepest exit's row is read.
+            :func:`edge.model.exits.exit_decision_stats`; only the deepest exit's row is read.
         tokens: exit layer -> argmax [N] of every exit reached so far.
         hidden: exit layer -> normalised hidden [N, D]; the deepest two are read.
         num_exits: the model's number of exits m.

@@ -25,8 +25,8 @@ import torch
 from calibration.calibrators import Calibrator
 from calibration.signals import (GATED_SIGNAL_NAMES, SIGNAL_NAMES, _cosine, _sigmoid, gated_signals, last_exit_signals,
                                  signals_from_stats)
-from edge.artifacts import atomic_write_json, sha256_path
-from edge.errors import ArtifactError, ConfigError
+from edge.core.artifacts import atomic_write_json, sha256_path
+from edge.core.errors import ArtifactError, ConfigError
 
 TABLE_VERSION = 2
 
@@ -125,7 +125,7 @@ class TableRule:
     table's threshold (equivalent to calibrated probability >= lambda). A table calibrated on a model
     with exit gates (signals :data:`calibration.signals.GATED_SIGNAL_NAMES`) decides in
     :meth:`decide_gated`, which the engine calls for such models; one calibrated on softmax signals in
-    :meth:`decide` (and :meth:`__call__` for :func:`edge.generate.generate`).
+    :meth:`decide` (and :meth:`__call__` for :func:`edge.model.reference.generate`).
     """
 
     def __init__(self, table: ThresholdTable) -> None:
@@ -170,7 +170,7 @@ class TableRule:
 
     def decide(self, layer: int, stats: dict[int, np.ndarray], tokens: dict[int, np.ndarray],
                hidden: dict[int, np.ndarray]) -> np.ndarray:
-        """Batched form for the engine (:mod:`edge.engine.rules`): bool [B].
+        """Batched form for the engine (:mod:`edge.runtime.rules`): bool [B].
 
         The calibrator's score is linear in the signals: one dot product per token, no
         standardisation or validation pass (this runs at every exit of every decode step).

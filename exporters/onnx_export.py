@@ -19,7 +19,7 @@ dim, V vocabulary; B, T, P and S are dynamic axes):
     in:  ``hidden`` float32 [B, T, D] (residual stream before the segment's first layer),
          ``positions`` int64 [B, T],
          ``attn_mask`` float32 [B, 1, T, S] (additive, 0 or a large negative; build it with
-         :func:`edge.model.attention_mask` over the past slots then the new tokens),
+         :func:`edge.model.decoder.attention_mask` over the past slots then the new tokens),
          ``past_key_{j}``, ``past_value_{j}`` float32 [B, KV, P, hd] per layer j (P may be 0),
          ``exit_index`` int64 [B] (the row of each sequence whose exit head is computed: its
          newest token; a prefill chunk or deferred rows need no head for the other rows)
@@ -29,14 +29,14 @@ dim, V vocabulary; B, T, P and S are dynamic axes):
          ``logits`` [B, 1, V] (exit logits there),
          ``exit_stats`` [B, 1, 3] (softmax top-1 probability, top-1 minus top-2, entropy) and
          ``exit_token`` int64 [B, 1] (argmax): what the exit rule reads, so the engine never
-         runs a softmax over V on the host (:func:`edge.exits.exit_decision_stats`),
+         runs a softmax over V on the host (:func:`edge.model.exits.exit_decision_stats`),
          ``present_key_{j}``, ``present_value_{j}`` [B, KV, T, hd] per layer j (new tokens only;
          the caller writes them into its cache)
 ``kvfill_{i}.onnx`` (every segment but the first; it covers the layers of segments i..last)
     in:  ``hidden`` [B, T, D] (raw residual stream at exit i-1, *before* its head),
          ``positions`` int64 [B, T]
     out: ``present_key_{j}``, ``present_value_{j}`` [B, KV, T, hd] per layer j of segment i
-         (:meth:`edge.model.DecoderLayer.kv_only`)
+         (:meth:`edge.model.decoder.DecoderLayer.kv_only`)
 
 RoPE cos / sin are computed inside each graph from ``positions``; attention,
 RoPE and RMSNorm stay decomposed (no ``com.microsoft`` ops) so TensorRT's
@@ -60,10 +60,10 @@ import torch.nn.functional as F
 from onnx import external_data_helper as edh
 from torch import nn
 
-from edge.artifacts import atomic_dir, atomic_write_json, sha256_file
-from edge.errors import ArtifactError, ConfigError
-from edge.exits import MultiExitModel, exit_decision_stats
-from edge.model import rope_cos_sin
+from edge.core.artifacts import atomic_dir, atomic_write_json, sha256_file
+from edge.core.errors import ArtifactError, ConfigError
+from edge.model.exits import MultiExitModel, exit_decision_stats
+from edge.model.decoder import rope_cos_sin
 from exporters.ort_fused import build_fused, fused_supported, save_fused
 
 GRAPHS_JSON = "graphs.json"
@@ -268,10 +268,10 @@ def slim_graphs(paths: list[Path]) -> None:
 
     Runs in a process of its own: onnxslim folds constants with ONNX Runtime sessions of default
     options, which ONNX Runtime refuses once this process made its shared thread pool
-    (edge/ortsession.py), and folding would silently do less."""
+    (edge/runtime/ortsession.py), and folding would silently do less."""
     if not paths:
         return
-    from edge.device import run_command
+    from edge.core.device import run_command
 
     out = run_command([sys.executable, "-m", "exporters.onnx_export", "--slim", *map(str, paths)], timeout=3600)
     if out.returncode != 0:

@@ -52,8 +52,8 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from edge.errors import ConfigError
-from edge.exits import MultiExitModel
+from edge.core.errors import ConfigError
+from edge.model.exits import MultiExitModel
 
 MS = "com.microsoft"
 FUSED_OPSET = 17
@@ -182,7 +182,7 @@ class _Builder:
         self.output("exit_token", TensorProto.INT64, ["batch"])
 
     def gate(self, layer: int, eh: str) -> None:
-        """``exit_gate`` [B]: the exit's gate logit (:class:`edge.exits.ExitGate`)."""
+        """``exit_gate`` [B]: the exit's gate logit (:class:`edge.model.exits.ExitGate`)."""
         g = self.model.heads[str(layer)].gate
         a = self.linear(eh, g.fc1, f"e{layer}.gate1")
         a = self.node("QuickGelu", [a], [f"e{layer}.gsilu"], domain=MS, alpha=1.0)[0]  # SiLU
@@ -258,7 +258,7 @@ class _Builder:
 
     def decision_stats(self, logits: str) -> None:
         """exit_stats [B, 3] (top-1 probability, top-1 minus top-2, entropy) and exit_token [B]:
-        :func:`edge.exits.exit_decision_stats` (same formulas), from one TopK and one exp pass."""
+        :func:`edge.model.exits.exit_decision_stats` (same formulas), from one TopK and one exp pass."""
         k2 = self.const("c.k2", [2])
         axis = self.const("c.axis_last", [-1])
         vals, idx = self.node("TopK", [logits, k2], ["st.top", "st.idx"], axis=-1, largest=1, sorted=1)

@@ -20,10 +20,10 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from edge.errors import ArtifactError, ConfigError
-from edge.ortsession import session_options
-from edge.exits import MultiExitModel, exit_decision_stats
-from edge.model import attention_mask
+from edge.core.errors import ArtifactError, ConfigError
+from edge.runtime.ortsession import session_options
+from edge.model.exits import MultiExitModel, exit_decision_stats
+from edge.model.decoder import attention_mask
 from exporters.onnx_export import load_graphs_json, segment_layers
 
 # fp32 on CPU: ORT and torch do the same math with different kernels and summation order;
@@ -246,8 +246,8 @@ def check_fused_parity(model: MultiExitModel, graphs_dir: str | Path, prompts: l
     that graph's own. An output passes when max |ort - torch| <= rtol * max |torch| (relative to the
     output's scale: FUSED_RTOL says why), and every exit argmax agrees.
     """
-    from edge.engine.backend import TorchBackend, make_backend
-    from edge.engine.cache import KVCache
+    from edge.runtime.backend import TorchBackend, make_backend
+    from edge.runtime.cache import KVCache
 
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ConfigError("check_fused_parity needs at least one prompt, each with at least one token")

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from edge.artifacts import Manifest, atomic_path, atomic_write_json, atomic_write_text, sha256_file, sha256_path
-from edge.errors import ArtifactError, ConfigError, MissingExtraError, SmartExitError, require
+from edge.core.artifacts import Manifest, atomic_path, atomic_write_json, atomic_write_text, sha256_file, sha256_path
+from edge.core.errors import ArtifactError, ConfigError, MissingExtraError, SmartExitError, require
 from exporters.onnx_export import load_graphs_json, verify_graphs
 
 STAGE = "engines"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from edge.model import attention_mask
+from edge.model.decoder import attention_mask
 from exporters.onnx_export import ExportConfig, export_onnx
 from exporters.tensorrt import ENGINES_JSON, EngineBuildConfig, TrtRunner, build_engines
 from tests.unit.exporters.test_onnx_export import CKPT, make_model, session
@@ -97,7 +97,7 @@ def test_segment_matches_onnxruntime(engines, graphs, batch, seq, past):
 
 
 def test_shape_outside_profile_is_refused(engines):
-    from edge.errors import ConfigError
+    from edge.core.errors import ConfigError
 
     _, out = engines
     with pytest.raises(ConfigError, match="outside the engine's profile"):

@@ -6,12 +6,12 @@ import json
 import pytest
 import torch
 
-from edge.bundled import BUNDLED_DIR, resolve_model
-from edge.checkpoint import load_decoder
-from edge.cli import main as cli
-from edge.data import Split, load_split
-from edge.tokenizer import encode_documents, load_tokenizer
-from edge.train_tiny import evaluate
+from edge.model.bundled import BUNDLED_DIR, resolve_model
+from edge.model.checkpoint import load_decoder
+from edge.pipeline.cli import main as cli
+from edge.core.data import Split, load_split
+from edge.model.tokenizer import encode_documents, load_tokenizer
+from edge.training.train_tiny import evaluate
 
 pytestmark = pytest.mark.integration
 

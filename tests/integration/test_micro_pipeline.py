@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from edge.cli import main as cli
+from edge.pipeline.cli import main as cli
 
 pytestmark = pytest.mark.integration
 

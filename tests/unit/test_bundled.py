@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from edge.bundled import BUNDLED_DIR, BUNDLED_EE_DIR, quality_gate, read_lineage, resolve_model
-from edge.checkpoint import load_decoder
-from edge.errors import CheckpointError
+from edge.model.bundled import BUNDLED_DIR, BUNDLED_EE_DIR, quality_gate, read_lineage, resolve_model
+from edge.model.checkpoint import load_decoder
+from edge.core.errors import CheckpointError
 
 
 def test_bundled_ee_is_the_bundled_architecture_with_a_lineage():
@@ -40,8 +40,8 @@ def test_quality_gate_is_relative_and_one_sided():
 
 
 def test_make_ee_from_a_layerskip_run_writes_lineage_card_and_plots(micro_run, tmp_path):
-    from edge.bundled import make_bundled_ee
-    from edge.cli import main as cli
+    from edge.model.bundled import make_bundled_ee
+    from edge.pipeline.cli import main as cli
 
     base = micro_run.parent / "model"  # 4 layers, random weights, own tokenizer
     run = tmp_path / "ls"

@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 import torch
 
-from edge.artifacts import atomic_dir
-from edge.config import preset
-from edge.distill import DistillConfig, distill_loss, train_exits
-from edge.errors import CheckpointError, ConfigError, SmartExitError
-from edge.exits import ExitConfig, MultiExitModel, load_multi_exit, save_multi_exit
-from edge.generate import _decode_step, confidence_rule, generate
-from edge.model import Decoder
+from edge.core.artifacts import atomic_dir
+from edge.model.config import preset
+from edge.training.distill import DistillConfig, distill_loss, train_exits
+from edge.core.errors import CheckpointError, ConfigError, SmartExitError
+from edge.model.exits import ExitConfig, MultiExitModel, load_multi_exit, save_multi_exit
+from edge.model.reference import _decode_step, confidence_rule, generate
+from edge.model.decoder import Decoder
 
 
 def _model(seed=0, layers=(1, 2, 3, 4), rank=4) -> MultiExitModel:

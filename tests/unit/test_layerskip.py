@@ -5,15 +5,15 @@ import numpy as np
 import pytest
 import torch
 
-import edge.layerskip as ls
-from edge.config import preset
-from edge.distill import DistillConfig, distill_loss, exit_metrics
-from edge.errors import ConfigError
-from edge.exits import ExitConfig, MultiExitModel
-from edge.layerskip import (Curriculum, ExitWeighting, LayerSkipConfig, active_exits, early_exit_loss, exit_weights,
+import edge.training.layerskip as ls
+from edge.model.config import preset
+from edge.training.distill import DistillConfig, distill_loss, exit_metrics
+from edge.core.errors import ConfigError
+from edge.model.exits import ExitConfig, MultiExitModel
+from edge.training.layerskip import (Curriculum, ExitWeighting, LayerSkipConfig, active_exits, early_exit_loss, exit_weights,
                             forward_with_layer_dropout, keep_masks, layer_dropout_rates, train_layerskip)
-from edge.losses import distill_loss_to, teacher_targets
-from edge.model import Decoder
+from edge.training.losses import distill_loss_to, teacher_targets
+from edge.model.decoder import Decoder
 
 
 def _decoder(seed=0) -> Decoder:
@@ -76,7 +76,7 @@ def test_exit_weights():
 
 def test_no_dropout_all_exits_loss_is_the_distill_loss_sum():
     """p_max=0, every exit on, uniform weights at scale 1: the multi-exit distillation loss of
-    edge.distill (rank-0 heads = the final norm) over every exit, summed."""
+    edge.training.distill (rank-0 heads = the final norm) over every exit, summed."""
     torch.manual_seed(0)
     student, teacher = _decoder(0).train(), _decoder(1).eval()
     ids = torch.randint(0, 256, (3, 16))

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge.checkpoint import load_decoder
-from edge.exits import ExitConfig, MultiExitModel
-from edge.generate import generate
+from edge.model.checkpoint import load_decoder
+from edge.model.exits import ExitConfig, MultiExitModel
+from edge.model.reference import generate
 from tests.conftest import make_hf_checkpoint
 
 # fp32 on CPU: both implementations do the same math in a different order.

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from edge.bench.decode import DecodeBenchConfig, RunResult, applicable, paired_ratio, summarise
-from edge.errors import ConfigError
+from edge.pipeline.bench.decode import DecodeBenchConfig, RunResult, applicable, paired_ratio, summarise
+from edge.core.errors import ConfigError
 
 
 def _r(seconds, lat=(0.01, 0.02), layers=None):
@@ -37,7 +37,7 @@ def test_config_validation():
 
 
 def test_goals_say_whether_met_and_by_how_much():
-    from edge.bench.summary import goals
+    from edge.pipeline.bench.summary import goals
 
     g = goals({"speedup_exit_vs_full_b1": 0.75, "speedup_exit_vs_full_b16": 1.4, "speedup_exit_vs_hf_b1": None,
                "false_exit_rate": 0.012, "segment_call_overhead": 1.02, "peak_rss_exit_vs_full": 1.0})
@@ -50,8 +50,8 @@ def test_goals_say_whether_met_and_by_how_much():
 
 
 def test_layers_computed_counts_recomputation():
-    from edge.bench.decode import layers_computed
-    from edge.engine.engine import KVMode
+    from edge.pipeline.bench.decode import layers_computed
+    from edge.runtime.engine import KVMode
 
     exits = [3, 12, 9, 12]
     assert layers_computed(exits, 12, KVMode.DEFER, 0.1) == pytest.approx(12.0)  # every skipped layer runs later
@@ -60,7 +60,7 @@ def test_layers_computed_counts_recomputation():
 
 
 def test_segment_split_covers_all_layers():
-    from edge.bench.segments import split_layers
+    from edge.pipeline.bench.segments import split_layers
 
     assert split_layers(12, 4) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
     assert sum(split_layers(10, 3), []) == list(range(10))

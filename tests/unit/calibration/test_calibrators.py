@@ -16,7 +16,7 @@ from calibration.calibrators import (
 )
 from calibration.plots import reliability_diagram
 from calibration.signals import SIGNAL_NAMES
-from edge.errors import ConfigError
+from edge.core.errors import ConfigError
 
 F = len(SIGNAL_NAMES)
 

@@ -12,7 +12,7 @@ from calibration.cascade import cascade, cascade_risk, false_exit_counts, unit_f
 from calibration.plots import exit_depth_histogram
 from calibration.pvalues import PValue
 from calibration.risk import NEVER_EXIT, default_grid, learn_then_test
-from edge.errors import ConfigError
+from edge.core.errors import ConfigError
 
 # ------------------------------------------------------------------- cascade
 PROBS = {1: np.array([0.9, 0.2, 0.6, 0.1]), 2: np.array([0.95, 0.8, 0.3, 0.2])}

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from calibration.signals import SIGNAL_NAMES, argmaxes, exit_signals, exit_targets
-from edge.errors import ConfigError
+from edge.core.errors import ConfigError
 
 COL = {name: i for i, name in enumerate(SIGNAL_NAMES)}
 
@@ -163,7 +163,7 @@ def test_signals_from_graph_stats_equal_signals_from_logits():
     import torch
 
     from calibration.signals import last_exit_signals, signals_from_stats
-    from edge.exits import exit_decision_stats
+    from edge.model.exits import exit_decision_stats
 
     rng = np.random.default_rng(11)
     layers = [3, 6, 9, 12]

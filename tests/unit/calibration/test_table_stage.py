@@ -13,10 +13,10 @@ from calibration.collect import collect
 from calibration.cascade import cascade
 from calibration.signals import exit_targets
 from calibration.table import TableRule, ThresholdTable, load_table
-from edge.artifacts import sha256_path
-from edge.cli import main as cli
-from edge.errors import ArtifactError, CheckpointError, ConfigError
-from edge.exits import exit_decision_stats, load_multi_exit
+from edge.core.artifacts import sha256_path
+from edge.pipeline.cli import main as cli
+from edge.core.errors import ArtifactError, CheckpointError, ConfigError
+from edge.model.exits import exit_decision_stats, load_multi_exit
 
 
 @pytest.mark.parametrize("kind", list(CalibratorKind))
@@ -183,7 +183,7 @@ def test_calibrate_names_the_minimum_data(micro_run, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_calibrate_on_a_users_folder_evaluates_on_its_held_out_part(micro_run, tmp_path):
-    from edge.data import Split, load_split
+    from edge.core.data import Split, load_split
 
     folder = tmp_path / "mine"
     for d in load_split(Split.TEST):
@@ -230,7 +230,7 @@ def test_finetuned_backbone_is_measured_against_its_base_model(micro_run, tmp_pa
 def test_lineage_of_a_finetuned_model_carries_to_frozen_distillation(micro_run, tmp_path):
     """A model folder made by `make-ee` (decoder fine-tuned, lineage.json) distilled with the decoder
     frozen still reports against the model it came from."""
-    from edge.bundled import make_bundled_ee, read_lineage
+    from edge.model.bundled import make_bundled_ee, read_lineage
 
     base = micro_run.parent / "model"
     ft = tmp_path / "ft"

@@ -5,15 +5,15 @@ import numpy as np
 import pytest
 import torch
 
-from edge.config import ModelConfig
-from edge.engine.backend import TorchBackend, build_mask, make_backend
-from edge.engine.engine import Engine, EngineConfig, KVMode, Request
-from edge.engine.rules import ConfidenceRule
-from edge.engine.sampling import choose_token
-from edge.errors import ConfigError, SmartExitError
-from edge.exits import ExitConfig, MultiExitModel, exit_decision_stats
-from edge.generate import generate
-from edge.model import Decoder, attention_mask
+from edge.model.config import ModelConfig
+from edge.runtime.backend import TorchBackend, build_mask, make_backend
+from edge.runtime.engine import Engine, EngineConfig, KVMode, Request
+from edge.runtime.rules import ConfidenceRule
+from edge.runtime.sampling import choose_token
+from edge.core.errors import ConfigError, SmartExitError
+from edge.model.exits import ExitConfig, MultiExitModel, exit_decision_stats
+from edge.model.reference import generate
+from edge.model.decoder import Decoder, attention_mask
 from tests.tolerance import assert_f32_close
 
 CFG = ModelConfig(vocab_size=300, hidden_size=64, num_layers=6, num_heads=4, num_kv_heads=2,
@@ -234,7 +234,7 @@ def test_max_len_beyond_model_positions_refused():
 
 
 def test_slots_are_handed_out_lowest_first():
-    from edge.engine.cache import KVCache, contiguous_start
+    from edge.runtime.cache import KVCache, contiguous_start
 
     c = KVCache(1, 1, 2, 4, 8)
     assert [c.alloc() for _ in range(3)] == [0, 1, 2]

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from edge.artifacts import atomic_dir, sha256_path
-from edge.engine.backend import TorchBackend, make_backend
-from edge.engine.engine import Engine, EngineConfig, KVMode
-from edge.engine.ort_backend import pick_providers
-from edge.engine.rules import ConfidenceRule
-from edge.errors import ArtifactError, ConfigError
-from edge.exits import save_multi_exit
+from edge.core.artifacts import atomic_dir, sha256_path
+from edge.runtime.backend import TorchBackend, make_backend
+from edge.runtime.engine import Engine, EngineConfig, KVMode
+from edge.runtime.ort_backend import pick_providers
+from edge.runtime.rules import ConfidenceRule
+from edge.core.errors import ArtifactError, ConfigError
+from edge.model.exits import save_multi_exit
 from exporters.onnx_export import ExportConfig, export_onnx
-from edge.engine.rules import NeverExit
+from edge.runtime.rules import NeverExit
 from tests.tolerance import assert_f32_close
 from tests.unit.engine.test_engine import CFG, _model, _prompts, _run
 
@@ -94,7 +94,7 @@ def test_optimised_graphs_are_cached_and_rechecked(exported, tmp_path):
 
     import onnxruntime as ort
 
-    from edge.ortsession import CACHE_DIR, open_session
+    from edge.runtime.ortsession import CACHE_DIR, open_session
 
     m, ckpt, graphs = exported
     src = tmp_path / "g"

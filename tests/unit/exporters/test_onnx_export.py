@@ -12,11 +12,11 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from edge.config import Arch, ModelConfig
-from edge.errors import ArtifactError, ConfigError
-from edge.exits import ExitConfig, MultiExitModel, exit_decision_stats
-from edge.model import Decoder, attention_mask
-from edge.ortsession import session_options
+from edge.model.config import Arch, ModelConfig
+from edge.core.errors import ArtifactError, ConfigError
+from edge.model.exits import ExitConfig, MultiExitModel, exit_decision_stats
+from edge.model.decoder import Decoder, attention_mask
+from edge.runtime.ortsession import session_options
 from exporters import onnx_export
 from exporters.onnx_export import FUSED_DIR, GRAPHS_JSON, ExportConfig, export_onnx, verify_graphs
 from exporters.parity import PARITY_ATOL, ParityReport, check_fused_parity, check_parity, require_parity

@@ -14,8 +14,8 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from edge.artifacts import Manifest, sha256_path
-from edge.errors import ArtifactError, ConfigError, MissingExtraError
+from edge.core.artifacts import Manifest, sha256_path
+from edge.core.errors import ArtifactError, ConfigError, MissingExtraError
 from exporters import tensorrt as trt_export
 from exporters.onnx_export import ExportConfig, export_onnx, load_graphs_json
 from exporters.tensorrt import (COMMANDS_JSON, SCRIPT, EngineBuildConfig, EnginesConfig, NoCudaDeviceError,
