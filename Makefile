@@ -68,7 +68,7 @@ train-tiny: $(STAMP)
 
 train-tiny-ee: $(STAMP)
 	$(SE) distill --config configs/tiny_ee.yaml run_dir=runs/tiny-ee
-	$(BIN)/python -m edge.model.bundled make-ee runs/tiny-ee
+	$(BIN)/python -m edge.training.bundle_ee make-ee runs/tiny-ee
 
 # ---- llama.cpp peer of the decode benchmark (system f): built from source, never part of demo or test ----
 LLAMACPP_SRC := $(VENV)/llamacpp-src

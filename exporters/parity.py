@@ -24,7 +24,8 @@ from edge.core.errors import ArtifactError, ConfigError
 from edge.runtime.ortsession import session_options
 from edge.model.exits import MultiExitModel, exit_decision_stats
 from edge.model.decoder import attention_mask
-from exporters.onnx_export import load_graphs_json, segment_layers
+from edge.runtime.graphs import load_graphs_json
+from exporters.onnx_export import segment_layers
 
 # fp32 on CPU: ORT and torch do the same math with different kernels and summation order;
 # observed max abs diffs are ~1e-6 (hidden) to ~1e-5 (logits of a random model). atol 1e-4
@@ -246,7 +247,8 @@ def check_fused_parity(model: MultiExitModel, graphs_dir: str | Path, prompts: l
     that graph's own. An output passes when max |ort - torch| <= rtol * max |torch| (relative to the
     output's scale: FUSED_RTOL says why), and every exit argmax agrees.
     """
-    from edge.runtime.backend import TorchBackend, make_backend
+    from edge.runtime.backend import make_backend
+    from edge.runtime.torch_backend import TorchBackend
     from edge.runtime.cache import KVCache
 
     if not prompts or any(len(p) == 0 for p in prompts):

@@ -33,7 +33,7 @@ import onnx
 
 from edge.core.artifacts import Manifest, atomic_path, atomic_write_json, atomic_write_text, sha256_file, sha256_path
 from edge.core.errors import ArtifactError, ConfigError, MissingExtraError, SmartExitError, require
-from exporters.onnx_export import load_graphs_json, verify_graphs
+from edge.runtime.graphs import load_graphs_json, verify_graphs
 
 STAGE = "engines"
 ENGINES_JSON = "engines.json"

@@ -1,1 +1,1 @@
-"""Layer 4: the stages a user runs (generate, calibrate, export, bench, report) and the command line."""
+"""Layer 5: the stages a user runs (generate, calibrate, export, bench, report) and the command line."""

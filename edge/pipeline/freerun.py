@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from calibration.collect import Collected, collect_units
-from edge.runtime.backend import TorchBackend
+from edge.runtime.torch_backend import TorchBackend
 from edge.runtime.engine import KVMode, generate_batch
 from edge.core.errors import ConfigError
 from edge.model.exits import MultiExitModel

@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -191,116 +191,28 @@ def build_mask(q_pos: np.ndarray, past_len: np.ndarray, P: int, window: int | No
     return np.where(allowed, 0.0, NEG).astype(np.float32)[:, None]
 
 
-class TorchBackend(Backend):
-    """The reference: the PyTorch modules themselves, on copies of the cached past."""
-
-    name = "torch"
-
-    def __init__(self, model) -> None:
-        super().__init__(ModelSpec.of(model))
-        self.model = model.eval()
-
-    def _segment(self, i, x, slots, start, prev):
-        import torch
-
-        with torch.no_grad():
-            bb = self.model.backbone
-            b, t = x.shape[:2]
-            positions = start[:, None] + np.arange(t)[None, :]  # [B, T]
-            cos, sin = bb.rope(torch.from_numpy(positions))
-            h = bb.embed(torch.from_numpy(x)) if i == 0 else torch.from_numpy(np.ascontiguousarray(x, np.float32))
-            p = int(start.max())
-            mask = torch.from_numpy(build_mask(positions, start, p, self.sliding_window))
-            c = self.cache
-            for j in self.segments[i]:
-                pk = torch.from_numpy(c.keys[j][slots, :, :p])  # [B, KV, P, hd] (a copy: the reference)
-                pv = torch.from_numpy(c.values[j][slots, :, :p])
-                h, k, v = bb.layers[j](h, cos, sin, pk, pv, mask)
-                for r in range(b):
-                    c.keys[j][slots[r], :, start[r]:start[r] + t] = k[r].numpy()
-                    c.values[j][slots[r], :, start[r]:start[r] + t] = v[r].numpy()
-            layer = self.exit_layers[i]
-            eh = self.model.exit_hidden(layer, h[:, -1])  # [B, D]
-            if i == len(self.segments) - 1:
-                head = self._head(i, eh.numpy())
-                return SegmentOut(None, eh.numpy(), head.logits, head.stats, head.token)
-            if self.spec.gated:
-                out = SegmentOut(h.numpy(), eh.numpy(), None, None, None, self.model.exit_gate(layer, eh).numpy())
-            else:
-                head = self._head(i, eh.numpy())
-                out = SegmentOut(h.numpy(), eh.numpy(), head.logits, head.stats, head.token)
-            return self._decision(i, out, prev)
-
-    def _decision(self, i: int, out: SegmentOut, prev: SegmentOut | None) -> SegmentOut:
-        """The exit rule's features and score, as the fused graphs compute them (float32)."""
-        b = out.exit_hidden.shape[0]
-        zeros = np.zeros(b, np.float32)
-        first = i == 0
-        if prev is None:
-            prev = SegmentOut(None, np.zeros_like(out.exit_hidden), None, None, np.full(b, -1), zeros, run=zeros)
-        cos = zeros if first else _cosine32(out.exit_hidden, prev.exit_hidden)
-        if self.spec.gated:
-            g = 1.0 / (1.0 + np.exp(-out.gate))
-            pg = zeros if first else 1.0 / (1.0 + np.exp(-prev.gate))
-            feats = np.stack([g, pg, cos], axis=1).astype(np.float32)
-            run = None
-        else:
-            agree = zeros if first else (out.token == prev.token).astype(np.float32)
-            run = zeros if first else agree * (prev.run + 1)
-            m = np.float32(len(self.exit_layers))
-            feats = np.concatenate([out.stats, np.stack([agree, run / m, cos], axis=1)], axis=1).astype(np.float32)
-        out.features, out.run = feats, run
-        out.score = feats @ self.rule_w[i] + self.rule_b[i]
-        return out
-
-    def _head(self, i, exit_hidden):
-        import torch
-
-        from edge.model.exits import exit_decision_stats
-
-        with torch.no_grad():
-            logits = torch.nn.functional.linear(torch.from_numpy(exit_hidden), self.model.backbone.head_weight)
-            stats, token = exit_decision_stats(logits)
-            return HeadOut(logits.numpy(), stats.numpy(), token.numpy())
-
-    def _kvfill(self, i, hidden, slots, positions):
-        import torch
-
-        with torch.no_grad():
-            bb = self.model.backbone
-            cos, sin = bb.rope(torch.from_numpy(positions[:, None]))
-            h = torch.from_numpy(np.ascontiguousarray(hidden, np.float32))[:, None]  # [B, 1, D]
-            for j in self.suffix_layers(i):
-                k, v = bb.layers[j].kv_only(h, cos, sin)  # [B, KV, 1, hd]
-                self.cache.keys[j][slots, :, positions] = k[:, :, 0].numpy()
-                self.cache.values[j][slots, :, positions] = v[:, :, 0].numpy()
+ENTRY_POINTS = "smartexit.backends"  # group of the package's entry points (pyproject.toml)
 
 
-def _cosine32(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Row cosine [B] in float32, 0 where either row is zero (the graphs' formula)."""
-    dot, norms = (a * b).sum(1), np.sqrt((a * a).sum(1) * (b * b).sum(1))
-    ok = norms > 0
-    return np.where(ok, np.clip(dot / np.where(ok, norms, 1), -1, 1), 0).astype(np.float32)
+def backend_names() -> list[str]:
+    """The backends installed: each package declares its own under the ``smartexit.backends`` group."""
+    from importlib.metadata import entry_points
+
+    return sorted(ep.name for ep in entry_points(group=ENTRY_POINTS))
 
 
-BACKENDS: dict[str, Callable[..., Backend]] = {"torch": TorchBackend}
-_LAZY = {"onnxruntime": "edge.runtime.ort_backend"}  # registered when first asked for
+def make_backend(name: str, **kwargs: Any) -> Backend:
+    """The backend registered as ``name``, called with ``kwargs`` (``model=`` for torch,
+    ``graphs_dir=`` for an export). Its module is imported only now, so the serving path never imports
+    the backends it does not use.
 
+    Raises:
+        ConfigError: no backend of that name is installed.
+    """
+    from importlib.metadata import entry_points
 
-def register(name: str, factory: Callable[..., Backend]) -> None:
-    BACKENDS[name] = factory
-
-
-def make_backend(name: str, model: Any = None, graphs_dir: str | Path | None = None, **kwargs) -> Backend:
-    """Backend by name: ``torch`` (needs the model) or ``onnxruntime`` (needs only the exported graphs)."""
-    if name not in BACKENDS and name in _LAZY:
-        import importlib
-
-        importlib.import_module(_LAZY[name])  # registers itself
-    if name not in BACKENDS:
-        raise ConfigError(f"unknown backend {name!r}; known: {', '.join(sorted({*BACKENDS, *_LAZY}))}")
-    if name == "torch":
-        if model is None:
-            raise ConfigError("the torch backend needs the model")
-        return BACKENDS[name](model)
-    return BACKENDS[name](graphs_dir, **kwargs)
+    found = [ep for ep in entry_points(group=ENTRY_POINTS) if ep.name == name]
+    if not found:
+        raise ConfigError(f"unknown backend {name!r}; installed: {', '.join(backend_names()) or 'none'} "
+                          f"(backends are the {ENTRY_POINTS!r} entry points; reinstall the package if one is missing)")
+    return found[0].load()(**kwargs)

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from edge.core.artifacts import sha256_path
-from edge.runtime.backend import BACKENDS, Backend, HeadOut, ModelSpec, SegmentOut
+from edge.runtime.backend import Backend, HeadOut, ModelSpec, SegmentOut
+from edge.runtime.graphs import load_graphs_json, verify_graphs
 from edge.runtime.cache import contiguous_start
 from edge.core.errors import ConfigError, require
 from edge.runtime.ortsession import open_session, pool_threads
@@ -54,12 +55,10 @@ class _Plan:
 class OrtBackend(Backend):
     name = "onnxruntime"
 
-    def __init__(self, graphs_dir: str | Path | None, checkpoint: str | Path | None = None,
+    def __init__(self, graphs_dir: str | Path | None = None, checkpoint: str | Path | None = None,
                  threads: int = 0, providers: list[str] | None = None, cache: bool = True) -> None:
         """``cache``: open graphs through the optimised-graph cache (edge/runtime/ortsession.py)."""
         self.ort = ort = require("onnxruntime", "onnxruntime")
-        from exporters.onnx_export import load_graphs_json, verify_graphs
-
         if graphs_dir is None:
             raise ConfigError("the onnxruntime backend needs graphs_dir (run `smartexit export`)")
         graphs_dir = Path(graphs_dir)
@@ -238,5 +237,3 @@ class OrtBackend(Backend):
             self.cache.keys[j][slots, :, positions] = outs[2 * n].reshape(b, kvh, hd)
             self.cache.values[j][slots, :, positions] = outs[2 * n + 1].reshape(b, kvh, hd)
 
-
-BACKENDS["onnxruntime"] = OrtBackend

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from edge.model.bundled import BUNDLED_DIR, BUNDLED_EE_DIR, quality_gate, read_lineage, resolve_model
+from edge.model.bundled import BUNDLED_DIR, BUNDLED_EE_DIR, read_lineage, resolve_model
+from edge.training.bundle_ee import quality_gate
 from edge.model.checkpoint import load_decoder
 from edge.core.errors import CheckpointError
 
@@ -40,7 +41,7 @@ def test_quality_gate_is_relative_and_one_sided():
 
 
 def test_make_ee_from_a_layerskip_run_writes_lineage_card_and_plots(micro_run, tmp_path):
-    from edge.model.bundled import make_bundled_ee
+    from edge.training.bundle_ee import make_bundled_ee
     from edge.pipeline.cli import main as cli
 
     base = micro_run.parent / "model"  # 4 layers, random weights, own tokenizer

@@ -230,7 +230,8 @@ def test_finetuned_backbone_is_measured_against_its_base_model(micro_run, tmp_pa
 def test_lineage_of_a_finetuned_model_carries_to_frozen_distillation(micro_run, tmp_path):
     """A model folder made by `make-ee` (decoder fine-tuned, lineage.json) distilled with the decoder
     frozen still reports against the model it came from."""
-    from edge.model.bundled import make_bundled_ee, read_lineage
+    from edge.model.bundled import read_lineage
+    from edge.training.bundle_ee import make_bundled_ee
 
     base = micro_run.parent / "model"
     ft = tmp_path / "ft"

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from edge.model.config import ModelConfig
-from edge.runtime.backend import TorchBackend, build_mask, make_backend
+from edge.runtime.backend import build_mask, make_backend
+from edge.runtime.torch_backend import TorchBackend
 from edge.runtime.engine import Engine, EngineConfig, KVMode, Request
 from edge.runtime.rules import ConfidenceRule
 from edge.runtime.sampling import choose_token
@@ -213,7 +214,7 @@ def test_bad_requests(req, msg):
 
 def test_unknown_backend():
     with pytest.raises(ConfigError, match="unknown backend"):
-        make_backend("tpu", _model())
+        make_backend("tpu", model=_model())
 
 
 def test_segment_call_shapes_are_checked():

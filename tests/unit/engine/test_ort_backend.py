@@ -2,10 +2,16 @@
 and cache contents as on torch."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from edge.core.artifacts import atomic_dir, sha256_path
-from edge.runtime.backend import TorchBackend, make_backend
+from edge.runtime.backend import make_backend
+from edge.runtime.torch_backend import TorchBackend
 from edge.runtime.engine import Engine, EngineConfig, KVMode
 from edge.runtime.ort_backend import pick_providers
 from edge.runtime.rules import ConfidenceRule
@@ -147,3 +153,31 @@ def test_one_sequence_with_exits_same_as_torch(exported, mode):
         cfg = dict(max_seqs=1, max_len=128, kv_mode=mode)
         ref = _run(Engine(TorchBackend(m), EngineConfig(**cfg), ConfidenceRule(0.3)), [p], max_tokens=16)
         assert _run(Engine(backend, EngineConfig(**cfg), ConfidenceRule(0.3)), [p], max_tokens=16) == ref
+
+
+SERVE = """
+import json, resource, sys
+from edge.runtime.backend import make_backend
+from edge.runtime.engine import generate_batch
+from edge.runtime.rules import ConfidenceRule
+backend = make_backend("onnxruntime", graphs_dir=sys.argv[1])
+out = generate_batch(backend, ConfidenceRule(0.3), [[1, 2, 3, 4], [5, 6, 7]], 8)
+print(json.dumps({"tokens": [t for t, _ in out], "modules": sorted({m.split(".")[0] for m in sys.modules}),
+                  "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+"""
+
+
+def test_serving_from_the_export_alone_imports_no_torch(exported):
+    """A fresh interpreter given only the export folder generates (the same tokens as torch) and never
+    imports torch: what a Triton model or a Jetson runs. The import-linter contract checks the source;
+    this runs it."""
+    m, _, graphs = exported
+    out = subprocess.run([sys.executable, "-c", SERVE, str(graphs)], cwd=Path(__file__).parents[3],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {"edge", "onnxruntime", "numpy"} <= set(got["modules"])
+    assert not set(got["modules"]) & {"torch", "transformers", "safetensors", "sklearn", "matplotlib"}, got["modules"]
+    ref = _run(Engine(TorchBackend(m), EngineConfig(max_seqs=2, max_running=2, max_len=64, prefill_budget=64),
+                      ConfidenceRule(0.3)), [[1, 2, 3, 4], [5, 6, 7]], max_tokens=8)
+    assert got["tokens"] == [[t for t, _ in seq] for seq in ref]

@@ -18,7 +18,8 @@ from edge.model.exits import ExitConfig, MultiExitModel, exit_decision_stats
 from edge.model.decoder import Decoder, attention_mask
 from edge.runtime.ortsession import session_options
 from exporters import onnx_export
-from exporters.onnx_export import FUSED_DIR, GRAPHS_JSON, ExportConfig, export_onnx, verify_graphs
+from edge.runtime.graphs import FUSED_DIR, GRAPHS_JSON, verify_graphs
+from exporters.onnx_export import ExportConfig, export_onnx
 from exporters.parity import PARITY_ATOL, ParityReport, check_fused_parity, check_parity, require_parity
 
 torch.set_num_threads(1)  # the machine is shared; tiny models need no more

@@ -17,7 +17,8 @@ from onnx import TensorProto, helper
 from edge.core.artifacts import Manifest, sha256_path
 from edge.core.errors import ArtifactError, ConfigError, MissingExtraError
 from exporters import tensorrt as trt_export
-from exporters.onnx_export import ExportConfig, export_onnx, load_graphs_json
+from edge.runtime.graphs import load_graphs_json
+from exporters.onnx_export import ExportConfig, export_onnx
 from exporters.tensorrt import (COMMANDS_JSON, SCRIPT, EngineBuildConfig, EnginesConfig, NoCudaDeviceError,
                                 Precision, build_engines, graph_features, profile_shapes, trtexec_argv,
                                 write_trtexec_script)
