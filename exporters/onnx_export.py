@@ -42,7 +42,7 @@ RoPE cos / sin are computed inside each graph from ``positions``; attention,
 RoPE and RMSNorm stay decomposed (no ``com.microsoft`` ops) so TensorRT's
 parser accepts the graphs. ``graphs.json`` in the output folder records the
 exits, the segments, every graph's file, I/O names and sha256, the checkpoint
-sha256, the opset and whether ``onnx.checker`` passed.
+sha256, the opset and, per graph, what ``onnx.checker`` answered (a rejection stops the export).
 """
 from __future__ import annotations
 
@@ -64,6 +64,7 @@ from edge.core.artifacts import atomic_dir, atomic_write_json, sha256_file
 from edge.core.errors import ArtifactError, ConfigError
 from edge.model.exits import MultiExitModel, exit_decision_stats
 from edge.model.decoder import rope_cos_sin
+from edge.model.segments import segment_layers
 from edge.runtime.graphs import FUSED_DIR, GRAPHS_FORMAT, GRAPHS_JSON
 from exporters.ort_fused import build_fused, fused_supported, save_fused
 
@@ -105,6 +106,7 @@ class GraphInfo:
     sha256: str
     external_data: str | None = None
     external_data_sha256: str | None = None
+    checker: str | None = None  # what onnx.checker.check_model answered for this file (None: not run)
 
 
 @dataclass
@@ -117,7 +119,6 @@ class ExportManifest:
     graphs: dict[str, GraphInfo]  # "embed", "segment_{i}", "kvfill_{i}"
     checkpoint_sha256: str
     opset: int
-    checker: bool
     model: dict[str, int] = field(default_factory=dict)  # hidden_size, num_kv_heads, head_dim, vocab_size...
     fused: dict[str, GraphInfo] = field(default_factory=dict)  # the ONNX Runtime graphs, in FUSED_DIR
     fused_skipped: str | None = None  # why there are none
@@ -131,18 +132,12 @@ class ExportManifest:
             "graphs": {k: asdict(v) for k, v in self.graphs.items()},
             "checkpoint_sha256": self.checkpoint_sha256,
             "opset": self.opset,
-            "checker": self.checker,
+            "checker": {"onnx": onnx.__version__},  # and each graph's answer under graphs.<name>.checker
             "model": self.model,
             "fused": {"dir": FUSED_DIR, "graphs": {k: asdict(v) for k, v in self.fused.items()}} if self.fused else None,
             "fused_skipped": self.fused_skipped,
             "seconds": round(self.seconds, 3),
         }
-
-
-def segment_layers(exit_layers: list[int]) -> list[list[int]]:
-    """0-based decoder layer indices of each segment: [2, 4] -> [[0, 1], [2, 3]]."""
-    bounds = [0, *exit_layers]
-    return [list(range(bounds[i], bounds[i + 1])) for i in range(len(exit_layers))]
 
 
 def segment_io(layers: list[int]) -> tuple[list[str], list[str]]:
@@ -224,8 +219,8 @@ def _dynamic_axes(inputs: list[str], outputs: list[str]) -> dict[str, dict[int, 
 def _export_one(module: nn.Module, args: tuple, path: Path, inputs: list[str], outputs: list[str],
                 cfg: ExportConfig) -> None:
     with warnings.catch_warnings():
-        # The legacy TorchScript exporter is deliberate (NOTES.md: the dynamo exporter fails on
-        # FakeQuantize); its deprecation notice is noise here.
+        # The legacy TorchScript exporter is deliberate (the dynamo exporter fails on FakeQuantize,
+        # pytorch/pytorch issues on torch.export of fake-quantized modules); its deprecation notice is noise here.
         warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*legacy TorchScript-based ONNX export")
         # ... and torch's exporter calls its own deprecated exporter_context (torch 2.13).
         warnings.filterwarnings("ignore", category=DeprecationWarning, message="The feature will be removed")
@@ -298,10 +293,10 @@ def _finish_graph(path: Path, cfg: ExportConfig, weight_bytes: int, inputs: list
         onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=data_name, size_threshold=1024)
     try:
-        onnx.checker.check_model(str(path))  # by path: works with external data and > 2 GiB
+        onnx.checker.check_model(str(path), full_check=True)  # by path: works with external data and > 2 GiB
     except onnx.checker.ValidationError as exc:
         raise ArtifactError(f"{path.name}: onnx.checker rejected the exported graph: {exc}") from exc
-    info = GraphInfo(path.name, inputs, outputs, sha256_file(path))
+    info = GraphInfo(path.name, inputs, outputs, sha256_file(path), checker="passed (full_check, shape inference)")
     if data_name:
         info.external_data, info.external_data_sha256 = data_name, sha256_file(path.parent / data_name)
     return info
@@ -372,7 +367,6 @@ def export_onnx(model: MultiExitModel, out_dir: str | Path, cfg: ExportConfig,
             segments=[{"index": i, "exit_layer": e, "layers": ls}
                       for i, (ls, e) in enumerate(zip(seg_layers, model.exit_layers))],
             graphs=graphs, checkpoint_sha256=checkpoint_sha256, opset=cfg.opset,
-            checker=True,  # _finish_graph raises (and nothing is written) if a graph fails the checker
             model={"num_layers": mcfg.num_layers, "hidden_size": d, "num_kv_heads": kvh, "head_dim": hd,
                    "vocab_size": mcfg.vocab_size, "sliding_window": mcfg.sliding_window,
                    "max_positions": mcfg.max_position_embeddings},

@@ -4,7 +4,8 @@ The portable export (:mod:`exporters.onnx_export`) keeps attention, RoPE and RMS
 so that TensorRT can parse it; after ONNX Runtime's own optimisations it still runs about 84
 nodes per decoder layer, and at batch 1 a node costs more than its arithmetic. These graphs are
 written from the same weights with ONNX Runtime's fused operators instead, about 10 nodes per
-layer (NOTES.md: contrib ops are fine in graphs meant only for ONNX Runtime):
+layer (contrib ops, https://onnxruntime.ai/docs/reference/operators/ContribOperators.html, are
+fine in graphs meant only for ONNX Runtime; docs/runtime.md says why both families exist):
 
     SkipSimplifiedLayerNormalization   residual add + RMSNorm in one pass
     MatMul                             Q, K and V from one packed weight

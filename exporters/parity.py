@@ -6,7 +6,8 @@ of every prompt alone (P = 0, T = len) and a batched decode of all prompts
 together with a past of *different* lengths per row (padded cache slots hidden
 by the mask), ``decode_steps`` tokens long. Also checked: every graph passes
 ``onnx.checker``, uses the recorded opset, and has no ``com.microsoft`` node
-(TensorRT's parser rejects contrib ops, NOTES.md).
+(TensorRT's ONNX parser supports the standard ONNX operator set only: onnx-tensorrt's
+docs/operators.md).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from edge.runtime.ortsession import session_options
 from edge.model.exits import MultiExitModel, exit_decision_stats
 from edge.model.decoder import attention_mask
 from edge.runtime.graphs import load_graphs_json
-from exporters.onnx_export import segment_layers
+from edge.model.segments import segment_layers
 
 # fp32 on CPU: ORT and torch do the same math with different kernels and summation order;
 # observed max abs diffs are ~1e-6 (hidden) to ~1e-5 (logits of a random model). atol 1e-4

@@ -1,7 +1,9 @@
 """TensorRT engines from the exported ONNX graphs: trtexec command lines, a Python-API builder, a runner.
 
 TensorRT plans are specific to the GPU, the TensorRT version and the JetPack they were built
-with, so engines are built on the device that runs them (NOTES.md). This module therefore always
+with (TensorRT developer guide, "Version Compatibility" / "Hardware Compatibility": a plan is
+portable only within a TensorRT version and GPU architecture), so engines are built on the device
+that runs them. This module therefore always
 writes ``build_engines.sh`` (one ``trtexec`` line per graph, paths relative to the script's
 folder) and, where TensorRT and a CUDA GPU are present, also builds the plans itself.
 
@@ -10,8 +12,8 @@ Optimisation profile (one per engine; B batch, T new tokens, P past length):
 - min: B=1, T=1, P=0. TensorRT supports empty tensors (dimensions of length 0) since 7.1; the
   TensorRT 7.0 check ``x > 0`` on profile dimensions is gone (NVIDIA/TensorRT#337), and TensorRT 10
   accepts an empty input bound to any non-null address. P=0 is the prefill of a new sequence, so
-  one engine serves prefill and decode (NOTES.md: one graph that always takes a possibly
-  zero-length past). (check on device: trtexec accepts ``past_key_0:1x2x0x16`` in --minShapes.)
+  one engine serves prefill and decode (one graph that always takes a possibly zero-length past;
+  docs/runtime.md). (check on device: trtexec accepts ``past_key_0:1x2x0x16`` in --minShapes.)
 - opt: ``opt_batch``, ``opt_seq`` (1: decode-optimised), ``opt_past``.
 - max: ``max_batch``, ``max_seq`` (the prefill chunk), ``max_past`` (the context window).
   The mask's last axis is P + T for each of min / opt / max.

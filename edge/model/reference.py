@@ -60,7 +60,7 @@ def check_prompt(model: MultiExitModel, prompt: Sequence[int], max_new_tokens: i
 
 
 @torch.no_grad()
-def generate(model: MultiExitModel, prompt: Sequence[int], max_new_tokens: int,
+def reference_generate(model: MultiExitModel, prompt: Sequence[int], max_new_tokens: int,
              rule: ExitRule | None = None, stop_ids: Sequence[int] = ()) -> GenerationResult:
     """Greedy generation with per-token early exit; ``rule=None`` runs full depth."""
     check_prompt(model, prompt, max_new_tokens)

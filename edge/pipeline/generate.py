@@ -17,7 +17,7 @@ import torch
 from edge.core.data import Split, heldout_prompts, load_split
 from edge.core.errors import ConfigError
 from edge.pipeline.run_checkpoint import open_run
-from edge.model.reference import confidence_rule, generate
+from edge.model.reference import confidence_rule, reference_generate
 
 STAGE = "generate"
 
@@ -49,12 +49,12 @@ def main(cfg: GenerateConfig) -> int:
     t_full = t_exit = 0.0
     for p in prompts:
         s = time.perf_counter()
-        full = generate(model, p, cfg.max_new_tokens)
+        full = reference_generate(model, p, cfg.max_new_tokens)
         t_full += time.perf_counter() - s
         reference = _greedy_no_cache(model, p, cfg.max_new_tokens)
         identical += full.tokens == reference
         s = time.perf_counter()
-        early = generate(model, p, cfg.max_new_tokens, rule=rule)
+        early = reference_generate(model, p, cfg.max_new_tokens, rule=rule)
         t_exit += time.perf_counter() - s
         matched += sum(a == b for a, b in zip(early.tokens, full.tokens))
         total += len(full.tokens)

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from edge.model.segments import segment_layers
 from edge.runtime.cache import KVCache
 from edge.core.errors import ConfigError
 
@@ -54,8 +55,7 @@ class ModelSpec:
     @property
     def segments(self) -> list[list[int]]:
         """0-based decoder layers of each segment."""
-        starts = [0, *self.exit_layers[:-1]]
-        return [list(range(a, b)) for a, b in zip(starts, self.exit_layers)]
+        return segment_layers(self.exit_layers)
 
 
 @dataclass

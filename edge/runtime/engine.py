@@ -185,7 +185,8 @@ class Engine:
             free_slots=self.cache.free_slots,
         )
 
-    def run(self) -> None:
+    def run_until_idle(self) -> None:
+        """Step until every submitted request has finished."""
         while self.has_work:
             self.step()
 

@@ -10,7 +10,7 @@ from edge.model.config import preset
 from edge.training.distill import DistillConfig, distill_loss, train_exits
 from edge.core.errors import CheckpointError, ConfigError, SmartExitError
 from edge.model.exits import ExitConfig, MultiExitModel, load_multi_exit, save_multi_exit
-from edge.model.reference import _decode_step, confidence_rule, generate
+from edge.model.reference import _decode_step, confidence_rule, reference_generate
 from edge.model.decoder import Decoder
 
 
@@ -53,14 +53,14 @@ def test_untrained_adapter_is_plain_final_head():
 def test_generation_with_exits_disabled_is_full_greedy():
     m = _model(seed=3)
     prompt = [5, 17, 99, 3, 42]
-    out = generate(m, prompt, 24)
+    out = reference_generate(m, prompt, 24)
     assert out.tokens == _greedy_no_cache(m.backbone, prompt, 24)
     assert set(out.exit_layers) == {4}
 
 
 def test_always_exit_rule_exits_at_first_exit():
     m = _model(seed=3)
-    out = generate(m, [1, 2, 3], 10, rule=lambda layer, logits, hidden: True)
+    out = reference_generate(m, [1, 2, 3], 10, rule=lambda layer, logits, hidden: True)
     assert out.exit_layers[0] == 4  # the first token comes from the full-depth prefill
     assert out.exit_layers[1:] == [1] * 9
 
@@ -90,8 +90,8 @@ def test_state_propagation_fills_skipped_layers_from_exit_hidden():
 def test_stop_token_and_lengths():
     m = _model(seed=3)
     prompt = [5, 17, 99]
-    first = generate(m, prompt, 5).tokens[0]
-    out = generate(m, prompt, 5, stop_ids=[first])
+    first = reference_generate(m, prompt, 5).tokens[0]
+    out = reference_generate(m, prompt, 5, stop_ids=[first])
     assert out.tokens == [first] and out.stopped == "stop_token"
 
 
@@ -102,7 +102,7 @@ def test_stop_token_and_lengths():
 ])
 def test_bad_prompts(prompt, n, msg):
     with pytest.raises(SmartExitError, match=msg):
-        generate(_model(), prompt, n)
+        reference_generate(_model(), prompt, n)
 
 
 def test_confidence_rule():

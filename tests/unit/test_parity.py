@@ -6,7 +6,7 @@ import torch
 
 from edge.model.checkpoint import load_decoder
 from edge.model.exits import ExitConfig, MultiExitModel
-from edge.model.reference import generate
+from edge.model.reference import reference_generate
 from tests.conftest import make_hf_checkpoint
 
 # fp32 on CPU: both implementations do the same math in a different order.
@@ -72,6 +72,6 @@ def test_32_greedy_tokens_identical(tmp_path, name):
         ref = hf.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False,
                           pad_token_id=0, eos_token_id=None)[0, 12:].tolist()
     model = MultiExitModel(ours, ExitConfig(layers=[1, ours.cfg.num_layers]))
-    got = generate(model, prompt[0].tolist(), 32)  # exits disabled: full depth with KV cache
+    got = reference_generate(model, prompt[0].tolist(), 32)  # exits disabled: full depth with KV cache
     assert got.tokens == ref
     assert got.exit_layers == [ours.cfg.num_layers] * 32

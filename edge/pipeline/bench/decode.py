@@ -142,7 +142,7 @@ def run_engine(backend, rule, prompts: list[list[int]], n: int, kv_mode: KVMode)
 
     t0 = time.perf_counter()
     ids = [engine.submit(Request(p, n, on_token=on_token)) for p in prompts]
-    engine.run()
+    engine.run_until_idle()
     seconds = time.perf_counter() - t0
     gaps = [g for i in ids for g in np.diff(stamps[i]).tolist()]
     return RunResult([[t for t, _ in toks[i]] for i in ids], [[e for _, e in toks[i]] for i in ids], seconds, gaps)

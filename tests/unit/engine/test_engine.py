@@ -13,7 +13,7 @@ from edge.runtime.rules import ConfidenceRule
 from edge.runtime.sampling import choose_token
 from edge.core.errors import ConfigError, SmartExitError
 from edge.model.exits import ExitConfig, MultiExitModel, exit_decision_stats
-from edge.model.reference import generate
+from edge.model.reference import reference_generate
 from edge.model.decoder import Decoder, attention_mask
 from tests.tolerance import assert_f32_close
 
@@ -77,7 +77,7 @@ def test_engine_matches_reference_generator_one_at_a_time(threshold):
     for p in _prompts(3):
         eng = Engine(TorchBackend(m), EngineConfig(max_seqs=1, max_len=128), rule=rule)
         got = _run(eng, [p])[0]
-        ref = generate(m, p, 12, rule=_RefRule(threshold) if threshold else None)
+        ref = reference_generate(m, p, 12, rule=_RefRule(threshold) if threshold else None)
         assert [t for t, _ in got] == ref.tokens
         assert [e for _, e in got] == ref.exit_layers
     if threshold:
@@ -100,7 +100,7 @@ def test_defer_mode_no_exits_equals_full_greedy():
     m = _model(seed=2)
     p = _prompts(1, seed=2)[0]
     got = _run(Engine(TorchBackend(m), EngineConfig(max_len=128, kv_mode=KVMode.DEFER)), [p])[0]
-    assert [t for t, _ in got] == generate(m, p, 12).tokens
+    assert [t for t, _ in got] == reference_generate(m, p, 12).tokens
 
 
 class _ExitOnceAt2:
@@ -178,7 +178,7 @@ def test_streaming_callback_cancel_and_control():
     assert eng.stats().prefill_budget == 3 and eng.stats().max_running == 1
     with pytest.raises(ConfigError):
         eng.set_prefill_budget(0)
-    eng.run()
+    eng.run_until_idle()
     assert not eng.has_work and eng.cache.free_slots == 2 and b not in eng.stats().deadlines
 
 
@@ -249,4 +249,4 @@ def test_sliding_window_model():
     m = _model(seed=7, sliding_window=8)
     p = _prompts(1, seed=7, lo=15, hi=16)[0]
     got = _run(Engine(TorchBackend(m), EngineConfig(max_len=128, prefill_budget=5)), [p])[0]
-    assert [t for t, _ in got] == generate(m, p, 12).tokens
+    assert [t for t, _ in got] == reference_generate(m, p, 12).tokens
