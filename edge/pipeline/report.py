@@ -6,7 +6,6 @@ builder to ``SECTIONS``.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -161,9 +160,29 @@ def main(cfg: ReportConfig) -> int:
     run_dir = Path(cfg.run_dir)
     atomic_write_json(run_dir / "report.json", report)
     atomic_write_text(run_dir / "report.md", render_markdown(report))
-    print(json.dumps({k: v for k, v in report.items() if k == "model"}, indent=2))
-    print(f"report: {run_dir / 'report.json'} and {run_dir / 'report.md'}")
+    for line in summary_lines(report):
+        print(line)
+    print(f"report: {run_dir / 'report.md'} (all numbers: {run_dir / 'report.json'})")
     return 0
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    """The few numbers a run ends with (the report has the rest, with how each was measured)."""
+    lines = []
+    if "model" in report:
+        m = report["model"]
+        lines.append(f"model: {m['layers']} layers, exits {m['exits']}, held-out perplexity {m['heldout_ppl']:.2f}")
+    if "calibration" in report:
+        c = report["calibration"]
+        lines.append(f"exit rule: certified {c['certified']} (bound {c['bound']:.4f} <= eps {c['epsilon']}); held out, "
+                     f"free-running: false exits {c['free_run_false_exit_rate_test']:.4f}, accuracy loss "
+                     f"{c['accuracy_loss_rel']:.4f}, layers skipped {c['layers_skipped_frac']:.3f}")
+    if "decode_bench" in report:
+        b = report["decode_bench"]
+        ratios = [(k, b.get(k)) for k in ("speedup_exit_vs_full_b1", "speedup_exit_vs_full_b16",
+                                          "speedup_full_vs_llamacpp_b1", "speedup_exit_vs_llamacpp_b1")]
+        lines.append("decode: " + ", ".join(f"{k.removeprefix('speedup_')} {_fmt(v, '.2f')}" for k, v in ratios))
+    return lines
 
 
 def _fmt(v: Any, spec: str = ".4f") -> str:
