@@ -21,17 +21,19 @@ dim, V vocabulary; B, T, P and S are dynamic axes):
          ``attn_mask`` float32 [B, 1, T, S] (additive, 0 or a large negative; build it with
          :func:`edge.model.decoder.attention_mask` over the past slots then the new tokens),
          ``past_key_{j}``, ``past_value_{j}`` float32 [B, KV, P, hd] per layer j (P may be 0),
-         ``exit_index`` int64 [B] (the row of each sequence whose exit head is computed: its
+         ``exit_index`` int64 [B] (the row of each sequence whose exit hidden is computed: its
          newest token; a prefill chunk or deferred rows need no head for the other rows)
     out: ``hidden_out`` [B, T, D] (residual stream after the segment's last layer),
-         ``exit_hidden`` [B, 1, D] (the exit head's normalised hidden at ``exit_index``, input of
-         the LM head),
-         ``logits`` [B, 1, V] (exit logits there),
-         ``exit_stats`` [B, 1, 3] (softmax top-1 probability, top-1 minus top-2, entropy) and
-         ``exit_token`` int64 [B, 1] (argmax): what the exit rule reads, so the engine never
-         runs a softmax over V on the host (:func:`edge.model.exits.exit_decision_stats`),
+         ``exit_hidden`` [B, 1, D] (the exit's normalised hidden at ``exit_index``, after its
+         adapter and norm: the input of ``head``),
          ``present_key_{j}``, ``present_value_{j}`` [B, KV, T, hd] per layer j (new tokens only;
          the caller writes them into its cache)
+``head.onnx`` (one for every exit: the shared LM head)
+    in:  ``exit_hidden`` float32 [B, 1, D] (a segment's output)
+    out: ``logits`` [B, 1, V] (exit logits),
+         ``exit_stats`` [B, 1, 3] (softmax top-1 probability, top-1 minus top-2, entropy) and
+         ``exit_token`` int64 [B, 1] (argmax): what the exit rule reads, so the engine never
+         runs a softmax over V on the host (:func:`edge.model.exits.exit_decision_stats`)
 ``kvfill_{i}.onnx`` (every segment but the first; it covers the layers of segments i..last)
     in:  ``hidden`` [B, T, D] (raw residual stream at exit i-1, *before* its head),
          ``positions`` int64 [B, T]
@@ -116,10 +118,10 @@ class ExportManifest:
     out_dir: Path
     exit_layers: list[int]  # 1-based, last = num_layers
     segments: list[dict[str, Any]]  # {"index", "exit_layer" (1-based), "layers" (0-based indices)}
-    graphs: dict[str, GraphInfo]  # "embed", "segment_{i}", "kvfill_{i}"
+    graphs: dict[str, GraphInfo]  # "embed", "segment_{i}", "kvfill_{i}", "head"
     checkpoint_sha256: str
     opset: int
-    model: dict[str, int] = field(default_factory=dict)  # hidden_size, num_kv_heads, head_dim, vocab_size...
+    model: dict[str, Any] = field(default_factory=dict)  # hidden_size, num_kv_heads, head_dim, vocab_size, gated...
     fused: dict[str, GraphInfo] = field(default_factory=dict)  # the ONNX Runtime graphs, in FUSED_DIR
     fused_skipped: str | None = None  # why there are none
     seconds: float = 0.0
@@ -145,7 +147,12 @@ def segment_io(layers: list[int]) -> tuple[list[str], list[str]]:
     past = [n for j in layers for n in (f"past_key_{j}", f"past_value_{j}")]
     present = [n for j in layers for n in (f"present_key_{j}", f"present_value_{j}")]
     return (["hidden", "positions", "attn_mask", *past, "exit_index"],
-            ["hidden_out", "exit_hidden", "logits", "exit_stats", "exit_token", *present])
+            ["hidden_out", "exit_hidden", *present])
+
+
+def head_io() -> tuple[list[str], list[str]]:
+    """Input and output names of the head graph."""
+    return ["exit_hidden"], ["logits", "exit_stats", "exit_token"]
 
 
 def kvfill_io(layers: list[int]) -> tuple[list[str], list[str]]:
@@ -181,9 +188,18 @@ class _SegmentGraph(nn.Module):
             presents += [k, v]  # [B, KV, T, hd]
         rows = torch.gather(h, 1, exit_index.view(-1, 1, 1).expand(-1, 1, h.shape[-1]))  # [B, 1, D]
         e = self.model.exit_hidden(self.exit_layer, rows)  # [B, 1, D]
-        logits = F.linear(e, backbone.head_weight)  # [B, 1, V]
+        return (h, e, *presents)
+
+
+class _HeadGraph(nn.Module):
+    def __init__(self, model: MultiExitModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, exit_hidden):
+        logits = F.linear(exit_hidden, self.model.backbone.head_weight)  # [B, 1, V]
         stats, token = exit_decision_stats(logits)  # [B, 1, 3], [B, 1]
-        return (h, e, logits, stats, token, *presents)
+        return logits, stats, token
 
 
 class _KVFillGraph(nn.Module):
@@ -302,17 +318,13 @@ def _finish_graph(path: Path, cfg: ExportConfig, weight_bytes: int, inputs: list
     return info
 
 
-def _weight_bytes(model: MultiExitModel, layers: list[int], with_head: bool) -> int:
-    backbone = model.backbone
-    n = sum(p.numel() * p.element_size() for j in layers for p in backbone.layers[j].parameters())
-    if with_head:
-        n += backbone.head_weight.numel() * backbone.head_weight.element_size()
-    return n
+def _weight_bytes(model: MultiExitModel, layers: list[int]) -> int:
+    return sum(p.numel() * p.element_size() for j in layers for p in model.backbone.layers[j].parameters())
 
 
 def export_onnx(model: MultiExitModel, out_dir: str | Path, cfg: ExportConfig,
                 checkpoint_sha256: str) -> ExportManifest:
-    """Export ``embed``, one ``segment_{i}`` per exit and ``kvfill_{i}`` per later segment.
+    """Export ``embed``, one ``segment_{i}`` per exit, ``kvfill_{i}`` per later segment and ``head``.
 
     Args:
         model: the multi-exit model (fp32; put in eval mode here).
@@ -347,11 +359,14 @@ def export_onnx(model: MultiExitModel, out_dir: str | Path, cfg: ExportConfig,
         exit_index = torch.randint(0, t, (b,), generator=g)
         jobs.append((f"segment_{i}", _SegmentGraph(model, layers, exit_layer),
                      (hidden, positions, mask, *past, exit_index),
-                     *segment_io(layers), _weight_bytes(model, layers, True)))
+                     *segment_io(layers), _weight_bytes(model, layers)))
         if i > 0:  # K/V of every layer from segment i to the end: one call fills all skipped layers
             suffix = [j for seg in seg_layers[i:] for j in seg]
             jobs.append((f"kvfill_{i}", _KVFillGraph(model, suffix), (hidden, positions), *kvfill_io(suffix),
-                         _weight_bytes(model, suffix, False)))
+                         _weight_bytes(model, suffix)))
+    head_w = model.backbone.head_weight
+    jobs.append(("head", _HeadGraph(model), (torch.randn(b, 1, d, generator=g),), *head_io(),
+                 head_w.numel() * head_w.element_size()))
     graphs: dict[str, GraphInfo] = {}
     with atomic_dir(out_dir) as tmp, torch.no_grad():
         for name, module, args, ins, outs, nbytes in jobs:
@@ -369,7 +384,7 @@ def export_onnx(model: MultiExitModel, out_dir: str | Path, cfg: ExportConfig,
             graphs=graphs, checkpoint_sha256=checkpoint_sha256, opset=cfg.opset,
             model={"num_layers": mcfg.num_layers, "hidden_size": d, "num_kv_heads": kvh, "head_dim": hd,
                    "vocab_size": mcfg.vocab_size, "sliding_window": mcfg.sliding_window,
-                   "max_positions": mcfg.max_position_embeddings},
+                   "max_positions": mcfg.max_position_embeddings, "gated": model.gated},
         )
         manifest.fused_skipped = fused_supported(model)
         if manifest.fused_skipped is None:

@@ -130,7 +130,8 @@ def _pipeline(model: MultiExitModel, cmp: _Comparer, phase: str, ids: torch.Tens
               past: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> tuple[list, torch.Tensor]:
     """Torch forward through every graph, comparing ORT on the same inputs.
 
-    Exit heads run on each sequence's last row (as the engine asks for its newest token).
+    Exit heads run on each sequence's last row (as the engine asks for its newest token); the one
+    ``head`` graph runs on every exit's torch-made exit hidden.
     Returns (new per-layer (k, v) [B, KV, T, hd], final exit logits [B, 1, V])."""
     backbone = model.backbone
     exit_index = torch.full((ids.shape[0],), ids.shape[1] - 1, dtype=torch.long)
@@ -153,9 +154,10 @@ def _pipeline(model: MultiExitModel, cmp: _Comparer, phase: str, ids: torch.Tens
             new_kv.append((k, v))
         feeds["exit_index"] = exit_index
         rows = h[torch.arange(h.shape[0]), exit_index].unsqueeze(1)  # [B, 1, D]
-        e = model.exit_hidden(exit_layer, rows)
+        e = model.exit_hidden(exit_layer, rows)  # [B, 1, D]
+        cmp.run(f"segment_{i}", phase, feeds, [h, e, *presents])
         logits = model.exit_logits(exit_layer, rows)  # [B, 1, V]
-        cmp.run(f"segment_{i}", phase, feeds, [h, e, logits, *exit_decision_stats(logits), *presents])
+        cmp.run("head", f"{phase}, exit {exit_layer}", {"exit_hidden": e}, [logits, *exit_decision_stats(logits)])
     return new_kv, logits
 
 
@@ -297,9 +299,9 @@ def check_fused_parity(model: MultiExitModel, graphs_dir: str | Path, prompts: l
             r = ref.segment(i, x, slots, start, prev)
             o = got.segment(i, x, slots, start, prev)
             prev = r
-            compare(f"segment_{i}", phase, o, r)
-            if r.gate is not None:  # a gated exit: its separate head, on the same rows
-                compare(f"head_{i}", phase, got.head(i, r.exit_hidden), ref.head(i, r.exit_hidden))
+            compare(f"segment_{i}", phase, o, r)  # with its exit's head (the head graph), gates aside
+            if r.gate is not None:  # a gated exit: the head graph on its own, on the same rows
+                compare("head", f"{phase}, exit {i}", got.head(i, r.exit_hidden), ref.head(i, r.exit_hidden))
             if i + 1 < len(ref.segments):
                 h = r.hidden[:, -1]
                 ref.kvfill(i + 1, h, slots, start + x.shape[1] - 1)

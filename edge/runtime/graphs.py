@@ -14,8 +14,9 @@ from edge.core.artifacts import sha256_file
 from edge.core.errors import ArtifactError
 
 GRAPHS_JSON = "graphs.json"
-GRAPHS_FORMAT = 4  # 2: segment graphs output exit_stats, exit_token; 3: exit head on exit_index rows only;
-# 4: fused ONNX Runtime graphs (exporters/ort_fused.py) beside the portable ones, model.max_positions
+GRAPHS_FORMAT = 5  # 2: segment graphs output exit_stats, exit_token; 3: exit head on exit_index rows only;
+# 4: fused ONNX Runtime graphs (exporters/ort_fused.py) beside the portable ones, model.max_positions;
+# 5: one LM head graph ("head") for every exit, segments end at exit_hidden; model.gated
 FUSED_DIR = "fused"
 
 

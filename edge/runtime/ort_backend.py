@@ -9,6 +9,13 @@ I/O binding, input and output buffers are made once per (segment, first slot, ba
 and the hidden-state output of segment i is the input buffer of segment i+1. A batch over scattered
 slots (after some rows exited) gathers its rows' past into scratch buffers and writes the new rows
 back; ``gathered_rows`` counts those copies.
+
+The LM head is one graph, ``head``, for every exit (its weight is loaded once per process, not once
+per exit: docs/runtime.md). A segment's plan binds it too: its input is the segment's
+``exit_hidden`` output buffer, its outputs the plan's logits / stats / token (and, without gates, the
+exit rule's features, score and run), so a segment call is two session calls and no copy. With exit
+gates a decision segment decides from its gate and the head runs only for the rows that exit
+(:meth:`Backend.head`).
 """
 from __future__ import annotations
 
@@ -44,12 +51,13 @@ class _Plan:
     """A reusable binding of one segment graph to buffers (one decode shape)."""
 
     io: object
+    head_io: object | None  # the head graph bound to this segment's exit hidden (None: a gated decision exit)
     x: np.ndarray  # [B, T] ids or [B, T, D] hidden (input)
     seqlens: np.ndarray  # [B] int32
     total: np.ndarray  # [] int32
     exit_index: np.ndarray  # [] int64
     out: SegmentOut
-    prev: dict[str, np.ndarray]  # the previous decision exit's outputs this graph reads, by input name
+    prev: dict[str, np.ndarray]  # the previous decision exit's outputs these graphs read, by input name
 
 
 class OrtBackend(Backend):
@@ -71,7 +79,7 @@ class OrtBackend(Backend):
         m = meta["model"]
         super().__init__(ModelSpec(m["num_layers"], tuple(meta["exit_layers"]), m["hidden_size"], m["num_kv_heads"],
                                    m["head_dim"], m["vocab_size"], m["max_positions"], m.get("sliding_window"),
-                                   "head_0" in fused["graphs"]))
+                                   m["gated"]))
         self.providers = pick_providers(ort.get_available_providers(), providers)
 
         def session(name: str):
@@ -81,13 +89,17 @@ class OrtBackend(Backend):
 
         self._seg = [session(f"segment_{i}") for i in range(len(self.segments))]
         self._fill = [None] + [session(f"kvfill_{i}") for i in range(1, len(self.segments))]
-        self._heads = [session(f"head_{i}") for i in range(len(self.segments) - 1)] if self.spec.gated else []
+        self._head_sess = session("head")  # one LM head for every exit
+        self._head_decides = "rule_w" in {x.name for x in self._head_sess.get_inputs()}
         self.pool_threads = pool_threads()
         self.gathered_rows = 0  # past rows copied for batches over scattered slots
         self._plans: dict[tuple[int, int, int, int], _Plan] = {}
         self._bufs: dict[tuple[str, int, int, int], np.ndarray] = {}
         ov = ort.OrtValue.ortvalue_from_numpy
         self._rule_values = [(ov(w), ov(b)) for w, b in zip(self.rule_w, self.rule_b)]  # bound once, updated in place
+        # the last exit's head computes a score nobody reads: a rule of zeros, and has_prev per exit
+        self._rule_values.append((ov(np.zeros(self.spec.num_features, np.float32)), ov(np.full((), -1, np.float32))))
+        self._has_prev = [ov(np.array(i > 0)) for i in range(len(self.segments))]
 
     def _attached(self) -> None:
         self._plans.clear()
@@ -122,54 +134,72 @@ class OrtBackend(Backend):
         return self._bufs[key]
 
     def _make_plan(self, i: int, s0: int | None, b: int, t: int, values: list[tuple] | None) -> _Plan:
-        """Bind segment i's graph to buffers for B = ``b`` sequences of ``t`` rows each. Decode plans
-        (s0 given, t == 1) chain through shared buffers: segment i's hidden, exit hidden, token, run and
-        gate outputs are the arrays segment i+1 reads, so a step over one cache block copies nothing."""
-        sess = self._seg[i]
-        io = sess.io_binding()
+        """Bind segment i's graph, and the head graph after it, to buffers for B = ``b`` sequences of ``t``
+        rows each. Decode plans (s0 given, t == 1) chain through shared buffers: segment i's hidden and
+        exit hidden and its exit's token, run and gate are the arrays segment i+1 and its head read, so a
+        step over one cache block copies nothing."""
         ov = self.ort.OrtValue.ortvalue_from_numpy
         d, v, f32 = self.spec.hidden_size, self.vocab_size, np.float32
         last = i == len(self.segments) - 1
-        gated = self.spec.gated and not last
+        gated_exit = self.spec.gated and not last  # decides from its gate; no head in the plan
         chain = s0 if t == 1 else None  # consecutive segments share their buffers
         x = np.zeros((b, t), np.int64) if i == 0 else self._buf("hidden", i, chain, b, (b, t, d), f32)
         out = SegmentOut(
             hidden=None if last else self._buf("hidden", i + 1, chain, b, (b, t, d), f32),
             exit_hidden=self._buf("exit_hidden", i + 1, chain, b, (b, d), f32),
-            logits=None if gated else np.zeros((b, v), f32),
-            stats=None if gated else np.zeros((b, 3), f32),
-            token=None if gated else self._buf("token", i + 1, chain, b, (b,), np.int64),
-            gate=self._buf("gate", i + 1, chain, b, (b,), f32) if gated else None)
-        prev = {}
+            logits=None if gated_exit else np.zeros((b, v), f32),
+            stats=None if gated_exit else np.zeros((b, 3), f32),
+            token=None if gated_exit else self._buf("token", i + 1, chain, b, (b,), np.int64),
+            gate=self._buf("gate", i + 1, chain, b, (b,), f32) if gated_exit else None)
         if not last:  # a decision exit: the rule's features and score (exporters/ort_fused.py)
             out.features = np.zeros((b, self.spec.num_features), f32)
             out.score = np.zeros(b, f32)
             if not self.spec.gated:
                 out.run = self._buf("run", i + 1, chain, b, (b,), f32)
-            if i > 0:
-                prev["prev_exit_hidden"] = self._buf("exit_hidden", i, chain, b, (b, d), f32)
-                prev.update({"prev_gate": self._buf("gate", i, chain, b, (b,), f32)} if self.spec.gated else
-                            {"prev_token": self._buf("token", i, chain, b, (b,), np.int64),
-                             "prev_run": self._buf("run", i, chain, b, (b,), f32)})
-        plan = _Plan(io, x, np.zeros(b, np.int32), np.zeros((), np.int32), np.zeros((), np.int64), out, prev)
+        # what the previous decision exit gave these rows: the segment reads it (gates) or the head (softmax)
+        seg_prev, head_prev = {}, {}
+        if gated_exit and i > 0:
+            seg_prev = {"prev_exit_hidden": self._buf("exit_hidden", i, chain, b, (b, d), f32),
+                        "prev_gate": self._buf("gate", i, chain, b, (b,), f32)}
+        if not gated_exit and self._head_decides:
+            head_prev = {"prev_exit_hidden": self._buf("exit_hidden", i, chain, b, (b, d), f32),
+                         "prev_token": self._buf("token", i, chain, b, (b,), np.int64),
+                         "prev_run": self._buf("run", i, chain, b, (b,), f32)}
+        io = self._seg[i].io_binding()
+        head_io = None if gated_exit else self._head_sess.io_binding()
+        plan = _Plan(io, head_io, x, np.zeros(b, np.int32), np.zeros((), np.int32), np.zeros((), np.int64), out,
+                     {**seg_prev, **head_prev})
         io.bind_ortvalue_input("input_ids" if i == 0 else "hidden", ov(x))
         io.bind_ortvalue_input("seqlens_k", ov(plan.seqlens))
         io.bind_ortvalue_input("total_len", ov(plan.total))
         io.bind_ortvalue_input("exit_index", ov(plan.exit_index))
-        for name, arr in prev.items():
-            io.bind_ortvalue_input(name, ov(arr))
-        outs = {"exit_hidden": out.exit_hidden, "hidden_out": out.hidden, "exit_gate": out.gate, "logits": out.logits,
-                "exit_stats": out.stats, "exit_token": out.token, "exit_features": out.features,
-                "exit_score": out.score, "exit_run": out.run}
-        for name, arr in outs.items():
-            if arr is not None:
-                io.bind_ortvalue_output(name, ov(arr))
-        if not last:
-            io.bind_ortvalue_input("rule_w", self._rule_values[i][0])
-            io.bind_ortvalue_input("rule_b", self._rule_values[i][1])
+        seg_outs = {"exit_hidden": out.exit_hidden, "hidden_out": out.hidden}
+        if gated_exit:
+            seg_outs.update(exit_gate=out.gate, exit_features=out.features, exit_score=out.score)
+            self._bind(io, seg_prev, seg_outs, i)
+        else:
+            self._bind(io, {}, seg_outs, None)
+            head_outs = {"logits": out.logits, "exit_stats": out.stats, "exit_token": out.token}
+            if self._head_decides:
+                head_outs.update(exit_features=out.features, exit_score=out.score, exit_run=out.run)
+                head_io.bind_ortvalue_input("has_prev", self._has_prev[i])
+            head_io.bind_ortvalue_input("exit_hidden", ov(out.exit_hidden))  # the segment's output buffer
+            self._bind(head_io, head_prev, head_outs, i if self._head_decides else None)
         if values is not None:
             self._bind_cache(io, i, values)
         return plan
+
+    def _bind(self, io, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray | None], rule: int | None) -> None:
+        """Bind ``inputs``, the ``outputs`` that are not None, and exit ``rule``'s weights (None: none)."""
+        ov = self.ort.OrtValue.ortvalue_from_numpy
+        for name, arr in inputs.items():
+            io.bind_ortvalue_input(name, ov(arr))
+        for name, arr in outputs.items():
+            if arr is not None:
+                io.bind_ortvalue_output(name, ov(arr))
+        if rule is not None:
+            io.bind_ortvalue_input("rule_w", self._rule_values[rule][0])
+            io.bind_ortvalue_input("rule_b", self._rule_values[rule][1])
 
     # ---------------------------------------------------------------- calls
     def _segment(self, i, x, slots, start, prev):
@@ -200,6 +230,8 @@ class OrtBackend(Backend):
         plan.total[()] = int(start.max()) + t
         plan.exit_index[()] = t - 1
         self._seg[i].run_with_iobinding(plan.io)
+        if plan.head_io is not None:
+            self._head_sess.run_with_iobinding(plan.head_io)
         return plan.out
 
     def _gathered(self, i, x, slots, start, prev):
@@ -225,7 +257,7 @@ class OrtBackend(Backend):
         return out
 
     def _head(self, i, exit_hidden):
-        logits, stats, token = self._heads[i].run(["logits", "exit_stats", "exit_token"], {"exit_hidden": exit_hidden})
+        logits, stats, token = self._head_sess.run(["logits", "exit_stats", "exit_token"], {"exit_hidden": exit_hidden})
         return HeadOut(logits, stats, token)
 
     def _kvfill(self, i, hidden, slots, positions):
