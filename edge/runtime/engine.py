@@ -7,6 +7,12 @@ Each ``step()``:
    decided, and the batch is compacted to the rows still running;
 3. spends the prefill budget (tokens per iteration, the scheduler's knob) on
    prompt chunks, full depth (Sarathi-Serve's chunked prefill).
+Before admitting, it ends the requests whose deadline has passed.
+
+Events reach the request's ``on_token`` callback as they happen and are returned by
+``step()``. A callback may cancel any request, its own included: the engine
+never iterates a list a cancel changes, and a token decided in the same step for
+a request cancelled that way is dropped.
 
 Skipped layers still need keys / values for later tokens. ``propagate`` (CALM):
 the exit's residual goes through each skipped layer's K/V projections at once.
@@ -51,14 +57,25 @@ class EngineConfig:
             raise ConfigError("engine: max_seqs, prefill_budget, max_running >= 1 and max_len >= 2 are required")
 
 
+NO_TOKEN = -1  # token and exit layer of an event that ends a request without a token
+
+
 @dataclass
 class TokenEvent:
+    """One output token, or the end of a request without one.
+
+    ``finish_reason`` is set on a request's last event: "length" (``max_tokens`` reached), "stop" (a
+    stop id was emitted), "cancelled" (:meth:`Engine.cancel`), "deadline" (``Request.deadline``
+    passed). The last two carry no token: ``token`` and ``exit_layer`` are :data:`NO_TOKEN` and
+    ``index`` is the number of tokens emitted before.
+    """
+
     request_id: int
     token: int
     exit_layer: int
     index: int  # position in the output
     finished: bool
-    finish_reason: str | None = None  # "length", "stop", "cancelled"
+    finish_reason: str | None = None
 
 
 @dataclass
@@ -69,7 +86,9 @@ class Request:
     top_p: float = 1.0
     stop_ids: tuple[int, ...] = ()
     seed: int | None = None
-    deadline: float | None = None  # absolute time.monotonic() by which the request should finish
+    # absolute time on the engine's clock (time.monotonic by default): a request still active at the
+    # start of a later step is ended there, finish_reason "deadline", and its cache slot freed
+    deadline: float | None = None
     on_token: Callable[[TokenEvent], None] | None = None
 
 
@@ -80,7 +99,7 @@ class _Pending:
     next_seg: int
 
 
-@dataclass
+@dataclass(eq=False)  # identity: lists of sequences are searched by object
 class _Seq:
     id: int
     req: Request
@@ -91,6 +110,7 @@ class _Seq:
     pending: list[_Pending] = field(default_factory=list)
     rng: np.random.Generator | None = None
     submitted: float = 0.0
+    finished: str | None = None  # the finish reason, once ended
 
     @property
     def length(self) -> int:
@@ -111,8 +131,10 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, backend: Backend, cfg: EngineConfig, rule: BatchExitRule | None = None) -> None:
-        self.backend, self.cfg = backend, cfg
+    def __init__(self, backend: Backend, cfg: EngineConfig, rule: BatchExitRule | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: the time base of ``Request.deadline`` (seconds)."""
+        self.backend, self.cfg, self.clock = backend, cfg, clock
         self.rule = rule or NeverExit()
         if cfg.max_len > backend.spec.max_positions:
             raise ConfigError(f"engine.max_len {cfg.max_len} exceeds the model's {backend.spec.max_positions} positions")
@@ -128,6 +150,7 @@ class Engine:
         self.waiting: list[_Seq] = []
         self.prefilling: list[_Seq] = []
         self.decoding: list[_Seq] = []
+        self._events: list[TokenEvent] = []  # delivered to callbacks, not yet returned by step()
         self._ids = itertools.count()
 
     # ---------------------------------------------------------------- control
@@ -145,19 +168,19 @@ class Engine:
             raise SmartExitError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.backend.vocab_size})")
         if not 0.0 < req.top_p <= 1.0 or req.temperature < 0:
             raise SmartExitError("temperature must be >= 0 and top_p in (0, 1]")
-        seq = _Seq(next(self._ids), req, submitted=time.monotonic())
+        seq = _Seq(next(self._ids), req, submitted=self.clock())
         seq.rng = np.random.default_rng(req.seed) if req.temperature > 0 else None
         self.waiting.append(seq)
         return seq.id
 
     def cancel(self, request_id: int) -> bool:
-        """Stop a request and free its cache slot; True if it was still active."""
-        for group in (self.waiting, self.prefilling, self.decoding):
-            for seq in group:
-                if seq.id == request_id:
-                    group.remove(seq)
-                    self._release(seq)
-                    return True
+        """Stop a request (waiting, in prefill or decoding) and free its cache slot; True if it was
+        still active. Its callback gets a "cancelled" event at once, which the current step (when
+        called from a callback) or the next one also returns."""
+        for seq in self.waiting + self.prefilling + self.decoding:
+            if seq.id == request_id:
+                self._end(seq, "cancelled")
+                return True
         return False
 
     def set_prefill_budget(self, tokens: int) -> None:
@@ -172,7 +195,8 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.decoding)
+        """Requests are active, or events are not yet returned by ``step()``."""
+        return bool(self.waiting or self.prefilling or self.decoding or self._events)
 
     def stats(self) -> EngineStats:
         backlog = sum(len(s.req.prompt) - s.prefilled for s in self.waiting + self.prefilling)
@@ -192,13 +216,23 @@ class Engine:
 
     # ---------------------------------------------------------------- the loop
     def step(self) -> list[TokenEvent]:
-        events: list[TokenEvent] = []
+        """One iteration; returns its events (and those of cancels since the last step) in the order
+        the callbacks saw them."""
+        self._expire()
         self._admit()
         if self.decoding:
-            events += self._decode(list(self.decoding))
+            self._decode(list(self.decoding))
         if self.prefilling:
-            events += self._prefill()
+            self._prefill()
+        events, self._events = self._events, []
         return events
+
+    def _expire(self) -> None:
+        """End the requests whose deadline has passed, before they take a slot or a step."""
+        now = self.clock()
+        for seq in self.waiting + self.prefilling + self.decoding:
+            if seq.req.deadline is not None and now >= seq.req.deadline:
+                self._end(seq, "deadline")
 
     def _admit(self) -> None:
         while (self.waiting and self.cache.free_slots
@@ -209,11 +243,12 @@ class Engine:
         # a decode batch in slot order is one block of the cache when its slots are consecutive
         self.decoding.sort(key=lambda s: s.slot)
 
-    def _prefill(self) -> list[TokenEvent]:
+    def _prefill(self) -> None:
         """Spend the prefill budget on prompt chunks, one sequence per call, full depth."""
         budget = self.cfg.prefill_budget
-        events = []
         for seq in list(self.prefilling):
+            if seq.finished:  # cancelled by a callback earlier in this loop
+                continue
             n = min(len(seq.req.prompt) - seq.prefilled, budget)
             if n <= 0:
                 break
@@ -229,10 +264,9 @@ class Engine:
                 self.prefilling.remove(seq)
                 self.decoding.append(seq)
                 token = choose_token(out.logits[0], seq.req.temperature, seq.req.top_p, seq.rng)
-                events.append(self._emit(seq, token, self.backend.num_layers))
-        return events
+                self._emit(seq, token, self.backend.num_layers)
 
-    def _decode(self, seqs: list[_Seq]) -> list[TokenEvent]:
+    def _decode(self, seqs: list[_Seq]) -> None:
         """One token for every sequence: segment by segment, the rule picks the rows that stop after
         each exit, and the batch shrinks to the rows still running."""
         backend, nseg = self.backend, len(self.backend.segments)
@@ -297,7 +331,9 @@ class Engine:
             else:
                 x, prev = out.hidden, out
         decided.sort(key=lambda d: d[0].slot)
-        return [self._emit(s, token, layer) for s, token, layer in decided]
+        for s, token, layer in decided:
+            if not s.finished:  # else a callback of this step cancelled it: its token is dropped
+                self._emit(s, token, layer)
 
     def _with_deferred(self, i: int, s: _Seq, x: np.ndarray, slots: np.ndarray, start: np.ndarray,
                        prev: SegmentOut | None) -> SegmentOut:
@@ -350,7 +386,7 @@ class Engine:
             return
         self.backend.kvfill(i + 1, h, slots, pos)
 
-    def _emit(self, seq: _Seq, token: int, exit_layer: int) -> TokenEvent:
+    def _emit(self, seq: _Seq, token: int, exit_layer: int) -> None:
         seq.tokens.append(token)
         seq.exit_layers.append(exit_layer)
         reason = None
@@ -358,19 +394,30 @@ class Engine:
             reason = "stop"
         elif len(seq.tokens) >= seq.req.max_tokens:
             reason = "length"
-        ev = TokenEvent(seq.id, token, exit_layer, len(seq.tokens) - 1, reason is not None, reason)
+        if reason is not None:  # before the callback: a cancel from it finds nothing left to stop
+            self._release(seq, reason)
+        self._deliver(seq, TokenEvent(seq.id, token, exit_layer, len(seq.tokens) - 1, reason is not None, reason))
+
+    def _end(self, seq: _Seq, reason: str) -> None:
+        """End an active request without a token (cancelled, deadline)."""
+        self._release(seq, reason)
+        self._deliver(seq, TokenEvent(seq.id, NO_TOKEN, NO_TOKEN, len(seq.tokens), True, reason))
+
+    def _deliver(self, seq: _Seq, ev: TokenEvent) -> None:
+        self._events.append(ev)
         if seq.req.on_token is not None:
             seq.req.on_token(ev)
-        if reason is not None:
-            self.decoding.remove(seq)
-            self._release(seq)
-        return ev
 
-    def _release(self, seq: _Seq) -> None:
+    def _release(self, seq: _Seq, reason: str) -> None:
+        """Take a finished request out of its queue and free its cache slot."""
+        for group in (self.waiting, self.prefilling, self.decoding):
+            if seq in group:
+                group.remove(seq)
         if seq.slot >= 0:
             self.cache.release(seq.slot)
             seq.slot = -1
         seq.pending.clear()
+        seq.finished = reason
 
 
 def _rows(a: np.ndarray | None, keep: np.ndarray) -> np.ndarray | None:

@@ -8,7 +8,7 @@ import torch
 from edge.model.config import ModelConfig
 from edge.runtime.backend import build_mask, make_backend
 from edge.runtime.torch_backend import TorchBackend
-from edge.runtime.engine import Engine, EngineConfig, KVMode, Request
+from edge.runtime.engine import NO_TOKEN, Engine, EngineConfig, KVMode, Request, TokenEvent
 from edge.runtime.rules import ConfidenceRule
 from edge.runtime.sampling import choose_token
 from edge.core.errors import ConfigError, SmartExitError
@@ -96,11 +96,70 @@ def test_batched_equals_sequential(mode):
     assert batched == seq
 
 
-def test_defer_mode_no_exits_equals_full_greedy():
+@torch.no_grad()
+def _defer_reference(m, prompt, n, rule):
+    """Greedy early exit where a token that stops at layer e still runs layers e+1.. for their keys /
+    values at once. Defer mode runs them later, with the next token that reaches them; attention is
+    causal, so the two agree. Returns (tokens, exit layers, keys, values) with K/V per layer [KV, P, hd]."""
+    bb = m.backbone
+    out = bb(torch.tensor([prompt]))
+    keys, values = list(out.keys), list(out.values)
+    tokens, exits = [int(out.logits[0, -1].argmax())], [m.num_layers]
+    for pos in range(len(prompt), len(prompt) + n - 1):
+        positions = torch.tensor([[pos]])
+        cos, sin = bb.rope(positions)
+        mask = attention_mask(positions, torch.arange(pos + 1)[None])
+        h, decided = bb.embed(torch.tensor([[tokens[-1]]])), None
+        for j in range(m.num_layers):
+            h, k, v = bb.layers[j](h, cos, sin, keys[j], values[j], mask)
+            keys[j], values[j] = torch.cat((keys[j], k), 2), torch.cat((values[j], v), 2)
+            if decided is None and j + 1 in m.exit_layers:
+                logits = m.exit_logits(j + 1, h)[0, -1]
+                if j + 1 == m.num_layers or rule(j + 1, logits, None):
+                    decided = (int(logits.argmax()), j + 1)
+        tokens.append(decided[0])
+        exits.append(decided[1])
+    return tokens, exits, [k[0].numpy() for k in keys], [v[0].numpy() for v in values]
+
+
+def _filled(prompt_len, exits, num_layers):
+    """[L, P] mask of the cache entries defer mode must have written when generation ends: the input
+    of decode step k (position prompt_len + k - 1) stopped at exits[k]; its skipped layers are filled
+    only once a later input runs them."""
+    fed = exits[1:]
+    mask = np.ones((num_layers, prompt_len + len(fed)), bool)
+    for k, e in enumerate(fed):
+        for j in range(num_layers):  # 0-based layer j ran for an input that stopped at e > j
+            mask[j, prompt_len + k] = any(later > j for later in fed[k:])
+    return mask
+
+
+@pytest.mark.parametrize("batch", [1, 2], ids=["one_call", "catch_up"])
+def test_defer_mode_with_exits_matches_recomputation_reference(batch):
+    """Defer mode, exits on: tokens, exit layers and every cache entry it had to write equal a
+    reference that runs the skipped layers of each exited token at once. Batch 1 runs the deferred
+    rows in the new token's call, batch 2 in separate catch-up calls."""
     m = _model(seed=2)
-    p = _prompts(1, seed=2)[0]
-    got = _run(Engine(TorchBackend(m), EngineConfig(max_len=128, kv_mode=KVMode.DEFER)), [p])[0]
-    assert [t for t, _ in got] == reference_generate(m, p, 12).tokens
+    prompts = _prompts(batch, seed=2)
+    eng = Engine(TorchBackend(m), EngineConfig(max_seqs=batch, max_running=batch, max_len=128,
+                                               kv_mode=KVMode.DEFER), ConfidenceRule(0.3))
+    got = _run(eng, prompts, max_tokens=16)
+    for slot, (p, seq) in enumerate(zip(prompts, got)):
+        tokens, exits, keys, values = _defer_reference(m, p, 16, _RefRule(0.3))
+        assert [t for t, _ in seq] == tokens and [e for _, e in seq] == exits
+        filled = _filled(len(p), exits, CFG.num_layers)
+        # entries skipped by their own token and written later, when a following token ran the layer
+        late = [(j, k) for k, e in enumerate(exits[1:]) for j in range(e, CFG.num_layers) if filled[j, len(p) + k]]
+        assert late, "the test needs deferred rows that were run"
+        for j in range(CFG.num_layers):
+            cols = np.flatnonzero(filled[j])
+            # batched / gathered vs one token at a time: summation order only, through up to 6 layers
+            assert_f32_close(eng.cache.keys[j][slot][:, cols], keys[j][:, cols], CFG.hidden_size, CFG.num_layers,
+                             f"keys layer {j}")
+            assert_f32_close(eng.cache.values[j][slot][:, cols], values[j][:, cols], CFG.hidden_size,
+                             CFG.num_layers, f"values layer {j}")
+        assert any(a < CFG.num_layers and b < CFG.num_layers for a, b in zip(exits[1:], exits[2:])), \
+            "the test needs two early exits in a row: several deferred rows run together"
 
 
 class _ExitOnceAt2:
@@ -180,6 +239,106 @@ def test_streaming_callback_cancel_and_control():
         eng.set_prefill_budget(0)
     eng.run_until_idle()
     assert not eng.has_work and eng.cache.free_slots == 2 and b not in eng.stats().deadlines
+
+
+def _tokens(events, rid):
+    return [e.token for e in events if e.request_id == rid and e.token != NO_TOKEN]
+
+
+def _cancelled_event(ev, rid, index):
+    return (ev.request_id, ev.token, ev.exit_layer, ev.index, ev.finished, ev.finish_reason) == (
+        rid, NO_TOKEN, NO_TOKEN, index, True, "cancelled")
+
+
+def test_cancel_from_callbacks_own_and_other_requests():
+    """Callbacks cancel: a request whose token comes later in the same step (B: that token is
+    dropped), one whose token came earlier (A), themselves (C), themselves on their last token (D:
+    nothing left to cancel). The step goes on; the others' tokens are what they are uncancelled."""
+    m = _model(seed=5)
+    prompts = _prompts(4, seed=5)
+    cfg = EngineConfig(max_seqs=4, max_running=4, max_len=128)
+    full = _run(Engine(TorchBackend(m), cfg), prompts, max_tokens=12)
+    eng = Engine(TorchBackend(m), cfg)
+    seen, results, ids = [], [], {}
+
+    def callback(name, plan):
+        def on_token(ev):
+            seen.append(ev)
+            if ev.token != NO_TOKEN and ev.index in plan:
+                results.append((name, eng.cancel(ids[plan[ev.index]])))
+        return on_token
+
+    plans = {"A": {2: "B"}, "B": {}, "C": {4: "A", 6: "C"}, "D": {9: "D"}}  # at its token index: cancel
+    for (name, plan), p in zip(plans.items(), prompts):  # slots 0..3: tokens are emitted in this order
+        ids[name] = eng.submit(Request(p, 10 if name == "D" else 12, on_token=callback(name, plan)))
+    events = []
+    while eng.has_work:
+        events += eng.step()
+    assert events == seen  # step() returns what the callbacks saw, in the same order
+    assert results == [("A", True), ("C", True), ("C", True), ("D", False)]
+    a, b, c, d = (ids[k] for k in "ABCD")
+    assert _tokens(events, b) == [t for t, _ in full[1][:2]]  # its token of A's index-2 step is dropped
+    assert _cancelled_event([e for e in events if e.request_id == b][-1], b, 2)
+    assert _tokens(events, a) == [t for t, _ in full[0][:5]]  # its index-4 token came before C's cancel
+    assert _cancelled_event([e for e in events if e.request_id == a][-1], a, 5)
+    assert _tokens(events, c) == [t for t, _ in full[2][:7]]
+    assert _cancelled_event([e for e in events if e.request_id == c][-1], c, 7)
+    d_events = [e for e in events if e.request_id == d]
+    assert _tokens(events, d) == [t for t, _ in full[3][:10]] and [e.finish_reason for e in d_events][-2:] == [None, "length"]
+    assert not eng.has_work and eng.cache.free_slots == 4 and not eng.cancel(c)
+
+
+def test_cancel_in_prefill():
+    """A request cancelled half-prefilled frees its slot, and the next request in that slot is not
+    affected by its keys / values; one cancelled by a callback in the same prefill pass is skipped."""
+    m = _model(seed=8)
+    long, short, other = _prompts(3, seed=8, lo=30, hi=40)
+    alone = _run(Engine(TorchBackend(m), EngineConfig(max_seqs=1, max_len=128)), [other], max_tokens=6)[0]
+    eng = Engine(TorchBackend(m), EngineConfig(max_seqs=1, max_len=128, prefill_budget=7))
+    first = eng.submit(Request(long, 6))
+    assert eng.step() == [] and eng.stats().prefill_backlog_tokens == len(long) - 7
+    assert eng.cancel(first) and eng.cache.free_slots == 1 and eng.stats().running == 0
+    assert _cancelled_event(eng.step()[0], first, 0)
+    assert _run(eng, [other], max_tokens=6)[0] == alone
+
+    eng = Engine(TorchBackend(m), EngineConfig(max_seqs=2, max_len=128, prefill_budget=64))
+    later = []
+    eng.submit(Request(short[:3], 6, on_token=lambda ev: ev.index == 0 and eng.cancel(later[0])))
+    later.append(eng.submit(Request(long, 6)))  # prefilled after the first in the same step
+    events = eng.step()
+    assert [(e.request_id, e.finish_reason) for e in events][-1] == (later[0], "cancelled")
+    assert eng.stats().running == 1 and eng.cache.free_slots == 1
+
+
+def test_deadline_ends_requests_and_frees_their_slots():
+    """Deadlines on the engine's clock: a waiting request past it never gets a slot, a decoding one
+    is ended with its tokens so far, and the slot goes to the next request in the same step."""
+    m = _model(seed=9)
+    pa, pb, pc = _prompts(3, seed=9)
+    alone = [_run(Engine(TorchBackend(m), EngineConfig(max_seqs=1, max_len=128)), [p], max_tokens=8)[0]
+             for p in (pa, pc)]
+    now = [0.0]
+    eng = Engine(TorchBackend(m), EngineConfig(max_seqs=1, max_len=128), clock=lambda: now[0])
+    seen = []
+    a = eng.submit(Request(pa, 8, deadline=10.0, on_token=seen.append))
+    b = eng.submit(Request(pb, 8, deadline=5.0, on_token=seen.append))
+    c = eng.submit(Request(pc, 8))
+    events = eng.step() + eng.step() + eng.step()
+    assert eng.stats().deadlines == {a: 10.0, b: 5.0, c: None}
+    now[0] = 5.0
+    events += eng.step()
+    assert [e for e in seen if e.request_id == b] == [TokenEvent(b, NO_TOKEN, NO_TOKEN, 0, True, "deadline")]
+    assert b not in eng.stats().deadlines
+    now[0] = 10.0
+    ended = eng.step()
+    assert ended[0] == TokenEvent(a, NO_TOKEN, NO_TOKEN, 4, True, "deadline")
+    assert eng.stats().running == 1  # c took the freed slot in the same step
+    events += ended
+    while eng.has_work:
+        events += eng.step()
+    assert _tokens(events, a) == [t for t, _ in alone[0][:4]]
+    assert _tokens(events, c) == [t for t, _ in alone[1]] and _tokens(events, b) == []
+    assert eng.cache.free_slots == 1
 
 
 def test_stop_tokens_and_sampling_reproducible():
