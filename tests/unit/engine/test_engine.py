@@ -341,23 +341,44 @@ def test_deadline_ends_requests_and_frees_their_slots():
     assert eng.cache.free_slots == 1
 
 
-def test_stop_tokens_and_sampling_reproducible():
+def test_stop_token_ends_the_request():
     m = _model(seed=6)
     p = [7, 8, 9]
     first = _run(Engine(TorchBackend(m), EngineConfig(max_len=128)), [p])[0][0][0]
-    out = _run(Engine(TorchBackend(m), EngineConfig(max_len=128)), [p], stop_ids=(first,))[0]
-    assert len(out) == 1
-    s1 = _run(Engine(TorchBackend(m), EngineConfig(max_len=128)), [p], temperature=1.0, top_p=0.9, seed=3)[0]
-    s2 = _run(Engine(TorchBackend(m), EngineConfig(max_len=128)), [p], temperature=1.0, top_p=0.9, seed=3)[0]
-    assert s1 == s2
+    eng = Engine(TorchBackend(m), EngineConfig(max_len=128))
+    eng.submit(Request(p, 12, stop_ids=(first,)))
+    events = eng.step()
+    assert [(e.token, e.finished, e.finish_reason) for e in events] == [(first, True, "stop")]
+    assert not eng.has_work and eng.cache.free_slots == eng.cfg.max_seqs
 
 
-def test_top_p_keeps_smallest_nucleus():
-    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
-    rng = np.random.default_rng(0)
-    draws = {choose_token(logits, 1.0, 0.7, rng) for _ in range(300)}
-    assert draws == {0, 1}
-    assert choose_token(logits, 0.0, 1.0, None) == 0
+@torch.no_grad()
+def _sample_reference(m, prompt, n, temperature, top_p, seed):
+    """Full-depth sampling, one forward over the whole sequence per token, a generator per request."""
+    rng = np.random.default_rng(seed)
+    ids = list(prompt)
+    for _ in range(n):
+        logits = m.backbone(torch.tensor([ids])).logits[0, -1].numpy()
+        ids.append(choose_token(logits, temperature, top_p, rng))
+    return ids[len(prompt):]
+
+
+def test_each_request_samples_with_its_own_settings_and_seed():
+    """Requests batched together each sample from the full model's logits with their own
+    temperature, top-p and generator (the sampler itself is tested in test_sampling.py)."""
+    m = _model(seed=6)
+    prompts = _prompts(3, seed=6)
+    settings = [dict(temperature=1.0, top_p=0.9, seed=3), dict(temperature=0.7, top_p=1.0, seed=4),
+                dict(temperature=1.5, top_p=0.8, seed=3)]
+    eng = Engine(TorchBackend(m), EngineConfig(max_seqs=3, max_running=3, max_len=128))
+    ids = [eng.submit(Request(p, 8, **kw)) for p, kw in zip(prompts, settings)]
+    events = []
+    while eng.has_work:
+        events += eng.step()
+    for i, p, kw in zip(ids, prompts, settings):
+        got = _tokens(events, i)
+        assert got == _sample_reference(m, p, 8, kw["temperature"], kw["top_p"], kw["seed"])
+        assert got != reference_generate(m, p, 8).tokens, "sampling should leave the greedy path"
 
 
 @pytest.mark.parametrize("req,msg", [
