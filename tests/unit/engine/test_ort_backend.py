@@ -82,15 +82,36 @@ def test_provider_choice():
         pick_providers(["CPUExecutionProvider"], ["TensorrtExecutionProvider"])
 
 
+POOL = """
+import json, os, sys
+from edge.runtime.backend import make_backend
+from edge.runtime.engine import generate_batch
+threads = lambda: len(os.listdir("/proc/self/task"))  # this process's OS threads
+counts = [threads()]
+first = make_backend("onnxruntime", graphs_dir=sys.argv[1], threads=3)
+counts.append(threads())
+others = [make_backend("onnxruntime", graphs_dir=sys.argv[1], threads=t) for t in (2, 4)]
+tokens = [generate_batch(b, None, [[1, 2, 3], [4, 5]], 4) for b in [first] + others]
+counts.append(threads())
+print(json.dumps({"counts": counts, "pool": [b.pool_threads for b in [first] + others], "tokens": tokens}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc (Linux)")
 def test_backends_share_one_thread_pool(exported):
-    """Every session of every backend in a process runs on one ONNX Runtime pool (sized once)."""
-    m, ckpt, graphs = exported
-    first = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1)
-    second = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=2)
-    assert first.pool_threads == second.pool_threads
-    prompts = _prompts(2, seed=13)
-    cfg = dict(max_seqs=2, max_running=2, max_len=64, prefill_budget=16)
-    assert _run(Engine(first, EngineConfig(**cfg)), prompts, 6) == _run(Engine(second, EngineConfig(**cfg)), prompts, 6)
+    """In a fresh process: the first backend sizes ONNX Runtime's pool (3 threads: 2 workers besides
+    the caller); backends opened after it, asking for other sizes, and every session they run add no
+    thread. Per-session pools would add workers for each of their sessions."""
+    _, _, graphs = exported
+    out = subprocess.run([sys.executable, "-c", POOL, str(graphs)], cwd=Path(__file__).parents[3],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    before, first, after = got["counts"]
+    assert first - before >= 2, got  # the pool's workers exist
+    assert after == first, got
+    assert got["pool"] == [3, 3, 3]
+    assert got["tokens"][0] == got["tokens"][1] == got["tokens"][2]
 
 
 def test_optimised_graphs_are_cached_and_rechecked(exported, tmp_path):
