@@ -38,17 +38,6 @@ def _prompts(n, seed=0, lo=3, hi=20):
     return [rng.integers(0, 300, rng.integers(lo, hi)).tolist() for _ in range(n)]
 
 
-class _RefRule:
-    """The batched ConfidenceRule as a per-token reference-generator rule."""
-
-    def __init__(self, threshold):
-        self.inner = ConfidenceRule(threshold)
-
-    def __call__(self, layer, logits, hidden):
-        stats, token = exit_decision_stats(logits[None])
-        return bool(self.inner.decide(layer, {layer: stats.numpy()}, {layer: token.numpy()}, {})[0])
-
-
 def _run(engine, prompts, max_tokens=12, **kw):
     out = {}
     ids = [engine.submit(Request(p, max_tokens, **kw)) for p in prompts]
@@ -77,7 +66,7 @@ def test_engine_matches_reference_generator_one_at_a_time(threshold):
     for p in _prompts(3):
         eng = Engine(TorchBackend(m), EngineConfig(max_seqs=1, max_len=128), rule=rule)
         got = _run(eng, [p])[0]
-        ref = reference_generate(m, p, 12, rule=_RefRule(threshold) if threshold else None)
+        ref = reference_generate(m, p, 12, rule=rule)
         assert [t for t, _ in got] == ref.tokens
         assert [e for _, e in got] == ref.exit_layers
     if threshold:
@@ -109,14 +98,17 @@ def _defer_reference(m, prompt, n, rule):
         positions = torch.tensor([[pos]])
         cos, sin = bb.rope(positions)
         mask = attention_mask(positions, torch.arange(pos + 1)[None])
-        h, decided = bb.embed(torch.tensor([[tokens[-1]]])), None
+        h, decided, stats, argmax = bb.embed(torch.tensor([[tokens[-1]]])), None, {}, {}
         for j in range(m.num_layers):
             h, k, v = bb.layers[j](h, cos, sin, keys[j], values[j], mask)
             keys[j], values[j] = torch.cat((keys[j], k), 2), torch.cat((values[j], v), 2)
-            if decided is None and j + 1 in m.exit_layers:
-                logits = m.exit_logits(j + 1, h)[0, -1]
-                if j + 1 == m.num_layers or rule(j + 1, logits, None):
-                    decided = (int(logits.argmax()), j + 1)
+            layer = j + 1
+            if decided is None and layer in m.exit_layers:
+                logits = m.exit_logits(layer, h)[:, -1]  # [1, V]
+                st, tk = exit_decision_stats(logits)
+                stats[layer], argmax[layer] = st.numpy(), tk.numpy()
+                if layer == m.num_layers or rule.decide(layer, stats, argmax, {})[0]:
+                    decided = (int(tk[0]), layer)
         tokens.append(decided[0])
         exits.append(decided[1])
     return tokens, exits, [k[0].numpy() for k in keys], [v[0].numpy() for v in values]
@@ -145,7 +137,7 @@ def test_defer_mode_with_exits_matches_recomputation_reference(batch):
                                                kv_mode=KVMode.DEFER), ConfidenceRule(0.3))
     got = _run(eng, prompts, max_tokens=16)
     for slot, (p, seq) in enumerate(zip(prompts, got)):
-        tokens, exits, keys, values = _defer_reference(m, p, 16, _RefRule(0.3))
+        tokens, exits, keys, values = _defer_reference(m, p, 16, ConfidenceRule(0.3))
         assert [t for t, _ in seq] == tokens and [e for _, e in seq] == exits
         filled = _filled(len(p), exits, CFG.num_layers)
         # entries skipped by their own token and written later, when a following token ran the layer
