@@ -7,29 +7,26 @@ are filled by *state propagation* (CALM, Schuster et al. 2022, sec. 4): the
 exit hidden state h_k goes through each skipped layer's input norm and K/V
 projections only. With the rule disabled this is exactly greedy decoding of the
 full model.
+
+The exit rule is the engine's (``edge.runtime.rules``: ``ConfidenceRule``, the threshold
+table's ``TableRule``), asked with one row: at each decision exit it gets, for every
+exit reached so far, the softmax statistics [1, 3] and argmax [1] that the segment
+graphs would compute (:func:`edge.model.exits.exit_decision_stats`) and the normalised
+hidden state [1, D], as numpy arrays (``decide``), or for a model with exit gates the
+gate logits [1] (``decide_gated``), and returns bool [1]. So a rule is written once,
+torch-free, and this generator checks the engine with the engine's own rules.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from edge.core.errors import SmartExitError
-from edge.model.exits import MultiExitModel
+from edge.model.exits import MultiExitModel, exit_decision_stats
 from edge.model.decoder import attention_mask
-
-# An exit rule sees (exit layer, logits [V], normalised exit hidden state [D]) for the
-# current token and says whether to stop there. Rules that keep per-token state across
-# exits (consistency signals) also have ``reset()``, called before each token.
-ExitRule = Callable[[int, torch.Tensor, torch.Tensor], bool]
-
-
-def confidence_rule(threshold: float) -> ExitRule:
-    """Stop when the exit's top-1 probability reaches ``threshold`` (the uncalibrated baseline)."""
-    def rule(layer: int, logits: torch.Tensor, hidden: torch.Tensor) -> bool:
-        return torch.softmax(logits.float(), -1).max().item() >= threshold
-    return rule
 
 
 @dataclass
@@ -61,8 +58,19 @@ def check_prompt(model: MultiExitModel, prompt: Sequence[int], max_new_tokens: i
 
 @torch.no_grad()
 def reference_generate(model: MultiExitModel, prompt: Sequence[int], max_new_tokens: int,
-             rule: ExitRule | None = None, stop_ids: Sequence[int] = ()) -> GenerationResult:
-    """Greedy generation with per-token early exit; ``rule=None`` runs full depth."""
+                       rule: Any = None, stop_ids: Sequence[int] = ()) -> GenerationResult:
+    """Greedy generation with per-token early exit.
+
+    Args:
+        model: the multi-exit model.
+        prompt: token ids.
+        max_new_tokens: tokens to generate (fewer if a stop id comes first).
+        rule: an engine exit rule (module docstring); None runs full depth.
+        stop_ids: token ids that end generation (the stop token is kept).
+
+    Raises:
+        SmartExitError: an empty prompt, an id outside the vocabulary or a context overflow.
+    """
     check_prompt(model, prompt, max_new_tokens)
     bb = model.backbone
     depth = model.num_layers
@@ -87,8 +95,7 @@ def reference_generate(model: MultiExitModel, prompt: Sequence[int], max_new_tok
     return result
 
 
-def _decode_step(model: MultiExitModel, token: int, pos: int, keys: list, values: list,
-                 rule: ExitRule | None) -> tuple[int, int]:
+def _decode_step(model: MultiExitModel, token: int, pos: int, keys: list, values: list, rule: Any) -> tuple[int, int]:
     """One token through the segments; appends this position's K/V for every layer."""
     bb = model.backbone
     depth = model.num_layers
@@ -96,8 +103,11 @@ def _decode_step(model: MultiExitModel, token: int, pos: int, keys: list, values
     cos, sin = bb.rope(positions)
     mask = attention_mask(positions, torch.arange(pos + 1).unsqueeze(0), window=bb.cfg.sliding_window)
     h = bb.embed(torch.tensor([[token]]))
-    if hasattr(rule, "reset"):
-        rule.reset()
+    # what the rule sees, per exit reached so far (one row)
+    stats: dict[int, np.ndarray] = {}  # [1, 3]
+    tokens: dict[int, np.ndarray] = {}  # [1]
+    hidden: dict[int, np.ndarray] = {}  # [1, D]
+    gates: dict[int, np.ndarray] = {}  # [1]
     done = 0
     for layer in model.exit_layers:
         for j in range(done, layer):
@@ -109,12 +119,21 @@ def _decode_step(model: MultiExitModel, token: int, pos: int, keys: list, values
             return int(model.exit_logits(layer, h)[0, -1].argmax()), depth
         if rule is None:
             continue
-        hidden = model.exit_hidden(layer, h)[0, -1]
-        logits = torch.nn.functional.linear(hidden, bb.head_weight)
-        if rule(layer, logits, hidden):
+        e = model.exit_hidden(layer, h)[:, -1]  # [1, D]
+        hidden[layer] = e.numpy()
+        if model.gated:
+            gates[layer] = model.exit_gate(layer, e).numpy()
+            stop = rule.decide_gated(layer, gates, hidden)
+        else:
+            st, tk = exit_decision_stats(torch.nn.functional.linear(e, bb.head_weight))
+            stats[layer], tokens[layer] = st.numpy(), tk.numpy()
+            stop = rule.decide(layer, stats, tokens, hidden)
+        if bool(np.asarray(stop)[0]):
             for j in range(layer, depth):  # state propagation into the skipped layers
                 k, v = bb.layers[j].kv_only(h, cos, sin)
                 keys[j] = torch.cat((keys[j], k), dim=2)
                 values[j] = torch.cat((values[j], v), dim=2)
-            return int(logits.argmax()), layer
+            if model.gated:  # the LM head runs for the exiting row only, as in the engine
+                return int(torch.nn.functional.linear(e, bb.head_weight).argmax()), layer
+            return int(tokens[layer][0]), layer
     raise AssertionError("exit_layers must end with the last layer")

@@ -33,24 +33,23 @@ import numpy as np
 
 from calibration import certify as cert
 from calibration.calibrators import Calibrator, CalibratorKind, reliability_curve
-from calibration.collect import collect_units, top1_accuracy_units
+from calibration.collect import collect_units
 from calibration.compare import baselines
 from calibration.evaluate import evaluate_cascade
-from edge.pipeline.freerun import FreeRun, free_run, free_run_until
 from calibration.pvalues import PValue, exceeds_pvalue, min_units
 from calibration.risk import default_grid
-from calibration.signals import GATED_SIGNAL_NAMES, SIGNAL_NAMES
-from edge.pipeline.statement import KVChoice, choose_shipped, statement
+from calibration.signals import GATED_SIGNAL_NAMES, SIGNAL_NAMES, exit_targets
 from calibration.table import ThresholdTable, TableRule
 from calibration.units import check_amount, corpora, seeds
 from edge.core.artifacts import atomic_dir, sha256_path
-from edge.model.bundled import resolve_model
-from edge.model.checkpoint import load_decoder
-from edge.runtime.engine import KVMode
-from edge.runtime.rules import NeverExit
 from edge.core.errors import CheckpointError, ConfigError
 from edge.model.exits import read_exits_json
+from edge.model.windows import base_model_metrics
+from edge.pipeline.freerun import FreeRun, free_run, free_run_until
 from edge.pipeline.run_checkpoint import open_run
+from edge.pipeline.statement import KVChoice, choose_shipped, statement
+from edge.runtime.engine import KVMode
+from edge.runtime.rules import NeverExit
 
 STAGE = "calibrate"
 
@@ -146,7 +145,8 @@ def main(cfg: CalibrateConfig) -> int:
 
     # 1-2. fit units: full-depth continuations, calibrators, provisional threshold
     fit_w = data.calibration.draw(cfg.fit_units, length, s["fit"])
-    fit_run = free_run(model, fit_w.ids[:, :P], cfg.new_tokens, NeverExit(), KVMode.DEFER, cfg.batch)
+    fit_run = free_run(model, fit_w.ids[:, :P], cfg.new_tokens, NeverExit(), KVMode.DEFER, cfg.batch,
+                       desc="fit units, full depth")
     fit = fit_run.data
     cals = cert.fit(fit, cfg.calibrator)
     lam_p = cert.provisional_lambda(fit, cfg.calibrator, lams, cfg.epsilon, cfg.delta, cfg.pvalue,
@@ -165,7 +165,8 @@ def main(cfg: CalibrateConfig) -> int:
                             lam_p, observed=r.unit_losses()).exact
 
     cert_w = data.calibration.draw(cfg.certify_units, length, s["certify"])
-    cert_run, _ = free_run_until(model, cert_w.ids[:, :P], cfg.new_tokens, prov_rule, mode, cfg.batch, walk_done)
+    cert_run, _ = free_run_until(model, cert_w.ids[:, :P], cfg.new_tokens, prov_rule, mode, cfg.batch, walk_done,
+                                 desc=f"certify units, {mode.value}")
     probs = cert.calibrated(cals, cert_run.data)
     c = cert.certify(probs, cert_run.data, lams, cfg.epsilon, cfg.delta, cfg.pvalue, None if anytime else s["order"],
                      lam_p, observed=cert_run.unit_losses())
@@ -186,7 +187,7 @@ def main(cfg: CalibrateConfig) -> int:
 
         prop_w = data.calibration.draw(cfg.propagate_units, length, s["propagate"])
         prop_run, _ = free_run_until(model, prop_w.ids[:, :P], cfg.new_tokens, prop_rule, KVMode.PROPAGATE,
-                                     cfg.batch, decided)
+                                     cfg.batch, decided, desc="propagate-test units")
         prop = cert.direct_test(prop_run.unit_losses(), cfg.epsilon, cfg.delta, cfg.pvalue,
                                 None if anytime else s["order"])
     ship = choose_shipped(cfg.kv_mode, mode, c, prop, cfg.epsilon, cfg.delta)
@@ -200,7 +201,8 @@ def main(cfg: CalibrateConfig) -> int:
     test = collect_units(model, ev_w.ids, P)
     rule = TableRule(_table(ckpt, model, cfg.calibrator, c.lam, cals, shipped))
     modes = list(KVMode) if cfg.eval_both_kv_modes else [shipped]
-    runs = {m: free_run(model, ev_w.ids[:, :P], cfg.new_tokens, rule, m, cfg.batch) for m in modes}
+    runs = {m: free_run(model, ev_w.ids[:, :P], cfg.new_tokens, rule, m, cfg.batch, desc=f"evaluation units, {m.value}")
+            for m in modes}
     fr = runs[shipped].summary()
     _log(t0, f"evaluation: {test.n_units} prompts, free-running {fr.false_exit_rate:.4f} ({shipped.value})")
 
@@ -228,7 +230,7 @@ def main(cfg: CalibrateConfig) -> int:
         "expected_layers_skipped_frac": c.layers_skipped_frac,
     }
     table = _table(ckpt, model, cfg.calibrator, c.lam, cals, shipped, certificate)
-    tc = test.correct()
+    tc = exit_targets(test.argmax)
     tp = cert.calibrated(cals, test)
     curves = {f"exit {k}": reliability_curve(tp[k], tc[k]) for k in cals}
     metrics = {
@@ -270,12 +272,28 @@ def main(cfg: CalibrateConfig) -> int:
                     outputs={"thresholds": out / "thresholds.json", "reliability_png": out / "reliability.png",
                              "exit_depth_png": out / "exit_depth.png"},
                     metrics=metrics, seconds=time.time() - t0)
-    print(f"threshold table: {out / 'thresholds.json'} (lambda {c.lam:.3f}, {shipped.value}; bound {ship.bound:.4f} "
-          f"<= eps {cfg.epsilon} on {ship.n_units} prompts: {ship.certified})")
-    print(f"test: false exits teacher-forced {tf.false_exit_rate:.4f}, free-running {fr.false_exit_rate:.4f}; "
-          f"accuracy loss {tf.accuracy_loss_rel:.4f}; layers skipped {fr.layers_skipped_frac:.3f} "
-          f"({time.time() - t0:.0f} s)")
+    for line in summary_lines(metrics, out, manifest.path, time.time() - t0):
+        print(line)
     return 0
+
+
+def summary_lines(metrics: dict[str, Any], out: Path, manifest_path: Path, seconds: float) -> list[str]:
+    """The few numbers the stage ends with, and where its outputs are (the metrics have the rest)."""
+    fr = metrics["free_run"]
+    return [
+        f"calibrate: done in {seconds:.0f} s",
+        f"  certificate: certified {metrics['certified']}, lambda {metrics['lambda']:.3f} (K/V {metrics['kv_mode']}), "
+        f"bound {metrics['bound']:.4f} <= eps {metrics['epsilon']} at delta {metrics['delta']} on "
+        f"{metrics['n_units']} prompts",
+        f"  held out ({metrics['n_eval_units']} prompts): false exits free-running {fr['false_exit_rate']:.4f}, "
+        f"teacher-forced {metrics['false_exit_rate_test']:.4f}; accuracy loss {metrics['accuracy_loss_rel']:.4f}; "
+        f"layers skipped {metrics['layers_skipped_frac']:.3f}",
+        "  compared, teacher-forced (false exits / layers skipped): " + ", ".join(
+            f"{row['system'][:3]} {row['false_exit_rate_test']:.4f} / {row['layers_skipped_frac']:.3f}"
+            for row in metrics["comparison"]),
+        f"  threshold table: {out / 'thresholds.json'}; plots: {out / 'reliability.png'}, "
+        f"{out / 'exit_depth.png'}; all numbers: {manifest_path} (`smartexit report` renders them)",
+    ]
 
 
 def _agreement(run: FreeRun, probs: dict[int, np.ndarray], lam: float) -> float:
@@ -296,11 +314,10 @@ def _base_model_accuracy(ckpt: Path, windows: np.ndarray, first: int) -> float |
     if not source.get("backbone_finetuned"):
         return None
     try:
-        base = load_decoder(resolve_model(source["base_model"]))
+        return base_model_metrics(source["base_model"], windows, first, batch=32)["base_heldout_top1"]
     except CheckpointError as exc:  # the base model moved: calibrate anyway, say what is missing
         print(f"note: no accuracy against the base model ({exc})", flush=True)
         return None
-    return top1_accuracy_units(base, windows, first)
 
 
 def _check_finite(metrics: dict[str, Any]) -> None:

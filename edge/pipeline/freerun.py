@@ -17,6 +17,10 @@ A generated token is *wrong* when it differs from the full model's token on the
 same prefix: a *false exit* if it exited early, a *full-depth mismatch* if it
 ran every layer (possible only with approximate K/V). The first generated
 token comes from the full-depth prefill and is not judged.
+
+:func:`check_continuations` is that check alone, for continuations any engine
+produced (the decode benchmark's); :func:`free_run` generates with the torch
+backend and checks.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from calibration.collect import Collected, collect_units
 from edge.runtime.torch_backend import TorchBackend
@@ -100,9 +105,41 @@ class FreeRun:
                    np.concatenate([r.exit_layers for r in runs]), Collected.concat([r.data for r in runs]))
 
 
+def check_continuations(model: MultiExitModel, prompts: np.ndarray, generated: np.ndarray, exit_layers: np.ndarray,
+                        kv_mode: KVMode) -> FreeRun:
+    """Check every generated token against the full model on the same prefix (module docstring).
+
+    Args:
+        model: the multi-exit model the engine ran.
+        prompts: int token ids [U, P].
+        generated: the engine's tokens [U, T], T >= 2 (the first, from the prefill, is not judged).
+        exit_layers: the layer each generated token was decided at [U, T].
+        kv_mode: the K/V mode the engine ran in.
+
+    Raises:
+        ConfigError: shapes that disagree, or fewer than 2 generated tokens.
+    """
+    prompts, generated = np.asarray(prompts, dtype=np.int64), np.asarray(generated, dtype=np.int64)
+    exit_layers = np.asarray(exit_layers, dtype=np.int64)
+    if (prompts.ndim != 2 or generated.ndim != 2 or generated.shape != exit_layers.shape
+            or generated.shape[0] != prompts.shape[0] or prompts.shape[0] == 0):
+        raise ConfigError(f"check_continuations: expected prompts [U, P], tokens and exit layers [U, T], got shapes "
+                          f"{prompts.shape}, {generated.shape}, {exit_layers.shape}")
+    if generated.shape[1] < 2:
+        raise ConfigError(f"check_continuations: at least 2 new tokens are needed (the first is not judged), "
+                          f"got {generated.shape[1]}")
+    seqs = np.concatenate([prompts, generated], axis=1)
+    return FreeRun(KVMode(kv_mode), model.num_layers, seqs, exit_layers, collect_units(model, seqs, prompts.shape[1]))
+
+
+def _progress(total: int, desc: str | None) -> tqdm:
+    """A bar over prompts on a terminal (``disable=None``: quiet when stderr is not a TTY); none without desc."""
+    return tqdm(total=total, desc=desc, unit="prompt", disable=None if desc else True, leave=False)
+
+
 @torch.no_grad()
 def free_run(model: MultiExitModel, prompts: np.ndarray, new_tokens: int, rule, kv_mode: KVMode,
-             batch: int = 128) -> FreeRun:
+             batch: int = 128, desc: str | None = None) -> FreeRun:
     """Generate ``new_tokens`` tokens for every prompt with the engine and check each one.
 
     Args:
@@ -113,6 +150,7 @@ def free_run(model: MultiExitModel, prompts: np.ndarray, new_tokens: int, rule, 
             :class:`calibration.table.TableRule` or :class:`edge.runtime.rules.NeverExit`.
         kv_mode: how skipped layers get their K/V.
         batch: prompts per engine run.
+        desc: label of a progress bar over the prompts (shown on a terminal only); None: no bar.
 
     Raises:
         ConfigError: fewer than 2 new tokens, no prompts, or an engine that returned the wrong count.
@@ -124,20 +162,20 @@ def free_run(model: MultiExitModel, prompts: np.ndarray, new_tokens: int, rule, 
         raise ConfigError(f"free_run: at least 2 new tokens are needed (the first is not judged), got {new_tokens}")
     backend = TorchBackend(model)
     gen, layers = [], []
-    for a in range(0, prompts.shape[0], batch):
-        chunk = [p.tolist() for p in prompts[a:a + batch]]
-        for toks, exits in generate_batch(backend, rule, chunk, new_tokens, KVMode(kv_mode)):
-            if len(toks) != new_tokens:
-                raise ConfigError(f"engine returned {len(toks)} tokens for a prompt, {new_tokens} were asked for")
-            gen.append(toks)
-            layers.append(exits)
-    seqs = np.concatenate([prompts, np.asarray(gen, dtype=np.int64)], axis=1)
-    data = collect_units(model, seqs, prompts.shape[1])
-    return FreeRun(KVMode(kv_mode), model.num_layers, seqs, np.asarray(layers, dtype=np.int64), data)
+    with _progress(prompts.shape[0], desc) as bar:
+        for a in range(0, prompts.shape[0], batch):
+            chunk = [p.tolist() for p in prompts[a:a + batch]]
+            for toks, exits in generate_batch(backend, rule, chunk, new_tokens, KVMode(kv_mode)):
+                if len(toks) != new_tokens:
+                    raise ConfigError(f"engine returned {len(toks)} tokens for a prompt, {new_tokens} were asked for")
+                gen.append(toks)
+                layers.append(exits)
+            bar.update(len(chunk))
+    return check_continuations(model, prompts, np.asarray(gen), np.asarray(layers), kv_mode)
 
 
 def free_run_until(model: MultiExitModel, prompts: np.ndarray, new_tokens: int, rule, kv_mode: KVMode,
-                   batch: int, stop: Callable[[FreeRun], bool]) -> tuple[FreeRun, bool]:
+                   batch: int, stop: Callable[[FreeRun], bool], desc: str | None = None) -> tuple[FreeRun, bool]:
     """:func:`free_run` batch by batch in the order of ``prompts``, stopping after the first batch for
     which ``stop(all units so far)`` is true. Returns (the units run, whether ``stop`` fired).
 
@@ -146,9 +184,11 @@ def free_run_until(model: MultiExitModel, prompts: np.ndarray, new_tokens: int, 
     succeeds, or fails for good, keeps it valid.
     """
     runs: list[FreeRun] = []
-    for a in range(0, prompts.shape[0], batch):
-        runs.append(free_run(model, prompts[a:a + batch], new_tokens, rule, kv_mode, batch))
-        done = FreeRun.concat(runs)
-        if stop(done):
-            return done, True
+    with _progress(prompts.shape[0], desc) as bar:
+        for a in range(0, prompts.shape[0], batch):
+            runs.append(free_run(model, prompts[a:a + batch], new_tokens, rule, kv_mode, batch))
+            bar.update(runs[-1].seqs.shape[0])
+            done = FreeRun.concat(runs)
+            if stop(done):
+                return done, True
     return FreeRun.concat(runs), False

@@ -11,6 +11,10 @@ With exit gates (``exits.gate_hidden`` > 0) the engine calls ``decide_gated(laye
 gates, hidden)`` instead: the gates' logits [B] per exit reached, and the LM head
 runs only for the rows the rule lets exit.
 
+The engine's rules are also the reference generator's (:mod:`edge.model.reference`
+asks ``decide`` / ``decide_gated`` with one row), so each rule is written once, in
+numpy.
+
 A rule that is a linear score of the exit's features (the columns of
 ``calibration.signals.SIGNAL_NAMES``, or ``GATED_SIGNAL_NAMES`` with gates) says so
 with ``linear(layer, num_features) -> (w [F], b)``: exit where features @ w + b >= 0.
@@ -24,6 +28,11 @@ from typing import Protocol
 import numpy as np
 
 ExitTrace = dict[int, np.ndarray]  # exit layer -> per-row array
+
+# Column of the softmax top-1 probability in the exit statistics [B, 3] and in the exit features
+# (``calibration.signals.SIGNAL_NAMES``), and of the gate probability in the features of a model with
+# exit gates (``GATED_SIGNAL_NAMES``): what a single-signal rule thresholds.
+TOP1 = 0
 
 
 class BatchExitRule(Protocol):
@@ -55,15 +64,17 @@ class ConfidenceRule:
 
     def __init__(self, threshold: float) -> None:
         self.threshold = threshold
-        self._logit = float(np.log(threshold / (1 - threshold))) if 0 < threshold < 1 else np.inf
+        # sigmoid(g) >= threshold  <=>  g >= logit(threshold)
+        self._logit = (float(np.log(threshold / (1 - threshold))) if 0 < threshold < 1
+                       else (-np.inf if threshold <= 0 else np.inf))
 
     def decide(self, layer, stats, tokens, hidden):
-        return stats[layer][:, 0] >= self.threshold
+        return stats[layer][:, TOP1] >= self.threshold
 
     def linear(self, layer, num_features):
-        """top-1 probability (or, with gates, the gate probability: the first feature) >= threshold."""
+        """top-1 probability (or, with gates, the gate probability: feature TOP1 either way) >= threshold."""
         w = np.zeros(num_features)
-        w[0] = 1.0
+        w[TOP1] = 1.0
         return w, -self.threshold
 
     def decide_gated(self, layer, gates, hidden):

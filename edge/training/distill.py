@@ -11,24 +11,23 @@ a curriculum, checkpoints and resume: :mod:`edge.training.layerskip`).
 from __future__ import annotations
 
 import copy
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from edge.core.artifacts import Manifest, atomic_dir
-from edge.model.bundled import read_lineage, resolve_model
-from edge.model.checkpoint import load_decoder
 from edge.core.data import Split, load_split
 from edge.core.errors import ConfigError
+from edge.model.bundled import read_lineage, resolve_model
+from edge.model.checkpoint import load_decoder
 from edge.model.exits import ExitConfig, MultiExitModel, save_multi_exit
+from edge.model.tokenizer import encode_documents, load_tokenizer
+from edge.model.windows import base_model_metrics, exit_metrics, stream_windows
 from edge.training.layerskip import LOSS_PNG, LayerSkipConfig, exit_loss_summary, lr_at, plot_exit_losses, train_layerskip
 from edge.training.losses import distill_loss
-from edge.model.tokenizer import encode_documents, load_tokenizer
 
 STAGE = "distill"
 
@@ -88,67 +87,6 @@ def heldout_tokens(tok, docs=None) -> np.ndarray:
     """Token stream of the shipped test split (or of ``docs``)."""
     docs = load_split(Split.TEST) if docs is None else docs
     return encode_documents(tok, [d.text for d in docs], eos_id=_eos(tok))
-
-
-@torch.no_grad()
-def exit_metrics(model: MultiExitModel, tokens: np.ndarray, seq_len: int, windows: int) -> dict:
-    """Per-exit agreement with the final layer and top-1 accuracy; final-layer perplexity; the oracle
-    exit depth.
-
-    Evaluated teacher-forced on non-overlapping windows of ``tokens``. A token's *oracle exit* is the
-    first exit from which every later exit's argmax equals the final layer's: the earliest a rule that
-    never exits falsely could have let it go (``oracle_exit_hist``: fraction of tokens per exit).
-    """
-    model.eval()
-    n = min(windows, (len(tokens) - 1) // seq_len)
-    if n < 1:
-        raise ConfigError(f"held-out data has {len(tokens)} tokens, fewer than one window of {seq_len + 1}")
-    layers = model.exit_layers
-    agree = {k: 0 for k in layers}
-    correct = {k: 0 for k in layers}
-    oracle = np.zeros(len(layers), dtype=np.int64)
-    nll, count = 0.0, 0
-    final = layers[-1]
-    for i in range(n):
-        w = torch.from_numpy(tokens[i * seq_len:(i + 1) * seq_len + 1].astype(np.int64)).unsqueeze(0)
-        logits = model(w[:, :-1])
-        top_final = logits[final].argmax(-1)
-        for k, lg in logits.items():
-            top = lg.argmax(-1)
-            agree[k] += (top == top_final).sum().item()
-            correct[k] += (top == w[:, 1:]).sum().item()
-        same = torch.stack([logits[k].argmax(-1)[0] == top_final[0] for k in layers])  # [E, T]
-        from_here = same.flip(0).int().cumprod(0).flip(0)  # [E, T]: 1 where this and every later exit agree
-        oracle += np.bincount((len(layers) - from_here.sum(0)).numpy(), minlength=len(layers))
-        nll += F.cross_entropy(logits[final][0], w[0, 1:], reduction="sum").item()
-        count += seq_len
-    return {
-        "tokens": count,
-        "heldout_ppl": math.exp(nll / count),
-        "heldout_top1": correct[final] / count,
-        "exit_agreement": {str(k): agree[k] / count for k in layers},
-        "exit_accuracy": {str(k): correct[k] / count for k in layers},
-        "oracle_exit_hist": {str(k): int(c) / count for k, c in zip(layers, oracle)},
-        "oracle_mean_exit_layer": float(np.dot(layers, oracle) / count),
-    }
-
-
-def base_model_metrics(base_model: str, tokens: np.ndarray, seq_len: int, windows: int,
-                       exit_layers: list[int] | None = None) -> dict:
-    """Held-out perplexity and top-1 of a model at full depth, as ``base_heldout_*`` (the model a
-    fine-tuned decoder came from, measured on the windows :func:`exit_metrics` reads).
-
-    With ``exit_layers``, also its agreement, accuracy and oracle exit depth when read early through
-    its own final norm and head at those layers (``base_exit_agreement``, ``base_exit_accuracy``,
-    ``base_oracle_exit_hist``, ``base_oracle_mean_exit_layer``): what LayerSkip training starts from.
-    """
-    dec = load_decoder(resolve_model(base_model))
-    got = exit_metrics(MultiExitModel(dec, ExitConfig(layers=exit_layers or [dec.cfg.num_layers], adapter_rank=0)),
-                       tokens, seq_len, windows)
-    keys = ["heldout_ppl", "heldout_top1"]
-    if exit_layers:
-        keys += ["exit_agreement", "exit_accuracy", "oracle_exit_hist", "oracle_mean_exit_layer"]
-    return {f"base_{k}": got[k] for k in keys}
 
 
 def train_exits(model: MultiExitModel, tokens: np.ndarray, cfg: DistillConfig) -> list[float]:
@@ -212,14 +150,13 @@ def main(cfg: DistillConfig) -> int:
     tok = load_tokenizer(model_dir)
     exits = ExitConfig(**asdict(cfg.exits))
     run_dir = Path(cfg.run_dir)
-    test_ids = heldout_tokens(tok)
+    test_rows = stream_windows(heldout_tokens(tok), cfg.seq_len, cfg.eval_windows)  # [N, seq_len + 1]
     # The decoder differs from its base model when this run fine-tunes it, or when the model given
     # was itself fine-tuned (its lineage.json says from what): measure the base on the same windows.
     lineage = read_lineage(model_dir)
     base_model = cfg.model if not cfg.freeze_backbone else lineage.get("base_model")
     base_metrics = None if base_model is None else base_model_metrics(
-        base_model, test_ids, cfg.seq_len, cfg.eval_windows,
-        exits.resolved(backbone.cfg.num_layers) if cfg.layerskip.enabled else None)
+        base_model, test_rows, exit_layers=exits.resolved(backbone.cfg.num_layers) if cfg.layerskip.enabled else None)
     train_ids = sample_train_tokens(tok, cfg.train_tokens, cfg.seed)
     outputs: dict[str, Path] = {}
     if cfg.layerskip.enabled:
@@ -234,13 +171,13 @@ def main(cfg: DistillConfig) -> int:
         model = MultiExitModel(backbone, exits)
         losses = train_exits(model, train_ids, cfg)
         extra = {}
-    metrics = exit_metrics(model, test_ids, cfg.seq_len, cfg.eval_windows)
+    metrics = exit_metrics(model, test_rows)
     if model.gated:  # after the heads, on other train-split windows; AUROC on the held-out windows
         from edge.training.gates import gate_data, train_gates
 
         gate_ids = sample_train_tokens(tok, cfg.gate_windows * cfg.seq_len, cfg.seed + 1)
-        metrics["gates"] = train_gates(model, gate_data(model, gate_ids, cfg.seq_len, cfg.gate_windows),
-                                       gate_data(model, test_ids, cfg.seq_len, cfg.eval_windows), seed=cfg.seed)
+        gate_rows = stream_windows(gate_ids, cfg.seq_len, cfg.gate_windows)
+        metrics["gates"] = train_gates(model, gate_data(model, gate_rows), gate_data(model, test_rows), seed=cfg.seed)
     if base_metrics is not None:
         metrics.update(base_metrics)
     metrics.update(params=backbone.cfg.num_params(), layers=backbone.cfg.num_layers,

@@ -14,22 +14,21 @@ import torch
 import torch.nn.functional as F
 
 from edge.model.exits import MultiExitModel
+from edge.model.windows import teacher_forced
 
 
 @torch.no_grad()
-def gate_data(model: MultiExitModel, tokens: np.ndarray, seq_len: int, windows: int
-              ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Per decision exit: (normalised exit hidden [N, D], agrees with the last layer [N] float)."""
+def gate_data(model: MultiExitModel, rows: np.ndarray) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per decision exit, over every input position of ``rows`` [N, L] (token windows,
+    :func:`edge.model.windows.stream_windows`): (normalised exit hidden [N * (L - 1), D], agrees with
+    the last layer [N * (L - 1)] float)."""
     model.eval()
-    n = min(windows, (len(tokens) - 1) // seq_len)
     xs: dict[int, list[torch.Tensor]] = {k: [] for k in model.exit_layers[:-1]}
     ys: dict[int, list[torch.Tensor]] = {k: [] for k in model.exit_layers[:-1]}
-    for i in range(n):
-        w = torch.from_numpy(tokens[i * seq_len:(i + 1) * seq_len].astype(np.int64)).unsqueeze(0)
-        out = model.backbone(w)
-        top = out.logits[0].argmax(-1)  # the last layer's prediction [T]
+    for _, out in teacher_forced(model.backbone, rows, batch=1):
+        top = out.logits.flatten(0, 1).argmax(-1)  # the last layer's prediction [B*T]
         for k in xs:
-            e = model.exit_hidden(k, out.hidden_states[k])[0]  # [T, D]
+            e = model.exit_hidden(k, out.hidden_states[k]).flatten(0, 1)  # [B*T, D]
             xs[k].append(e)
             ys[k].append((F.linear(e, model.backbone.head_weight).argmax(-1) == top).float())
     return {k: (torch.cat(xs[k]), torch.cat(ys[k])) for k in xs}

@@ -40,6 +40,7 @@ from edge.core.artifacts import atomic_path, atomic_write_json
 from edge.core.errors import ConfigError
 from edge.training.losses import distill_loss_to, teacher_targets
 from edge.model.decoder import Decoder, attention_mask
+from edge.model.windows import random_windows
 
 if TYPE_CHECKING:  # edge.training.distill imports this module for LayerSkipConfig
     from edge.training.distill import DistillConfig
@@ -137,13 +138,6 @@ def lr_at(step: int, steps: int, lr: float) -> float:
     return lr * min(1.0, (step + 1) / WARMUP) * 0.5 * (1 + math.cos(math.pi * step / max(1, steps)))
 
 
-def batch_at(data: torch.Tensor, step: int, seed: int, batch_size: int, seq_len: int) -> torch.Tensor:
-    """Random windows [B, seq_len+1] of the token stream, determined by (seed, step)."""
-    rng = np.random.default_rng([seed, step])
-    starts = rng.integers(0, len(data) - seq_len - 1, size=batch_size)
-    return torch.stack([data[s:s + seq_len + 1] for s in starts.tolist()])
-
-
 # ---- forward and loss -------------------------------------------------------------------------
 
 def forward_with_layer_dropout(backbone: Decoder, ids: torch.Tensor, keep: torch.Tensor) -> list[torch.Tensor]:
@@ -230,7 +224,6 @@ def train_layerskip(backbone: Decoder, teacher: Decoder, tokens: np.ndarray, cfg
     rates = layer_dropout_rates(L, ls.p_max)
     if len(tokens) < cfg.seq_len + 2:
         raise ConfigError(f"training data has {len(tokens)} tokens, fewer than seq_len + 2 = {cfg.seq_len + 2}")
-    data = torch.from_numpy(tokens.astype(np.int64))
     teacher.eval()
     for p in teacher.parameters():
         p.requires_grad_(False)
@@ -254,7 +247,7 @@ def train_layerskip(backbone: Decoder, teacher: Decoder, tokens: np.ndarray, cfg
         lr = lr_at(step, cfg.steps, cfg.lr)
         for g in opt.param_groups:
             g["lr"] = lr
-        batch = batch_at(data, step, cfg.seed, cfg.batch_size, cfg.seq_len)
+        batch = random_windows(tokens, cfg.seed, step, cfg.batch_size, cfg.seq_len)
         x, y = batch[:, :-1], batch[:, 1:].reshape(-1)
         keep = keep_masks(rates, cfg.batch_size, cfg.seed, step)
         weights = exit_weights(active_exits(exits, step, cfg.steps, ls), L, ls)

@@ -22,6 +22,7 @@ from edge.model.config import preset
 from edge.core.data import Split, load_split, ship_splits, split_documents, stdlib_documents
 from edge.model.decoder import Decoder
 from edge.model.tokenizer import encode_documents, load_tokenizer, train_tokenizer
+from edge.model.windows import exit_metrics, full_depth, random_windows, stream_windows
 
 BUNDLED = Path(__file__).parents[1] / "assets" / "tiny"
 
@@ -54,13 +55,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, frac)))
 
 
-def batch_at(tokens: np.ndarray, step: int, cfg: TrainConfig) -> torch.Tensor:
-    """Random windows [B, seq_len+1] of the token stream, determined by (seed, step)."""
-    rng = np.random.default_rng([cfg.seed, step])
-    starts = rng.integers(0, len(tokens) - cfg.seq_len - 1, size=cfg.batch_size)
-    return torch.from_numpy(np.stack([tokens[s:s + cfg.seq_len + 1] for s in starts]).astype(np.int64))
-
-
 def _prepare(cfg: TrainConfig, work: Path):
     """Tokenizer and token stream of the train split (cached in ``work``)."""
     tok_path = work / "tokenizer.json"
@@ -78,19 +72,10 @@ def _prepare(cfg: TrainConfig, work: Path):
     return load_tokenizer(tok_path), np.load(ids_path)
 
 
-@torch.no_grad()
 def evaluate(model: Decoder, tokens: np.ndarray, seq_len: int, max_windows: int = 64) -> dict:
     """Perplexity and top-1 next-token accuracy over non-overlapping windows of ``tokens``."""
-    model.eval()
-    n = min(max_windows, (len(tokens) - 1) // seq_len)
-    nll, correct, count = 0.0, 0, 0
-    for i in range(n):
-        w = torch.from_numpy(tokens[i * seq_len:(i + 1) * seq_len + 1].astype(np.int64)).unsqueeze(0)
-        logits = model(w[:, :-1]).logits
-        nll += F.cross_entropy(logits[0], w[0, 1:], reduction="sum").item()
-        correct += (logits[0].argmax(-1) == w[0, 1:]).sum().item()
-        count += seq_len
-    return {"ppl": math.exp(nll / count), "top1": correct / count, "tokens": count}
+    got = exit_metrics(full_depth(model), stream_windows(tokens, seq_len, max_windows))
+    return {"ppl": got["heldout_ppl"], "top1": got["heldout_top1"], "tokens": got["tokens"]}
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -123,7 +108,7 @@ def train(cfg: TrainConfig) -> dict:
     while step < cfg.steps:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        batch = batch_at(tokens, step, cfg)
+        batch = random_windows(tokens, cfg.seed, step, cfg.batch_size, cfg.seq_len)
         logits = model(batch[:, :-1]).logits
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)

@@ -7,7 +7,8 @@ import torch
 
 import edge.training.layerskip as ls
 from edge.model.config import preset
-from edge.training.distill import DistillConfig, distill_loss, exit_metrics
+from edge.model.windows import exit_metrics, stream_windows
+from edge.training.distill import DistillConfig, distill_loss
 from edge.core.errors import ConfigError
 from edge.model.exits import ExitConfig, MultiExitModel
 from edge.training.layerskip import (Curriculum, ExitWeighting, LayerSkipConfig, active_exits, early_exit_loss, exit_weights,
@@ -146,17 +147,17 @@ def test_resume_after_interruption_matches_an_uninterrupted_run(tmp_path, monkey
     straight = _decoder()
     log_a = train_layerskip(straight, _decoder(1), tokens, cfg, tmp_path / "a")
 
-    real = ls.batch_at
+    real = ls.random_windows
 
-    def interrupted(data, step, *args):
+    def interrupted(data, seed, step, *args):
         if step == 3:  # killed in the fourth step: the third was done but not checkpointed (every 2)
             raise KeyboardInterrupt
-        return real(data, step, *args)
+        return real(data, seed, step, *args)
 
-    monkeypatch.setattr(ls, "batch_at", interrupted)
+    monkeypatch.setattr(ls, "random_windows", interrupted)
     with pytest.raises(KeyboardInterrupt):
         train_layerskip(_decoder(), _decoder(1), tokens, cfg, tmp_path / "b")
-    monkeypatch.setattr(ls, "batch_at", real)
+    monkeypatch.setattr(ls, "random_windows", real)
     resumed = _decoder()
     log_b = train_layerskip(resumed, _decoder(1), tokens, cfg, tmp_path / "b")
     assert [r["loss"] for r in log_b] == [r["loss"] for r in log_a]
@@ -179,7 +180,7 @@ def test_layerskip_config_validation():
 def test_oracle_exit_depth_is_the_first_exit_from_which_all_later_agree():
     model = MultiExitModel(_decoder().eval(), ExitConfig(layers=[1, 2, 3, 4], adapter_rank=0))
     tokens = np.random.default_rng(1).integers(0, 256, 3 * 16 + 1)
-    m = exit_metrics(model, tokens, seq_len=16, windows=3)
+    m = exit_metrics(model, stream_windows(tokens, seq_len=16, max_windows=3))
     hist = m["oracle_exit_hist"]
     assert sum(hist.values()) == pytest.approx(1.0)
     with torch.no_grad():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from calibration.calibrators import Calibrator, CalibratorKind, fit_calibrators
-from calibration.collect import collect
+from calibration.collect import collect_units
 from calibration.cascade import cascade
 from calibration.signals import exit_targets
 from calibration.table import TableRule, ThresholdTable, load_table
@@ -17,6 +17,7 @@ from edge.core.artifacts import sha256_path
 from edge.pipeline.cli import main as cli
 from edge.core.errors import ArtifactError, CheckpointError, ConfigError
 from edge.model.exits import exit_decision_stats, load_multi_exit
+from edge.model.windows import stream_windows
 
 
 @pytest.mark.parametrize("kind", list(CalibratorKind))
@@ -41,7 +42,7 @@ def _table_for(run, lam=0.6):
     model = load_multi_exit(ckpt)
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, model.backbone.cfg.vocab_size, 2000).astype(np.uint16)
-    data = collect(model, tokens, 32, 1024)
+    data = collect_units(model, stream_windows(tokens, 32, 32), first=0)
     cals = fit_calibrators(data.signals, exit_targets(data.argmax), CalibratorKind.PLATT)
     table = ThresholdTable(sha256_path(ckpt), model.exit_layers, "platt", lam,
                            {k: c.score_threshold(lam) for k, c in cals.items()}, cals, {"epsilon": 0.1})
@@ -84,13 +85,12 @@ def test_runtime_rule_matches_teacher_forced_cascade(micro_run):
         batched[stop] = k
         running &= ~stop
     assert np.array_equal(batched, expected[:32])
-    for t in range(32):
-        rule.reset()
+    for t in range(32):  # one row at a time, as the reference generator asks
         got = data.final
         for k in model.exit_layers[:-1]:
-            hidden = model.exit_hidden(k, out.hidden_states[k])[0, t]
-            logits = torch.nn.functional.linear(hidden, model.backbone.head_weight)
-            if rule(k, logits, hidden):
+            upto = [j for j in model.exit_layers[:-1] if j <= k]
+            row = lambda d: {j: d[j][t:t + 1] for j in upto}  # noqa: E731
+            if rule.decide(k, row(stats), row(toks), row(hid))[0]:
                 got = k
                 break
         assert got == expected[t], t
@@ -272,9 +272,9 @@ def test_calibrate_a_model_with_exit_gates(micro_run, tmp_path):
     assert cal["comparison"][0]["system"].startswith("(a) gate prob")
 
 
-def test_table_rule_hot_path_equals_the_signal_functions():
-    """TableRule.decide / decide_gated compute the calibrator's linear score without building the
-    signal matrix; they must decide exactly as the calibrated score over the signal functions does."""
+def test_table_rule_decides_as_the_calibrated_score_of_the_signals():
+    """TableRule.decide / decide_gated compute the calibrator's linear score with the threshold folded
+    into its bias; they must decide exactly as the calibrated score over the signal functions does."""
     from calibration.calibrators import Calibrator, CalibratorKind
     from calibration.signals import GATED_SIGNAL_NAMES, SIGNAL_NAMES, gated_signals, signals_from_stats
     from calibration.table import TableRule, ThresholdTable
