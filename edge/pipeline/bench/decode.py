@@ -13,6 +13,9 @@ Systems, on the same weights and the same held-out prompts (equal length, no pad
 Per batch size: warm-up runs, then repeats in which the systems run interleaved (rotated
 order); ratios are computed repeat by repeat and their median reported. Tokens/s counts
 generated tokens over the whole ``generate`` call (prefill included, the same for all).
+Token latencies are the gaps between generated tokens, each timestamped as it arrives
+(LayerSkip's tokens of one verification step arrive together). False exits are checked as
+calibration checks them (:func:`edge.pipeline.freerun.check_continuations`).
 Peak resident memory is measured per system in a fresh subprocess.
 
 Also measured: what segmenting costs by itself (k chained layer-span calls against one call,
@@ -22,7 +25,6 @@ deferral: every skipped layer, run later with the next token).
 """
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -32,10 +34,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from calibration.table import TableRule, load_table
 from edge.core.artifacts import Manifest, atomic_dir, atomic_write_json
-from edge.pipeline.bench.summary import SYSTEMS, goals, headline, plot, render_markdown
+from edge.pipeline.bench.summary import SYSTEMS, goals, headline, plot, render_markdown, summary_lines
 from edge.core.data import Split, heldout_prompts, load_split
 from edge.runtime.backend import make_backend
 from edge.runtime.engine import Engine, EngineConfig, KVMode, Request
@@ -45,6 +48,7 @@ from edge.core.errors import ConfigError
 from edge.model.exits import MultiExitModel, load_multi_exit
 from edge.model.tokenizer import load_tokenizer
 from edge.pipeline.bench.segments import segment_call_overhead
+from edge.pipeline.freerun import check_continuations
 
 STAGE = "bench_decode"
 def exit_system(mode: KVMode | str) -> str:
@@ -90,34 +94,45 @@ class RunResult:
 
 
 # ------------------------------------------------------------------ systems
-class _Stamps:
-    """transformers streamer that timestamps every generation step (the first put is the prompt)."""
+class TokenStamps:
+    """transformers streamer that records when each generated token arrives.
+
+    ``generate`` first puts the prompt [B, P], then what each step makes: greedy decoding one token
+    per sequence ([B]), assisted decoding (LayerSkip self-speculation, batch 1) the tokens a
+    verification step accepted ([1, k]), which arrive together: k arrivals at one time.
+    """
 
     def __init__(self) -> None:
-        self.times: list[float] = []
+        self.arrivals: list[float] = []  # one time per generated token (per sequence: one per step)
+        self._prompt = True
 
     def put(self, value) -> None:
-        self.times.append(time.perf_counter())
+        now = time.perf_counter()
+        if self._prompt:  # the prompt, put before the prefill
+            self._prompt = False
+            return
+        self.arrivals += [now] * (value.shape[-1] if value.dim() == 2 else 1)
 
     def end(self) -> None:
         pass
+
+    def gaps(self) -> list[float]:
+        """Seconds between consecutive generated tokens: 0 within a burst of assisted decoding."""
+        return np.diff(self.arrivals).tolist()
 
 
 def run_hf(model, prompts: list[list[int]], n: int, early_exit: int | None = None) -> RunResult:
     from transformers import GenerationConfig
 
     ids = torch.tensor(prompts)
-    stamps = _Stamps()
+    stamps = TokenStamps()
     gen = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
                            eos_token_id=None, assistant_early_exit=early_exit)
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen, streamer=stamps)
     seconds = time.perf_counter() - t0
-    gaps = np.diff(stamps.times[1:]).tolist()  # between generated-token steps
-    if early_exit:  # a step of assisted decoding emits several tokens: spread its time over them
-        gaps = [seconds / n] * (n - 1)
-    return RunResult(out[:, len(prompts[0]):].tolist(), None, seconds, gaps)
+    return RunResult(out[:, len(prompts[0]):].tolist(), None, seconds, stamps.gaps())
 
 
 def run_groups(fn, groups: list[list[list[int]]], n: int) -> RunResult:
@@ -209,16 +224,12 @@ def applicable(name: str, batch: int) -> bool:
 
 
 # ------------------------------------------------------------------ measurement
-@torch.no_grad()
-def false_exit_rate(model: MultiExitModel, prompts: list[list[int]], res: RunResult) -> tuple[int, int]:
-    """(mismatches, tokens): tokens that differ from the full model's greedy choice on the same prefix."""
-    bad = total = 0
-    for p, toks in zip(prompts, res.tokens):
-        pred = model.backbone(torch.tensor([p + toks])).logits[0].argmax(-1)
-        for i in range(1, len(toks)):  # token 0 comes from the full-depth prefill
-            total += 1
-            bad += toks[i] != int(pred[len(p) + i - 1])
-    return bad, total
+def false_exits(model: MultiExitModel, prompts: list[list[int]], res: RunResult, mode: KVMode) -> tuple[int, int]:
+    """(wrong tokens, judged tokens) of an engine run: the tokens that differ from the full model's greedy
+    choice on the same prefix, by calibration's check (:func:`edge.pipeline.freerun.check_continuations`)."""
+    r = check_continuations(model, np.asarray(prompts), np.asarray(res.tokens), np.asarray(res.exit_layers),
+                            mode).summary()
+    return r.false_exits + r.full_depth_mismatches, r.tokens
 
 
 def _token_match(a: list[list[int]], b: list[list[int]]) -> float:
@@ -342,24 +353,32 @@ def main(cfg: DecodeBenchConfig) -> int:
                                                      for b, r in results["segment_call_overhead"].items()), flush=True)
     d_sys = exit_system(d_mode)
     exit_systems = [exit_system(m) for m in KVMode]
-    false_exits = {s: [0, 0] for s in exit_systems}  # system -> [mismatches, tokens]
+    wrong = {s: [0, 0] for s in exit_systems}  # system -> [mismatches, tokens]
     match_c = 0
+    names_at = {b: [s for s in SYSTEMS if applicable(s, b) and s in systems.loaded] for b in cfg.batch_sizes}
+    memory = [s for s in ("baseline", *SYSTEMS) if s == "baseline" or s in systems.loaded] if cfg.memory else []
+    bar = tqdm(total=sum((cfg.warmup + cfg.repeats) * len(v) + len(exit_systems) for v in names_at.values())
+               + 1 + len(memory), desc="bench decode", unit="run", disable=None)
     for b in cfg.batch_sizes:
         n_prompts = cfg.batch1_prompts if b == 1 else b
         prompts = heldout_prompts(tok, load_split(Split.TEST), n_prompts, cfg.prompt_tokens, cfg.seed)
-        names = [s for s in SYSTEMS if applicable(s, b) and s in systems.loaded]
+        names = names_at[b]
         runs: dict[str, list[RunResult]] = {s: [] for s in names}
         for rep in range(cfg.warmup + cfg.repeats):
             order = names[rep % len(names):] + names[:rep % len(names)]
             for s in order:
+                bar.set_postfix_str(f"batch {b}, {'warm-up' if rep < cfg.warmup else 'repeat'} {rep + 1}, {s}")
                 r = systems.run(s, prompts, cfg.new_tokens, group=b)
+                bar.update()
                 if rep >= cfg.warmup:
                     runs[s].append(r)
         row_fe = {}
         for s in exit_systems:
-            bad, total = false_exit_rate(model, prompts, runs[s][0])
-            false_exits[s][0] += bad
-            false_exits[s][1] += total
+            bar.set_postfix_str(f"batch {b}, checking {s} against the full model")
+            bad, total = false_exits(model, prompts, runs[s][0], KVMode(s.removeprefix("engine_exit_")))
+            bar.update()
+            wrong[s][0] += bad
+            wrong[s][1] += total
             row_fe[s] = bad / max(1, total)
         full, ex = runs["engine_full"][0].tokens, runs[d_sys][0].tokens
         match_c += sum(a == b_ for x, y in zip(full, ex) for a, b_ in zip(x, y))
@@ -392,25 +411,33 @@ def main(cfg: DecodeBenchConfig) -> int:
             "false_exit_rate": row_fe[d_sys],
             "false_exit_rate_by_mode": {m.value: row_fe[exit_system(m)] for m in KVMode},
         }
-        print(f"batch {b}: " + ", ".join(f"{s} {v['tokens_per_s']:.1f} tok/s"
-                                         for s, v in results["batches"][str(b)]["systems"].items()), flush=True)
-    rates = {s: bad / max(1, total) for s, (bad, total) in false_exits.items()}
+        tqdm.write(f"batch {b}: " + ", ".join(f"{s} {v['tokens_per_s']:.1f} tok/s"
+                                              for s, v in results["batches"][str(b)]["systems"].items()))
+    rates = {s: bad / max(1, total) for s, (bad, total) in wrong.items()}
     results["false_exit_rate"] = rates[d_sys]
     results["false_exit_rate_by_mode"] = {m.value: rates[exit_system(m)] for m in KVMode}
-    results["false_exit_tokens"] = false_exits[d_sys][1]
+    results["false_exit_tokens"] = wrong[d_sys][1]
     results["token_match_vs_full_engine"] = match_c / sum(
         (cfg.batch1_prompts if b == 1 else b) * cfg.new_tokens for b in cfg.batch_sizes)
+    bar.set_postfix_str("profiling a decode step of (d)")
     results["profile_b1"] = profile_step(systems, heldout_prompts(tok, load_split(Split.TEST), cfg.batch1_prompts,
                                                                   cfg.prompt_tokens, cfg.seed), cfg.new_tokens, d_sys)
+    bar.update()
     if cfg.memory:
         b = max(cfg.batch_sizes)
-        results["peak_rss_mib"] = {s: peak_rss_mib(s, cfg.run_dir, b if applicable(s, b) else 1, cfg)
-                                   for s in ("baseline", *SYSTEMS) if s == "baseline" or s in systems.loaded}
+        results["peak_rss_mib"] = {}
+        for s in memory:
+            bar.set_postfix_str(f"peak memory of {s}, a fresh process")
+            results["peak_rss_mib"][s] = peak_rss_mib(s, cfg.run_dir, b if applicable(s, b) else 1, cfg)
+            bar.update()
+    bar.close()
     cal = Manifest(cfg.run_dir).stage("calibrate")["metrics"]  # quality is measured there, on more tokens
     results["calibration"] = {k: cal.get(k) for k in ("layers_skipped_frac", "accuracy_loss_rel",
                                                        "free_run_false_exit_rate_test", "kv_mode")}
+    # the false-exit goal is the tolerance the table was certified for
+    results["calibration"]["epsilon"] = systems.table_rule.table.certificate.get("epsilon")
     summary = headline(results)
-    summary["goals"] = goals(summary)
+    summary["goals"] = goals(summary, results["calibration"]["epsilon"], cfg.batch_sizes)
     out = Path(cfg.run_dir) / "bench"
     with atomic_dir(out) as tmp:
         atomic_write_json(tmp / "decode.json", {**results, "summary": summary})
@@ -424,8 +451,8 @@ def main(cfg: DecodeBenchConfig) -> int:
                                           "profile_b1": results["profile_b1"],
                                           "peak_rss_mib": results.get("peak_rss_mib")},
                                  seconds=time.time() - t0)
-    print(f"decode benchmark: {out / 'decode.md'}")
-    print(json.dumps(summary, indent=2))
+    for line in summary_lines(results, summary, out / "decode.md", time.time() - t0):
+        print(line)
     return 0
 
 
