@@ -50,3 +50,11 @@ def assert_png(path: str | Path, size: tuple[int, int] | None = None, colours: S
         near = (np.abs(rgb.astype(np.int64) - want) <= COLOUR_TOLERANCE).all(-1).sum()
         assert near >= min_pixels, f"{path}: colour {colour} on {near} pixels, expected >= {min_pixels}"
     return rgb
+
+
+def assert_calibration_plots(run_dir: str | Path) -> None:
+    """The calibrate stage's figures (calibration/plots.py, 100 dpi): the reliability diagram 5 x 6 in,
+    the exit-depth histogram 6 x 4 in with the first system's bars in matplotlib's first cycle colour."""
+    folder = Path(run_dir) / "calibration"
+    assert_png(folder / "reliability.png", figure_size(5, 6, 100))
+    assert_png(folder / "exit_depth.png", figure_size(6, 4, 100), colours=["#1f77b4"])
