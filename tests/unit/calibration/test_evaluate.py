@@ -8,6 +8,7 @@ from calibration.cascade import false_exit_counts, unit_false_exit_counts
 from calibration.certify import unit_losses
 from calibration.collect import Collected
 from calibration.evaluate import evaluate_cascade
+from calibration.risk import NEVER_EXIT
 from calibration.signals import exit_targets
 
 # Decision exits 1 and 2, the full model at layer 3; 4 tokens in 2 units (prompts) of 2.
@@ -45,7 +46,7 @@ def test_evaluate_cascade_hand_computed():
 
 
 def test_evaluate_cascade_at_the_extremes():
-    never = evaluate_cascade(_data(), PROBS, 2.0)  # no probability reaches 2: the full model everywhere
+    never = evaluate_cascade(_data(), PROBS, NEVER_EXIT)  # no probability reaches it: the full model everywhere
     assert never.false_exit_rate == 0.0 and never.layers_skipped_frac == 0.0 and never.accuracy_loss_rel == 0.0
     assert never.exit_fraction == {"1": 0.0, "2": 0.0, "3": 1.0}
     always = evaluate_cascade(_data(), PROBS, 0.0)  # every token exits at exit 1
