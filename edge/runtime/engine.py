@@ -231,7 +231,8 @@ class Engine:
         """End the requests whose deadline has passed, before they take a slot or a step."""
         now = self.clock()
         for seq in self.waiting + self.prefilling + self.decoding:
-            if seq.req.deadline is not None and now >= seq.req.deadline:
+            # not finished: an earlier deadline event's callback may have cancelled it
+            if not seq.finished and seq.req.deadline is not None and now >= seq.req.deadline:
                 self._end(seq, "deadline")
 
     def _admit(self) -> None:

@@ -333,6 +333,15 @@ def test_deadline_ends_requests_and_frees_their_slots():
     assert eng.cache.free_slots == 1
 
 
+def test_one_finish_event_when_a_deadline_callback_cancels_another_request():
+    eng = Engine(TorchBackend(_model()), EngineConfig(max_seqs=1, max_len=128), clock=lambda: 1.0)
+    seen, ids = [], []
+    ids.append(eng.submit(Request([1, 2], 4, deadline=1.0, on_token=lambda ev: seen.append(ev) or eng.cancel(ids[1]))))
+    ids.append(eng.submit(Request([3, 4], 4, deadline=1.0, on_token=seen.append)))
+    assert [(e.request_id, e.finish_reason) for e in eng.step()] == [(ids[0], "deadline"), (ids[1], "cancelled")]
+    assert len(seen) == 2 and not eng.has_work and eng.cache.free_slots == 1
+
+
 def test_stop_token_ends_the_request():
     m = _model(seed=6)
     p = [7, 8, 9]
