@@ -67,7 +67,8 @@ def decode_step_ms(model: Decoder, batch: int, past: int, reps: int = 40) -> flo
 
 
 def ort_decode_step_ms(model: Decoder, batch: int, past: int, threads: int, reps: int = 40) -> float:
-    """The same step in ONNX Runtime: the full-depth graph exported by ``exporters.onnx_export``."""
+    """The same step in ONNX Runtime: the full-depth segment graph exported by ``exporters.onnx_export``
+    and the LM head graph on its exit hidden state."""
     import tempfile
 
     import numpy as np
@@ -83,6 +84,11 @@ def ort_decode_step_ms(model: Decoder, batch: int, past: int, threads: int, reps
         export_onnx(full, Path(tmp) / "g", ExportConfig(), checkpoint_sha256="timing-only")
         opts = session_options(ort, threads)
         sess = ort.InferenceSession(str(Path(tmp) / "g" / "segment_0.onnx"), opts, providers=["CPUExecutionProvider"])
+        head = ort.InferenceSession(str(Path(tmp) / "g" / "head.onnx"), opts, providers=["CPUExecutionProvider"])
+
+        def step() -> None:
+            eh = sess.run(["exit_hidden"], feeds)[0]
+            head.run(None, {"exit_hidden": eh})
         rng = np.random.default_rng(0)
         feeds = {"hidden": rng.standard_normal((batch, 1, cfg.hidden_size), np.float32),
                  "positions": np.full((batch, 1), past, np.int64),
@@ -93,11 +99,11 @@ def ort_decode_step_ms(model: Decoder, batch: int, past: int, threads: int, reps
                 feeds[f"past_{kind}_{j}"] = rng.standard_normal((batch, cfg.num_kv_heads, past, cfg.head_dim),
                                                                 np.float32)
         for _ in range(5):
-            sess.run(None, feeds)
+            step()
         times = []
         for _ in range(reps):
             t = time.perf_counter()
-            sess.run(None, feeds)
+            step()
             times.append(time.perf_counter() - t)
     times.sort()
     return 1e3 * times[len(times) // 2]
