@@ -149,8 +149,8 @@ def exit_decision_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     """What an exit rule reads instead of the logits, computed where the logits are (in the graph).
 
     logits [..., V] -> (stats [..., 3] float32: softmax top-1 probability, top-1 minus top-2
-    probability, entropy in nats; argmax [...] int64, lowest id on ties). Same formulas as
-    :func:`calibration.signals._softmax_stats`: with m the max logit, e = exp(z - m), S = sum(e):
+    probability, entropy in nats; argmax [...] int64, lowest id on ties). With m the max logit,
+    e = exp(z - m), S = sum(e):
     top1 = 1/S, margin = (1 - exp(z2 - m))/S, entropy = log S - sum(e (z - m))/S. Exported as
     ReduceMax / Exp / ReduceSum / TopK / ArgMax, which TensorRT parses.
     """

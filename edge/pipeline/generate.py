@@ -17,7 +17,8 @@ import torch
 from edge.core.data import Split, heldout_prompts, load_split
 from edge.core.errors import ConfigError
 from edge.pipeline.run_checkpoint import open_run
-from edge.model.reference import confidence_rule, reference_generate
+from edge.model.reference import reference_generate
+from edge.runtime.rules import ConfidenceRule
 
 STAGE = "generate"
 
@@ -44,7 +45,7 @@ def main(cfg: GenerateConfig) -> int:
     run = open_run(cfg.run_dir, cfg.threads)
     manifest, ckpt, model, tok = run.manifest, run.path, run.model, run.tokenizer
     prompts = heldout_prompts(tok, load_split(Split.TEST), cfg.prompts, cfg.prompt_tokens, cfg.seed)
-    rule = confidence_rule(cfg.threshold)
+    rule = ConfidenceRule(cfg.threshold)
     identical, matched, total, exits = 0, 0, 0, Counter()
     t_full = t_exit = 0.0
     for p in prompts:

@@ -56,11 +56,12 @@ def make_bundled_ee(run_dir: str | Path, out_dir: str | Path = BUNDLED_EE_DIR, e
     base_model = cfg["model"]
     m = dict(meta["metrics"])
     if "base_heldout_ppl" not in m:  # a run from before distillation measured its base: measure it now
-        from edge.training.distill import base_model_metrics, heldout_tokens
         from edge.model.tokenizer import load_tokenizer
+        from edge.model.windows import base_model_metrics, stream_windows
+        from edge.training.distill import heldout_tokens
 
         tokens = heldout_tokens(load_tokenizer(ckpt))
-        m.update(base_model_metrics(base_model, tokens, cfg["seq_len"], cfg["eval_windows"]))
+        m.update(base_model_metrics(base_model, stream_windows(tokens, cfg["seq_len"], cfg["eval_windows"])))
     gate = quality_gate(m)
     if enforce_gate and not gate["passed"]:
         raise CheckpointError(
