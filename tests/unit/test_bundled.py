@@ -41,7 +41,6 @@ def test_quality_gate_is_relative_and_one_sided():
     assert not quality_gate({**base, "heldout_ppl": 20.0, "heldout_top1": 0.3959})["passed"]
 
 
-@pytest.mark.slow
 def test_make_ee_from_a_layerskip_run_writes_lineage_card_and_plots(micro_run, tmp_path):
     from edge.training.bundle_ee import make_bundled_ee
     from edge.pipeline.cli import main as cli
