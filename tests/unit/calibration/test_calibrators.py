@@ -15,6 +15,7 @@ from calibration.calibrators import (
     reliability_curve,
 )
 from calibration.plots import reliability_diagram
+from tests.images import assert_png
 from calibration.signals import SIGNAL_NAMES
 from edge.core.errors import ConfigError
 
@@ -171,5 +172,5 @@ def test_reliability_diagram_writes_png(tmp_path):
     y = (rng.uniform(size=500) < p).astype(int)
     out = reliability_diagram({"isotonic": reliability_curve(p, y), "raw": reliability_curve(p ** 2, y)},
                               tmp_path / "fig" / "rel.png", "test")
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert_png(out)  # decodes, not blank
     assert [f.name for f in out.parent.iterdir()] == ["rel.png"]  # no temp file left behind
