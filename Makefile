@@ -68,7 +68,7 @@ train-tiny: $(STAMP)
 
 train-tiny-ee: $(STAMP)
 	$(SE) distill --config configs/tiny_ee.yaml run_dir=runs/tiny-ee
-	$(BIN)/python -m edge.bundled make-ee runs/tiny-ee
+	$(BIN)/python -m edge.training.bundle_ee make-ee runs/tiny-ee
 
 # ---- llama.cpp peer of the decode benchmark (system f): built from source, never part of demo or test ----
 LLAMACPP_SRC := $(VENV)/llamacpp-src
@@ -84,7 +84,7 @@ $(LLAMACPP_STAMP): requirements/llamacpp.txt $(STAMP)
 	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" $(BIN)/python -m pip install --quiet \
 		--no-binary llama-cpp-python -c requirements/lock.txt -r requirements/llamacpp.txt \
 		$(LLAMACPP_SRC)/llama_cpp_python-*.tar.gz
-	$(BIN)/python -c "from edge.bench.llamacpp import available; r = available(); print(r or 'llama.cpp peer ready'); raise SystemExit(r is not None)"
+	$(BIN)/python -c "from edge.pipeline.bench.llamacpp import available; r = available(); print(r or 'llama.cpp peer ready'); raise SystemExit(r is not None)"
 	@touch $@
 
 # ---- tests ----

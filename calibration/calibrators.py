@@ -24,10 +24,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from calibration.signals import SIGNAL_NAMES
-from edge.errors import ConfigError
-
-TOP1_COLUMN = SIGNAL_NAMES.index("top1_prob")
+from calibration.signals import TOP1
+from edge.core.errors import ConfigError
 
 
 class CalibratorKind(str, enum.Enum):
@@ -107,8 +105,8 @@ class Calibrator:
         """
         X, y = _check_xy(X, y, f"{self.kind.value} calibrator fit")
         f = X.shape[1]
-        if self.kind is CalibratorKind.MAXPROB and f <= TOP1_COLUMN:
-            raise ConfigError(f"maxprob calibrator needs column {TOP1_COLUMN} (top1_prob); got F={f}")
+        if self.kind is CalibratorKind.MAXPROB and f <= TOP1:
+            raise ConfigError(f"maxprob calibrator needs column {TOP1} (top1_prob); got F={f}")
         self.n_features = f
         self.mean = X.mean(axis=0)  # [F]
         sd = X.std(axis=0)  # [F]
@@ -156,7 +154,7 @@ class Calibrator:
         """
         X = self._check_fitted(X)  # [N, F]
         if self.kind is CalibratorKind.MAXPROB:
-            return X[:, TOP1_COLUMN].copy()
+            return X[:, TOP1].copy()
         return ((X - self.mean) / self.std) @ self.coef + self.intercept  # [N]
 
     def linear_score(self) -> tuple[np.ndarray, float]:
@@ -166,7 +164,7 @@ class Calibrator:
             raise ConfigError(f"{self.kind.value} calibrator is not fitted")
         if self.kind is CalibratorKind.MAXPROB:
             w = np.zeros(self.n_features)
-            w[TOP1_COLUMN] = 1.0
+            w[TOP1] = 1.0
             return w, 0.0
         w = self.coef / self.std  # [F]
         return w, float(self.intercept - self.mean @ w)
@@ -261,8 +259,8 @@ def fit_calibrators(signals: dict[int, np.ndarray], targets: dict[int, np.ndarra
     """Fit one calibrator per exit except the last (never a decision point).
 
     Args:
-        signals: exit layer -> signals [N, F] (from :func:`calibration.signals.exit_signals`).
-        targets: exit layer -> 0/1 [N] (from :func:`calibration.signals.exit_targets`).
+        signals: exit layer -> signals [N, F], every exit (:func:`calibration.signals.signals_all_exits`).
+        targets: decision exit (every exit but the last) -> 0/1 [N] (:func:`calibration.signals.exit_targets`).
         kind: calibrator kind.
         C: inverse L2 strength of the logistic regression.
 
@@ -274,11 +272,12 @@ def fit_calibrators(signals: dict[int, np.ndarray], targets: dict[int, np.ndarra
     """
     kind = _kind(kind)
     layers = sorted(signals)
-    if sorted(targets) != layers:
-        raise ConfigError(f"fit_calibrators: target exits {sorted(targets)} differ from signal exits {layers}")
     if len(layers) < 2:
         raise ConfigError(f"fit_calibrators: need at least 2 exits (the last is never a decision point), "
                           f"got {layers}")
+    if sorted(targets) != layers[:-1]:
+        raise ConfigError(f"fit_calibrators: target exits {sorted(targets)} are not the decision exits "
+                          f"{layers[:-1]} of signal exits {layers}")
     return {k: Calibrator(kind=kind, C=C).fit(signals[k], targets[k]) for k in layers[:-1]}
 
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from edge.errors import ConfigError
+from edge.core.errors import ConfigError
 
 
 # ------------------------------------------------------------------ cascade

@@ -36,7 +36,7 @@ from calibration.collect import Collected
 from calibration.pvalues import PValue, pvalues, upper_confidence_bound
 from calibration.risk import NEVER_EXIT, Walk, learn_then_test
 from calibration.signals import exit_targets
-from edge.errors import ConfigError
+from edge.core.errors import ConfigError
 
 # The provisional threshold is the median over PROVISIONAL_RESAMPLES bootstrap resamples (to the certify
 # sample size) of the walk's choice on the cross-fitted fit units. No further margin: calibrators fitted
@@ -61,7 +61,7 @@ def unit_losses(probs: dict[int, np.ndarray], data: Collected, lams: np.ndarray)
     """Per-unit false-exit rate [U, G] of the cascade at every threshold (teacher-forced decisions)."""
     if data.unit is None:
         raise ConfigError("unit losses need unit-tagged data (collect_units)")
-    counts = unit_false_exit_counts(probs, data.correct(), data.unit, data.n_units, lams, data.final)
+    counts = unit_false_exit_counts(probs, exit_targets(data.argmax), data.unit, data.n_units, lams, data.final)
     tokens = np.bincount(data.unit, minlength=data.n_units)  # [U]
     if (tokens == 0).any():
         raise ConfigError("every unit needs at least one judged token")
@@ -169,7 +169,7 @@ def certify(probs: dict[int, np.ndarray], data: Collected, lams: np.ndarray, eps
         p = walk.tested[walk.index][2]
     else:
         risk, bound, p = 0.0, 0.0, walk.tested[0][2]
-    cr = cascade_risk(probs, data.correct(), walk.lam, data.final)
+    cr = cascade_risk(probs, exit_targets(data.argmax), walk.lam, data.final)
     return Certificate(walk=walk, lam=walk.lam, lam_provisional=NEVER_EXIT if lam_provisional is None else lam_provisional,
                        exact=exact, n_units=data.n_units, n_tokens=data.n, empirical_risk=risk, bound=bound,
                        p_value=float(p), exit_fraction=cr.exit_fraction, layers_skipped_frac=cr.layers_skipped_frac)

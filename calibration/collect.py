@@ -3,21 +3,27 @@
 :func:`collect_units` reads a batch of equal-length sequences (one per unit:
 a prompt and its continuation, generated or natural) at full depth and keeps,
 for every continuation position and exit, the exit signals, the exit's argmax
-and the next token of the sequence, tagged with the unit it belongs to.
-:func:`collect` reads non-overlapping windows of one token stream (no units).
-Logits are reduced to signals batch by batch, so memory stays at one batch's
-[B, T, V] per exit.
+and the next token of the sequence, tagged with the unit it belongs to (a token
+stream is read the same way, cut into rows by
+:func:`edge.model.windows.stream_windows`, with ``first=0``). Logits are reduced
+to signals batch by batch, so memory stays at one batch's [B, T, V] per exit.
+
+Only :func:`collect_units` runs a model: it imports torch (through
+:mod:`edge.model.windows`) when called, so the rest of calibration, which reads
+:class:`Collected`, stays torch-free.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from calibration.signals import GATED_SIGNAL_NAMES, exit_signals, gated_signals_all_exits, signals_all_exits
-from edge.errors import ConfigError
-from edge.exits import MultiExitModel, exit_decision_stats
+from calibration.signals import GATED_SIGNAL_NAMES, gated_signals_all_exits, signals_all_exits
+from edge.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from edge.model.exits import MultiExitModel
 
 
 @dataclass
@@ -38,11 +44,6 @@ class Collected:
     @property
     def final(self) -> int:
         return self.exit_layers[-1]
-
-    def correct(self) -> dict[int, np.ndarray]:
-        """Decision exits -> 1 where the exit's argmax equals the full model's (the calibration target)."""
-        full = self.argmax[self.final]
-        return {k: (self.argmax[k] == full).astype(np.int64) for k in self.exit_layers[:-1]}
 
     @classmethod
     def concat(cls, parts: list["Collected"]) -> "Collected":
@@ -66,13 +67,12 @@ class Collected:
                          remap[self.unit][idx], int(units.size))
 
 
-@torch.no_grad()
 def collect_units(model: MultiExitModel, seqs: np.ndarray, first: int, batch: int = 32) -> Collected:
     """Teacher-forced signals of the continuation of every sequence: unit u is row u of ``seqs``.
 
     The signals are computed as the engine computes them: softmax statistics in float32 by
-    :func:`edge.exits.exit_decision_stats` (what the segment graphs output), then
-    :func:`calibration.signals.signals_from_stats`, so a calibrator is fitted on exactly the
+    :func:`edge.model.exits.exit_decision_stats` (what the segment graphs output), then
+    :func:`calibration.signals.signals_all_exits`, so a calibrator is fitted on exactly the
     features :class:`calibration.table.TableRule` sees at run time. A model with exit gates gets
     :data:`calibration.signals.GATED_SIGNAL_NAMES` instead (what the engine decides from there).
 
@@ -89,7 +89,8 @@ def collect_units(model: MultiExitModel, seqs: np.ndarray, first: int, batch: in
     Raises:
         ConfigError: no rows, or nothing to judge (first >= L - 1).
     """
-    model.eval()
+    from edge.model.windows import read_exits  # torch, only where a model runs
+
     seqs = np.asarray(seqs, dtype=np.int64)
     if seqs.ndim != 2 or seqs.shape[0] == 0:
         raise ConfigError(f"collect_units: expected token ids [U >= 1, L], got shape {seqs.shape}")
@@ -99,68 +100,16 @@ def collect_units(model: MultiExitModel, seqs: np.ndarray, first: int, batch: in
     layers = model.exit_layers
     sig: dict[int, list[np.ndarray]] = {k: [] for k in layers}
     arg: dict[int, list[np.ndarray]] = {k: [] for k in layers}
-    for a in range(0, u, batch):
-        w = torch.from_numpy(seqs[a:a + batch])
-        out = model.backbone(w[:, :-1])
-        hidden, stats, tokens = {}, {}, {}
-        for k in layers:
-            hidden[k] = model.exit_hidden(k, out.hidden_states[k][:, first:]).flatten(0, 1)  # [B*T, D]
-            st, tk = exit_decision_stats(torch.nn.functional.linear(hidden[k], model.backbone.head_weight))
-            stats[k], tokens[k] = st.numpy(), tk.numpy()  # [B*T, 3], [B*T]
-        h = {k: v.numpy() for k, v in hidden.items()}
+    for r in read_exits(model, seqs, first, batch):
         if model.gated:  # what the engine decides from: gates (the last layer is never a decision point)
-            gates = {k: model.exit_gate(k, hidden[k]).reshape(-1).numpy() for k in layers[:-1]}
-            s = gated_signals_all_exits(gates, h)
-            s[layers[-1]] = np.zeros((len(tokens[layers[-1]]), len(GATED_SIGNAL_NAMES)))
+            s = gated_signals_all_exits(r.gates, r.hidden)
+            s[layers[-1]] = np.zeros((len(r.tokens[layers[-1]]), len(GATED_SIGNAL_NAMES)))
         else:
-            s = signals_all_exits(stats, tokens, h)
+            s = signals_all_exits(r.stats, r.tokens, r.hidden)
         for k in layers:
             sig[k].append(s[k])
-            arg[k].append(tokens[k])
+            arg[k].append(r.tokens[k])
     per = length - 1 - first
     return Collected(layers, {k: np.concatenate(v) for k, v in sig.items()},
                      {k: np.concatenate(v) for k, v in arg.items()}, seqs[:, first + 1:].reshape(-1),
                      np.repeat(np.arange(u), per), u)
-
-
-@torch.no_grad()
-def collect(model: MultiExitModel, tokens: np.ndarray, seq_len: int, max_tokens: int) -> Collected:
-    """Signals of up to ``max_tokens`` positions of ``tokens`` (windows of ``seq_len``).
-
-    Raises:
-        ConfigError: fewer tokens than one window (an empty split), or non-finite signals.
-    """
-    model.eval()
-    windows = min((len(tokens) - 1) // seq_len, max(1, max_tokens // seq_len))
-    if len(tokens) < 2 or windows < 1:
-        raise ConfigError(f"empty split: {len(tokens)} tokens, fewer than one window of {seq_len + 1}")
-    layers = model.exit_layers
-    sig: dict[int, list[np.ndarray]] = {k: [] for k in layers}
-    arg: dict[int, list[np.ndarray]] = {k: [] for k in layers}
-    nxt = []
-    for i in range(windows):
-        w = torch.from_numpy(tokens[i * seq_len:(i + 1) * seq_len + 1].astype(np.int64)).unsqueeze(0)
-        out = model.backbone(w[:, :-1])
-        hidden = {k: model.exit_hidden(k, out.hidden_states[k])[0] for k in layers}  # [T, D]
-        logits = {k: torch.nn.functional.linear(hidden[k], model.backbone.head_weight) for k in layers}  # [T, V]
-        s = exit_signals({k: v.numpy() for k, v in logits.items()}, {k: v.numpy() for k, v in hidden.items()})
-        for k in layers:
-            sig[k].append(s[k])
-            arg[k].append(logits[k].argmax(-1).numpy())
-        nxt.append(w[0, 1:].numpy())
-    return Collected(layers, {k: np.concatenate(v) for k, v in sig.items()},
-                     {k: np.concatenate(v) for k, v in arg.items()}, np.concatenate(nxt))
-
-
-@torch.no_grad()
-def top1_accuracy_units(backbone, seqs: np.ndarray, first: int, batch: int = 32) -> float:
-    """Greedy next-token accuracy of a decoder at full depth on the positions :func:`collect_units`
-    judges (first..L-2 of every row of ``seqs`` [U, L])."""
-    backbone.eval()
-    seqs = np.asarray(seqs, dtype=np.int64)
-    correct = 0
-    for a in range(0, seqs.shape[0], batch):
-        w = torch.from_numpy(seqs[a:a + batch])
-        pred = backbone(w[:, :-1]).logits[:, first:].argmax(-1)  # [B, L-1-first]
-        correct += int((pred == w[:, first + 1:]).sum())
-    return correct / (seqs.shape[0] * (seqs.shape[1] - 1 - first))

@@ -18,8 +18,7 @@ from calibration.collect import Collected
 from calibration.evaluate import EvalResult, evaluate_cascade
 from calibration.pvalues import PValue
 from calibration.risk import NEVER_EXIT
-
-TOP1 = 0  # column of top1_prob (gate_prob for a model with exit gates) in the signal matrix
+from calibration.signals import TOP1, exit_targets
 
 
 @dataclass
@@ -65,7 +64,7 @@ def baselines(fit: Collected, certify: Collected, test: Collected, lams: np.ndar
         cals = cert.fit(fit, kind)
         c = cert.certify(cert.calibrated(cals, certify), certify, lams, eps, delta, method, order_seed)
         tp = cert.calibrated(cals, test)
-        tc = test.correct()
+        tc = exit_targets(test.argmax)
         quality = {str(k): {"ece": expected_calibration_error(tp[k], tc[k]), "brier": brier_score(tp[k], tc[k])}
                    for k in cals}
         systems.append(System(label, c.certified, c.lam, c.bound, c.empirical_risk, evaluate_cascade(test, tp, c.lam),

@@ -10,8 +10,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from edge.artifacts import atomic_path
-from edge.errors import ConfigError
+from edge.core.artifacts import atomic_path
+from edge.core.errors import ConfigError
 
 
 def _figure(width: float, height: float):

@@ -34,7 +34,7 @@ import math
 import numpy as np
 from scipy.stats import binom
 
-from edge.errors import ConfigError
+from edge.core.errors import ConfigError
 
 
 class PValue(str, enum.Enum):

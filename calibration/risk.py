@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from calibration.pvalues import PValue, check_unit_interval, method_of, min_units, pvalues
-from edge.errors import ConfigError
+from edge.core.errors import ConfigError
 
 NEVER_EXIT: float = 2.0  # chosen lambda when even the strictest candidate fails: no p in [0, 1] reaches it
 DEFAULT_GRID_SIZE = 1001  # lambda = 1.000, 0.999, ..., 0.000

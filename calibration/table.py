@@ -20,13 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from calibration.calibrators import Calibrator
-from calibration.signals import (GATED_SIGNAL_NAMES, SIGNAL_NAMES, _cosine, _sigmoid, gated_signals, last_exit_signals,
-                                 signals_from_stats)
-from edge.artifacts import atomic_write_json, sha256_path
-from edge.errors import ArtifactError, ConfigError
+from calibration.signals import GATED_SIGNAL_NAMES, SIGNAL_NAMES, gated_signals, signals_from_stats
+from edge.core.artifacts import atomic_write_json, sha256_path
+from edge.core.errors import ArtifactError, ConfigError
 
 TABLE_VERSION = 2
 
@@ -119,13 +117,14 @@ def load_table(path: str | Path, checkpoint: str | Path) -> ThresholdTable:
 
 
 class TableRule:
-    """Exit rule that applies a threshold table.
+    """Exit rule that applies a threshold table (the engine's and the reference generator's rule).
 
-    Recomputes the signals exactly as calibration did and compares the calibrator's raw score with the
-    table's threshold (equivalent to calibrated probability >= lambda). A table calibrated on a model
-    with exit gates (signals :data:`calibration.signals.GATED_SIGNAL_NAMES`) decides in
-    :meth:`decide_gated`, which the engine calls for such models; one calibrated on softmax signals in
-    :meth:`decide` (and :meth:`__call__` for :func:`edge.generate.generate`).
+    The calibrator's raw score is linear in the signals (:meth:`Calibrator.linear_score`), so the rule
+    at a decision exit is ``features @ w + b >= 0`` with the table's threshold folded into ``b``
+    (equivalent to calibrated probability >= lambda). The engine has the segment graphs compute that
+    score (:meth:`linear`); :meth:`decide` (softmax signals) and :meth:`decide_gated` (a model with exit
+    gates, signals :data:`calibration.signals.GATED_SIGNAL_NAMES`) compute it on the host from the
+    signals of :mod:`calibration.signals`, for a caller that asks instead (the reference generator).
     """
 
     def __init__(self, table: ThresholdTable) -> None:
@@ -137,17 +136,11 @@ class TableRule:
         self.table = table
         self.gated = names == GATED_SIGNAL_NAMES
         self._m = len(table.exit_layers)
-        self._linear = {k: c.linear_score() for k, c in table.calibrators.items()}  # layer -> (w [F], b)
-        # the hot path's constants per decision exit: the previous decision exit (None for the first),
-        # the score's weights split by signal, and the threshold moved into the bias
-        decision = table.exit_layers[:-1]
-        self._fast = {}
-        for n, k in enumerate(decision):
-            w, b = self._linear[k]
-            w = np.asarray(w, np.float64)
-            self._fast[k] = (decision[n - 1] if n else None, decision[:n + 1], w, float(b) - table.score_thresholds[k])
-        self._logits: dict[int, np.ndarray] = {}
-        self._hidden: dict[int, np.ndarray] = {}
+        # per decision exit: the score's weights [F] and its bias with the threshold moved into it
+        self._score: dict[int, tuple[np.ndarray, float]] = {}
+        for k in table.exit_layers[:-1]:
+            w, b = table.calibrators[k].linear_score()
+            self._score[k] = (np.asarray(w, np.float64), float(b) - table.score_thresholds[k])
 
     def _expect(self, gated: bool) -> None:
         if gated != self.gated:
@@ -156,35 +149,19 @@ class TableRule:
                                  "softmax signals, but the model it runs decides from exit gates")
                               + "; re-run `smartexit calibrate` for this checkpoint")
 
-    def reset(self) -> None:
-        self._logits.clear()
-        self._hidden.clear()
-
-    def __call__(self, layer: int, logits: torch.Tensor, hidden: torch.Tensor) -> bool:
-        """logits [V], hidden [D] (normalised) of exit ``layer`` for the current token."""
-        self._expect(False)
-        self._logits[layer] = logits.detach().double().numpy()[None]
-        self._hidden[layer] = hidden.detach().double().numpy()[None]
-        feats = last_exit_signals(self._logits, self._hidden, num_exits=len(self.table.exit_layers))  # [1, F]
-        return bool(self._passes(layer, feats)[0])
-
     def decide(self, layer: int, stats: dict[int, np.ndarray], tokens: dict[int, np.ndarray],
                hidden: dict[int, np.ndarray]) -> np.ndarray:
-        """Batched form for the engine (:mod:`edge.engine.rules`): bool [B].
-
-        The calibrator's score is linear in the signals: one dot product per token, no
-        standardisation or validation pass (this runs at every exit of every decode step).
-        """
+        """Softmax statistics [B, 3], argmax [B] and normalised hidden [B, D] of every exit reached so
+        far (``layer`` the deepest) -> exit here, bool [B] (:mod:`edge.runtime.rules`)."""
         self._expect(False)
-        prev, seen, w, b = self._fast[layer]
-        score = stats[layer].astype(np.float64) @ w[:3] + b  # top-1 probability, margin, entropy
-        if prev is not None:  # agreement with the previous exit, agreement run, hidden cosine
-            run = np.zeros(len(score))
-            for a, c in zip(seen[:-1], seen[1:]):
-                run = np.where(tokens[a] == tokens[c], run + 1.0, 0.0)
-            score += w[3] * (tokens[layer] == tokens[prev]) + w[4] / self._m * run
-            score += w[5] * _cosine(hidden[layer].astype(np.float64), hidden[prev].astype(np.float64))
-        return score >= 0.0
+        w, b = self._score[layer]
+        return signals_from_stats(stats, tokens, hidden, num_exits=self._m) @ w + b >= 0.0
+
+    def decide_gated(self, layer: int, gates: dict[int, np.ndarray], hidden: dict[int, np.ndarray]) -> np.ndarray:
+        """For a model with exit gates: gate logits [B] of every exit reached so far, hidden [B, D]; bool [B]."""
+        self._expect(True)
+        w, b = self._score[layer]
+        return gated_signals(gates, hidden) @ w + b >= 0.0
 
     def linear(self, layer: int, num_features: int) -> tuple[np.ndarray, float]:
         """The rule at decision exit ``layer`` as a linear score of the exit's features (in the order of
@@ -192,18 +169,4 @@ class TableRule:
         segment graphs). Raises ConfigError when the model's features are not the table's signals."""
         if num_features != len(self.table.signal_names):
             self._expect(not self.gated)  # the message says which interface the table was calibrated on
-        _, _, w, b = self._fast[layer]
-        return w, b
-
-    def decide_gated(self, layer: int, gates: dict[int, np.ndarray], hidden: dict[int, np.ndarray]) -> np.ndarray:
-        """For a model with exit gates: gate logits [B] of every exit reached so far, hidden [B, D]; bool [B]."""
-        self._expect(True)
-        prev, _, w, b = self._fast[layer]
-        score = w[0] * _sigmoid(gates[layer].astype(np.float64)) + b
-        if prev is not None:  # the previous exit's gate probability, hidden cosine
-            score += w[1] * _sigmoid(gates[prev].astype(np.float64))
-            score += w[2] * _cosine(hidden[layer].astype(np.float64), hidden[prev].astype(np.float64))
-        return score >= 0.0
-
-    def _passes(self, layer: int, feats: np.ndarray) -> np.ndarray:
-        return self.table.calibrators[layer].score(feats) >= self.table.score_thresholds[layer]
+        return self._score[layer]

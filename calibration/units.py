@@ -1,7 +1,7 @@
 """Which text calibration draws its units from, how many it needs, and the draws themselves.
 
 A unit is a window of ``prompt_tokens + new_tokens`` tokens drawn i.i.d. from a
-corpus (:class:`edge.data.TokenCorpus`: document uniformly at random among
+corpus (:class:`edge.core.data.TokenCorpus`: document uniformly at random among
 those long enough, offset uniformly at random). Its first ``prompt_tokens``
 tokens are the prompt the engine continues; the rest is the natural
 continuation, used for the teacher-forced figures. Fit, certify, propagate-test
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edge.data import Document, Split, TokenCorpus, Windows, load_split, load_text_dir, split_by_hash
-from edge.errors import ConfigError
+from edge.core.data import Document, Split, TokenCorpus, Windows, load_split, load_text_dir, split_by_hash
+from edge.core.errors import ConfigError
 
 DRAWS = ("fit", "certify", "propagate", "eval", "crossfit", "order")
 

@@ -19,30 +19,32 @@ dim, V vocabulary; B, T, P and S are dynamic axes):
     in:  ``hidden`` float32 [B, T, D] (residual stream before the segment's first layer),
          ``positions`` int64 [B, T],
          ``attn_mask`` float32 [B, 1, T, S] (additive, 0 or a large negative; build it with
-         :func:`edge.model.attention_mask` over the past slots then the new tokens),
+         :func:`edge.model.decoder.attention_mask` over the past slots then the new tokens),
          ``past_key_{j}``, ``past_value_{j}`` float32 [B, KV, P, hd] per layer j (P may be 0),
-         ``exit_index`` int64 [B] (the row of each sequence whose exit head is computed: its
+         ``exit_index`` int64 [B] (the row of each sequence whose exit hidden is computed: its
          newest token; a prefill chunk or deferred rows need no head for the other rows)
     out: ``hidden_out`` [B, T, D] (residual stream after the segment's last layer),
-         ``exit_hidden`` [B, 1, D] (the exit head's normalised hidden at ``exit_index``, input of
-         the LM head),
-         ``logits`` [B, 1, V] (exit logits there),
-         ``exit_stats`` [B, 1, 3] (softmax top-1 probability, top-1 minus top-2, entropy) and
-         ``exit_token`` int64 [B, 1] (argmax): what the exit rule reads, so the engine never
-         runs a softmax over V on the host (:func:`edge.exits.exit_decision_stats`),
+         ``exit_hidden`` [B, 1, D] (the exit's normalised hidden at ``exit_index``, after its
+         adapter and norm: the input of ``head``),
          ``present_key_{j}``, ``present_value_{j}`` [B, KV, T, hd] per layer j (new tokens only;
          the caller writes them into its cache)
+``head.onnx`` (one for every exit: the shared LM head)
+    in:  ``exit_hidden`` float32 [B, 1, D] (a segment's output)
+    out: ``logits`` [B, 1, V] (exit logits),
+         ``exit_stats`` [B, 1, 3] (softmax top-1 probability, top-1 minus top-2, entropy) and
+         ``exit_token`` int64 [B, 1] (argmax): what the exit rule reads, so the engine never
+         runs a softmax over V on the host (:func:`edge.model.exits.exit_decision_stats`)
 ``kvfill_{i}.onnx`` (every segment but the first; it covers the layers of segments i..last)
     in:  ``hidden`` [B, T, D] (raw residual stream at exit i-1, *before* its head),
          ``positions`` int64 [B, T]
     out: ``present_key_{j}``, ``present_value_{j}`` [B, KV, T, hd] per layer j of segment i
-         (:meth:`edge.model.DecoderLayer.kv_only`)
+         (:meth:`edge.model.decoder.DecoderLayer.kv_only`)
 
 RoPE cos / sin are computed inside each graph from ``positions``; attention,
 RoPE and RMSNorm stay decomposed (no ``com.microsoft`` ops) so TensorRT's
 parser accepts the graphs. ``graphs.json`` in the output folder records the
 exits, the segments, every graph's file, I/O names and sha256, the checkpoint
-sha256, the opset and whether ``onnx.checker`` passed.
+sha256, the opset and, per graph, what ``onnx.checker`` answered (a rejection stops the export).
 """
 from __future__ import annotations
 
@@ -60,16 +62,14 @@ import torch.nn.functional as F
 from onnx import external_data_helper as edh
 from torch import nn
 
-from edge.artifacts import atomic_dir, atomic_write_json, sha256_file
-from edge.errors import ArtifactError, ConfigError
-from edge.exits import MultiExitModel, exit_decision_stats
-from edge.model import rope_cos_sin
+from edge.core.artifacts import atomic_dir, atomic_write_json, sha256_file
+from edge.core.errors import ArtifactError, ConfigError
+from edge.model.exits import MultiExitModel, exit_decision_stats
+from edge.model.decoder import rope_cos_sin
+from edge.model.segments import segment_layers
+from edge.runtime.graphs import FUSED_DIR, GRAPHS_FORMAT, GRAPHS_JSON
 from exporters.ort_fused import build_fused, fused_supported, save_fused
 
-GRAPHS_JSON = "graphs.json"
-GRAPHS_FORMAT = 4  # 2: segment graphs output exit_stats, exit_token; 3: exit head on exit_index rows only;
-# 4: fused ONNX Runtime graphs (exporters/ort_fused.py) beside the portable ones, model.max_positions
-FUSED_DIR = "fused"
 SUPPORTED_OPSETS = (17, 18)
 # Protobuf's hard limit: one ModelProto cannot exceed 2 GiB, larger weights go to external data.
 PROTOBUF_LIMIT = 2**31
@@ -108,6 +108,7 @@ class GraphInfo:
     sha256: str
     external_data: str | None = None
     external_data_sha256: str | None = None
+    checker: str | None = None  # what onnx.checker.check_model answered for this file (None: not run)
 
 
 @dataclass
@@ -117,11 +118,10 @@ class ExportManifest:
     out_dir: Path
     exit_layers: list[int]  # 1-based, last = num_layers
     segments: list[dict[str, Any]]  # {"index", "exit_layer" (1-based), "layers" (0-based indices)}
-    graphs: dict[str, GraphInfo]  # "embed", "segment_{i}", "kvfill_{i}"
+    graphs: dict[str, GraphInfo]  # "embed", "segment_{i}", "kvfill_{i}", "head"
     checkpoint_sha256: str
     opset: int
-    checker: bool
-    model: dict[str, int] = field(default_factory=dict)  # hidden_size, num_kv_heads, head_dim, vocab_size...
+    model: dict[str, Any] = field(default_factory=dict)  # hidden_size, num_kv_heads, head_dim, vocab_size, gated...
     fused: dict[str, GraphInfo] = field(default_factory=dict)  # the ONNX Runtime graphs, in FUSED_DIR
     fused_skipped: str | None = None  # why there are none
     seconds: float = 0.0
@@ -134,7 +134,7 @@ class ExportManifest:
             "graphs": {k: asdict(v) for k, v in self.graphs.items()},
             "checkpoint_sha256": self.checkpoint_sha256,
             "opset": self.opset,
-            "checker": self.checker,
+            "checker": {"onnx": onnx.__version__},  # and each graph's answer under graphs.<name>.checker
             "model": self.model,
             "fused": {"dir": FUSED_DIR, "graphs": {k: asdict(v) for k, v in self.fused.items()}} if self.fused else None,
             "fused_skipped": self.fused_skipped,
@@ -142,18 +142,17 @@ class ExportManifest:
         }
 
 
-def segment_layers(exit_layers: list[int]) -> list[list[int]]:
-    """0-based decoder layer indices of each segment: [2, 4] -> [[0, 1], [2, 3]]."""
-    bounds = [0, *exit_layers]
-    return [list(range(bounds[i], bounds[i + 1])) for i in range(len(exit_layers))]
-
-
 def segment_io(layers: list[int]) -> tuple[list[str], list[str]]:
     """Input and output names of the segment graph over 0-based ``layers``."""
     past = [n for j in layers for n in (f"past_key_{j}", f"past_value_{j}")]
     present = [n for j in layers for n in (f"present_key_{j}", f"present_value_{j}")]
     return (["hidden", "positions", "attn_mask", *past, "exit_index"],
-            ["hidden_out", "exit_hidden", "logits", "exit_stats", "exit_token", *present])
+            ["hidden_out", "exit_hidden", *present])
+
+
+def head_io() -> tuple[list[str], list[str]]:
+    """Input and output names of the head graph."""
+    return ["exit_hidden"], ["logits", "exit_stats", "exit_token"]
 
 
 def kvfill_io(layers: list[int]) -> tuple[list[str], list[str]]:
@@ -189,9 +188,18 @@ class _SegmentGraph(nn.Module):
             presents += [k, v]  # [B, KV, T, hd]
         rows = torch.gather(h, 1, exit_index.view(-1, 1, 1).expand(-1, 1, h.shape[-1]))  # [B, 1, D]
         e = self.model.exit_hidden(self.exit_layer, rows)  # [B, 1, D]
-        logits = F.linear(e, backbone.head_weight)  # [B, 1, V]
+        return (h, e, *presents)
+
+
+class _HeadGraph(nn.Module):
+    def __init__(self, model: MultiExitModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, exit_hidden):
+        logits = F.linear(exit_hidden, self.model.backbone.head_weight)  # [B, 1, V]
         stats, token = exit_decision_stats(logits)  # [B, 1, 3], [B, 1]
-        return (h, e, logits, stats, token, *presents)
+        return logits, stats, token
 
 
 class _KVFillGraph(nn.Module):
@@ -227,8 +235,8 @@ def _dynamic_axes(inputs: list[str], outputs: list[str]) -> dict[str, dict[int, 
 def _export_one(module: nn.Module, args: tuple, path: Path, inputs: list[str], outputs: list[str],
                 cfg: ExportConfig) -> None:
     with warnings.catch_warnings():
-        # The legacy TorchScript exporter is deliberate (NOTES.md: the dynamo exporter fails on
-        # FakeQuantize); its deprecation notice is noise here.
+        # The legacy TorchScript exporter is deliberate (the dynamo exporter fails on FakeQuantize,
+        # pytorch/pytorch issues on torch.export of fake-quantized modules); its deprecation notice is noise here.
         warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*legacy TorchScript-based ONNX export")
         # ... and torch's exporter calls its own deprecated exporter_context (torch 2.13).
         warnings.filterwarnings("ignore", category=DeprecationWarning, message="The feature will be removed")
@@ -268,10 +276,10 @@ def slim_graphs(paths: list[Path]) -> None:
 
     Runs in a process of its own: onnxslim folds constants with ONNX Runtime sessions of default
     options, which ONNX Runtime refuses once this process made its shared thread pool
-    (edge/ortsession.py), and folding would silently do less."""
+    (edge/runtime/ortsession.py), and folding would silently do less."""
     if not paths:
         return
-    from edge.device import run_command
+    from edge.core.device import run_command
 
     out = run_command([sys.executable, "-m", "exporters.onnx_export", "--slim", *map(str, paths)], timeout=3600)
     if out.returncode != 0:
@@ -301,33 +309,29 @@ def _finish_graph(path: Path, cfg: ExportConfig, weight_bytes: int, inputs: list
         onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=data_name, size_threshold=1024)
     try:
-        onnx.checker.check_model(str(path))  # by path: works with external data and > 2 GiB
+        onnx.checker.check_model(str(path), full_check=True)  # by path: works with external data and > 2 GiB
     except onnx.checker.ValidationError as exc:
         raise ArtifactError(f"{path.name}: onnx.checker rejected the exported graph: {exc}") from exc
-    info = GraphInfo(path.name, inputs, outputs, sha256_file(path))
+    info = GraphInfo(path.name, inputs, outputs, sha256_file(path), checker="passed (full_check, shape inference)")
     if data_name:
         info.external_data, info.external_data_sha256 = data_name, sha256_file(path.parent / data_name)
     return info
 
 
-def _weight_bytes(model: MultiExitModel, layers: list[int], with_head: bool) -> int:
-    backbone = model.backbone
-    n = sum(p.numel() * p.element_size() for j in layers for p in backbone.layers[j].parameters())
-    if with_head:
-        n += backbone.head_weight.numel() * backbone.head_weight.element_size()
-    return n
+def _weight_bytes(model: MultiExitModel, layers: list[int]) -> int:
+    return sum(p.numel() * p.element_size() for j in layers for p in model.backbone.layers[j].parameters())
 
 
 def export_onnx(model: MultiExitModel, out_dir: str | Path, cfg: ExportConfig,
                 checkpoint_sha256: str) -> ExportManifest:
-    """Export ``embed``, one ``segment_{i}`` per exit and ``kvfill_{i}`` per later segment.
+    """Export ``embed``, one ``segment_{i}`` per exit, ``kvfill_{i}`` per later segment and ``head``.
 
     Args:
         model: the multi-exit model (fp32; put in eval mode here).
         out_dir: folder to (re)create atomically with the graphs and ``graphs.json``.
         cfg: opset and trace shapes.
         checkpoint_sha256: hash of the checkpoint the model was loaded from, recorded so that
-            :func:`verify_graphs` can refuse graphs of another checkpoint.
+            :func:`edge.runtime.graphs.verify_graphs` can refuse graphs of another checkpoint.
 
     Returns:
         The :class:`ExportManifest` written to ``graphs.json``.
@@ -355,11 +359,14 @@ def export_onnx(model: MultiExitModel, out_dir: str | Path, cfg: ExportConfig,
         exit_index = torch.randint(0, t, (b,), generator=g)
         jobs.append((f"segment_{i}", _SegmentGraph(model, layers, exit_layer),
                      (hidden, positions, mask, *past, exit_index),
-                     *segment_io(layers), _weight_bytes(model, layers, True)))
+                     *segment_io(layers), _weight_bytes(model, layers)))
         if i > 0:  # K/V of every layer from segment i to the end: one call fills all skipped layers
             suffix = [j for seg in seg_layers[i:] for j in seg]
             jobs.append((f"kvfill_{i}", _KVFillGraph(model, suffix), (hidden, positions), *kvfill_io(suffix),
-                         _weight_bytes(model, suffix, False)))
+                         _weight_bytes(model, suffix)))
+    head_w = model.backbone.head_weight
+    jobs.append(("head", _HeadGraph(model), (torch.randn(b, 1, d, generator=g),), *head_io(),
+                 head_w.numel() * head_w.element_size()))
     graphs: dict[str, GraphInfo] = {}
     with atomic_dir(out_dir) as tmp, torch.no_grad():
         for name, module, args, ins, outs, nbytes in jobs:
@@ -375,10 +382,9 @@ def export_onnx(model: MultiExitModel, out_dir: str | Path, cfg: ExportConfig,
             segments=[{"index": i, "exit_layer": e, "layers": ls}
                       for i, (ls, e) in enumerate(zip(seg_layers, model.exit_layers))],
             graphs=graphs, checkpoint_sha256=checkpoint_sha256, opset=cfg.opset,
-            checker=True,  # _finish_graph raises (and nothing is written) if a graph fails the checker
             model={"num_layers": mcfg.num_layers, "hidden_size": d, "num_kv_heads": kvh, "head_dim": hd,
                    "vocab_size": mcfg.vocab_size, "sliding_window": mcfg.sliding_window,
-                   "max_positions": mcfg.max_position_embeddings},
+                   "max_positions": mcfg.max_position_embeddings, "gated": model.gated},
         )
         manifest.fused_skipped = fused_supported(model)
         if manifest.fused_skipped is None:
@@ -392,59 +398,6 @@ def export_onnx(model: MultiExitModel, out_dir: str | Path, cfg: ExportConfig,
         manifest.seconds = time.perf_counter() - t0
         atomic_write_json(tmp / GRAPHS_JSON, manifest.to_dict())
     return manifest
-
-
-def load_graphs_json(graphs_dir: str | Path) -> dict[str, Any]:
-    """Read ``graphs.json`` of an export folder.
-
-    Raises:
-        ArtifactError: missing, not JSON, or not a graphs.json this module wrote.
-    """
-    path = Path(graphs_dir) / GRAPHS_JSON
-    if not path.is_file():
-        raise ArtifactError(f"{path} is missing: {graphs_dir} is not an ONNX export folder (run `smartexit export`)")
-    try:
-        meta = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ArtifactError(f"{path} is not valid JSON: {exc}") from exc
-    if meta.get("format") != GRAPHS_FORMAT or not isinstance(meta.get("graphs"), dict):
-        raise ArtifactError(f"{path}: expected format {GRAPHS_FORMAT} with a 'graphs' table, "
-                            f"got format {meta.get('format')!r} (an export from an older SmartExit: re-run "
-                            f"`smartexit export`)")
-    return meta
-
-
-def verify_graphs(graphs_dir: str | Path, checkpoint_sha256: str) -> dict[str, Any]:
-    """Check that the graphs in ``graphs_dir`` are the ones exported from ``checkpoint_sha256``.
-
-    Returns:
-        The parsed ``graphs.json``.
-
-    Raises:
-        ArtifactError: the export is of another checkpoint, or a graph file (or its external
-            data) is missing or its sha256 differs from the one recorded at export time.
-    """
-    graphs_dir = Path(graphs_dir)
-    meta = load_graphs_json(graphs_dir)
-    recorded = meta.get("checkpoint_sha256")
-    if recorded != checkpoint_sha256:
-        raise ArtifactError(
-            f"{graphs_dir / GRAPHS_JSON}: graphs were exported from checkpoint sha256 {recorded}, "
-            f"expected {checkpoint_sha256}; re-export for this checkpoint")
-    fused = (meta.get("fused") or {}).get("graphs", {})
-    for name, g in [*meta["graphs"].items(), *((f"fused/{k}", v) for k, v in fused.items())]:
-        for file, want in ((g["file"], g["sha256"]), (g.get("external_data"), g.get("external_data_sha256"))):
-            if file is None:
-                continue
-            path = graphs_dir / file
-            if not path.is_file():
-                raise ArtifactError(f"{path} (graph {name!r}) is missing")
-            actual = sha256_file(path)
-            if actual != want:
-                raise ArtifactError(
-                    f"{path} (graph {name!r}) sha256 {actual} != recorded {want}: the file changed after export "
-                    f"(a segment graph from another checkpoint?); re-export")
-    return meta
 
 
 if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "--slim":

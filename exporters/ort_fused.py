@@ -4,7 +4,8 @@ The portable export (:mod:`exporters.onnx_export`) keeps attention, RoPE and RMS
 so that TensorRT can parse it; after ONNX Runtime's own optimisations it still runs about 84
 nodes per decoder layer, and at batch 1 a node costs more than its arithmetic. These graphs are
 written from the same weights with ONNX Runtime's fused operators instead, about 10 nodes per
-layer (NOTES.md: contrib ops are fine in graphs meant only for ONNX Runtime):
+layer (contrib ops, https://onnxruntime.ai/docs/reference/operators/ContribOperators.html, are
+fine in graphs meant only for ONNX Runtime; docs/runtime.md says why both families exist):
 
     SkipSimplifiedLayerNormalization   residual add + RMSNorm in one pass
     MatMul                             Q, K and V from one packed weight
@@ -21,24 +22,35 @@ key/value heads, hd head dim, V vocabulary). A call has T == 1 (a decode step, a
 has its own cache length) or B == 1 (a prompt chunk or a sequence's deferred rows with the
 new token): ONNX Runtime's GroupQueryAttention takes several rows per sequence only at batch 1.
 
-``segment_{i}`` (one per exit; ``full`` is the same over all layers with the final head)
+``segment_{i}`` (one per exit; the segments end at the exit's normalised hidden state: the LM head
+is not in them)
     in:  ``input_ids`` int64 [B, T] (segment 0) or ``hidden`` float32 [B, T, D] (the residual),
          ``seqlens_k`` int32 [B] (index of each row's last new token = cached + T - 1),
          ``total_len`` int32 [] (max over rows of cached + T),
-         ``exit_index`` int64 [] (the row whose exit head is computed: T - 1),
+         ``exit_index`` int64 [] (the row whose exit hidden is computed: T - 1),
          ``past_key_{j}``, ``past_value_{j}`` float32 [B, KV, C, hd]
-    out: ``hidden_out`` [B, T, D] (not in the last segment), ``exit_hidden`` [B, D],
-         ``logits`` [B, V], ``exit_stats`` [B, 3], ``exit_token`` int64 [B],
+    out: ``hidden_out`` [B, T, D] (not in the last segment), ``exit_hidden`` [B, D] (after the exit's
+         adapter and norm: the LM head's input),
          ``present_key_{j}``, ``present_value_{j}`` [B, KV, C, hd]: bind them to the same
          buffers as the past (the engine's cache), and only the new rows are written.
-With exit gates (``exits.gate_hidden`` > 0) a decision segment outputs ``exit_gate`` [B] (the gate's
-logit) instead of ``logits`` / ``exit_stats`` / ``exit_token``, and ``head_{i}`` computes those from
-``exit_hidden`` [B, D] for the rows that exit. Every decision segment also computes the exit rule's
-features and linear score (:meth:`_Builder.decision`): inputs ``rule_w``, ``rule_b`` and the previous
-decision exit's outputs, outputs ``exit_features``, ``exit_score`` (exit where >= 0), ``exit_run``.
+    With exit gates (``exits.gate_hidden`` > 0) a decision segment also outputs ``exit_gate`` [B] (the
+    gate's logit) and the exit rule's features and score from the gates (:meth:`_Builder.decision_gated`:
+    inputs ``rule_w``, ``rule_b``, ``prev_gate``, ``prev_exit_hidden``; outputs ``exit_features``,
+    ``exit_score``): a gated decision needs no LM head.
+``head`` (one for every exit: the LM head's weight is stored, and loaded, once)
+    in:  ``exit_hidden`` [B, D]
+    out: ``logits`` [B, V], ``exit_stats`` [B, 3], ``exit_token`` int64 [B]
+    Without gates (and with more than one exit) it also computes the exit rule's features and
+    linear score (:meth:`_Builder.decision`): inputs ``rule_w`` [6], ``rule_b`` [], ``has_prev`` bool []
+    (false at the first exit) and the previous exit's ``prev_token`` int64 [B], ``prev_run`` [B],
+    ``prev_exit_hidden`` [B, D]; outputs ``exit_features`` [B, 6], ``exit_score`` [B] (exit where >= 0),
+    ``exit_run`` [B]. With gates it runs for the rows that exit only.
 ``kvfill_{i}`` (segments i..last, for rows that exited after segment i-1: CALM's propagation)
     in:  ``hidden`` [B, T, D] (the residual at the exit), ``positions`` int64 [B, T]
     out: ``key_{j}``, ``value_{j}`` float32 [B, T, KV * hd] (rotated keys; the caller writes them)
+
+Why one ``head`` graph and not a head in every segment graph (or one graph sharing an initializer
+with the others): docs/runtime.md, "One LM head per process".
 
 Parity with the torch model is checked by :func:`exporters.parity.check_fused_parity`.
 """
@@ -52,8 +64,8 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from edge.errors import ConfigError
-from edge.exits import MultiExitModel
+from edge.core.errors import ConfigError
+from edge.model.exits import MultiExitModel
 
 MS = "com.microsoft"
 FUSED_OPSET = 17
@@ -182,7 +194,7 @@ class _Builder:
         self.output("exit_token", TensorProto.INT64, ["batch"])
 
     def gate(self, layer: int, eh: str) -> None:
-        """``exit_gate`` [B]: the exit's gate logit (:class:`edge.exits.ExitGate`)."""
+        """``exit_gate`` [B]: the exit's gate logit (:class:`edge.model.exits.ExitGate`)."""
         g = self.model.heads[str(layer)].gate
         a = self.linear(eh, g.fc1, f"e{layer}.gate1")
         a = self.node("QuickGelu", [a], [f"e{layer}.gsilu"], domain=MS, alpha=1.0)[0]  # SiLU
@@ -204,61 +216,70 @@ class _Builder:
         clipped = self.node("Clip", [ratio, self.weight("c.m1", np.array(-1.0, np.float32)), one], ["cs.clip"])[0]
         return self.node("Where", [ok, clipped, zero], ["cs.cos"])[0]
 
-    def decision(self, eh: str, first_decision: bool) -> None:
-        """The exit rule's features and score, in the graph: the host only compares ``exit_score`` [B]
-        with 0 (after a segment call the host's caches are cold, and each numpy operation on a few
-        numbers cost 10-20 us there; the rule took 0.39 ms of a 4 ms step).
+    def decision(self, eh: str) -> None:
+        """The exit rule's features and score (softmax signals), in the ``head`` graph: the host only
+        compares ``exit_score`` [B] with 0 (after a graph call the host's caches are cold, and each numpy
+        operation on a few numbers cost 10-20 us there; the rule took 0.39 ms of a 4 ms step).
 
-        Features [B, F], the columns of :data:`calibration.signals.SIGNAL_NAMES` (softmax) or
-        ``GATED_SIGNAL_NAMES`` (gates), as :func:`calibration.signals.signals_from_stats` /
-        ``gated_signals`` compute them, in float32: the exit's statistics (top-1 probability,
-        margin, entropy) or its gate probability; then agreement with the previous decision exit's
-        argmax, the run of consecutive agreements over the number of exits, and the cosine with the
-        previous exit's hidden (or the previous gate probability and the cosine); zeros at the first
-        decision exit. Inputs ``rule_w`` [F], ``rule_b`` []: the rule's linear score (threshold
-        folded into the bias), so ``exit_score`` = features @ rule_w + rule_b; ``exit_run`` [B] carries
-        the run to the next exit. Later decision exits take ``prev_exit_hidden`` [B, D] and
-        ``prev_token`` int64 [B] + ``prev_run`` [B] (softmax) or ``prev_gate`` [B] (gates)."""
-        gated, d = self.model.gated, self.cfg.hidden_size
-        f = 3 if gated else 6
-        w = self.input("rule_w", TensorProto.FLOAT, [f])
+        Features [B, 6], the columns of :data:`calibration.signals.SIGNAL_NAMES` as
+        :func:`calibration.signals.signals_from_stats` computes them, in float32: the exit's statistics
+        (top-1 probability, margin, entropy), agreement with the previous exit's argmax, the run of
+        consecutive agreements over the number of exits, and the cosine with the previous exit's
+        hidden; exact zeros for the last three where ``has_prev`` is false (the first decision exit:
+        one graph serves every exit, so "first" is an input, not a graph variant). Inputs ``rule_w`` [6],
+        ``rule_b`` []: the rule's linear score (threshold folded into the bias), so ``exit_score`` =
+        features @ rule_w + rule_b; ``exit_run`` [B] carries the run to the next exit."""
+        d = self.cfg.hidden_size
+        w = self.input("rule_w", TensorProto.FLOAT, [6])
         bias = self.input("rule_b", TensorProto.FLOAT, [])
-        col = lambda x, n: self.node("Unsqueeze", [x, self.const("c.unsq1", [1])], [f"dc.{n}"])[0]  # noqa: E731
-        if gated:
-            g = self.node("Sigmoid", ["exit_gate"], ["dc.g"])[0]
-            if first_decision:
-                feats = self.node("Pad", [col(g, "g1"), self.const("c.pad2", [0, 0, 0, 2])], ["exit_features"])[0]
-            else:
-                pg = self.node("Sigmoid", [self.input("prev_gate", TensorProto.FLOAT, ["batch"])], ["dc.pg"])[0]
-                cos = self.cosine(eh, self.input("prev_exit_hidden", TensorProto.FLOAT, ["batch", d]))
-                feats = self.node("Concat", [col(g, "g1"), col(pg, "pg1"), col(cos, "cos1")], ["exit_features"],
-                                  axis=1)[0]
+        has = self.input("has_prev", TensorProto.BOOL, [])
+        prev_token = self.input("prev_token", TensorProto.INT64, ["batch"])
+        prev_run = self.input("prev_run", TensorProto.FLOAT, ["batch"])
+        prev_eh = self.input("prev_exit_hidden", TensorProto.FLOAT, ["batch", d])
+        same = self.node("And", [self.node("Equal", ["exit_token", prev_token], ["dc.eq"])[0], has], ["dc.same"])[0]
+        agree = self.node("Cast", [same], ["dc.agree"], to=TensorProto.FLOAT)[0]
+        one = self.weight("c.one_f0", np.ones((), np.float32))
+        run = self.node("Mul", [agree, self.node("Add", [prev_run, one], ["dc.run1"])[0]], ["exit_run"])[0]  # [B]
+        runm = self.node("Div", [run, self.weight("c.m_exits", np.array(len(self.model.exit_layers), np.float32))],
+                         ["dc.runm"])[0]
+        cos = self.node("Where", [has, self.cosine(eh, prev_eh), self.weight("c.zero_f", np.zeros((), np.float32))],
+                        ["dc.cos"])[0]
+        feats = self.node("Concat", ["exit_stats", self._col(agree, "agree1"), self._col(runm, "runm1"),
+                                     self._col(cos, "cos1")], ["exit_features"], axis=1)[0]
+        self.output("exit_run", TensorProto.FLOAT, ["batch"])
+        self._score(feats, w, bias, 6)
+
+    def decision_gated(self, eh: str, first_decision: bool) -> None:
+        """The same from the gates, in a gated decision segment (no LM head needed): features [B, 3], the
+        columns of ``calibration.signals.GATED_SIGNAL_NAMES`` as ``gated_signals`` computes them: the
+        gate probability, the previous decision exit's and the cosine with its hidden (zeros at the
+        first decision exit). Inputs ``rule_w`` [3], ``rule_b`` []; later decision exits also take
+        ``prev_gate`` [B] and ``prev_exit_hidden`` [B, D]."""
+        d = self.cfg.hidden_size
+        w = self.input("rule_w", TensorProto.FLOAT, [3])
+        bias = self.input("rule_b", TensorProto.FLOAT, [])
+        g = self.node("Sigmoid", ["exit_gate"], ["dc.g"])[0]
+        if first_decision:
+            feats = self.node("Pad", [self._col(g, "g1"), self.const("c.pad2", [0, 0, 0, 2])], ["exit_features"])[0]
         else:
-            if first_decision:
-                feats = self.node("Pad", ["exit_stats", self.const("c.pad3", [0, 0, 0, 3])], ["exit_features"])[0]
-                zero = self.weight("c.zero_f", np.zeros((), np.float32))
-                self.node("Mul", [self.node("ReduceSum", ["exit_stats", self.const("c.axis_last", [-1])],
-                                            ["dc.any"], keepdims=0)[0], zero], ["exit_run"])
-            else:
-                same = self.node("Equal", ["exit_token", self.input("prev_token", TensorProto.INT64, ["batch"])],
-                                 ["dc.same"])[0]
-                agree = self.node("Cast", [same], ["dc.agree"], to=TensorProto.FLOAT)[0]
-                prev_run = self.input("prev_run", TensorProto.FLOAT, ["batch"])
-                run = self.node("Mul", [agree, self.node("Add", [prev_run, self.weight("c.one_f0", np.ones((), np.float32))],
-                                                         ["dc.run1"])[0]], ["exit_run"])[0]  # [B]
-                runm = self.node("Div", [run, self.weight("c.m_exits", np.array(len(self.model.exit_layers), np.float32))],
-                                 ["dc.runm"])[0]
-                cos = self.cosine(eh, self.input("prev_exit_hidden", TensorProto.FLOAT, ["batch", d]))
-                feats = self.node("Concat", ["exit_stats", col(agree, "agree1"), col(runm, "runm1"), col(cos, "cos1")],
-                                  ["exit_features"], axis=1)[0]
-            self.output("exit_run", TensorProto.FLOAT, ["batch"])
+            pg = self.node("Sigmoid", [self.input("prev_gate", TensorProto.FLOAT, ["batch"])], ["dc.pg"])[0]
+            cos = self.cosine(eh, self.input("prev_exit_hidden", TensorProto.FLOAT, ["batch", d]))
+            feats = self.node("Concat", [self._col(g, "g1"), self._col(pg, "pg1"), self._col(cos, "cos1")],
+                              ["exit_features"], axis=1)[0]
+        self._score(feats, w, bias, 3)
+
+    def _col(self, x: str, name: str) -> str:
+        """[B] -> [B, 1]."""
+        return self.node("Unsqueeze", [x, self.const("c.unsq1", [1])], [f"dc.{name}"])[0]
+
+    def _score(self, feats: str, w: str, bias: str, f: int) -> None:
         self.node("Add", [self.node("MatMul", [feats, w], ["dc.fw"])[0], bias], ["exit_score"])
         self.output("exit_features", TensorProto.FLOAT, ["batch", f])
         self.output("exit_score", TensorProto.FLOAT, ["batch"])
 
     def decision_stats(self, logits: str) -> None:
         """exit_stats [B, 3] (top-1 probability, top-1 minus top-2, entropy) and exit_token [B]:
-        :func:`edge.exits.exit_decision_stats` (same formulas), from one TopK and one exp pass."""
+        :func:`edge.model.exits.exit_decision_stats` (same formulas), from one TopK and one exp pass."""
         k2 = self.const("c.k2", [2])
         axis = self.const("c.axis_last", [-1])
         vals, idx = self.node("TopK", [logits, k2], ["st.top", "st.idx"], axis=-1, largest=1, sorted=1)
@@ -306,24 +327,28 @@ def _segment_proto(model: MultiExitModel, layers: list[int], exit_layer: int | N
     if exit_layer is not None:
         rows = b.node("Gather", [out, "exit_index"], ["exit_rows"], axis=1)[0]  # [B, D]
         eh = b.exit_norm(exit_layer, rows)
-        if model.gated and not last:  # the head runs apart, for the rows that exit (head_{i})
+        if model.gated and not last:  # decides from its gate; the head runs for the rows that exit
             b.gate(exit_layer, eh)
-        else:
-            b.lm_head(eh)
-        if not last:
-            b.decision(eh, first_decision=first)
+            b.decision_gated(eh, first_decision=first)
     for j in layers:
         for kind in ("key", "value"):
             b.output(f"present_{kind}_{j}", TensorProto.FLOAT, ["batch", kv, "capacity", hd])
     return b.model_proto(name)
 
 
-def _head_proto(model: MultiExitModel, name: str) -> onnx.ModelProto:
-    """``head_{i}``: LM head and decision statistics of a gated exit, for the rows that exit."""
+def head_decides(model: MultiExitModel) -> bool:
+    """Whether the ``head`` graph computes the exit rule's score: decision exits without gates."""
+    return not model.gated and len(model.exit_layers) > 1
+
+
+def _head_proto(model: MultiExitModel) -> onnx.ModelProto:
+    """``head``: the LM head, decision statistics and (softmax rules) the exit rule's score, for every exit."""
     b = _Builder(model)
     eh = b.input("exit_hidden", TensorProto.FLOAT, ["batch", b.cfg.hidden_size])
     b.lm_head(eh)
-    return b.model_proto(name)
+    if head_decides(model):
+        b.decision(eh)
+    return b.model_proto("head")
 
 
 def _kvfill_proto(model: MultiExitModel, layers: list[int], name: str) -> onnx.ModelProto:
@@ -358,7 +383,7 @@ class FusedGraph:
 
 
 def build_fused(model: MultiExitModel, segments: list[list[int]]) -> list[FusedGraph]:
-    """The fused ``segment_{i}`` and ``kvfill_{i}`` graphs of ``model`` cut at ``segments``
+    """The fused ``segment_{i}``, ``kvfill_{i}`` and ``head`` graphs of ``model`` cut at ``segments``
     (0-based layers per segment; exits after each).
 
     Raises:
@@ -378,8 +403,7 @@ def build_fused(model: MultiExitModel, segments: list[list[int]]) -> list[FusedG
         for i in range(1, n):
             suffix = [j for seg in segments[i:] for j in seg]
             out.append(FusedGraph(f"kvfill_{i}", _kvfill_proto(model, suffix, f"kvfill_{i}")))
-        if model.gated:
-            out += [FusedGraph(f"head_{i}", _head_proto(model, f"head_{i}")) for i in range(n - 1)]
+        out.append(FusedGraph("head", _head_proto(model)))
     return out
 
 

@@ -6,7 +6,8 @@ of every prompt alone (P = 0, T = len) and a batched decode of all prompts
 together with a past of *different* lengths per row (padded cache slots hidden
 by the mask), ``decode_steps`` tokens long. Also checked: every graph passes
 ``onnx.checker``, uses the recorded opset, and has no ``com.microsoft`` node
-(TensorRT's parser rejects contrib ops, NOTES.md).
+(TensorRT's ONNX parser supports the standard ONNX operator set only: onnx-tensorrt's
+docs/operators.md).
 """
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from edge.errors import ArtifactError, ConfigError
-from edge.ortsession import session_options
-from edge.exits import MultiExitModel, exit_decision_stats
-from edge.model import attention_mask
-from exporters.onnx_export import load_graphs_json, segment_layers
+from edge.core.errors import ArtifactError, ConfigError
+from edge.runtime.ortsession import session_options
+from edge.model.exits import MultiExitModel, exit_decision_stats
+from edge.model.decoder import attention_mask
+from edge.runtime.graphs import load_graphs_json
+from edge.model.segments import segment_layers
 
 # fp32 on CPU: ORT and torch do the same math with different kernels and summation order;
 # observed max abs diffs are ~1e-6 (hidden) to ~1e-5 (logits of a random model). atol 1e-4
@@ -128,7 +130,8 @@ def _pipeline(model: MultiExitModel, cmp: _Comparer, phase: str, ids: torch.Tens
               past: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> tuple[list, torch.Tensor]:
     """Torch forward through every graph, comparing ORT on the same inputs.
 
-    Exit heads run on each sequence's last row (as the engine asks for its newest token).
+    Exit heads run on each sequence's last row (as the engine asks for its newest token); the one
+    ``head`` graph runs on every exit's torch-made exit hidden.
     Returns (new per-layer (k, v) [B, KV, T, hd], final exit logits [B, 1, V])."""
     backbone = model.backbone
     exit_index = torch.full((ids.shape[0],), ids.shape[1] - 1, dtype=torch.long)
@@ -151,9 +154,10 @@ def _pipeline(model: MultiExitModel, cmp: _Comparer, phase: str, ids: torch.Tens
             new_kv.append((k, v))
         feeds["exit_index"] = exit_index
         rows = h[torch.arange(h.shape[0]), exit_index].unsqueeze(1)  # [B, 1, D]
-        e = model.exit_hidden(exit_layer, rows)
+        e = model.exit_hidden(exit_layer, rows)  # [B, 1, D]
+        cmp.run(f"segment_{i}", phase, feeds, [h, e, *presents])
         logits = model.exit_logits(exit_layer, rows)  # [B, 1, V]
-        cmp.run(f"segment_{i}", phase, feeds, [h, e, logits, *exit_decision_stats(logits), *presents])
+        cmp.run("head", f"{phase}, exit {exit_layer}", {"exit_hidden": e}, [logits, *exit_decision_stats(logits)])
     return new_kv, logits
 
 
@@ -246,8 +250,9 @@ def check_fused_parity(model: MultiExitModel, graphs_dir: str | Path, prompts: l
     that graph's own. An output passes when max |ort - torch| <= rtol * max |torch| (relative to the
     output's scale: FUSED_RTOL says why), and every exit argmax agrees.
     """
-    from edge.engine.backend import TorchBackend, make_backend
-    from edge.engine.cache import KVCache
+    from edge.runtime.backend import make_backend
+    from edge.runtime.torch_backend import TorchBackend
+    from edge.runtime.cache import KVCache
 
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ConfigError("check_fused_parity needs at least one prompt, each with at least one token")
@@ -294,9 +299,9 @@ def check_fused_parity(model: MultiExitModel, graphs_dir: str | Path, prompts: l
             r = ref.segment(i, x, slots, start, prev)
             o = got.segment(i, x, slots, start, prev)
             prev = r
-            compare(f"segment_{i}", phase, o, r)
-            if r.gate is not None:  # a gated exit: its separate head, on the same rows
-                compare(f"head_{i}", phase, got.head(i, r.exit_hidden), ref.head(i, r.exit_hidden))
+            compare(f"segment_{i}", phase, o, r)  # with its exit's head (the head graph), gates aside
+            if r.gate is not None:  # a gated exit: the head graph on its own, on the same rows
+                compare("head", f"{phase}, exit {i}", got.head(i, r.exit_hidden), ref.head(i, r.exit_hidden))
             if i + 1 < len(ref.segments):
                 h = r.hidden[:, -1]
                 ref.kvfill(i + 1, h, slots, start + x.shape[1] - 1)

@@ -1,7 +1,9 @@
 """TensorRT engines from the exported ONNX graphs: trtexec command lines, a Python-API builder, a runner.
 
 TensorRT plans are specific to the GPU, the TensorRT version and the JetPack they were built
-with, so engines are built on the device that runs them (NOTES.md). This module therefore always
+with (TensorRT developer guide, "Version Compatibility" / "Hardware Compatibility": a plan is
+portable only within a TensorRT version and GPU architecture), so engines are built on the device
+that runs them. This module therefore always
 writes ``build_engines.sh`` (one ``trtexec`` line per graph, paths relative to the script's
 folder) and, where TensorRT and a CUDA GPU are present, also builds the plans itself.
 
@@ -10,11 +12,16 @@ Optimisation profile (one per engine; B batch, T new tokens, P past length):
 - min: B=1, T=1, P=0. TensorRT supports empty tensors (dimensions of length 0) since 7.1; the
   TensorRT 7.0 check ``x > 0`` on profile dimensions is gone (NVIDIA/TensorRT#337), and TensorRT 10
   accepts an empty input bound to any non-null address. P=0 is the prefill of a new sequence, so
-  one engine serves prefill and decode (NOTES.md: one graph that always takes a possibly
-  zero-length past). (check on device: trtexec accepts ``past_key_0:1x2x0x16`` in --minShapes.)
+  one engine serves prefill and decode (one graph that always takes a possibly zero-length past;
+  docs/runtime.md). (check on device: trtexec accepts ``past_key_0:1x2x0x16`` in --minShapes.)
 - opt: ``opt_batch``, ``opt_seq`` (1: decode-optimised), ``opt_past``.
 - max: ``max_batch``, ``max_seq`` (the prefill chunk), ``max_past`` (the context window).
   The mask's last axis is P + T for each of min / opt / max.
+
+The LM head is one graph, ``head``, and so one engine for every exit: its vocabulary x hidden
+weight is in one plan, loaded once (docs/runtime.md, "One LM head per process"). Its input is a
+segment's ``exit_hidden`` [B, 1, D], so its profile has the batch axis only (1, ``opt_batch``,
+``max_batch``); the runtime binds a segment's ``exit_hidden`` output buffer as the head's input.
 """
 from __future__ import annotations
 
@@ -31,9 +38,9 @@ from typing import Any
 import numpy as np
 import onnx
 
-from edge.artifacts import Manifest, atomic_path, atomic_write_json, atomic_write_text, sha256_file, sha256_path
-from edge.errors import ArtifactError, ConfigError, MissingExtraError, SmartExitError, require
-from exporters.onnx_export import load_graphs_json, verify_graphs
+from edge.core.artifacts import Manifest, atomic_path, atomic_write_json, atomic_write_text, sha256_file, sha256_path
+from edge.core.errors import ArtifactError, ConfigError, MissingExtraError, SmartExitError, require
+from edge.runtime.graphs import load_graphs_json, verify_graphs
 
 STAGE = "engines"
 ENGINES_JSON = "engines.json"
@@ -106,7 +113,7 @@ def profile_shapes(graph_name: str, input_names: list[str], model_dims: dict[str
     """(min, opt, max) shape of every input of one exported graph.
 
     Args:
-        graph_name: ``embed``, ``segment_{i}`` or ``kvfill_{i}``.
+        graph_name: ``embed``, ``segment_{i}``, ``kvfill_{i}`` or ``head``.
         input_names: the graph's inputs as recorded in graphs.json.
         model_dims: graphs.json's ``model`` entry (hidden_size, num_kv_heads, head_dim, ...).
         cfg: the profile bounds.
@@ -119,12 +126,16 @@ def profile_shapes(graph_name: str, input_names: list[str], model_dims: dict[str
     """
     bts = ((1, 1, 0), (cfg.opt_batch, cfg.opt_seq, cfg.opt_past), (cfg.max_batch, cfg.max_seq, cfg.max_past))
     kind = graph_name.split("_")[0]
-    if kind not in ("embed", "segment", "kvfill"):
-        raise ArtifactError(f"unknown graph {graph_name!r}: expected embed, segment_<i> or kvfill_<i>")
+    if kind not in ("embed", "segment", "kvfill", "head") or (kind == "head") != (graph_name == "head"):
+        raise ArtifactError(f"unknown graph {graph_name!r}: expected embed, segment_<i>, kvfill_<i> or head")
     d = _model_dim(model_dims, "hidden_size")
     out: dict[str, tuple[Shape, Shape, Shape]] = {}
     for name in input_names:
-        if kind == "embed" and name == "input_ids":
+        if kind == "head":
+            if name != "exit_hidden":
+                raise ArtifactError(f"graph {graph_name!r} has an unexpected input {name!r}")
+            shape = [(b, 1, d) for b, _, _ in bts]  # [B, 1, D]: one row per sequence, batch axis only
+        elif kind == "embed" and name == "input_ids":
             shape = [(b, t) for b, t, _ in bts]  # [B, T]
         elif kind != "embed" and name == "hidden":
             shape = [(b, t, d) for b, t, _ in bts]  # [B, T, D]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge.errors import ConfigError
+from edge.core.errors import ConfigError
 
 SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "azure_llm_2023_code.csv"
 TRACE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")

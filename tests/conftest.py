@@ -49,9 +49,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def micro_run(tmp_path_factory) -> Path:
     """A run folder with a distilled micro model (random weights, own small tokenizer)."""
-    from edge.cli import main as cli
-    from edge.data import Split, load_split
-    from edge.tokenizer import train_tokenizer
+    from edge.pipeline.cli import main as cli
+    from edge.core.data import Split, load_split
+    from edge.model.tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("micro")
     tok = train_tokenizer([d.text for d in load_split(Split.CALIBRATION)[:20]], vocab_size=400)

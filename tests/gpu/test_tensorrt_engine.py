@@ -2,7 +2,8 @@
 
 FP32 engines (TF32 off) are compared tightly; FP16 engines loosely, with every logits argmax
 agreeing where the reference's top-2 margin is clear. Covered: prefill with an empty past (P = 0,
-the profile's min) and a batched decode step with a past.
+the profile's min), a batched decode step with a past, and the one LM head engine on a segment's
+exit hidden.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from edge.model import attention_mask
+from edge.model.decoder import attention_mask
 from exporters.onnx_export import ExportConfig, export_onnx
 from exporters.tensorrt import ENGINES_JSON, EngineBuildConfig, TrtRunner, build_engines
 from tests.unit.exporters.test_onnx_export import CKPT, make_model, session
@@ -72,10 +73,11 @@ def _compare(precision: str, got: dict, ref: dict, logits: str | None = None) ->
 def test_engines_json(engines):
     precision, out = engines
     meta = json.loads((out / ENGINES_JSON).read_text())
-    assert sorted(meta["engines"]) == ["embed", "kvfill_1", "segment_0", "segment_1"]
+    assert sorted(meta["engines"]) == ["embed", "head", "kvfill_1", "segment_0", "segment_1"]
     seg = meta["engines"]["segment_0"]
     assert seg["precision"] == precision and seg["checkpoint_sha256"] == CKPT
     assert seg["shapes"]["past_key_0"] == {"min": [1, KV, 0, HD], "opt": [2, KV, 8, HD], "max": [4, KV, 32, HD]}
+    assert meta["engines"]["head"]["shapes"] == {"exit_hidden": {"min": [1, 1, D], "opt": [2, 1, D], "max": [4, 1, D]}}
     assert (out / "timing.cache").stat().st_size > 0
 
 
@@ -93,11 +95,16 @@ def test_segment_matches_onnxruntime(engines, graphs, batch, seq, past):
     sess = session(graphs / "segment_0.onnx")
     ref = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
     got = TrtRunner(out / "segment_0.plan").run(feeds)
-    _compare(precision, got, ref, logits="logits")
+    _compare(precision, got, ref)
+    # the head engine on the segment's exit hidden (ONNX Runtime's, so the head's own error is compared)
+    head = session(graphs / "head.onnx")
+    head_feeds = {"exit_hidden": ref["exit_hidden"]}
+    head_ref = dict(zip([o.name for o in head.get_outputs()], head.run(None, head_feeds)))
+    _compare(precision, TrtRunner(out / "head.plan").run(head_feeds), head_ref, logits="logits")
 
 
 def test_shape_outside_profile_is_refused(engines):
-    from edge.errors import ConfigError
+    from edge.core.errors import ConfigError
 
     _, out = engines
     with pytest.raises(ConfigError, match="outside the engine's profile"):

@@ -6,7 +6,11 @@ import shutil
 
 import pytest
 
-from edge.cli import main as cli
+from edge.pipeline.bench.summary import SYSTEMS
+from edge.pipeline.cli import main as cli
+from tests.images import assert_calibration_plots, assert_png, figure_size
+
+TAB10 = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]  # matplotlib's default colour cycle
 
 pytestmark = pytest.mark.integration
 
@@ -31,6 +35,7 @@ def test_export_calibrate_bench_report(run):
     assert (run / "onnx" / "graphs.json").is_file()
     assert cli(["calibrate", f"run_dir={run}", "epsilon=0.2", "fit_units=16", "certify_units=32", "propagate_units=32",
                 "eval_units=4", "prompt_tokens=16", "new_tokens=6", "batch=16", "threads=1"]) == 0
+    assert_calibration_plots(run)
     assert cli(["bench", "decode", f"run_dir={run}", "batch_sizes=[1,2]", "prompt_tokens=16", "new_tokens=6",
                 "repeats=1", "warmup=0", "layerskip_exit=2", "memory=false", "threads=1"]) == 0
     assert cli(["report", f"run_dir={run}"]) == 0
@@ -42,4 +47,10 @@ def test_export_calibrate_bench_report(run):
     assert bench["batches"]["1"]["full_engine_equals_hf"] is True
     assert set(bench["goals"]) >= {"speedup_exit_vs_full_b1", "false_exit_rate"}
     assert report["export"]["parity_passed"] is True
-    assert (run / "bench" / "decode.png").is_file()
+    # the throughput chart (edge/pipeline/bench/summary.py: 7 x 3.8 in at 110 dpi) has a bar, in its
+    # system's colour of matplotlib's default cycle, for every system that measured a throughput
+    results = json.loads((run / "bench" / "decode.json").read_text())
+    measured = [k for k, s in enumerate(SYSTEMS)
+                if any(b["systems"].get(s, {}).get("tokens_per_s", 0) > 0 for b in results["batches"].values())]
+    assert measured, "no system measured a throughput"
+    assert_png(run / "bench" / "decode.png", figure_size(7, 3.8, 110), colours=[TAB10[k] for k in measured])

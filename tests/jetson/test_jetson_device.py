@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from edge.device import jetson_info
+from edge.core.device import jetson_info
 
 
 @pytest.mark.jetson

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from edge.artifacts import Manifest, atomic_dir, atomic_path, atomic_write_json, sha256_path
-from edge.errors import ArtifactError
+from edge.core.artifacts import Manifest, atomic_dir, atomic_path, atomic_write_json, sha256_path
+from edge.core.errors import ArtifactError
 
 
 def test_atomic_path_failure_leaves_nothing(tmp_path):

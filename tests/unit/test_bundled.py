@@ -5,9 +5,11 @@ import json
 
 import pytest
 
-from edge.bundled import BUNDLED_DIR, BUNDLED_EE_DIR, quality_gate, read_lineage, resolve_model
-from edge.checkpoint import load_decoder
-from edge.errors import CheckpointError
+from edge.model.bundled import BUNDLED_DIR, BUNDLED_EE_DIR, read_lineage, resolve_model
+from edge.training.bundle_ee import quality_gate
+from edge.model.checkpoint import load_decoder
+from edge.core.errors import CheckpointError
+from tests.images import assert_png, figure_size
 
 
 def test_bundled_ee_is_the_bundled_architecture_with_a_lineage():
@@ -49,8 +51,8 @@ def test_quality_gate_is_relative_and_one_sided():
 
 
 def test_make_ee_from_a_layerskip_run_writes_lineage_card_and_plots(micro_run, tmp_path):
-    from edge.bundled import make_bundled_ee
-    from edge.cli import main as cli
+    from edge.training.bundle_ee import make_bundled_ee
+    from edge.pipeline.cli import main as cli
 
     base = micro_run.parent / "model"  # 4 layers, random weights, own tokenizer
     run = tmp_path / "ls"
@@ -72,6 +74,11 @@ def test_make_ee_from_a_layerskip_run_writes_lineage_card_and_plots(micro_run, t
     assert "LayerSkip" in card and f"{m['heldout_ppl']:.3f}" in card and "exit_depth.png" in card
     for png in ("exit_losses.png", "exit_depth.png"):
         assert (ee / png).stat().st_size < 100_000
+    # edge/training/layerskip.py: 6.4 x 3.8 in at 90 dpi, one line per exit in viridis; two steps give
+    # a line only for the last exit (the earlier ones are sampled one step each), its colour is viridis' last
+    # edge/training/ee_card.py: 8 x 3.2 in at 80 dpi, base bars grey, bundled-ee bars blue
+    assert_png(ee / "exit_losses.png", figure_size(6.4, 3.8, 90), colours=["#fde725"], min_pixels=200)
+    assert_png(ee / "exit_depth.png", figure_size(8.0, 3.2, 80), colours=["#9aa5b1", "#2a6f97"])
     # Adam at lr 2 wrecks the decoder: full depth far past the gate, shipping it is refused, nothing written
     assert gate["ppl_rel_change"] > 0.01 and not gate["passed"]
     with pytest.raises(CheckpointError, match="quality gate"):

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from edge.checkpoint import load_decoder
-from edge.cli import main as cli
-from edge.errors import CheckpointError
+from edge.model.checkpoint import load_decoder
+from edge.pipeline.cli import main as cli
+from edge.core.errors import CheckpointError
 from tests.conftest import make_hf_checkpoint
 
 

@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from edge.cli import STAGES, _load
-from edge.cli import main as cli
-from edge.config import Arch, ModelConfig, preset
-from edge.configio import apply, load_yaml, parse_overrides
-from edge.distill import DistillConfig
-from edge.errors import CheckpointError, ConfigError
+from edge.pipeline.cli import STAGES, _load
+from edge.pipeline.cli import main as cli
+from edge.model.config import Arch, ModelConfig, preset
+from edge.core.configio import apply, load_yaml, parse_overrides
+from edge.training.distill import DistillConfig
+from edge.core.errors import CheckpointError, ConfigError
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 # which stage each preset file configures

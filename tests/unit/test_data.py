@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from edge.data import DATA_DIR, Split, load_split, split_of
+from edge.core.data import DATA_DIR, Split, load_split, split_of
 
 
 def test_split_is_deterministic_and_by_path():

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from edge.device import dpkg_query_argv, parse_l4t_release, run_command
-from edge.errors import SmartExitError
+from edge.core.device import dpkg_query_argv, parse_l4t_release, run_command
+from edge.core.errors import SmartExitError
 
 
 def test_parse_l4t_release():

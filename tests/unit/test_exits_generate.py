@@ -5,19 +5,32 @@ import numpy as np
 import pytest
 import torch
 
-from edge.artifacts import atomic_dir
-from edge.config import preset
-from edge.distill import DistillConfig, distill_loss, train_exits
-from edge.errors import CheckpointError, ConfigError, SmartExitError
-from edge.exits import ExitConfig, MultiExitModel, load_multi_exit, save_multi_exit
-from edge.generate import _decode_step, confidence_rule, generate
-from edge.model import Decoder
+from edge.core.artifacts import atomic_dir
+from edge.model.config import preset
+from edge.training.distill import DistillConfig, distill_loss, train_exits
+from edge.core.errors import CheckpointError, ConfigError, SmartExitError
+from edge.model.exits import ExitConfig, MultiExitModel, load_multi_exit, save_multi_exit
+from edge.model.reference import _decode_step, reference_generate
+from edge.model.checkpoint import load_decoder
+from edge.model.decoder import Decoder
+from tests.conftest import SMALL, make_hf_checkpoint
+from tests.tolerance import assert_f32_close
 
 
 def _model(seed=0, layers=(1, 2, 3, 4), rank=4) -> MultiExitModel:
     dec = Decoder(preset("micro"))
     dec.init_weights(seed, std=0.2)  # large std -> peaked, non-trivial predictions
     return MultiExitModel(dec.eval(), ExitConfig(layers=list(layers), adapter_rank=rank)).eval()
+
+
+class _ExitAt:
+    """An engine exit rule (edge/runtime/rules.py) that stops at the given layers."""
+
+    def __init__(self, *layers):
+        self.layers = layers
+
+    def decide(self, layer, stats, tokens, hidden):
+        return np.full(len(tokens[layer]), layer in self.layers)
 
 
 def _greedy_no_cache(dec: Decoder, prompt, n):
@@ -36,11 +49,24 @@ def test_exit_config_validation():
     assert ExitConfig(layers=[3, 6]).resolved(12) == [3, 6, 12]
 
 
-def test_last_exit_equals_full_model():
-    m = _model()
-    ids = torch.randint(0, 256, (2, 20))
+def test_every_exit_is_the_transformers_model_cut_at_that_layer(tmp_path):
+    """Against `transformers` on the same weights: the last exit is the model's output, and an exit
+    with an untrained adapter is the final norm and LM head on the hidden state after its layer."""
+    import transformers
+
+    folder = make_hf_checkpoint(tmp_path / "llama", "llama", seed=2, initializer_range=0.2)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    m = MultiExitModel(load_decoder(folder), ExitConfig(layers=[1, 2, 3], adapter_rank=4)).eval()
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert torch.equal(m(ids)[4], m.backbone(ids).logits)
+        ref = hf(ids, output_hidden_states=True)
+        got = m(ids)
+        expected = {k: hf.lm_head(hf.model.norm(ref.hidden_states[k])) for k in (1, 2, 3)}
+    expected[4] = ref.logits
+    assert sorted(got) == [1, 2, 3, 4]
+    for k, want in expected.items():
+        # two implementations, k layers of dot products up to the MLP width long (tests/tolerance.py)
+        assert_f32_close(got[k].numpy(), want.numpy(), SMALL["intermediate_size"], k + 1, f"exit {k}")
 
 
 def test_untrained_adapter_is_plain_final_head():
@@ -53,14 +79,14 @@ def test_untrained_adapter_is_plain_final_head():
 def test_generation_with_exits_disabled_is_full_greedy():
     m = _model(seed=3)
     prompt = [5, 17, 99, 3, 42]
-    out = generate(m, prompt, 24)
+    out = reference_generate(m, prompt, 24)
     assert out.tokens == _greedy_no_cache(m.backbone, prompt, 24)
     assert set(out.exit_layers) == {4}
 
 
 def test_always_exit_rule_exits_at_first_exit():
     m = _model(seed=3)
-    out = generate(m, [1, 2, 3], 10, rule=lambda layer, logits, hidden: True)
+    out = reference_generate(m, [1, 2, 3], 10, rule=_ExitAt(1, 2, 3))
     assert out.exit_layers[0] == 4  # the first token comes from the full-depth prefill
     assert out.exit_layers[1:] == [1] * 9
 
@@ -73,25 +99,26 @@ def test_state_propagation_fills_skipped_layers_from_exit_hidden():
     keys, values = list(out.keys), list(out.values)
     tok = int(out.logits[0, -1].argmax())
     with torch.no_grad():
-        _, layer = _decode_step(m, tok, len(prompt), keys, values, lambda layer, logits, hidden: layer == 2)
+        _, layer = _decode_step(m, tok, len(prompt), keys, values, _ExitAt(2))
         assert layer == 2
         # recompute the exit hidden state after layer 2 for the new token, with the prompt as past
         full = bb(torch.tensor([prompt + [tok]]))
         h2 = full.hidden_states[2][:, -1:]
         cos, sin = bb.rope(torch.tensor([[len(prompt)]]))
+        # one position vs the whole sequence: summation order only (tests/tolerance.py)
         for j in (2, 3):
             k, v = bb.layers[j].kv_only(h2, cos, sin)
-            assert torch.allclose(keys[j][:, :, -1:], k, atol=1e-5)
-            assert torch.allclose(values[j][:, :, -1:], v, atol=1e-5)
+            assert_f32_close(keys[j][:, :, -1:], k, 64, 3, f"key {j}")
+            assert_f32_close(values[j][:, :, -1:], v, 64, 3, f"value {j}")
         for j in (0, 1):  # layers that ran hold the true keys
-            assert torch.allclose(keys[j][:, :, -1:], full.keys[j][:, :, -1:], atol=1e-5)
+            assert_f32_close(keys[j][:, :, -1:], full.keys[j][:, :, -1:], 64, j + 1, f"key {j}")
 
 
 def test_stop_token_and_lengths():
     m = _model(seed=3)
     prompt = [5, 17, 99]
-    first = generate(m, prompt, 5).tokens[0]
-    out = generate(m, prompt, 5, stop_ids=[first])
+    first = reference_generate(m, prompt, 5).tokens[0]
+    out = reference_generate(m, prompt, 5, stop_ids=[first])
     assert out.tokens == [first] and out.stopped == "stop_token"
 
 
@@ -102,13 +129,7 @@ def test_stop_token_and_lengths():
 ])
 def test_bad_prompts(prompt, n, msg):
     with pytest.raises(SmartExitError, match=msg):
-        generate(_model(), prompt, n)
-
-
-def test_confidence_rule():
-    logits = torch.tensor([10.0, 0.0, 0.0])
-    hidden = torch.zeros(4)
-    assert confidence_rule(0.9)(1, logits, hidden) and not confidence_rule(0.99999)(1, logits, hidden)
+        reference_generate(_model(), prompt, n)
 
 
 def test_distill_loss_zero_when_student_equals_teacher_and_kl_only():
@@ -150,8 +171,8 @@ def test_multi_exit_checkpoint_roundtrip_and_tamper(tmp_path):
     ids = torch.randint(0, 256, (1, 12))
     with torch.no_grad():
         a, b = m(ids), loaded(ids)
-    for k in m.exit_layers:
-        assert torch.allclose(a[k], b[k], atol=1e-5)
+    for k in m.exit_layers:  # the same weights through the same code
+        assert_f32_close(a[k], b[k], 64, k, f"exit {k}")
     f = folder / "exits.safetensors"
     f.write_bytes(f.read_bytes()[:-4] + b"abcd")
     with pytest.raises(CheckpointError, match="does not match"):

@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from edge.artifacts import atomic_dir
-from edge.exits import load_multi_exit, save_multi_exit
-from edge.gates import auroc, train_gates
+from edge.core.artifacts import atomic_dir
+from edge.model.exits import load_multi_exit, save_multi_exit
+from edge.training.gates import auroc, train_gates
 from tests.unit.engine.test_engine import _model
 
 

@@ -5,15 +5,16 @@ import numpy as np
 import pytest
 import torch
 
-import edge.layerskip as ls
-from edge.config import preset
-from edge.distill import DistillConfig, distill_loss, exit_metrics
-from edge.errors import ConfigError
-from edge.exits import ExitConfig, MultiExitModel
-from edge.layerskip import (Curriculum, ExitWeighting, LayerSkipConfig, active_exits, early_exit_loss, exit_weights,
+import edge.training.layerskip as ls
+from edge.model.config import preset
+from edge.model.windows import exit_metrics, stream_windows
+from edge.training.distill import DistillConfig, distill_loss
+from edge.core.errors import ConfigError
+from edge.model.exits import ExitConfig, MultiExitModel
+from edge.training.layerskip import (Curriculum, ExitWeighting, LayerSkipConfig, active_exits, early_exit_loss, exit_weights,
                             forward_with_layer_dropout, keep_masks, layer_dropout_rates, train_layerskip)
-from edge.losses import distill_loss_to, teacher_targets
-from edge.model import Decoder
+from edge.training.losses import distill_loss_to, teacher_targets
+from edge.model.decoder import Decoder
 
 
 def _decoder(seed=0) -> Decoder:
@@ -76,7 +77,7 @@ def test_exit_weights():
 
 def test_no_dropout_all_exits_loss_is_the_distill_loss_sum():
     """p_max=0, every exit on, uniform weights at scale 1: the multi-exit distillation loss of
-    edge.distill (rank-0 heads = the final norm) over every exit, summed."""
+    edge.training.distill (rank-0 heads = the final norm) over every exit, summed."""
     torch.manual_seed(0)
     student, teacher = _decoder(0).train(), _decoder(1).eval()
     ids = torch.randint(0, 256, (3, 16))
@@ -146,17 +147,17 @@ def test_resume_after_interruption_matches_an_uninterrupted_run(tmp_path, monkey
     straight = _decoder()
     log_a = train_layerskip(straight, _decoder(1), tokens, cfg, tmp_path / "a")
 
-    real = ls.batch_at
+    real = ls.random_windows
 
-    def interrupted(data, step, *args):
+    def interrupted(data, seed, step, *args):
         if step == 3:  # killed in the fourth step: the third was done but not checkpointed (every 2)
             raise KeyboardInterrupt
-        return real(data, step, *args)
+        return real(data, seed, step, *args)
 
-    monkeypatch.setattr(ls, "batch_at", interrupted)
+    monkeypatch.setattr(ls, "random_windows", interrupted)
     with pytest.raises(KeyboardInterrupt):
         train_layerskip(_decoder(), _decoder(1), tokens, cfg, tmp_path / "b")
-    monkeypatch.setattr(ls, "batch_at", real)
+    monkeypatch.setattr(ls, "random_windows", real)
     resumed = _decoder()
     log_b = train_layerskip(resumed, _decoder(1), tokens, cfg, tmp_path / "b")
     assert [r["loss"] for r in log_b] == [r["loss"] for r in log_a]
@@ -179,7 +180,7 @@ def test_layerskip_config_validation():
 def test_oracle_exit_depth_is_the_first_exit_from_which_all_later_agree():
     model = MultiExitModel(_decoder().eval(), ExitConfig(layers=[1, 2, 3, 4], adapter_rank=0))
     tokens = np.random.default_rng(1).integers(0, 256, 3 * 16 + 1)
-    m = exit_metrics(model, tokens, seq_len=16, windows=3)
+    m = exit_metrics(model, stream_windows(tokens, seq_len=16, max_windows=3))
     hist = m["oracle_exit_hist"]
     assert sum(hist.values()) == pytest.approx(1.0)
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""llama.cpp peer (edge/bench/llamacpp.py): tokenizer inspection and command lines everywhere;
+"""llama.cpp peer (edge/pipeline/bench/llamacpp.py): tokenizer inspection and command lines everywhere;
 conversion, tokenizer agreement and greedy agreement where `make llamacpp` has installed it."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from edge.bench import llamacpp as lc
-from edge.bundled import BUNDLED_DIR, BUNDLED_EE_DIR
-from edge.errors import SmartExitError
+from edge.pipeline.bench import llamacpp as lc
+from edge.model.bundled import BUNDLED_DIR, BUNDLED_EE_DIR
+from edge.core.errors import SmartExitError
 
 REASON = lc.available()
 needs_llamacpp = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -109,7 +109,7 @@ def test_unreadable_tokenizer_is_a_clear_error(tmp_path):
 # ------------------------------------------------------------------ pure: command lines, cache keys, matching
 def test_convert_argv():
     argv = lc.convert_argv("m", "out.gguf", "f32", Path("/src/vendor/llama.cpp"), True, python="py")
-    assert argv == ["py", "-m", "edge.bench.llamacpp", "_convert", "--converter-dir", "/src/vendor/llama.cpp",
+    assert argv == ["py", "-m", "edge.pipeline.bench.llamacpp", "_convert", "--converter-dir", "/src/vendor/llama.cpp",
                     "--gpt2-pre-if-unknown", "--", "m", "--outtype", "f32", "--outfile", "out.gguf"]
     assert "--gpt2-pre-if-unknown" not in lc.convert_argv("m", "o", "q8_0", Path("c"), False)
 
@@ -132,7 +132,7 @@ def test_conversion_wants_a_gguf_file_path(tmp_path, monkeypatch):
 
 
 def test_gguf_cache_key_names_checkpoint_hash_version_and_type(monkeypatch, tmp_path):
-    from edge.artifacts import sha256_path
+    from edge.core.artifacts import sha256_path
 
     monkeypatch.setattr(lc, "llamacpp_version", lambda: "9.9.9")
     p = lc.gguf_path(tmp_path, BUNDLED_EE_DIR, "q8_0")
@@ -179,8 +179,8 @@ def test_reference_greedy_matches_transformers(llama_dir, one_torch_thread):
 @needs_llamacpp
 @pytest.mark.slow
 def test_bundled_ee_converts_tokenizes_and_decodes_like_ours(tmp_path, one_torch_thread):
-    from edge.data import Split, heldout_prompts, load_split
-    from edge.tokenizer import load_tokenizer
+    from edge.core.data import Split, heldout_prompts, load_split
+    from edge.model.tokenizer import load_tokenizer
 
     gguf = lc.convert_to_gguf(BUNDLED_EE_DIR, tmp_path / "tiny-ee-f32.gguf", "f32")
     assert gguf.is_file() and [p.name for p in tmp_path.iterdir()] == [gguf.name]  # nothing half-written beside it
@@ -196,7 +196,7 @@ def test_bundled_ee_converts_tokenizes_and_decodes_like_ours(tmp_path, one_torch
 
 def test_our_token_bytes_spell_every_text():
     """The byte table verify_tokenizer compares llama.cpp's vocabulary against decodes our ids losslessly."""
-    from edge.tokenizer import load_tokenizer
+    from edge.model.tokenizer import load_tokenizer
 
     tok, pieces = load_tokenizer(BUNDLED_EE_DIR), lc.our_token_bytes(BUNDLED_EE_DIR)
     assert len(pieces) == tok.get_vocab_size() and pieces[0] == b"<|endoftext|>"
@@ -208,7 +208,7 @@ class _OurTokenizer:
     """A stand-in for the peer that tokenizes exactly as ours; subclasses break one thing."""
 
     def __init__(self):
-        from edge.tokenizer import load_tokenizer
+        from edge.model.tokenizer import load_tokenizer
 
         self.tok, self.pieces = load_tokenizer(BUNDLED_EE_DIR), lc.our_token_bytes(BUNDLED_EE_DIR)
         self.vocab_size = len(self.pieces)
@@ -249,7 +249,7 @@ def test_converter_refusal_of_a_non_gpt2_tokenizer_is_explained_and_leaves_nothi
     """Only a tokenizer checked to be GPT-2 byte-level gets the pre-type fallback; a refusal names why."""
     import subprocess
 
-    import edge.device
+    import edge.core.device
 
     model = tmp_path / "model"
     model.mkdir()
@@ -263,7 +263,7 @@ def test_converter_refusal_of_a_non_gpt2_tokenizer_is_explained_and_leaves_nothi
         return subprocess.CompletedProcess(argv, 1, "", f"NotImplementedError: {lc.UNKNOWN_PRE} - update")
 
     monkeypatch.setattr(lc, "require_available", lambda: None)
-    monkeypatch.setattr(edge.device, "run_command", fake_run)
+    monkeypatch.setattr(edge.core.device, "run_command", fake_run)
     with pytest.raises(SmartExitError, match="not GPT-2 byte-level BPE.*Metaspace"):
         lc.convert_to_gguf(model, tmp_path / "out" / "m.gguf")
     assert "--gpt2-pre-if-unknown" not in seen[0]

@@ -12,7 +12,7 @@ from calibration.calibrators import CalibratorKind
 from calibration.collect import Collected
 from calibration.pvalues import PValue
 from calibration.risk import NEVER_EXIT, default_grid, learn_then_test
-from edge.errors import ConfigError
+from edge.core.errors import ConfigError
 
 GRID = default_grid(201)
 
@@ -150,13 +150,13 @@ def test_in_defer_mode_the_engine_decides_as_the_teacher_forced_cascade(micro_ru
     a few ulps (~1e-7 relative), which the linear score scales by |w| |x|; 1e-4 (1 + |t|) bounds that
     generously."""
     from calibration.cascade import cascade
-    from calibration.freerun import free_run
+    from edge.pipeline.freerun import free_run
     from calibration.table import TableRule, ThresholdTable
-    from edge.data import Split, TokenCorpus, load_split
-    from edge.engine.engine import KVMode
-    from edge.engine.rules import NeverExit
-    from edge.exits import load_multi_exit
-    from edge.tokenizer import load_tokenizer
+    from edge.core.data import Split, TokenCorpus, load_split
+    from edge.runtime.engine import KVMode
+    from edge.runtime.rules import NeverExit
+    from edge.model.exits import load_multi_exit
+    from edge.model.tokenizer import load_tokenizer
 
     ckpt = micro_run / "multi_exit"
     model = load_multi_exit(ckpt)

@@ -9,7 +9,7 @@ import pytest
 from scipy.stats import binom
 
 from calibration.pvalues import (PValue, exceeds_pvalue, min_units, pvalues, upper_confidence_bound)
-from edge.errors import ConfigError
+from edge.core.errors import ConfigError
 
 VALID_FOR_RATES = [PValue.BETTING, PValue.HOEFFDING_BENTKUS, PValue.HOEFFDING]
 

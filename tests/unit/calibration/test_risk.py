@@ -12,7 +12,8 @@ from calibration.cascade import cascade, cascade_risk, false_exit_counts, unit_f
 from calibration.plots import exit_depth_histogram
 from calibration.pvalues import PValue
 from calibration.risk import NEVER_EXIT, default_grid, learn_then_test
-from edge.errors import ConfigError
+from edge.core.errors import ConfigError
+from tests.images import assert_png, figure_size
 
 # ------------------------------------------------------------------- cascade
 PROBS = {1: np.array([0.9, 0.2, 0.6, 0.1]), 2: np.array([0.95, 0.8, 0.3, 0.2])}
@@ -164,9 +165,22 @@ def test_learn_then_test_errors():
         learn_then_test(ok + 2, grid)
 
 
-def test_exit_depth_histogram_writes_png(tmp_path):
+def test_exit_depth_histogram_draws_its_bars(tmp_path):
+    """Groups of bars in matplotlib's cycle colours, heights in proportion to the fractions. The
+    figure is 6 x 4 inches at 100 dpi (calibration/plots.py)."""
+    blue, orange = "#1f77b4", "#ff7f0e"
     out = exit_depth_histogram({"isotonic": {3: 0.2, 6: 0.3, 12: 0.5}, "maxprob": {3: 0.1, 12: 0.9}},
                                tmp_path / "depth.png", "test")
-    assert out.read_bytes()[:4] == b"\x89PNG"
-    single = exit_depth_histogram({3: 0.2, 12: 0.8}, tmp_path / "one.png")
-    assert single.stat().st_size > 0
+    assert_png(out, figure_size(6, 4, 100), colours=[blue, orange])
+    single = assert_png(exit_depth_histogram({3: 0.2, 6: 0.3, 12: 0.5}, tmp_path / "one.png"), figure_size(6, 4, 100),
+                        colours=[blue])  # one group: no legend over the bars
+    heights = _bar_heights(single, blue)
+    assert heights / heights[0] == pytest.approx([1.0, 1.5, 2.5], rel=0.03)
+
+
+def _bar_heights(img: np.ndarray, colour: str) -> np.ndarray:
+    """Pixel heights of the bars of one solid colour, left to right."""
+    want = np.array([int(colour[i:i + 2], 16) for i in (1, 3, 5)])
+    cols = (img == want).all(-1).sum(0)  # [W]
+    edges = np.flatnonzero(np.diff(np.r_[0, cols > 0, 0]))  # starts and ends of runs of columns
+    return np.array([cols[a:b].max() for a, b in zip(edges[::2], edges[1::2])], float)

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from calibration.units import check_amount, seeds
-from edge.data import Document, TokenCorpus, split_by_hash
-from edge.errors import ConfigError, SmartExitError
+from edge.core.data import Document, TokenCorpus, split_by_hash
+from edge.core.errors import ConfigError, SmartExitError
 
 
 class _Tok:

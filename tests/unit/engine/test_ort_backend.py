@@ -2,17 +2,23 @@
 and cache contents as on torch."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from edge.artifacts import atomic_dir, sha256_path
-from edge.engine.backend import TorchBackend, make_backend
-from edge.engine.engine import Engine, EngineConfig, KVMode
-from edge.engine.ort_backend import pick_providers
-from edge.engine.rules import ConfidenceRule
-from edge.errors import ArtifactError, ConfigError
-from edge.exits import save_multi_exit
+from edge.core.artifacts import atomic_dir, sha256_path
+from edge.runtime.backend import make_backend
+from edge.runtime.torch_backend import TorchBackend
+from edge.runtime.engine import Engine, EngineConfig, KVMode
+from edge.runtime.ort_backend import pick_providers
+from edge.runtime.rules import ConfidenceRule
+from edge.core.errors import ArtifactError, ConfigError
+from edge.model.exits import save_multi_exit
 from exporters.onnx_export import ExportConfig, export_onnx
-from edge.engine.rules import NeverExit
+from edge.runtime.rules import NeverExit
 from tests.tolerance import assert_f32_close
 from tests.unit.engine.test_engine import CFG, _model, _prompts, _run
 
@@ -37,7 +43,8 @@ def exported(tmp_path_factory):
 def test_same_tokens_and_exit_layers_as_torch(exported, mode):
     m, ckpt, graphs = exported
     prompts = _prompts(4, seed=12)
-    cfg = dict(max_seqs=4, max_running=4, max_len=128, prefill_budget=24, kv_mode=mode)
+    cfg = dict(max_seqs=4, max_running=4, max_len=128, prefill_budget=24, kv_mode=mode,
+               defer_exit_max_batch=None)  # rows exit at batch 4 too: the catch-up and gather paths
     ref_engine = Engine(TorchBackend(m), EngineConfig(**cfg), ConfidenceRule(0.3))
     ref = _run(ref_engine, prompts, max_tokens=16)
     backend = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1)
@@ -76,15 +83,36 @@ def test_provider_choice():
         pick_providers(["CPUExecutionProvider"], ["TensorrtExecutionProvider"])
 
 
+POOL = """
+import json, os, sys
+from edge.runtime.backend import make_backend
+from edge.runtime.engine import generate_batch
+threads = lambda: len(os.listdir("/proc/self/task"))  # this process's OS threads
+counts = [threads()]
+first = make_backend("onnxruntime", graphs_dir=sys.argv[1], threads=3)
+counts.append(threads())
+others = [make_backend("onnxruntime", graphs_dir=sys.argv[1], threads=t) for t in (2, 4)]
+tokens = [generate_batch(b, None, [[1, 2, 3], [4, 5]], 4) for b in [first] + others]
+counts.append(threads())
+print(json.dumps({"counts": counts, "pool": [b.pool_threads for b in [first] + others], "tokens": tokens}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc (Linux)")
 def test_backends_share_one_thread_pool(exported):
-    """Every session of every backend in a process runs on one ONNX Runtime pool (sized once)."""
-    m, ckpt, graphs = exported
-    first = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1)
-    second = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=2)
-    assert first.pool_threads == second.pool_threads
-    prompts = _prompts(2, seed=13)
-    cfg = dict(max_seqs=2, max_running=2, max_len=64, prefill_budget=16)
-    assert _run(Engine(first, EngineConfig(**cfg)), prompts, 6) == _run(Engine(second, EngineConfig(**cfg)), prompts, 6)
+    """In a fresh process: the first backend sizes ONNX Runtime's pool (3 threads: 2 workers besides
+    the caller); backends opened after it, asking for other sizes, and every session they run add no
+    thread. Per-session pools would add workers for each of their sessions."""
+    _, _, graphs = exported
+    out = subprocess.run([sys.executable, "-c", POOL, str(graphs)], cwd=Path(__file__).parents[3],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    before, first, after = got["counts"]
+    assert first - before >= 2, got  # the pool's workers exist
+    assert after == first, got
+    assert got["pool"] == [3, 3, 3]
+    assert got["tokens"][0] == got["tokens"][1] == got["tokens"][2]
 
 
 def test_optimised_graphs_are_cached_and_rechecked(exported, tmp_path):
@@ -94,7 +122,7 @@ def test_optimised_graphs_are_cached_and_rechecked(exported, tmp_path):
 
     import onnxruntime as ort
 
-    from edge.ortsession import CACHE_DIR, open_session
+    from edge.runtime.ortsession import CACHE_DIR, open_session
 
     m, ckpt, graphs = exported
     src = tmp_path / "g"
@@ -125,7 +153,8 @@ def test_gated_exits_same_as_torch_and_head_only_for_exiting_rows(exported_gated
     m, ckpt, graphs = exported_gated
     assert check_fused_parity(m, graphs, _prompts(3, seed=16), decode_steps=2).passed
     prompts = _prompts(4, seed=17)
-    cfg = dict(max_seqs=4, max_running=4, max_len=128, prefill_budget=24, kv_mode=mode)
+    cfg = dict(max_seqs=4, max_running=4, max_len=128, prefill_budget=24, kv_mode=mode,
+               defer_exit_max_batch=None)  # rows exit at batch 4 too: the catch-up and gather paths
     rule = ConfidenceRule(0.5)
     ref = _run(Engine(TorchBackend(m), EngineConfig(**cfg), rule), prompts, max_tokens=16)
     backend = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1)
@@ -147,3 +176,31 @@ def test_one_sequence_with_exits_same_as_torch(exported, mode):
         cfg = dict(max_seqs=1, max_len=128, kv_mode=mode)
         ref = _run(Engine(TorchBackend(m), EngineConfig(**cfg), ConfidenceRule(0.3)), [p], max_tokens=16)
         assert _run(Engine(backend, EngineConfig(**cfg), ConfidenceRule(0.3)), [p], max_tokens=16) == ref
+
+
+SERVE = """
+import json, resource, sys
+from edge.runtime.backend import make_backend
+from edge.runtime.engine import generate_batch
+from edge.runtime.rules import ConfidenceRule
+backend = make_backend("onnxruntime", graphs_dir=sys.argv[1])
+out = generate_batch(backend, ConfidenceRule(0.3), [[1, 2, 3, 4], [5, 6, 7]], 8)
+print(json.dumps({"tokens": [t for t, _ in out], "modules": sorted({m.split(".")[0] for m in sys.modules}),
+                  "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+"""
+
+
+def test_serving_from_the_export_alone_imports_no_torch(exported):
+    """A fresh interpreter given only the export folder generates (the same tokens as torch) and never
+    imports torch: what a Triton model or a Jetson runs. The import-linter contract checks the source;
+    this runs it."""
+    m, _, graphs = exported
+    out = subprocess.run([sys.executable, "-c", SERVE, str(graphs)], cwd=Path(__file__).parents[3],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {"edge", "onnxruntime", "numpy"} <= set(got["modules"])
+    assert not set(got["modules"]) & {"torch", "transformers", "safetensors", "sklearn", "matplotlib"}, got["modules"]
+    ref = _run(Engine(TorchBackend(m), EngineConfig(max_seqs=2, max_running=2, max_len=64, prefill_budget=64),
+                      ConfidenceRule(0.3)), [[1, 2, 3, 4], [5, 6, 7]], max_tokens=8)
+    assert got["tokens"] == [[t for t, _ in seq] for seq in ref]

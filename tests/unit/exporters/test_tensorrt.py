@@ -14,10 +14,11 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from edge.artifacts import Manifest, sha256_path
-from edge.errors import ArtifactError, ConfigError, MissingExtraError
+from edge.core.artifacts import Manifest, sha256_path
+from edge.core.errors import ArtifactError, ConfigError, MissingExtraError
 from exporters import tensorrt as trt_export
-from exporters.onnx_export import ExportConfig, export_onnx, load_graphs_json
+from edge.runtime.graphs import load_graphs_json
+from exporters.onnx_export import ExportConfig, export_onnx
 from exporters.tensorrt import (COMMANDS_JSON, SCRIPT, EngineBuildConfig, EnginesConfig, NoCudaDeviceError,
                                 Precision, build_engines, graph_features, profile_shapes, trtexec_argv,
                                 write_trtexec_script)
@@ -67,6 +68,8 @@ def test_profile_shapes_every_graph_kind(graphs):
         assert seg[name] == ((1, KV, 0, HD), (4, KV, 128, HD), (16, KV, 512, HD))
     kv = profile_shapes("kvfill_1", g["kvfill_1"]["inputs"], model, cfg)
     assert kv == {"hidden": ((1, 1, D), (4, 1, D), (16, 256, D)), "positions": ((1, 1), (4, 1), (16, 256))}
+    # one LM head engine for every exit: one row per sequence, the batch axis only
+    assert profile_shapes("head", g["head"]["inputs"], model, cfg) == {"exit_hidden": ((1, 1, D), (4, 1, D), (16, 1, D))}
 
 
 def test_profile_shapes_rejects_bad_input(graphs):
@@ -75,6 +78,10 @@ def test_profile_shapes_rejects_bad_input(graphs):
         profile_shapes("kvfill_1", ["hidden", "attn_mask"], model, EngineBuildConfig())
     with pytest.raises(ArtifactError, match="unknown graph"):
         profile_shapes("lm_head", ["hidden"], model, EngineBuildConfig())
+    with pytest.raises(ArtifactError, match="unknown graph"):  # one head for every exit, not one per exit
+        profile_shapes("head_0", ["exit_hidden"], model, EngineBuildConfig())
+    with pytest.raises(ArtifactError, match="unexpected input 'hidden'"):
+        profile_shapes("head", ["hidden"], model, EngineBuildConfig())
     with pytest.raises(ArtifactError, match="'num_kv_heads'"):
         profile_shapes("segment_0", ["past_key_0"], {"hidden_size": D}, EngineBuildConfig())
 
@@ -109,7 +116,8 @@ def test_script_one_trtexec_line_per_graph(graphs, tmp_path):
     assert text.startswith("#!/usr/bin/env bash\n") and "set -euo pipefail" in text and "Jetson" in text
     lines = [ln for ln in text.splitlines() if ln.startswith("trtexec ")]
     names = sorted(load_graphs_json(graphs)["graphs"])
-    assert len(lines) == len(names) == 4
+    assert names == ["embed", "head", "kvfill_1", "segment_0", "segment_1"]  # one head engine, whatever the exits
+    assert len(lines) == len(names)
     commands = json.loads((out / COMMANDS_JSON).read_text())["commands"]
     assert sorted(commands) == names
     for line in lines:  # each line parses back to the recorded argv; paths relative to the script's folder
@@ -132,6 +140,7 @@ def test_int8_refused_without_qdq(graphs, tmp_path):
 def test_graph_features_sees_qdq(graphs, tmp_path):
     assert graph_features(graphs / "segment_0.onnx") == {"qdq": False, "matmul": True, "fp16": False}
     assert graph_features(graphs / "embed.onnx")["matmul"] is False  # a table lookup: exempt from the int8 rule
+    assert graph_features(graphs / "head.onnx")["matmul"] is True
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 2])
     scale = helper.make_tensor("s", TensorProto.FLOAT, [], [0.1])
@@ -150,7 +159,7 @@ def test_build_engines_without_tensorrt_names_where_to_build(graphs, tmp_path, n
     msg = str(err.value)
     assert "TensorRT is not installed" in msg and "Jetson" in msg and str(out / SCRIPT) in msg
     assert "smartexit[tensorrt]" in msg and "NVIDIA GPU" in msg
-    assert len([ln for ln in (out / SCRIPT).read_text().splitlines() if ln.startswith("trtexec ")]) == 4
+    assert len([ln for ln in (out / SCRIPT).read_text().splitlines() if ln.startswith("trtexec ")]) == 5
     assert not list(out.glob("*.plan")) and not (out / "engines.json").exists()
 
 

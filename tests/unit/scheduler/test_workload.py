@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from edge.errors import ConfigError
+from edge.core.errors import ConfigError
 from scheduler.workload import SHARED_TRACE, Arrivals, load_workload, read_trace, synthetic
 
 

@@ -1,1 +1,0 @@
-"""The SmartExit runtime engine: continuous batching, chunked prefill, batched hierarchical exits."""

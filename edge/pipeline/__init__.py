@@ -1,0 +1,1 @@
+"""Layer 5: the stages a user runs (generate, calibrate, export, bench, report) and the command line."""

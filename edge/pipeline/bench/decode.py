@@ -1,0 +1,460 @@
+"""``smartexit bench decode``: decode throughput of SmartExit against the peers, side by side.
+
+Systems, on the same weights and the same held-out prompts (equal length, no padding):
+  hf           (a) transformers ``generate``, full model, greedy;
+  layerskip    (b) transformers ``generate(assistant_early_exit=k)``: LayerSkip-style lossless
+                   self-speculation (Elhoushi et al. 2024); transformers supports batch 1 only;
+  engine_full  (c) the SmartExit engine on ONNX Runtime at full depth: the fused graph of the same
+                   decoder without exit heads (``onnx_full``), so no exit overhead is charged;
+  engine_exit_propagate, engine_exit_defer
+               (d) the same engine with the calibrated threshold table, skipped layers' K/V by
+                   state propagation or by deferred recomputation; both are measured, and
+                   ``kv_mode`` names the one reported as (d) (the other is (d')).
+Per batch size: warm-up runs, then repeats in which the systems run interleaved (rotated
+order); ratios are computed repeat by repeat and their median reported. Tokens/s counts
+generated tokens over the whole ``generate`` call (prefill included, the same for all).
+Token latencies are the gaps between generated tokens, each timestamped as it arrives
+(LayerSkip's tokens of one verification step arrive together). False exits are checked as
+calibration checks them (:func:`edge.pipeline.freerun.check_continuations`).
+Peak resident memory is measured per system in a fresh subprocess.
+
+Also measured: what segmenting costs by itself (k chained layer-span calls against one call,
+:mod:`edge.pipeline.bench.segments`), and (d)/(c) against its ceiling: layers / mean layers *computed* per
+token, counting what the K/V mode recomputes (propagation: the skipped layers' K/V projections;
+deferral: every skipped layer, run later with the next token).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from calibration.table import TableRule, load_table
+from edge.core.artifacts import Manifest, atomic_dir, atomic_write_json
+from edge.pipeline.bench.summary import SYSTEMS, goals, headline, plot, render_markdown, summary_lines
+from edge.core.data import Split, heldout_prompts, load_split
+from edge.runtime.backend import make_backend
+from edge.runtime.engine import Engine, EngineConfig, KVMode, Request
+from edge.runtime.profile import ProfiledBackend, ProfiledRule
+from edge.runtime.rules import NeverExit
+from edge.core.errors import ConfigError
+from edge.model.exits import MultiExitModel, load_multi_exit
+from edge.model.tokenizer import load_tokenizer
+from edge.pipeline.bench.segments import segment_call_overhead
+from edge.pipeline.freerun import check_continuations
+
+STAGE = "bench_decode"
+def exit_system(mode: KVMode | str) -> str:
+    return f"engine_exit_{KVMode(mode).value}"
+
+
+@dataclass
+class DecodeBenchConfig:
+    run_dir: str = "artifacts/demo"
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])
+    prompt_tokens: int = 64
+    new_tokens: int = 32
+    warmup: int = 1
+    repeats: int = 3
+    layerskip_exit: int = 6
+    batch1_prompts: int = 4  # batch 1 runs this many prompts one after another (one prompt says little)
+    threads: int = 2
+    memory: bool = True
+    seed: int = 0
+    # which exit system is (d) (both are measured): "table" = the K/V mode the threshold table's
+    # certificate covers (calibration chose it); naming a mode measures that one as (d), uncertified
+    kv_mode: str = "table"
+    overhead_spans: int = 4  # segment-cost row: this many chained layer spans vs one call
+
+    def __post_init__(self) -> None:
+        if self.kv_mode != "table":
+            try:
+                self.kv_mode = KVMode(self.kv_mode).value
+            except ValueError:
+                raise ConfigError(f"bench.kv_mode must be 'table', 'defer' or 'propagate', got {self.kv_mode!r}") from None
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ConfigError("bench.batch_sizes must be a non-empty list of positive sizes")
+        if self.repeats < 1 or self.new_tokens < 2 or self.prompt_tokens < 1:
+            raise ConfigError("bench: repeats >= 1, new_tokens >= 2 and prompt_tokens >= 1 are required")
+
+
+@dataclass
+class RunResult:
+    tokens: list[list[int]]  # [B][N]
+    exit_layers: list[list[int]] | None
+    seconds: float
+    token_latencies: list[float]  # seconds between consecutive tokens of a sequence
+
+
+# ------------------------------------------------------------------ systems
+class TokenStamps:
+    """transformers streamer that records when each generated token arrives.
+
+    ``generate`` first puts the prompt [B, P], then what each step makes: greedy decoding one token
+    per sequence ([B]), assisted decoding (LayerSkip self-speculation, batch 1) the tokens a
+    verification step accepted ([1, k]), which arrive together: k arrivals at one time.
+    """
+
+    def __init__(self) -> None:
+        self.arrivals: list[float] = []  # one time per generated token (per sequence: one per step)
+        self._prompt = True
+
+    def put(self, value) -> None:
+        now = time.perf_counter()
+        if self._prompt:  # the prompt, put before the prefill
+            self._prompt = False
+            return
+        self.arrivals += [now] * (value.shape[-1] if value.dim() == 2 else 1)
+
+    def end(self) -> None:
+        pass
+
+    def gaps(self) -> list[float]:
+        """Seconds between consecutive generated tokens: 0 within a burst of assisted decoding."""
+        return np.diff(self.arrivals).tolist()
+
+
+def run_hf(model, prompts: list[list[int]], n: int, early_exit: int | None = None) -> RunResult:
+    from transformers import GenerationConfig
+
+    ids = torch.tensor(prompts)
+    stamps = TokenStamps()
+    gen = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                           eos_token_id=None, assistant_early_exit=early_exit)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen, streamer=stamps)
+    seconds = time.perf_counter() - t0
+    return RunResult(out[:, len(prompts[0]):].tolist(), None, seconds, stamps.gaps())
+
+
+def run_groups(fn, groups: list[list[list[int]]], n: int) -> RunResult:
+    """Run ``fn(prompts, n)`` on each group in turn and pool the results."""
+    parts = [fn(g, n) for g in groups]
+    return RunResult([t for p in parts for t in p.tokens],
+                     None if parts[0].exit_layers is None else [e for p in parts for e in p.exit_layers],
+                     sum(p.seconds for p in parts), [g for p in parts for g in p.token_latencies])
+
+
+def run_engine(backend, rule, prompts: list[list[int]], n: int, kv_mode: KVMode) -> RunResult:
+    b = len(prompts)
+    cfg = EngineConfig(max_seqs=b, max_running=b, max_len=len(prompts[0]) + n,
+                       prefill_budget=b * len(prompts[0]), kv_mode=kv_mode)
+    engine = Engine(backend, cfg, rule)
+    stamps: dict[int, list[float]] = {}
+    toks: dict[int, list[tuple[int, int]]] = {}
+
+    def on_token(ev):
+        stamps.setdefault(ev.request_id, []).append(time.perf_counter())
+        toks.setdefault(ev.request_id, []).append((ev.token, ev.exit_layer))
+
+    t0 = time.perf_counter()
+    ids = [engine.submit(Request(p, n, on_token=on_token)) for p in prompts]
+    engine.run_until_idle()
+    seconds = time.perf_counter() - t0
+    gaps = [g for i in ids for g in np.diff(stamps[i]).tolist()]
+    return RunResult([[t for t, _ in toks[i]] for i in ids], [[e for _, e in toks[i]] for i in ids], seconds, gaps)
+
+
+class Systems:
+    """Loads every system once; ``run(name, prompts, n)`` generates with it."""
+
+    def __init__(self, cfg: DecodeBenchConfig, ckpt: Path, graphs: Path, graphs_full: Path, thresholds: Path,
+                 model: MultiExitModel, only: tuple[str, ...] = SYSTEMS) -> None:
+        import transformers
+
+        self.cfg = cfg
+        self.loaded = set(only) - {"llamacpp"}
+        self.llamacpp_skipped: str | None = None
+        transformers.logging.set_verbosity_error()
+        if "llamacpp" in only:
+            self._load_llamacpp(ckpt)
+        if {"hf", "layerskip"} & set(only):
+            self.hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+        if "engine_full" in only:
+            self.full_backend = make_backend("onnxruntime", graphs_dir=graphs_full, checkpoint=ckpt,
+                                             threads=cfg.threads)
+        if {"engine_exit_propagate", "engine_exit_defer"} & set(only):
+            self.backend = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=cfg.threads)
+            self.table_rule = TableRule(load_table(thresholds, ckpt))
+
+    def _load_llamacpp(self, ckpt: Path) -> None:
+        """The peer (f), if llama-cpp-python is installed (``make llamacpp``): the checkpoint converted
+        to an f32 GGUF by the converter of llama.cpp's own source distribution, its tokenizer checked
+        against ours."""
+        from edge.pipeline.bench import llamacpp
+
+        self.llamacpp_skipped = llamacpp.available()
+        if self.llamacpp_skipped is None:
+            gguf = llamacpp.cached_gguf(self.cfg.run_dir, ckpt, "f32")
+            llamacpp.verify_tokenizer(ckpt, gguf)
+            self.peer = llamacpp.LlamaCppPeer(gguf, self.cfg.threads)
+            self.loaded.add("llamacpp")
+
+    def run(self, name: str, prompts: list[list[int]], n: int, backend=None, rule=None,
+            group: int | None = None) -> RunResult:
+        """Generate with system ``name``; prompts run ``group`` at a time (default: all at once)."""
+        group = group or len(prompts)
+        if group < len(prompts):
+            return run_groups(lambda g, k: self.run(name, g, k, backend, rule), [
+                prompts[i:i + group] for i in range(0, len(prompts), group)], n)
+        if name == "hf":
+            return run_hf(self.hf, prompts, n)
+        if name == "layerskip":
+            return run_hf(self.hf, prompts, n, early_exit=self.cfg.layerskip_exit)
+        if name == "engine_full":
+            return run_engine(self.full_backend, NeverExit(), prompts, n, KVMode.PROPAGATE)
+        if name == "llamacpp":
+            tokens, seconds, gaps = self.peer.generate(prompts[0], n)
+            return RunResult([list(tokens)], None, seconds, list(gaps))
+        mode = KVMode(name.removeprefix("engine_exit_"))
+        return run_engine(backend or self.backend, rule or self.table_rule, prompts, n, mode)
+
+
+def applicable(name: str, batch: int) -> bool:
+    # transformers' assisted generation needs batch 1; llama.cpp is measured as a batch-1 decoder
+    return not (name in ("layerskip", "llamacpp") and batch > 1)
+
+
+# ------------------------------------------------------------------ measurement
+def false_exits(model: MultiExitModel, prompts: list[list[int]], res: RunResult, mode: KVMode) -> tuple[int, int]:
+    """(wrong tokens, judged tokens) of an engine run: the tokens that differ from the full model's greedy
+    choice on the same prefix, by calibration's check (:func:`edge.pipeline.freerun.check_continuations`)."""
+    r = check_continuations(model, np.asarray(prompts), np.asarray(res.tokens), np.asarray(res.exit_layers),
+                            mode).summary()
+    return r.false_exits + r.full_depth_mismatches, r.tokens
+
+
+def _token_match(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of positions where two systems' greedy tokens agree."""
+    pairs = [(x, y) for p, q in zip(a, b) for x, y in zip(p, q)]
+    return sum(x == y for x, y in pairs) / max(1, len(pairs))
+
+
+def kv_fraction(model: MultiExitModel) -> float:
+    """Share of a decoder layer's multiply-adds that its K/V projections are (what propagation
+    computes for a skipped layer): 2 D KV hd over D (H hd) + 2 D KV hd + (H hd) D + 3 D F."""
+    c = model.backbone.cfg
+    kv = 2 * c.hidden_size * c.num_kv_heads * c.head_dim
+    return kv / (2 * c.hidden_size * c.num_heads * c.head_dim + kv + 3 * c.hidden_size * c.intermediate_size)
+
+
+def layers_computed(exit_layers: list[int], num_layers: int, mode: KVMode, kv_frac: float) -> float:
+    """Mean layers computed per token, recomputation counted: a token that exits at layer k runs k
+    layers, then (propagate) the K/V projections of the skipped ones or (defer) all of them later."""
+    e = np.asarray(exit_layers, np.float64)
+    skipped = num_layers - e
+    return float(np.mean(e + (kv_frac * skipped if KVMode(mode) is KVMode.PROPAGATE else skipped)))
+
+
+def summarise(runs: dict[str, list[RunResult]], sequences: int, n: int) -> dict[str, dict[str, float]]:
+    rows = {}
+    for name, rs in runs.items():
+        lat = np.concatenate([r.token_latencies for r in rs]) if rs else np.zeros(0)
+        layers = [e for r in rs for seq in (r.exit_layers or []) for e in seq]
+        rows[name] = {
+            "tokens_per_s": float(np.median([sequences * n / r.seconds for r in rs])),
+            "token_latency_p50_ms": float(1e3 * np.percentile(lat, 50)) if lat.size else None,
+            "token_latency_p95_ms": float(1e3 * np.percentile(lat, 95)) if lat.size else None,
+            "mean_exit_layer": float(np.mean(layers)) if layers else None,
+        }
+    return rows
+
+
+def paired_ratio(runs: dict[str, list[RunResult]], num: str, den: str) -> float | None:
+    """Median over repeats of (tokens/s of num) / (tokens/s of den), pairing repeat r with repeat r."""
+    if num not in runs or den not in runs:
+        return None
+    return float(np.median([d.seconds / u.seconds for u, d in zip(runs[num], runs[den])]))
+
+
+def peak_rss_mib(system: str, run_dir: str, batch: int, cfg: DecodeBenchConfig) -> float:
+    """Peak RSS of a fresh process that loads ``system`` and runs it once at ``batch``."""
+    out = subprocess.run([sys.executable, "-m", "edge.pipeline.bench.decode", "--memory", system, run_dir, str(batch),
+                          str(cfg.prompt_tokens), str(cfg.new_tokens), str(cfg.threads)],
+                         capture_output=True, text=True, check=False, timeout=600)
+    if out.returncode != 0:
+        raise ConfigError(f"memory probe for {system} failed: {out.stderr.strip()[-400:]}")
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def _paths(run_dir: str) -> tuple[Path, Path, Path, Path]:
+    m = Manifest(run_dir)
+    return (m.verified_output("distill", "checkpoint"), m.verified_output("export", "graphs"),
+            m.verified_output("export", "graphs_full"), m.verified_output("calibrate", "thresholds"))
+
+
+def _memory_probe(argv: list[str]) -> None:
+    system, run_dir, batch, prompt_tokens, new_tokens, threads = argv
+    cfg = DecodeBenchConfig(run_dir=run_dir, prompt_tokens=int(prompt_tokens), new_tokens=int(new_tokens),
+                            threads=int(threads))
+    torch.set_num_threads(cfg.threads)
+    import onnxruntime  # noqa: F401  (import every library first: their import peak is not the system's)
+    import transformers  # noqa: F401
+
+    if system == "baseline":  # the interpreter with every library imported, nothing loaded
+        print(_vm_kib("VmRSS") / 1024)
+        return
+    before = _vm_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # Linux: reset the peak RSS (VmHWM) to the current RSS
+    ckpt, graphs, graphs_full, thresholds = _paths(run_dir)
+    model = load_multi_exit(ckpt) if system.startswith("engine") else None
+    systems = Systems(cfg, ckpt, graphs, graphs_full, thresholds, model, only=(system,))
+    prompts = heldout_prompts(load_tokenizer(ckpt), load_split(Split.TEST), int(batch), cfg.prompt_tokens, cfg.seed)
+    systems.run(system, prompts, cfg.new_tokens)
+    print((_vm_kib("VmHWM") - before) / 1024)  # MiB the system added at its peak
+
+
+def _vm_kib(field_name: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1])
+    raise ConfigError(f"/proc/self/status has no {field_name} (peak memory is measured on Linux only)")
+
+
+def profile_step(systems: Systems, prompts: list[list[int]], n: int, system: str) -> dict[str, float]:
+    """Where the time of (d)'s decode goes: ms per decode step by component, at this batch."""
+    backend = ProfiledBackend(systems.backend)
+    rule = ProfiledRule(systems.table_rule)
+    res = systems.run(system, prompts, n, backend=backend, rule=rule, group=1)
+    steps = len(prompts) * (n - 1)
+    parts = {k: 1e3 * v / steps for k, v in {**backend.seconds, "exit_rule": rule.seconds}.items()}
+    parts["total"] = 1e3 * res.seconds / steps
+    parts["engine_other"] = parts["total"] - sum(v for k, v in parts.items() if k != "total")
+    return {k: round(v, 3) for k, v in parts.items()}
+
+
+def main(cfg: DecodeBenchConfig) -> int:
+    t0 = time.time()
+    torch.set_num_threads(cfg.threads)
+    ckpt, graphs, graphs_full, thresholds = _paths(cfg.run_dir)
+    model = load_multi_exit(ckpt)
+    if not 1 <= cfg.layerskip_exit < model.num_layers:
+        raise ConfigError(f"bench.layerskip_exit must be in [1, {model.num_layers - 1}], got {cfg.layerskip_exit}")
+    tok = load_tokenizer(ckpt)
+    systems = Systems(cfg, ckpt, graphs, graphs_full, thresholds, model)
+    d_mode = KVMode(systems.table_rule.table.kv_mode if cfg.kv_mode == "table" else cfg.kv_mode)
+    results: dict[str, Any] = {"config": asdict(cfg), "batches": {}, "kv_mode": d_mode.value,
+                               "kv_mode_certified": d_mode.value == systems.table_rule.table.kv_mode,
+                               "ort_pool_threads": systems.backend.pool_threads,
+                               "llamacpp_skipped": systems.llamacpp_skipped}
+    kv_frac = kv_fraction(model)
+    results["segment_call_overhead"] = {str(b): segment_call_overhead(model, cfg.overhead_spans, b,
+                                                                      cfg.prompt_tokens + cfg.new_tokens).to_dict()
+                                        for b in (1, max(cfg.batch_sizes))}
+    print("segment calls vs one call: " + ", ".join(f"batch {b} {r['ratio']:.3f}x"
+                                                     for b, r in results["segment_call_overhead"].items()), flush=True)
+    d_sys = exit_system(d_mode)
+    exit_systems = [exit_system(m) for m in KVMode]
+    wrong = {s: [0, 0] for s in exit_systems}  # system -> [mismatches, tokens]
+    match_c = 0
+    names_at = {b: [s for s in SYSTEMS if applicable(s, b) and s in systems.loaded] for b in cfg.batch_sizes}
+    memory = [s for s in ("baseline", *SYSTEMS) if s == "baseline" or s in systems.loaded] if cfg.memory else []
+    bar = tqdm(total=sum((cfg.warmup + cfg.repeats) * len(v) + len(exit_systems) for v in names_at.values())
+               + 1 + len(memory), desc="bench decode", unit="run", disable=None)
+    for b in cfg.batch_sizes:
+        n_prompts = cfg.batch1_prompts if b == 1 else b
+        prompts = heldout_prompts(tok, load_split(Split.TEST), n_prompts, cfg.prompt_tokens, cfg.seed)
+        names = names_at[b]
+        runs: dict[str, list[RunResult]] = {s: [] for s in names}
+        for rep in range(cfg.warmup + cfg.repeats):
+            order = names[rep % len(names):] + names[:rep % len(names)]
+            for s in order:
+                bar.set_postfix_str(f"batch {b}, {'warm-up' if rep < cfg.warmup else 'repeat'} {rep + 1}, {s}")
+                r = systems.run(s, prompts, cfg.new_tokens, group=b)
+                bar.update()
+                if rep >= cfg.warmup:
+                    runs[s].append(r)
+        row_fe = {}
+        for s in exit_systems:
+            bar.set_postfix_str(f"batch {b}, checking {s} against the full model")
+            bad, total = false_exits(model, prompts, runs[s][0], KVMode(s.removeprefix("engine_exit_")))
+            bar.update()
+            wrong[s][0] += bad
+            wrong[s][1] += total
+            row_fe[s] = bad / max(1, total)
+        full, ex = runs["engine_full"][0].tokens, runs[d_sys][0].tokens
+        match_c += sum(a == b_ for x, y in zip(full, ex) for a, b_ in zip(x, y))
+        if "llamacpp" in runs:  # its speed counts only if it decodes what we decode
+            match = _token_match(runs["llamacpp"][0].tokens, runs["engine_full"][0].tokens)
+            results["llamacpp_token_match"] = match
+            if match < 1.0:
+                results["llamacpp_skipped"] = (f"its greedy tokens match the full-depth engine's on only "
+                                               f"{match:.1%} of tokens: speed not reported")
+                del runs["llamacpp"]
+        systems_row = summarise(runs, n_prompts, cfg.new_tokens)
+        exits_d = [e for seq in runs[d_sys][0].exit_layers for e in seq[1:]]  # decoded tokens (the first is prefill)
+        ceiling = model.num_layers / layers_computed(exits_d, model.num_layers, d_mode, kv_frac)
+        speedup = paired_ratio(runs, d_sys, "engine_full")
+        results["batches"][str(b)] = {
+            "systems": systems_row,
+            "speedup_exit_vs_full": speedup,
+            # layers / mean layers computed per token of (d), recomputation counted (module docstring)
+            "compute_ceiling": ceiling,
+            "efficiency_vs_ceiling": speedup / ceiling,
+            "speedup_exit_vs_hf": paired_ratio(runs, d_sys, "hf"),
+            "speedup_exit_vs_layerskip": paired_ratio(runs, d_sys, "layerskip"),
+            "speedup_full_vs_llamacpp": paired_ratio(runs, "engine_full", "llamacpp"),
+            "speedup_exit_vs_llamacpp": paired_ratio(runs, d_sys, "llamacpp"),
+            "speedup_vs_full_by_mode": {m.value: paired_ratio(runs, exit_system(m), "engine_full") for m in KVMode},
+            # what (d)/(c) would be if time were proportional to the layers a token runs and
+            # deciding cost nothing: the bound the exit depth alone sets
+            "exit_depth_ceiling": model.num_layers / systems_row[d_sys]["mean_exit_layer"],
+            "full_engine_equals_hf": runs["engine_full"][0].tokens == runs["hf"][0].tokens,
+            "false_exit_rate": row_fe[d_sys],
+            "false_exit_rate_by_mode": {m.value: row_fe[exit_system(m)] for m in KVMode},
+        }
+        tqdm.write(f"batch {b}: " + ", ".join(f"{s} {v['tokens_per_s']:.1f} tok/s"
+                                              for s, v in results["batches"][str(b)]["systems"].items()))
+    rates = {s: bad / max(1, total) for s, (bad, total) in wrong.items()}
+    results["false_exit_rate"] = rates[d_sys]
+    results["false_exit_rate_by_mode"] = {m.value: rates[exit_system(m)] for m in KVMode}
+    results["false_exit_tokens"] = wrong[d_sys][1]
+    results["token_match_vs_full_engine"] = match_c / sum(
+        (cfg.batch1_prompts if b == 1 else b) * cfg.new_tokens for b in cfg.batch_sizes)
+    bar.set_postfix_str("profiling a decode step of (d)")
+    results["profile_b1"] = profile_step(systems, heldout_prompts(tok, load_split(Split.TEST), cfg.batch1_prompts,
+                                                                  cfg.prompt_tokens, cfg.seed), cfg.new_tokens, d_sys)
+    bar.update()
+    if cfg.memory:
+        b = max(cfg.batch_sizes)
+        results["peak_rss_mib"] = {}
+        for s in memory:
+            bar.set_postfix_str(f"peak memory of {s}, a fresh process")
+            results["peak_rss_mib"][s] = peak_rss_mib(s, cfg.run_dir, b if applicable(s, b) else 1, cfg)
+            bar.update()
+    bar.close()
+    cal = Manifest(cfg.run_dir).stage("calibrate")["metrics"]  # quality is measured there, on more tokens
+    results["calibration"] = {k: cal.get(k) for k in ("layers_skipped_frac", "accuracy_loss_rel",
+                                                       "free_run_false_exit_rate_test", "kv_mode")}
+    # the false-exit goal is the tolerance the table was certified for
+    results["calibration"]["epsilon"] = systems.table_rule.table.certificate.get("epsilon")
+    summary = headline(results)
+    summary["goals"] = goals(summary, results["calibration"]["epsilon"], cfg.batch_sizes)
+    out = Path(cfg.run_dir) / "bench"
+    with atomic_dir(out) as tmp:
+        atomic_write_json(tmp / "decode.json", {**results, "summary": summary})
+        (tmp / "decode.md").write_text(render_markdown(results, summary))
+        plot(results, tmp / "decode.png")
+    Manifest(cfg.run_dir).record(STAGE, inputs={"checkpoint": ckpt, "graphs": graphs, "graphs_full": graphs_full,
+                                                "thresholds": thresholds},
+                                 config=results["config"], outputs={"json": out / "decode.json",
+                                                                    "png": out / "decode.png"},
+                                 metrics={**summary, "batches": results["batches"],
+                                          "profile_b1": results["profile_b1"],
+                                          "peak_rss_mib": results.get("peak_rss_mib")},
+                                 seconds=time.time() - t0)
+    for line in summary_lines(results, summary, out / "decode.md", time.time() - t0):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--memory":
+    _memory_probe(sys.argv[2:])

@@ -1,0 +1,221 @@
+"""The decode benchmark's summary: headline numbers, goals, Markdown table and chart.
+
+Pure functions of the results dict that :func:`edge.pipeline.bench.decode.main` assembles.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SYSTEMS = ("hf", "layerskip", "engine_full", "engine_exit_propagate", "engine_exit_defer", "llamacpp")
+LABELS = {"hf": "(a) transformers generate", "layerskip": "(b) transformers LayerSkip self-speculation",
+          "engine_full": "(c) SmartExit engine, ORT, full depth",
+          "engine_exit_propagate": "SmartExit engine, ORT, exits, K/V by propagation",
+          "engine_exit_defer": "SmartExit engine, ORT, exits, K/V by deferred recomputation",
+          "llamacpp": "(f) llama.cpp (llama-cpp-python), f32 GGUF, full depth"}
+
+# Issue 8's goals: (headline key, ">=" or "<=", target). A key ending in _b<N> is about batch size N: its row
+# says "not run" when the benchmark did not run that batch size; other rows whose value was not measured
+# (llama.cpp absent) say "not measured". The false-exit target is the epsilon the run's threshold table
+# was certified for (None here: read from the run).
+GOALS = [
+    ("segment_call_overhead", "<=", 1.05),
+    ("efficiency_vs_ceiling_b1", ">=", 0.95),
+    ("efficiency_vs_ceiling_b16", ">=", 0.95),
+    ("layers_skipped_frac", ">=", 0.30),
+    ("speedup_exit_vs_full_b1", ">=", 1.35),
+    ("speedup_exit_vs_full_b16", ">=", 1.3),
+    ("speedup_full_vs_llamacpp_b1", ">=", 1.0),
+    ("speedup_exit_vs_llamacpp_b1", ">=", 1.35),
+    ("speedup_exit_vs_hf_b1", ">=", 3.0),
+    ("false_exit_rate", "<=", None),
+    ("accuracy_loss_rel", "<=", 0.01),
+    ("bookkeeping_share_b1", "<=", 0.10),
+    ("peak_rss_exit_vs_hf", "<", 1.0),
+    ("peak_rss_exit_vs_full", "<", 1.0),
+]
+
+
+def goal_batch(key: str) -> int | None:
+    """The batch size a goal is about (``..._b16`` -> 16), or None."""
+    m = re.search(r"_b(\d+)$", key)
+    return int(m.group(1)) if m else None
+
+
+def goals(summary: dict[str, Any], epsilon: float | None, batch_sizes: list[int]) -> dict[str, dict[str, Any]]:
+    """Each goal with the measured value, whether it is met and by how much it is missed.
+
+    Args:
+        summary: :func:`headline`'s numbers.
+        epsilon: the false-exit rate the run's threshold table was certified for (the false-exit goal).
+        batch_sizes: the batch sizes the benchmark ran; a goal about another one is marked ``not_run``.
+    """
+    out = {}
+    for key, op, target in GOALS:
+        target = epsilon if target is None else target
+        v = summary.get(key)
+        if v is None or target is None:
+            out[key] = {"goal": f"{op} {target}", "measured": None, "met": None, "shortfall": None}
+            if goal_batch(key) is not None and goal_batch(key) not in batch_sizes:
+                out[key]["not_run"] = True
+            continue
+        met = v >= target if op == ">=" else (v <= target if op == "<=" else v < target)
+        short = max(0.0, target - v) if op == ">=" else max(0.0, v - target)
+        out[key] = {"goal": f"{op} {target}", "measured": v, "met": bool(met), "shortfall": short}
+    return out
+
+
+def goals_table(goals_: dict[str, dict[str, Any]]) -> list[str]:
+    """Markdown rows of :func:`goals` (the benchmark's page and the run report show the same table)."""
+    def row(k: str, g: dict[str, Any]) -> str:
+        if g.get("not_run"):
+            return f"| {k} | {g['goal']} | not run (batch {goal_batch(k)}) | n/a | n/a |"
+        if g["measured"] is None:
+            return f"| {k} | {g['goal']} | not measured | n/a | n/a |"
+        return f"| {k} | {g['goal']} | {g['measured']:.3f} | {'yes' if g['met'] else 'no'} | {g['shortfall']:.3f} |"
+
+    return ["| goal | target | measured | met | missed by |", "| --- | ---: | ---: | --- | ---: |",
+            *(row(k, g) for k, g in goals_.items())]
+
+
+def headline(results: dict[str, Any]) -> dict[str, Any]:
+    """The numbers the goals and the report read. Keys ending in _b1 are about batch 1 (None when it
+    was not run); _b<first> / _b<last> name the smallest and largest batch size run."""
+    bs = results["batches"]
+    first, last = str(min(map(int, bs))), str(max(map(int, bs)))
+    b1 = bs.get("1", {})
+    prof = results.get("profile_b1", {})
+    mem = results.get("peak_rss_mib") or {}
+    d_sys = f"engine_exit_{results['kv_mode']}"
+    cal = results.get("calibration", {})
+
+    def mem_ratio(other: str) -> float | None:
+        return mem[d_sys] / mem[other] if mem.get(d_sys) and mem.get(other) else None
+
+    return {
+        f"efficiency_vs_ceiling_b{first}": bs[first].get("efficiency_vs_ceiling"),
+        f"efficiency_vs_ceiling_b{last}": bs[last].get("efficiency_vs_ceiling"),
+        "segment_call_overhead": (results.get("segment_call_overhead", {}).get("1") or {}).get("ratio"),
+        "speedup_full_vs_llamacpp_b1": b1.get("speedup_full_vs_llamacpp"),
+        "speedup_exit_vs_llamacpp_b1": b1.get("speedup_exit_vs_llamacpp"),
+        "bookkeeping_share_b1": prof["engine_other"] / prof["total"] if prof.get("total") else None,
+        "layers_skipped_frac": cal.get("layers_skipped_frac"),
+        "accuracy_loss_rel": cal.get("accuracy_loss_rel"),
+        "peak_rss_exit_vs_hf": mem_ratio("hf"),
+        "peak_rss_exit_vs_full": mem_ratio("engine_full"),
+        "speedup_exit_vs_full_b1": b1.get("speedup_exit_vs_full"),
+        f"speedup_exit_vs_full_b{last}": bs[last]["speedup_exit_vs_full"],
+        "speedup_exit_vs_hf_b1": b1.get("speedup_exit_vs_hf"),
+        "speedup_exit_vs_layerskip_b1": b1.get("speedup_exit_vs_layerskip"),
+        "exit_depth_ceiling_b1": b1.get("exit_depth_ceiling"),
+        "false_exit_rate": results["false_exit_rate"],
+        "kv_mode": results["kv_mode"],
+        "speedup_vs_full_b1_by_mode": b1.get("speedup_vs_full_by_mode"),
+        f"speedup_vs_full_b{last}_by_mode": bs[last]["speedup_vs_full_by_mode"],
+        "false_exit_rate_by_mode": results["false_exit_rate_by_mode"],
+        "token_match_vs_full_engine": results["token_match_vs_full_engine"],
+    }
+
+
+def render_markdown(results: dict[str, Any], summary: dict[str, Any]) -> str:
+    cfg = results["config"]
+    mem = results.get("peak_rss_mib", {})
+    lines = ["# Decode benchmark", "",
+             f"{cfg['prompt_tokens']}-token held-out prompts, {cfg['new_tokens']} new tokens, greedy; "
+             f"{cfg['warmup']} warm-up + {cfg['repeats']} interleaved repeats; medians; {cfg['threads']} threads "
+             f"(ONNX Runtime: one shared pool of {results['ort_pool_threads']}); (d) = exits with K/V by "
+             f"{results['kv_mode']}; "
+             f"batch 1 runs {cfg['batch1_prompts']} prompts one after another. Peak RSS: a fresh process per system at the largest batch "
+             f"(batch 1 for LayerSkip), counted from the RSS after the libraries are imported (`baseline`, "
+             f"{mem.get('baseline', float('nan')):.0f} MiB): loading and running the system.", "",
+             "| batch | system | tokens/s | token latency p50 (ms) | p95 (ms) | peak RSS over baseline (MiB) | mean exit layer |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    f = lambda v, s=".2f": "n/a" if v is None else format(v, s)  # noqa: E731
+    for b, row in results["batches"].items():
+        for s, v in row["systems"].items():
+            lines.append(f"| {b} | {LABELS[s]} | {v['tokens_per_s']:.1f} | {f(v['token_latency_p50_ms'])} | "
+                         f"{f(v['token_latency_p95_ms'])} | {f(mem.get(s), '.0f')} | {f(v['mean_exit_layer'])} |")
+    lines += ["", "Token latency: the time between consecutive generated tokens of a sequence, each token "
+              "timestamped when it arrives (the engine's per-token callback; a transformers streamer for (a) and "
+              "(b); llama.cpp's token iterator for (f)). (b) LayerSkip self-speculation emits the tokens a "
+              "verification step accepts together: the first of them arrives after the step's time, the others "
+              "0 ms after it, so its percentiles describe those bursts, measured, not a per-token cost."]
+    modes = list(results["false_exit_rate_by_mode"])
+    lines += ["", "| batch | (d)/(c) | ceiling: layers computed | efficiency | ceiling: exit depth | (d)/(a) | "
+              "(d)/(b) | (c)/(f) | (d)/(f) | " + " | ".join(f"{m}/(c) | false exits, {m}" for m in modes) + " |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+              + " | ".join("---: | ---:" for _ in modes) + " |"]
+    for b, row in results["batches"].items():
+        lines.append(f"| {b} | {f(row['speedup_exit_vs_full'])} | {f(row.get('compute_ceiling'))} | "
+                     f"{f(row.get('efficiency_vs_ceiling'))} | {f(row['exit_depth_ceiling'])} | "
+                     f"{f(row['speedup_exit_vs_hf'])} | {f(row['speedup_exit_vs_layerskip'])} | "
+                     f"{f(row.get('speedup_full_vs_llamacpp'))} | {f(row.get('speedup_exit_vs_llamacpp'))} | "
+                     + " | ".join(f"{f(row['speedup_vs_full_by_mode'][m])} | {row['false_exit_rate_by_mode'][m]:.4f}"
+                                  for m in modes) + " |")
+    eps = results.get("calibration", {}).get("epsilon")
+    lines += ["", f"False exits: generated tokens (the first, from the prefill, excepted) that differ from the full "
+              f"model's greedy token on the same prefix, checked as calibration checks them, on the first repeat "
+              f"({results.get('false_exit_tokens', 'n/a')} tokens of (d)); the threshold table was certified for "
+              f"eps = {f(eps, 'g')}."]
+    if results.get("llamacpp_skipped"):
+        lines += ["", f"(f) llama.cpp not measured: {results['llamacpp_skipped']}"]
+    lines += ["", *goals_table(summary.get("goals", {}))]
+    seg = results.get("segment_call_overhead", {})
+    if seg:
+        lines += ["", "Segment calls against one call (the same layers, no exit heads, buffers bound once, "
+                  "nothing between the calls): " + "; ".join(
+                      f"batch {b}: {r['spans']} calls {r['ms_split']:.3f} ms vs one call {r['ms_one_call']:.3f} ms "
+                      f"= {r['ratio']:.3f}x" for b, r in seg.items())]
+    prof = results["profile_b1"]
+    lines += ["", "Ceilings of (d)/(c) if time were proportional to work and exit decisions were free: "
+              "*layers computed* = layers / mean layers computed per token with recomputation counted "
+              "(propagation: the skipped layers' K/V projections; deferral: every skipped layer, run later "
+              "with the next token, so its ceiling is 1); *exit depth* = layers / mean exit layer, what a "
+              "step costs where reading the weights sets the time (batch 1: deferred rows ride along with "
+              "the next token's call). Efficiency = (d)/(c) / layers-computed ceiling.",
+              "", "Where one decode step of (d) goes at batch 1 (ms per step; engine_other is the engine's "
+              "own bookkeeping): " + ", ".join(f"{k} {v:.3f}" for k, v in prof.items()), ""]
+    return "\n".join(lines)
+
+
+def summary_lines(results: dict[str, Any], summary: dict[str, Any], report: Path, seconds: float) -> list[str]:
+    """The few numbers the benchmark ends with, and where its report is."""
+    f = lambda v, s=".2f": "n/a" if v is None else format(v, s)  # noqa: E731
+    d = f"engine_exit_{results['kv_mode']}"
+    goals_ = summary.get("goals", {})
+    met = sum(g["met"] is True for g in goals_.values())
+    not_run = sum(bool(g.get("not_run")) for g in goals_.values())
+    unmeasured = sum(g["met"] is None for g in goals_.values()) - not_run
+    return [
+        f"bench decode: done in {seconds:.0f} s; (d) = exits, K/V by {results['kv_mode']}",
+        *(f"  batch {b}: (d) {row['systems'][d]['tokens_per_s']:.1f} tok/s, (d)/(c) {f(row['speedup_exit_vs_full'])}x, "
+          f"(d)/(a) {f(row['speedup_exit_vs_hf'])}x" for b, row in results["batches"].items()),
+        f"  false exits of (d): {results['false_exit_rate']:.4f} on {results.get('false_exit_tokens')} tokens "
+        f"(certified eps {f(results.get('calibration', {}).get('epsilon'), 'g')})",
+        f"  goals: {met} of {len(goals_)} met, {unmeasured} not measured, {not_run} not run",
+        f"  report: {report}",
+    ]
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = list(results["batches"])
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    width = 0.8 / len(SYSTEMS)
+    for k, s in enumerate(SYSTEMS):
+        vals = [results["batches"][b]["systems"].get(s, {}).get("tokens_per_s", 0.0) for b in batches]
+        ax.bar(np.arange(len(batches)) + (k - (len(SYSTEMS) - 1) / 2) * width, vals, width, label=LABELS[s])
+    ax.set_xticks(np.arange(len(batches)), [f"batch {b}" for b in batches])
+    ax.set_ylabel("tokens / s")
+    ax.set_title("Decode throughput (higher is better)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=110)
+    plt.close(fig)

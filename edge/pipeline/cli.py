@@ -1,0 +1,78 @@
+"""``smartexit <stage> [--config FILE] [key=value ...]``.
+
+Each stage is a typed config dataclass and a ``main(cfg) -> int``. A
+:class:`SmartExitError` (bad path, bad config, mismatched artifact) prints
+``error: ...`` and exits with code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable
+
+from edge.core.configio import parse_overrides
+from edge.core.errors import SmartExitError
+
+# stage -> (module, config class, entry point, one-line help)
+STAGES: dict[str, tuple[str, str, str, str]] = {
+    "train-tiny": ("edge.training.train_tiny", "TrainConfig", "main", "train the bundled tiny model (an hour or two)"),
+    "distill": ("edge.training.distill", "DistillConfig", "main", "train exit heads by multi-exit distillation"),
+    "calibrate": ("edge.pipeline.calibrate", "CalibrateConfig", "main",
+                  "calibrated exit thresholds with a certified false-exit bound (--calib-data DIR to certify on "
+                  "your own text, --eval-data DIR to check on it)"),
+    "export": ("edge.pipeline.export", "ExportStageConfig", "main", "ONNX graphs per segment, gated on parity with torch"),
+    "engines": ("exporters.tensorrt", "EnginesConfig", "main",
+                "TensorRT engines from the ONNX graphs (on the device) + trtexec command lines"),
+    "bench decode": ("edge.pipeline.bench.decode", "DecodeBenchConfig", "main",
+                     "decode throughput: transformers, LayerSkip, SmartExit full depth and with exits"),
+    "generate": ("edge.pipeline.generate", "GenerateConfig", "main", "reference early-exit generation on held-out prompts"),
+    "report": ("edge.pipeline.report", "ReportConfig", "main", "write report.json / report.md from the run manifest"),
+}
+
+
+def _load(stage: str) -> tuple[type, Callable[[object], int]]:
+    module, cfg_name, fn_name, _ = STAGES[stage]
+    mod = importlib.import_module(module)
+    return getattr(mod, cfg_name), getattr(mod, fn_name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) >= 2 and f"{argv[0]} {argv[1]}" in STAGES:  # two-word stages: `bench decode`
+        argv = [f"{argv[0]} {argv[1]}", *argv[2:]]
+    parser = argparse.ArgumentParser(prog="smartexit", description="SmartExit early-exit LLM pipeline")
+    sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
+    for name, (_, _, _, help_text) in STAGES.items():
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--config", help="YAML file with this stage's settings")
+        p.add_argument("overrides", nargs="*", metavar="key=value")
+    args, extra = parser.parse_known_args(argv)
+    try:
+        cfg_cls, entry = _load(args.stage)
+        cfg = parse_overrides(cfg_cls(), args.overrides + _flags_to_overrides(extra), args.config)
+        return int(entry(cfg))
+    except SmartExitError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+def _flags_to_overrides(extra: list[str]) -> list[str]:
+    """``--eval-data DIR`` / ``--eval-data=DIR`` -> ``eval_data=DIR`` (any config key works as a flag)."""
+    out, i = [], 0
+    while i < len(extra):
+        arg = extra[i]
+        if not arg.startswith("--"):
+            raise SmartExitError(f"unexpected argument {arg!r}; use key=value")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(extra):
+                raise SmartExitError(f"{arg} needs a value")
+            value, i = extra[i + 1], i + 1
+        out.append(f"{key.replace('-', '_')}={value}")
+        i += 1
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

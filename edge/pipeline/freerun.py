@@ -1,0 +1,194 @@
+"""Free-running units: the engine continues prompts, and every generated token is checked.
+
+For each prompt the engine (torch backend, a K/V mode, an exit rule) greedily
+generates ``new_tokens`` tokens; then the multi-exit model reads prompt +
+continuation teacher-forced at full depth, which gives, for every generated
+token, the full model's greedy token on exactly the prefix the engine had, and
+the exit signals of that prefix at every exit.
+
+In ``defer`` mode the engine's K/V of skipped layers are recomputed exactly, so
+these teacher-forced signals *are* the signals the engine saw (up to float
+rounding between the two computation paths): the collection serves both as the
+check and as calibration data along the engine's own trajectories. In
+``propagate`` mode the engine's later hidden states differ (approximate K/V):
+the check is still exact, the signals only approximate what the engine saw.
+
+A generated token is *wrong* when it differs from the full model's token on the
+same prefix: a *false exit* if it exited early, a *full-depth mismatch* if it
+ran every layer (possible only with approximate K/V). The first generated
+token comes from the full-depth prefill and is not judged.
+
+:func:`check_continuations` is that check alone, for continuations any engine
+produced (the decode benchmark's); :func:`free_run` generates with the torch
+backend and checks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from calibration.collect import Collected, collect_units
+from edge.runtime.torch_backend import TorchBackend
+from edge.runtime.engine import KVMode, generate_batch
+from edge.core.errors import ConfigError
+from edge.model.exits import MultiExitModel
+
+
+@dataclass
+class FreeRunResult:
+    """Summary of a free run (token counts are over judged tokens)."""
+
+    prompts: int
+    tokens: int  # decoded tokens judged
+    false_exits: int  # exited early and differs from the full model on the same prefix
+    full_depth_mismatches: int  # ran full depth yet differs (approximate K/V left by earlier exits)
+    false_exit_rate: float  # (false_exits + full_depth_mismatches) / tokens = mean per-prompt rate
+    exited_frac: float
+    mean_exit_layer: float
+    layers_skipped_frac: float  # mean (L - exit layer) / L
+    kv_mode: str = ""
+
+
+@dataclass
+class FreeRun:
+    """Engine continuations of U prompts and their check against the full model."""
+
+    kv_mode: KVMode
+    num_layers: int
+    seqs: np.ndarray  # [U, P + T] prompt + generated tokens
+    exit_layers: np.ndarray  # [U, T] layer each generated token was decided at
+    data: Collected  # teacher-forced over the judged tokens: U * (T - 1) rows, unit-tagged
+
+    @property
+    def judged(self) -> np.ndarray:
+        """[U, T-1]: (emitted token, full model's token, exit layer) are aligned on this grid."""
+        return self.exit_layers[:, 1:]
+
+    def wrong(self) -> tuple[np.ndarray, np.ndarray]:
+        """(false exit [U, T-1], full-depth mismatch [U, T-1]) as bool."""
+        u, t = self.judged.shape
+        emitted = self.seqs[:, -t:]  # the judged generated tokens
+        ref = self.data.argmax[self.data.final].reshape(u, t)
+        differs = emitted != ref
+        early = self.judged < self.num_layers
+        return differs & early, differs & ~early
+
+    def unit_losses(self) -> np.ndarray:
+        """Per-prompt rate of wrong tokens [U] in [0, 1]: the loss a certificate bounds the mean of."""
+        fe, mm = self.wrong()
+        return (fe | mm).mean(axis=1)
+
+    def summary(self) -> FreeRunResult:
+        fe, mm = self.wrong()
+        layers = self.judged
+        n = int(layers.size)
+        return FreeRunResult(
+            prompts=int(self.seqs.shape[0]), tokens=n, false_exits=int(fe.sum()), full_depth_mismatches=int(mm.sum()),
+            false_exit_rate=float((fe | mm).mean()), exited_frac=float((layers < self.num_layers).mean()),
+            mean_exit_layer=float(layers.mean()),
+            layers_skipped_frac=float(((self.num_layers - layers) / self.num_layers).mean()),
+            kv_mode=self.kv_mode.value)
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return asdict(self.summary())
+
+    @classmethod
+    def concat(cls, runs: list["FreeRun"]) -> "FreeRun":
+        """Runs of the same mode one after the other (units in order)."""
+        return cls(runs[0].kv_mode, runs[0].num_layers, np.concatenate([r.seqs for r in runs]),
+                   np.concatenate([r.exit_layers for r in runs]), Collected.concat([r.data for r in runs]))
+
+
+def check_continuations(model: MultiExitModel, prompts: np.ndarray, generated: np.ndarray, exit_layers: np.ndarray,
+                        kv_mode: KVMode) -> FreeRun:
+    """Check every generated token against the full model on the same prefix (module docstring).
+
+    Args:
+        model: the multi-exit model the engine ran.
+        prompts: int token ids [U, P].
+        generated: the engine's tokens [U, T], T >= 2 (the first, from the prefill, is not judged).
+        exit_layers: the layer each generated token was decided at [U, T].
+        kv_mode: the K/V mode the engine ran in.
+
+    Raises:
+        ConfigError: shapes that disagree, or fewer than 2 generated tokens.
+    """
+    prompts, generated = np.asarray(prompts, dtype=np.int64), np.asarray(generated, dtype=np.int64)
+    exit_layers = np.asarray(exit_layers, dtype=np.int64)
+    if (prompts.ndim != 2 or generated.ndim != 2 or generated.shape != exit_layers.shape
+            or generated.shape[0] != prompts.shape[0] or prompts.shape[0] == 0):
+        raise ConfigError(f"check_continuations: expected prompts [U, P], tokens and exit layers [U, T], got shapes "
+                          f"{prompts.shape}, {generated.shape}, {exit_layers.shape}")
+    if generated.shape[1] < 2:
+        raise ConfigError(f"check_continuations: at least 2 new tokens are needed (the first is not judged), "
+                          f"got {generated.shape[1]}")
+    seqs = np.concatenate([prompts, generated], axis=1)
+    return FreeRun(KVMode(kv_mode), model.num_layers, seqs, exit_layers, collect_units(model, seqs, prompts.shape[1]))
+
+
+def _progress(total: int, desc: str | None) -> tqdm:
+    """A bar over prompts on a terminal (``disable=None``: quiet when stderr is not a TTY); none without desc."""
+    return tqdm(total=total, desc=desc, unit="prompt", disable=None if desc else True, leave=False)
+
+
+@torch.no_grad()
+def free_run(model: MultiExitModel, prompts: np.ndarray, new_tokens: int, rule, kv_mode: KVMode,
+             batch: int = 128, desc: str | None = None) -> FreeRun:
+    """Generate ``new_tokens`` tokens for every prompt with the engine and check each one.
+
+    Args:
+        model: the multi-exit model (the torch backend runs it).
+        prompts: int token ids [U, P].
+        new_tokens: T >= 2 tokens generated per prompt (T - 1 are judged).
+        rule: the engine's exit rule (``decide(layer, stats, tokens, hidden)``), e.g. a
+            :class:`calibration.table.TableRule` or :class:`edge.runtime.rules.NeverExit`.
+        kv_mode: how skipped layers get their K/V.
+        batch: prompts per engine run.
+        desc: label of a progress bar over the prompts (shown on a terminal only); None: no bar.
+
+    Raises:
+        ConfigError: fewer than 2 new tokens, no prompts, or an engine that returned the wrong count.
+    """
+    prompts = np.asarray(prompts, dtype=np.int64)
+    if prompts.ndim != 2 or prompts.shape[0] == 0:
+        raise ConfigError(f"free_run: expected prompts [U >= 1, P], got shape {prompts.shape}")
+    if new_tokens < 2:
+        raise ConfigError(f"free_run: at least 2 new tokens are needed (the first is not judged), got {new_tokens}")
+    backend = TorchBackend(model)
+    gen, layers = [], []
+    with _progress(prompts.shape[0], desc) as bar:
+        for a in range(0, prompts.shape[0], batch):
+            chunk = [p.tolist() for p in prompts[a:a + batch]]
+            for toks, exits in generate_batch(backend, rule, chunk, new_tokens, KVMode(kv_mode)):
+                if len(toks) != new_tokens:
+                    raise ConfigError(f"engine returned {len(toks)} tokens for a prompt, {new_tokens} were asked for")
+                gen.append(toks)
+                layers.append(exits)
+            bar.update(len(chunk))
+    return check_continuations(model, prompts, np.asarray(gen), np.asarray(layers), kv_mode)
+
+
+def free_run_until(model: MultiExitModel, prompts: np.ndarray, new_tokens: int, rule, kv_mode: KVMode,
+                   batch: int, stop: Callable[[FreeRun], bool], desc: str | None = None) -> tuple[FreeRun, bool]:
+    """:func:`free_run` batch by batch in the order of ``prompts``, stopping after the first batch for
+    which ``stop(all units so far)`` is true. Returns (the units run, whether ``stop`` fired).
+
+    With i.i.d. prompts in draw order and an anytime-valid test (the betting p-value: Ville's
+    inequality bounds the capital's supremum over all times), stopping as soon as the test
+    succeeds, or fails for good, keeps it valid.
+    """
+    runs: list[FreeRun] = []
+    with _progress(prompts.shape[0], desc) as bar:
+        for a in range(0, prompts.shape[0], batch):
+            runs.append(free_run(model, prompts[a:a + batch], new_tokens, rule, kv_mode, batch))
+            bar.update(runs[-1].seqs.shape[0])
+            done = FreeRun.concat(runs)
+            if stop(done):
+                return done, True
+    return FreeRun.concat(runs), False

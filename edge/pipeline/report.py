@@ -1,0 +1,231 @@
+"""``smartexit report``: assemble ``report.json`` / ``report.md`` from the run's manifest.
+
+Every number in the report is a metric a stage recorded in ``manifest.json``;
+the report adds nothing of its own. Later stages add sections by adding a
+builder to ``SECTIONS``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from edge.core.artifacts import Manifest, atomic_write_json, atomic_write_text
+
+
+@dataclass
+class ReportConfig:
+    run_dir: str = "artifacts/demo"
+
+
+def _model(m: Manifest) -> dict[str, Any]:
+    d = m.stage("distill")["metrics"]
+    return {"params": d["params"], "layers": d["layers"], "exits": d["exits"],
+            "heldout_top1": d["heldout_top1"], "heldout_ppl": d["heldout_ppl"], "heldout_tokens": d["tokens"],
+            "heldout_window": m.stage("distill")["config"]["seq_len"]}
+
+
+def _distill(m: Manifest) -> dict[str, Any]:
+    st = m.stage("distill")
+    d = st["metrics"]
+    return {"exit_agreement": d["exit_agreement"], "exit_accuracy": d["exit_accuracy"],
+            "steps": st["config"]["steps"], "freeze_backbone": st["config"]["freeze_backbone"],
+            "adapter_rank": st["config"]["exits"]["adapter_rank"], "seconds": st["seconds"],
+            **{k: d[k] for k in ("base_heldout_ppl", "base_heldout_top1", "heldout_ppl", "heldout_top1") if k in d}}
+
+
+def _generate(m: Manifest) -> dict[str, Any]:
+    return dict(m.stage("generate")["metrics"])
+
+
+def _calibration(m: Manifest) -> dict[str, Any]:
+    return dict(m.stage("calibrate")["metrics"])
+
+
+def _export(m: Manifest) -> dict[str, Any]:
+    d = m.stage("export")["metrics"]
+    p = d["parity"]
+    fused = d.get("parity_fused")
+    return {"graphs": d["graphs"], "graphs_full_depth": d["graphs_full"], "opset": d["opset"],
+            "parity_passed": p["passed"] and d["parity_full"]["passed"] and (fused is None or fused["passed"]),
+            "argmax_agreement": p["argmax_agreement"], "atol": p["atol"],
+            "max_abs_diff": max(v for outs in p["max_abs_diff"].values() for v in outs.values()),
+            "fused": None if fused is None else {
+                "argmax_agreement": fused["argmax_agreement"], "rtol": fused["rtol"],
+                "max_abs_diff": max(v for outs in fused["max_abs_diff"].values() for v in outs.values())},
+            "fused_skipped": d.get("fused_skipped")}
+
+
+def _bench(m: Manifest) -> dict[str, Any]:
+    return dict(m.stage("bench_decode")["metrics"])
+
+
+SECTIONS: dict[str, tuple[str, Callable[[Manifest], dict[str, Any]]]] = {
+    "model": ("distill", _model),
+    "distill": ("distill", _distill),
+    "calibration": ("calibrate", _calibration),
+    "generate": ("generate", _generate),
+    "export": ("export", _export),
+    "decode_bench": ("bench_decode", _bench),
+}
+
+
+def build(run_dir: str | Path) -> dict[str, Any]:
+    m = Manifest(run_dir)
+    report: dict[str, Any] = {"run": m.data.get("run")}
+    for name, (stage, fn) in SECTIONS.items():
+        if stage in m.data["stages"]:
+            report[name] = fn(m)
+    return report
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    lines = [f"# SmartExit report: run `{report.get('run')}`", ""]
+    if "model" in report:
+        mo = report["model"]
+        lines += ["## Model", "",
+                  f"- parameters: {mo['params']:,}; layers: {mo['layers']}; exits after layers {mo['exits']}",
+                  f"- held-out (test split, {mo['heldout_tokens']:,} tokens in windows of {mo['heldout_window']}; "
+                  f"the model card uses windows of 512): perplexity {mo['heldout_ppl']:.3f}, "
+                  f"top-1 next-token accuracy {mo['heldout_top1']:.4f}", ""]
+    if "distill" in report:
+        di = report["distill"]
+        lines += ["## Multi-exit distillation", "",
+                  f"{di['steps']} steps, backbone {'frozen' if di['freeze_backbone'] else 'fine-tuned'}, "
+                  f"adapter rank {di['adapter_rank']}, {di['seconds']:.0f} s.", "",
+                  "| exit layer | agreement with final layer | top-1 accuracy |", "| ---: | ---: | ---: |"]
+        for k, a in di["exit_agreement"].items():
+            lines.append(f"| {k} | {a:.4f} | {di['exit_accuracy'][k]:.4f} |")
+        if "base_heldout_ppl" in di:
+            when = ("before this run (the model's lineage.json names its base); this run kept it frozen"
+                    if di["freeze_backbone"] else "in this run")
+            lines += ["", f"The decoder was fine-tuned with the exit losses (LayerSkip-style early-exit training "
+                      f"against the frozen base model) {when}. Full depth, same held-out windows: perplexity "
+                      f"{di['base_heldout_ppl']:.3f} (base) -> {di['heldout_ppl']:.3f}, top-1 "
+                      f"{di['base_heldout_top1']:.4f} -> {di['heldout_top1']:.4f}."]
+        lines.append("")
+    if "calibration" in report:
+        lines += _calibration_md(report["calibration"])
+    if "generate" in report:
+        g = report["generate"]
+        lines += ["## Reference early-exit generator", "",
+                  f"- {g['prompts']} held-out prompts, {g['max_new_tokens']} new tokens each, greedy.",
+                  f"- exits disabled reproduces full-model greedy decoding: **{g['disabled_equals_full_greedy']}**",
+                  f"- fixed max-probability threshold {g['threshold']} (uncalibrated): mean exit layer "
+                  f"{g['mean_exit_layer']:.2f}, position-wise token match with full depth {g['token_match_vs_full']:.4f}",
+                  "- exit fractions: " + ", ".join(f"layer {k}: {v:.3f}" for k, v in g["exit_fraction"].items()),
+                  ""]
+    if "export" in report:
+        e = report["export"]
+        f = e.get("fused")
+        lines += ["## ONNX export", "", f"{e['graphs']} graphs (+ {e['graphs_full_depth']} for the full-depth "
+                  f"baseline without exit heads) at opset {e['opset']}: the portable graphs (standard ops, for "
+                  f"TensorRT) and the fused ONNX Runtime graphs the engine runs; parity with torch: "
+                  f"**{e['parity_passed']}** (portable: max abs diff {e['max_abs_diff']:.2e} <= atol {e['atol']}, "
+                  f"argmax agreement {e['argmax_agreement']:.2%}"
+                  + (f"; fused: max abs diff {f['max_abs_diff']:.2e} within {f['rtol']:g} of each output's scale, "
+                     f"argmax agreement {f['argmax_agreement']:.2%}" if f else
+                     f"; no fused graphs: {e.get('fused_skipped')}") + ").", ""]
+    if "decode_bench" in report:
+        lines += _bench_md(report["decode_bench"])
+    return "\n".join(lines)
+
+
+def _bench_md(b: dict[str, Any]) -> list[str]:
+    lines = ["## Decode benchmark", "", "| batch | system | tokens/s | p50 ms | p95 ms | mean exit layer |",
+             "| ---: | --- | ---: | ---: | ---: | ---: |"]
+    for batch, row in b["batches"].items():
+        for s, v in row["systems"].items():
+            lines.append(f"| {batch} | {s} | {v['tokens_per_s']:.1f} | {_fmt(v['token_latency_p50_ms'], '.2f')} | "
+                         f"{_fmt(v['token_latency_p95_ms'], '.2f')} | {_fmt(v['mean_exit_layer'], '.2f')} |")
+    if b.get("goals"):
+        from edge.pipeline.bench.summary import goals_table
+
+        lines += ["", *goals_table(b["goals"])]
+    scalars = {k: v for k, v in b.items() if not isinstance(v, dict)
+               and (k.startswith("speedup") or k == "false_exit_rate")}
+    by_mode = {k: v for k, v in b.items() if k.endswith("_by_mode")}
+    lines += ["", f"- (d) = exits with skipped layers' K/V by {b.get('kv_mode')}: "
+              + ", ".join(f"{k} {_fmt(v, '.3f')}" for k, v in scalars.items()),
+              "- both K/V modes: " + "; ".join(
+                  f"{k} " + ", ".join(f"{m} {_fmt(x, '.3f')}" for m, x in v.items()) for k, v in by_mode.items()),
+              "- decode step of (d) at batch 1, ms: " + ", ".join(f"{k} {v:.3f}" for k, v in b["profile_b1"].items()),
+              "- peak RSS over the libraries-imported baseline (MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in (b.get("peak_rss_mib") or {}).items()),
+              "", "Details: `bench/decode.md`, chart `bench/decode.png`.", ""]
+    return lines
+
+
+def main(cfg: ReportConfig) -> int:
+    report = build(cfg.run_dir)
+    run_dir = Path(cfg.run_dir)
+    atomic_write_json(run_dir / "report.json", report)
+    atomic_write_text(run_dir / "report.md", render_markdown(report))
+    for line in summary_lines(report):
+        print(line)
+    print(f"report: {run_dir / 'report.md'} (all numbers: {run_dir / 'report.json'})")
+    return 0
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    """The few numbers a run ends with (the report has the rest, with how each was measured)."""
+    lines = []
+    if "model" in report:
+        m = report["model"]
+        lines.append(f"model: {m['layers']} layers, exits {m['exits']}, held-out perplexity {m['heldout_ppl']:.2f}")
+    if "calibration" in report:
+        c = report["calibration"]
+        lines.append(f"exit rule: certified {c['certified']} (bound {c['bound']:.4f} <= eps {c['epsilon']}); held out, "
+                     f"free-running: false exits {c['free_run_false_exit_rate_test']:.4f}, accuracy loss "
+                     f"{c['accuracy_loss_rel']:.4f}, layers skipped {c['layers_skipped_frac']:.3f}")
+    if "decode_bench" in report:
+        b = report["decode_bench"]
+        ratios = [(k, b.get(k)) for k in ("speedup_exit_vs_full_b1", "speedup_exit_vs_full_b16",
+                                          "speedup_full_vs_llamacpp_b1", "speedup_exit_vs_llamacpp_b1")]
+        lines.append("decode: " + ", ".join(f"{k.removeprefix('speedup_')} {_fmt(v, '.2f')}" for k, v in ratios))
+    return lines
+
+
+def _fmt(v: Any, spec: str = ".4f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def _calibration_md(c: dict[str, Any]) -> list[str]:
+    fr = c["free_run"]
+    pt = c.get("propagate_test")
+    lines = [
+        "## Calibrated exit rule", "",
+        f"{c['calibrator']} calibration of the exit signals; Learn-then-Test with the {c['pvalue']} p-value on "
+        f"**{c['n_units']} certify prompts** ({c['tokens_per_unit']} judged tokens each; at least {c['min_units']} "
+        f"prompts are needed) drawn from {c['calibration_corpus']}, independent of the {c['n_fit_units']} prompts "
+        f"the calibrators were fitted on. Evaluated on {c['n_eval_units']} prompts of {c['eval_data']}, "
+        "never seen by calibration.", "",
+        f"> {c['certificate_statement']}", "",
+        f"- certified: **{c['certified']}** (exact for the regime that ships: {c['certificate_exact']}); threshold "
+        f"lambda = {c['lambda']:.3f} on the calibrated probability (provisional {c['lambda_provisional']:.3f})",
+        f"- mean per-prompt false-exit rate: bound {c['bound']:.4f} (eps {c['epsilon']}, delta {c['delta']}); "
+        f"certify prompts {c['false_exit_rate_calib']:.4f}; held out, free-running in the shipped K/V mode "
+        f"({c['kv_mode']}) **{c['free_run_false_exit_rate_test']:.4f}** ({fr['tokens']} decoded tokens, "
+        f"{fr['false_exits']} false exits, {fr['full_depth_mismatches']} full-depth tokens changed by approximate "
+        f"K/V); teacher-forced on natural text **{c['false_exit_rate_test']:.4f}**",
+        f"- K/V mode: {c['kv_mode_reason']}" + (
+            f" (propagation, {pt['n_units']} prompts: {pt['false_exit_rate']:.4f}, bound {pt['bound']:.4f})"
+            if pt else ""),
+        f"- accuracy: full {c['accuracy_full']:.4f}, with exits {c['accuracy_exit']:.4f}, relative loss "
+        f"**{c['accuracy_loss_rel']:.4f}**" + (
+            f"; against the base model before fine-tuning ({c['accuracy_base_model']:.4f}): "
+            f"**{c['accuracy_loss_rel_vs_base_model']:.4f}**" if "accuracy_base_model" in c else ""),
+        f"- layers skipped, free-running in the shipped mode: **{c['layers_skipped_frac']:.3f}** "
+        f"(teacher-forced {c.get('layers_skipped_frac_teacher_forced', float('nan')):.3f}); exit fractions: "
+        + ", ".join(f"layer {k}: {v:.3f}" for k, v in c["exit_fraction"].items()),
+        "", "| system | certified | lambda | false exits (certify) | bound | false exits (test) | layers skipped | "
+        "accuracy loss |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in c["comparison"]:
+        lines.append(f"| {r['system']} | {r['certified']} | {r['lambda']:.3f} | {r['false_exit_rate_calib']:.4f} | "
+                     f"{_fmt(r['bound'])} | {r['false_exit_rate_test']:.4f} | {r['layers_skipped_frac']:.3f} | "
+                     f"{r['accuracy_loss_rel']:.4f} |")
+    lines += ["", "| exit | ECE (test) | Brier (test) |", "| ---: | ---: | ---: |"]
+    for k, q in (c.get("calibration_quality") or {}).items():
+        lines.append(f"| {k} | {q['ece']:.4f} | {q['brier']:.4f} |")
+    lines += ["", "Plots: `calibration/reliability.png`, `calibration/exit_depth.png`.", ""]
+    return lines

@@ -1,0 +1,218 @@
+"""Backends: how one segment of the model is computed. One small interface, a registry by name.
+
+The engine speaks numpy at this boundary. A *segment* is the decoder layers between two exits
+plus that exit's head; segment i ends at exit ``exit_layers[i]``. Segment 0 starts from token
+ids (the embedding is part of it). A backend computes on the engine's :class:`KVCache` where it
+lies: it reads each sequence's past from its slot and writes only the new rows. Public methods
+validate, private ones compute.
+
+A call holds B sequences with T new rows each, with T == 1 (a decode step; every row has its own
+cache length) or B == 1 (a prompt chunk, or one sequence's deferred rows): the shapes ONNX
+Runtime's fused attention takes, and all the engine needs.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edge.model.segments import segment_layers
+from edge.runtime.cache import KVCache
+from edge.core.errors import ConfigError
+
+NEG = np.finfo(np.float32).min
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the engine needs to know about a multi-exit model (from the model or from graphs.json)."""
+
+    num_layers: int
+    exit_layers: tuple[int, ...]  # 1-based, the last is num_layers
+    hidden_size: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_positions: int
+    sliding_window: int | None = None
+    gated: bool = False  # decision exits output a gate; their LM head runs apart (Backend.head)
+
+    @classmethod
+    def of(cls, model) -> "ModelSpec":
+        cfg = model.backbone.cfg
+        return cls(cfg.num_layers, tuple(model.exit_layers), cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim,
+                   cfg.vocab_size, cfg.max_position_embeddings, cfg.sliding_window, model.gated)
+
+    @property
+    def num_features(self) -> int:
+        """Columns of a decision exit's features: calibration.signals' SIGNAL_NAMES (6) or, with
+        gates, GATED_SIGNAL_NAMES (3)."""
+        return 3 if self.gated else 6
+
+    @property
+    def segments(self) -> list[list[int]]:
+        """0-based decoder layers of each segment."""
+        return segment_layers(self.exit_layers)
+
+
+@dataclass
+class HeadOut:
+    """An exit's LM head on some rows."""
+
+    logits: np.ndarray  # [B, V] exit logits
+    stats: np.ndarray  # [B, 3] float32: top-1 probability, top-1 minus top-2, entropy
+    token: np.ndarray  # [B] int64 argmax of the logits
+
+
+@dataclass
+class SegmentOut:
+    """One segment's results; arrays may be the backend's own buffers, valid until its next call.
+    A gated decision exit gives ``gate`` and no head (None): :meth:`Backend.head` computes it."""
+
+    hidden: np.ndarray | None  # [B, T, D] residual after the segment (None after the last one)
+    exit_hidden: np.ndarray  # [B, D] normalised exit hidden (LM-head input) of each sequence's last row
+    logits: np.ndarray | None  # [B, V] exit logits there
+    stats: np.ndarray | None  # [B, 3] float32: top-1 probability, top-1 minus top-2, entropy
+    token: np.ndarray | None  # [B] int64 argmax of the logits
+    gate: np.ndarray | None = None  # [B] float32 gate logit (gated decision exits)
+    # decision exits: the exit rule's features [B, F], its linear score [B] (exit where >= 0) and the
+    # run of consecutive exit agreements [B] (softmax features) that the next decision exit reads
+    features: np.ndarray | None = None
+    score: np.ndarray | None = None
+    run: np.ndarray | None = None
+
+
+class Backend(abc.ABC):
+    """Computes segments and K/V fills of a multi-exit model on an attached :class:`KVCache`."""
+
+    name = "abstract"
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+        self.exit_layers = list(spec.exit_layers)
+        self.num_layers = spec.num_layers
+        self.vocab_size = spec.vocab_size
+        self.num_kv_heads, self.head_dim = spec.num_kv_heads, spec.head_dim
+        self.sliding_window = spec.sliding_window
+        self.segments = spec.segments
+        self.cache: KVCache | None = None
+        # the exit rule's linear score per decision segment (features @ w + b); never exit by default
+        f = spec.num_features
+        self.rule_w = [np.zeros(f, np.float32) for _ in self.segments[:-1]]
+        self.rule_b = [np.full((), -1.0, np.float32) for _ in self.segments[:-1]]
+
+    def set_rule(self, forms: dict[int, tuple[np.ndarray, float]]) -> None:
+        """The exit rule as a linear score per decision exit layer: exit where features @ w + b >= 0."""
+        for i, layer in enumerate(self.exit_layers[:-1]):
+            w, b = forms[layer]
+            w = np.asarray(w, np.float32)
+            if w.shape != self.rule_w[i].shape:
+                raise ConfigError(f"exit rule for layer {layer} has {w.shape[0]} weights; this model's decision "
+                                  f"exits have {self.rule_w[i].shape[0]} features")
+            self.rule_w[i][...] = w  # in place: bound buffers see the new values
+            self.rule_b[i][()] = b
+
+    def suffix_layers(self, i: int) -> list[int]:
+        """0-based layers of segments i..last (what ``kvfill(i)`` writes K/V for)."""
+        return [j for seg in self.segments[i:] for j in seg]
+
+    def attach(self, cache: KVCache) -> None:
+        """Compute on ``cache`` from now on (the engine's, allocated once)."""
+        if len(cache.keys) != self.num_layers or cache.keys[0].shape[1:] != (self.num_kv_heads, cache.capacity,
+                                                                             self.head_dim):
+            raise ConfigError(f"KV cache of shape {cache.keys[0].shape} x {len(cache.keys)} layers does not fit "
+                              f"this model ({self.num_layers} layers, {self.num_kv_heads} KV heads, head dim "
+                              f"{self.head_dim})")
+        if cache.capacity > self.spec.max_positions:
+            raise ConfigError(f"KV cache capacity {cache.capacity} exceeds the model's {self.spec.max_positions} "
+                              f"positions")
+        self.cache = cache
+        self._attached()
+
+    def segment(self, i: int, x: np.ndarray, slots: np.ndarray, start: np.ndarray,
+                prev: SegmentOut | None = None) -> SegmentOut:
+        """Run segment i on new rows: token ids int64 [B, T] when i == 0, else the residual float32
+        [B, T, D]; sequence b lives in cache slot ``slots[b]`` and has ``start[b]`` tokens cached, so its
+        rows sit at positions start[b] .. start[b] + T - 1. Writes the rows' K/V into the cache; the
+        exit head runs on each sequence's last row. ``prev``: the previous decision exit's outputs for
+        these sequences (its token, run, gate and exit hidden feed this exit's features; None: zeros,
+        for calls whose decision does not matter)."""
+        b, t = x.shape[:2]
+        if t != 1 and b != 1:
+            raise ConfigError(f"a segment call takes one row per sequence or one sequence, got B={b}, T={t}")
+        if self.cache is None:
+            raise ConfigError("no KV cache attached (Backend.attach)")
+        if (i == 0) != (x.dtype == np.int64):
+            raise ConfigError("segment 0 takes token ids (int64), later segments the residual (float32)")
+        if i == 0 and (x.min(initial=0) < 0 or x.max(initial=0) >= self.vocab_size):
+            raise ConfigError(f"token ids outside the vocabulary [0, {self.vocab_size})")
+        if int(start.max()) + t > self.cache.capacity:
+            raise ConfigError(f"positions up to {int(start.max()) + t} exceed the cache capacity {self.cache.capacity}")
+        return self._segment(i, x, slots, start, prev)
+
+    def head(self, i: int, exit_hidden: np.ndarray) -> HeadOut:
+        """The LM head of gated decision exit i on normalised exit hidden rows [B, D]."""
+        if not self.spec.gated or not 0 <= i < len(self.segments) - 1:
+            raise ConfigError(f"segment {i} has no separate head (gated decision exits only)")
+        return self._head(i, np.ascontiguousarray(exit_hidden, np.float32))
+
+    def kvfill(self, i: int, hidden: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> None:
+        """Write the K/V of every layer of segments i..last for rows that exited after segment i-1:
+        hidden [B, D] is the raw residual at the exit, row b goes to ``positions[b]`` of ``slots[b]``."""
+        if i == 0:
+            raise ConfigError("segment 0 is never skipped")
+        self._kvfill(i, hidden, slots, positions)
+
+    def _attached(self) -> None:
+        """Hook: the cache was (re)attached."""
+
+    @abc.abstractmethod
+    def _segment(self, i, x, slots, start, prev) -> SegmentOut: ...
+
+    @abc.abstractmethod
+    def _kvfill(self, i, hidden, slots, positions) -> None: ...
+
+    def _head(self, i, exit_hidden) -> HeadOut:
+        raise NotImplementedError
+
+
+def build_mask(q_pos: np.ndarray, past_len: np.ndarray, P: int, window: int | None) -> np.ndarray:
+    """Additive mask [B, 1, T, P+T]: a query at q_pos [B, T] sees its sequence's cached keys
+    0..past_len-1 and the new rows at positions <= its own (and within ``window`` if set)."""
+    b = q_pos.shape[0]
+    k_pos = np.concatenate([np.broadcast_to(np.arange(P), (b, P)), q_pos], axis=1)  # [B, S]
+    k_valid = np.concatenate([np.arange(P)[None, :] < past_len[:, None], np.ones(q_pos.shape, bool)], axis=1)
+    allowed = (k_pos[:, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]  # [B, T, S]
+    if window is not None:
+        allowed &= k_pos[:, None, :] > q_pos[:, :, None] - window
+    return np.where(allowed, 0.0, NEG).astype(np.float32)[:, None]
+
+
+ENTRY_POINTS = "smartexit.backends"  # group of the package's entry points (pyproject.toml)
+
+
+def backend_names() -> list[str]:
+    """The backends installed: each package declares its own under the ``smartexit.backends`` group."""
+    from importlib.metadata import entry_points
+
+    return sorted(ep.name for ep in entry_points(group=ENTRY_POINTS))
+
+
+def make_backend(name: str, **kwargs: Any) -> Backend:
+    """The backend registered as ``name``, called with ``kwargs`` (``model=`` for torch,
+    ``graphs_dir=`` for an export). Its module is imported only now, so the serving path never imports
+    the backends it does not use.
+
+    Raises:
+        ConfigError: no backend of that name is installed.
+    """
+    from importlib.metadata import entry_points
+
+    found = [ep for ep in entry_points(group=ENTRY_POINTS) if ep.name == name]
+    if not found:
+        raise ConfigError(f"unknown backend {name!r}; installed: {', '.join(backend_names()) or 'none'} "
+                          f"(backends are the {ENTRY_POINTS!r} entry points; reinstall the package if one is missing)")
+    return found[0].load()(**kwargs)

@@ -1,0 +1,456 @@
+"""The engine: continuous batching, chunked prefill, batched hierarchical exits.
+
+Each ``step()``:
+1. admits waiting requests while the admission limit and free cache slots allow;
+2. runs one decode step for every sequence past its prompt: segment by segment,
+   after each exit the rule picks the rows that stop there, their tokens are
+   decided, and the batch is compacted to the rows still running;
+3. spends the prefill budget (tokens per iteration, the scheduler's knob) on
+   prompt chunks, full depth (Sarathi-Serve's chunked prefill).
+Before admitting, it ends the requests whose deadline has passed.
+
+Events reach the request's ``on_token`` callback as they happen and are returned by
+``step()``. A callback may cancel any request, its own included: the engine
+never iterates a list a cancel changes, and a token decided in the same step for
+a request cancelled that way is dropped.
+
+Skipped layers still need keys / values for later tokens. ``propagate`` (CALM):
+the exit's residual goes through each skipped layer's K/V projections at once.
+``defer`` (EE-LLM style recomputation): the exited row is kept pending and run
+through the skipped layers, for real, together with the sequence's next token
+when that token reaches them. Pending rows of a sequence always form a suffix
+whose next segment does not increase with position, so at each segment the
+rows that must run are a contiguous suffix plus the new token.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from edge.runtime.backend import Backend, SegmentOut
+from edge.runtime.cache import KVCache
+from edge.runtime.rules import BatchExitRule, NeverExit
+from edge.runtime.sampling import choose_token
+from edge.core.errors import ConfigError, SmartExitError
+
+class KVMode(str, enum.Enum):
+    PROPAGATE = "propagate"
+    DEFER = "defer"
+
+
+@dataclass
+class EngineConfig:
+    max_seqs: int = 16  # cache slots
+    max_len: int = 512  # tokens per sequence (prompt + output), <= the model's context window
+    prefill_budget: int = 256  # prompt tokens per iteration
+    max_running: int = 16  # admission limit (sequences holding a slot)
+    kv_mode: KVMode = KVMode.PROPAGATE
+    # With deferral, rows exit only while the decode batch holds at most this many sequences (None: any
+    # batch). At batch 1 a sequence's deferred rows ride along with its next token in one call; at
+    # batch > 1 they need a pass of their own over every later segment (ONNX Runtime's CPU attention
+    # takes several rows with a past only at batch 1) and the rows still running sit in scattered
+    # cache slots, so exits cost more than they skip (measured: 0.47x full depth at batch 16). Above
+    # the limit every row runs to full depth: the K/V stays exact and no token exits falsely.
+    defer_exit_max_batch: int | None = 1
+
+    def __post_init__(self) -> None:
+        self.kv_mode = KVMode(self.kv_mode)
+        if self.max_seqs < 1 or self.max_len < 2 or self.prefill_budget < 1 or self.max_running < 1:
+            raise ConfigError("engine: max_seqs, prefill_budget, max_running >= 1 and max_len >= 2 are required")
+        if self.defer_exit_max_batch is not None and self.defer_exit_max_batch < 1:
+            raise ConfigError(f"engine.defer_exit_max_batch must be >= 1 or None, got {self.defer_exit_max_batch}")
+
+
+NO_TOKEN = -1  # token and exit layer of an event that ends a request without a token
+
+
+@dataclass
+class TokenEvent:
+    """One output token, or the end of a request without one.
+
+    ``finish_reason`` is set on a request's last event: "length" (``max_tokens`` reached), "stop" (a
+    stop id was emitted), "cancelled" (:meth:`Engine.cancel`), "deadline" (``Request.deadline``
+    passed). The last two carry no token: ``token`` and ``exit_layer`` are :data:`NO_TOKEN` and
+    ``index`` is the number of tokens emitted before.
+    """
+
+    request_id: int
+    token: int
+    exit_layer: int
+    index: int  # position in the output
+    finished: bool
+    finish_reason: str | None = None
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    # absolute time on the engine's clock (time.monotonic by default): a request still active at the
+    # start of a later step is ended there, finish_reason "deadline", and its cache slot freed
+    deadline: float | None = None
+    on_token: Callable[[TokenEvent], None] | None = None
+
+
+@dataclass
+class _Pending:
+    pos: int
+    hidden: np.ndarray  # [D] residual at the depth reached so far
+    next_seg: int
+
+
+@dataclass(eq=False)  # identity: lists of sequences are searched by object
+class _Seq:
+    id: int
+    req: Request
+    slot: int = -1
+    prefilled: int = 0  # prompt tokens in the cache
+    tokens: list[int] = field(default_factory=list)
+    exit_layers: list[int] = field(default_factory=list)
+    pending: list[_Pending] = field(default_factory=list)
+    rng: np.random.Generator | None = None
+    submitted: float = 0.0
+    finished: str | None = None  # the finish reason, once ended
+
+    @property
+    def length(self) -> int:
+        """Tokens whose position is in the cache (the newest output token is not yet)."""
+        return self.prefilled + max(0, len(self.tokens) - 1)
+
+
+@dataclass
+class EngineStats:
+    waiting: int
+    prefill_backlog_tokens: int
+    running: int
+    recent_exit_layers: dict[int, list[int]]  # request id -> last exit layers
+    deadlines: dict[int, float | None]
+    prefill_budget: int
+    max_running: int
+    free_slots: int
+
+
+class Engine:
+    def __init__(self, backend: Backend, cfg: EngineConfig, rule: BatchExitRule | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: the time base of ``Request.deadline`` (seconds)."""
+        self.backend, self.cfg, self.clock = backend, cfg, clock
+        self.rule = rule or NeverExit()
+        if cfg.max_len > backend.spec.max_positions:
+            raise ConfigError(f"engine.max_len {cfg.max_len} exceeds the model's {backend.spec.max_positions} positions")
+        self.cache = KVCache(backend.num_layers, backend.num_kv_heads, backend.head_dim, cfg.max_seqs, cfg.max_len)
+        backend.attach(self.cache)
+        # a rule that is a linear score of the exit's features is computed in the segment graphs, and
+        # the engine only reads its sign; any other rule is asked on the host (decide / decide_gated)
+        linear = getattr(self.rule, "linear", None)
+        self._score_in_graph = linear is not None
+        if linear is not None:
+            f = backend.spec.num_features
+            backend.set_rule({layer: linear(layer, f) for layer in backend.exit_layers[:-1]})
+        self.waiting: list[_Seq] = []
+        self.prefilling: list[_Seq] = []
+        self.decoding: list[_Seq] = []
+        self._events: list[TokenEvent] = []  # delivered to callbacks, not yet returned by step()
+        self._ids = itertools.count()
+
+    # ---------------------------------------------------------------- control
+    def submit(self, req: Request) -> int:
+        """Queue a request; raises for an empty or oversize prompt or out-of-vocabulary ids."""
+        if not req.prompt:
+            raise SmartExitError("empty prompt: at least one token is needed")
+        if req.max_tokens < 1:
+            raise SmartExitError(f"max_tokens must be >= 1, got {req.max_tokens}")
+        if len(req.prompt) + req.max_tokens > self.cfg.max_len:
+            raise SmartExitError(f"prompt of {len(req.prompt)} tokens + max_tokens {req.max_tokens} exceeds the "
+                                 f"context window of {self.cfg.max_len} tokens")
+        bad = [t for t in req.prompt if not 0 <= t < self.backend.vocab_size]
+        if bad:
+            raise SmartExitError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.backend.vocab_size})")
+        if not 0.0 < req.top_p <= 1.0 or req.temperature < 0:
+            raise SmartExitError("temperature must be >= 0 and top_p in (0, 1]")
+        seq = _Seq(next(self._ids), req, submitted=self.clock())
+        seq.rng = np.random.default_rng(req.seed) if req.temperature > 0 else None
+        self.waiting.append(seq)
+        return seq.id
+
+    def cancel(self, request_id: int) -> bool:
+        """Stop a request (waiting, in prefill or decoding) and free its cache slot; True if it was
+        still active. Its callback gets a "cancelled" event at once, which the current step (when
+        called from a callback) or the next one also returns."""
+        for seq in self.waiting + self.prefilling + self.decoding:
+            if seq.id == request_id:
+                self._end(seq, "cancelled")
+                return True
+        return False
+
+    def set_prefill_budget(self, tokens: int) -> None:
+        if tokens < 1:
+            raise ConfigError(f"prefill budget must be >= 1 token, got {tokens}")
+        self.cfg.prefill_budget = int(tokens)
+
+    def set_admission_limit(self, n: int) -> None:
+        if n < 1:
+            raise ConfigError(f"admission limit must be >= 1, got {n}")
+        self.cfg.max_running = int(n)
+
+    @property
+    def has_work(self) -> bool:
+        """Requests are active, or events are not yet returned by ``step()``."""
+        return bool(self.waiting or self.prefilling or self.decoding or self._events)
+
+    def stats(self) -> EngineStats:
+        backlog = sum(len(s.req.prompt) - s.prefilled for s in self.waiting + self.prefilling)
+        active = self.prefilling + self.decoding
+        return EngineStats(
+            waiting=len(self.waiting), prefill_backlog_tokens=backlog, running=len(active),
+            recent_exit_layers={s.id: s.exit_layers[-8:] for s in self.decoding},
+            deadlines={s.id: s.req.deadline for s in self.waiting + active},
+            prefill_budget=self.cfg.prefill_budget, max_running=self.cfg.max_running,
+            free_slots=self.cache.free_slots,
+        )
+
+    def run_until_idle(self) -> None:
+        """Step until every submitted request has finished."""
+        while self.has_work:
+            self.step()
+
+    # ---------------------------------------------------------------- the loop
+    def step(self) -> list[TokenEvent]:
+        """One iteration; returns its events (and those of cancels since the last step) in the order
+        the callbacks saw them."""
+        self._expire()
+        self._admit()
+        if self.decoding:
+            self._decode(list(self.decoding))
+        if self.prefilling:
+            self._prefill()
+        events, self._events = self._events, []
+        return events
+
+    def _expire(self) -> None:
+        """End the requests whose deadline has passed, before they take a slot or a step."""
+        now = self.clock()
+        for seq in self.waiting + self.prefilling + self.decoding:
+            # not finished: an earlier deadline event's callback may have cancelled it
+            if not seq.finished and seq.req.deadline is not None and now >= seq.req.deadline:
+                self._end(seq, "deadline")
+
+    def _admit(self) -> None:
+        while (self.waiting and self.cache.free_slots
+               and len(self.prefilling) + len(self.decoding) < self.cfg.max_running):
+            seq = self.waiting.pop(0)
+            seq.slot = self.cache.alloc()
+            self.prefilling.append(seq)
+        # a decode batch in slot order is one block of the cache when its slots are consecutive
+        self.decoding.sort(key=lambda s: s.slot)
+
+    def _prefill(self) -> None:
+        """Spend the prefill budget on prompt chunks, one sequence per call, full depth."""
+        budget = self.cfg.prefill_budget
+        for seq in list(self.prefilling):
+            if seq.finished:  # cancelled by a callback earlier in this loop
+                continue
+            n = min(len(seq.req.prompt) - seq.prefilled, budget)
+            if n <= 0:
+                break
+            budget -= n
+            x = np.array([seq.req.prompt[seq.prefilled:seq.prefilled + n]], np.int64)  # [1, n]
+            slots, start = np.array([seq.slot]), np.array([seq.prefilled])
+            out = None
+            for i in range(len(self.backend.segments)):
+                out = self.backend.segment(i, x, slots, start)
+                x = out.hidden
+            seq.prefilled += n
+            if seq.prefilled == len(seq.req.prompt):
+                self.prefilling.remove(seq)
+                self.decoding.append(seq)
+                token = choose_token(out.logits[0], seq.req.temperature, seq.req.top_p, seq.rng)
+                self._emit(seq, token, self.backend.num_layers)
+
+    def _decode(self, seqs: list[_Seq]) -> None:
+        """One token for every sequence: segment by segment, the rule picks the rows that stop after
+        each exit, and the batch shrinks to the rows still running."""
+        backend, nseg = self.backend, len(self.backend.segments)
+        x = np.array([[s.tokens[-1]] for s in seqs], np.int64)  # [B, 1]
+        slots = np.array([s.slot for s in seqs])
+        start = np.array([s.length for s in seqs])
+        act = seqs  # the sequences still running, in batch order
+        # what the rule sees, per exit reached so far, for the rows still running
+        stats: dict[int, np.ndarray] = {}  # [B, 3]
+        tokens: dict[int, np.ndarray] = {}  # [B]
+        hidden: dict[int, np.ndarray] = {}  # [B, D]
+        decided: list[tuple[_Seq, int, int]] = []
+        deferred = self.cfg.kv_mode is KVMode.DEFER
+        limit = self.cfg.defer_exit_max_batch
+        exits = not (deferred and limit is not None and len(seqs) > limit)
+        gated = backend.spec.gated
+        gates: dict[int, np.ndarray] = {}  # [B] gate logits (gated exits)
+        prev = None  # the previous decision exit's outputs for the rows still running
+        for i in range(nseg):
+            if deferred and i > 0 and any(s.pending for s in act):
+                if len(act) == 1:  # one call: the deferred rows, then the new token (reads the weights once)
+                    out = self._with_deferred(i, act[0], x, slots, start, prev)
+                else:
+                    x = self._catch_up(i, act, x, slots, start)
+                    out = backend.segment(i, x, slots, start, prev)
+            else:
+                out = backend.segment(i, x, slots, start, prev)
+            layer = self.backend.exit_layers[i]
+            logits, tok = out.logits, out.token
+            if i == nseg - 1:
+                stop = np.ones(len(act), bool)
+            elif not exits:
+                stop = np.zeros(len(act), bool)
+            elif self._score_in_graph:
+                stop = out.score >= 0.0
+            elif gated:  # decide from the gates; the LM head runs for the rows that exit
+                gates[layer], hidden[layer] = out.gate, out.exit_hidden
+                stop = np.asarray(self.rule.decide_gated(layer, gates, hidden), bool)
+            else:
+                stats[layer], tokens[layer], hidden[layer] = out.stats, out.token, out.exit_hidden
+                stop = np.asarray(self.rule.decide(layer, stats, tokens, hidden), bool)
+            if stop.any():
+                rows = np.flatnonzero(stop)
+                if gated and i < nseg - 1:
+                    head = backend.head(i, out.exit_hidden[rows])
+                    logits, tok = np.zeros((len(act), head.logits.shape[1]), np.float32), np.zeros(len(act), np.int64)
+                    logits[rows], tok[rows] = head.logits, head.token
+                for r in rows:
+                    s = act[r]
+                    token = (choose_token(logits[r], s.req.temperature, s.req.top_p, s.rng)
+                             if s.req.temperature > 0 else int(tok[r]))
+                    decided.append((s, token, layer))
+                if i < nseg - 1:
+                    self._fill_skipped([act[r] for r in rows], i, out.hidden[rows, 0], slots[rows], start[rows])
+                keep = ~stop
+                if not keep.any():
+                    break
+                act = [s for s, k in zip(act, keep) if k]
+                slots, start = slots[keep], start[keep]
+                x = out.hidden[keep]
+                prev = SegmentOut(None, out.exit_hidden[keep], None, None, _rows(out.token, keep),
+                                  _rows(out.gate, keep), run=_rows(out.run, keep))
+                for trace in (stats, tokens, hidden, gates):
+                    for k in trace:
+                        trace[k] = trace[k][keep]
+            else:
+                x, prev = out.hidden, out
+        decided.sort(key=lambda d: d[0].slot)
+        for s, token, layer in decided:
+            if not s.finished:  # else a callback of this step cancelled it: its token is dropped
+                self._emit(s, token, layer)
+
+    def _with_deferred(self, i: int, s: _Seq, x: np.ndarray, slots: np.ndarray, start: np.ndarray,
+                       prev: SegmentOut | None) -> SegmentOut:
+        """Segment i for one sequence: its deferred rows that segment i must see (the newest ones, at the
+        positions just before the new token's) and the new token, in one call of T rows."""
+        rows = [p for p in s.pending if p.next_seg <= i]
+        if not rows:
+            return self.backend.segment(i, x, slots, start, prev)
+        h = np.concatenate([np.stack([p.hidden for p in rows])[None], x], axis=1)  # [1, k + 1, D]
+        out = self.backend.segment(i, h, slots, start - len(rows), prev)
+        for q, p in enumerate(rows):
+            p.next_seg = i + 1
+            if out.hidden is not None:
+                p.hidden = out.hidden[0, q].copy()
+        if i == len(self.backend.segments) - 1:
+            s.pending = [p for p in s.pending if p.next_seg < i + 1]
+        hidden = None if out.hidden is None else out.hidden[:, -1:]
+        return SegmentOut(hidden, out.exit_hidden, out.logits, out.stats, out.token, out.gate, out.features,
+                          out.score, out.run)
+
+    def _catch_up(self, i: int, act: list[_Seq], x: np.ndarray, slots: np.ndarray, start: np.ndarray) -> np.ndarray:
+        """Deferred rows that segment i must see before the new tokens: run them first, oldest first,
+        in batched one-row calls (phase k holds every sequence's k-th such row). Returns the new
+        tokens' input, copied if a phase call could reuse its buffer."""
+        rows = [[p for p in s.pending if p.next_seg <= i] for s in act]
+        depth = max(len(r) for r in rows)
+        if depth == 0:
+            return x
+        x = x.copy()
+        nseg = len(self.backend.segments)
+        for k in range(depth):
+            sel = [b for b, r in enumerate(rows) if len(r) > k]
+            ps = [rows[b][k] for b in sel]
+            h = np.stack([p.hidden for p in ps])[:, None]  # [B_k, 1, D]
+            out = self.backend.segment(i, h, slots[sel], np.array([p.pos for p in ps]))
+            for q, p in enumerate(ps):
+                p.next_seg = i + 1
+                if out.hidden is not None:
+                    p.hidden = out.hidden[q, 0].copy()
+        if i == nseg - 1:
+            for s in act:
+                s.pending = [p for p in s.pending if p.next_seg < nseg]
+        return x
+
+    def _fill_skipped(self, exited: list[_Seq], i: int, h: np.ndarray, slots: np.ndarray, pos: np.ndarray) -> None:
+        """K/V of segments i+1.. for rows that exited after segment i (h [B, D]: their residual)."""
+        if self.cfg.kv_mode is KVMode.DEFER:
+            for s, row in zip(exited, h):
+                s.pending.append(_Pending(s.length, row.copy(), i + 1))
+            return
+        self.backend.kvfill(i + 1, h, slots, pos)
+
+    def _emit(self, seq: _Seq, token: int, exit_layer: int) -> None:
+        seq.tokens.append(token)
+        seq.exit_layers.append(exit_layer)
+        reason = None
+        if token in seq.req.stop_ids:
+            reason = "stop"
+        elif len(seq.tokens) >= seq.req.max_tokens:
+            reason = "length"
+        if reason is not None:  # before the callback: a cancel from it finds nothing left to stop
+            self._release(seq, reason)
+        self._deliver(seq, TokenEvent(seq.id, token, exit_layer, len(seq.tokens) - 1, reason is not None, reason))
+
+    def _end(self, seq: _Seq, reason: str) -> None:
+        """End an active request without a token (cancelled, deadline)."""
+        self._release(seq, reason)
+        self._deliver(seq, TokenEvent(seq.id, NO_TOKEN, NO_TOKEN, len(seq.tokens), True, reason))
+
+    def _deliver(self, seq: _Seq, ev: TokenEvent) -> None:
+        self._events.append(ev)
+        if seq.req.on_token is not None:
+            seq.req.on_token(ev)
+
+    def _release(self, seq: _Seq, reason: str) -> None:
+        """Take a finished request out of its queue and free its cache slot."""
+        for group in (self.waiting, self.prefilling, self.decoding):
+            if seq in group:
+                group.remove(seq)
+        if seq.slot >= 0:
+            self.cache.release(seq.slot)
+            seq.slot = -1
+        seq.pending.clear()
+        seq.finished = reason
+
+
+def _rows(a: np.ndarray | None, keep: np.ndarray) -> np.ndarray | None:
+    return None if a is None else a[keep]
+
+
+def generate_batch(backend: Backend, rule: BatchExitRule | None, prompts: list[list[int]], max_tokens: int,
+                   kv_mode: KVMode = KVMode.PROPAGATE) -> list[tuple[list[int], list[int]]]:
+    """Greedy-generate all prompts together; returns (tokens, exit layers) per prompt, in order. Rows
+    exit at any batch size (``defer_exit_max_batch=None``): with deferral each row's tokens are those
+    it would get alone, which is what free-running calibration and evaluation need."""
+    cfg = EngineConfig(max_seqs=len(prompts), max_running=len(prompts),
+                       max_len=max(len(p) for p in prompts) + max_tokens,
+                       prefill_budget=sum(len(p) for p in prompts), kv_mode=kv_mode, defer_exit_max_batch=None)
+    engine = Engine(backend, cfg, rule)
+    ids = [engine.submit(Request(list(p), max_tokens)) for p in prompts]
+    out: dict[int, tuple[list[int], list[int]]] = {i: ([], []) for i in ids}
+    while engine.has_work:
+        for ev in engine.step():
+            out[ev.request_id][0].append(ev.token)
+            out[ev.request_id][1].append(ev.exit_layer)
+    return [out[i] for i in ids]

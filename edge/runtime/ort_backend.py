@@ -1,0 +1,271 @@
+"""ONNX Runtime backend over the fused graphs written by ``smartexit export`` (exporters/ort_fused.py).
+
+It needs only the export folder: the model's shape comes from ``graphs.json``, the graphs' hashes
+(and the checkpoint's, when given) are checked at load. The KV cache is the engine's, bound in
+place: GroupQueryAttention reads a sequence's past from its slot and appends the new rows there.
+
+A decode batch over consecutive cache slots runs on views of the cache (nothing is copied); its
+I/O binding, input and output buffers are made once per (segment, first slot, batch) and reused,
+and the hidden-state output of segment i is the input buffer of segment i+1. A batch over scattered
+slots (after some rows exited) gathers its rows' past into scratch buffers and writes the new rows
+back; ``gathered_rows`` counts those copies.
+
+The LM head is one graph, ``head``, for every exit (its weight is loaded once per process, not once
+per exit: docs/runtime.md). A segment's plan binds it too: its input is the segment's
+``exit_hidden`` output buffer, its outputs the plan's logits / stats / token (and, without gates, the
+exit rule's features, score and run), so a segment call is two session calls and no copy. With exit
+gates a decision segment decides from its gate and the head runs only for the rows that exit
+(:meth:`Backend.head`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edge.core.artifacts import sha256_path
+from edge.runtime.backend import Backend, HeadOut, ModelSpec, SegmentOut
+from edge.runtime.graphs import load_graphs_json, verify_graphs
+from edge.runtime.cache import contiguous_start
+from edge.core.errors import ConfigError, require
+from edge.runtime.ortsession import open_session, pool_threads
+
+PREFERRED_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
+_PREV_FIELD = {"prev_exit_hidden": "exit_hidden", "prev_token": "token", "prev_run": "run", "prev_gate": "gate"}
+MAX_PLAN_ROWS = 8  # calls of up to this many rows per sequence keep their binding (a prompt chunk does not)
+
+
+def pick_providers(available: list[str], requested: list[str] | None = None) -> list[str]:
+    """Providers to use, in preference order, among those this build offers."""
+    if requested:
+        missing = [p for p in requested if p not in available]
+        if missing:
+            raise ConfigError(f"onnxruntime providers {missing} are not available; this build has {available}")
+        return list(requested)
+    return [p for p in PREFERRED_PROVIDERS if p in available]
+
+
+@dataclass
+class _Plan:
+    """A reusable binding of one segment graph to buffers (one decode shape)."""
+
+    io: object
+    head_io: object | None  # the head graph bound to this segment's exit hidden (None: a gated decision exit)
+    x: np.ndarray  # [B, T] ids or [B, T, D] hidden (input)
+    seqlens: np.ndarray  # [B] int32
+    total: np.ndarray  # [] int32
+    exit_index: np.ndarray  # [] int64
+    out: SegmentOut
+    prev: dict[str, np.ndarray]  # the previous decision exit's outputs these graphs read, by input name
+
+
+class OrtBackend(Backend):
+    name = "onnxruntime"
+
+    def __init__(self, graphs_dir: str | Path | None = None, checkpoint: str | Path | None = None,
+                 threads: int = 0, providers: list[str] | None = None, cache: bool = True) -> None:
+        """``cache``: open graphs through the optimised-graph cache (edge/runtime/ortsession.py)."""
+        self.ort = ort = require("onnxruntime", "onnxruntime")
+        if graphs_dir is None:
+            raise ConfigError("the onnxruntime backend needs graphs_dir (run `smartexit export`)")
+        graphs_dir = Path(graphs_dir)
+        meta = (verify_graphs(graphs_dir, sha256_path(checkpoint)) if checkpoint is not None
+                else load_graphs_json(graphs_dir))
+        fused = meta.get("fused")
+        if not fused:
+            raise ConfigError(f"{graphs_dir}: the export has no fused ONNX Runtime graphs "
+                              f"({meta.get('fused_skipped', 'not written')}); re-run `smartexit export`")
+        m = meta["model"]
+        super().__init__(ModelSpec(m["num_layers"], tuple(meta["exit_layers"]), m["hidden_size"], m["num_kv_heads"],
+                                   m["head_dim"], m["vocab_size"], m["max_positions"], m.get("sliding_window"),
+                                   m["gated"]))
+        self.providers = pick_providers(ort.get_available_providers(), providers)
+
+        def session(name: str):
+            g = fused["graphs"][name]
+            return open_session(ort, graphs_dir / g["file"], threads, self.providers, source_sha256=g["sha256"],
+                                cache=cache)
+
+        self._seg = [session(f"segment_{i}") for i in range(len(self.segments))]
+        self._fill = [None] + [session(f"kvfill_{i}") for i in range(1, len(self.segments))]
+        self._head_sess = session("head")  # one LM head for every exit
+        self._head_decides = "rule_w" in {x.name for x in self._head_sess.get_inputs()}
+        self.pool_threads = pool_threads()
+        self.gathered_rows = 0  # past rows copied for batches over scattered slots
+        self._plans: dict[tuple[int, int, int, int], _Plan] = {}
+        self._bufs: dict[tuple[str, int, int, int], np.ndarray] = {}
+        ov = ort.OrtValue.ortvalue_from_numpy
+        self._rule_values = [(ov(w), ov(b)) for w, b in zip(self.rule_w, self.rule_b)]  # bound once, updated in place
+        # the last exit's head computes a score nobody reads: a rule of zeros, and has_prev per exit
+        self._rule_values.append((ov(np.zeros(self.spec.num_features, np.float32)), ov(np.full((), -1, np.float32))))
+        self._has_prev = [ov(np.array(i > 0)) for i in range(len(self.segments))]
+
+    def _attached(self) -> None:
+        self._plans.clear()
+        self._bufs.clear()
+        self._views: dict[tuple[int, int, int], tuple] = {}
+
+    # ---------------------------------------------------------------- cache views
+    def _cache_values(self, j: int, s0: int, b: int) -> tuple:
+        """OrtValues over the cache rows [s0, s0 + b) of layer j (views: no copy)."""
+        key = (j, s0, b)
+        if key not in self._views:
+            c, ov = self.cache, self.ort.OrtValue.ortvalue_from_numpy
+            self._views[key] = (ov(c.keys[j][s0:s0 + b]), ov(c.values[j][s0:s0 + b]))
+        return self._views[key]
+
+    def _bind_cache(self, io, i: int, values: list[tuple]) -> None:
+        for j, (k, v) in zip(self.segments[i], values):
+            io.bind_ortvalue_input(f"past_key_{j}", k)
+            io.bind_ortvalue_input(f"past_value_{j}", v)
+            io.bind_ortvalue_output(f"present_key_{j}", k)
+            io.bind_ortvalue_output(f"present_value_{j}", v)
+
+    # ---------------------------------------------------------------- plans
+    def _buf(self, name: str, i: int, s0: int | None, b: int, shape: tuple, dtype) -> np.ndarray:
+        """A buffer that segment i-1 writes and segment i reads, shared by their decode plans over the
+        same cache block (s0, b); a fresh array for any other call (s0 None)."""
+        if s0 is None:
+            return np.zeros(shape, dtype)
+        key = (name, i, s0, b)
+        if key not in self._bufs:
+            self._bufs[key] = np.zeros(shape, dtype)
+        return self._bufs[key]
+
+    def _make_plan(self, i: int, s0: int | None, b: int, t: int, values: list[tuple] | None) -> _Plan:
+        """Bind segment i's graph, and the head graph after it, to buffers for B = ``b`` sequences of ``t``
+        rows each. Decode plans (s0 given, t == 1) chain through shared buffers: segment i's hidden and
+        exit hidden and its exit's token, run and gate are the arrays segment i+1 and its head read, so a
+        step over one cache block copies nothing."""
+        ov = self.ort.OrtValue.ortvalue_from_numpy
+        d, v, f32 = self.spec.hidden_size, self.vocab_size, np.float32
+        last = i == len(self.segments) - 1
+        gated_exit = self.spec.gated and not last  # decides from its gate; no head in the plan
+        chain = s0 if t == 1 else None  # consecutive segments share their buffers
+        x = np.zeros((b, t), np.int64) if i == 0 else self._buf("hidden", i, chain, b, (b, t, d), f32)
+        out = SegmentOut(
+            hidden=None if last else self._buf("hidden", i + 1, chain, b, (b, t, d), f32),
+            exit_hidden=self._buf("exit_hidden", i + 1, chain, b, (b, d), f32),
+            logits=None if gated_exit else np.zeros((b, v), f32),
+            stats=None if gated_exit else np.zeros((b, 3), f32),
+            token=None if gated_exit else self._buf("token", i + 1, chain, b, (b,), np.int64),
+            gate=self._buf("gate", i + 1, chain, b, (b,), f32) if gated_exit else None)
+        if not last:  # a decision exit: the rule's features and score (exporters/ort_fused.py)
+            out.features = np.zeros((b, self.spec.num_features), f32)
+            out.score = np.zeros(b, f32)
+            if not self.spec.gated:
+                out.run = self._buf("run", i + 1, chain, b, (b,), f32)
+        # what the previous decision exit gave these rows: the segment reads it (gates) or the head (softmax)
+        seg_prev, head_prev = {}, {}
+        if gated_exit and i > 0:
+            seg_prev = {"prev_exit_hidden": self._buf("exit_hidden", i, chain, b, (b, d), f32),
+                        "prev_gate": self._buf("gate", i, chain, b, (b,), f32)}
+        if not gated_exit and self._head_decides:
+            head_prev = {"prev_exit_hidden": self._buf("exit_hidden", i, chain, b, (b, d), f32),
+                         "prev_token": self._buf("token", i, chain, b, (b,), np.int64),
+                         "prev_run": self._buf("run", i, chain, b, (b,), f32)}
+        io = self._seg[i].io_binding()
+        head_io = None if gated_exit else self._head_sess.io_binding()
+        plan = _Plan(io, head_io, x, np.zeros(b, np.int32), np.zeros((), np.int32), np.zeros((), np.int64), out,
+                     {**seg_prev, **head_prev})
+        io.bind_ortvalue_input("input_ids" if i == 0 else "hidden", ov(x))
+        io.bind_ortvalue_input("seqlens_k", ov(plan.seqlens))
+        io.bind_ortvalue_input("total_len", ov(plan.total))
+        io.bind_ortvalue_input("exit_index", ov(plan.exit_index))
+        seg_outs = {"exit_hidden": out.exit_hidden, "hidden_out": out.hidden}
+        if gated_exit:
+            seg_outs.update(exit_gate=out.gate, exit_features=out.features, exit_score=out.score)
+            self._bind(io, seg_prev, seg_outs, i)
+        else:
+            self._bind(io, {}, seg_outs, None)
+            head_outs = {"logits": out.logits, "exit_stats": out.stats, "exit_token": out.token}
+            if self._head_decides:
+                head_outs.update(exit_features=out.features, exit_score=out.score, exit_run=out.run)
+                head_io.bind_ortvalue_input("has_prev", self._has_prev[i])
+            head_io.bind_ortvalue_input("exit_hidden", ov(out.exit_hidden))  # the segment's output buffer
+            self._bind(head_io, head_prev, head_outs, i if self._head_decides else None)
+        if values is not None:
+            self._bind_cache(io, i, values)
+        return plan
+
+    def _bind(self, io, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray | None], rule: int | None) -> None:
+        """Bind ``inputs``, the ``outputs`` that are not None, and exit ``rule``'s weights (None: none)."""
+        ov = self.ort.OrtValue.ortvalue_from_numpy
+        for name, arr in inputs.items():
+            io.bind_ortvalue_input(name, ov(arr))
+        for name, arr in outputs.items():
+            if arr is not None:
+                io.bind_ortvalue_output(name, ov(arr))
+        if rule is not None:
+            io.bind_ortvalue_input("rule_w", self._rule_values[rule][0])
+            io.bind_ortvalue_input("rule_b", self._rule_values[rule][1])
+
+    # ---------------------------------------------------------------- calls
+    def _segment(self, i, x, slots, start, prev):
+        b, t = x.shape[:2]
+        s0 = contiguous_start(slots)
+        if s0 is not None and t <= MAX_PLAN_ROWS:  # decode steps, deferred rows with their new token
+            key = (i, s0, b, t)
+            plan = self._plans.get(key)
+            if plan is None:
+                values = [self._cache_values(j, s0, b) for j in self.segments[i]]
+                plan = self._plans[key] = self._make_plan(i, s0, b, t, values)
+            return self._run(i, plan, x, start, t, prev)
+        if s0 is not None:  # a prompt chunk: bind its cache slot, fresh buffers
+            plan = self._make_plan(i, None, b, t, [self._cache_values(j, s0, b) for j in self.segments[i]])
+            return self._run(i, plan, x, start, t, prev)
+        return self._gathered(i, x, slots, start, prev)
+
+    def _run(self, i: int, plan: _Plan, x: np.ndarray, start: np.ndarray, t: int, prev: SegmentOut | None
+             ) -> SegmentOut:
+        if x is not plan.x:
+            np.copyto(plan.x, x)
+        if prev is not None and plan.prev:  # what the previous decision exit gave these rows
+            for name, arr in plan.prev.items():
+                src = getattr(prev, _PREV_FIELD[name])
+                if src is not arr:
+                    np.copyto(arr, src)
+        np.add(start, t - 1, out=plan.seqlens, casting="unsafe")
+        plan.total[()] = int(start.max()) + t
+        plan.exit_index[()] = t - 1
+        self._seg[i].run_with_iobinding(plan.io)
+        if plan.head_io is not None:
+            self._head_sess.run_with_iobinding(plan.head_io)
+        return plan.out
+
+    def _gathered(self, i, x, slots, start, prev):
+        """T == 1 over scattered slots: copy their past into scratch, run, write the new rows back."""
+        b = len(slots)
+        p = int(start.max()) + 1
+        c = self.cache
+        ov = self.ort.OrtValue.ortvalue_from_numpy
+        scratch = []
+        for j in self.segments[i]:
+            k = np.empty((b, self.num_kv_heads, p, self.head_dim), np.float32)
+            v = np.empty_like(k)
+            np.take(c.keys[j][:, :, :p], slots, axis=0, out=k)
+            np.take(c.values[j][:, :, :p], slots, axis=0, out=v)
+            scratch.append((k, v))
+        self.gathered_rows += b * p * len(scratch)
+        plan = self._make_plan(i, None, b, 1, [(ov(k), ov(v)) for k, v in scratch])
+        out = self._run(i, plan, x, start, 1, prev)
+        rows = np.arange(b)
+        for j, (k, v) in zip(self.segments[i], scratch):
+            c.keys[j][slots, :, start] = k[rows, :, start]
+            c.values[j][slots, :, start] = v[rows, :, start]
+        return out
+
+    def _head(self, i, exit_hidden):
+        logits, stats, token = self._head_sess.run(["logits", "exit_stats", "exit_token"], {"exit_hidden": exit_hidden})
+        return HeadOut(logits, stats, token)
+
+    def _kvfill(self, i, hidden, slots, positions):
+        layers = self.suffix_layers(i)
+        outs = self._fill[i].run(None, {"hidden": np.ascontiguousarray(hidden, np.float32)[:, None],
+                                        "positions": positions.astype(np.int64)[:, None]})
+        b, kvh, hd = len(slots), self.num_kv_heads, self.head_dim
+        for n, j in enumerate(layers):
+            self.cache.keys[j][slots, :, positions] = outs[2 * n].reshape(b, kvh, hd)
+            self.cache.values[j][slots, :, positions] = outs[2 * n + 1].reshape(b, kvh, hd)
+

@@ -1,0 +1,45 @@
+"""Timing wrappers that attribute engine time to backend calls and the exit rule."""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+from edge.runtime.backend import Backend
+
+
+class ProfiledBackend:
+    """Wraps a backend; ``seconds`` holds wall time per public call kind (segment_i, kvfill)."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _timed(self, kind, fn, *args):
+        t = time.perf_counter()
+        out = fn(*args)
+        self.seconds[kind] += time.perf_counter() - t
+        return out
+
+    def segment(self, i, *args):
+        return self._timed(f"segment_{i}", self.inner.segment, i, *args)
+
+    def kvfill(self, i, *args):
+        return self._timed("kvfill", self.inner.kvfill, i, *args)
+
+
+class ProfiledRule:
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.seconds = 0.0
+
+    def __getattr__(self, name):  # linear(), decide_gated(): the rule's own
+        return getattr(self.inner, name)
+
+    def decide(self, layer, stats, tokens, hidden):
+        t = time.perf_counter()
+        out = self.inner.decide(layer, stats, tokens, hidden)
+        self.seconds += time.perf_counter() - t
+        return out

@@ -1,0 +1,32 @@
+"""The layering is a contract (pyproject.toml, [tool.importlinter]); these tests keep it from rotting."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from edge.core.errors import ConfigError
+from edge.runtime.backend import backend_names, make_backend
+
+ROOT = Path(__file__).parents[2]
+
+
+def test_import_contracts_are_kept():
+    """`lint-imports` (import-linter) checks every contract in pyproject.toml: layers point down, and
+    the serving path imports no torch, directly or through anything it imports."""
+    out = subprocess.run([sys.executable, "-c", "from importlinter.cli import lint_imports_command; "
+                          "lint_imports_command()", "--no-cache"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert "Contracts: 2 kept, 0 broken." in out.stdout
+
+
+def test_backends_register_through_entry_points():
+    assert {"torch", "onnxruntime"} <= set(backend_names())
+    with pytest.raises(ConfigError, match="unknown backend 'tpu'.*onnxruntime"):
+        make_backend("tpu")
+    with pytest.raises(ConfigError, match="needs the model"):
+        make_backend("torch")
+    with pytest.raises(ConfigError, match="needs graphs_dir"):
+        make_backend("onnxruntime")
