@@ -133,13 +133,15 @@ class Backend(abc.ABC):
         self._attached()
 
     def segment(self, i: int, x: np.ndarray, slots: np.ndarray, start: np.ndarray,
-                prev: SegmentOut | None = None) -> SegmentOut:
+                prev: SegmentOut | None = None, decide: bool = True) -> SegmentOut:
         """Run segment i on new rows: token ids int64 [B, T] when i == 0, else the residual float32
         [B, T, D]; sequence b lives in cache slot ``slots[b]`` and has ``start[b]`` tokens cached, so its
         rows sit at positions start[b] .. start[b] + T - 1. Writes the rows' K/V into the cache; the
         exit head runs on each sequence's last row. ``prev``: the previous decision exit's outputs for
         these sequences (its token, run, gate and exit hidden feed this exit's features; None: zeros,
-        for calls whose decision does not matter)."""
+        for calls whose decision does not matter). ``decide`` False (a decision exit only): nobody reads
+        this exit's decision, so its LM head need not run; the output's logits, stats, token, features
+        and score are then undefined."""
         b, t = x.shape[:2]
         if t != 1 and b != 1:
             raise ConfigError(f"a segment call takes one row per sequence or one sequence, got B={b}, T={t}")
@@ -151,7 +153,7 @@ class Backend(abc.ABC):
             raise ConfigError(f"token ids outside the vocabulary [0, {self.vocab_size})")
         if int(start.max()) + t > self.cache.capacity:
             raise ConfigError(f"positions up to {int(start.max()) + t} exceed the cache capacity {self.cache.capacity}")
-        return self._segment(i, x, slots, start, prev)
+        return self._segment(i, x, slots, start, prev, decide or i == len(self.segments) - 1)
 
     def head(self, i: int, exit_hidden: np.ndarray) -> HeadOut:
         """The LM head of gated decision exit i on normalised exit hidden rows [B, D]."""
@@ -170,7 +172,7 @@ class Backend(abc.ABC):
         """Hook: the cache was (re)attached."""
 
     @abc.abstractmethod
-    def _segment(self, i, x, slots, start, prev) -> SegmentOut: ...
+    def _segment(self, i, x, slots, start, prev, decide) -> SegmentOut: ...
 
     @abc.abstractmethod
     def _kvfill(self, i, hidden, slots, positions) -> None: ...

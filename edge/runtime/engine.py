@@ -267,7 +267,7 @@ class Engine:
             slots, start = np.array([seq.slot]), np.array([seq.prefilled])
             out = None
             for i in range(len(self.backend.segments)):
-                out = self.backend.segment(i, x, slots, start)
+                out = self.backend.segment(i, x, slots, start, decide=False)  # only the last exit's head
                 x = out.hidden
             seq.prefilled += n
             if seq.prefilled == len(seq.req.prompt):
@@ -301,9 +301,9 @@ class Engine:
                     out = self._with_deferred(i, act[0], x, slots, start, prev)
                 else:
                     x = self._catch_up(i, act, x, slots, start)
-                    out = backend.segment(i, x, slots, start, prev)
-            else:
-                out = backend.segment(i, x, slots, start, prev)
+                    out = backend.segment(i, x, slots, start, prev, decide=exits)
+            else:  # decide=False (above deferral's batch limit): no row exits, so no LM head runs here
+                out = backend.segment(i, x, slots, start, prev, decide=exits)
             layer = self.backend.exit_layers[i]
             logits, tok = out.logits, out.token
             if i == nseg - 1:

@@ -202,7 +202,7 @@ class OrtBackend(Backend):
             io.bind_ortvalue_input("rule_b", self._rule_values[rule][1])
 
     # ---------------------------------------------------------------- calls
-    def _segment(self, i, x, slots, start, prev):
+    def _segment(self, i, x, slots, start, prev, decide):
         b, t = x.shape[:2]
         s0 = contiguous_start(slots)
         if s0 is not None and t <= MAX_PLAN_ROWS:  # decode steps, deferred rows with their new token
@@ -211,14 +211,14 @@ class OrtBackend(Backend):
             if plan is None:
                 values = [self._cache_values(j, s0, b) for j in self.segments[i]]
                 plan = self._plans[key] = self._make_plan(i, s0, b, t, values)
-            return self._run(i, plan, x, start, t, prev)
+            return self._run(i, plan, x, start, t, prev, decide)
         if s0 is not None:  # a prompt chunk: bind its cache slot, fresh buffers
             plan = self._make_plan(i, None, b, t, [self._cache_values(j, s0, b) for j in self.segments[i]])
-            return self._run(i, plan, x, start, t, prev)
+            return self._run(i, plan, x, start, t, prev, decide)
         return self._gathered(i, x, slots, start, prev)
 
-    def _run(self, i: int, plan: _Plan, x: np.ndarray, start: np.ndarray, t: int, prev: SegmentOut | None
-             ) -> SegmentOut:
+    def _run(self, i: int, plan: _Plan, x: np.ndarray, start: np.ndarray, t: int, prev: SegmentOut | None,
+             decide: bool = True) -> SegmentOut:
         if x is not plan.x:
             np.copyto(plan.x, x)
         if prev is not None and plan.prev:  # what the previous decision exit gave these rows
@@ -230,7 +230,7 @@ class OrtBackend(Backend):
         plan.total[()] = int(start.max()) + t
         plan.exit_index[()] = t - 1
         self._seg[i].run_with_iobinding(plan.io)
-        if plan.head_io is not None:
+        if plan.head_io is not None and decide:
             self._head_sess.run_with_iobinding(plan.head_io)
         return plan.out
 

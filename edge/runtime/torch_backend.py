@@ -24,7 +24,7 @@ class TorchBackend(Backend):
         super().__init__(ModelSpec.of(model))
         self.model = model.eval()
 
-    def _segment(self, i, x, slots, start, prev):
+    def _segment(self, i, x, slots, start, prev, decide):
         with torch.no_grad():
             bb = self.model.backbone
             b, t = x.shape[:2]
@@ -46,6 +46,8 @@ class TorchBackend(Backend):
             if i == len(self.segments) - 1:
                 head = self._head(i, eh.numpy())
                 return SegmentOut(None, eh.numpy(), head.logits, head.stats, head.token)
+            if not decide:  # nobody reads this exit's decision
+                return SegmentOut(h.numpy(), eh.numpy(), None, None, None)
             if self.spec.gated:
                 out = SegmentOut(h.numpy(), eh.numpy(), None, None, None, self.model.exit_gate(layer, eh).numpy())
             else:

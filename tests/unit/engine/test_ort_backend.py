@@ -204,3 +204,20 @@ def test_serving_from_the_export_alone_imports_no_torch(exported):
     ref = _run(Engine(TorchBackend(m), EngineConfig(max_seqs=2, max_running=2, max_len=64, prefill_budget=64),
                       ConfidenceRule(0.3)), [[1, 2, 3, 4], [5, 6, 7]], max_tokens=8)
     assert got["tokens"] == [[t for t, _ in seq] for seq in ref]
+
+
+def test_no_exit_head_runs_above_the_deferral_batch_limit(exported):
+    """Above ``defer_exit_max_batch`` nobody reads a decision exit's head: the ORT backend skips it, and
+    the tokens stay the full model's."""
+    m, ckpt, graphs = exported
+    prompts = _prompts(3, seed=23)
+    backend = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1)
+    calls = []
+    run = backend._head_sess.run_with_iobinding
+    backend._head_sess.run_with_iobinding = lambda io: (calls.append(io), run(io))[1]
+    cfg = dict(max_seqs=3, max_running=3, max_len=64, kv_mode=KVMode.DEFER)
+    got = _run(Engine(backend, EngineConfig(**cfg), ConfidenceRule(0.0)), prompts, max_tokens=6)
+    ref = _run(Engine(TorchBackend(m), EngineConfig(max_seqs=3, max_running=3, max_len=64)), prompts, max_tokens=6)
+    assert got == ref
+    # prefill: the last exit's head once per sequence; 5 decode steps: the last exit's head only
+    assert len(calls) == 3 + 5
