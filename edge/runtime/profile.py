@@ -17,17 +17,20 @@ class ProfiledBackend:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def _timed(self, kind, fn, *args):
+    def _timed(self, kind, fn, *args, **kwargs):
         t = time.perf_counter()
-        out = fn(*args)
+        out = fn(*args, **kwargs)
         self.seconds[kind] += time.perf_counter() - t
         return out
 
-    def segment(self, i, *args):
-        return self._timed(f"segment_{i}", self.inner.segment, i, *args)
+    def segment(self, i, *args, **kwargs):
+        return self._timed(f"segment_{i}", self.inner.segment, i, *args, **kwargs)
 
-    def kvfill(self, i, *args):
-        return self._timed("kvfill", self.inner.kvfill, i, *args)
+    def head(self, i, *args, **kwargs):
+        return self._timed(f"head_{i}", self.inner.head, i, *args, **kwargs)
+
+    def kvfill(self, i, *args, **kwargs):
+        return self._timed("kvfill", self.inner.kvfill, i, *args, **kwargs)
 
 
 class ProfiledRule:
