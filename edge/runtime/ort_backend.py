@@ -88,7 +88,9 @@ class OrtBackend(Backend):
                                 cache=cache)
 
         self._seg = [session(f"segment_{i}") for i in range(len(self.segments))]
-        self._fill = [None] + [session(f"kvfill_{i}") for i in range(1, len(self.segments))]
+        self._session = session
+        # K/V fill graphs (state propagation) are opened on first use: deferral never loads their weights
+        self._fill: list = [None] * len(self.segments)
         self._head_sess = session("head")  # one LM head for every exit
         self._head_decides = "rule_w" in {x.name for x in self._head_sess.get_inputs()}
         self.pool_threads = pool_threads()
@@ -262,6 +264,8 @@ class OrtBackend(Backend):
 
     def _kvfill(self, i, hidden, slots, positions):
         layers = self.suffix_layers(i)
+        if self._fill[i] is None:
+            self._fill[i] = self._session(f"kvfill_{i}")
         outs = self._fill[i].run(None, {"hidden": np.ascontiguousarray(hidden, np.float32)[:, None],
                                         "positions": positions.astype(np.int64)[:, None]})
         b, kvh, hd = len(slots), self.num_kv_heads, self.head_dim
