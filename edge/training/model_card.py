@@ -55,7 +55,12 @@ def decode_step_ms(model: Decoder, batch: int, past: int, reps: int = 40) -> flo
             h, _, _ = layer(h, cos, sin, kv[j], kv[j], mask)
         return model.head(h)
 
-    for _ in range(5):
+    return _median_ms(step, reps)
+
+
+def _median_ms(step, reps: int, warmup: int = 5) -> float:
+    """Median wall time of ``step()`` in ms over ``reps`` calls after ``warmup`` calls."""
+    for _ in range(warmup):
         step()
     times = []
     for _ in range(reps):
@@ -98,15 +103,7 @@ def ort_decode_step_ms(model: Decoder, batch: int, past: int, threads: int, reps
             for kind in ("key", "value"):
                 feeds[f"past_{kind}_{j}"] = rng.standard_normal((batch, cfg.num_kv_heads, past, cfg.head_dim),
                                                                 np.float32)
-        for _ in range(5):
-            step()
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t)
-    times.sort()
-    return 1e3 * times[len(times) // 2]
+        return _median_ms(step, reps)
 
 
 def measure(model: Decoder, batches=(1, 16), past: int = 256, threads: int = 2) -> dict[str, list[StepTiming]]:
