@@ -19,7 +19,7 @@ help:
 	@echo "make demo        run every stage on the bundled tiny model -> $(ART)/report.md"
 	@echo "make test        run the test suite (unit + integration; gpu/jetson tiers skip without hardware)"
 	@echo "make train-tiny  retrain the bundled tiny model (1-2 h on 2 cores, resumable)"
-	@echo "make train-tiny-ee  early-exit fine-tune it into bundled-ee (about 25 min on 2 cores)"
+	@echo "make train-tiny-ee  LayerSkip-train it into bundled-ee (about an hour on 2 cores; resumable)"
 	@echo "make llamacpp    build llama-cpp-python from source: adds llama.cpp as system (f) of make bench"
 	@echo "make distill | calibrate | export | bench | generate | report   one stage at a time (RUN=name picks artifacts/<name>)"
 
