@@ -38,6 +38,16 @@ from edge.runtime.rules import BatchExitRule, NeverExit
 from edge.runtime.sampling import choose_token
 from edge.core.errors import ConfigError, SmartExitError
 
+class Mode(str, enum.Enum):
+    """What a request accepts. ``bounded``: calibrated exits, false exits within the certified eps;
+    ``full``: every token from the full model (this request never exits early); ``exact``: lossless
+    speed-up by self-speculative decoding (not built yet: refused at submit)."""
+
+    BOUNDED = "bounded"
+    FULL = "full"
+    EXACT = "exact"
+
+
 class KVMode(str, enum.Enum):
     PROPAGATE = "propagate"
     DEFER = "defer"
@@ -99,6 +109,7 @@ class Request:
     # start of a later step is ended there, finish_reason "deadline", and its cache slot freed
     deadline: float | None = None
     on_token: Callable[[TokenEvent], None] | None = None
+    mode: Mode = Mode.BOUNDED
 
 
 @dataclass
@@ -177,6 +188,13 @@ class Engine:
             raise SmartExitError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.backend.vocab_size})")
         if not 0.0 < req.top_p <= 1.0 or req.temperature < 0:
             raise SmartExitError("temperature must be >= 0 and top_p in (0, 1]")
+        try:
+            req.mode = Mode(req.mode)
+        except ValueError:
+            raise SmartExitError(f"mode {req.mode!r} is not one of {', '.join(m.value for m in Mode)}") from None
+        if req.mode is Mode.EXACT:
+            raise SmartExitError("mode 'exact' (lossless self-speculative decoding) is not available yet; "
+                                 "use 'bounded' (certified exits) or 'full'")
         seq = _Seq(next(self._ids), req, submitted=self.clock())
         seq.rng = np.random.default_rng(req.seed) if req.temperature > 0 else None
         self.waiting.append(seq)
@@ -292,6 +310,9 @@ class Engine:
         deferred = self.cfg.kv_mode is KVMode.DEFER
         limit = self.cfg.defer_exit_max_batch
         exits = not (deferred and limit is not None and len(seqs) > limit)
+        full_rows = [s.req.mode is Mode.FULL for s in seqs]
+        exits = exits and not all(full_rows)
+        only_bounded = not any(full_rows)
         gated = backend.spec.gated
         gates: dict[int, np.ndarray] = {}  # [B] gate logits (gated exits)
         prev = None  # the previous decision exit's outputs for the rows still running
@@ -318,6 +339,8 @@ class Engine:
             else:
                 stats[layer], tokens[layer], hidden[layer] = out.stats, out.token, out.exit_hidden
                 stop = np.asarray(self.rule.decide(layer, stats, tokens, hidden), bool)
+            if not only_bounded and i < nseg - 1:  # requests in mode full never leave early
+                stop = stop & np.fromiter((s.req.mode is Mode.BOUNDED for s in act), bool, len(act))
             if stop.any():
                 rows = np.flatnonzero(stop)
                 if gated and i < nseg - 1:

@@ -454,3 +454,25 @@ def test_deferral_exits_only_up_to_the_batch_limit(limit):
         assert batched == full
     with pytest.raises(ConfigError, match="defer_exit_max_batch"):
         EngineConfig(defer_exit_max_batch=0)
+
+
+def test_request_modes_full_never_exits_and_exact_is_refused():
+    """A request in mode full gets the full model's tokens from a batch whose other rows exit; mode
+    exact (speculative decoding) is refused with a clear error until it exists; unknown modes too."""
+    from edge.runtime.engine import Mode
+
+    m, prompts = _model(), _prompts(2, seed=31)
+    cfg = EngineConfig(max_seqs=2, max_running=2, max_len=128, kv_mode=KVMode.PROPAGATE)
+    eng = Engine(TorchBackend(m), cfg, ConfidenceRule(0.0))  # exit at the first exit whenever allowed
+    ids = [eng.submit(Request(prompts[0], 8, mode=Mode.FULL)), eng.submit(Request(prompts[1], 8, mode="bounded"))]
+    got: dict[int, list] = {}
+    while eng.has_work:
+        for ev in eng.step():
+            got.setdefault(ev.request_id, []).append((ev.token, ev.exit_layer))
+    full = _run(Engine(TorchBackend(m), EngineConfig(max_seqs=1, max_len=128)), [prompts[0]], max_tokens=8)[0]
+    assert got[ids[0]] == full
+    assert all(e == m.exit_layers[0] for _, e in got[ids[1]][1:])  # the bounded row exits
+    with pytest.raises(SmartExitError, match="not available yet"):
+        eng.submit(Request(prompts[0], 4, mode="exact"))
+    with pytest.raises(SmartExitError, match="not one of bounded, full, exact"):
+        eng.submit(Request(prompts[0], 4, mode="fast"))
