@@ -309,10 +309,9 @@ class Engine:
         decided: list[tuple[_Seq, int, int]] = []
         deferred = self.cfg.kv_mode is KVMode.DEFER
         limit = self.cfg.defer_exit_max_batch
-        exits = not (deferred and limit is not None and len(seqs) > limit)
-        full_rows = [s.req.mode is Mode.FULL for s in seqs]
-        exits = exits and not all(full_rows)
-        only_bounded = not any(full_rows)
+        # the rows that may leave early (requests in mode full never do), compacted with the batch
+        bounded = np.fromiter((s.req.mode is Mode.BOUNDED for s in seqs), bool, len(seqs))
+        exits = bool(bounded.any()) and not (deferred and limit is not None and len(seqs) > limit)
         gated = backend.spec.gated
         gates: dict[int, np.ndarray] = {}  # [B] gate logits (gated exits)
         prev = None  # the previous decision exit's outputs for the rows still running
@@ -323,7 +322,7 @@ class Engine:
                 else:
                     x = self._catch_up(i, act, x, slots, start)
                     out = backend.segment(i, x, slots, start, prev, decide=exits)
-            else:  # decide=False (above deferral's batch limit): no row exits, so no LM head runs here
+            else:  # decide=False: no row may exit here, so the exit's LM head need not run
                 out = backend.segment(i, x, slots, start, prev, decide=exits)
             layer = self.backend.exit_layers[i]
             logits, tok = out.logits, out.token
@@ -339,8 +338,8 @@ class Engine:
             else:
                 stats[layer], tokens[layer], hidden[layer] = out.stats, out.token, out.exit_hidden
                 stop = np.asarray(self.rule.decide(layer, stats, tokens, hidden), bool)
-            if not only_bounded and i < nseg - 1:  # requests in mode full never leave early
-                stop = stop & np.fromiter((s.req.mode is Mode.BOUNDED for s in act), bool, len(act))
+            if i < nseg - 1:
+                stop = stop & bounded  # a new array: the rule's own may be returned above
             if stop.any():
                 rows = np.flatnonzero(stop)
                 if gated and i < nseg - 1:
@@ -358,7 +357,7 @@ class Engine:
                 if not keep.any():
                     break
                 act = [s for s, k in zip(act, keep) if k]
-                slots, start = slots[keep], start[keep]
+                slots, start, bounded = slots[keep], start[keep], bounded[keep]
                 x = out.hidden[keep]
                 prev = SegmentOut(None, out.exit_hidden[keep], None, None, _rows(out.token, keep),
                                   _rows(out.gate, keep), run=_rows(out.run, keep))
@@ -405,7 +404,7 @@ class Engine:
             sel = [b for b, r in enumerate(rows) if len(r) > k]
             ps = [rows[b][k] for b in sel]
             h = np.stack([p.hidden for p in ps])[:, None]  # [B_k, 1, D]
-            out = self.backend.segment(i, h, slots[sel], np.array([p.pos for p in ps]))
+            out = self.backend.segment(i, h, slots[sel], np.array([p.pos for p in ps]), decide=False)
             for q, p in enumerate(ps):
                 p.next_seg = i + 1
                 if out.hidden is not None:

@@ -217,10 +217,10 @@ class OrtBackend(Backend):
         if s0 is not None:  # a prompt chunk: bind its cache slot, fresh buffers
             plan = self._make_plan(i, None, b, t, [self._cache_values(j, s0, b) for j in self.segments[i]])
             return self._run(i, plan, x, start, t, prev, decide)
-        return self._gathered(i, x, slots, start, prev)
+        return self._gathered(i, x, slots, start, prev, decide)
 
     def _run(self, i: int, plan: _Plan, x: np.ndarray, start: np.ndarray, t: int, prev: SegmentOut | None,
-             decide: bool = True) -> SegmentOut:
+             decide: bool) -> SegmentOut:
         if x is not plan.x:
             np.copyto(plan.x, x)
         if prev is not None and plan.prev:  # what the previous decision exit gave these rows
@@ -236,7 +236,7 @@ class OrtBackend(Backend):
             self._head_sess.run_with_iobinding(plan.head_io)
         return plan.out
 
-    def _gathered(self, i, x, slots, start, prev):
+    def _gathered(self, i, x, slots, start, prev, decide):
         """T == 1 over scattered slots: copy their past into scratch, run, write the new rows back."""
         b = len(slots)
         p = int(start.max()) + 1
@@ -251,7 +251,7 @@ class OrtBackend(Backend):
             scratch.append((k, v))
         self.gathered_rows += b * p * len(scratch)
         plan = self._make_plan(i, None, b, 1, [(ov(k), ov(v)) for k, v in scratch])
-        out = self._run(i, plan, x, start, 1, prev)
+        out = self._run(i, plan, x, start, 1, prev, decide)
         rows = np.arange(b)
         for j, (k, v) in zip(self.segments[i], scratch):
             c.keys[j][slots, :, start] = k[rows, :, start]
