@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from calibration.signals import TOP1
+from edge.runtime.rules import TOP1
 from edge.core.errors import ConfigError
 
 

@@ -18,7 +18,8 @@ from calibration.collect import Collected
 from calibration.evaluate import EvalResult, evaluate_cascade
 from calibration.pvalues import PValue
 from calibration.risk import NEVER_EXIT
-from calibration.signals import TOP1, exit_targets
+from calibration.signals import exit_targets
+from edge.runtime.rules import TOP1
 
 
 @dataclass

@@ -39,9 +39,6 @@ from __future__ import annotations
 import numpy as np
 
 from edge.core.errors import ConfigError
-# TOP1, the column a single-signal rule thresholds (top1_prob, or gate_prob with gates), is defined where
-# the runtime's ConfidenceRule reads it; calibration reads it from here
-from edge.runtime.rules import TOP1  # noqa: F401
 
 SIGNAL_NAMES: tuple[str, ...] = ("top1_prob", "margin", "entropy", "agree_prev", "agree_run", "cos_prev")
 GATED_SIGNAL_NAMES: tuple[str, ...] = ("gate_prob", "gate_prob_prev", "cos_prev")

@@ -48,7 +48,6 @@ sha256, the opset and, per graph, what ``onnx.checker`` answered (a rejection st
 """
 from __future__ import annotations
 
-import json
 import sys
 import time
 import warnings

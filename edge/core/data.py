@@ -16,8 +16,12 @@ import lzma
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edge.core.errors import SmartExitError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 ASSETS = Path(__file__).parents[1] / "assets"
 DATA_DIR = ASSETS / "data"

@@ -85,11 +85,11 @@ def write_ee_card(folder: str | Path, lineage: dict[str, Any]) -> Path:
     train_s = recipe.get("train_seconds") or recipe["seconds"]
     lines = [
         "# SmartExit tiny-ee: model card", "",
-        f"The bundled tiny model (`edge/assets/tiny`, see its card for architecture, data and training) after "
-        f"early-exit training, so that its early layers already predict what its last layer will. "
-        f"`lineage.json` records the base model, the full recipe and every number below; only the decoder ships "
-        f"(same format as the base: float16 safetensors, HF Llama layout, same tokenizer). `make demo` distils "
-        f"exit heads on top of it with the decoder frozen.", "",
+        "The bundled tiny model (`edge/assets/tiny`, see its card for architecture, data and training) after "
+        "early-exit training, so that its early layers already predict what its last layer will. "
+        "`lineage.json` records the base model, the full recipe and every number below; only the decoder ships "
+        "(same format as the base: float16 safetensors, HF Llama layout, same tokenizer). `make demo` distils "
+        "exit heads on top of it with the decoder frozen.", "",
         "## Recipe", "", _recipe_text(cfg, recipe), "",
         f"Training took {train_s / 60:.0f} minutes of wall time ({recipe['seconds'] / 60:.0f} minutes for the "
         f"whole stage with the evaluations) on {cfg['threads']} CPU cores shared with other work.", "",

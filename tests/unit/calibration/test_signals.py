@@ -15,10 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from calibration.signals import (GATED_SIGNAL_NAMES, SIGNAL_NAMES, TOP1, exit_targets, gated_signals,
+from calibration.signals import (GATED_SIGNAL_NAMES, SIGNAL_NAMES, exit_targets, gated_signals,
                                  gated_signals_all_exits, signals_all_exits, signals_from_stats)
 from edge.core.errors import ConfigError
 from edge.model.exits import exit_decision_stats
+from edge.runtime.rules import TOP1
 
 COL = {name: i for i, name in enumerate(SIGNAL_NAMES)}
 RTOL32 = 1e-6  # the statistics are float32: a few ulps (eps32 = 1.2e-7) of values of order 1

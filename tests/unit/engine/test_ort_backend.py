@@ -18,7 +18,6 @@ from edge.runtime.rules import ConfidenceRule
 from edge.core.errors import ArtifactError, ConfigError
 from edge.model.exits import save_multi_exit
 from exporters.onnx_export import ExportConfig, export_onnx
-from edge.runtime.rules import NeverExit
 from tests.tolerance import assert_f32_close
 from tests.unit.engine.test_engine import CFG, _model, _prompts, _run
 
