@@ -163,6 +163,12 @@ class TableRule:
         w, b = self._score[layer]
         return gated_signals(gates, hidden) @ w + b >= 0.0
 
+    def agreement(self, layer: int, features: np.ndarray) -> np.ndarray:
+        """Calibrated probability [B] that decision exit ``layer``'s token is the full model's, from the
+        exit's features [B, F] as the segment graphs compute them (the table's signal order): for greedy
+        self-speculative decoding, the probability that a draft from this exit is accepted."""
+        return self.table.calibrators[layer].predict(features)
+
     def linear(self, layer: int, num_features: int) -> tuple[np.ndarray, float]:
         """The rule at decision exit ``layer`` as a linear score of the exit's features (in the order of
         the table's signal names): exit where features @ w + b >= 0 (the engine computes it in the

@@ -27,10 +27,12 @@ is not in them)
     in:  ``input_ids`` int64 [B, T] (segment 0) or ``hidden`` float32 [B, T, D] (the residual),
          ``seqlens_k`` int32 [B] (index of each row's last new token = cached + T - 1),
          ``total_len`` int32 [] (max over rows of cached + T),
-         ``exit_index`` int64 [] (the row whose exit hidden is computed: T - 1),
+         ``exit_index`` int64 [] (the first row whose exit hidden is computed: T - R for the last R
+         rows of each sequence; T - 1 in a decode step or a prompt chunk, 0 when a verification
+         call of self-speculative decoding needs the full model's prediction at every row),
          ``past_key_{j}``, ``past_value_{j}`` float32 [B, KV, C, hd]
-    out: ``hidden_out`` [B, T, D] (not in the last segment), ``exit_hidden`` [B, D] (after the exit's
-         adapter and norm: the LM head's input),
+    out: ``hidden_out`` [B, T, D] (not in the last segment), ``exit_hidden`` [B * R, D] (after the
+         exit's adapter and norm: the LM head's input; sequence-major, [B, D] when R == 1),
          ``present_key_{j}``, ``present_value_{j}`` [B, KV, C, hd]: bind them to the same
          buffers as the past (the engine's cache), and only the new rows are written.
     With exit gates (``exits.gate_hidden`` > 0) a decision segment also outputs ``exit_gate`` [B] (the
@@ -169,7 +171,7 @@ class _Builder:
         return resid, self.linear(gu, m.down_proj, f"l{j}.down")
 
     def exit_norm(self, layer: int, h: str) -> str:
-        """``exit_hidden`` [B, D]: the exit's adapter and norm on residual rows h [B, D]."""
+        """``exit_hidden`` [B * R, D]: the exit's adapter and norm on residual rows h [B * R, D]."""
         model, cfg = self.model, self.cfg
         if layer == model.num_layers:
             norm_w = model.backbone.norm.weight
@@ -182,7 +184,7 @@ class _Builder:
             norm_w = head.norm.weight
         eh = self.node("SimplifiedLayerNormalization", [h, self.weight(f"e{layer}.norm", norm_w)], ["exit_hidden"],
                        axis=-1, epsilon=float(cfg.rms_norm_eps))[0]
-        self.output("exit_hidden", TensorProto.FLOAT, ["batch", cfg.hidden_size])
+        self.output("exit_hidden", TensorProto.FLOAT, ["rows", cfg.hidden_size])  # B * R
         return eh
 
     def lm_head(self, eh: str) -> None:
@@ -325,7 +327,10 @@ def _segment_proto(model: MultiExitModel, layers: list[int], exit_layer: int | N
     if not last or exit_layer is None:
         b.output("hidden_out", TensorProto.FLOAT, ["batch", "seq", d])
     if exit_layer is not None:
-        rows = b.node("Gather", [out, "exit_index"], ["exit_rows"], axis=1)[0]  # [B, D]
+        first_row = b.node("Unsqueeze", ["exit_index", b.const("c.axis0", [0])], ["exit_first"])[0]
+        rows = b.node("Slice", [out, first_row, b.const("c.int64_max", [np.iinfo(np.int64).max]),
+                                b.const("c.axis1", [1])], ["exit_rows3"])[0]  # [B, R, D]
+        rows = b.node("Reshape", [rows, b.const("c.rows_d", [-1, d])], ["exit_rows"])[0]  # [B * R, D]
         eh = b.exit_norm(exit_layer, rows)
         if model.gated and not last:  # decides from its gate; the head runs for the rows that exit
             b.gate(exit_layer, eh)

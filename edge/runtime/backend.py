@@ -7,8 +7,9 @@ lies: it reads each sequence's past from its slot and writes only the new rows. 
 validate, private ones compute.
 
 A call holds B sequences with T new rows each, with T == 1 (a decode step; every row has its own
-cache length) or B == 1 (a prompt chunk, or one sequence's deferred rows): the shapes ONNX
-Runtime's fused attention takes, and all the engine needs.
+cache length) or B == 1 (a prompt chunk, one sequence's deferred rows, or the rows a
+self-speculative verification checks): the shapes ONNX Runtime's fused attention takes, and all the
+engine needs. The exit head runs on each sequence's last ``rows`` rows (1 but for verification).
 """
 from __future__ import annotations
 
@@ -72,7 +73,9 @@ class SegmentOut:
     A gated decision exit gives ``gate`` and no head (None): :meth:`Backend.head` computes it."""
 
     hidden: np.ndarray | None  # [B, T, D] residual after the segment (None after the last one)
-    exit_hidden: np.ndarray  # [B, D] normalised exit hidden (LM-head input) of each sequence's last row
+    # [B, D] normalised exit hidden (LM-head input) of each sequence's last row; [B * R, D], sequence
+    # major, for a call with rows=R (and likewise for logits, stats, token)
+    exit_hidden: np.ndarray
     logits: np.ndarray | None  # [B, V] exit logits there
     stats: np.ndarray | None  # [B, 3] float32: top-1 probability, top-1 minus top-2, entropy
     token: np.ndarray | None  # [B] int64 argmax of the logits
@@ -132,7 +135,7 @@ class Backend(abc.ABC):
         self._attached()
 
     def segment(self, i: int, x: np.ndarray, slots: np.ndarray, start: np.ndarray,
-                prev: SegmentOut | None = None, decide: bool = True) -> SegmentOut:
+                prev: SegmentOut | None = None, decide: bool = True, rows: int = 1) -> SegmentOut:
         """Run segment i on new rows: token ids int64 [B, T] when i == 0, else the residual float32
         [B, T, D]; sequence b lives in cache slot ``slots[b]`` and has ``start[b]`` tokens cached, so its
         rows sit at positions start[b] .. start[b] + T - 1. Writes the rows' K/V into the cache; the
@@ -140,10 +143,16 @@ class Backend(abc.ABC):
         these sequences (its token, run, gate and exit hidden feed this exit's features; None: zeros,
         for calls whose decision does not matter). ``decide`` False (a decision exit only): nobody reads
         this exit's decision, so its LM head need not run; the output's logits, stats, token, features
-        and score are then undefined."""
+        and score are then undefined. ``rows``: the exit runs on each sequence's last ``rows`` rows
+        (1 <= rows <= T), and its outputs have B * rows rows (a verification call of self-speculative
+        decoding reads the last exit's prediction at every row); with rows > 1 no decision is read
+        (the last segment, or ``decide`` False)."""
         b, t = x.shape[:2]
         if t != 1 and b != 1:
             raise ConfigError(f"a segment call takes one row per sequence or one sequence, got B={b}, T={t}")
+        if not 1 <= rows <= t or (rows > 1 and decide and i < len(self.segments) - 1):
+            raise ConfigError(f"rows={rows}: the exit runs on 1..T={t} rows, and on more than one only where no "
+                              f"exit decision is read")
         if self.cache is None:
             raise ConfigError("no KV cache attached (Backend.attach)")
         if (i == 0) != (x.dtype == np.int64):
@@ -152,7 +161,7 @@ class Backend(abc.ABC):
             raise ConfigError(f"token ids outside the vocabulary [0, {self.vocab_size})")
         if int(start.max()) + t > self.cache.capacity:
             raise ConfigError(f"positions up to {int(start.max()) + t} exceed the cache capacity {self.cache.capacity}")
-        return self._segment(i, x, slots, start, prev, decide or i == len(self.segments) - 1)
+        return self._segment(i, x, slots, start, prev, decide or i == len(self.segments) - 1, rows)
 
     def head(self, i: int, exit_hidden: np.ndarray) -> HeadOut:
         """The LM head of gated decision exit i on normalised exit hidden rows [B, D]."""
@@ -171,7 +180,7 @@ class Backend(abc.ABC):
         """Hook: the cache was (re)attached."""
 
     @abc.abstractmethod
-    def _segment(self, i, x, slots, start, prev, decide) -> SegmentOut: ...
+    def _segment(self, i, x, slots, start, prev, decide, rows) -> SegmentOut: ...
 
     @abc.abstractmethod
     def _kvfill(self, i, hidden, slots, positions) -> None: ...

@@ -34,14 +34,16 @@ import numpy as np
 
 from edge.runtime.backend import Backend, SegmentOut
 from edge.runtime.cache import KVCache
-from edge.runtime.rules import BatchExitRule, NeverExit
-from edge.runtime.sampling import choose_token
+from edge.runtime.rules import TOP1, BatchExitRule, NeverExit
+from edge.runtime.sampling import choose_token, token_distribution
+from edge.runtime.speculative import (DraftCosts, SpecConfig, SpecStats, StopRule, accept_greedy, accept_sampled,
+                                      include_next)
 from edge.core.errors import ConfigError, SmartExitError
 
 class Mode(str, enum.Enum):
     """What a request accepts. ``bounded``: calibrated exits, false exits within the certified eps;
-    ``full``: every token from the full model (this request never exits early); ``exact``: lossless
-    speed-up by self-speculative decoding (not built yet: refused at submit)."""
+    ``full``: every token from the full model (this request never exits early); ``exact``: the full
+    model's output, sped up by self-speculative decoding from a draft exit (edge/runtime/speculative.py)."""
 
     BOUNDED = "bounded"
     FULL = "full"
@@ -67,9 +69,18 @@ class EngineConfig:
     # cache slots, so exits cost more than they skip (measured: 0.47x full depth at batch 16). Above
     # the limit every row runs to full depth: the K/V stays exact and no token exits falsely.
     defer_exit_max_batch: int | None = 1
+    speculative: SpecConfig = field(default_factory=SpecConfig)  # mode exact: draft exit, stop rule
+    # Requests in mode exact speculate while the decode batch holds at most this many sequences (None: any
+    # batch); above it they decode at full depth, which is lossless too. ONNX Runtime's CPU attention
+    # verifies several rows of a sequence only at batch 1, so a batch verifies sequence by sequence.
+    speculate_max_batch: int | None = 1
 
     def __post_init__(self) -> None:
         self.kv_mode = KVMode(self.kv_mode)
+        if isinstance(self.speculative, dict):
+            self.speculative = SpecConfig(**self.speculative)
+        if self.speculate_max_batch is not None and self.speculate_max_batch < 1:
+            raise ConfigError(f"engine.speculate_max_batch must be >= 1 or None, got {self.speculate_max_batch}")
         if self.max_seqs < 1 or self.max_len < 2 or self.prefill_budget < 1 or self.max_running < 1:
             raise ConfigError("engine: max_seqs, prefill_budget, max_running >= 1 and max_len >= 2 are required")
         if self.defer_exit_max_batch is not None and self.defer_exit_max_batch < 1:
@@ -167,6 +178,17 @@ class Engine:
         if linear is not None:
             f = backend.spec.num_features
             backend.set_rule({layer: linear(layer, f) for layer in backend.exit_layers[:-1]})
+        # self-speculative decoding (mode exact): the draft exit's segment, its stop rule's inputs
+        spec = cfg.speculative
+        self._agreement = getattr(self.rule, "agreement", None)
+        decision = backend.exit_layers[:-1]
+        draft = spec.draft_exit if spec.draft_exit is not None else (decision[0] if decision else None)
+        if draft is not None and draft not in decision:
+            raise ConfigError(f"speculative.draft_exit {draft} is not a decision exit of this model "
+                              f"(exits {backend.exit_layers})")
+        self._draft_seg = decision.index(draft) if draft is not None else None
+        self.spec_costs = DraftCosts(draft or 0, backend.num_layers, spec.max_draft + 1)
+        self.spec_stats = SpecStats()
         self.waiting: list[_Seq] = []
         self.prefilling: list[_Seq] = []
         self.decoding: list[_Seq] = []
@@ -193,8 +215,12 @@ class Engine:
         except ValueError:
             raise SmartExitError(f"mode {req.mode!r} is not one of {', '.join(m.value for m in Mode)}") from None
         if req.mode is Mode.EXACT:
-            raise SmartExitError("mode 'exact' (lossless self-speculative decoding) is not available yet; "
-                                 "use 'bounded' (certified exits) or 'full'")
+            if self._draft_seg is None:
+                raise SmartExitError("mode 'exact' drafts from an early exit, and this model has none; use 'full'")
+            if self.cfg.speculative.stop is StopRule.CALIBRATED and self._agreement is None:
+                raise SmartExitError("mode 'exact' with the calibrated draft-length rule needs the threshold "
+                                     "table's calibrators (run the engine with the calibrated rule), or set "
+                                     "speculative.stop to 'fixed' or 'top1'")
         seq = _Seq(next(self._ids), req, submitted=self.clock())
         seq.rng = np.random.default_rng(req.seed) if req.temperature > 0 else None
         self.waiting.append(seq)
@@ -295,6 +321,21 @@ class Engine:
                 self._emit(seq, token, self.backend.num_layers)
 
     def _decode(self, seqs: list[_Seq]) -> None:
+        """Requests in mode exact run a speculative round (when the batch is small enough), the others
+        one decode step."""
+        limit = self.cfg.speculate_max_batch
+        exact = [s for s in seqs if s.req.mode is Mode.EXACT]
+        if not exact or (limit is not None and len(seqs) > limit):
+            self._step(seqs)  # exact requests decode at full depth here
+            return
+        rest = [s for s in seqs if s.req.mode is not Mode.EXACT]
+        if rest:
+            self._step(rest)
+        exact = [s for s in exact if not s.finished]  # a callback of the step may have cancelled some
+        if exact:
+            self._speculate(exact)
+
+    def _step(self, seqs: list[_Seq]) -> None:
         """One token for every sequence: segment by segment, the rule picks the rows that stop after
         each exit, and the batch shrinks to the rows still running."""
         backend, nseg = self.backend, len(self.backend.segments)
@@ -370,6 +411,91 @@ class Engine:
         for s, token, layer in decided:
             if not s.finished:  # else a callback of this step cancelled it: its token is dropped
                 self._emit(s, token, layer)
+
+    def _speculate(self, seqs: list[_Seq]) -> None:
+        """One self-speculative round for every sequence in mode exact (edge/runtime/speculative.py):
+        draft with the segments up to the draft exit, batched, each sequence until its stop rule ends
+        its drafts; then verify each sequence's rows with the remaining segments, one call per segment,
+        and emit its accepted drafts and the full model's next token."""
+        backend, spec, d = self.backend, self.cfg.speculative, self._draft_seg
+        layer, nseg = backend.exit_layers[d], len(backend.segments)
+        calibrated = spec.stop is StopRule.CALIBRATED
+        base = [s.length for s in seqs]  # position of each sequence's newest token (not yet cached)
+        # the most drafts a sequence may have verified: a round emits drafts + 1 tokens, within max_tokens,
+        # and writes positions base .. base + drafts, within the cache
+        cap = [max(0, min(spec.max_draft, s.req.max_tokens - len(s.tokens) - 1, self.cfg.max_len - s.length - 1))
+               for s in seqs]
+        resid: list[list[np.ndarray]] = [[] for _ in seqs]  # residual after the draft exit, per row drafted from
+        drafts: list[list[int]] = [[] for _ in seqs]
+        dists: list[list[np.ndarray | None]] = [[] for _ in seqs]  # what each draft was sampled from
+        probs: list[list[float]] = [[] for _ in seqs]  # calibrated agreement of each draft
+        cur = [s.tokens[-1] for s in seqs]
+        act, j = list(range(len(seqs))), 0  # the sequences still drafting; the draft step
+        while act:
+            heads = any(j < cap[b] for b in act)  # some row may draft another token: the exit's head runs
+            x = np.array([[cur[b]] for b in act], np.int64)
+            slots = np.array([seqs[b].slot for b in act])
+            start = np.array([base[b] + j for b in act])
+            t0 = time.perf_counter()
+            out = prev = None
+            for i in range(d + 1):
+                out = backend.segment(i, x, slots, start, prev, decide=heads)
+                x, prev = out.hidden, out
+            logits, tok, stats = out.logits, out.token, out.stats
+            if heads and backend.spec.gated:
+                head = backend.head(d, out.exit_hidden)
+                logits, tok, stats = head.logits, head.token, head.stats
+            agree = self._agreement(layer, out.features) if heads and calibrated else None
+            going = []
+            for r, b in enumerate(act):
+                resid[b].append(out.hidden[r, 0].copy())
+                if j >= cap[b]:
+                    continue
+                s = seqs[b]
+                dist = None
+                if s.req.temperature > 0:
+                    dist = token_distribution(logits[r], s.req.temperature, s.req.top_p)
+                    token = int(s.rng.choice(dist.shape[0], p=dist))
+                else:
+                    token = int(tok[r])
+                self.spec_stats.draft_steps += 1
+                if agree is not None:
+                    probs[b].append(float(agree[r]))
+                if include_next(spec, len(drafts[b]), probs[b], float(stats[r, TOP1]), self.spec_costs):
+                    drafts[b].append(token)
+                    dists[b].append(dist)
+                    cur[b] = token
+                    going.append(b)
+            if len(act) == 1:  # the stop rule weighs one sequence's costs
+                self.spec_costs.observe_step(time.perf_counter() - t0)
+            act, j = going, j + 1
+        decided = []
+        for b, s in enumerate(seqs):
+            rows = len(drafts[b]) + 1
+            h = np.stack(resid[b])[None]  # [1, rows, D]
+            slots, start = np.array([s.slot]), np.array([base[b]])
+            t0 = time.perf_counter()
+            for i in range(d + 1, nseg):
+                out = backend.segment(i, h, slots, start, decide=False, rows=rows if i == nseg - 1 else 1)
+                h = out.hidden
+            if len(seqs) == 1:
+                self.spec_costs.observe_verify(rows, time.perf_counter() - t0)
+            if s.req.temperature > 0:
+                full = [token_distribution(out.logits[r], s.req.temperature, s.req.top_p) for r in range(rows)]
+                n, token = accept_sampled(drafts[b], dists[b], full, s.rng)
+            else:
+                n, token = accept_greedy(drafts[b], out.token)
+            st = self.spec_stats
+            st.rounds, st.drafted, st.accepted, st.emitted = st.rounds + 1, st.drafted + rows - 1, st.accepted + n, \
+                st.emitted + n + 1
+            st.predicted += sum(probs[b][:rows - 1])
+            decided.append((s, drafts[b][:n] + [token]))
+        decided.sort(key=lambda e: e[0].slot)
+        for s, tokens in decided:
+            for token in tokens:
+                if s.finished:  # a stop id, max_tokens, or a callback's cancel ended it: the rest is dropped
+                    break
+                self._emit(s, token, backend.num_layers)
 
     def _with_deferred(self, i: int, s: _Seq, x: np.ndarray, slots: np.ndarray, start: np.ndarray,
                        prev: SegmentOut | None) -> SegmentOut:

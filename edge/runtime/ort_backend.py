@@ -95,7 +95,7 @@ class OrtBackend(Backend):
         self._head_decides = "rule_w" in {x.name for x in self._head_sess.get_inputs()}
         self.pool_threads = pool_threads()
         self.gathered_rows = 0  # past rows copied for batches over scattered slots
-        self._plans: dict[tuple[int, int, int, int], _Plan] = {}
+        self._plans: dict[tuple[int, int, int, int, int], _Plan] = {}  # (segment, first slot, B, T, rows)
         self._bufs: dict[tuple[str, int, int, int], np.ndarray] = {}
         ov = ort.OrtValue.ortvalue_from_numpy
         self._rule_values = [(ov(w), ov(b)) for w, b in zip(self.rule_w, self.rule_b)]  # bound once, updated in place
@@ -135,9 +135,9 @@ class OrtBackend(Backend):
             self._bufs[key] = np.zeros(shape, dtype)
         return self._bufs[key]
 
-    def _make_plan(self, i: int, s0: int | None, b: int, t: int, values: list[tuple] | None) -> _Plan:
+    def _make_plan(self, i: int, s0: int | None, b: int, t: int, values: list[tuple] | None, rows: int = 1) -> _Plan:
         """Bind segment i's graph, and the head graph after it, to buffers for B = ``b`` sequences of ``t``
-        rows each. Decode plans (s0 given, t == 1) chain through shared buffers: segment i's hidden and
+        rows each, the exit on the last ``rows`` of them. Decode plans (s0 given, t == 1) chain through shared buffers: segment i's hidden and
         exit hidden and its exit's token, run and gate are the arrays segment i+1 and its head read, so a
         step over one cache block copies nothing."""
         ov = self.ort.OrtValue.ortvalue_from_numpy
@@ -146,27 +146,28 @@ class OrtBackend(Backend):
         gated_exit = self.spec.gated and not last  # decides from its gate; no head in the plan
         chain = s0 if t == 1 else None  # consecutive segments share their buffers
         x = np.zeros((b, t), np.int64) if i == 0 else self._buf("hidden", i, chain, b, (b, t, d), f32)
+        r = b * rows  # rows the exit runs on
         out = SegmentOut(
             hidden=None if last else self._buf("hidden", i + 1, chain, b, (b, t, d), f32),
-            exit_hidden=self._buf("exit_hidden", i + 1, chain, b, (b, d), f32),
-            logits=None if gated_exit else np.zeros((b, v), f32),
-            stats=None if gated_exit else np.zeros((b, 3), f32),
-            token=None if gated_exit else self._buf("token", i + 1, chain, b, (b,), np.int64),
-            gate=self._buf("gate", i + 1, chain, b, (b,), f32) if gated_exit else None)
+            exit_hidden=self._buf("exit_hidden", i + 1, chain, b, (r, d), f32),
+            logits=None if gated_exit else np.zeros((r, v), f32),
+            stats=None if gated_exit else np.zeros((r, 3), f32),
+            token=None if gated_exit else self._buf("token", i + 1, chain, b, (r,), np.int64),
+            gate=self._buf("gate", i + 1, chain, b, (r,), f32) if gated_exit else None)
         if not last:  # a decision exit: the rule's features and score (exporters/ort_fused.py)
-            out.features = np.zeros((b, self.spec.num_features), f32)
-            out.score = np.zeros(b, f32)
+            out.features = np.zeros((r, self.spec.num_features), f32)
+            out.score = np.zeros(r, f32)
             if not self.spec.gated:
-                out.run = self._buf("run", i + 1, chain, b, (b,), f32)
+                out.run = self._buf("run", i + 1, chain, b, (r,), f32)
         # what the previous decision exit gave these rows: the segment reads it (gates) or the head (softmax)
         seg_prev, head_prev = {}, {}
         if gated_exit and i > 0:
-            seg_prev = {"prev_exit_hidden": self._buf("exit_hidden", i, chain, b, (b, d), f32),
-                        "prev_gate": self._buf("gate", i, chain, b, (b,), f32)}
+            seg_prev = {"prev_exit_hidden": self._buf("exit_hidden", i, chain, b, (r, d), f32),
+                        "prev_gate": self._buf("gate", i, chain, b, (r,), f32)}
         if not gated_exit and self._head_decides:
-            head_prev = {"prev_exit_hidden": self._buf("exit_hidden", i, chain, b, (b, d), f32),
-                         "prev_token": self._buf("token", i, chain, b, (b,), np.int64),
-                         "prev_run": self._buf("run", i, chain, b, (b,), f32)}
+            head_prev = {"prev_exit_hidden": self._buf("exit_hidden", i, chain, b, (r, d), f32),
+                         "prev_token": self._buf("token", i, chain, b, (r,), np.int64),
+                         "prev_run": self._buf("run", i, chain, b, (r,), f32)}
         io = self._seg[i].io_binding()
         head_io = None if gated_exit else self._head_sess.io_binding()
         plan = _Plan(io, head_io, x, np.zeros(b, np.int32), np.zeros((), np.int32), np.zeros((), np.int64), out,
@@ -204,23 +205,23 @@ class OrtBackend(Backend):
             io.bind_ortvalue_input("rule_b", self._rule_values[rule][1])
 
     # ---------------------------------------------------------------- calls
-    def _segment(self, i, x, slots, start, prev, decide):
+    def _segment(self, i, x, slots, start, prev, decide, rows):
         b, t = x.shape[:2]
         s0 = contiguous_start(slots)
-        if s0 is not None and t <= MAX_PLAN_ROWS:  # decode steps, deferred rows with their new token
-            key = (i, s0, b, t)
+        if s0 is not None and t <= MAX_PLAN_ROWS:  # decode steps, deferred rows with their new token, verification
+            key = (i, s0, b, t, rows)
             plan = self._plans.get(key)
             if plan is None:
                 values = [self._cache_values(j, s0, b) for j in self.segments[i]]
-                plan = self._plans[key] = self._make_plan(i, s0, b, t, values)
-            return self._run(i, plan, x, start, t, prev, decide)
+                plan = self._plans[key] = self._make_plan(i, s0, b, t, values, rows)
+            return self._run(i, plan, x, start, t, prev, decide, rows)
         if s0 is not None:  # a prompt chunk: bind its cache slot, fresh buffers
-            plan = self._make_plan(i, None, b, t, [self._cache_values(j, s0, b) for j in self.segments[i]])
-            return self._run(i, plan, x, start, t, prev, decide)
+            plan = self._make_plan(i, None, b, t, [self._cache_values(j, s0, b) for j in self.segments[i]], rows)
+            return self._run(i, plan, x, start, t, prev, decide, rows)
         return self._gathered(i, x, slots, start, prev, decide)
 
     def _run(self, i: int, plan: _Plan, x: np.ndarray, start: np.ndarray, t: int, prev: SegmentOut | None,
-             decide: bool) -> SegmentOut:
+             decide: bool, rows: int = 1) -> SegmentOut:
         if x is not plan.x:
             np.copyto(plan.x, x)
         if prev is not None and plan.prev:  # what the previous decision exit gave these rows
@@ -230,7 +231,7 @@ class OrtBackend(Backend):
                     np.copyto(arr, src)
         np.add(start, t - 1, out=plan.seqlens, casting="unsafe")
         plan.total[()] = int(start.max()) + t
-        plan.exit_index[()] = t - 1
+        plan.exit_index[()] = t - rows
         self._seg[i].run_with_iobinding(plan.io)
         if plan.head_io is not None and decide:
             self._head_sess.run_with_iobinding(plan.head_io)

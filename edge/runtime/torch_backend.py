@@ -24,7 +24,7 @@ class TorchBackend(Backend):
         super().__init__(ModelSpec.of(model))
         self.model = model.eval()
 
-    def _segment(self, i, x, slots, start, prev, decide):
+    def _segment(self, i, x, slots, start, prev, decide, rows):
         with torch.no_grad():
             bb = self.model.backbone
             b, t = x.shape[:2]
@@ -42,7 +42,7 @@ class TorchBackend(Backend):
                     c.keys[j][slots[r], :, start[r]:start[r] + t] = k[r].numpy()
                     c.values[j][slots[r], :, start[r]:start[r] + t] = v[r].numpy()
             layer = self.exit_layers[i]
-            eh = self.model.exit_hidden(layer, h[:, -1])  # [B, D]
+            eh = self.model.exit_hidden(layer, h[:, t - rows:]).reshape(b * rows, -1)  # [B * R, D]
             if i == len(self.segments) - 1:
                 head = self._head(i, eh.numpy())
                 return SegmentOut(None, eh.numpy(), head.logits, head.stats, head.token)

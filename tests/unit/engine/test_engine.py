@@ -456,9 +456,10 @@ def test_deferral_exits_only_up_to_the_batch_limit(limit):
         EngineConfig(defer_exit_max_batch=0)
 
 
-def test_request_modes_full_never_exits_and_exact_is_refused():
+def test_request_modes_full_never_exits_and_unknown_modes_are_refused():
     """A request in mode full gets the full model's tokens from a batch whose other rows exit; mode
-    exact (speculative decoding) is refused with a clear error until it exists; unknown modes too."""
+    exact with the calibrated draft-length rule is refused, clearly, by an engine whose rule has no
+    calibrators; unknown modes too."""
     from edge.runtime.engine import Mode
 
     m, prompts = _model(), _prompts(2, seed=31)
@@ -472,7 +473,7 @@ def test_request_modes_full_never_exits_and_exact_is_refused():
     full = _run(Engine(TorchBackend(m), EngineConfig(max_seqs=1, max_len=128)), [prompts[0]], max_tokens=8)[0]
     assert got[ids[0]] == full
     assert all(e == m.exit_layers[0] for _, e in got[ids[1]][1:])  # the bounded row exits
-    with pytest.raises(SmartExitError, match="not available yet"):
+    with pytest.raises(SmartExitError, match="needs the threshold table's calibrators"):
         eng.submit(Request(prompts[0], 4, mode="exact"))
     with pytest.raises(SmartExitError, match="not one of bounded, full, exact"):
         eng.submit(Request(prompts[0], 4, mode="fast"))

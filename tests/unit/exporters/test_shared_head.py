@@ -66,7 +66,7 @@ def test_head_weight_stored_once_per_family(exported):
 def test_graphs_json_lists_one_head(exported):
     _, out = exported
     meta = load_graphs_json(out)
-    assert meta["format"] == GRAPHS_FORMAT == 5 and meta["model"]["gated"] is False
+    assert meta["format"] == GRAPHS_FORMAT == 6 and meta["model"]["gated"] is False
     g, fused = meta["graphs"], meta["fused"]["graphs"]
     assert sorted(g) == ["embed", "head", "kvfill_1", "kvfill_2", "kvfill_3",
                          "segment_0", "segment_1", "segment_2", "segment_3"]

@@ -1,0 +1,196 @@
+"""Self-speculative decoding (mode ``exact``): the parts the engine's loop uses.
+
+The engine drafts tokens with the segments up to a draft exit (LayerSkip's self-speculation,
+Elhoushi et al. 2024), then verifies them with the remaining segments in one call per segment, on
+the draft's residuals: the draft already wrote the first layers' keys and values, the verification
+writes the rest. Row j of the verification (the token at position L + j) gives the full model's
+prediction for position L + j + 1, which checks draft j + 1; the first disagreement is replaced by
+the full model's token and the rest is dropped. Nothing is copied back: the rejected rows' cache
+entries sit past the sequence's new length and the next round overwrites them.
+
+How many tokens to draft (:class:`DraftStop`): after each draft step the draft token x_{k+1} is
+included in the verification, or drafting stops. Three rules:
+
+``fixed``       k tokens, always.
+``top1``        while the draft's top-1 probability is at least a threshold (Kangaroo, Liu et al.
+                2024; Draft & Verify, Zhang et al. 2024).
+``calibrated``  while one more draft token raises the round's expected tokens per second. The
+                threshold table's calibrator gives p_j, the probability that draft j is the full
+                model's token (for greedy decoding, that it is accepted); the round's expected output
+                is E(k) = 1 + sum_{n<=k} prod_{i<=n} p_i tokens, and its cost C(k) = (k + 1) draft
+                steps + a verification of k + 1 rows, measured as the engine runs
+                (:class:`DraftCosts`). Draft k + 1 is included when
+                prod_{i<=k+1} p_i / (C(k+1) - C(k)) > E(k) / C(k).
+A hard maximum (``max_draft``) bounds every rule.
+
+Sampling (temperature > 0) uses the speculative-sampling acceptance rule (Leviathan et al. 2023;
+Chen et al. 2023): draft x ~ q is accepted with probability min(1, p(x) / q(x)); the first rejected
+position draws from max(0, p - q) normalised, and a round whose drafts are all accepted draws one
+more token from p. The output is distributed exactly as the full model's.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from edge.core.errors import ConfigError
+
+
+class StopRule(str, enum.Enum):
+    CALIBRATED = "calibrated"
+    FIXED = "fixed"
+    TOP1 = "top1"
+
+
+@dataclass
+class SpecConfig:
+    """Self-speculative decoding settings (engine ``speculative``)."""
+
+    draft_exit: int | None = None  # exit layer that drafts (None: the first decision exit)
+    stop: StopRule = StopRule.CALIBRATED
+    max_draft: int = 6  # hard maximum of draft tokens per round (verification rows = drafts + 1 <= 8)
+    fixed: int = 3  # draft tokens per round, rule ``fixed``
+    top1: float = 0.6  # top-1 probability threshold, rule ``top1``
+
+    def __post_init__(self) -> None:
+        try:
+            self.stop = StopRule(self.stop)
+        except ValueError:
+            raise ConfigError(f"speculative.stop must be one of {', '.join(r.value for r in StopRule)}, "
+                              f"got {self.stop!r}") from None
+        if not 1 <= self.max_draft <= 7:  # verification rows <= 8: the ONNX Runtime plans' row limit
+            raise ConfigError(f"speculative.max_draft must be in 1..7, got {self.max_draft}")
+        if not 1 <= self.fixed <= self.max_draft:
+            raise ConfigError(f"speculative.fixed must be in 1..max_draft ({self.max_draft}), got {self.fixed}")
+        if not 0.0 <= self.top1 <= 1.0:
+            raise ConfigError(f"speculative.top1 must be in [0, 1], got {self.top1}")
+
+
+class Agreement(Protocol):
+    """Calibrated probability [B] that exit ``layer``'s token is the full model's, from the exit's
+    features [B, F] (a threshold table's calibrator: ``calibration.table.TableRule.agreement``)."""
+
+    def agreement(self, layer: int, features: np.ndarray) -> np.ndarray: ...
+
+
+class DraftCosts:
+    """Measured seconds of a draft step and of a verification of m rows (exponential moving averages).
+
+    The first call of each shape is not counted (it builds the backend's bindings). A verification
+    of a row count not measured yet is estimated from the nearest one measured, ``ROW_GROWTH`` more
+    per extra row (measured on ONNX Runtime CPU, 2 cores: 1 -> 3 rows costs +3%, 1 -> 8 rows +70%), so
+    an estimate never keeps the rule from trying a length. Before any measurement the costs are the
+    layer counts' shares of a full-depth step: only their ratios matter to the stop rule."""
+
+    ALPHA = 0.2
+    ROW_GROWTH = 0.05
+
+    def __init__(self, draft_layers: int, num_layers: int, max_rows: int) -> None:
+        self.step = draft_layers / num_layers
+        self._verify0 = 1.0 - self.step  # prior of a one-row verification, in the step's unit
+        self.verify = np.zeros(max_rows + 1)  # [rows] measured seconds (where _seen)
+        self._calls = np.zeros(max_rows + 2, int)  # calls seen: [0] draft steps, [m] verifications of m rows
+        self._seen = np.zeros(max_rows + 1, bool)
+
+    def observe_step(self, seconds: float) -> None:
+        self._calls[0] += 1
+        if self._calls[0] == 2:
+            self._verify0 *= seconds / self.step
+            self.step = seconds
+        elif self._calls[0] > 2:
+            self.step += self.ALPHA * (seconds - self.step)
+
+    def observe_verify(self, rows: int, seconds: float) -> None:
+        self._calls[rows] += 1
+        if self._calls[rows] == 1:
+            return
+        if not self._seen[rows]:
+            self.verify[rows], self._seen[rows] = seconds, True
+        else:
+            self.verify[rows] += self.ALPHA * (seconds - self.verify[rows])
+
+    def verification(self, rows: int) -> float:
+        if self._seen[rows]:
+            return float(self.verify[rows])
+        seen = np.flatnonzero(self._seen)
+        if not len(seen):
+            return self._verify0 * (1 + self.ROW_GROWTH * (rows - 1))
+        near = int(seen[np.argmin(np.abs(seen - rows))])
+        return float(self.verify[near]) * (1 + self.ROW_GROWTH * (rows - near))
+
+    def round(self, drafts: int) -> float:
+        """C(k): the seconds of a round with ``drafts`` draft tokens."""
+        return (drafts + 1) * self.step + self.verification(drafts + 1)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"draft_step_s": self.step, "verify_s_by_rows": {int(m): float(self.verify[m])
+                                                               for m in np.flatnonzero(self._seen)}}
+
+
+def include_next(rule: SpecConfig, drafts: int, probs: list[float], top1: float, costs: DraftCosts) -> bool:
+    """Whether draft token ``drafts + 1`` (just drafted, ``probs`` the calibrated agreement of drafts
+    1..drafts+1, ``top1`` its top-1 probability) joins the verification."""
+    if drafts >= rule.max_draft:
+        return False
+    if rule.stop is StopRule.FIXED:
+        return drafts < rule.fixed
+    if rule.stop is StopRule.TOP1:
+        return top1 >= rule.top1
+    prefix = np.cumprod(probs)  # P(drafts 1..n all accepted), n = 1..drafts+1
+    expected = 1.0 + float(prefix[:drafts].sum())
+    now, more = costs.round(drafts), costs.round(drafts + 1)
+    return float(prefix[drafts]) * now > expected * (more - now)
+
+
+def accept_greedy(drafts: list[int], full: np.ndarray) -> tuple[int, int]:
+    """(accepted drafts n, the token after them): ``full`` [k + 1] are the full model's greedy tokens at
+    the positions of drafts x_1..x_k and the one after."""
+    n = 0
+    while n < len(drafts) and drafts[n] == full[n]:
+        n += 1
+    return n, int(full[n])
+
+
+def accept_sampled(drafts: list[int], q: list[np.ndarray], p: list[np.ndarray], rng: np.random.Generator
+                   ) -> tuple[int, int]:
+    """Speculative sampling: (accepted drafts n, the token after them). ``q[j]`` is the distribution draft
+    x_{j+1} was drawn from, ``p[j]`` the full model's at its position; ``p`` has one more entry, for the
+    position after the last draft."""
+    for n, x in enumerate(drafts):
+        if rng.random() * q[n][x] >= p[n][x]:  # reject: u >= p(x) / q(x)
+            residual = np.maximum(p[n] - q[n], 0.0)
+            total = residual.sum()
+            # p == q up to rounding leaves no residual mass (rejection had probability ~0): draw from p
+            dist = residual / total if total > 0 else p[n]
+            return n, int(rng.choice(dist.shape[0], p=dist))
+    return len(drafts), int(rng.choice(p[-1].shape[0], p=p[-1]))
+
+
+@dataclass
+class SpecStats:
+    """Counts over an engine's speculative rounds."""
+
+    rounds: int = 0
+    drafted: int = 0  # draft tokens verified
+    accepted: int = 0  # of them, accepted
+    emitted: int = 0  # tokens the rounds produced (accepted + one per round)
+    draft_steps: int = 0  # draft-step rows computed (including the drafts the stop rule then dropped)
+    predicted: float = 0.0  # sum of the verified drafts' calibrated agreement (calibrated rule only)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.emitted / self.rounds if self.rounds else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted, "emitted": self.emitted,
+                "draft_steps": self.draft_steps, "acceptance_rate": self.acceptance_rate,
+                "predicted_acceptance": self.predicted / self.drafted if self.drafted else 0.0,
+                "tokens_per_round": self.tokens_per_round,
+                "mean_accepted_length": self.accepted / self.rounds if self.rounds else 0.0}
