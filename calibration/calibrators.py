@@ -171,9 +171,13 @@ class Calibrator:
 
     def predict(self, X: np.ndarray) -> np.ndarray:
         """Calibrated probability p [N] in [0, 1] that this exit's token is the full model's."""
-        s = self.score(X)  # [N]
+        return self.probability(self.score(X))
+
+    def probability(self, s: np.ndarray) -> np.ndarray:
+        """Calibrated probability [N] from raw scores s [N] (:meth:`score`, or ``X @ w + b`` with
+        :meth:`linear_score`'s w, b: what a runtime computes per token, without :meth:`predict`'s checks)."""
         if self.constant is not None:
-            return np.full(s.shape, self.constant)
+            return np.full(np.shape(s), self.constant)
         if self.kind is CalibratorKind.PLATT:
             return _sigmoid(s)
         # np.interp clips to the end knots, as sklearn's out_of_bounds="clip"

@@ -138,9 +138,11 @@ class TableRule:
         self._m = len(table.exit_layers)
         # per decision exit: the score's weights [F] and its bias with the threshold moved into it
         self._score: dict[int, tuple[np.ndarray, float]] = {}
+        self._raw: dict[int, tuple[np.ndarray, float]] = {}  # the calibrator's raw score, no threshold
         for k in table.exit_layers[:-1]:
             w, b = table.calibrators[k].linear_score()
-            self._score[k] = (np.asarray(w, np.float64), float(b) - table.score_thresholds[k])
+            self._raw[k] = (np.asarray(w, np.float64), float(b))
+            self._score[k] = (self._raw[k][0], float(b) - table.score_thresholds[k])
 
     def _expect(self, gated: bool) -> None:
         if gated != self.gated:
@@ -167,7 +169,8 @@ class TableRule:
         """Calibrated probability [B] that decision exit ``layer``'s token is the full model's, from the
         exit's features [B, F] as the segment graphs compute them (the table's signal order): for greedy
         self-speculative decoding, the probability that a draft from this exit is accepted."""
-        return self.table.calibrators[layer].predict(features)
+        w, b = self._raw[layer]
+        return self.table.calibrators[layer].probability(np.asarray(features, np.float64) @ w + b)
 
     def linear(self, layer: int, num_features: int) -> tuple[np.ndarray, float]:
         """The rule at decision exit ``layer`` as a linear score of the exit's features (in the order of

@@ -1,9 +1,15 @@
-"""``smartexit generate``: the reference early-exit generator on held-out prompts.
+"""``smartexit generate``: the reference early-exit generator on held-out prompts, or the engine in a mode.
 
-Checks, on the run's multi-exit checkpoint, that generation with exits disabled
-is token-for-token the full model's greedy output, and measures what a fixed
-confidence threshold does (exit depths, agreement with full-depth greedy).
-Calibrated thresholds replace the fixed one in ``smartexit calibrate``.
+Without ``--mode`` (the pipeline stage): checks, on the run's multi-exit checkpoint, that generation
+with exits disabled is token-for-token the full model's greedy output, and measures what a fixed
+confidence threshold does (exit depths, agreement with full-depth greedy). Calibrated thresholds
+replace the fixed one in ``smartexit calibrate``.
+
+With ``--mode exact|bounded|full``: generates with the serving engine on the run's ONNX export and
+threshold table, every request in that mode, from ``--prompt TEXT`` or the held-out prompts; prints
+the text, tokens/s and, per mode, the exit depths (bounded) or the draft acceptance (exact). For a
+greedy run in mode exact or bounded it also decodes at full depth and says how many tokens differ
+(exact: must be 0; exits 1 if not).
 """
 from __future__ import annotations
 
@@ -32,8 +38,17 @@ class GenerateConfig:
     threshold: float = 0.9
     seed: int = 0
     threads: int = 2
+    # the engine in a request mode (exact | bounded | full); None: the reference stage above
+    mode: str | None = None
+    prompt: str | None = None  # text to continue (mode given); None: the held-out prompts
+    temperature: float = 0.0
+    top_p: float = 1.0
+    draft_exit: int | None = None  # mode exact: the exit that drafts (None: the first decision exit)
+    spec_stop: str = "calibrated"  # mode exact: calibrated | fixed | top1
 
     def __post_init__(self) -> None:
+        if self.mode is not None and self.mode not in ("exact", "bounded", "full"):
+            raise ConfigError(f"generate.mode must be exact, bounded or full, got {self.mode!r}")
         if not 0.0 < self.threshold <= 1.0:
             raise ConfigError(f"generate.threshold must be in (0, 1], got {self.threshold}")
         if self.prompts < 1 or self.prompt_tokens < 1 or self.max_new_tokens < 1:
@@ -41,6 +56,8 @@ class GenerateConfig:
 
 
 def main(cfg: GenerateConfig) -> int:
+    if cfg.mode is not None:
+        return engine_generate(cfg)
     t0 = time.time()
     run = open_run(cfg.run_dir, cfg.threads)
     manifest, ckpt, model, tok = run.manifest, run.path, run.model, run.tokenizer
@@ -87,3 +104,64 @@ def _greedy_no_cache(model, prompt: list[int], n: int) -> list[int]:
     for _ in range(n):
         ids.append(int(model.backbone(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt):]
+
+
+def engine_generate(cfg: GenerateConfig) -> int:
+    """``smartexit generate --mode M``: the serving engine (ONNX Runtime, the run's export and table)."""
+    from calibration.table import TableRule, load_table
+    from edge.core.artifacts import Manifest
+    from edge.model.tokenizer import load_tokenizer
+    from edge.runtime.backend import make_backend
+    from edge.runtime.engine import Engine, EngineConfig, Mode, Request
+    from edge.runtime.speculative import SpecConfig
+
+    manifest = Manifest(cfg.run_dir)
+    ckpt = manifest.verified_output("distill", "checkpoint")
+    tok = load_tokenizer(ckpt)
+    if cfg.prompt is not None:
+        prompts = [tok.encode(cfg.prompt).ids]
+        if not prompts[0]:
+            raise ConfigError("generate.prompt is empty")
+    else:
+        prompts = heldout_prompts(tok, load_split(Split.TEST), cfg.prompts, cfg.prompt_tokens, cfg.seed)
+    backend = make_backend("onnxruntime", graphs_dir=manifest.run_dir / "onnx", checkpoint=ckpt, threads=cfg.threads)
+    rule = TableRule(load_table(manifest.run_dir / "calibration" / "thresholds.json", ckpt))
+    mode = Mode(cfg.mode)
+
+    def decode(m: Mode):
+        ecfg = EngineConfig(max_seqs=1, max_running=1, max_len=backend.spec.max_positions,
+                            prefill_budget=max(len(p) for p in prompts), kv_mode=rule.table.kv_mode,
+                            speculative=SpecConfig(draft_exit=cfg.draft_exit, stop=cfg.spec_stop))
+        engine = Engine(backend, ecfg, rule)
+        outs, seconds = [], 0.0
+        for i, p in enumerate(prompts):
+            events = []
+            s = time.perf_counter()
+            engine.submit(Request(p, cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                                  seed=cfg.seed + i, mode=m))
+            while engine.has_work:
+                events += engine.step()
+            seconds += time.perf_counter() - s
+            outs.append(([e.token for e in events if e.token >= 0], [e.exit_layer for e in events if e.token >= 0]))
+        return outs, seconds, engine
+
+    outs, seconds, engine = decode(mode)
+    n = sum(len(t) for t, _ in outs)
+    for p, (tokens, _) in zip(prompts, outs):
+        print(f"--- prompt: {tok.decode(p)!r}\n+++ {mode.value}: {tok.decode(tokens)!r}")
+    line = f"mode {mode.value}: {n} tokens in {seconds:.2f} s ({n / seconds:.1f} tokens/s, prefill included)"
+    if mode is Mode.BOUNDED:
+        layers = [e for _, ex in outs for e in ex]
+        line += f"; mean exit layer {sum(layers) / len(layers):.2f} of {backend.num_layers}"
+    if mode is Mode.EXACT:
+        st = engine.spec_stats.as_dict()
+        line += (f"; draft exit {engine.draft_exit}, {st['rounds']} rounds, acceptance "
+                 f"{st['acceptance_rate']:.2f}, {st['tokens_per_round']:.2f} tokens per round")
+    print(line)
+    if cfg.temperature > 0 or mode is Mode.FULL:
+        return 0
+    full, full_seconds, _ = decode(Mode.FULL)
+    differ = sum(a != b for (x, _), (y, _) in zip(outs, full) for a, b in zip(x, y))
+    print(f"full depth: {full_seconds:.2f} s ({n / full_seconds:.1f} tokens/s); tokens differing from full-depth "
+          f"greedy: {differ} of {n} ({mode.value} is {full_seconds / seconds:.2f}x full depth)")
+    return 1 if mode is Mode.EXACT and differ else 0

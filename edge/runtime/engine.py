@@ -186,6 +186,7 @@ class Engine:
         if draft is not None and draft not in decision:
             raise ConfigError(f"speculative.draft_exit {draft} is not a decision exit of this model "
                               f"(exits {backend.exit_layers})")
+        self.draft_exit = draft  # exit layer that drafts (None: the model has no decision exit)
         self._draft_seg = decision.index(draft) if draft is not None else None
         self.spec_costs = DraftCosts(draft or 0, backend.num_layers, spec.max_draft + 1)
         self.spec_stats = SpecStats()
@@ -485,10 +486,7 @@ class Engine:
                 n, token = accept_sampled(drafts[b], dists[b], full, s.rng)
             else:
                 n, token = accept_greedy(drafts[b], out.token)
-            st = self.spec_stats
-            st.rounds, st.drafted, st.accepted, st.emitted = st.rounds + 1, st.drafted + rows - 1, st.accepted + n, \
-                st.emitted + n + 1
-            st.predicted += sum(probs[b][:rows - 1])
+            self.spec_stats.record(rows - 1, n, sum(probs[b][:rows - 1]))
             decided.append((s, drafts[b][:n] + [token]))
         decided.sort(key=lambda e: e[0].slot)
         for s, tokens in decided:

@@ -31,7 +31,7 @@ more token from p. The output is distributed exactly as the full model's.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -94,6 +94,15 @@ class DraftCosts:
         self.verify = np.zeros(max_rows + 1)  # [rows] measured seconds (where _seen)
         self._calls = np.zeros(max_rows + 2, int)  # calls seen: [0] draft steps, [m] verifications of m rows
         self._seen = np.zeros(max_rows + 1, bool)
+
+    @classmethod
+    def fixed(cls, step: float, verify: dict[int, float]) -> "DraftCosts":
+        """Costs given, not measured (any unit): a draft step and a verification by row count."""
+        costs = cls(0, 1, max(verify))
+        costs.step, costs._calls[0] = step, 2
+        for rows, v in verify.items():
+            costs.verify[rows], costs._seen[rows] = v, True
+        return costs
 
     def observe_step(self, seconds: float) -> None:
         self._calls[0] += 1
@@ -179,6 +188,16 @@ class SpecStats:
     emitted: int = 0  # tokens the rounds produced (accepted + one per round)
     draft_steps: int = 0  # draft-step rows computed (including the drafts the stop rule then dropped)
     predicted: float = 0.0  # sum of the verified drafts' calibrated agreement (calibrated rule only)
+    # rounds by (drafts verified, drafts accepted): where a stop rule's rounds end and why
+    lengths: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    def record(self, drafted: int, accepted: int, predicted: float) -> None:
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.emitted += accepted + 1
+        self.predicted += predicted
+        self.lengths[(drafted, accepted)] = self.lengths.get((drafted, accepted), 0) + 1
 
     @property
     def acceptance_rate(self) -> float:
@@ -193,4 +212,5 @@ class SpecStats:
                 "draft_steps": self.draft_steps, "acceptance_rate": self.acceptance_rate,
                 "predicted_acceptance": self.predicted / self.drafted if self.drafted else 0.0,
                 "tokens_per_round": self.tokens_per_round,
-                "mean_accepted_length": self.accepted / self.rounds if self.rounds else 0.0}
+                "mean_accepted_length": self.accepted / self.rounds if self.rounds else 0.0,
+                "rounds_by_drafted_accepted": {f"{k}/{n}": c for (k, n), c in sorted(self.lengths.items())}}
