@@ -424,8 +424,8 @@ class Engine:
         base = [s.length for s in seqs]  # position of each sequence's newest token (not yet cached)
         # the most drafts a sequence may have verified: a round emits drafts + 1 tokens, within max_tokens,
         # and writes positions base .. base + drafts, within the cache
-        cap = [max(0, min(spec.max_draft, s.req.max_tokens - len(s.tokens) - 1, self.cfg.max_len - s.length - 1))
-               for s in seqs]
+        most = spec.fixed if spec.stop is StopRule.FIXED else spec.max_draft  # a fixed length asks for no more
+        cap = [max(0, min(most, s.req.max_tokens - len(s.tokens) - 1, self.cfg.max_len - s.length - 1)) for s in seqs]
         resid: list[list[np.ndarray]] = [[] for _ in seqs]  # residual after the draft exit, per row drafted from
         drafts: list[list[int]] = [[] for _ in seqs]
         dists: list[list[np.ndarray | None]] = [[] for _ in seqs]  # what each draft was sampled from

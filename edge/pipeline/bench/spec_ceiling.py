@@ -171,25 +171,28 @@ def simulate(trace: AgreementTrace, costs: SpecCosts, stop: Stop, max_draft: int
             "acceptance_rate": accepted / drafted if drafted else 0.0}
 
 
-def stop_rules(costs: SpecCosts, spec: SpecConfig) -> dict[str, Stop]:
-    """The engine's rules (edge.runtime.speculative.include_next) with these costs, and the oracle."""
+def stop_rules(costs: SpecCosts, spec: SpecConfig) -> dict[str, tuple[Stop, int]]:
+    """The engine's rules (edge.runtime.speculative.include_next) with these costs, and the oracle, each
+    with the most drafts a round can have (as the engine caps them: a fixed length k never asks for a
+    (k+1)-th draft, so its last step runs without the head)."""
     draft_costs = DraftCosts.fixed(costs.draft_step, costs.verify)
 
-    def engine_rule(cfg: SpecConfig) -> Stop:
-        return lambda k, probs, top1, agrees: include_next(cfg, k, probs, top1, draft_costs)
+    def engine_rule(cfg: SpecConfig) -> tuple[Stop, int]:
+        cap = cfg.fixed if cfg.stop is StopRule.FIXED else cfg.max_draft
+        return (lambda k, probs, top1, agrees: include_next(cfg, k, probs, top1, draft_costs)), cap
 
-    rules: dict[str, Stop] = {"calibrated": engine_rule(SpecConfig(stop=StopRule.CALIBRATED, max_draft=spec.max_draft))}
+    rules = {"calibrated": engine_rule(SpecConfig(stop=StopRule.CALIBRATED, max_draft=spec.max_draft))}
     for k in range(1, spec.max_draft + 1):
         rules[f"fixed_{k}"] = engine_rule(SpecConfig(stop=StopRule.FIXED, fixed=k, max_draft=spec.max_draft))
     for th in (0.3, 0.5, 0.6, 0.7, 0.9):
         rules[f"top1_{th}"] = engine_rule(SpecConfig(stop=StopRule.TOP1, top1=th, max_draft=spec.max_draft))
-    rules["oracle"] = lambda k, probs, top1, agrees: agrees
+    rules["oracle"] = (lambda k, probs, top1, agrees: agrees), spec.max_draft
     return rules
 
 
 def ceiling(trace: AgreementTrace, costs: SpecCosts, spec: SpecConfig) -> dict:
     """Every rule's simulated speedup, the oracle ceiling and the perfect-draft ceiling."""
-    rules = {name: simulate(trace, costs, stop, spec.max_draft) for name, stop in stop_rules(costs, spec).items()}
+    rules = {name: simulate(trace, costs, stop, cap) for name, (stop, cap) in stop_rules(costs, spec).items()}
     k = spec.max_draft
     perfect = costs.full_step * (k + 1) / (k * costs.draft_step + costs.draft_step_no_head + costs.verify[k + 1])
     best = lambda prefix: max((v["speedup_vs_full"], n) for n, v in rules.items() if n.startswith(prefix))  # noqa: E731
