@@ -67,7 +67,7 @@ from edge.model.exits import MultiExitModel, exit_decision_stats
 from edge.model.decoder import rope_cos_sin
 from edge.model.segments import segment_layers
 from edge.runtime.graphs import FUSED_DIR, GRAPHS_FORMAT, GRAPHS_JSON
-from exporters.ort_fused import build_fused, fused_supported, save_fused
+from exporters.ort_fused import DRAFT_HEAD, build_fused, fused_supported, save_draft_head, save_fused
 
 SUPPORTED_OPSETS = (17, 18)
 # Protobuf's hard limit: one ModelProto cannot exceed 2 GiB, larger weights go to external data.
@@ -388,6 +388,9 @@ def export_onnx(model: MultiExitModel, out_dir: str | Path, cfg: ExportConfig,
         manifest.fused_skipped = fused_supported(model)
         if manifest.fused_skipped is None:
             fused = save_fused(build_fused(model, seg_layers), tmp / FUSED_DIR, cfg.external_data_threshold)
+            if len(model.exit_layers) > 1:  # a draft exit exists: self-speculative decoding drafts with it
+                fused[DRAFT_HEAD] = save_draft_head(tmp / FUSED_DIR / fused["head"][0], tmp / FUSED_DIR,
+                                                    external_data=fused["head"][3] is not None)
             for name, (file, ins, outs, data) in fused.items():
                 info = GraphInfo(f"{FUSED_DIR}/{file}", ins, outs, sha256_file(tmp / FUSED_DIR / file))
                 if data:

@@ -47,6 +47,10 @@ is not in them)
     (false at the first exit) and the previous exit's ``prev_token`` int64 [B], ``prev_run`` [B],
     ``prev_exit_hidden`` [B, D]; outputs ``exit_features`` [B, 6], ``exit_score`` [B] (exit where >= 0),
     ``exit_run`` [B]. With gates it runs for the rows that exit only.
+``draft_head`` (the ``head`` graph with its LM-head weight quantized to int8, per output channel,
+activations quantized per call: ONNX Runtime's dynamic quantization; same inputs and outputs)
+    What self-speculative decoding drafts with: a draft only proposes a token that the full model
+    then verifies in float32, so the output stays exact, and a draft step's head costs about half.
 ``kvfill_{i}`` (segments i..last, for rows that exited after segment i-1: CALM's propagation)
     in:  ``hidden`` [B, T, D] (the residual at the exit), ``positions`` int64 [B, T]
     out: ``key_{j}``, ``value_{j}`` float32 [B, T, KV * hd] (rotated keys; the caller writes them)
@@ -58,6 +62,7 @@ Parity with the torch model is checked by :func:`exporters.parity.check_fused_pa
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -446,3 +451,30 @@ def save_fused(graphs: list[FusedGraph], out_dir: Path, external_data_threshold:
         files[g.name] = (path.name, [i.name for i in g.proto.graph.input], [o.name for o in g.proto.graph.output],
                          data)
     return files
+
+
+DRAFT_HEAD = "draft_head"
+
+
+def save_draft_head(head: Path, out_dir: Path, external_data: bool = False
+                    ) -> tuple[str, list[str], list[str], str | None]:
+    """Write ``draft_head.onnx`` next to ``head`` (:data:`DRAFT_HEAD` in the module docstring): the LM
+    head's MatMul with int8 weights, its weights in ``draft_head.onnx.data`` when ``external_data``
+    (as :func:`save_fused` stores the head's). Returns what :func:`save_fused` returns for one graph."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    path = out_dir / f"{DRAFT_HEAD}.onnx"
+    quiet = logging.getLogger().level
+    logging.getLogger().setLevel(logging.ERROR)  # the quantizer advises a pre-processing pass a head does not need
+    try:
+        quantize_dynamic(str(head), str(path), weight_type=QuantType.QInt8, per_channel=True,
+                         op_types_to_quantize=["MatMul"])  # the head's only MatMul with a constant weight
+    finally:
+        logging.getLogger().setLevel(quiet)
+    proto = onnx.load(str(path))
+    data = None
+    if external_data:
+        data = f"{path.name}.data"
+        onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=data, size_threshold=1024)
+    return path.name, [i.name for i in proto.graph.input], [o.name for o in proto.graph.output], data

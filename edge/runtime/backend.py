@@ -135,7 +135,8 @@ class Backend(abc.ABC):
         self._attached()
 
     def segment(self, i: int, x: np.ndarray, slots: np.ndarray, start: np.ndarray,
-                prev: SegmentOut | None = None, decide: bool = True, rows: int = 1) -> SegmentOut:
+                prev: SegmentOut | None = None, decide: bool = True, rows: int = 1, draft: bool = False
+                ) -> SegmentOut:
         """Run segment i on new rows: token ids int64 [B, T] when i == 0, else the residual float32
         [B, T, D]; sequence b lives in cache slot ``slots[b]`` and has ``start[b]`` tokens cached, so its
         rows sit at positions start[b] .. start[b] + T - 1. Writes the rows' K/V into the cache; the
@@ -146,10 +147,14 @@ class Backend(abc.ABC):
         and score are then undefined. ``rows``: the exit runs on each sequence's last ``rows`` rows
         (1 <= rows <= T), and its outputs have B * rows rows (a verification call of self-speculative
         decoding reads the last exit's prediction at every row); with rows > 1 no decision is read
-        (the last segment, or ``decide`` False)."""
+        (the last segment, or ``decide`` False). ``draft``: the exit's token only proposes a draft that the
+        full model verifies, so a backend may compute the head approximately (the ONNX Runtime backend
+        runs the export's int8 ``draft_head``); never for the last segment."""
         b, t = x.shape[:2]
         if t != 1 and b != 1:
             raise ConfigError(f"a segment call takes one row per sequence or one sequence, got B={b}, T={t}")
+        if draft and i == len(self.segments) - 1:
+            raise ConfigError("the last segment's head is the full model's: it never drafts")
         if not 1 <= rows <= t or (rows > 1 and decide and i < len(self.segments) - 1):
             raise ConfigError(f"rows={rows}: the exit runs on 1..T={t} rows, and on more than one only where no "
                               f"exit decision is read")
@@ -161,7 +166,7 @@ class Backend(abc.ABC):
             raise ConfigError(f"token ids outside the vocabulary [0, {self.vocab_size})")
         if int(start.max()) + t > self.cache.capacity:
             raise ConfigError(f"positions up to {int(start.max()) + t} exceed the cache capacity {self.cache.capacity}")
-        return self._segment(i, x, slots, start, prev, decide or i == len(self.segments) - 1, rows)
+        return self._segment(i, x, slots, start, prev, decide or i == len(self.segments) - 1, rows, draft)
 
     def head(self, i: int, exit_hidden: np.ndarray) -> HeadOut:
         """The LM head of gated decision exit i on normalised exit hidden rows [B, D]."""
@@ -180,7 +185,7 @@ class Backend(abc.ABC):
         """Hook: the cache was (re)attached."""
 
     @abc.abstractmethod
-    def _segment(self, i, x, slots, start, prev, decide, rows) -> SegmentOut: ...
+    def _segment(self, i, x, slots, start, prev, decide, rows, draft) -> SegmentOut: ...
 
     @abc.abstractmethod
     def _kvfill(self, i, hidden, slots, positions) -> None: ...

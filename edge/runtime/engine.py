@@ -440,7 +440,7 @@ class Engine:
             t0 = time.perf_counter()
             out = prev = None
             for i in range(d + 1):
-                out = backend.segment(i, x, slots, start, prev, decide=heads)
+                out = backend.segment(i, x, slots, start, prev, decide=heads, draft=True)  # heads only draft
                 x, prev = out.hidden, out
             logits, tok, stats = out.logits, out.token, out.stats
             if heads and backend.spec.gated:

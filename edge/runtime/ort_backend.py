@@ -52,6 +52,7 @@ class _Plan:
 
     io: object
     head_io: object | None  # the head graph bound to this segment's exit hidden (None: a gated decision exit)
+    head_sess: object  # the session head_io belongs to (the exact head, or the draft head)
     x: np.ndarray  # [B, T] ids or [B, T, D] hidden (input)
     seqlens: np.ndarray  # [B] int32
     total: np.ndarray  # [] int32
@@ -92,10 +93,12 @@ class OrtBackend(Backend):
         # K/V fill graphs (state propagation) are opened on first use: deferral never loads their weights
         self._fill: list = [None] * len(self.segments)
         self._head_sess = session("head")  # one LM head for every exit
+        # self-speculative drafts' head (int8 weights), opened on first use; the exact head if not exported
+        self._draft_head_sess = None if "draft_head" in fused["graphs"] else self._head_sess
         self._head_decides = "rule_w" in {x.name for x in self._head_sess.get_inputs()}
         self.pool_threads = pool_threads()
         self.gathered_rows = 0  # past rows copied for batches over scattered slots
-        self._plans: dict[tuple[int, int, int, int, int], _Plan] = {}  # (segment, first slot, B, T, rows)
+        self._plans: dict[tuple, _Plan] = {}  # (segment, first slot, B, T, rows, draft)
         self._bufs: dict[tuple[str, int, int, int], np.ndarray] = {}
         ov = ort.OrtValue.ortvalue_from_numpy
         self._rule_values = [(ov(w), ov(b)) for w, b in zip(self.rule_w, self.rule_b)]  # bound once, updated in place
@@ -135,7 +138,8 @@ class OrtBackend(Backend):
             self._bufs[key] = np.zeros(shape, dtype)
         return self._bufs[key]
 
-    def _make_plan(self, i: int, s0: int | None, b: int, t: int, values: list[tuple] | None, rows: int = 1) -> _Plan:
+    def _make_plan(self, i: int, s0: int | None, b: int, t: int, values: list[tuple] | None, rows: int = 1,
+                   draft: bool = False) -> _Plan:
         """Bind segment i's graph, and the head graph after it, to buffers for B = ``b`` sequences of ``t``
         rows each, the exit on the last ``rows`` of them. Decode plans (s0 given, t == 1) chain through shared buffers: segment i's hidden and
         exit hidden and its exit's token, run and gate are the arrays segment i+1 and its head read, so a
@@ -169,8 +173,9 @@ class OrtBackend(Backend):
                          "prev_token": self._buf("token", i, chain, b, (r,), np.int64),
                          "prev_run": self._buf("run", i, chain, b, (r,), f32)}
         io = self._seg[i].io_binding()
-        head_io = None if gated_exit else self._head_sess.io_binding()
-        plan = _Plan(io, head_io, x, np.zeros(b, np.int32), np.zeros((), np.int32), np.zeros((), np.int64), out,
+        head_sess = self._draft_head() if draft else self._head_sess
+        head_io = None if gated_exit else head_sess.io_binding()
+        plan = _Plan(io, head_io, head_sess, x, np.zeros(b, np.int32), np.zeros((), np.int32), np.zeros((), np.int64), out,
                      {**seg_prev, **head_prev})
         io.bind_ortvalue_input("input_ids" if i == 0 else "hidden", ov(x))
         io.bind_ortvalue_input("seqlens_k", ov(plan.seqlens))
@@ -205,20 +210,26 @@ class OrtBackend(Backend):
             io.bind_ortvalue_input("rule_b", self._rule_values[rule][1])
 
     # ---------------------------------------------------------------- calls
-    def _segment(self, i, x, slots, start, prev, decide, rows):
+    def _segment(self, i, x, slots, start, prev, decide, rows, draft):
         b, t = x.shape[:2]
         s0 = contiguous_start(slots)
         if s0 is not None and t <= MAX_PLAN_ROWS:  # decode steps, deferred rows with their new token, verification
-            key = (i, s0, b, t, rows)
+            key = (i, s0, b, t, rows, draft)
             plan = self._plans.get(key)
             if plan is None:
                 values = [self._cache_values(j, s0, b) for j in self.segments[i]]
-                plan = self._plans[key] = self._make_plan(i, s0, b, t, values, rows)
+                plan = self._plans[key] = self._make_plan(i, s0, b, t, values, rows, draft)
             return self._run(i, plan, x, start, t, prev, decide, rows)
         if s0 is not None:  # a prompt chunk: bind its cache slot, fresh buffers
-            plan = self._make_plan(i, None, b, t, [self._cache_values(j, s0, b) for j in self.segments[i]], rows)
+            plan = self._make_plan(i, None, b, t, [self._cache_values(j, s0, b) for j in self.segments[i]], rows,
+                                   draft)
             return self._run(i, plan, x, start, t, prev, decide, rows)
-        return self._gathered(i, x, slots, start, prev, decide)
+        return self._gathered(i, x, slots, start, prev, decide, draft)
+
+    def _draft_head(self):
+        if self._draft_head_sess is None:
+            self._draft_head_sess = self._session("draft_head")
+        return self._draft_head_sess
 
     def _run(self, i: int, plan: _Plan, x: np.ndarray, start: np.ndarray, t: int, prev: SegmentOut | None,
              decide: bool, rows: int = 1) -> SegmentOut:
@@ -234,10 +245,10 @@ class OrtBackend(Backend):
         plan.exit_index[()] = t - rows
         self._seg[i].run_with_iobinding(plan.io)
         if plan.head_io is not None and decide:
-            self._head_sess.run_with_iobinding(plan.head_io)
+            plan.head_sess.run_with_iobinding(plan.head_io)
         return plan.out
 
-    def _gathered(self, i, x, slots, start, prev, decide):
+    def _gathered(self, i, x, slots, start, prev, decide, draft=False):
         """T == 1 over scattered slots: copy their past into scratch, run, write the new rows back."""
         b = len(slots)
         p = int(start.max()) + 1
@@ -251,7 +262,7 @@ class OrtBackend(Backend):
             np.take(c.values[j][:, :, :p], slots, axis=0, out=v)
             scratch.append((k, v))
         self.gathered_rows += b * p * len(scratch)
-        plan = self._make_plan(i, None, b, 1, [(ov(k), ov(v)) for k, v in scratch])
+        plan = self._make_plan(i, None, b, 1, [(ov(k), ov(v)) for k, v in scratch], draft=draft)
         out = self._run(i, plan, x, start, 1, prev, decide)
         rows = np.arange(b)
         for j, (k, v) in zip(self.segments[i], scratch):

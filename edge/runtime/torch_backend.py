@@ -24,7 +24,7 @@ class TorchBackend(Backend):
         super().__init__(ModelSpec.of(model))
         self.model = model.eval()
 
-    def _segment(self, i, x, slots, start, prev, decide, rows):
+    def _segment(self, i, x, slots, start, prev, decide, rows, draft):  # the reference drafts with the exact head
         with torch.no_grad():
             bb = self.model.backbone
             b, t = x.shape[:2]

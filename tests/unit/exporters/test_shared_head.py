@@ -60,7 +60,12 @@ def test_head_weight_stored_once_per_family(exported):
     v, d = TINY["vocab_size"], TINY["hidden_size"]
     for folder, embedding_in in ((out, "embed.onnx"), (out / FUSED_DIR, "segment_0.onnx")):
         held = {p.name: _vocab_sized(p, v, d) for p in sorted(folder.glob("*.onnx"))}
-        assert {k: len(n) for k, n in held.items() if n} == {embedding_in: 1, "head.onnx": 1}, held
+        # the fused family adds the int8 draft head of self-speculative decoding (a quarter of the bytes)
+        draft = {"draft_head.onnx": 1} if folder.name == FUSED_DIR else {}
+        assert {k: len(n) for k, n in held.items() if n} == {embedding_in: 1, "head.onnx": 1, **draft}, held
+    proto = onnx.load(str(out / FUSED_DIR / "draft_head.onnx"))
+    (w,) = [t for t in proto.graph.initializer if int(np.prod(t.dims)) == v * d]
+    assert w.data_type == onnx.TensorProto.INT8
 
 
 def test_graphs_json_lists_one_head(exported):
@@ -70,7 +75,7 @@ def test_graphs_json_lists_one_head(exported):
     g, fused = meta["graphs"], meta["fused"]["graphs"]
     assert sorted(g) == ["embed", "head", "kvfill_1", "kvfill_2", "kvfill_3",
                          "segment_0", "segment_1", "segment_2", "segment_3"]
-    assert sorted(fused) == sorted(set(g) - {"embed"})
+    assert sorted(fused) == sorted(set(g) - {"embed"} | {"draft_head"})
     assert g["head"]["inputs"] == ["exit_hidden"] and g["head"]["outputs"] == ["logits", "exit_stats", "exit_token"]
     assert g["segment_1"]["outputs"] == ["hidden_out", "exit_hidden", "present_key_1", "present_value_1"]
     # the fused head also scores the exit rule; "first exit" is an input (one graph, one copy of the weight)
