@@ -311,3 +311,26 @@ def test_table_rule_decides_as_the_calibrated_score_of_the_signals():
                 ref = cals[k].score(signals_from_stats({k: stats[k]}, {j: tokens[j] for j in upto},
                                                        {j: hidden[j] for j in upto}, num_exits=len(layers))) >= thr[k]
             assert np.array_equal(got, ref), (names, k)
+
+
+def test_table_rule_agreement_is_the_calibrated_probability():
+    """TableRule.agreement (what the calibrated draft-length rule of mode exact reads per draft step)
+    computes the calibrator's probability from the features without predict's checks: it must equal
+    Calibrator.predict for every calibrator kind, constant calibrators included."""
+    from calibration.calibrators import Calibrator, CalibratorKind
+    from calibration.signals import SIGNAL_NAMES
+    from calibration.table import TableRule, ThresholdTable
+
+    rng = np.random.default_rng(5)
+    layers = [3, 9, 12]
+    x = rng.random((300, len(SIGNAL_NAMES)))
+    for kind in CalibratorKind:
+        cals = {3: Calibrator(kind).fit(x, (x[:, 0] + 0.3 * rng.random(300) > 0.6).astype(int)),
+                9: Calibrator(kind).fit(x, np.ones(300, int))}  # all targets 1: a constant calibrator
+        rule = TableRule(ThresholdTable("x", layers, kind.value, 0.5, {3: 0.0, 9: 0.0}, cals))
+        feats = rng.random((64, len(SIGNAL_NAMES))).astype(np.float32)
+        for k in (3, 9):
+            # float64 both ways, the score reassociated ((x - mean) / std @ coef vs x @ (coef / std) + b): the
+            # probabilities (scale 1, continuous in the score) agree to a few float64 ulps of that scale
+            np.testing.assert_allclose(rule.agreement(k, feats), cals[k].predict(feats), rtol=1e-9, atol=1e-12)
+        assert cals[9].constant is not None and np.all(rule.agreement(9, feats) == cals[9].constant)
