@@ -63,7 +63,7 @@ class SpecConfig:
                               f"got {self.stop!r}") from None
         if not 1 <= self.max_draft <= 7:  # verification rows <= 8: the ONNX Runtime plans' row limit
             raise ConfigError(f"speculative.max_draft must be in 1..7, got {self.max_draft}")
-        if not 1 <= self.fixed <= self.max_draft:
+        if self.stop is StopRule.FIXED and not 1 <= self.fixed <= self.max_draft:
             raise ConfigError(f"speculative.fixed must be in 1..max_draft ({self.max_draft}), got {self.fixed}")
         if not 0.0 <= self.top1 <= 1.0:
             raise ConfigError(f"speculative.top1 must be in [0, 1], got {self.top1}")
@@ -83,10 +83,17 @@ class DraftCosts:
     of a row count not measured yet is estimated from the nearest one measured, ``ROW_GROWTH`` more
     per extra row (measured on ONNX Runtime CPU, 2 cores: 1 -> 3 rows costs +3%, 1 -> 8 rows +70%), so
     an estimate never keeps the rule from trying a length. Before any measurement the costs are the
-    layer counts' shares of a full-depth step: only their ratios matter to the stop rule."""
+    layer counts' shares of a full-depth step: only their ratios matter to the stop rule.
+
+    Outliers (a GC pause, a context switch) must not turn drafting off for good: a length the rule
+    stops choosing is never measured again. So an observation counts at most ``OUTLIER`` times the
+    current estimate, and no estimate exceeds ``CAP`` times what the cheapest measured length
+    predicts for it."""
 
     ALPHA = 0.2
     ROW_GROWTH = 0.05
+    OUTLIER = 3.0
+    CAP = 1.5
 
     def __init__(self, draft_layers: int, num_layers: int, max_rows: int) -> None:
         self.step = draft_layers / num_layers
@@ -110,25 +117,31 @@ class DraftCosts:
             self._verify0 *= seconds / self.step
             self.step = seconds
         elif self._calls[0] > 2:
-            self.step += self.ALPHA * (seconds - self.step)
+            self.step += self.ALPHA * (min(seconds, self.OUTLIER * self.step) - self.step)
 
     def observe_verify(self, rows: int, seconds: float) -> None:
         self._calls[rows] += 1
         if self._calls[rows] == 1:
             return
+        seconds = min(seconds, self.OUTLIER * self.verification(rows))
         if not self._seen[rows]:
             self.verify[rows], self._seen[rows] = seconds, True
         else:
             self.verify[rows] += self.ALPHA * (seconds - self.verify[rows])
 
+    def _extrapolated(self, rows: int, seen: np.ndarray) -> float:
+        near = int(seen[np.argmin(np.abs(seen - rows))])
+        return float(self.verify[near]) * (1 + self.ROW_GROWTH * (rows - near))
+
     def verification(self, rows: int) -> float:
-        if self._seen[rows]:
-            return float(self.verify[rows])
         seen = np.flatnonzero(self._seen)
         if not len(seen):
             return self._verify0 * (1 + self.ROW_GROWTH * (rows - 1))
-        near = int(seen[np.argmin(np.abs(seen - rows))])
-        return float(self.verify[near]) * (1 + self.ROW_GROWTH * (rows - near))
+        if not self._seen[rows]:
+            return self._extrapolated(rows, seen)
+        low = int(seen[0])
+        cap = self.CAP * float(self.verify[low]) * (1 + self.ROW_GROWTH * (rows - low))
+        return min(float(self.verify[rows]), cap) if rows > low else float(self.verify[rows])
 
     def round(self, drafts: int) -> float:
         """C(k): the seconds of a round with ``drafts`` draft tokens."""
