@@ -143,7 +143,7 @@ def _bench_md(b: dict[str, Any]) -> list[str]:
 
         lines += ["", *goals_table(b["goals"])]
     scalars = {k: v for k, v in b.items() if not isinstance(v, dict)
-               and (k.startswith("speedup") or k == "false_exit_rate")}
+               and (k.startswith("speedup") and "speculative" not in k or k == "false_exit_rate")}
     by_mode = {k: v for k, v in b.items() if k.endswith("_by_mode")}
     lines += ["", f"- (d) = exits with skipped layers' K/V by {b.get('kv_mode')}: "
               + ", ".join(f"{k} {_fmt(v, '.3f')}" for k, v in scalars.items()),
@@ -151,7 +151,41 @@ def _bench_md(b: dict[str, Any]) -> list[str]:
                   f"{k} " + ", ".join(f"{m} {_fmt(x, '.3f')}" for m, x in v.items()) for k, v in by_mode.items()),
               "- decode step of (d) at batch 1, ms: " + ", ".join(f"{k} {v:.3f}" for k, v in b["profile_b1"].items()),
               "- peak RSS over the libraries-imported baseline (MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in (b.get("peak_rss_mib") or {}).items()),
+              *_speculative_md(b),
               "", "Details: `bench/decode.md`, chart `bench/decode.png`.", ""]
+    return lines
+
+
+def _speculative_md(b: dict[str, Any]) -> list[str]:
+    """(e) self-speculative decoding: ratios, acceptance, the batch-1 sweep of draft exits and stop rules."""
+    if b.get("speculative_mismatches") is None:  # a run benchmarked before (e) existed
+        return []
+    sc = b.get("speculative_config") or {}
+    spec = {k: (row.get("speculative") or {}) for k, row in b["batches"].items()}
+    lines = ["", f"**(e) self-speculative decoding** (mode exact, draft exit {sc.get('draft_exit')}, rule "
+             f"{sc.get('stop')}): tokens differing from full depth (c) "
+             f"**{_fmt(b.get('speculative_mismatches'), 'd')}** of "
+             f"{_fmt(b.get('speculative_tokens_compared'), 'd')}; (e)/(c) "
+             + ", ".join(f"batch {k} {_fmt(row.get('speedup_speculative_vs_full'), '.3f')}"
+                         for k, row in b["batches"].items())
+             + f"; (e)/(b) LayerSkip at batch 1 {_fmt(b.get('speedup_speculative_vs_layerskip_b1'), '.3f')}; "
+             "acceptance rate / mean accepted length / tokens per round: "
+             + ", ".join(f"batch {k} {_fmt(st.get('acceptance_rate'), '.3f')} / "
+                         f"{_fmt(st.get('mean_accepted_length'), '.2f')} / {_fmt(st.get('tokens_per_round'), '.2f')}"
+                         for k, st in spec.items())]
+    by_exit, stops = b.get("speculative_by_draft_exit"), b.get("speculative_stop_rules")
+    if by_exit:
+        lines += ["", "| draft exit (batch 1, calibrated rule) | (e)/(c) | acceptance rate | mean accepted length |",
+                  "| ---: | ---: | ---: | ---: |"]
+        lines += [f"| {k} | {_fmt(r['speedup_vs_full'], '.3f')} | {_fmt(r['acceptance_rate'], '.3f')} | "
+                  f"{_fmt(r['mean_accepted_length'], '.2f')} |" for k, r in by_exit.items()]
+    if stops:
+        lines += ["", "| stop rule (batch 1) | (e)/(c) | acceptance rate | tokens per round |",
+                  "| --- | ---: | ---: | ---: |"]
+        lines += [f"| {k} | {_fmt(r['speedup_vs_full'], '.3f')} | {_fmt(r['acceptance_rate'], '.3f')} | "
+                  f"{_fmt(r['tokens_per_round'], '.2f')} |" for k, r in stops.items()]
+        lines += ["", f"Calibrated rule / best fixed-or-top-1 rule: "
+                  f"{_fmt(b.get('speculative_calibrated_vs_best_other_b1'), '.3f')}."]
     return lines
 
 
@@ -180,7 +214,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     if "decode_bench" in report:
         b = report["decode_bench"]
         ratios = [(k, b.get(k)) for k in ("speedup_exit_vs_full_b1", "speedup_exit_vs_full_b16",
-                                          "speedup_full_vs_llamacpp_b1", "speedup_exit_vs_llamacpp_b1")]
+                                          "speedup_full_vs_llamacpp_b1", "speedup_exit_vs_llamacpp_b1",
+                                          "speedup_speculative_vs_full_b1")]
         lines.append("decode: " + ", ".join(f"{k.removeprefix('speedup_')} {_fmt(v, '.2f')}" for k, v in ratios))
     return lines
 

@@ -9,7 +9,13 @@ Systems, on the same weights and the same held-out prompts (equal length, no pad
   engine_exit_propagate, engine_exit_defer
                (d) the same engine with the calibrated threshold table, skipped layers' K/V by
                    state propagation or by deferred recomputation; both are measured, and
-                   ``kv_mode`` names the one reported as (d) (the other is (d')).
+                   ``kv_mode`` names the one reported as (d) (the other is (d'));
+  engine_speculative
+               (e) the same engine on the exits export, requests in mode ``exact``: lossless
+                   self-speculative decoding from a draft exit, at every batch size (its tokens must be
+                   (c)'s: counted as mismatches); a sweep at batch 1 compares its draft-length rules and
+                   draft exits (:mod:`edge.pipeline.bench.speculation`);
+  llamacpp     (f) llama.cpp, when installed.
 Per batch size: warm-up runs, then repeats in which the systems run interleaved (rotated
 order); ratios are computed repeat by repeat and their median reported. Tokens/s counts
 generated tokens over the whole ``generate`` call (prefill included, the same for all).
@@ -41,13 +47,16 @@ from edge.core.artifacts import Manifest, atomic_dir, atomic_write_json
 from edge.pipeline.bench.summary import SYSTEMS, goals, headline, plot, render_markdown, summary_lines
 from edge.core.data import Split, heldout_prompts, load_split
 from edge.runtime.backend import make_backend
-from edge.runtime.engine import Engine, EngineConfig, KVMode, Request
+from edge.runtime.engine import Engine, EngineConfig, KVMode, Mode, Request
 from edge.runtime.profile import ProfiledBackend, ProfiledRule
 from edge.runtime.rules import NeverExit
+from edge.runtime.speculative import SpecConfig, StopRule
 from edge.core.errors import ConfigError
 from edge.model.exits import MultiExitModel, load_multi_exit
 from edge.model.tokenizer import load_tokenizer
 from edge.pipeline.bench.segments import segment_call_overhead
+from edge.pipeline.bench.speculation import (calibrated_vs_best_other, distinct, pool_stats, speculative_sweep,
+                                             sweep_variants, token_mismatches)
 from edge.pipeline.freerun import check_continuations
 
 STAGE = "bench_decode"
@@ -72,8 +81,20 @@ class DecodeBenchConfig:
     # certificate covers (calibration chose it); naming a mode measures that one as (d), uncertified
     kv_mode: str = "table"
     overhead_spans: int = 4  # segment-cost row: this many chained layer spans vs one call
+    # (e) self-speculative decoding: the draft exit (None: the engine's default, the first decision exit),
+    # the draft-length rule, and whether to sweep the rules and draft exits at batch 1, with how many
+    # paired repeats (after ``warmup``): a run at batch 1 takes ~0.3 s, and single pairs vary by ~15%
+    draft_exit: int | None = None
+    spec_stop: str = "calibrated"
+    spec_sweep: bool = True
+    spec_sweep_repeats: int = 5
 
     def __post_init__(self) -> None:
+        try:
+            self.spec_stop = StopRule(self.spec_stop).value
+        except ValueError:
+            raise ConfigError(f"bench.spec_stop must be one of {', '.join(r.value for r in StopRule)}, "
+                              f"got {self.spec_stop!r}") from None
         if self.kv_mode != "table":
             try:
                 self.kv_mode = KVMode(self.kv_mode).value
@@ -83,6 +104,8 @@ class DecodeBenchConfig:
             raise ConfigError("bench.batch_sizes must be a non-empty list of positive sizes")
         if self.repeats < 1 or self.new_tokens < 2 or self.prompt_tokens < 1:
             raise ConfigError("bench: repeats >= 1, new_tokens >= 2 and prompt_tokens >= 1 are required")
+        if self.spec_sweep_repeats < 1:
+            raise ConfigError(f"bench.spec_sweep_repeats must be >= 1, got {self.spec_sweep_repeats}")
 
 
 @dataclass
@@ -91,6 +114,7 @@ class RunResult:
     exit_layers: list[list[int]] | None
     seconds: float
     token_latencies: list[float]  # seconds between consecutive tokens of a sequence
+    spec_stats: list[dict[str, Any]] = field(default_factory=list)  # mode exact: SpecStats of each engine
 
 
 # ------------------------------------------------------------------ systems
@@ -140,14 +164,19 @@ def run_groups(fn, groups: list[list[list[int]]], n: int) -> RunResult:
     parts = [fn(g, n) for g in groups]
     return RunResult([t for p in parts for t in p.tokens],
                      None if parts[0].exit_layers is None else [e for p in parts for e in p.exit_layers],
-                     sum(p.seconds for p in parts), [g for p in parts for g in p.token_latencies])
+                     sum(p.seconds for p in parts), [g for p in parts for g in p.token_latencies],
+                     [d for p in parts for d in p.spec_stats])
 
 
-def run_engine(backend, rule, prompts: list[list[int]], n: int, kv_mode: KVMode) -> RunResult:
+def run_engine(backend, rule, prompts: list[list[int]], n: int, kv_mode: KVMode,
+               spec: SpecConfig | None = None) -> RunResult:
+    """Generate with a fresh engine; with ``spec``, every request in mode exact, speculating at any batch."""
     b = len(prompts)
     cfg = EngineConfig(max_seqs=b, max_running=b, max_len=len(prompts[0]) + n,
-                       prefill_budget=b * len(prompts[0]), kv_mode=kv_mode)
+                       prefill_budget=b * len(prompts[0]), kv_mode=kv_mode, speculative=spec or SpecConfig(),
+                       speculate_max_batch=None)
     engine = Engine(backend, cfg, rule)
+    mode = Mode.BOUNDED if spec is None else Mode.EXACT
     stamps: dict[int, list[float]] = {}
     toks: dict[int, list[tuple[int, int]]] = {}
 
@@ -156,11 +185,12 @@ def run_engine(backend, rule, prompts: list[list[int]], n: int, kv_mode: KVMode)
         toks.setdefault(ev.request_id, []).append((ev.token, ev.exit_layer))
 
     t0 = time.perf_counter()
-    ids = [engine.submit(Request(p, n, on_token=on_token)) for p in prompts]
+    ids = [engine.submit(Request(p, n, on_token=on_token, mode=mode)) for p in prompts]
     engine.run_until_idle()
     seconds = time.perf_counter() - t0
     gaps = [g for i in ids for g in np.diff(stamps[i]).tolist()]
-    return RunResult([[t for t, _ in toks[i]] for i in ids], [[e for _, e in toks[i]] for i in ids], seconds, gaps)
+    return RunResult([[t for t, _ in toks[i]] for i in ids], [[e for _, e in toks[i]] for i in ids], seconds, gaps,
+                     [] if spec is None else [engine.spec_stats.as_dict()])
 
 
 class Systems:
@@ -181,9 +211,10 @@ class Systems:
         if "engine_full" in only:
             self.full_backend = make_backend("onnxruntime", graphs_dir=graphs_full, checkpoint=ckpt,
                                              threads=cfg.threads)
-        if {"engine_exit_propagate", "engine_exit_defer"} & set(only):
+        if {"engine_exit_propagate", "engine_exit_defer", "engine_speculative"} & set(only):
             self.backend = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=cfg.threads)
             self.table_rule = TableRule(load_table(thresholds, ckpt))
+        self.spec = SpecConfig(draft_exit=cfg.draft_exit, stop=cfg.spec_stop)  # (e)'s settings
 
     def _load_llamacpp(self, ckpt: Path) -> None:
         """The peer (f), if llama-cpp-python is installed (``make llamacpp``): the checkpoint converted
@@ -199,11 +230,12 @@ class Systems:
             self.loaded.add("llamacpp")
 
     def run(self, name: str, prompts: list[list[int]], n: int, backend=None, rule=None,
-            group: int | None = None) -> RunResult:
-        """Generate with system ``name``; prompts run ``group`` at a time (default: all at once)."""
+            group: int | None = None, spec: SpecConfig | None = None) -> RunResult:
+        """Generate with system ``name``; prompts run ``group`` at a time (default: all at once);
+        ``spec``: (e)'s settings for this run (default: the benchmark's)."""
         group = group or len(prompts)
         if group < len(prompts):
-            return run_groups(lambda g, k: self.run(name, g, k, backend, rule), [
+            return run_groups(lambda g, k: self.run(name, g, k, backend, rule, spec=spec), [
                 prompts[i:i + group] for i in range(0, len(prompts), group)], n)
         if name == "hf":
             return run_hf(self.hf, prompts, n)
@@ -214,6 +246,9 @@ class Systems:
         if name == "llamacpp":
             tokens, seconds, gaps = self.peer.generate(prompts[0], n)
             return RunResult([list(tokens)], None, seconds, list(gaps))
+        if name == "engine_speculative":  # the engine's K/V mode is unused: exact requests never exit early
+            return run_engine(backend or self.backend, rule or self.table_rule, prompts, n, KVMode.PROPAGATE,
+                              spec or self.spec)
         mode = KVMode(name.removeprefix("engine_exit_"))
         return run_engine(backend or self.backend, rule or self.table_rule, prompts, n, mode)
 
@@ -340,11 +375,21 @@ def main(cfg: DecodeBenchConfig) -> int:
         raise ConfigError(f"bench.layerskip_exit must be in [1, {model.num_layers - 1}], got {cfg.layerskip_exit}")
     tok = load_tokenizer(ckpt)
     systems = Systems(cfg, ckpt, graphs, graphs_full, thresholds, model)
+    decision_exits = list(systems.backend.exit_layers[:-1])
+    if cfg.draft_exit is not None and cfg.draft_exit not in decision_exits:
+        raise ConfigError(f"bench.draft_exit must be a decision exit of this model {decision_exits} or null, "
+                          f"got {cfg.draft_exit}")
+    if not decision_exits:
+        raise ConfigError("bench: the exits export has no decision exit, so (e) has no layer to draft from")
+    spec = SpecConfig(draft_exit=cfg.draft_exit or decision_exits[0], stop=cfg.spec_stop)
+    systems.spec = spec
     d_mode = KVMode(systems.table_rule.table.kv_mode if cfg.kv_mode == "table" else cfg.kv_mode)
     results: dict[str, Any] = {"config": asdict(cfg), "batches": {}, "kv_mode": d_mode.value,
                                "kv_mode_certified": d_mode.value == systems.table_rule.table.kv_mode,
                                "ort_pool_threads": systems.backend.pool_threads,
-                               "llamacpp_skipped": systems.llamacpp_skipped}
+                               "llamacpp_skipped": systems.llamacpp_skipped,
+                               "speculative_config": {"draft_exit": spec.draft_exit, "stop": spec.stop.value,
+                                                      "max_draft": spec.max_draft}}
     kv_frac = kv_fraction(model)
     results["segment_call_overhead"] = {str(b): segment_call_overhead(model, cfg.overhead_spans, b,
                                                                       cfg.prompt_tokens + cfg.new_tokens).to_dict()
@@ -355,10 +400,14 @@ def main(cfg: DecodeBenchConfig) -> int:
     exit_systems = [exit_system(m) for m in KVMode]
     wrong = {s: [0, 0] for s in exit_systems}  # system -> [mismatches, tokens]
     match_c = 0
+    spec_bad = [0, 0]  # (e) against (c): [differing tokens, tokens compared]
+    sweep = cfg.spec_sweep and 1 in cfg.batch_sizes
+    n_variants = len(distinct(sweep_variants(spec, decision_exits)))
     names_at = {b: [s for s in SYSTEMS if applicable(s, b) and s in systems.loaded] for b in cfg.batch_sizes}
     memory = [s for s in ("baseline", *SYSTEMS) if s == "baseline" or s in systems.loaded] if cfg.memory else []
     bar = tqdm(total=sum((cfg.warmup + cfg.repeats) * len(v) + len(exit_systems) for v in names_at.values())
-               + 1 + len(memory), desc="bench decode", unit="run", disable=None)
+               + 1 + len(memory) + (cfg.warmup + cfg.spec_sweep_repeats) * n_variants * sweep,
+               desc="bench decode", unit="run", disable=None)
     for b in cfg.batch_sizes:
         n_prompts = cfg.batch1_prompts if b == 1 else b
         prompts = heldout_prompts(tok, load_split(Split.TEST), n_prompts, cfg.prompt_tokens, cfg.seed)
@@ -382,6 +431,9 @@ def main(cfg: DecodeBenchConfig) -> int:
             row_fe[s] = bad / max(1, total)
         full, ex = runs["engine_full"][0].tokens, runs[d_sys][0].tokens
         match_c += sum(a == b_ for x, y in zip(full, ex) for a, b_ in zip(x, y))
+        bad_e = [token_mismatches(e.tokens, c.tokens) for e, c in zip(runs["engine_speculative"], runs["engine_full"])]
+        spec_bad[0] += sum(m for m, _ in bad_e)
+        spec_bad[1] += sum(t for _, t in bad_e)
         if "llamacpp" in runs:  # its speed counts only if it decodes what we decode
             match = _token_match(runs["llamacpp"][0].tokens, runs["engine_full"][0].tokens)
             results["llamacpp_token_match"] = match
@@ -410,6 +462,12 @@ def main(cfg: DecodeBenchConfig) -> int:
             "full_engine_equals_hf": runs["engine_full"][0].tokens == runs["hf"][0].tokens,
             "false_exit_rate": row_fe[d_sys],
             "false_exit_rate_by_mode": {m.value: row_fe[exit_system(m)] for m in KVMode},
+            "speedup_speculative_vs_full": paired_ratio(runs, "engine_speculative", "engine_full"),
+            "speedup_speculative_vs_layerskip": paired_ratio(runs, "engine_speculative", "layerskip"),
+            # (e)'s rounds over its measured repeats: acceptance rate, mean accepted length, tokens per round
+            "speculative": pool_stats([d for r in runs["engine_speculative"] for d in r.spec_stats]),
+            "speculative_mismatches": sum(m for m, _ in bad_e),
+            "speculative_tokens_compared": sum(t for _, t in bad_e),
         }
         tqdm.write(f"batch {b}: " + ", ".join(f"{s} {v['tokens_per_s']:.1f} tok/s"
                                               for s, v in results["batches"][str(b)]["systems"].items()))
@@ -419,6 +477,20 @@ def main(cfg: DecodeBenchConfig) -> int:
     results["false_exit_tokens"] = wrong[d_sys][1]
     results["token_match_vs_full_engine"] = match_c / sum(
         (cfg.batch1_prompts if b == 1 else b) * cfg.new_tokens for b in cfg.batch_sizes)
+    results["speculative_stop_rules"] = results["speculative_by_draft_exit"] = None
+    if sweep:
+        prompts = heldout_prompts(tok, load_split(Split.TEST), cfg.batch1_prompts, cfg.prompt_tokens, cfg.seed)
+
+        def tick(what: str) -> None:
+            bar.set_postfix_str(f"(e) sweep at batch 1, {what}")
+            bar.update()
+
+        stops, by_exit, bad = speculative_sweep(systems, prompts, cfg.new_tokens, cfg.warmup,
+                                                cfg.spec_sweep_repeats, spec, decision_exits, tick)
+        results["speculative_stop_rules"], results["speculative_by_draft_exit"] = stops, by_exit
+        spec_bad = [spec_bad[0] + bad[0], spec_bad[1] + bad[1]]  # every exact run counts against losslessness
+        results["speculative_calibrated_vs_best_other_b1"] = calibrated_vs_best_other(stops)
+    results["speculative_mismatches"], results["speculative_tokens_compared"] = spec_bad
     bar.set_postfix_str("profiling a decode step of (d)")
     results["profile_b1"] = profile_step(systems, heldout_prompts(tok, load_split(Split.TEST), cfg.batch1_prompts,
                                                                   cfg.prompt_tokens, cfg.seed), cfg.new_tokens, d_sys)
@@ -449,6 +521,9 @@ def main(cfg: DecodeBenchConfig) -> int:
                                                                     "png": out / "decode.png"},
                                  metrics={**summary, "batches": results["batches"],
                                           "profile_b1": results["profile_b1"],
+                                          "speculative_config": results["speculative_config"],
+                                          "speculative_stop_rules": results["speculative_stop_rules"],
+                                          "speculative_by_draft_exit": results["speculative_by_draft_exit"],
                                           "peak_rss_mib": results.get("peak_rss_mib")},
                                  seconds=time.time() - t0)
     for line in summary_lines(results, summary, out / "decode.md", time.time() - t0):

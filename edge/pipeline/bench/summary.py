@@ -10,14 +10,17 @@ from typing import Any
 
 import numpy as np
 
-SYSTEMS = ("hf", "layerskip", "engine_full", "engine_exit_propagate", "engine_exit_defer", "llamacpp")
+SYSTEMS = ("hf", "layerskip", "engine_full", "engine_exit_propagate", "engine_exit_defer", "engine_speculative",
+           "llamacpp")
 LABELS = {"hf": "(a) transformers generate", "layerskip": "(b) transformers LayerSkip self-speculation",
           "engine_full": "(c) SmartExit engine, ORT, full depth",
           "engine_exit_propagate": "SmartExit engine, ORT, exits, K/V by propagation",
           "engine_exit_defer": "SmartExit engine, ORT, exits, K/V by deferred recomputation",
+          "engine_speculative": "(e) SmartExit engine, ORT, self-speculative (exact)",
           "llamacpp": "(f) llama.cpp (llama-cpp-python), f32 GGUF, full depth"}
 
-# Issue 8's goals: (headline key, ">=" or "<=", target). A key ending in _b<N> is about batch size N: its row
+# Issue 8's goals, then issue 10's (self-speculative decoding, (e)): (headline key, ">=" or "<=", target).
+# A key ending in _b<N> is about batch size N: its row
 # says "not run" when the benchmark did not run that batch size; other rows whose value was not measured
 # (llama.cpp absent) say "not measured". The false-exit target is the epsilon the run's threshold table
 # was certified for (None here: read from the run).
@@ -36,6 +39,12 @@ GOALS = [
     ("bookkeeping_share_b1", "<=", 0.10),
     ("peak_rss_exit_vs_hf", "<", 1.0),
     ("peak_rss_exit_vs_full", "<", 1.0),
+    ("speedup_speculative_vs_full_b1", ">=", 1.6),
+    ("speedup_speculative_vs_layerskip_b1", ">=", 2.0),
+    ("speedup_speculative_vs_full_b16", ">=", 1.2),
+    ("speculative_mismatches", "<=", 0),  # lossless: (e) emits exactly (c)'s tokens
+    # the calibrated draft-length rule against the best fixed length and the best top-1 threshold
+    ("speculative_calibrated_vs_best_other_b1", ">=", 1.0),
 ]
 
 
@@ -91,6 +100,7 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
     mem = results.get("peak_rss_mib") or {}
     d_sys = f"engine_exit_{results['kv_mode']}"
     cal = results.get("calibration", {})
+    spec_b1 = b1.get("speculative") or {}
 
     def mem_ratio(other: str) -> float | None:
         return mem[d_sys] / mem[other] if mem.get(d_sys) and mem.get(other) else None
@@ -117,6 +127,15 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
         f"speedup_vs_full_b{last}_by_mode": bs[last]["speedup_vs_full_by_mode"],
         "false_exit_rate_by_mode": results["false_exit_rate_by_mode"],
         "token_match_vs_full_engine": results["token_match_vs_full_engine"],
+        "speedup_speculative_vs_full_b1": b1.get("speedup_speculative_vs_full"),
+        f"speedup_speculative_vs_full_b{last}": bs[last].get("speedup_speculative_vs_full"),
+        "speedup_speculative_vs_layerskip_b1": b1.get("speedup_speculative_vs_layerskip"),
+        "speculative_mismatches": results.get("speculative_mismatches"),
+        "speculative_tokens_compared": results.get("speculative_tokens_compared"),
+        "speculative_acceptance_rate": spec_b1.get("acceptance_rate"),
+        "speculative_mean_accepted_length_b1": spec_b1.get("mean_accepted_length"),
+        "speculative_tokens_per_round_b1": spec_b1.get("tokens_per_round"),
+        "speculative_calibrated_vs_best_other_b1": results.get("speculative_calibrated_vs_best_other_b1"),
     }
 
 
@@ -178,7 +197,44 @@ def render_markdown(results: dict[str, Any], summary: dict[str, Any]) -> str:
               "the next token's call). Efficiency = (d)/(c) / layers-computed ceiling.",
               "", "Where one decode step of (d) goes at batch 1 (ms per step; engine_other is the engine's "
               "own bookkeeping): " + ", ".join(f"{k} {v:.3f}" for k, v in prof.items()), ""]
-    return "\n".join(lines)
+    return "\n".join(lines + speculative_markdown(results) + [""])
+
+
+def speculative_markdown(results: dict[str, Any]) -> list[str]:
+    """(e)'s section: per batch its ratios and rounds, then the batch-1 sweep (stop rules, draft exits)."""
+    f = lambda v, s=".2f": "n/a" if v is None else format(v, s)  # noqa: E731
+    sc = results.get("speculative_config") or {}
+    lines = ["## (e) Self-speculative decoding (mode exact)", "",
+             f"Drafts from exit layer {sc.get('draft_exit')}, draft-length rule {sc.get('stop')} (at most "
+             f"{sc.get('max_draft')} drafts a round), speculating at every batch size (a batch verifies sequence by "
+             f"sequence). Mismatches: tokens of (e) that differ from (c)'s on the same prompts, every measured repeat "
+             f"and every sweep run: **{results.get('speculative_mismatches')}** of "
+             f"{results.get('speculative_tokens_compared')} tokens.", "",
+             "| batch | (e)/(c) | (e)/(b) | acceptance rate | mean accepted length | tokens per round | mismatches |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for b, row in results["batches"].items():
+        st = row.get("speculative") or {}
+        lines.append(f"| {b} | {f(row.get('speedup_speculative_vs_full'))} | "
+                     f"{f(row.get('speedup_speculative_vs_layerskip'))} | {f(st.get('acceptance_rate'), '.3f')} | "
+                     f"{f(st.get('mean_accepted_length'))} | {f(st.get('tokens_per_round'))} | "
+                     f"{row.get('speculative_mismatches')} of {row.get('speculative_tokens_compared')} |")
+    for title, key, what in (("Stop rules", "speculative_stop_rules", "rule"),
+                             ("Draft exits (calibrated rule)", "speculative_by_draft_exit", "draft exit")):
+        rows = results.get(key)
+        if not rows:
+            continue
+        c = results["config"]
+        lines += ["", f"{title} at batch 1 ({c['batch1_prompts']} prompts one after another, each run next to a run "
+                  f"of (c); median of {c.get('spec_sweep_repeats')} paired repeats):", "",
+                  f"| {what} | (e)/(c) | acceptance rate | mean accepted length | tokens per round | mismatches |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {k} | {f(r['speedup_vs_full'])} | {f(r['acceptance_rate'], '.3f')} | "
+                  f"{f(r['mean_accepted_length'])} | {f(r['tokens_per_round'])} | {r['mismatches']} |"
+                  for k, r in rows.items()]
+    if results.get("speculative_calibrated_vs_best_other_b1") is not None:
+        lines += ["", f"Calibrated rule / best other rule (fixed or top-1): "
+                  f"{results['speculative_calibrated_vs_best_other_b1']:.3f}."]
+    return lines
 
 
 def summary_lines(results: dict[str, Any], summary: dict[str, Any], report: Path, seconds: float) -> list[str]:
@@ -192,9 +248,13 @@ def summary_lines(results: dict[str, Any], summary: dict[str, Any], report: Path
     return [
         f"bench decode: done in {seconds:.0f} s; (d) = exits, K/V by {results['kv_mode']}",
         *(f"  batch {b}: (d) {row['systems'][d]['tokens_per_s']:.1f} tok/s, (d)/(c) {f(row['speedup_exit_vs_full'])}x, "
-          f"(d)/(a) {f(row['speedup_exit_vs_hf'])}x" for b, row in results["batches"].items()),
+          f"(d)/(a) {f(row['speedup_exit_vs_hf'])}x, (e)/(c) {f(row.get('speedup_speculative_vs_full'))}x"
+          for b, row in results["batches"].items()),
         f"  false exits of (d): {results['false_exit_rate']:.4f} on {results.get('false_exit_tokens')} tokens "
         f"(certified eps {f(results.get('calibration', {}).get('epsilon'), 'g')})",
+        f"  (e) self-speculative: acceptance {f(summary.get('speculative_acceptance_rate'), '.3f')} at batch 1, "
+        f"{results.get('speculative_mismatches')} tokens differ from (c) of "
+        f"{results.get('speculative_tokens_compared')}",
         f"  goals: {met} of {len(goals_)} met, {unmeasured} not measured, {not_run} not run",
         f"  report: {report}",
     ]
