@@ -101,6 +101,9 @@ class Backend(abc.ABC):
         self.sliding_window = spec.sliding_window
         self.segments = spec.segments
         self.cache: KVCache | None = None
+        # self-speculative decoding's measured costs per draft exit (edge.runtime.speculative.DraftCosts):
+        # a property of this backend on this machine, so every engine over it shares and refines them
+        self.draft_costs: dict[int, Any] = {}
         # the exit rule's linear score per decision segment (features @ w + b); never exit by default
         f = spec.num_features
         self.rule_w = [np.zeros(f, np.float32) for _ in self.segments[:-1]]

@@ -188,7 +188,9 @@ class Engine:
                               f"(exits {backend.exit_layers})")
         self.draft_exit = draft  # exit layer that drafts (None: the model has no decision exit)
         self._draft_seg = decision.index(draft) if draft is not None else None
-        self.spec_costs = DraftCosts(draft or 0, backend.num_layers, spec.max_draft + 1)
+        # the measured costs belong to the backend: an engine per request (or per benchmark run) starts from
+        # what earlier engines measured instead of the prior
+        self.spec_costs = backend.draft_costs.setdefault(draft or 0, DraftCosts(draft or 0, backend.num_layers, 8))
         self.spec_stats = SpecStats()
         self.waiting: list[_Seq] = []
         self.prefilling: list[_Seq] = []

@@ -55,6 +55,7 @@ from edge.core.errors import ConfigError
 from edge.model.exits import MultiExitModel, load_multi_exit
 from edge.model.tokenizer import load_tokenizer
 from edge.pipeline.bench.segments import segment_call_overhead
+from edge.pipeline.bench.spec_ceiling import agreement_trace, ceiling as spec_ceiling, measure_costs
 from edge.pipeline.bench.speculation import (calibrated_vs_best_other, distinct, pool_stats, speculative_sweep,
                                              sweep_variants, token_mismatches)
 from edge.pipeline.freerun import check_continuations
@@ -88,6 +89,11 @@ class DecodeBenchConfig:
     spec_stop: str = "calibrated"
     spec_sweep: bool = True
     spec_sweep_repeats: int = 5
+    # (e) speculates while the decode batch holds at most this many sequences, as the engine's
+    # EngineConfig.speculate_max_batch (its default, 1: a larger batch decodes exact requests at full
+    # depth); null measures speculation at every batch size
+    speculate_max_batch: int | None = 1
+    spec_ceiling: bool = True  # the self-speculation ceiling at batch 1 (edge/pipeline/bench/spec_ceiling.py)
 
     def __post_init__(self) -> None:
         try:
@@ -169,12 +175,13 @@ def run_groups(fn, groups: list[list[list[int]]], n: int) -> RunResult:
 
 
 def run_engine(backend, rule, prompts: list[list[int]], n: int, kv_mode: KVMode,
-               spec: SpecConfig | None = None) -> RunResult:
-    """Generate with a fresh engine; with ``spec``, every request in mode exact, speculating at any batch."""
+               spec: SpecConfig | None = None, speculate_max_batch: int | None = 1) -> RunResult:
+    """Generate with a fresh engine; with ``spec``, every request in mode exact, speculating while the
+    decode batch holds at most ``speculate_max_batch`` sequences (None: any)."""
     b = len(prompts)
     cfg = EngineConfig(max_seqs=b, max_running=b, max_len=len(prompts[0]) + n,
                        prefill_budget=b * len(prompts[0]), kv_mode=kv_mode, speculative=spec or SpecConfig(),
-                       speculate_max_batch=None)
+                       speculate_max_batch=speculate_max_batch)
     engine = Engine(backend, cfg, rule)
     mode = Mode.BOUNDED if spec is None else Mode.EXACT
     stamps: dict[int, list[float]] = {}
@@ -248,7 +255,7 @@ class Systems:
             return RunResult([list(tokens)], None, seconds, list(gaps))
         if name == "engine_speculative":  # the engine's K/V mode is unused: exact requests never exit early
             return run_engine(backend or self.backend, rule or self.table_rule, prompts, n, KVMode.PROPAGATE,
-                              spec or self.spec)
+                              spec or self.spec, self.cfg.speculate_max_batch)
         mode = KVMode(name.removeprefix("engine_exit_"))
         return run_engine(backend or self.backend, rule or self.table_rule, prompts, n, mode)
 
@@ -490,6 +497,15 @@ def main(cfg: DecodeBenchConfig) -> int:
         results["speculative_stop_rules"], results["speculative_by_draft_exit"] = stops, by_exit
         spec_bad = [spec_bad[0] + bad[0], spec_bad[1] + bad[1]]  # every exact run counts against losslessness
         results["speculative_calibrated_vs_best_other_b1"] = calibrated_vs_best_other(stops)
+    results["speculative_ceiling"] = None
+    if cfg.spec_ceiling and decision_exits:
+        bar.set_postfix_str("(e) the self-speculation ceiling at batch 1")
+        draft = spec.draft_exit if spec.draft_exit is not None else decision_exits[0]
+        prompts = heldout_prompts(tok, load_split(Split.TEST), cfg.batch1_prompts, cfg.prompt_tokens, cfg.seed)
+        trace = agreement_trace(systems.backend, systems.table_rule, prompts, cfg.new_tokens, draft)
+        costs = measure_costs(systems.backend, systems.full_backend, draft, spec.max_draft + 1,
+                              past=cfg.prompt_tokens + cfg.new_tokens // 2)
+        results["speculative_ceiling"] = {"draft_exit": draft, **spec_ceiling(trace, costs, spec)}
     results["speculative_mismatches"], results["speculative_tokens_compared"] = spec_bad
     bar.set_postfix_str("profiling a decode step of (d)")
     results["profile_b1"] = profile_step(systems, heldout_prompts(tok, load_split(Split.TEST), cfg.batch1_prompts,

@@ -110,7 +110,7 @@ def measure_costs(backend: Backend, full: Backend, draft_exit: int, max_rows: in
         def run() -> None:
             x = ids
             for i in range(d + 1):
-                x = backend.segment(i, x, slot, start, decide=decide).hidden
+                x = backend.segment(i, x, slot, start, decide=decide, draft=True).hidden
         return run
 
     def verify(m: int) -> Callable[[], None]:

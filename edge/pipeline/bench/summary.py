@@ -136,6 +136,9 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
         "speculative_mean_accepted_length_b1": spec_b1.get("mean_accepted_length"),
         "speculative_tokens_per_round_b1": spec_b1.get("tokens_per_round"),
         "speculative_calibrated_vs_best_other_b1": results.get("speculative_calibrated_vs_best_other_b1"),
+        # what the draft exit allows on this machine (spec_ceiling.py): an oracle stop rule, every draft agreeing
+        "speculative_oracle_ceiling_b1": (results.get("speculative_ceiling") or {}).get("oracle_ceiling"),
+        "speculative_perfect_draft_ceiling_b1": (results.get("speculative_ceiling") or {}).get("perfect_draft_ceiling"),
     }
 
 
@@ -206,8 +209,9 @@ def speculative_markdown(results: dict[str, Any]) -> list[str]:
     sc = results.get("speculative_config") or {}
     lines = ["## (e) Self-speculative decoding (mode exact)", "",
              f"Drafts from exit layer {sc.get('draft_exit')}, draft-length rule {sc.get('stop')} (at most "
-             f"{sc.get('max_draft')} drafts a round), speculating at every batch size (a batch verifies sequence by "
-             f"sequence). Mismatches: tokens of (e) that differ from (c)'s on the same prompts, every measured repeat "
+             f"{sc.get('max_draft')} drafts a round), speculating while the decode batch holds at most "
+             f"{results['config'].get('speculate_max_batch', 'any')} sequences (above, exact requests decode at full "
+             f"depth; a batch that speculates verifies sequence by sequence). Mismatches: tokens of (e) that differ from (c)'s on the same prompts, every measured repeat "
              f"and every sweep run: **{results.get('speculative_mismatches')}** of "
              f"{results.get('speculative_tokens_compared')} tokens.", "",
              "| batch | (e)/(c) | (e)/(b) | acceptance rate | mean accepted length | tokens per round | mismatches |",
@@ -234,6 +238,28 @@ def speculative_markdown(results: dict[str, Any]) -> list[str]:
     if results.get("speculative_calibrated_vs_best_other_b1") is not None:
         lines += ["", f"Calibrated rule / best other rule (fixed or top-1): "
                   f"{results['speculative_calibrated_vs_best_other_b1']:.3f}."]
+    return lines + ceiling_markdown(results.get("speculative_ceiling"))
+
+
+def ceiling_markdown(ce: dict[str, Any] | None) -> list[str]:
+    """The self-speculation ceiling (edge/pipeline/bench/spec_ceiling.py): measured costs, every rule
+    simulated on the agreement trace, the oracle and perfect-draft bounds."""
+    if not ce:
+        return []
+    c = ce["costs"]
+    verify = ", ".join(f"{k} rows {v:.3f}" for k, v in c["verify_ms_by_rows"].items())
+    lines = ["", f"### Where (e)'s time goes, and its ceiling (draft exit {ce['draft_exit']}, batch 1)", "",
+             f"Measured costs (ms, medians): full-depth step of (c) {c['full_step_ms']:.3f}; draft step "
+             f"{c['draft_step_ms']:.3f} ({c['draft_step_no_head_ms']:.3f} without the head); verification {verify}.",
+             f"Along the full model's greedy path ({ce['positions']} positions) the draft exit agrees with it at "
+             f"{ce['agreement']:.3f} of positions (mean calibrated agreement {ce['calibrated_p_mean']:.3f}). "
+             f"Rounds simulated from that trace and those costs, the engine's bookkeeping left out:", "",
+             "| rule | (e)/(c) | tokens per round | acceptance rate |", "| --- | ---: | ---: | ---: |"]
+    lines += [f"| {k} | {r['speedup_vs_full']:.2f} | {r['tokens_per_round']:.2f} | {r['acceptance_rate']:.3f} |"
+              for k, r in ce["rules"].items()]
+    lines += ["", f"Oracle ceiling (drafts exactly the tokens that will be accepted): **{ce['oracle_ceiling']:.2f}x**; "
+              f"every draft agreeing: {ce['perfect_draft_ceiling']:.2f}x. A goal above the oracle ceiling needs a draft "
+              f"that agrees more often or costs less, not a better stop rule."]
     return lines
 
 
