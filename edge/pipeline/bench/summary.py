@@ -218,9 +218,11 @@ def speculative_markdown(results: dict[str, Any]) -> list[str]:
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for b, row in results["batches"].items():
         st = row.get("speculative") or {}
+        rounds = ((f"{f(st.get('acceptance_rate'), '.3f')} | {f(st.get('mean_accepted_length'))} | "
+                   f"{f(st.get('tokens_per_round'))}") if st.get("rounds") else
+                  "full depth (batch above speculate_max_batch) | - | -")
         lines.append(f"| {b} | {f(row.get('speedup_speculative_vs_full'))} | "
-                     f"{f(row.get('speedup_speculative_vs_layerskip'))} | {f(st.get('acceptance_rate'), '.3f')} | "
-                     f"{f(st.get('mean_accepted_length'))} | {f(st.get('tokens_per_round'))} | "
+                     f"{f(row.get('speedup_speculative_vs_layerskip'))} | {rounds} | "
                      f"{row.get('speculative_mismatches')} of {row.get('speculative_tokens_compared')} |")
     for title, key, what in (("Stop rules", "speculative_stop_rules", "rule"),
                              ("Draft exits (calibrated rule)", "speculative_by_draft_exit", "draft exit")):
