@@ -26,7 +26,10 @@ A hard maximum (``max_draft``) bounds every rule.
 Sampling (temperature > 0) uses the speculative-sampling acceptance rule (Leviathan et al. 2023;
 Chen et al. 2023): draft x ~ q is accepted with probability min(1, p(x) / q(x)); the first rejected
 position draws from max(0, p - q) normalised, and a round whose drafts are all accepted draws one
-more token from p. The output is distributed exactly as the full model's.
+more token from p. The output is distributed exactly as the full model's. (The draft-length rules
+read the greedy draft's statistics either way: when sampling, the calibrated agreement is only a
+proxy for the acceptance probability, sum_x min(p(x), q(x)); a wrong length costs speed, never
+exactness.)
 """
 from __future__ import annotations
 
