@@ -36,8 +36,8 @@ from edge.runtime.backend import Backend, SegmentOut
 from edge.runtime.cache import KVCache
 from edge.runtime.rules import TOP1, BatchExitRule, NeverExit
 from edge.runtime.sampling import choose_token, token_distribution
-from edge.runtime.speculative import (DraftCosts, SpecConfig, SpecStats, StopRule, accept_greedy, accept_sampled,
-                                      include_next)
+from edge.runtime.speculative import (MAX_VERIFY_ROWS, DraftCosts, SpecConfig, SpecStats, StopRule, accept_greedy,
+                                      accept_sampled, include_next)
 from edge.core.errors import ConfigError, SmartExitError
 
 class Mode(str, enum.Enum):
@@ -190,7 +190,10 @@ class Engine:
         self._draft_seg = decision.index(draft) if draft is not None else None
         # the measured costs belong to the backend: an engine per request (or per benchmark run) starts from
         # what earlier engines measured instead of the prior
-        self.spec_costs = backend.draft_costs.setdefault(draft or 0, DraftCosts(draft or 0, backend.num_layers, 8))
+        key = draft or 0
+        if key not in backend.draft_costs:
+            backend.draft_costs[key] = DraftCosts(key, backend.num_layers, MAX_VERIFY_ROWS)
+        self.spec_costs = backend.draft_costs[key]
         self.spec_stats = SpecStats()
         self.waiting: list[_Seq] = []
         self.prefilling: list[_Seq] = []

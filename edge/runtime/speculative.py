@@ -42,6 +42,11 @@ import numpy as np
 from edge.core.errors import ConfigError
 
 
+# most rows a verification call holds (drafts + 1): the ONNX Runtime backend keeps bindings for calls of up
+# to this many rows per sequence (ort_backend.MAX_PLAN_ROWS)
+MAX_VERIFY_ROWS = 8
+
+
 class StopRule(str, enum.Enum):
     CALIBRATED = "calibrated"
     FIXED = "fixed"
@@ -64,8 +69,8 @@ class SpecConfig:
         except ValueError:
             raise ConfigError(f"speculative.stop must be one of {', '.join(r.value for r in StopRule)}, "
                               f"got {self.stop!r}") from None
-        if not 1 <= self.max_draft <= 7:  # verification rows <= 8: the ONNX Runtime plans' row limit
-            raise ConfigError(f"speculative.max_draft must be in 1..7, got {self.max_draft}")
+        if not 1 <= self.max_draft < MAX_VERIFY_ROWS:
+            raise ConfigError(f"speculative.max_draft must be in 1..{MAX_VERIFY_ROWS - 1}, got {self.max_draft}")
         if self.stop is StopRule.FIXED and not 1 <= self.fixed <= self.max_draft:
             raise ConfigError(f"speculative.fixed must be in 1..max_draft ({self.max_draft}), got {self.fixed}")
         if not 0.0 <= self.top1 <= 1.0:

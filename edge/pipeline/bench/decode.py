@@ -275,9 +275,9 @@ def false_exits(model: MultiExitModel, prompts: list[list[int]], res: RunResult,
 
 
 def _token_match(a: list[list[int]], b: list[list[int]]) -> float:
-    """Share of positions where two systems' greedy tokens agree."""
-    pairs = [(x, y) for p, q in zip(a, b) for x, y in zip(p, q)]
-    return sum(x == y for x, y in pairs) / max(1, len(pairs))
+    """Share of positions where two systems' greedy tokens agree (a missing token disagrees)."""
+    bad, total = token_mismatches(a, b)
+    return 1.0 - bad / max(1, total)
 
 
 def kv_fraction(model: MultiExitModel) -> float:

@@ -31,6 +31,7 @@ from calibration.table import TableRule
 from edge.runtime.backend import Backend
 from edge.runtime.cache import KVCache
 from edge.runtime.engine import Engine, EngineConfig, Mode, Request
+from edge.pipeline.bench.speculation import stop_rule_variants
 from edge.runtime.speculative import DraftCosts, SpecConfig, StopRule, include_next
 
 
@@ -172,7 +173,8 @@ def simulate(trace: AgreementTrace, costs: SpecCosts, stop: Stop, max_draft: int
 
 
 def stop_rules(costs: SpecCosts, spec: SpecConfig) -> dict[str, tuple[Stop, int]]:
-    """The engine's rules (edge.runtime.speculative.include_next) with these costs, and the oracle, each
+    """The benchmark's stop-rule variants (:func:`edge.pipeline.bench.speculation.stop_rule_variants`) as
+    the engine applies them (edge.runtime.speculative.include_next) with these costs, and the oracle, each
     with the most drafts a round can have (as the engine caps them: a fixed length k never asks for a
     (k+1)-th draft, so its last step runs without the head)."""
     draft_costs = DraftCosts.fixed(costs.draft_step, costs.verify)
@@ -181,11 +183,7 @@ def stop_rules(costs: SpecCosts, spec: SpecConfig) -> dict[str, tuple[Stop, int]
         cap = cfg.fixed if cfg.stop is StopRule.FIXED else cfg.max_draft
         return (lambda k, probs, top1, agrees: include_next(cfg, k, probs, top1, draft_costs)), cap
 
-    rules = {"calibrated": engine_rule(SpecConfig(stop=StopRule.CALIBRATED, max_draft=spec.max_draft))}
-    for k in range(1, spec.max_draft + 1):
-        rules[f"fixed_{k}"] = engine_rule(SpecConfig(stop=StopRule.FIXED, fixed=k, max_draft=spec.max_draft))
-    for th in (0.3, 0.5, 0.6, 0.7, 0.9):
-        rules[f"top1_{th}"] = engine_rule(SpecConfig(stop=StopRule.TOP1, top1=th, max_draft=spec.max_draft))
+    rules = {name: engine_rule(cfg) for name, cfg in stop_rule_variants(spec).items()}
     rules["oracle"] = (lambda k, probs, top1, agrees: agrees), spec.max_draft
     return rules
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from edge.runtime.speculative import SpecConfig, StopRule
+from edge.runtime.speculative import SpecConfig, SpecStats, StopRule
 
 if TYPE_CHECKING:
     from edge.pipeline.bench.decode import RunResult, Systems
@@ -29,7 +29,8 @@ COUNTS = ("rounds", "drafted", "accepted", "emitted", "draft_steps")
 def stop_rule_variants(base: SpecConfig) -> dict[str, SpecConfig]:
     """The stop rules compared at ``base``'s draft exit: calibrated, fixed k, top-1 thresholds."""
     return {"calibrated": replace(base, stop=StopRule.CALIBRATED),
-            **{f"fixed_{k}": replace(base, stop=StopRule.FIXED, fixed=k) for k in FIXED_LENGTHS},
+            **{f"fixed_{k}": replace(base, stop=StopRule.FIXED, fixed=k) for k in FIXED_LENGTHS
+               if k <= base.max_draft},
             **{f"top1_{t}": replace(base, stop=StopRule.TOP1, top1=t) for t in TOP1_THRESHOLDS}}
 
 
@@ -56,15 +57,13 @@ def token_mismatches(a: list[list[int]], b: list[list[int]]) -> tuple[int, int]:
 
 def pool_stats(stats: list[dict[str, Any]]) -> dict[str, float] | None:
     """Round counts of several engines (``SpecStats.as_dict()`` each) added up, and the rates recomputed
-    from the sums (a mean of per-engine rates would weigh a short run like a long one). None for none."""
+    from the sums by :class:`SpecStats` (a mean of per-engine rates would weigh a short run like a long
+    one). None for none."""
     if not stats:
         return None
-    s = {k: int(sum(d[k] for d in stats)) for k in COUNTS}
-    predicted = sum(d.get("predicted_acceptance", 0.0) * d["drafted"] for d in stats)
-    return {**s, "acceptance_rate": s["accepted"] / s["drafted"] if s["drafted"] else 0.0,
-            "predicted_acceptance": predicted / s["drafted"] if s["drafted"] else 0.0,
-            "tokens_per_round": s["emitted"] / s["rounds"] if s["rounds"] else 0.0,
-            "mean_accepted_length": s["accepted"] / s["rounds"] if s["rounds"] else 0.0}
+    pooled = SpecStats(**{k: int(sum(d[k] for d in stats)) for k in COUNTS},
+                       predicted=sum(d.get("predicted_acceptance", 0.0) * d["drafted"] for d in stats))
+    return pooled.as_dict()
 
 
 def distinct(variants: dict[str, SpecConfig]) -> dict[str, SpecConfig]:
