@@ -24,6 +24,15 @@ class ArtifactError(SmartExitError):
     """An artifact whose hash or content disagrees with the manifest that produced it."""
 
 
+class RequestError(SmartExitError):
+    """A request the engine cannot take (empty or oversize prompt, bad sampling values, unknown mode);
+    ``field`` names the request field at fault, so a server can answer 400 naming it."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class MissingExtraError(SmartExitError):
     """An optional dependency is absent; the message names the extra to install."""
 

@@ -38,7 +38,7 @@ from edge.runtime.rules import TOP1, BatchExitRule, NeverExit
 from edge.runtime.sampling import choose_token, token_distribution
 from edge.runtime.speculative import (MAX_VERIFY_ROWS, DraftCosts, SpecConfig, SpecStats, StopRule, accept_greedy,
                                       accept_sampled, include_next)
-from edge.core.errors import ConfigError, SmartExitError
+from edge.core.errors import ConfigError, RequestError
 
 class Mode(str, enum.Enum):
     """What a request accepts. ``bounded``: calibrated exits, false exits within the certified eps;
@@ -203,34 +203,46 @@ class Engine:
 
     # ---------------------------------------------------------------- control
     def submit(self, req: Request) -> int:
-        """Queue a request; raises for an empty or oversize prompt or out-of-vocabulary ids."""
-        if not req.prompt:
-            raise SmartExitError("empty prompt: at least one token is needed")
-        if req.max_tokens < 1:
-            raise SmartExitError(f"max_tokens must be >= 1, got {req.max_tokens}")
-        if len(req.prompt) + req.max_tokens > self.cfg.max_len:
-            raise SmartExitError(f"prompt of {len(req.prompt)} tokens + max_tokens {req.max_tokens} exceeds the "
-                                 f"context window of {self.cfg.max_len} tokens")
-        bad = [t for t in req.prompt if not 0 <= t < self.backend.vocab_size]
-        if bad:
-            raise SmartExitError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.backend.vocab_size})")
-        if not 0.0 < req.top_p <= 1.0 or req.temperature < 0:
-            raise SmartExitError("temperature must be >= 0 and top_p in (0, 1]")
-        try:
-            req.mode = Mode(req.mode)
-        except ValueError:
-            raise SmartExitError(f"mode {req.mode!r} is not one of {', '.join(m.value for m in Mode)}") from None
-        if req.mode is Mode.EXACT:
-            if self._draft_seg is None:
-                raise SmartExitError("mode 'exact' drafts from an early exit, and this model has none; use 'full'")
-            if self.cfg.speculative.stop is StopRule.CALIBRATED and self._agreement is None:
-                raise SmartExitError("mode 'exact' with the calibrated draft-length rule needs the threshold "
-                                     "table's calibrators (run the engine with the calibrated rule), or set "
-                                     "speculative.stop to 'fixed' or 'top1'")
+        """Queue a request; raises :class:`RequestError` as :meth:`check` does."""
+        self.check(req)
         seq = _Seq(next(self._ids), req, submitted=self.clock())
         seq.rng = np.random.default_rng(req.seed) if req.temperature > 0 else None
         self.waiting.append(seq)
         return seq.id
+
+    def check(self, req: Request) -> None:
+        """Raise :class:`RequestError` (naming the field) for a request :meth:`submit` would refuse: an
+        empty or oversize prompt, out-of-vocabulary ids, bad sampling values, an unknown or unavailable
+        mode. Reads only the configuration, so another thread may call it while the engine steps.
+        Normalises ``req.mode`` to :class:`Mode`."""
+        if not req.prompt:
+            raise RequestError("empty prompt: at least one token is needed", "prompt")
+        if req.max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {req.max_tokens}", "max_tokens")
+        if len(req.prompt) + req.max_tokens > self.cfg.max_len:
+            raise RequestError(f"prompt of {len(req.prompt)} tokens + max_tokens {req.max_tokens} exceeds the "
+                               f"context window of {self.cfg.max_len} tokens", "prompt")
+        bad = [t for t in req.prompt if not 0 <= t < self.backend.vocab_size]
+        if bad:
+            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.backend.vocab_size})",
+                               "prompt")
+        if req.temperature < 0:
+            raise RequestError(f"temperature must be >= 0, got {req.temperature}", "temperature")
+        if not 0.0 < req.top_p <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1], got {req.top_p}", "top_p")
+        try:
+            req.mode = Mode(req.mode)
+        except ValueError:
+            raise RequestError(f"mode {req.mode!r} is not one of {', '.join(m.value for m in Mode)}",
+                               "mode") from None
+        if req.mode is Mode.EXACT:
+            if self._draft_seg is None:
+                raise RequestError("mode 'exact' drafts from an early exit, and this model has none; use 'full'",
+                                   "mode")
+            if self.cfg.speculative.stop is StopRule.CALIBRATED and self._agreement is None:
+                raise RequestError("mode 'exact' with the calibrated draft-length rule needs the threshold "
+                                   "table's calibrators (run the engine with the calibrated rule), or set "
+                                   "speculative.stop to 'fixed' or 'top1'", "mode")
 
     def cancel(self, request_id: int) -> bool:
         """Stop a request (waiting, in prefill or decoding) and free its cache slot; True if it was

@@ -1,0 +1,130 @@
+"""Online false-exit audit: a running estimate of the served false-exit rate, with confidence bounds.
+
+The threshold table certifies the false-exit rate on the distribution it was calibrated on; served
+traffic drifts. The server re-decodes a random fraction of the tokens it served in mode ``bounded``
+at full depth (:mod:`edge.runtime.host`) and feeds the verdicts here. A token that reached the last
+layer cannot exit falsely: it is counted as audited and correct at no cost, so the pooled rate is
+the per-token rate the certificate speaks of (false exits / tokens), not a rate among exited tokens.
+
+Bounds are exact one-sided Clopper-Pearson bounds at level ``delta`` (Clopper & Pearson, 1934),
+treating audited tokens as independent draws. Tokens of one request are correlated; sampling a small
+fraction across many requests weakens that, but the bound is an estimate of drift, not a new
+certificate.
+
+Trigger. An upper bound starts at 1 (no evidence yet) and needs about ln(1/delta)/eps clean tokens
+to fall under eps (333 at eps 0.009, delta 0.05); with a true rate of half eps it crosses eps again
+every few hundred audited tokens by chance. So the fallback fires on the *lower* bound: when even
+the optimistic end of the interval is above eps, the rate exceeds eps with confidence 1 - delta, and
+a server whose traffic is within its certificate falls back with probability at most delta per test.
+``trigger="upper"`` (fall back as soon as the upper bound, after ``min_tokens``, is above eps) is the
+cautious alternative. Both bounds are exported.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from scipy.stats import beta as beta_dist
+
+from edge.core.errors import ConfigError
+
+
+class Trigger(str, enum.Enum):
+    LOWER = "lower"   # fall back when the rate exceeds eps with confidence 1 - delta
+    UPPER = "upper"   # fall back while the rate is not shown to be below eps (after min_tokens)
+
+
+@dataclass
+class AuditConfig:
+    fraction: float = 0.0       # of the tokens served in mode bounded (greedy requests), re-decoded at full depth
+    eps: float | None = None    # None: the threshold table's epsilon
+    delta: float = 0.05
+    trigger: Trigger = Trigger.LOWER
+    min_tokens: int = 200       # audited tokens before the trigger may fire
+    max_pending: int = 64       # queued audits; beyond it a sample is dropped (counted)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.trigger = Trigger(self.trigger)
+        if not 0.0 <= self.fraction <= 1.0:
+            raise ConfigError(f"audit.fraction must be in [0, 1], got {self.fraction}")
+        if not 0.0 < self.delta < 1.0:
+            raise ConfigError(f"audit.delta must be in (0, 1), got {self.delta}")
+        if self.eps is not None and not 0.0 < self.eps < 1.0:
+            raise ConfigError(f"audit.eps must be in (0, 1), got {self.eps}")
+        if self.min_tokens < 1 or self.max_pending < 1:
+            raise ConfigError("audit.min_tokens and audit.max_pending must be >= 1")
+
+
+def clopper_pearson(k: int, n: int, delta: float) -> tuple[float, float]:
+    """One-sided (lower, upper) bounds on a binomial rate from k successes in n, each at level delta."""
+    if n <= 0:
+        return 0.0, 1.0
+    lower = 0.0 if k == 0 else float(beta_dist.ppf(delta, k, n - k + 1))
+    upper = 1.0 if k == n else float(beta_dist.ppf(1.0 - delta, k + 1, n - k))
+    return lower, upper
+
+
+@dataclass
+class _Count:
+    audited: int = 0
+    false: int = 0
+
+
+@dataclass
+class AuditEstimate:
+    """Verdicts so far, per exit layer and pooled; ``fallback`` once the trigger has fired."""
+
+    eps: float
+    delta: float
+    trigger: Trigger = Trigger.LOWER
+    min_tokens: int = 200
+    per_exit: dict[int, _Count] = field(default_factory=dict)
+    fallback: bool = False
+    fallback_events: int = 0
+
+    def record(self, exit_layer: int, false_exit: bool) -> bool:
+        """Add one audited token; returns True when this verdict fires the fallback."""
+        c = self.per_exit.setdefault(exit_layer, _Count())
+        c.audited += 1
+        c.false += bool(false_exit)
+        if not self.fallback and self._alarm():
+            self.fallback = True
+            self.fallback_events += 1
+            return True
+        return False
+
+    def reset(self) -> None:
+        """Start over (an operator's decision after re-calibrating); the event count stays."""
+        self.per_exit.clear()
+        self.fallback = False
+
+    @property
+    def audited(self) -> int:
+        return sum(c.audited for c in self.per_exit.values())
+
+    @property
+    def false(self) -> int:
+        return sum(c.false for c in self.per_exit.values())
+
+    def bounds(self) -> tuple[float, float]:
+        """Pooled (lower, upper) bounds on the per-token false-exit rate."""
+        return clopper_pearson(self.false, self.audited, self.delta)
+
+    def _alarm(self) -> bool:
+        if self.audited < self.min_tokens:
+            return False
+        lower, upper = self.bounds()
+        return (lower if self.trigger is Trigger.LOWER else upper) > self.eps
+
+    def as_dict(self) -> dict:
+        lower, upper = self.bounds()
+        n, k = self.audited, self.false
+        exits = {}
+        for layer, c in sorted(self.per_exit.items()):
+            lo, up = clopper_pearson(c.false, c.audited, self.delta)
+            exits[str(layer)] = {"audited": c.audited, "false": c.false,
+                                 "rate": c.false / c.audited if c.audited else 0.0, "upper": up, "lower": lo}
+        return {"eps": self.eps, "delta": self.delta, "trigger": self.trigger.value, "audited": n, "false": k,
+                "rate": k / n if n else 0.0, "upper": upper, "lower": lower, "fallback": self.fallback,
+                "fallback_events": self.fallback_events, "exits": exits}

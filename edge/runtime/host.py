@@ -1,0 +1,431 @@
+"""EngineHost: the engine on a thread of its own, for servers (Triton's model.py, the in-process bench).
+
+Callers on any thread ``submit`` requests, ``cancel`` them and send ``control`` ops; only the engine
+thread touches the engine. ``submit`` validates at once (the engine's own checks read only its
+configuration) and answers an overloaded queue with :class:`HostError` ``overloaded``; the rest goes
+through an inbox the engine thread drains before every step, so nobody waits on a lock held for a
+whole step. Each step's tokens reach the request's ``emit`` as one :class:`Chunk` (one token, or
+several in mode exact), outside any lock; the last chunk carries the finish reason.
+
+The host also keeps what a scheduler reads (queue, prefill backlog, running sequences, their recent
+and predicted exit depth, SLA slack: docs/serving.md) and runs the online false-exit audit
+(:mod:`edge.runtime.audit`): a sampled token of a greedy ``bounded`` request that exited early is
+re-decoded at full depth as a one-token request over the same prefix, submitted only while the
+engine has spare capacity (nothing waiting, a free slot, one audit at a time), so it never delays a
+request's admission. When the audit's bound crosses eps, later ``bounded`` requests run at full depth.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from edge.core.errors import ConfigError, RequestError, SmartExitError
+from edge.runtime.audit import AuditConfig, AuditEstimate
+from edge.runtime.backend import Backend
+from edge.runtime.engine import Engine, EngineConfig, Mode, Request, TokenEvent
+from edge.runtime.rules import BatchExitRule
+
+log = logging.getLogger("smartexit.host")
+EMA = 0.3  # weight of the newest exit layer in a request's predicted exit depth
+
+
+@dataclass
+class HostConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    max_waiting: int = 64  # requests queued for admission; one more is refused as overloaded
+    default_sla_ttft_ms: float = 1000.0
+    default_sla_tpot_ms: float = 100.0
+    audit: AuditConfig = field(default_factory=AuditConfig)
+    control_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.engine, dict):
+            self.engine = EngineConfig(**self.engine)
+        if isinstance(self.audit, dict):
+            self.audit = AuditConfig(**self.audit)
+        if self.max_waiting < 1:
+            raise ConfigError(f"host.max_waiting must be >= 1, got {self.max_waiting}")
+        if self.default_sla_ttft_ms <= 0 or self.default_sla_tpot_ms <= 0:
+            raise ConfigError("host.default_sla_ttft_ms and default_sla_tpot_ms must be > 0")
+
+
+@dataclass
+class GenRequest:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_ids: tuple[int, ...] = ()
+    mode: str = "bounded"
+    sla_ttft_ms: float | None = None
+    sla_tpot_ms: float | None = None
+
+
+@dataclass
+class Chunk:
+    request_id: str
+    tokens: list[int]
+    exit_layers: list[int]
+    finish_reason: str | None = None  # set on the last chunk of a request
+
+
+class HostError(SmartExitError):
+    """A refused request: ``code`` is ``invalid_request`` (``field`` names the field), ``overloaded``
+    (``retry_after_s`` says when to come back) or ``internal``."""
+
+    def __init__(self, code: str, message: str, field: str | None = None, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.code, self.message, self.field, self.retry_after_s = code, message, field, retry_after_s
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "field": self.field, "retry_after_s": self.retry_after_s}
+
+
+@dataclass
+class _Live:
+    req: GenRequest
+    emit: Callable[[Chunk], None]
+    arrival: float
+    sla_ttft_s: float
+    sla_tpot_s: float
+    audited: bool  # eligible for the audit (greedy, bounded)
+    engine_id: int = -1
+    n_tokens: int = 0
+    predicted: float | None = None  # EMA of its exit layers
+    tokens: list[int] = field(default_factory=list)
+    layers: list[int] = field(default_factory=list)
+    finish: str | None = None
+    history: list[int] = field(default_factory=list)  # prompt + output, for audit prefixes
+
+
+@dataclass
+class _AuditItem:
+    prefix: list[int]
+    token: int
+    exit_layer: int
+
+
+class EngineHost:
+    """The engine behind a thread-safe submit / cancel / control interface (module docstring)."""
+
+    def __init__(self, backend: Backend, cfg: HostConfig, rule: BatchExitRule | None = None,
+                 eps: float | None = None, expected_exit_layer: float | None = None) -> None:
+        """``eps``: the threshold table's epsilon (the audit's default); ``expected_exit_layer``: the
+        table's mean exit depth, the predicted depth before any token was served."""
+        self.cfg = cfg
+        self.engine = Engine(backend, cfg.engine, rule)
+        self.num_layers = backend.num_layers
+        self.exit_layers = list(backend.exit_layers)
+        self.expected_exit_layer = expected_exit_layer
+        a = cfg.audit
+        self.audit = AuditEstimate(eps=a.eps if a.eps is not None else (eps if eps is not None else 0.01),
+                                   delta=a.delta, trigger=a.trigger, min_tokens=a.min_tokens)
+        self._rng = np.random.default_rng(a.seed)
+        self._audit_queue: collections.deque[_AuditItem] = collections.deque()
+        self._audit_inflight = False
+        self.audit_dropped = 0
+        self._inbox: collections.deque[tuple[str, Any, Future | None]] = collections.deque()
+        self._live: dict[str, _Live] = {}
+        self._by_engine: dict[int, _Live] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._queued = 0  # submitted, not yet handed to the engine (read without a lock: an estimate)
+        self.tokens_total = self.finished_total = self.rejected_total = self.steps_total = 0
+        self.error: BaseException | None = None
+        self._finished_times: collections.deque[float] = collections.deque(maxlen=64)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "EngineHost":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="smartexit-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; requests still active get a final ``cancelled`` chunk."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        for live in list(self._live.values()):
+            self._finish(live, "cancelled")
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ------------------------------------------------------------------ callers' side (any thread)
+    def submit(self, req: GenRequest, emit: Callable[[Chunk], None]) -> None:
+        """Queue a generation; ``emit`` gets its chunks on the engine thread.
+
+        Raises:
+            HostError: ``invalid_request`` (naming the field), ``overloaded`` or ``internal`` (the
+                engine thread has died).
+        """
+        if not self.alive:
+            raise HostError("internal", f"the engine is not running ({self.error!r})" if self.error else
+                            "the engine is not running")
+        try:
+            mode = Mode(req.mode)
+        except ValueError:
+            raise HostError("invalid_request", f"mode {req.mode!r} is not one of "
+                            f"{', '.join(m.value for m in Mode)}", "mode") from None
+        ereq = Request(list(req.prompt), int(req.max_tokens), float(req.temperature), float(req.top_p),
+                       tuple(req.stop_ids), req.seed, mode=mode)
+        try:
+            self.engine.check(ereq)
+        except RequestError as exc:
+            raise HostError("invalid_request", str(exc), exc.field) from None
+        for name in ("sla_ttft_ms", "sla_tpot_ms"):
+            v = getattr(req, name)
+            if v is not None and not v > 0:
+                raise HostError("invalid_request", f"{name} must be > 0, got {v}", name)
+        if not req.request_id or req.request_id in self._live:
+            raise HostError("invalid_request", f"request id {req.request_id!r} is empty or already active",
+                            "request_id")
+        waiting = self._queued + len(self.engine.waiting)
+        if waiting >= self.cfg.max_waiting:
+            self.rejected_total += 1
+            raise HostError("overloaded", f"{waiting} requests are waiting (limit {self.cfg.max_waiting})",
+                            retry_after_s=self._retry_after(waiting))
+        self._queued += 1
+        self._inbox.append(("submit", (req, ereq, emit), None))
+        self._wake.set()
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request (its final chunk says ``cancelled``); True if it was active."""
+        return bool(self._call("cancel", request_id))
+
+    def control(self, op: dict[str, Any]) -> dict[str, Any]:
+        """A control op (docs/serving.md): ``stats``, ``set``, ``cancel``, ``audit_reset``.
+
+        Raises:
+            HostError: ``invalid_request`` for an unknown op or a bad value.
+        """
+        name = op.get("op") if isinstance(op, dict) else None
+        if name == "stats":
+            return self._call("stats", None)
+        if name == "set":
+            values = {}
+            for key in ("prefill_budget", "max_running"):
+                if key in op:
+                    v = op[key]
+                    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                        raise HostError("invalid_request", f"{key} must be an integer >= 1, got {v!r}", key)
+                    values[key] = v
+            return self._call("set", values)
+        if name == "cancel":
+            rid = op.get("request_id")
+            if not isinstance(rid, str):
+                raise HostError("invalid_request", "cancel needs a string request_id", "request_id")
+            return {"cancelled": self.cancel(rid)}
+        if name == "audit_reset":
+            return self._call("audit_reset", None)
+        raise HostError("invalid_request", f"unknown control op {name!r}; expected stats, set, cancel or "
+                        "audit_reset", "op")
+
+    def stats(self) -> dict[str, Any]:
+        return self._call("stats", None)
+
+    def _call(self, what: str, arg: Any) -> Any:
+        if not self.alive:
+            return self._apply(what, arg)  # nobody steps the engine: safe to answer here
+        fut: Future = Future()
+        self._inbox.append((what, arg, fut))
+        self._wake.set()
+        return fut.result(timeout=self.cfg.control_timeout_s)
+
+    def _retry_after(self, waiting: int) -> float:
+        """Seconds until the queue has room, from its length and the engine's recent rate of finishing."""
+        rate = self._finish_rate()
+        return float(max(1.0, min(60.0, np.ceil(waiting / rate)))) if rate > 0 else 1.0
+
+    # ------------------------------------------------------------------ the engine thread
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain()
+                busy = self.engine.has_work
+                if busy:
+                    self.engine.step()
+                    self.steps_total += 1
+                    self._flush()
+                self._maybe_audit()
+                if not busy and not self._inbox:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+        except BaseException as exc:  # noqa: BLE001 - the thread must report its death, not vanish
+            self.error = exc
+            log.exception("engine thread died")
+            for live in list(self._live.values()):
+                self._finish(live, "error")
+            while self._inbox:
+                _, _, fut = self._inbox.popleft()
+                if fut is not None:
+                    fut.set_exception(HostError("internal", f"engine thread died: {exc!r}"))
+
+    def _drain(self) -> None:
+        while self._inbox:
+            what, arg, fut = self._inbox.popleft()
+            try:
+                result = self._apply(what, arg)
+            except Exception as exc:  # noqa: BLE001 - handed to the caller waiting on the future
+                if fut is None:
+                    raise
+                fut.set_exception(exc)
+            else:
+                if fut is not None:
+                    fut.set_result(result)
+
+    def _apply(self, what: str, arg: Any) -> Any:
+        if what == "submit":
+            self._start_request(*arg)
+            return None
+        if what == "cancel":
+            live = self._live.get(arg)
+            if live is None or live.engine_id < 0:
+                return False
+            ok = self.engine.cancel(live.engine_id)
+            self._flush()
+            return ok
+        if what == "set":
+            if "prefill_budget" in arg:
+                self.engine.set_prefill_budget(arg["prefill_budget"])
+            if "max_running" in arg:
+                self.engine.set_admission_limit(arg["max_running"])
+            return self._stats()
+        if what == "stats":
+            return self._stats()
+        if what == "audit_reset":
+            self.audit.reset()
+            self._audit_queue.clear()
+            return self._stats()
+        raise ValueError(what)
+
+    def _start_request(self, req: GenRequest, ereq: Request, emit: Callable[[Chunk], None]) -> None:
+        self._queued -= 1
+        if ereq.mode is Mode.BOUNDED and self.audit.fallback:
+            ereq.mode = Mode.FULL  # the audit found the certificate broken: no early exits until reset
+        live = _Live(req, emit, time.monotonic(),
+                     (req.sla_ttft_ms or self.cfg.default_sla_ttft_ms) / 1e3,
+                     (req.sla_tpot_ms or self.cfg.default_sla_tpot_ms) / 1e3,
+                     audited=ereq.mode is Mode.BOUNDED and ereq.temperature == 0 and self.cfg.audit.fraction > 0,
+                     history=list(req.prompt))
+        ereq.on_token = lambda ev, live=live: self._on_token(live, ev)
+        live.engine_id = self.engine.submit(ereq)
+        self._live[req.request_id] = live
+        self._by_engine[live.engine_id] = live
+
+    def _on_token(self, live: _Live, ev: TokenEvent) -> None:
+        if ev.token >= 0:
+            live.tokens.append(ev.token)
+            live.layers.append(ev.exit_layer)
+            if live.audited and self._rng.random() < self.cfg.audit.fraction:
+                self._sample(live, ev)
+            live.history.append(ev.token)
+            live.n_tokens += 1
+            live.predicted = (ev.exit_layer if live.predicted is None
+                              else EMA * ev.exit_layer + (1 - EMA) * live.predicted)
+        if ev.finished:
+            live.finish = ev.finish_reason
+
+    def _flush(self) -> None:
+        """Hand each request the tokens of this step (and its end)."""
+        for live in [v for v in self._live.values() if v.tokens or v.finish]:
+            chunk = Chunk(live.req.request_id, live.tokens, live.layers, live.finish)
+            live.tokens, live.layers = [], []
+            self.tokens_total += len(chunk.tokens)
+            if live.finish is not None:
+                self._forget(live)
+            self._send(live, chunk)
+
+    def _finish(self, live: _Live, reason: str) -> None:
+        self._forget(live)
+        self._send(live, Chunk(live.req.request_id, live.tokens, live.layers, reason))
+
+    def _forget(self, live: _Live) -> None:
+        self._live.pop(live.req.request_id, None)
+        self._by_engine.pop(live.engine_id, None)
+        self.finished_total += 1
+        self._finished_times.append(time.monotonic())
+
+    def _send(self, live: _Live, chunk: Chunk) -> None:
+        try:
+            live.emit(chunk)
+        except Exception:  # noqa: BLE001 - a broken receiver must not stop the engine for the others
+            log.exception("emit failed for request %s; cancelling it", live.req.request_id)
+            if chunk.finish_reason is None and live.engine_id >= 0:
+                self.engine.cancel(live.engine_id)
+
+    def _finish_rate(self) -> float:
+        times = self._finished_times
+        if len(times) < 2 or times[-1] <= times[0]:
+            return 0.0
+        return (len(times) - 1) / (times[-1] - times[0])
+
+    # ------------------------------------------------------------------ audit
+    def _sample(self, live: _Live, ev: TokenEvent) -> None:
+        if ev.exit_layer >= self.num_layers:  # reached the last layer: cannot exit falsely
+            self.audit.record(ev.exit_layer, False)
+        elif len(self._audit_queue) < self.cfg.audit.max_pending:
+            self._audit_queue.append(_AuditItem(list(live.history), ev.token, ev.exit_layer))
+        else:
+            self.audit_dropped += 1
+
+    def _maybe_audit(self) -> None:
+        e = self.engine
+        if (not self._audit_queue or self._audit_inflight or e.waiting or self._inbox
+                or e.cache.free_slots == 0 or len(e.prefilling) + len(e.decoding) >= e.cfg.max_running):
+            return
+        item = self._audit_queue.popleft()
+        self._audit_inflight = True
+
+        def verdict(ev: TokenEvent, item: _AuditItem = item) -> None:
+            if ev.finished:
+                self._audit_inflight = False
+            if ev.token >= 0 and self.audit.record(item.exit_layer, ev.token != item.token):
+                log.warning("false-exit audit: the rate exceeds eps=%.4g (%s); bounded requests now run at "
+                            "full depth", self.audit.eps, self.audit.as_dict())
+
+        e.submit(Request(item.prefix, 1, mode=Mode.FULL, on_token=verdict))
+
+    # ------------------------------------------------------------------ statistics
+    def _stats(self) -> dict[str, Any]:
+        s = self.engine.stats()
+        now = time.monotonic()
+        reqs, slacks, preds, recent = [], [], [], []
+        for live in self._live.values():
+            due = live.arrival + live.sla_ttft_s + live.n_tokens * live.sla_tpot_s
+            slack = (due - now) * 1e3
+            slacks.append(slack)
+            layers = s.recent_exit_layers.get(live.engine_id, [])
+            recent += layers
+            if live.predicted is not None:
+                preds.append(live.predicted)
+            reqs.append({"id": live.req.request_id, "tokens": live.n_tokens, "recent_exit_layers": layers,
+                         "predicted_exit_layer": live.predicted, "slack_ms": slack})
+        fallback_pred = self.expected_exit_layer if self.expected_exit_layer is not None else float(self.num_layers)
+        audit = self.audit.as_dict()
+        audit.update(fraction=self.cfg.audit.fraction, pending=len(self._audit_queue), dropped=self.audit_dropped)
+        return {
+            "time": now, "waiting": s.waiting + self._queued, "prefill_backlog_tokens": s.prefill_backlog_tokens,
+            "running": s.running, "free_slots": s.free_slots, "prefill_budget": s.prefill_budget,
+            "max_running": s.max_running, "max_seqs": self.cfg.engine.max_seqs, "max_waiting": self.cfg.max_waiting,
+            "num_layers": self.num_layers, "exit_layers": self.exit_layers, "requests": reqs,
+            "mean_recent_exit_layer": float(np.mean(recent)) if recent else None,
+            "predicted_exit_layer": float(np.mean(preds)) if preds else fallback_pred,
+            "min_slack_ms": min(slacks) if slacks else None,
+            "tokens_total": self.tokens_total, "finished_total": self.finished_total,
+            "rejected_total": self.rejected_total, "steps_total": self.steps_total, "audit": audit,
+        }
