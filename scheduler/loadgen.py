@@ -36,7 +36,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import numpy as np
 
-from edge.core.errors import ConfigError
+from edge.core.errors import ConfigError, SmartExitError
 from scheduler.workload import Workload
 
 # finish reasons that end a request normally; the engine's others (cancelled, deadline) are errors
@@ -272,13 +272,16 @@ class StreamDelta:
     finish_reason: str | None = None
     completion_tokens: int | None = None    # from the usage chunk
     error: str | None = None
+    error_code: str | None = None
 
 
 def parse_chunk(data: str) -> StreamDelta:
     """One SSE ``data`` payload of ``/v1/completions`` streaming -> :class:`StreamDelta`.
 
     A choice's token count is the length of its ``exit_layers`` (SmartExit's extension: one layer per
-    token), else 1 when it carries text. An ``{"error": ...}`` object or a malformed payload is an error.
+    token), else 1 when it carries text. The finish reason is the engine's own where the server adds it
+    (``smartexit_finish_reason``: ``deadline`` and ``cancelled`` travel as OpenAI's ``length``). An
+    ``{"error": ...}`` object or a malformed payload is an error.
     """
     if data.strip() == "[DONE]":
         return StreamDelta(done=True)
@@ -289,14 +292,17 @@ def parse_chunk(data: str) -> StreamDelta:
     if not isinstance(obj, dict):
         return StreamDelta(error=f"stream chunk is not an object: {data[:200]!r}")
     if "error" in obj:
-        return StreamDelta(error=_error_text(obj["error"]))
+        err = obj["error"]
+        code = err.get("code") if isinstance(err, dict) else None
+        return StreamDelta(error=_error_text(err), error_code=None if code is None else str(code))
     d = StreamDelta()
     for choice in obj.get("choices") or []:
         layers = [int(x) for x in choice.get("exit_layers") or []]
         d.exit_layers.extend(layers)
         d.tokens += len(layers) if layers else int(bool(choice.get("text")))
-        if choice.get("finish_reason"):
-            d.finish_reason = str(choice["finish_reason"])
+        reason = choice.get("smartexit_finish_reason") or choice.get("finish_reason")
+        if reason:
+            d.finish_reason = str(reason)
     usage = obj.get("usage")
     if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
         d.completion_tokens = int(usage["completion_tokens"])
@@ -344,7 +350,8 @@ class StreamReader:
             if d.error is None and ev.event == "error":
                 d.error = ev.data[:500]
             if d.error is not None:
-                r.error_kind, r.error, r.t_end, self.done = "stream_error", d.error, now, True
+                kind = f"stream_{d.error_code}" if d.error_code else "stream_error"
+                r.error_kind, r.error, r.t_end, self.done = kind, d.error, now, True
                 return True
             if d.tokens and r.t_first_token is None:
                 r.t_first_token = now
@@ -391,7 +398,7 @@ class HttpSender:
     requests into a closed loop).
     """
 
-    def __init__(self, base_url: str, model: str = "smartexit", mode: str = "bounded",
+    def __init__(self, base_url: str, model: str, mode: str = "bounded",
                  sla_ttft_ms: float | None = None, sla_tpot_ms: float | None = None, api_key: str | None = None,
                  timeout_s: float = 300.0) -> None:
         self.url = base_url.rstrip("/") + "/v1/completions"
@@ -409,6 +416,24 @@ class HttpSender:
 
     async def __aexit__(self, *exc: object) -> None:
         await self._session.close()
+
+    async def models(self) -> list[str]:
+        """The ids ``GET /v1/models`` lists.
+
+        Raises:
+            SmartExitError: the server is unreachable or answers with an error.
+        """
+        import aiohttp
+
+        url = self.url.removesuffix("/completions") + "/models"
+        try:
+            async with self._session.get(url, headers=self.headers) as resp:
+                body = await resp.read()
+                if resp.status != 200:
+                    raise SmartExitError(f"GET {url}: {' '.join(error_from_body(resp.status, body))}")
+                return [m["id"] for m in json.loads(body)["data"]]
+        except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise SmartExitError(f"GET {url}: {type(exc).__name__}: {exc}") from exc
 
     async def __call__(self, req: ScheduledRequest) -> RequestResult:
         import aiohttp
@@ -444,8 +469,10 @@ class InProcessSender:
     """
 
     def __init__(self, host: Any, mode: str = "bounded", sla_ttft_ms: float | None = None,
-                 sla_tpot_ms: float | None = None, timeout_s: float = 300.0) -> None:
+                 sla_tpot_ms: float | None = None, timeout_s: float = 300.0, stop_ids: Sequence[int] = ()) -> None:
+        """``stop_ids``: tokens that end a request (the server adds the tokenizer's end-of-text)."""
         self.host, self.mode, self.sla, self.timeout_s = host, mode, (sla_ttft_ms, sla_tpot_ms), timeout_s
+        self.stop_ids = tuple(stop_ids)
 
     async def __call__(self, req: ScheduledRequest) -> RequestResult:
         from edge.runtime.host import GenRequest, HostError
@@ -458,7 +485,8 @@ class InProcessSender:
 
         r = _result(req)
         gen = GenRequest(request_id=req.request_id, prompt=list(req.prompt_ids), max_tokens=req.max_tokens,
-                         temperature=0.0, mode=self.mode, sla_ttft_ms=self.sla[0], sla_tpot_ms=self.sla[1])
+                         temperature=0.0, stop_ids=self.stop_ids, mode=self.mode, sla_ttft_ms=self.sla[0],
+                         sla_tpot_ms=self.sla[1])
         r.t_submit = time.perf_counter()
         try:
             self.host.submit(gen, emit)
@@ -470,7 +498,7 @@ class InProcessSender:
             try:
                 now, chunk = await asyncio.wait_for(queue.get(), max(0.0, deadline - time.perf_counter()))
             except asyncio.TimeoutError:
-                self._cancel(req.request_id)
+                self.host.cancel(req.request_id)
                 r.error_kind, r.error = "timeout", f"no complete response within {self.timeout_s} s"
                 r.t_end = time.perf_counter()
                 return r
@@ -484,9 +512,3 @@ class InProcessSender:
                 if chunk.finish_reason not in NORMAL_FINISH:
                     r.error_kind, r.error = chunk.finish_reason, f"finish_reason {chunk.finish_reason}"
                 return r
-
-    def _cancel(self, request_id: str) -> None:
-        cancel = getattr(self.host, "cancel", None)  # the host's cancel, where it has one
-        if cancel is not None:
-            cancel(request_id)
-

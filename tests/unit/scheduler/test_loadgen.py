@@ -2,16 +2,15 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
 import time
-import types
 
 import numpy as np
 import pytest
 
 from edge.core.errors import ConfigError
-from scheduler.loadgen import (InProcessSender, RequestResult, ScheduledRequest, SSEDecoder, StreamReader,
+from edge.runtime.host import Chunk, HostError
+from scheduler.loadgen import (HttpSender, InProcessSender, RequestResult, ScheduledRequest, SSEDecoder, StreamReader,
                                build_schedule, completion_body, error_from_body, map_lengths, parse_chunk,
                                run_open_loop, window)
 from scheduler.workload import SHARED_TRACE, Workload, read_trace, synthetic
@@ -205,7 +204,7 @@ def test_stream_errors():
     assert reader.feed(0.2, b'data: {"choices":[{"text":"a","exit_layers":[3]}]}\n\n'
                             b'data: {"error": {"message": "engine stopped", "code": "internal"}}\n\n')
     reader.close(0.3)
-    assert not r.ok and r.error_kind == "stream_error" and "engine stopped" in r.error and r.t_end == 0.2
+    assert not r.ok and r.error_kind == "stream_internal" and "engine stopped" in r.error and r.t_end == 0.2
 
     t = RequestResult("t", 0.0, 4, 9, t_submit=0.0)
     StreamReader(t).close(1.0)
@@ -213,7 +212,9 @@ def test_stream_errors():
 
     d = RequestResult("d", 0.0, 4, 9, t_submit=0.0)
     rd = StreamReader(d)
-    rd.feed(0.1, b'data: {"choices":[{"text":"a","exit_layers":[3],"finish_reason":"deadline"}]}\n\ndata: [DONE]\n\n')
+    # the server sends the engine's deadline as OpenAI's "length" and names it in smartexit_finish_reason
+    rd.feed(0.1, b'data: {"choices":[{"text":"a","exit_layers":[3],"finish_reason":"length",'
+                 b'"smartexit_finish_reason":"deadline"}]}\n\ndata: [DONE]\n\n')
     rd.close(0.2)
     assert d.error_kind == "deadline" and d.tokens == 1
 
@@ -228,13 +229,59 @@ def test_error_bodies():
     assert error_from_body(502, b"") == ("http_502", "HTTP 502")
 
 
+def test_http_sender_against_a_stub_server():
+    """HttpSender over real HTTP (an aiohttp stub on loopback, not the SmartExit server): model discovery,
+    a streamed completion with the request body as sent, and a 429 with an OpenAI error body."""
+    from aiohttp import web
+
+    bodies = []
+
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": "smartexit-tiny", "object": "model"}]})
+
+    async def completions(request):
+        body = await request.json()
+        bodies.append((body, request.headers.get("Authorization")))
+        if body["max_tokens"] == 99:
+            return web.json_response({"error": {"message": "at its limit", "code": "too_many_requests"}}, status=429)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for k in range(body["max_tokens"]):
+            await asyncio.sleep(0.01)
+            last = k == body["max_tokens"] - 1
+            chunk = {"choices": [{"index": 0, "text": "x", "exit_layers": [3 + k],
+                                  "finish_reason": "length" if last else None}]}
+            await resp.write(f"data: {__import__('json').dumps(chunk)}\n\n".encode())
+        await resp.write(b'data: {"choices":[],"usage":{"completion_tokens":%d}}\n\ndata: [DONE]\n\n'
+                         % body["max_tokens"])
+        return resp
+
+    async def main():
+        app = web.Application()
+        app.router.add_get("/v1/models", models)
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with HttpSender(f"http://127.0.0.1:{port}/", "", "bounded", 500.0, 50.0, api_key="k") as send:
+                send.model = (await send.models())[0]
+                return await run_open_loop([ScheduledRequest(0.0, [1, 2], 3, "a"),
+                                            ScheduledRequest(0.01, [4], 99, "b")], send)
+        finally:
+            await runner.cleanup()
+
+    ok, refused = asyncio.run(main())
+    assert ok.ok and ok.http_status == 200 and ok.tokens == 3 and ok.exit_layers == [3, 4, 5]
+    assert 0 < ok.ttft_s < ok.e2e_s and ok.tpot_s is not None
+    assert refused.error_kind == "http_429" and "at its limit" in refused.error
+    body, auth = bodies[0]
+    assert body["model"] == "smartexit-tiny" and body["prompt"] == [1, 2] and auth == "Bearer k"
+
+
 # --------------------------------------------------------------------------- in-process sender
-
-class _HostError(Exception):
-    def __init__(self, code, message, field=None, retry_after_s=None):
-        super().__init__(message)
-        self.code, self.message, self.field, self.retry_after_s = code, message, field, retry_after_s
-
 
 class _FakeHost:
     """Emits each request's tokens from another thread, like the engine thread, one token per chunk."""
@@ -244,9 +291,8 @@ class _FakeHost:
 
     def submit(self, req, emit):
         if self.reject:
-            raise _HostError("overloaded", "waiting queue full", retry_after_s=1.0)
+            raise HostError("overloaded", "4 requests are waiting (limit 4)", retry_after_s=1.0)
         self.seen.append(req)
-        Chunk = sys.modules["edge.runtime.host"].Chunk
 
         def work():
             for i in range(req.max_tokens):
@@ -257,36 +303,7 @@ class _FakeHost:
         threading.Thread(target=work, daemon=True).start()
 
 
-@pytest.fixture
-def fake_host_module(monkeypatch):
-    from dataclasses import dataclass
-
-    @dataclass
-    class GenRequest:
-        request_id: str
-        prompt: list
-        max_tokens: int
-        temperature: float = 0.0
-        top_p: float = 1.0
-        seed: int | None = None
-        stop_ids: tuple = ()
-        mode: str = "bounded"
-        sla_ttft_ms: float | None = None
-        sla_tpot_ms: float | None = None
-
-    @dataclass
-    class Chunk:
-        request_id: str
-        tokens: list
-        exit_layers: list
-        finish_reason: str | None
-
-    mod = types.SimpleNamespace(GenRequest=GenRequest, Chunk=Chunk, HostError=_HostError)
-    monkeypatch.setitem(sys.modules, "edge.runtime.host", mod)
-    return mod
-
-
-def test_inprocess_sender_hands_chunks_across_threads(fake_host_module):
+def test_inprocess_sender_hands_chunks_across_threads():
     host = _FakeHost()
     send = InProcessSender(host, "bounded", 500.0, 50.0)
     schedule = [ScheduledRequest(0.01 * i, [1, 2], 4, f"r{i}") for i in range(3)]
@@ -296,9 +313,31 @@ def test_inprocess_sender_hands_chunks_across_threads(fake_host_module):
     assert host.seen[0].sla_ttft_ms == 500.0 and host.seen[0].mode == "bounded" and host.seen[0].prompt == [1, 2]
 
 
-def test_inprocess_sender_errors(fake_host_module):
+def test_inprocess_sender_errors():
     (r,) = asyncio.run(run_open_loop([ScheduledRequest(0.0, [1], 2, "x")], InProcessSender(_FakeHost(reject=True))))
-    assert r.error_kind == "overloaded" and "queue full" in r.error
+    assert r.error_kind == "overloaded" and "waiting" in r.error
     (d,) = asyncio.run(run_open_loop([ScheduledRequest(0.0, [1], 2, "y")],
                                      InProcessSender(_FakeHost(finish="deadline"))))
     assert d.error_kind == "deadline" and d.tokens == 2
+
+
+def test_inprocess_run_on_a_real_host():
+    """The schedule on an EngineHost (tiny random torch model): every request completes with its tokens,
+    and an invalid one (prompt + output beyond max_len) is refused with the host's error code."""
+    from edge.runtime.engine import EngineConfig
+    from edge.runtime.host import EngineHost, HostConfig
+    from edge.runtime.rules import ConfidenceRule
+    from edge.runtime.torch_backend import TorchBackend
+    from tests.unit.engine.test_engine import _model, _prompts
+
+    host = EngineHost(TorchBackend(_model()), HostConfig(engine=EngineConfig(max_seqs=4, max_running=4, max_len=64)),
+                      ConfidenceRule(0.5)).start()
+    schedule = [ScheduledRequest(0.02 * i, p, 6, f"r{i}") for i, p in enumerate(_prompts(6, seed=1))]
+    schedule.append(ScheduledRequest(0.2, list(range(60)), 10, "too-long"))
+    try:
+        results = asyncio.run(run_open_loop(schedule, InProcessSender(host, "bounded", 1000.0, 100.0, timeout_s=60)))
+    finally:
+        host.stop()
+    *good, bad = results
+    assert all(r.ok and r.tokens == 6 and len(r.exit_layers) == 6 and r.finish_reason == "length" for r in good)
+    assert bad.error_kind == "invalid_request"

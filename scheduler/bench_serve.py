@@ -1,0 +1,311 @@
+"""``smartexit bench serve``: an open-loop load test of the serving stack, and of the engine in process.
+
+One schedule (:mod:`scheduler.loadgen`: the Azure code trace, or synthetic arrivals where it is absent,
+mapped onto the model's context window; prompts cut from the held-out test split) is replayed
+
+* against the OpenAI-compatible server, once per scheduling policy: a server at ``url``, or the
+  stack this stage starts itself (``scheduler.serve.stack.serving_stack``) with the policy set per run;
+* on an ``edge.runtime.host.EngineHost`` in this process, opened from the same bundle with the same
+  host settings and ONNX Runtime threads as the served model (no HTTP, Ray or Triton, and no control
+  loop: the bundle's initial prefill budget throughout), which prices the serving stack.
+
+Writes ``<run_dir>/bench/serve.json`` (read by the report stage), ``serve.md``,
+``serve_latency_cdf.png`` and ``serve_throughput.png``, and records stage ``bench_serve`` in the run
+manifest. Definitions of the numbers: :mod:`scheduler.bench_report`.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edge.core.artifacts import Manifest, atomic_write_json, atomic_write_text
+from edge.core.errors import ConfigError, SmartExitError
+from scheduler.bench_report import (compare, plot_latency_cdf, plot_throughput, render_markdown, same_lengths,
+                                    summarize)
+from scheduler.loadgen import (HttpSender, InProcessSender, RequestResult, ScheduledRequest, build_schedule,
+                               run_open_loop)
+from scheduler.workload import SHARED_TRACE, Arrivals, Workload, load_workload, synthetic
+
+STAGE = "bench_serve"
+INPROCESS = "in-process"
+ARRIVALS = ("trace", "poisson", "bursty")
+MAX_TRACE_ROWS = 10_000_000  # read a whole trace; the window is cut afterwards
+
+
+@dataclass
+class BenchServeConfig:
+    run_dir: str = "artifacts/demo"
+    url: str | None = None            # a running server; None: start the stack for each policy
+    api_key: str | None = None        # bearer key for ``url`` (never written to the artifacts)
+    model: str | None = None          # the ``model`` field of each request; None: the server's (/v1/models)
+    # the bundle `smartexit repo` wrote (exporters/triton.py): the in-process engine, the tokenizer and the
+    # context window come from it; None: <run_dir>/triton/smartexit/1/bundle
+    bundle: str | None = None
+    tokenizer: str | None = None      # tokenizer.json for the prompts; None: the bundle's
+    # workload: arrivals "trace" (``trace``, else the shared Azure trace, else synthetic Poisson at
+    # rate_rps, reported as such), "poisson" or "bursty" (synthetic at rate_rps)
+    trace: str | None = None
+    arrivals: str = "trace"
+    rate_rps: float = 2.0
+    start_s: float = 0.0              # where the window opens, in trace (unscaled) seconds
+    duration_s: float | None = 30.0   # seconds of arrivals after scaling
+    max_requests: int | None = None
+    time_scale: float = 1.0           # arrival (t - start_s) * time_scale
+    context_window: int | None = None  # prompt + output tokens per request; None: the bundle's max positions
+    max_output: int = 64
+    prompt_percentile: float = 99.0   # this percentile of the trace's prompts maps to the prompt budget
+    seed: int = 0
+    # the SLA every request carries, and that attainment / goodput are counted against
+    sla_ttft_ms: float = 500.0
+    sla_tpot_ms: float = 50.0
+    mode: str = "bounded"
+    policies: list[str] = field(default_factory=lambda: ["fixed", "aimd"])  # one served run each; the first heads the summary
+    serve: dict[str, Any] = field(default_factory=dict)  # other keys for the stack's ServeConfig
+    inprocess: bool = True
+    threads: int | None = None        # in-process ONNX Runtime threads; None: the bundle's, as served
+    host: dict[str, Any] = field(default_factory=dict)  # bundle host overrides (RepoConfig fields), in process
+    warmup_requests: int = 2          # sent one by one before each run, not measured
+    request_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        from edge.runtime.engine import Mode
+
+        if self.arrivals not in ARRIVALS:
+            raise ConfigError(f"bench serve: arrivals must be one of {', '.join(ARRIVALS)}, got {self.arrivals!r}")
+        try:
+            self.mode = Mode(self.mode).value
+        except ValueError:
+            raise ConfigError(f"bench serve: mode must be one of {', '.join(m.value for m in Mode)}, "
+                              f"got {self.mode!r}") from None
+        if self.duration_s is None and self.max_requests is None:
+            raise ConfigError("bench serve: set duration_s or max_requests (or both)")
+        if (self.duration_s is not None and self.duration_s <= 0) or (self.max_requests is not None
+                                                                       and self.max_requests < 1):
+            raise ConfigError("bench serve: duration_s must be > 0 and max_requests >= 1")
+        if self.rate_rps <= 0 or self.time_scale <= 0 or self.start_s < 0:
+            raise ConfigError("bench serve: rate_rps > 0, time_scale > 0 and start_s >= 0 are required")
+        if self.sla_ttft_ms <= 0 or self.sla_tpot_ms <= 0:
+            raise ConfigError("bench serve: sla_ttft_ms and sla_tpot_ms must be > 0")
+        if not self.policies and self.url is None:
+            raise ConfigError("bench serve: policies is empty; name at least one (fixed, aimd)")
+        if (self.threads is not None and self.threads < 1) or self.warmup_requests < 0 or self.request_timeout_s <= 0:
+            raise ConfigError("bench serve: threads >= 1, warmup_requests >= 0 and request_timeout_s > 0")
+        if self.context_window is not None and self.context_window < 2:
+            raise ConfigError(f"bench serve: context_window must be >= 2, got {self.context_window}")
+
+
+# --------------------------------------------------------------------------- inputs
+
+def load_arrivals(cfg: BenchServeConfig) -> Workload:
+    """The workload the window is cut from; its ``source`` says which it is."""
+    window_s = cfg.start_s + (cfg.duration_s / cfg.time_scale if cfg.duration_s is not None else 0.0)
+    # enough synthetic requests to cover the window (1.5x the expected count, plus a margin)
+    n = math.ceil(1.5 * cfg.rate_rps * window_s) + 10 + (cfg.max_requests or 0)
+    if cfg.arrivals != "trace":
+        return synthetic(n, cfg.rate_rps, Arrivals(cfg.arrivals), cfg.seed)
+    has_trace = cfg.trace is not None or SHARED_TRACE.is_file()
+    return load_workload(cfg.trace, n=MAX_TRACE_ROWS if has_trace else n, rate=cfg.rate_rps,
+                         kind=Arrivals.POISSON, seed=cfg.seed)
+
+
+def bundle_dir(cfg: BenchServeConfig) -> Path:
+    # the layout exporters/triton.py writes: <out>/<model name>/<version>/bundle
+    return Path(cfg.bundle) if cfg.bundle is not None else Path(cfg.run_dir) / "triton" / "smartexit" / "1" / "bundle"
+
+
+def context_window(cfg: BenchServeConfig) -> int:
+    """``cfg.context_window``, else the bundle's model positions (what the server accepts by default)."""
+    if cfg.context_window is not None:
+        return cfg.context_window
+    from scheduler.serve.config import BundleInfo
+
+    try:
+        return BundleInfo.load(bundle_dir(cfg)).max_positions
+    except ConfigError as exc:
+        raise ConfigError(f"bench serve: {exc}; run `smartexit repo`, name the bundle (bundle=DIR) or set "
+                          f"context_window") from exc
+
+
+def _tokenizer_path(cfg: BenchServeConfig) -> Path:
+    path = Path(cfg.tokenizer) if cfg.tokenizer is not None else bundle_dir(cfg) / "tokenizer.json"
+    if not path.is_file():
+        raise SmartExitError(f"bench serve: tokenizer {path} is missing; run `smartexit repo`, name the bundle "
+                             f"(bundle=DIR) or the tokenizer (tokenizer=PATH)")
+    return path
+
+
+def prompt_pool(cfg: BenchServeConfig) -> list[list[int]]:
+    """The held-out test split, one token stream per document."""
+    from edge.core.data import Split, load_split
+    from edge.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(_tokenizer_path(cfg))
+    return [e.ids for e in tok.encode_batch([d.text for d in load_split(Split.TEST)])]
+
+
+def stop_ids(cfg: BenchServeConfig) -> tuple[int, ...]:
+    """The end-of-text token, which the server adds to every request's stop ids (scheduler/serve/app.py)."""
+    from edge.model.tokenizer import EOS, load_tokenizer
+
+    eos = load_tokenizer(_tokenizer_path(cfg)).token_to_id(EOS)
+    return () if eos is None else (eos,)
+
+
+def make_schedule(cfg: BenchServeConfig) -> tuple[list[ScheduledRequest], Workload]:
+    w = load_arrivals(cfg)
+    sched = build_schedule(w, prompt_pool(cfg), context_window(cfg), cfg.max_output, cfg.time_scale, cfg.seed,
+                           start_s=cfg.start_s, duration_s=cfg.duration_s, max_requests=cfg.max_requests,
+                           prompt_percentile=cfg.prompt_percentile)
+    return sched, w
+
+
+# --------------------------------------------------------------------------- runs
+
+async def _warm_then_run(send: Any, schedule: list[ScheduledRequest], warmup: int, where: str) -> list[RequestResult]:
+    for i, req in enumerate(schedule[:warmup]):
+        r = await send(ScheduledRequest(0.0, req.prompt_ids, req.max_tokens, f"warmup-{i}"))
+        if r.error_kind == "connection":
+            raise SmartExitError(f"bench serve: {where} is not reachable: {r.error}")
+    return await run_open_loop(schedule, send)
+
+
+async def _http(url: str, schedule: list[ScheduledRequest], cfg: BenchServeConfig) -> list[RequestResult]:
+    async with HttpSender(url, cfg.model or "", cfg.mode, cfg.sla_ttft_ms, cfg.sla_tpot_ms, cfg.api_key,
+                          cfg.request_timeout_s) as send:
+        if cfg.model is None:
+            models = await send.models()
+            if not models:
+                raise SmartExitError(f"bench serve: {url}/v1/models lists no model")
+            send.model = models[0]
+        return await _warm_then_run(send, schedule, cfg.warmup_requests, url)
+
+
+def served_runs(cfg: BenchServeConfig, schedule: list[ScheduledRequest]) -> dict[str, list[RequestResult]]:
+    """label -> results: ``served`` against ``url``, else one run per policy on a stack started for it."""
+    if cfg.url is not None:
+        return {"served": asyncio.run(_http(cfg.url, schedule, cfg))}
+    from edge.core.configio import apply
+    from scheduler.serve.config import ServeConfig
+    from scheduler.serve.stack import serving_stack
+
+    runs = {}
+    for policy in cfg.policies:
+        serve_cfg = apply(ServeConfig(), {**cfg.serve, "policy": policy})
+        with serving_stack(cfg.run_dir, serve_cfg) as url:
+            runs[policy] = asyncio.run(_http(url, schedule, cfg))
+        print(f"bench serve: policy {policy}: {len(runs[policy])} requests sent", flush=True)
+    return runs
+
+
+def inprocess_run(cfg: BenchServeConfig, schedule: list[ScheduledRequest]) -> list[RequestResult]:
+    """The same schedule on an EngineHost in this process, opened as the served model opens it."""
+    from exporters.triton import open_bundle
+
+    host = open_bundle(bundle_dir(cfg), threads=cfg.threads, **cfg.host)
+    host.start()
+    try:
+        send = InProcessSender(host, cfg.mode, cfg.sla_ttft_ms, cfg.sla_tpot_ms, cfg.request_timeout_s, stop_ids(cfg))
+        return asyncio.run(_warm_then_run(send, schedule, cfg.warmup_requests, "the in-process host"))
+    finally:
+        host.stop()
+
+
+# --------------------------------------------------------------------------- report
+
+LENGTH_MAPPING = ("outputs: the workload's, clipped to max_output; prompts: scaled so that the "
+                  "p{q:g} prompt maps to context_window - max_output = {budget} tokens, clipped to [1, {budget}]")
+
+
+def describe_workload(cfg: BenchServeConfig, w: Workload, schedule: list[ScheduledRequest], window: int) -> dict[str, Any]:
+    p = np.array([len(r.prompt_ids) for r in schedule])
+    o = np.array([r.max_tokens for r in schedule])
+    stats = lambda a: {"mean": float(a.mean()), "p50": float(np.median(a)), "max": int(a.max())}  # noqa: E731
+    return {
+        "source": w.source,
+        "synthetic": not w.source.startswith("trace "),
+        "arrivals": cfg.arrivals,
+        "requests": len(schedule),
+        "span_s": schedule[-1].arrival_s - schedule[0].arrival_s,
+        "start_s": cfg.start_s,
+        "time_scale": cfg.time_scale,
+        "seed": cfg.seed,
+        "prompt_tokens": stats(p),
+        "output_tokens": stats(o),
+        "context_window": window,
+        "length_mapping": LENGTH_MAPPING.format(q=cfg.prompt_percentile, budget=window - cfg.max_output),
+        "prompts": "windows of the held-out test split (edge/assets/data/test.jsonl.xz), seeded",
+    }
+
+
+def build_report(cfg: BenchServeConfig, workload: dict[str, Any], runs: dict[str, list[RequestResult]]) -> dict[str, Any]:
+    """``serve.json``: per-run summaries, served vs in-process, and the ``serve_bench`` headline
+    (the first served run's numbers, every run under ``policies``)."""
+    summaries = {label: summarize(res, cfg.sla_ttft_ms, cfg.sla_tpot_ms) for label, res in runs.items()}
+    served = [label for label in runs if label != INPROCESS]
+    comparison = ({label: {**compare(summaries[label], summaries[INPROCESS]),
+                          "same_output_lengths": same_lengths(runs[label], runs[INPROCESS])} for label in served}
+                  if INPROCESS in summaries else {})
+    head = summaries[served[0]]
+    keys = ("requests", "errors", "errors_by_kind", "ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms", "tpot_p95_ms",
+            "e2e_p95_ms", "sla_attainment", "goodput_rps", "tokens_per_s", "offered_rps")
+    headline: dict[str, Any] = {"policy": served[0], **{k: head[k] for k in keys}}
+    headline["served_vs_inprocess_tokens_ratio"] = comparison.get(served[0], {}).get("served_vs_inprocess_tokens_ratio")
+    headline["ttft_p50_overhead_ms"] = comparison.get(served[0], {}).get("ttft_p50_overhead_ms")
+    headline["policies"] = {label: {k: summaries[label][k] for k in keys} for label in served}
+    if INPROCESS in summaries:
+        headline["inprocess"] = {k: summaries[INPROCESS][k] for k in keys}
+    headline["workload_source"] = workload["source"]
+    notes = []
+    if workload["synthetic"]:
+        notes.append(f"No trace was read: the arrivals are synthetic ({workload['source']}).")
+    if INPROCESS in summaries:
+        notes.append("In process: the same schedule on an EngineHost in the load generator's process (no HTTP, "
+                      "Ray Serve or Triton; the host's default prefill budget, no policy); its chunks are stamped "
+                      "on the engine thread as they are emitted.")
+    config = asdict(cfg)
+    config["api_key"] = "<set>" if cfg.api_key else None
+    return {"stage": STAGE, "workload": workload, "sla": {"ttft_ms": cfg.sla_ttft_ms, "tpot_ms": cfg.sla_tpot_ms},
+            "runs": summaries, "comparison": comparison, "serve_bench": headline, "notes": notes, "config": config}
+
+
+def write_outputs(cfg: BenchServeConfig, report: dict[str, Any], runs: dict[str, list[RequestResult]]) -> dict[str, Path]:
+    out = Path(cfg.run_dir) / "bench"
+    paths = {"json": out / "serve.json", "md": out / "serve.md", "latency_cdf_png": out / "serve_latency_cdf.png",
+             "throughput_png": out / "serve_throughput.png"}
+    plot_latency_cdf(runs, paths["latency_cdf_png"], cfg.sla_ttft_ms, cfg.sla_tpot_ms)
+    plot_throughput(runs, paths["throughput_png"])
+    atomic_write_text(paths["md"], render_markdown(report))
+    atomic_write_json(paths["json"], report)  # last: its presence means the set is complete
+    return paths
+
+
+def main(cfg: BenchServeConfig) -> int:
+    """Served run(s), the in-process run, outputs and manifest record; 0 on success.
+
+    Raises:
+        SmartExitError: a bad config, no tokenizer, an unreachable server, or a stack that fails to start.
+    """
+    t0 = time.perf_counter()
+    schedule, w = make_schedule(cfg)
+    workload = describe_workload(cfg, w, schedule, context_window(cfg))
+    print(f"bench serve: {len(schedule)} requests over {workload['span_s']:.1f} s from {w.source}", flush=True)
+    runs = served_runs(cfg, schedule)
+    if cfg.inprocess:
+        runs[INPROCESS] = inprocess_run(cfg, schedule)
+    report = build_report(cfg, workload, runs)
+    paths = write_outputs(cfg, report, runs)
+    for label, s in report["runs"].items():
+        ttft = "n/a" if s["ttft_p95_ms"] is None else f"{s['ttft_p95_ms']:.1f}"
+        print(f"  {label}: {s['requests']} requests, {s['errors']} errors, TTFT p95 {ttft} ms, "
+              f"SLA attainment {s['sla_attainment']:.3f}, goodput {s['goodput_rps']:.2f} req/s, "
+              f"{s['tokens_per_s']:.1f} tokens/s", flush=True)
+    inputs = {"trace": w.source[len("trace "):]} if not workload["synthetic"] else {}
+    Manifest(cfg.run_dir).record(STAGE, inputs=inputs, config=report["config"], outputs=paths,
+                                 metrics=report["serve_bench"], seconds=time.perf_counter() - t0)
+    return 0
