@@ -1,0 +1,414 @@
+"""The OpenAI-compatible HTTP protocol, pure: request parsing, responses, SSE, incremental text.
+
+``parse_completion`` / ``parse_chat`` turn a raw body into a :class:`GenerationRequest` or raise
+:class:`ApiError` (status, message naming the field, OpenAI error body). Responses follow the
+OpenAI shapes (``text_completion``, ``chat.completion``, ``chat.completion.chunk``); each choice may
+carry the SmartExit extension ``exit_layers`` (the layer each token left at), which OpenAI clients
+ignore. SmartExit request extras: ``mode`` (bounded | exact | full) and ``sla`` (ttft_ms, tpot_ms).
+
+Chat prompt format (the model has no chat template): each message becomes ``"<Role>: <text>\\n\\n"``
+with Role System (system and developer messages), User or Assistant, and the prompt ends with
+``"Assistant:"``; generation stops at ``"\\nUser:"`` besides the request's own ``stop`` strings, and
+the reply's leading whitespace is dropped.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+               413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+               503: "service_unavailable"}
+CHAT_ROLES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
+CHAT_STOP = "\nUser:"
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+# wire finish reasons -> OpenAI's; the wire reason rides along as `smartexit_finish_reason` if it differs
+FINISH_REASONS = {"stop": "stop", "length": "length", "deadline": "length", "cancelled": "length"}
+SSE_DONE = b"data: [DONE]\n\n"
+INT64 = 2 ** 63
+
+
+class ApiError(Exception):
+    """An HTTP error with an OpenAI error body; ``param`` names the offending field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None,
+                 code: str | None = None, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ERROR_TYPES.get(status, "invalid_request_error")
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after_s is None else {"Retry-After": str(max(1, round(self.retry_after_s)))}
+
+
+def backend_error(err: dict[str, Any]) -> ApiError:
+    """The HTTP error for a worker's error chunk (``triton_client.error_to_dict``)."""
+    msg, retry = str(err.get("message", "")), err.get("retry_after_s")
+    if err.get("kind") == "rejected":
+        code = err.get("code")
+        if code == "overloaded":
+            return ApiError(429, f"the server is overloaded: {msg}", code="overloaded", retry_after_s=retry or 1.0)
+        if code == "invalid_request":
+            return ApiError(400, msg, param=err.get("field"), code="invalid_request")
+        return ApiError(500, f"the engine failed: {msg}", code="internal")
+    return ApiError(503, f"the model is unavailable: {msg}", code="unavailable", retry_after_s=retry or 1.0)
+
+
+# -- requests ----------------------------------------------------------------------------------------
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")  # JSON types as sent; unknown keys ignored
+
+
+class Sla(_Strict):
+    ttft_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
+    tpot_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    model: str
+    max_tokens: int | None = None
+    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Any = None
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    n: int = 1
+    user: str | None = None
+    logprobs: Any = None
+    mode: Literal["bounded", "exact", "full"] | None = None
+    sla: Sla | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v: Any) -> Any:
+        if v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)):
+            if isinstance(v, list) and len(v) > 4:
+                raise ValueError("at most 4 stop sequences")
+            return v
+        raise ValueError("must be a string, a list of strings or null")
+
+
+class CompletionRequest(_Common):
+    prompt: Any
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            return v
+        if isinstance(v, list) and v and all(isinstance(t, (str, list)) for t in v):
+            raise ValueError("batched prompts are not supported: send one string or one list of token ids")
+        raise ValueError("must be a string or a list of token ids (integers)")
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Any  # a string, or text parts [{"type": "text", "text": ...}] joined into one
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, v: Any) -> str:
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                       and isinstance(p.get("text"), str) for p in v):
+            return "".join(p["text"] for p in v)
+        raise ValueError('must be a string or a list of text parts {"type": "text", "text": "..."}')
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the server accepts: its model, the token limits, the defaults for SmartExit extras."""
+    model_name: str
+    max_tokens_limit: int
+    context_window: int
+    vocab_size: int
+    default_mode: str = "bounded"
+    default_sla_ttft_ms: float = 1000.0
+    default_sla_tpot_ms: float = 100.0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated request, tokenized, as the worker needs it (``payload``) and the answer needs it."""
+    kind: Literal["completion", "chat"]
+    model: str
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    mode: str
+    sla_ttft_ms: float
+    sla_tpot_ms: float
+
+    def payload(self, request_id: str, stop_ids: Sequence[int] = ()) -> dict[str, Any]:
+        """The keyword arguments of ``TritonClient.generate`` (what ``Worker.generate`` takes)."""
+        return {"request_id": request_id, "prompt_ids": list(self.prompt_ids), "max_tokens": self.max_tokens,
+                "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
+                "stop_ids": list(stop_ids), "mode": self.mode, "sla_ttft_ms": self.sla_ttft_ms,
+                "sla_tpot_ms": self.sla_tpot_ms}
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
+    """The JSON object in a request body (400 for non-UTF-8, malformed JSON or a non-object)."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"request body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") \
+            from None
+    if not isinstance(obj, dict):
+        raise ApiError(400, f"request body must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _validate(model: type[_Strict], obj: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".") or None
+        why = "is required" if err["type"] == "missing" else err["msg"].removeprefix("Value error, ")
+        raise ApiError(400, f"{param}: {why}" if param else why, param=param) from None
+
+
+def _common(req: _Common, limits: Limits, prompt_ids: list[int], prompt_param: str, max_tokens: int | None,
+            kind: Literal["completion", "chat"], extra_stop: tuple[str, ...] = ()) -> GenerationRequest:
+    if req.n != 1:
+        raise ApiError(400, f"n: only n=1 is supported, got {req.n}", param="n")
+    if req.logprobs not in (None, False, 0):
+        raise ApiError(400, "logprobs: not supported by this server", param="logprobs")
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(400, "stream_options: only allowed when stream is true", param="stream_options")
+    if not prompt_ids:
+        raise ApiError(400, f"{prompt_param}: the prompt is empty (it must hold at least one token)",
+                       param=prompt_param)
+    bad = [t for t in prompt_ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise ApiError(400, f"{prompt_param}: token id {bad[0]} is outside the vocabulary "
+                       f"[0, {limits.vocab_size})", param=prompt_param)
+    room = limits.context_window - len(prompt_ids)
+    if max_tokens is None:
+        max_tokens = min(limits.max_tokens_limit, room) if kind == "chat" else COMPLETION_DEFAULT_MAX_TOKENS
+    if max_tokens <= 0:
+        raise ApiError(400, f"max_tokens: must be at least 1, got {max_tokens}", param="max_tokens")
+    if max_tokens > limits.max_tokens_limit:
+        raise ApiError(400, f"max_tokens: {max_tokens} is above this server's limit of "
+                       f"{limits.max_tokens_limit}", param="max_tokens")
+    if len(prompt_ids) + max_tokens > limits.context_window:
+        raise ApiError(400, f"{prompt_param}: the prompt's {len(prompt_ids)} tokens plus max_tokens "
+                       f"{max_tokens} exceed the context window of {limits.context_window} tokens; "
+                       f"shorten the prompt or lower max_tokens", param=prompt_param,
+                       code="context_length_exceeded")
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    sla = req.sla or Sla()
+    return GenerationRequest(
+        kind=kind, model=req.model, prompt_ids=prompt_ids, max_tokens=max_tokens,
+        temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+        stop=tuple(s for s in stop + extra_stop if s), stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        mode=req.mode or limits.default_mode,
+        sla_ttft_ms=sla.ttft_ms if sla.ttft_ms is not None else limits.default_sla_ttft_ms,
+        sla_tpot_ms=sla.tpot_ms if sla.tpot_ms is not None else limits.default_sla_tpot_ms)
+
+
+def _check_model(req: _Common, limits: Limits) -> None:
+    if req.model != limits.model_name:
+        raise ApiError(404, f"The model '{req.model}' does not exist; this server serves "
+                       f"'{limits.model_name}'", param="model", code="model_not_found")
+
+
+def parse_completion(body: bytes, limits: Limits, encode: Callable[[str], list[int]]) -> GenerationRequest:
+    """``POST /v1/completions``: validate, tokenize, check the limits.
+
+    Raises:
+        ApiError: 400 (malformed body, a field's type or range, limits), 404 (unknown model).
+    """
+    req: CompletionRequest = _validate(CompletionRequest, decode_body(body))
+    _check_model(req, limits)
+    for param, bad in (("echo", req.echo), ("best_of", req.best_of not in (None, 1)), ("suffix", req.suffix)):
+        if bad:
+            raise ApiError(400, f"{param}: not supported by this server", param=param)
+    ids = encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+    return _common(req, limits, ids, "prompt", req.max_tokens, "completion")
+
+
+def chat_prompt(messages: Sequence[ChatMessage]) -> str:
+    """The prompt text for a conversation (format in the module doc)."""
+    return "".join(f"{CHAT_ROLES[m.role]}: {m.content}\n\n" for m in messages) + "Assistant:"
+
+
+def parse_chat(body: bytes, limits: Limits, encode: Callable[[str], list[int]]) -> GenerationRequest:
+    """``POST /v1/chat/completions``: validate, format (module doc), tokenize, check the limits.
+
+    Raises:
+        ApiError: as :func:`parse_completion`; the prompt's field is ``messages``.
+    """
+    req: ChatRequest = _validate(ChatRequest, decode_body(body))
+    _check_model(req, limits)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return _common(req, limits, encode(chat_prompt(req.messages)), "messages", max_tokens, "chat", (CHAT_STOP,))
+
+
+# -- responses ---------------------------------------------------------------------------------------
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _finish(choice: dict[str, Any], reason: str | None) -> dict[str, Any]:
+    choice["finish_reason"] = None if reason is None else FINISH_REASONS.get(reason, reason)
+    if reason is not None and choice["finish_reason"] != reason:
+        choice["smartexit_finish_reason"] = reason
+    return choice
+
+
+def _envelope(obj: str, rid: str, created: int, model: str, choices: list, usage_: dict | None) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
+            "system_fingerprint": None, "usage": usage_}
+
+
+def completion_response(rid: str, created: int, model: str, text: str, finish_reason: str,
+                        exit_layers: list[int], usage_: dict[str, int]) -> dict[str, Any]:
+    choice = _finish({"index": 0, "text": text, "logprobs": None, "exit_layers": exit_layers}, finish_reason)
+    return _envelope("text_completion", rid, created, model, [choice], usage_)
+
+
+def chat_response(rid: str, created: int, model: str, text: str, finish_reason: str,
+                  exit_layers: list[int], usage_: dict[str, int]) -> dict[str, Any]:
+    choice = _finish({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "exit_layers": exit_layers}, finish_reason)
+    return _envelope("chat.completion", rid, created, model, [choice], usage_)
+
+
+def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason: str | None = None,
+                     exit_layers: list[int] | None = None) -> dict[str, Any]:
+    choice = _finish({"index": 0, "text": text, "logprobs": None, "exit_layers": exit_layers or []},
+                     finish_reason)
+    return _envelope("text_completion", rid, created, model, [choice], None)
+
+
+def chat_chunk(rid: str, created: int, model: str, delta: dict[str, str], finish_reason: str | None = None,
+               exit_layers: list[int] | None = None) -> dict[str, Any]:
+    choice = _finish({"index": 0, "delta": delta, "logprobs": None, "exit_layers": exit_layers or []},
+                     finish_reason)
+    return _envelope("chat.completion.chunk", rid, created, model, [choice], None)
+
+
+def usage_chunk(kind: str, rid: str, created: int, model: str, usage_: dict[str, int]) -> dict[str, Any]:
+    """The last chunk when ``stream_options.include_usage``: no choices, the request's usage."""
+    return _envelope("chat.completion.chunk" if kind == "chat" else "text_completion", rid, created, model,
+                     [], usage_)
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+# -- incremental text --------------------------------------------------------------------------------
+class IncrementalDetokenizer:
+    """Text deltas from a growing list of token ids.
+
+    Decodes the ids from the last complete-character boundary (``prefix``) and emits only text past
+    what was already emitted; a delta ending in U+FFFD (a UTF-8 sequence split across tokens) is held
+    back until the next token completes it (the approach of HF text-generation-inference).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self._decode, self._ids = decode, []
+        self._prefix = self._read = 0
+
+    def push(self, ids: Sequence[int]) -> str:
+        self._ids.extend(int(i) for i in ids)
+        before = self._decode(self._ids[self._prefix:self._read])
+        text = self._decode(self._ids[self._prefix:])
+        if len(text) > len(before) and not text.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self._ids)
+            return text[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        """What is still held back (an incomplete character stays as U+FFFD)."""
+        before = self._decode(self._ids[self._prefix:self._read])
+        text = self._decode(self._ids[self._prefix:])
+        self._prefix = self._read = len(self._ids)
+        return text[len(before):]
+
+
+class StopMatcher:
+    """Cuts text at the first stop string; holds back a tail that may begin one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops, self._held, self.stopped = [s for s in stops if s], "", False
+
+    def push(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        buf = self._held + text
+        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self.stopped, self._held = True, ""
+            return buf[:min(hits)]
+        keep = max((k for s in self._stops for k in range(1, len(s)) if buf.endswith(s[:k])), default=0)
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep]
+
+    def flush(self) -> str:
+        held, self._held = ("" if self.stopped else self._held), ""
+        return held
+
+
+class TextStream:
+    """Token ids in, text deltas out: detokenization, stop strings, chat's leading-space trim."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str], lstrip: bool = False) -> None:
+        self._detok, self._stop, self._lstrip = IncrementalDetokenizer(decode), StopMatcher(stop), lstrip
+        self.text = ""
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.stopped
+
+    def push(self, ids: Sequence[int]) -> str:
+        return self._emit(self._stop.push(self._detok.push(ids)))
+
+    def flush(self) -> str:
+        return self._emit(self._stop.push(self._detok.flush()) + self._stop.flush())
+
+    def _emit(self, text: str) -> str:
+        if self._lstrip and not self.text:
+            text = text.lstrip()
+        self.text += text
+        return text

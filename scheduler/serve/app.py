@@ -1,0 +1,483 @@
+"""The Ray Serve application (docs/serving.md): ``Ingress`` -> ``Worker`` (one per device) + ``Hub``.
+
+- ``Ingress`` (FastAPI): the OpenAI routes, bearer-key check, validation and tokenization
+  (scheduler/serve/api.py), the front end's in-flight bound, SSE streaming, metrics.
+- ``Worker``: one replica per ``smartexit_device`` resource; owns (launches, supervises) one
+  tritonserver or connects to ``triton_url``; runs the control loop every ``control_tick_s``
+  (``scheduler.policies``) and pushes the engine's stats to the hub; streams generations.
+- ``Hub``: one replica; the latest stats each worker pushed, for ``/metrics`` and ``/health``.
+
+Cancellation: when an HTTP client disconnects, Ray Serve's proxy cancels the ingress request; the
+``asyncio.CancelledError`` raised in the ingress's stream lands in ``Generation._chunks``, which
+cancels the worker's ``DeploymentResponseGenerator``; Serve then throws ``CancelledError`` into
+``Worker.generate``, whose ``aclosing`` closes the Triton stream, and ``TritonClient.generate`` sends
+the ``cancel`` control op for the request id.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.exceptions import RayError
+from ray.serve.exceptions import BackPressureError, RayServeException
+from ray.serve.handle import DeploymentHandle
+
+from edge.core.errors import ConfigError
+from scheduler.serve import api
+from scheduler.serve.config import BundleInfo, ServeConfig
+from scheduler.serve.metrics import CONTENT_TYPE, ServeMetrics
+from scheduler.serve.triton_client import TritonClient, TritonError, TritonUnavailable, error_to_dict
+
+log = logging.getLogger(__name__)
+
+DEVICE_RESOURCE = "smartexit_device"
+EOS = "<|endoftext|>"
+HUB_TIMEOUT_S = 5.0
+
+
+async def control_step(client: Any, policy: Any, observe: Callable[[dict], Any]) -> dict[str, Any]:
+    """One control tick: read the engine's stats, ask the policy, apply what changed.
+
+    Returns the stats after the change (``set`` answers with them).
+    Raises:
+        TritonError: the server did not answer.
+    """
+    stats = await client.control({"op": "stats"})
+    action = policy.act(observe(stats))
+    change = {k: int(v) for k, v in (("prefill_budget", action.prefill_budget),
+                                     ("max_running", action.max_running))
+              if v is not None and v != stats.get(k)}
+    if change:
+        stats = await client.control({"op": "set", **change})
+    return stats
+
+
+@serve.deployment(num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
+class Hub:
+    """The latest ``(ready, stats)`` each worker replica pushed; entries older than ``ttl_s`` expire."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self._ttl_s = ttl_s
+        self._entries: dict[str, tuple[float, bool, dict | None]] = {}
+
+    async def push(self, replica: str, ready: bool, stats: dict | None) -> None:
+        self._entries[replica] = (time.monotonic(), ready, stats)
+
+    def _fresh(self) -> dict[str, tuple[float, bool, dict | None]]:
+        horizon = time.monotonic() - self._ttl_s
+        self._entries = {k: v for k, v in self._entries.items() if v[0] >= horizon}
+        return self._entries
+
+    async def snapshot(self) -> dict[str, dict]:
+        """Replica id -> its latest stats (replicas that pushed stats within ``ttl_s``)."""
+        return {k: stats for k, (_, _, stats) in self._fresh().items() if stats}
+
+    async def health(self) -> dict[str, Any]:
+        """``ready`` when at least one worker's Triton answered its last control tick."""
+        now, entries = time.monotonic(), self._fresh()
+        replicas = {k: {"ready": ready, "age_s": round(now - t, 3)} for k, (t, ready, _) in entries.items()}
+        return {"ready": any(r["ready"] for r in replicas.values()), "replicas": replicas}
+
+
+@serve.deployment(ray_actor_options={"resources": {DEVICE_RESOURCE: 1}, "num_cpus": 0})
+class Worker:
+    """The Triton-facing deployment: one tritonserver per replica (device)."""
+
+    async def __init__(self, cfg: ServeConfig, repo_dir: Path | None, hub: DeploymentHandle) -> None:
+        from scheduler.policies import make_policy, observation_from_stats
+
+        self._cfg, self._hub = cfg, hub
+        self._policy = make_policy(cfg.policy.value, **cfg.policy_kwargs)
+        self._observe = observation_from_stats
+        self._replica = serve.get_replica_context().replica_tag
+        self._proc = None
+        self._restarting = False
+        self._backoff_s = cfg.restart_backoff_s
+        self._stats: dict | None = None
+        if cfg.triton_url is not None:
+            url = cfg.triton_url
+        else:
+            from exporters.tritonserver import TritonProcess
+            if repo_dir is None:
+                raise ConfigError("a worker needs the Triton model repository (repo_dir) or serve.triton_url")
+            self._proc = TritonProcess(Path(repo_dir), threads=cfg.triton_threads)
+            try:
+                await asyncio.to_thread(self._proc.start, timeout_s=cfg.triton_start_timeout_s)
+            except BaseException:
+                await asyncio.to_thread(self._proc.stop)
+                raise
+            url = self._proc.grpc_url
+        self._client = TritonClient(url, timeout_s=cfg.triton_timeout_s)
+        self._ready = await self._client.ready()
+        self._loop = asyncio.create_task(self._run(), name="smartexit-control")
+
+    async def generate(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Stream a generation: ``{"token_ids", "exit_layers", "finish_reason"}`` per engine step,
+        or one ``{"error": error_to_dict(...)}`` (errors travel as data, not across actors).
+
+        ``payload``: the keyword arguments of ``TritonClient.generate`` (``GenerationRequest.payload``).
+        """
+        if self._restarting:
+            exc = TritonUnavailable("tritonserver is restarting", self._cfg.retry_after_s)
+            yield {"error": error_to_dict(exc)}
+            return
+        try:
+            async with aclosing(self._client.generate(**payload)) as chunks:
+                async for c in chunks:
+                    yield {"token_ids": c.token_ids, "exit_layers": c.exit_layers, "finish_reason": c.finish_reason}
+        except TritonError as exc:
+            yield {"error": error_to_dict(exc)}
+
+    async def stats(self) -> dict | None:
+        """The engine's stats at the last control tick."""
+        return self._stats
+
+    async def ready(self) -> bool:
+        return self._ready
+
+    def check_health(self) -> None:
+        """Serve's health check: fails (the replica is replaced) when the control loop died."""
+        if self._loop.done():
+            exc = None if self._loop.cancelled() else self._loop.exception()
+            raise RuntimeError(f"the worker's control loop stopped: {exc!r}")
+
+    def __del__(self) -> None:
+        """Serve calls this on shutdown (and the GC may again): stop the loop and our tritonserver."""
+        loop, proc = getattr(self, "_loop", None), getattr(self, "_proc", None)
+        if loop is not None:
+            loop.cancel()
+        if proc is not None:
+            self._proc = None
+            proc.stop()
+
+    async def _run(self) -> None:
+        """Supervise tritonserver and run the control loop (one task, so they never overlap)."""
+        while True:
+            if self._proc is not None and not self._proc.alive:
+                await self._relaunch()
+                continue
+            try:
+                self._stats = await control_step(self._client, self._policy, self._observe)
+                if not self._ready:
+                    log.info("worker %s: tritonserver at %s ready", self._replica, self._client.url)
+                self._ready, self._backoff_s = True, self._cfg.restart_backoff_s
+            except TritonError as exc:
+                if self._ready:
+                    log.warning("worker %s: tritonserver at %s not answering: %s", self._replica,
+                                self._client.url, exc)
+                self._ready = False
+            await self._push()
+            await asyncio.sleep(self._cfg.control_tick_s)
+
+    async def _relaunch(self) -> None:
+        """Restart a dead tritonserver after the current backoff (doubling until a tick succeeds)."""
+        self._ready, self._restarting = False, True
+        await self._push()
+        log.warning("worker %s: tritonserver died; restarting in %.1f s", self._replica, self._backoff_s)
+        await asyncio.sleep(self._backoff_s)
+        self._backoff_s = min(2 * self._backoff_s, self._cfg.restart_backoff_max_s)
+        try:
+            await asyncio.to_thread(self._proc.restart)
+        except Exception:  # any launch failure: log it and try again after the (longer) backoff
+            log.exception("worker %s: tritonserver restart failed", self._replica)
+            return
+        if self._proc.grpc_url != self._client.url:
+            old, self._client = self._client, TritonClient(self._proc.grpc_url, timeout_s=self._cfg.triton_timeout_s)
+            await old.close()
+        self._restarting = False
+
+    async def _push(self) -> None:
+        try:
+            await asyncio.wait_for(self._hub.push.remote(self._replica, self._ready, self._stats), HUB_TIMEOUT_S)
+        except (RayError, RayServeException, asyncio.TimeoutError) as exc:
+            log.warning("worker %s: stats not pushed to the hub: %r", self._replica, exc)
+
+
+class Generation:
+    """One request's stream from a worker: text deltas, timing, token counts, metrics once at the end."""
+
+    def __init__(self, stream: Any, req: api.GenerationRequest, text: api.TextStream, metrics: ServeMetrics,
+                 t0: float, on_done: Callable[[], None]) -> None:
+        self._stream, self.req, self.text, self._metrics, self.t0 = stream, req, text, metrics, t0
+        self._on_done = on_done
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self.tokens, self.exit_layers, self.finish_reason, self._finished = 0, [], "length", False
+
+    async def _chunks(self) -> AsyncIterator[dict[str, Any]]:
+        done = False
+        try:
+            async for chunk in self._stream:
+                if "error" in chunk:
+                    done = True
+                    raise api.backend_error(chunk["error"])
+                done = bool(chunk["finish_reason"])
+                yield chunk
+                if done:
+                    return
+            raise api.ApiError(503, "the worker ended the stream before its last chunk", code="unavailable",
+                               retry_after_s=1.0)
+        except BackPressureError as exc:
+            done = True
+            raise api.ApiError(429, f"the workers' queues are full: {exc}", code="overloaded", retry_after_s=1.0) \
+                from None
+        except (RayError, RayServeException) as exc:
+            done = True
+            raise api.ApiError(503, f"the worker failed: {exc}", code="unavailable", retry_after_s=1.0) from None
+        finally:
+            if not done:  # the client left, or a stop string ended the text early: stop the worker
+                self._stream.cancel()
+
+    async def deltas(self) -> AsyncIterator[tuple[str, list[int], str | None]]:
+        """``(text, exit_layers, finish_reason)``: each non-empty delta, and the last one with its reason.
+
+        Raises:
+            ApiError: the worker's error chunk, or the worker failing.
+        """
+        pending: list[int] = []
+        async with aclosing(self._chunks()) as chunks:
+            async for chunk in chunks:
+                ids, layers = chunk["token_ids"], chunk["exit_layers"]
+                self.t_last = time.monotonic()
+                if ids and self.t_first is None:
+                    self.t_first = self.t_last
+                self.tokens += len(ids)
+                self.exit_layers += layers
+                pending += layers
+                self._metrics.record_tokens(layers)
+                delta = self.text.push(ids)
+                reason = "stop" if self.text.stopped else (chunk["finish_reason"] or None)
+                if reason is not None:
+                    delta += self.text.flush()
+                    self.finish_reason = reason
+                if delta or reason is not None:
+                    yield delta, pending, reason
+                    pending = []
+                if reason is not None:
+                    return
+
+    def finish(self, status: int) -> None:
+        """Record the request's metrics and release its in-flight slot (once)."""
+        if self._finished:
+            return
+        self._finished = True
+        self._on_done()
+        ttft = None if self.t_first is None else self.t_first - self.t0
+        e2e = None if self.t_last is None or ttft is None else self.t_last - self.t0
+        self._metrics.record_request(status, ttft, e2e if status == 200 else None, self.tokens,
+                                     self.req.sla_ttft_ms, self.req.sla_tpot_ms)
+
+    def usage(self) -> dict[str, int]:
+        return api.usage(len(self.req.prompt_ids), self.tokens)
+
+
+async def complete(gen: Generation, rid: str) -> dict[str, Any]:
+    """The non-streaming answer: the whole completion (or chat completion) with usage.
+
+    Raises:
+        ApiError: the worker's error or failure.
+    """
+    async with aclosing(gen.deltas()) as deltas:
+        async for _ in deltas:
+            pass
+    build = api.chat_response if gen.req.kind == "chat" else api.completion_response
+    return build(rid, int(time.time()), gen.req.model, gen.text.text, gen.finish_reason, gen.exit_layers, gen.usage())
+
+
+async def sse_events(gen: Generation, rid: str) -> AsyncIterator[bytes]:
+    """The SSE body of a streaming answer; records the request when it ends (``gen.finish``).
+
+    Raises:
+        ApiError: only before the first event (nothing sent yet: the caller answers with its status);
+            later errors travel in the stream as an error event.
+    """
+    req, created, status, sent = gen.req, int(time.time()), 499, False
+    try:
+        async with aclosing(gen.deltas()) as deltas:
+            async for delta, layers, reason in deltas:
+                if req.kind == "chat":
+                    out = b"" if sent else api.sse(api.chat_chunk(rid, created, req.model,
+                                                                  {"role": "assistant", "content": ""}))
+                    out += api.sse(api.chat_chunk(rid, created, req.model, {"content": delta} if delta else {},
+                                                  reason, layers))
+                else:
+                    out = api.sse(api.completion_chunk(rid, created, req.model, delta, reason, layers))
+                sent = True
+                yield out
+        if req.include_usage:
+            yield api.sse(api.usage_chunk(req.kind, rid, created, req.model, gen.usage()))
+        status = 200
+        yield api.SSE_DONE
+    except api.ApiError as err:
+        status = err.status
+        if not sent:
+            raise
+        yield api.sse(err.body()) + api.SSE_DONE  # the headers are gone: the error travels in the stream
+    finally:
+        gen.finish(status)
+
+
+fastapi_app = FastAPI(title="SmartExit", docs_url=None, redoc_url=None)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.ingress(fastapi_app)
+class Ingress:
+    """The OpenAI-compatible HTTP front end (routes in docs/serving.md)."""
+
+    def __init__(self, cfg: ServeConfig, worker: DeploymentHandle, hub: DeploymentHandle) -> None:
+        from tokenizers import Tokenizer
+
+        bundle = BundleInfo.load(cfg.bundle_dir)
+        self._cfg = cfg = cfg.with_bundle(bundle)
+        self._tok = Tokenizer.from_file(str(bundle.tokenizer_path))
+        eos = self._tok.token_to_id(EOS)
+        self._stop_ids = [] if eos is None else [eos]
+        self._limits = api.Limits(cfg.model_name, cfg.max_tokens_limit, cfg.context_window,
+                                  self._tok.get_vocab_size(), cfg.default_mode.value, cfg.default_sla_ttft_ms,
+                                  cfg.default_sla_tpot_ms)
+        self._metrics = ServeMetrics(bundle.exit_layers, bundle.num_layers, cfg.tps_window_s)
+        self._worker, self._hub = worker.options(stream=True), hub
+        self._inflight, self._capacity = 0, cfg.max_inflight * cfg.replicas
+        self._created = int(time.time())
+
+    @fastapi_app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, api.parse_completion)
+
+    @fastapi_app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, api.parse_chat)
+
+    @fastapi_app.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except api.ApiError as err:
+            return self._error(err)
+        return JSONResponse({"object": "list", "data": [
+            {"id": self._cfg.model_name, "object": "model", "created": self._created, "owned_by": "smartexit",
+             "max_model_len": self._cfg.context_window}]})
+
+    @fastapi_app.get("/health")
+    async def health(self) -> Response:
+        """200 when a worker's Triton answered its last control tick, else 503 (no key needed)."""
+        try:
+            state = await asyncio.wait_for(self._hub.health.remote(), HUB_TIMEOUT_S)
+        except (RayError, RayServeException, asyncio.TimeoutError) as exc:
+            return JSONResponse({"ready": False, "error": repr(exc)}, status_code=503)
+        return JSONResponse(state, status_code=200 if state["ready"] else 503)
+
+    @fastapi_app.get("/metrics")
+    async def metrics(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except api.ApiError as err:
+            return self._error(err, record=False)
+        try:
+            self._metrics.set_replica_stats(await asyncio.wait_for(self._hub.snapshot.remote(), HUB_TIMEOUT_S))
+        except (RayError, RayServeException, asyncio.TimeoutError) as exc:
+            log.warning("metrics without the workers' stats: %r", exc)
+            self._metrics.set_replica_stats({})
+        self._metrics.inflight.set(self._inflight)
+        return Response(self._metrics.render(), media_type=CONTENT_TYPE)
+
+    def _authorize(self, request: Request) -> None:
+        key = self._cfg.api_key
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise api.ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+
+    def _error(self, err: api.ApiError, record: bool = True) -> Response:
+        if record:
+            self._metrics.record_request(err.status)
+        headers = err.headers() | ({"WWW-Authenticate": "Bearer"} if err.status == 401 else {})
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    def _release(self) -> None:
+        self._inflight -= 1
+
+    async def _serve(self, request: Request, parse: Callable[..., api.GenerationRequest]) -> Response:
+        t0 = time.monotonic()
+        try:
+            self._authorize(request)
+            req = parse(await request.body(), self._limits, lambda s: self._tok.encode(s, add_special_tokens=False).ids)
+            if self._inflight >= self._capacity:
+                raise api.ApiError(429, f"the server is at its limit of {self._capacity} requests in flight",
+                                   code="too_many_requests", retry_after_s=self._cfg.retry_after_s)
+        except api.ApiError as err:
+            return self._error(err)
+        rid = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        text = api.TextStream(lambda ids: self._tok.decode(ids, skip_special_tokens=True), req.stop,
+                              lstrip=req.kind == "chat")
+        stream = self._worker.generate.remote(req.payload(rid, self._stop_ids))
+        self._inflight += 1  # released by gen.finish
+        gen = Generation(stream, req, text, self._metrics, t0, self._release)
+        if req.stream:
+            events = sse_events(gen, rid)
+            try:
+                first = await events.__anext__()  # a rejection still gets its HTTP status
+            except api.ApiError as err:
+                return self._error(err, record=False)  # sse_events recorded it
+            return StreamingResponse(_prepend(first, events), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        status = 499  # the client went away (nginx's code), unless set below
+        try:
+            body = await complete(gen, rid)
+            status = 200
+            return JSONResponse(body)
+        except api.ApiError as err:
+            status = err.status
+            return self._error(err, record=False)
+        finally:
+            gen.finish(status)
+
+
+async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()
+
+
+def build_app(cfg: ServeConfig, repo_dir: Path | None = None) -> serve.Application:
+    """The application: ``Ingress`` bound to ``cfg.replicas`` workers and one hub.
+
+    ``repo_dir``: the Triton model repository each worker launches tritonserver on (not needed when
+    ``cfg.triton_url`` names a running server).
+    Raises:
+        ConfigError: the bundle is unreadable, or neither ``repo_dir`` nor ``triton_url`` is given.
+    """
+    cfg = cfg.with_bundle(BundleInfo.load(cfg.bundle_dir))  # fail in the caller, not in a replica
+    if cfg.triton_url is None and repo_dir is None:
+        raise ConfigError("serving needs a Triton model repository (repo_dir) or serve.triton_url")
+    hub = Hub.bind(cfg.stats_ttl_s)
+    worker = Worker.options(
+        num_replicas=cfg.replicas, max_ongoing_requests=cfg.max_inflight + 8,
+        ray_actor_options={"resources": {DEVICE_RESOURCE: 1}, "num_cpus": 0},
+    ).bind(cfg, None if repo_dir is None else Path(repo_dir), hub)
+    return Ingress.options(max_ongoing_requests=cfg.max_inflight * cfg.replicas + 32).bind(cfg, worker, hub)
+
+
+def run(cfg: ServeConfig, repo_dir: Path | None = None, name: str = "smartexit",
+        blocking: bool = False) -> DeploymentHandle:
+    """Start Serve's HTTP proxy on ``cfg.host:cfg.port`` and deploy :func:`build_app` (after the
+    caller's ``ray.init(resources={"smartexit_device": N})``); the ingress's handle."""
+    app = build_app(cfg, repo_dir)
+    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    return serve.run(app, name=name, route_prefix="/", blocking=blocking)

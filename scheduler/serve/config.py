@@ -1,0 +1,192 @@
+"""Typed configuration of the serving front end (docs/serving.md) and the bundle it serves.
+
+``ServeConfig`` holds what the Ray Serve application needs; ``BundleInfo`` is what it reads from the
+bundle directory (``bundle.json``: the model's context window and exit layers; ``tokenizer.json``).
+"""
+from __future__ import annotations
+
+import enum
+import ipaddress
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from edge.core.errors import ConfigError
+
+BUNDLE_JSON = "bundle.json"
+TOKENIZER_JSON = "tokenizer.json"
+LOOPBACK_NAMES = ("localhost",)
+
+
+class Mode(str, enum.Enum):
+    """How the engine decides tokens (wire input ``mode``)."""
+    BOUNDED = "bounded"  # calibrated early exits, risk-bounded
+    EXACT = "exact"      # self-speculative: output equals the full model's
+    FULL = "full"        # every layer, no early exit
+
+
+class PolicyName(str, enum.Enum):
+    """The control policy the worker runs every tick (scheduler/policies.py)."""
+    AIMD = "aimd"
+    FIXED = "fixed"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` only accepts connections from this machine (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost: assume it is reachable from outside
+        return False
+
+
+@dataclass
+class ServeConfig:
+    """The serving application's settings.
+
+    ``bundle_dir`` holds ``tokenizer.json`` and ``bundle.json``; ``context_window`` comes from the
+    bundle (``model.max_positions``) unless set lower. ``triton_url`` (``host:port`` of a running
+    tritonserver's gRPC endpoint) makes every worker connect there instead of launching its own.
+    """
+    bundle_dir: Path | None = None
+    triton_url: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None              # required when host is not loopback
+    model_name: str = "smartexit-tiny"
+    max_tokens_limit: int = 256             # the largest max_tokens a request may ask for
+    context_window: int | None = None       # prompt tokens + max_tokens must fit; from the bundle
+    default_mode: Mode = Mode.BOUNDED
+    default_sla_ttft_ms: float = 1000.0
+    default_sla_tpot_ms: float = 100.0
+    replicas: int = 1                       # worker replicas, one per `smartexit_device` resource
+    control_tick_s: float = 0.25
+    policy: PolicyName = PolicyName.AIMD
+    policy_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_inflight: int = 64                  # per worker replica: the front end answers 429 above it
+    retry_after_s: float = 1.0              # Retry-After on the front end's own 429 / 503
+    triton_timeout_s: float = 10.0          # control ops and readiness probes (not generation streams)
+    triton_threads: int = 1                 # tritonserver launched by a worker
+    triton_start_timeout_s: float = 120.0
+    restart_backoff_s: float = 1.0          # first wait before relaunching a dead tritonserver
+    restart_backoff_max_s: float = 30.0
+    stats_ttl_s: float = 10.0               # a worker silent this long drops out of /metrics, /health
+    tps_window_s: float = 10.0              # smartexit_tokens_per_second averages over this window
+
+    def __post_init__(self) -> None:
+        if self.bundle_dir is not None:
+            self.bundle_dir = Path(self.bundle_dir)
+        self.default_mode = _enum(Mode, self.default_mode, "default_mode")
+        self.policy = _enum(PolicyName, self.policy, "policy")
+        if not isinstance(self.policy_kwargs, dict):
+            raise ConfigError(f"serve.policy_kwargs must be a mapping, got {type(self.policy_kwargs).__name__}")
+        if not self.host:
+            raise ConfigError("serve.host must not be empty")
+        if not is_loopback(self.host) and not self.api_key:
+            raise ConfigError(f"serve.api_key is required when serve.host is {self.host!r} (not loopback): "
+                              "set an API key or bind to 127.0.0.1")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("serve.api_key must not be blank")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"serve.port must be in [0, 65535], got {self.port}")
+        if self.triton_url is not None and ":" not in self.triton_url:
+            raise ConfigError(f"serve.triton_url must be host:port, got {self.triton_url!r}")
+        for name in ("max_tokens_limit", "replicas", "max_inflight", "triton_threads"):
+            _positive_int(self, name)
+        if self.context_window is not None:
+            _positive_int(self, "context_window")
+        for name in ("default_sla_ttft_ms", "default_sla_tpot_ms", "control_tick_s", "retry_after_s",
+                     "triton_timeout_s", "triton_start_timeout_s", "restart_backoff_s",
+                     "restart_backoff_max_s", "stats_ttl_s", "tps_window_s"):
+            _positive_float(self, name)
+        if self.restart_backoff_max_s < self.restart_backoff_s:
+            raise ConfigError(f"serve.restart_backoff_max_s ({self.restart_backoff_max_s}) must be >= "
+                              f"serve.restart_backoff_s ({self.restart_backoff_s})")
+
+    def with_bundle(self, bundle: BundleInfo) -> ServeConfig:
+        """This config with ``context_window`` set from the bundle (kept if set lower).
+
+        Raises:
+            ConfigError: ``context_window`` exceeds the model's positions, or ``max_tokens_limit``
+                leaves no room for a prompt.
+        """
+        window = bundle.max_positions if self.context_window is None else self.context_window
+        if window > bundle.max_positions:
+            raise ConfigError(f"serve.context_window {window} exceeds the model's {bundle.max_positions} "
+                              f"positions ({bundle.path})")
+        if self.max_tokens_limit >= window:
+            raise ConfigError(f"serve.max_tokens_limit {self.max_tokens_limit} must be below the context "
+                              f"window {window} (a prompt needs at least one token)")
+        return replace(self, context_window=window)
+
+
+@dataclass(frozen=True)
+class BundleInfo:
+    """What the front end reads from a bundle directory."""
+    path: Path
+    max_positions: int
+    num_layers: int
+    exit_layers: tuple[int, ...]
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self.path / TOKENIZER_JSON
+
+    @classmethod
+    def load(cls, bundle_dir: Path | str | None) -> BundleInfo:
+        """Read ``bundle.json`` (``{"model": {"max_positions", "num_layers", "exit_layers"}}``;
+        ``exit_layers`` may also sit at the top level, as in an export's graphs.json).
+
+        Raises:
+            ConfigError: the directory, ``bundle.json`` or ``tokenizer.json`` is missing, or a field
+                is absent or malformed (named).
+        """
+        if bundle_dir is None:
+            raise ConfigError("serve.bundle_dir is required (the folder with tokenizer.json and bundle.json)")
+        path = Path(bundle_dir)
+        meta_path = path / BUNDLE_JSON
+        if not meta_path.is_file():
+            raise ConfigError(f"serve.bundle_dir {path}: {BUNDLE_JSON} is missing")
+        if not (path / TOKENIZER_JSON).is_file():
+            raise ConfigError(f"serve.bundle_dir {path}: {TOKENIZER_JSON} is missing")
+        try:
+            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{meta_path}: not valid JSON ({exc})") from exc
+        model = meta.get("model") if isinstance(meta, dict) else None
+        if not isinstance(model, dict):
+            raise ConfigError(f"{meta_path}: field 'model' must be an object")
+        exits = model.get("exit_layers", meta.get("exit_layers"))
+        max_positions, num_layers = model.get("max_positions"), model.get("num_layers")
+        for name, value in (("model.max_positions", max_positions), ("model.num_layers", num_layers)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{meta_path}: field '{name}' must be a positive integer, got {value!r}")
+        if (not isinstance(exits, list) or not exits
+                or not all(isinstance(e, int) and not isinstance(e, bool) and 0 < e <= num_layers for e in exits)):
+            raise ConfigError(f"{meta_path}: field 'model.exit_layers' must be a non-empty list of layers "
+                              f"in [1, {num_layers}], got {exits!r}")
+        return cls(path, max_positions, num_layers, tuple(sorted(set(exits))))
+
+
+def _enum(kind: type[enum.Enum], value: Any, name: str):
+    try:
+        return kind(value)
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in kind)
+        raise ConfigError(f"serve.{name} must be one of {choices}, got {value!r}") from None
+
+
+def _positive_int(cfg: ServeConfig, name: str) -> None:
+    value = getattr(cfg, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"serve.{name} must be a positive integer, got {value!r}")
+
+
+def _positive_float(cfg: ServeConfig, name: str) -> None:
+    value = getattr(cfg, name)
+    if (not isinstance(value, (int, float)) or isinstance(value, bool)
+            or not math.isfinite(value) or value <= 0):
+        raise ConfigError(f"serve.{name} must be a positive number, got {value!r}")
