@@ -168,10 +168,13 @@ def make_schedule(cfg: BenchServeConfig) -> tuple[list[ScheduledRequest], Worklo
 # --------------------------------------------------------------------------- runs
 
 async def _warm_then_run(send: Any, schedule: list[ScheduledRequest], warmup: int, where: str) -> list[RequestResult]:
+    """Warm-up requests one at a time (unmeasured), then the open-loop run. An idle system that fails
+    a warm-up request is misconfigured (unreachable, wrong model or key): stop rather than record a run
+    of errors."""
     for i, req in enumerate(schedule[:warmup]):
         r = await send(ScheduledRequest(0.0, req.prompt_ids, req.max_tokens, f"warmup-{i}"))
-        if r.error_kind == "connection":
-            raise SmartExitError(f"bench serve: {where} is not reachable: {r.error}")
+        if not r.ok:
+            raise SmartExitError(f"bench serve: warm-up request to {where} failed ({r.error_kind}): {r.error}")
     return await run_open_loop(schedule, send)
 
 
@@ -196,7 +199,8 @@ def served_runs(cfg: BenchServeConfig, schedule: list[ScheduledRequest]) -> dict
 
     runs = {}
     for policy in cfg.policies:
-        serve_cfg = apply(ServeConfig(), {**cfg.serve, "policy": policy})
+        bundle = {"bundle_dir": cfg.bundle} if cfg.bundle is not None else {}  # else the stack's own
+        serve_cfg = apply(ServeConfig(), {**bundle, **cfg.serve, "policy": policy})
         with serving_stack(cfg.run_dir, serve_cfg) as url:
             runs[policy] = asyncio.run(_http(url, schedule, cfg))
         print(f"bench serve: policy {policy}: {len(runs[policy])} requests sent", flush=True)
@@ -269,7 +273,8 @@ def build_report(cfg: BenchServeConfig, workload: dict[str, Any], runs: dict[str
                       "Ray Serve or Triton; the host's default prefill budget, no policy); its chunks are stamped "
                       "on the engine thread as they are emitted.")
     config = asdict(cfg)
-    config["api_key"] = "<set>" if cfg.api_key else None
+    config["api_key"] = "<set>" if cfg.api_key else None  # keys never reach the artifacts
+    config["serve"] = {k: "<set>" if "key" in k and v else v for k, v in cfg.serve.items()}
     return {"stage": STAGE, "workload": workload, "sla": {"ttft_ms": cfg.sla_ttft_ms, "tpot_ms": cfg.sla_tpot_ms},
             "runs": summaries, "comparison": comparison, "serve_bench": headline, "notes": notes, "config": config}
 

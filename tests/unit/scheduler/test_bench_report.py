@@ -153,3 +153,16 @@ def test_config_errors(kv, msg):
 
     with pytest.raises(ConfigError, match=msg):
         apply(BenchServeConfig(), kv)
+
+
+def test_a_failed_warmup_stops_the_stage():
+    import asyncio
+
+    from edge.core.errors import SmartExitError
+    from scheduler.loadgen import ScheduledRequest
+
+    async def refusing(req):
+        return _failed(0, 0.0, "http_404")
+
+    with pytest.raises(SmartExitError, match="warm-up request to http://x failed \\(http_404\\)"):
+        asyncio.run(bench_serve._warm_then_run(refusing, [ScheduledRequest(0.0, [1], 2, "a")], 1, "http://x"))
