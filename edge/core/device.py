@@ -4,7 +4,10 @@ Command lines are built by pure functions so tests can compare them as lists.
 """
 from __future__ import annotations
 
+import ctypes
+import os
 import re
+import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +23,49 @@ def run_command(argv: list[str], timeout: float = 600.0) -> subprocess.Completed
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
     except FileNotFoundError as exc:
         raise SmartExitError(f"{argv[0]} is not installed or not on PATH") from exc
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: the child gets SIGTERM when the process that started it dies (no orphan servers)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass  # not glibc Linux: the parent's stop() still ends it
+
+
+def spawn(argv: list[str], env: dict[str, str] | None = None, log_path: Path | None = None) -> subprocess.Popen:
+    """Start a long-running external program (tritonserver, tegrastats) in its own process group, its
+    output to ``log_path``; it is sent SIGTERM if this process dies first. Stop it with
+    :func:`stop_process`."""
+    out = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL
+    try:
+        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, preexec_fn=_die_with_parent)
+    except FileNotFoundError as exc:
+        raise SmartExitError(f"{argv[0]} is not installed or not on PATH") from exc
+    finally:
+        if log_path is not None:
+            out.close()
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 15.0) -> int | None:
+    """SIGTERM the process group, SIGKILL it after ``timeout`` s; returns the exit code."""
+    if proc.poll() is None:
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    try:  # children left in the group (a python-backend stub) go too
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    return proc.poll()
 
 
 @dataclass(frozen=True)

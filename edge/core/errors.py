@@ -45,5 +45,6 @@ def require(module: str, extra: str):
         return importlib.import_module(module)
     except ImportError as exc:
         raise MissingExtraError(
-            f"{module} is not installed; install the '{extra}' extra: pip install 'smartexit[{extra}]'"
+            f"{module} is not installed; install the '{extra}' extra: pip install 'smartexit[{extra}]' "
+            f"({type(exc).__name__}: {exc})"
         ) from exc

@@ -22,6 +22,8 @@ STAGES: dict[str, tuple[str, str, str, str]] = {
                   "calibrated exit thresholds with a certified false-exit bound (--calib-data DIR to certify on "
                   "your own text, --eval-data DIR to check on it)"),
     "export": ("edge.pipeline.export", "ExportStageConfig", "main", "ONNX graphs per segment, gated on parity with torch"),
+    "repo": ("exporters.triton", "RepoConfig", "main",
+             "Triton model repository (python backend, decoupled) over the export and threshold table"),
     "engines": ("exporters.tensorrt", "EnginesConfig", "main",
                 "TensorRT engines from the ONNX graphs (on the device) + trtexec command lines"),
     "bench decode": ("edge.pipeline.bench.decode", "DecodeBenchConfig", "main",

@@ -203,8 +203,13 @@ class EngineHost:
         self._inbox.append(("submit", (req, ereq, emit), None))
         self._wake.set()
 
-    def cancel(self, request_id: str) -> bool:
-        """Cancel a request (its final chunk says ``cancelled``); True if it was active."""
+    def cancel(self, request_id: str, wait: bool = True) -> bool:
+        """Cancel a request (its final chunk says ``cancelled``); True if it was active. ``wait=False``
+        (from an ``emit`` on the engine thread, which must not wait for itself) queues it and returns True."""
+        if not wait:
+            self._inbox.append(("cancel", request_id, None))
+            self._wake.set()
+            return True
         return bool(self._call("cancel", request_id))
 
     def control(self, op: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,194 @@
+"""``smartexit repo``: a Triton model repository that serves the run's export with the engine.
+
+Layout (``<run>/triton/`` by default)::
+
+    smartexit/config.pbtxt       python backend, decoupled (one response per engine step), inputs and
+                                 outputs of docs/serving.md
+    smartexit/1/model.py         a thin adapter over edge.runtime.host.EngineHost (exporters/triton_model.py)
+    smartexit/1/bundle/          what the engine needs and nothing else: the ONNX export (graphs.json,
+                                 the fused graphs), tokenizer.json, thresholds.json, and bundle.json
+                                 with every file's sha256 and the host's settings
+
+Files are hard-linked from the run where the file system allows (the export is ~150 MB), else
+copied. ``open_bundle`` (what model.py calls at load) re-hashes every file against bundle.json,
+checks the export and the threshold table belong to the same checkpoint, and builds the host: a
+bundle that was edited or mixed from two runs refuses to load.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from calibration.table import TableRule, ThresholdTable
+from edge.core.artifacts import Manifest, atomic_dir, atomic_write_json, sha256_file
+from edge.core.errors import ArtifactError, ConfigError
+from edge.runtime.audit import AuditConfig
+from edge.runtime.engine import EngineConfig
+from edge.runtime.graphs import verify_graphs
+from edge.runtime.host import EngineHost, HostConfig
+
+STAGE = "repo"
+MODEL_NAME = "smartexit"
+BUNDLE_FORMAT = 1
+MODEL_PY = Path(__file__).with_name("triton_model.py")
+
+_INPUTS = [("input_ids", "TYPE_INT64", -1), ("max_tokens", "TYPE_INT32", 1), ("temperature", "TYPE_FP32", 1),
+           ("top_p", "TYPE_FP32", 1), ("seed", "TYPE_INT64", 1), ("stop_ids", "TYPE_INT64", -1),
+           ("mode", "TYPE_STRING", 1), ("sla_ttft_ms", "TYPE_FP32", 1), ("sla_tpot_ms", "TYPE_FP32", 1),
+           ("control", "TYPE_STRING", 1)]
+_OUTPUTS = [("token_ids", "TYPE_INT64", -1), ("exit_layers", "TYPE_INT32", -1), ("finish_reason", "TYPE_STRING", 1),
+            ("control_out", "TYPE_STRING", 1)]
+
+
+@dataclass
+class RepoConfig:
+    run_dir: str = "artifacts/demo"
+    out: str | None = None  # default: <run_dir>/triton
+    threads: int = 1  # ONNX Runtime intra-op threads of the model instance
+    max_seqs: int = 16  # cache slots
+    max_running: int = 16  # initial admission limit (the control loop moves it)
+    prefill_budget: int = 128  # initial prefill tokens per step (the control loop moves it)
+    max_waiting: int = 64  # queued requests before "overloaded"
+    default_sla_ttft_ms: float = 1000.0
+    default_sla_tpot_ms: float = 100.0
+    audit: dict[str, Any] = field(default_factory=lambda: {"fraction": 0.05})
+    speculative: dict[str, Any] = field(default_factory=dict)  # SpecConfig fields for mode exact
+
+    def __post_init__(self) -> None:
+        if self.threads < 1:
+            raise ConfigError(f"repo.threads must be >= 1, got {self.threads}")
+        AuditConfig(**self.audit)  # validates
+        self.host_config(512)  # validates the engine and host fields
+
+    def host_config(self, max_len: int, kv_mode: str = "propagate") -> HostConfig:
+        engine = EngineConfig(max_seqs=self.max_seqs, max_len=max_len, prefill_budget=self.prefill_budget, kv_mode=kv_mode,
+                              max_running=min(self.max_running, self.max_seqs), speculative=dict(self.speculative))
+        return HostConfig(engine=engine, max_waiting=self.max_waiting, default_sla_ttft_ms=self.default_sla_ttft_ms,
+                          default_sla_tpot_ms=self.default_sla_tpot_ms, audit=AuditConfig(**self.audit))
+
+
+def config_pbtxt(name: str = MODEL_NAME) -> str:
+    """The model configuration: python backend, decoupled, every input optional (docs/serving.md)."""
+    def block(items, optional):
+        rows = []
+        for n, t, d in items:
+            rows.append(f'  {{ name: "{n}" data_type: {t} dims: [ {d} ]' + (" optional: true" if optional else "")
+                        + " }")
+        return ",\n".join(rows)
+    return (f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
+            "model_transaction_policy { decoupled: true }\n"
+            f"input [\n{block(_INPUTS, True)}\n]\noutput [\n{block(_OUTPUTS, False)}\n]\n"
+            "instance_group [ { count: 1 kind: KIND_CPU } ]\n")
+
+
+def _place(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def write_repository(cfg: RepoConfig) -> Path:
+    """Write the repository for ``cfg.run_dir``'s export and threshold table; returns its folder.
+
+    Raises:
+        ArtifactError: the run's export, table or checkpoint is missing or changed since recorded.
+    """
+    manifest = Manifest(cfg.run_dir)
+    ckpt = manifest.verified_output("distill", "checkpoint")
+    graphs = manifest.verified_output("export", "graphs")
+    table_path = manifest.verified_output("calibrate", "thresholds")
+    meta = json.loads((graphs / "graphs.json").read_text())
+    table = json.loads(table_path.read_text())
+    if table["checkpoint_sha256"] != meta["checkpoint_sha256"]:
+        raise ArtifactError(f"{table_path} and {graphs} belong to different checkpoints")
+    out = Path(cfg.out or Path(cfg.run_dir) / "triton")
+    with atomic_dir(out) as tmp:
+        model = tmp / MODEL_NAME
+        bundle = model / "1" / "bundle"
+        files: dict[str, str] = {}
+        for f in sorted(graphs.rglob("*")):
+            rel = f.relative_to(graphs)
+            if f.is_file() and not any(p.startswith(".") for p in rel.parts):
+                _place(f, bundle / rel)
+        _place(ckpt / "tokenizer.json", bundle / "tokenizer.json")
+        _place(table_path, bundle / "thresholds.json")
+        for f in sorted(bundle.rglob("*")):
+            if f.is_file():
+                files[f.relative_to(bundle).as_posix()] = sha256_file(f)
+        m = meta["model"]
+        atomic_write_json(bundle / "bundle.json", {
+            "format": BUNDLE_FORMAT, "checkpoint_sha256": meta["checkpoint_sha256"], "files": files,
+            "model": {"num_layers": m["num_layers"], "exit_layers": meta["exit_layers"],
+                      "max_positions": m["max_positions"], "vocab_size": m["vocab_size"]},
+            "epsilon": table.get("epsilon"), "host": asdict(cfg), "written": time.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        })
+        (model / "config.pbtxt").write_text(config_pbtxt())
+        shutil.copy2(MODEL_PY, model / "1" / "model.py")
+    return out
+
+
+def read_bundle(bundle_dir: str | Path) -> dict[str, Any]:
+    """``bundle.json`` after re-hashing every file it lists.
+
+    Raises:
+        ArtifactError: bundle.json missing or malformed, a file missing or changed.
+    """
+    bundle_dir = Path(bundle_dir)
+    path = bundle_dir / "bundle.json"
+    try:
+        info = json.loads(path.read_text())
+        files = info["files"]
+    except (OSError, json.JSONDecodeError, KeyError) as exc:
+        raise ArtifactError(f"{path}: not a SmartExit bundle ({exc!r}); run `smartexit repo`") from exc
+    if info.get("format") != BUNDLE_FORMAT:
+        raise ArtifactError(f"{path}: bundle format {info.get('format')!r} is not {BUNDLE_FORMAT}; run `smartexit repo`")
+    for rel, sha in files.items():
+        f = bundle_dir / rel
+        if not f.is_file():
+            raise ArtifactError(f"{f} is missing from the bundle (listed in {path})")
+        if sha256_file(f) != sha:
+            raise ArtifactError(f"{f} changed since `smartexit repo` wrote it (sha256 differs from {path})")
+    return info
+
+
+def open_bundle(bundle_dir: str | Path, threads: int | None = None, **host_overrides: Any) -> EngineHost:
+    """The engine host over a bundle (hash-checked): ONNX Runtime backend, the calibrated rule.
+
+    ``host_overrides``: RepoConfig fields that replace the bundle's (``max_seqs``, ``audit``, ...).
+    """
+    from edge.runtime.ort_backend import OrtBackend  # directly: entry points need the package's metadata
+
+    bundle_dir = Path(bundle_dir)
+    info = read_bundle(bundle_dir)
+    verify_graphs(bundle_dir, info["checkpoint_sha256"])
+    table = ThresholdTable.from_dict(json.loads((bundle_dir / "thresholds.json").read_text()),
+                                     source=str(bundle_dir / "thresholds.json"))
+    if table.checkpoint_sha256 != info["checkpoint_sha256"]:
+        raise ArtifactError(f"{bundle_dir}: thresholds.json was calibrated for checkpoint "
+                            f"{table.checkpoint_sha256[:16]}..., the graphs for {info['checkpoint_sha256'][:16]}...")
+    known = {k: v for k, v in info.get("host", {}).items() if k in RepoConfig.__dataclass_fields__}
+    cfg = RepoConfig(**{**known, **host_overrides})
+    backend = OrtBackend(graphs_dir=bundle_dir, checkpoint=None, threads=threads if threads is not None else cfg.threads)
+    host_cfg = cfg.host_config(backend.spec.max_positions, table.kv_mode)
+    fractions = table.certificate.get("expected_exit_fraction") or {}
+    expected = sum(int(k) * v for k, v in fractions.items()) if fractions else None
+    return EngineHost(backend, host_cfg, TableRule(table), eps=table.certificate.get("epsilon"),
+                      expected_exit_layer=expected)
+
+
+def main(cfg: RepoConfig) -> int:
+    t0 = time.time()
+    out = write_repository(cfg)
+    manifest = Manifest(cfg.run_dir)
+    manifest.record(STAGE, inputs={"graphs": manifest.verified_output("export", "graphs"),
+                                   "thresholds": manifest.verified_output("calibrate", "thresholds")},
+                    config=asdict(cfg), outputs={"repository": out}, metrics={}, seconds=time.time() - t0)
+    print(f"Triton model repository: {out} (serve it with `smartexit serve run_dir={cfg.run_dir}`)")
+    return 0

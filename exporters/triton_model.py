@@ -1,0 +1,118 @@
+"""Triton python-backend model ``smartexit`` (copied as ``model.py`` by ``smartexit repo``).
+
+A thin adapter: it unpacks a request, calls :class:`edge.runtime.host.EngineHost`, packs its chunks
+into responses. Decoupled: ``execute`` returns at once, and the engine thread sends one response per
+engine step that decided tokens for the request, the last with the final flag. Wire protocol:
+docs/serving.md. Runs only inside tritonserver (``triton_python_backend_utils`` exists there).
+"""
+import json
+import os
+import site
+import sys
+import uuid
+from pathlib import Path
+
+# The stub's embedded interpreter ignores PYTHONPATH; the launcher (exporters/tritonserver.py) names
+# the environment that holds edge, onnxruntime, numpy here. Put it first, and read its .pth files
+# (an editable install of this package is one).
+for _p in reversed([p for p in os.environ.get("SMARTEXIT_PYTHONPATH", "").split(os.pathsep) if p]):
+    if _p in sys.path:
+        sys.path.remove(_p)
+    sys.path.insert(0, _p)
+    site.addsitedir(_p)
+
+import numpy as np  # noqa: E402 - after the path set-up above
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
+from edge.runtime.host import Chunk, GenRequest, HostError
+from exporters.triton import open_bundle
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def _scalar(request, name, kind, default=None):
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    if t is None:
+        return default
+    a = t.as_numpy().reshape(-1)
+    if a.size != 1:
+        raise HostError("invalid_request", f"{name} must hold one value, got {a.size}", name)
+    v = a[0]
+    return v.decode("utf-8", errors="strict") if kind is str else kind(v)
+
+
+def _array(request, name):
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    return [] if t is None else [int(x) for x in t.as_numpy().reshape(-1)]
+
+
+def _error(exc: HostError):
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(json.dumps(exc.as_dict())))
+
+
+def _chunk_response(chunk: Chunk):
+    return pb_utils.InferenceResponse(output_tensors=[
+        pb_utils.Tensor("token_ids", np.asarray(chunk.tokens, np.int64)),
+        pb_utils.Tensor("exit_layers", np.asarray(chunk.exit_layers, np.int32)),
+        pb_utils.Tensor("finish_reason", np.array([(chunk.finish_reason or "").encode()], np.object_)),
+    ])
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException("model 'smartexit' must be decoupled (config.pbtxt)")
+        bundle = Path(args["model_repository"]) / args["model_version"] / "bundle"
+        self.host = open_bundle(bundle).start()
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                control = _scalar(request, "control", str)
+                if control is not None:
+                    self._control(control, sender)
+                else:
+                    self._generate(request, sender)
+            except HostError as exc:
+                sender.send(_error(exc), flags=FINAL)
+            except UnicodeDecodeError as exc:
+                sender.send(_error(HostError("invalid_request", f"a string input is not UTF-8: {exc}")), flags=FINAL)
+            except Exception as exc:  # noqa: BLE001 - the client must get an answer, whatever broke
+                sender.send(_error(HostError("internal", repr(exc))), flags=FINAL)
+        return None
+
+    def _control(self, text, sender):
+        try:
+            op = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise HostError("invalid_request", f"control is not JSON: {exc}", "control") from None
+        out = self.host.control(op)
+        sender.send(pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("control_out", np.array([json.dumps(out).encode()], np.object_))]), flags=FINAL)
+
+    def _generate(self, request, sender):
+        rid = request.request_id() or uuid.uuid4().hex
+        prompt = _array(request, "input_ids")
+        max_tokens = _scalar(request, "max_tokens", int)
+        if max_tokens is None:
+            raise HostError("invalid_request", "max_tokens is required", "max_tokens")
+        seed = _scalar(request, "seed", int)
+        req = GenRequest(rid, prompt, max_tokens, temperature=_scalar(request, "temperature", float, 0.0),
+                         top_p=_scalar(request, "top_p", float, 1.0), seed=seed,
+                         stop_ids=tuple(_array(request, "stop_ids")), mode=_scalar(request, "mode", str, "bounded"),
+                         sla_ttft_ms=_scalar(request, "sla_ttft_ms", float),
+                         sla_tpot_ms=_scalar(request, "sla_tpot_ms", float))
+        host = self.host
+
+        def emit(chunk: Chunk) -> None:  # on the engine thread
+            if chunk.finish_reason is None and sender.is_cancelled():
+                host.cancel(rid, wait=False)  # the client went away: free its slot; the final goes nowhere
+                return
+            sender.send(_chunk_response(chunk), flags=FINAL if chunk.finish_reason is not None else 0)
+
+        host.submit(req, emit)
+
+    def finalize(self):
+        self.host.stop()
