@@ -4,13 +4,13 @@ Layout (``<run>/triton/`` by default)::
 
     smartexit/config.pbtxt       python backend, decoupled (one response per engine step), inputs and
                                  outputs of docs/serving.md
-    smartexit/1/model.py         a thin adapter over edge.runtime.host.EngineHost (exporters/triton_model.py)
+    smartexit/1/model.py         a thin adapter over edge.runtime.host.EngineHost (exporters/triton_model/model.py)
     smartexit/1/bundle/          what the engine needs and nothing else: the ONNX export (graphs.json,
                                  the fused graphs), tokenizer.json, thresholds.json, and bundle.json
                                  with every file's sha256 and the host's settings
 
 Files are hard-linked from the run where the file system allows (the export is ~150 MB), else
-copied. ``open_bundle`` (what model.py calls at load) re-hashes every file against bundle.json,
+copied. ``scheduler.bundle.open_bundle`` (what model.py calls at load) re-hashes every file against bundle.json,
 checks the export and the threshold table belong to the same checkpoint, and builds the host: a
 bundle that was edited or mixed from two runs refuses to load.
 """
@@ -24,18 +24,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from calibration.table import TableRule, ThresholdTable
 from edge.core.artifacts import Manifest, atomic_dir, atomic_write_json, sha256_file
 from edge.core.errors import ArtifactError, ConfigError
 from edge.runtime.audit import AuditConfig
 from edge.runtime.engine import EngineConfig
-from edge.runtime.graphs import verify_graphs
-from edge.runtime.host import EngineHost, HostConfig
+from edge.runtime.host import HostConfig
 
 STAGE = "repo"
 MODEL_NAME = "smartexit"
 BUNDLE_FORMAT = 1
-MODEL_PY = Path(__file__).with_name("triton_model.py")
+MODEL_PY = Path(__file__).parent / "triton_model" / "model.py"  # a file to copy, not a module of the package
 
 _INPUTS = [("input_ids", "TYPE_INT64", -1), ("max_tokens", "TYPE_INT32", 1), ("temperature", "TYPE_FP32", 1),
            ("top_p", "TYPE_FP32", 1), ("seed", "TYPE_INT64", 1), ("stop_ids", "TYPE_INT64", -1),
@@ -156,31 +154,6 @@ def read_bundle(bundle_dir: str | Path) -> dict[str, Any]:
         if sha256_file(f) != sha:
             raise ArtifactError(f"{f} changed since `smartexit repo` wrote it (sha256 differs from {path})")
     return info
-
-
-def open_bundle(bundle_dir: str | Path, threads: int | None = None, **host_overrides: Any) -> EngineHost:
-    """The engine host over a bundle (hash-checked): ONNX Runtime backend, the calibrated rule.
-
-    ``host_overrides``: RepoConfig fields that replace the bundle's (``max_seqs``, ``audit``, ...).
-    """
-    from edge.runtime.ort_backend import OrtBackend  # directly: entry points need the package's metadata
-
-    bundle_dir = Path(bundle_dir)
-    info = read_bundle(bundle_dir)
-    verify_graphs(bundle_dir, info["checkpoint_sha256"])
-    table = ThresholdTable.from_dict(json.loads((bundle_dir / "thresholds.json").read_text()),
-                                     source=str(bundle_dir / "thresholds.json"))
-    if table.checkpoint_sha256 != info["checkpoint_sha256"]:
-        raise ArtifactError(f"{bundle_dir}: thresholds.json was calibrated for checkpoint "
-                            f"{table.checkpoint_sha256[:16]}..., the graphs for {info['checkpoint_sha256'][:16]}...")
-    known = {k: v for k, v in info.get("host", {}).items() if k in RepoConfig.__dataclass_fields__}
-    cfg = RepoConfig(**{**known, **host_overrides})
-    backend = OrtBackend(graphs_dir=bundle_dir, checkpoint=None, threads=threads if threads is not None else cfg.threads)
-    host_cfg = cfg.host_config(backend.spec.max_positions, table.kv_mode)
-    fractions = table.certificate.get("expected_exit_fraction") or {}
-    expected = sum(int(k) * v for k, v in fractions.items()) if fractions else None
-    return EngineHost(backend, host_cfg, TableRule(table), eps=table.certificate.get("epsilon"),
-                      expected_exit_layer=expected)
 
 
 def main(cfg: RepoConfig) -> int:

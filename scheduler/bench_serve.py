@@ -209,7 +209,7 @@ def served_runs(cfg: BenchServeConfig, schedule: list[ScheduledRequest]) -> dict
 
 def inprocess_run(cfg: BenchServeConfig, schedule: list[ScheduledRequest]) -> list[RequestResult]:
     """The same schedule on an EngineHost in this process, opened as the served model opens it."""
-    from exporters.triton import open_bundle
+    from scheduler.bundle import open_bundle
 
     host = open_bundle(bundle_dir(cfg), threads=cfg.threads, **cfg.host)
     host.start()

@@ -79,6 +79,15 @@ def apply(cfg: T, values: dict[str, Any], prefix: str = "") -> T:
             raise ConfigError(f"unknown config key {prefix}{head!r}; known: {', '.join(sorted(names))}")
         if rest:
             sub = getattr(cfg, head)
+            if isinstance(sub, dict):  # a free-form section (its owner validates it): serve.port=8123
+                node = sub
+                *path, last = rest.split(".")
+                for part in path:
+                    node = node.setdefault(part, {})
+                    if not isinstance(node, dict):
+                        raise ConfigError(f"{prefix}{head}.{rest}: {part} is not a section")
+                node[last] = value
+                continue
             if not dataclasses.is_dataclass(sub):
                 raise ConfigError(f"{prefix}{head} has no sub-keys")
             apply(sub, {rest: value}, prefix=f"{prefix}{head}.")

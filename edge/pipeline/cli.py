@@ -28,6 +28,10 @@ STAGES: dict[str, tuple[str, str, str, str]] = {
                 "TensorRT engines from the ONNX graphs (on the device) + trtexec command lines"),
     "bench decode": ("edge.pipeline.bench.decode", "DecodeBenchConfig", "main",
                      "decode throughput: transformers, LayerSkip, SmartExit full depth and with exits"),
+    "bench serve": ("scheduler.bench_serve", "BenchServeConfig", "main",
+                    "serving load test: trace / Poisson arrivals through Ray Serve + Triton vs the engine in process"),
+    "serve": ("scheduler.serve.main", "ServeStackConfig", "main",
+              "start tritonserver + the Ray Serve OpenAI-compatible front end (Ctrl-C / SIGTERM stops all)"),
     "generate": ("edge.pipeline.generate", "GenerateConfig", "main", "reference early-exit generation on held-out prompts"),
     "report": ("edge.pipeline.report", "ReportConfig", "main", "write report.json / report.md from the run manifest"),
 }

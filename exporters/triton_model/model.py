@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402 - after the path set-up above
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from edge.runtime.host import Chunk, GenRequest, HostError
-from exporters.triton import open_bundle
+from scheduler.bundle import open_bundle
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
