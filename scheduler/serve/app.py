@@ -13,7 +13,6 @@ cancels the worker's ``DeploymentResponseGenerator``; Serve then throws ``Cancel
 ``Worker.generate``, whose ``aclosing`` closes the Triton stream, and ``TritonClient.generate`` sends
 the ``cancel`` control op for the request id.
 """
-from __future__ import annotations
 
 import asyncio
 import hmac
@@ -110,7 +109,7 @@ class Worker:
             from exporters.tritonserver import TritonProcess
             if repo_dir is None:
                 raise ConfigError("a worker needs the Triton model repository (repo_dir) or serve.triton_url")
-            self._proc = TritonProcess(Path(repo_dir), threads=cfg.triton_threads)
+            self._proc = TritonProcess(Path(repo_dir))  # its threads are the repository's (bundle.json)
             try:
                 await asyncio.to_thread(self._proc.start, timeout_s=cfg.triton_start_timeout_s)
             except BaseException:
@@ -187,7 +186,7 @@ class Worker:
         await asyncio.sleep(self._backoff_s)
         self._backoff_s = min(2 * self._backoff_s, self._cfg.restart_backoff_max_s)
         try:
-            await asyncio.to_thread(self._proc.restart)
+            await asyncio.to_thread(self._proc.restart, self._cfg.triton_start_timeout_s)
         except Exception:  # any launch failure: log it and try again after the (longer) backoff
             log.exception("worker %s: tritonserver restart failed", self._replica)
             return
@@ -327,6 +326,17 @@ async def sse_events(gen: Generation, rid: str) -> AsyncIterator[bytes]:
         gen.finish(status)
 
 
+async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()
+
+
+# @serve.ingress freezes (cloudpickles) this app and the class's methods when the class is defined:
+# whatever the methods use must be defined above it.
 fastapi_app = FastAPI(title="SmartExit", docs_url=None, redoc_url=None)
 
 
@@ -446,15 +456,6 @@ class Ingress:
             gen.finish(status)
 
 
-async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    try:
-        yield first
-        async for item in rest:
-            yield item
-    finally:
-        await rest.aclose()
-
-
 def build_app(cfg: ServeConfig, repo_dir: Path | None = None) -> serve.Application:
     """The application: ``Ingress`` bound to ``cfg.replicas`` workers and one hub.
 
@@ -463,9 +464,9 @@ def build_app(cfg: ServeConfig, repo_dir: Path | None = None) -> serve.Applicati
     Raises:
         ConfigError: the bundle is unreadable, or neither ``repo_dir`` nor ``triton_url`` is given.
     """
-    cfg = cfg.with_bundle(BundleInfo.load(cfg.bundle_dir))  # fail in the caller, not in a replica
     if cfg.triton_url is None and repo_dir is None:
         raise ConfigError("serving needs a Triton model repository (repo_dir) or serve.triton_url")
+    cfg = cfg.resolve_bundle(repo_dir)  # fail here, in the caller, rather than in a replica
     hub = Hub.bind(cfg.stats_ttl_s)
     worker = Worker.options(
         num_replicas=cfg.replicas, max_ongoing_requests=cfg.max_inflight + 8,

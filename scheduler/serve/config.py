@@ -16,6 +16,7 @@ from typing import Any
 from edge.core.errors import ConfigError
 
 BUNDLE_JSON = "bundle.json"
+REPO_BUNDLE = Path("smartexit") / "1" / "bundle"  # where `smartexit repo` puts it (exporters/triton.py)
 TOKENIZER_JSON = "tokenizer.json"
 LOOPBACK_NAMES = ("localhost",)
 
@@ -47,8 +48,9 @@ def is_loopback(host: str) -> bool:
 class ServeConfig:
     """The serving application's settings.
 
-    ``bundle_dir`` holds ``tokenizer.json`` and ``bundle.json``; ``context_window`` comes from the
-    bundle (``model.max_positions``) unless set lower. ``triton_url`` (``host:port`` of a running
+    ``bundle_dir`` holds ``tokenizer.json`` and ``bundle.json`` (default: the bundle inside the Triton
+    repository, ``<repo>/smartexit/1/bundle``); ``context_window`` comes from the bundle
+    (``model.max_positions``) unless set lower. ``triton_url`` (``host:port`` of a running
     tritonserver's gRPC endpoint) makes every worker connect there instead of launching its own.
     """
     bundle_dir: Path | None = None
@@ -69,7 +71,6 @@ class ServeConfig:
     max_inflight: int = 64                  # per worker replica: the front end answers 429 above it
     retry_after_s: float = 1.0              # Retry-After on the front end's own 429 / 503
     triton_timeout_s: float = 10.0          # control ops and readiness probes (not generation streams)
-    triton_threads: int = 1                 # tritonserver launched by a worker
     triton_start_timeout_s: float = 120.0
     restart_backoff_s: float = 1.0          # first wait before relaunching a dead tritonserver
     restart_backoff_max_s: float = 30.0
@@ -94,7 +95,7 @@ class ServeConfig:
             raise ConfigError(f"serve.port must be in [0, 65535], got {self.port}")
         if self.triton_url is not None and ":" not in self.triton_url:
             raise ConfigError(f"serve.triton_url must be host:port, got {self.triton_url!r}")
-        for name in ("max_tokens_limit", "replicas", "max_inflight", "triton_threads"):
+        for name in ("max_tokens_limit", "replicas", "max_inflight"):
             _positive_int(self, name)
         if self.context_window is not None:
             _positive_int(self, "context_window")
@@ -105,6 +106,16 @@ class ServeConfig:
         if self.restart_backoff_max_s < self.restart_backoff_s:
             raise ConfigError(f"serve.restart_backoff_max_s ({self.restart_backoff_max_s}) must be >= "
                               f"serve.restart_backoff_s ({self.restart_backoff_s})")
+
+    def resolve_bundle(self, repo_dir: Path | None) -> ServeConfig:
+        """This config with ``bundle_dir`` (default: the repository's bundle) and ``context_window``
+        set from the bundle.
+
+        Raises:
+            ConfigError: no bundle to read, or as :meth:`BundleInfo.load` and :meth:`with_bundle`.
+        """
+        bundle_dir = self.bundle_dir or (None if repo_dir is None else Path(repo_dir) / REPO_BUNDLE)
+        return replace(self, bundle_dir=bundle_dir).with_bundle(BundleInfo.load(bundle_dir))
 
     def with_bundle(self, bundle: BundleInfo) -> ServeConfig:
         """This config with ``context_window`` set from the bundle (kept if set lower).

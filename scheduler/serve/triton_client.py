@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 MODEL = "smartexit"
 REJECTION_CODES = ("invalid_request", "overloaded", "internal")
 FINISH_REASONS = ("length", "stop", "cancelled", "deadline")
+# EngineHost ends a request with "error" when its engine thread dies (edge/runtime/host.py), beyond
+# the reasons docs/serving.md lists: the client raises it as an ``internal`` rejection
+ENGINE_ERROR = "error"
 DEFAULT_RETRY_AFTER_S = 1.0
 
 
@@ -148,7 +151,7 @@ def decode_chunk(result: Any) -> Chunk:
     layers = [] if layers is None else [int(x) for x in layers.reshape(-1)]
     if len(ids) != len(layers):
         raise TritonUnavailable(f"malformed response: {len(ids)} token_ids but {len(layers)} exit_layers")
-    if reason and reason not in FINISH_REASONS:
+    if reason and reason not in FINISH_REASONS and reason != ENGINE_ERROR:
         raise TritonUnavailable(f"malformed response: finish_reason {reason!r}")
     return Chunk(ids, layers, reason)
 
@@ -252,6 +255,8 @@ class TritonClient:
                     raise error_from_message(error.message() or str(error))
                 chunk = decode_chunk(result)
                 finished = bool(chunk.finish_reason)
+                if chunk.finish_reason == ENGINE_ERROR:
+                    raise TritonRejected("internal", "the engine stopped while serving the request")
                 yield chunk
         finally:
             done.set()

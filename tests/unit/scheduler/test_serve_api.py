@@ -261,6 +261,13 @@ def test_serve_config_checks_name_the_field(tmp_path):
     b = BundleInfo.load(tmp_path)
     assert (b.max_positions, b.num_layers, b.exit_layers) == (512, 12, (3, 6, 12))
     assert ServeConfig(bundle_dir=tmp_path).with_bundle(b).context_window == 512
+    repo = tmp_path / "repo"
+    (repo / "smartexit" / "1").mkdir(parents=True)
+    (repo / "smartexit" / "1" / "bundle").symlink_to(tmp_path)  # `smartexit repo`'s layout
+    resolved = ServeConfig().resolve_bundle(repo)
+    assert (resolved.bundle_dir, resolved.context_window) == (repo / "smartexit" / "1" / "bundle", 512)
+    with pytest.raises(ConfigError, match="serve.bundle_dir is required"):
+        ServeConfig().resolve_bundle(None)
     assert ServeConfig(context_window=300).with_bundle(b).context_window == 300
     with pytest.raises(ConfigError, match="serve.max_tokens_limit 256 must be below"):
         ServeConfig(context_window=256).with_bundle(b)

@@ -120,7 +120,8 @@ def _response(rid: str, **outputs) -> service_pb2.ModelStreamInferResponse:
 
 class FakeModel(service_pb2_grpc.GRPCInferenceServiceServicer):
     """Streams ``max_tokens`` one-token steps (token i+100, exit layer 3), ``delay_s`` apart; a prompt
-    starting with 999 is rejected as overloaded; records control ops."""
+    starting with 999 is rejected as overloaded, one starting with 666 ends with the host's "error"
+    finish (its engine thread died); records control ops."""
 
     def __init__(self, delay_s: float = 0.0) -> None:
         self.delay_s, self.controls, self.requests = delay_s, [], []
@@ -141,10 +142,11 @@ class FakeModel(service_pb2_grpc.GRPCInferenceServiceServicer):
                 err = json.dumps({"code": "overloaded", "message": "queue full", "field": None, "retry_after_s": 2})
                 yield service_pb2.ModelStreamInferResponse(error_message=err)
                 continue
+            last = b"error" if ids[0] == 666 else b"length"
             for i in range(n):
                 await asyncio.sleep(self.delay_s)
                 yield _response(req.id, token_ids=np.array([100 + i], np.int64), exit_layers=np.array([3], np.int32),
-                                finish_reason=np.array([b"length" if i == n - 1 else b""], dtype=object))
+                                finish_reason=np.array([last if i == n - 1 else b""], dtype=object))
 
 
 async def _with_server(model: FakeModel, body):
@@ -185,6 +187,21 @@ def test_a_rejection_raises_typed_and_is_not_cancelled():
     err = asyncio.run(_with_server(model, body))
     assert (err.code, err.retry_after_s) == ("overloaded", 2)
     assert model.controls == []
+
+
+def test_an_engine_error_finish_is_an_internal_rejection_after_the_tokens():
+    model = FakeModel()
+
+    async def body(client):
+        got = []
+        with pytest.raises(TritonRejected) as info:
+            async for c in client.generate("r5", [666], 3):
+                got.append(c)
+        return got, info.value
+
+    got, err = asyncio.run(_with_server(model, body))
+    assert got == [Chunk([100], [3], ""), Chunk([101], [3], "")] and err.code == "internal"
+    assert model.controls == []  # the request is over: nothing to cancel
 
 
 def test_closing_the_stream_early_sends_cancel_for_the_request():
@@ -234,3 +251,99 @@ class grpc_socket:
 
     def __exit__(self, *exc) -> None:
         return None
+
+
+# -- the worker's supervision of its tritonserver (the deployment's class, fakes around it) ---------------
+class FakeProc:
+    """A TritonProcess that is dead until restarted; ``fail`` restarts raise first."""
+
+    def __init__(self, fail: int = 0) -> None:
+        self.alive, self.fail, self.restarts, self.stops, self.grpc_url = False, fail, 0, 0, "127.0.0.1:1"
+
+    def stop(self) -> None:
+        self.stops += 1
+        self.alive = False
+
+    def restart(self, timeout_s: float = 180.0):
+        self.restarts += 1
+        if self.fail:
+            self.fail -= 1
+            raise RuntimeError("tritonserver exited with code 1")
+        self.alive = True
+        return self
+
+
+class StatsClient:
+    url = "127.0.0.1:1"
+
+    async def control(self, op):
+        return {"waiting": 0, "running": 0, "prefill_budget": 64, "max_running": 4}
+
+
+class FakeHub:
+    def __init__(self):
+        self.pushes = []
+        self.push = self
+
+    def remote(self, replica, ready, stats):
+        self.pushes.append(ready)
+
+        async def done():
+            return None
+        return done()
+
+
+class KeepPolicy:
+    def act(self, obs):
+        return type("Action", (), {"prefill_budget": 64, "max_running": 4})()
+
+
+def worker(proc: FakeProc):
+    from scheduler.serve import app
+    from scheduler.serve.config import ServeConfig
+    w = object.__new__(app.Worker.func_or_class)  # the class Serve runs, without its constructor
+    w._cfg = ServeConfig(control_tick_s=0.01, restart_backoff_s=0.01, restart_backoff_max_s=0.04)
+    w._hub, w._policy, w._observe, w._replica = FakeHub(), KeepPolicy(), (lambda s: s), "w0"
+    w._proc, w._client, w._stats, w._ready, w._restarting, w._backoff_s = proc, StatsClient(), None, True, False, 0.01
+    return w
+
+
+def test_a_dead_tritonserver_is_restarted_with_backoff_and_requests_meanwhile_get_503():
+    proc = FakeProc(fail=2)
+    w = worker(proc)
+
+    async def main():
+        w._loop = asyncio.create_task(w._run())
+        await asyncio.sleep(0.005)
+        during = [c async for c in w.generate({"request_id": "r"})]  # while it is down
+        for _ in range(200):
+            if w._ready:
+                break
+            await asyncio.sleep(0.01)
+        w.check_health()  # the loop is alive
+        w._loop.cancel()
+        return during
+
+    during = asyncio.run(main())
+    assert during[0]["error"]["kind"] == "unavailable" and "restarting" in during[0]["error"]["message"]
+    assert proc.restarts == 3 and w._ready and not w._restarting
+    assert w._backoff_s == 0.01  # reset by the first good tick
+    assert w._hub.pushes[0] is False and w._hub.pushes[-1] is True
+    assert backend_error(during[0]["error"]).status == 503
+    w.__del__()  # Serve's shutdown hook: the tritonserver goes with the replica, once
+    w.__del__()
+    assert proc.stops == 1
+
+
+def test_check_health_fails_when_the_control_loop_died():
+    w = worker(FakeProc())
+
+    async def main():
+        async def boom():
+            raise ValueError("policy bug")
+        w._loop = asyncio.create_task(boom())
+        await asyncio.sleep(0)
+        with pytest.raises(RuntimeError, match="control loop stopped.*policy bug"):
+            w.check_health()
+
+    asyncio.run(main())
