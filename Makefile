@@ -12,7 +12,7 @@ DEMO_CFG := configs/demo.yaml
 MODEL_FILES := $(wildcard edge/assets/tiny/*) $(wildcard edge/assets/tiny-ee/*) $(wildcard edge/assets/data/*)
 SRC := $(shell find edge calibration exporters scheduler -name '*.py' 2>/dev/null)
 
-.PHONY: demo test venv distill calibrate export bench generate report train-tiny train-tiny-ee llamacpp clean help
+.PHONY: demo test venv distill calibrate export bench generate report repo serve bench-serve train-tiny train-tiny-ee llamacpp clean help
 .DEFAULT_GOAL := help
 
 help:
@@ -20,6 +20,8 @@ help:
 	@echo "make test        run the test suite (unit + integration; gpu/jetson tiers skip without hardware)"
 	@echo "make train-tiny  retrain the bundled tiny model (1-2 h on 2 cores, resumable)"
 	@echo "make train-tiny-ee  LayerSkip-train it into bundled-ee (about an hour on 2 cores; resumable)"
+	@echo "make serve       start tritonserver + the Ray Serve OpenAI API on 127.0.0.1:8000 (Ctrl-C stops it)"
+	@echo "make bench-serve the serving load test (trace arrivals, both control policies, vs in process)"
 	@echo "make llamacpp    build llama-cpp-python from source: adds llama.cpp as system (f) of make bench"
 	@echo "make distill | calibrate | export | bench | generate | report   one stage at a time (RUN=name picks artifacts/<name>)"
 
@@ -49,8 +51,14 @@ $(ART)/onnx/graphs.json: $(ART)/multi_exit/exits.json
 $(ART)/bench/decode.json: $(ART)/onnx/graphs.json $(ART)/calibration/thresholds.json
 	$(SE) bench decode --config configs/bench_decode.yaml run_dir=$(ART)
 
+$(ART)/triton/smartexit/config.pbtxt: $(ART)/onnx/graphs.json $(ART)/calibration/thresholds.json exporters/triton_model/model.py
+	$(SE) repo run_dir=$(ART)
+
+$(ART)/bench/serve.json: $(ART)/triton/smartexit/config.pbtxt configs/bench_serve.yaml
+	$(SE) bench serve --config configs/bench_serve.yaml run_dir=$(ART)
+
 $(ART)/report.json: $(ART)/multi_exit/exits.json $(ART)/calibration/thresholds.json $(ART)/.generate.done \
-		$(ART)/onnx/graphs.json $(ART)/bench/decode.json
+		$(ART)/onnx/graphs.json $(ART)/bench/decode.json $(ART)/bench/serve.json
 	$(SE) report run_dir=$(ART)
 
 distill: $(ART)/multi_exit/exits.json
@@ -59,6 +67,12 @@ export: $(ART)/onnx/graphs.json
 bench: $(ART)/bench/decode.json
 generate: $(ART)/.generate.done
 report: $(ART)/report.json
+repo: $(ART)/triton/smartexit/config.pbtxt
+bench-serve: $(ART)/bench/serve.json
+
+# the serving stack on the run's repository until Ctrl-C (serve.host / serve.port / serve.api_key: SERVE_ARGS)
+serve: $(ART)/triton/smartexit/config.pbtxt
+	$(SE) serve run_dir=$(ART) $(SERVE_ARGS)
 
 demo: $(ART)/report.json
 	@echo "SmartExit demo finished; report: $(ART)/report.md ($(ART)/report.json)"

@@ -29,7 +29,7 @@ from edge.core.errors import ConfigError, SmartExitError
 from scheduler.bench_report import (compare, plot_latency_cdf, plot_throughput, render_markdown, same_lengths,
                                     summarize)
 from scheduler.loadgen import (HttpSender, InProcessSender, RequestResult, ScheduledRequest, build_schedule,
-                               run_open_loop)
+                               run_closed_loop, run_open_loop)
 from scheduler.workload import SHARED_TRACE, Arrivals, Workload, load_workload, synthetic
 
 STAGE = "bench_serve"
@@ -71,6 +71,12 @@ class BenchServeConfig:
     threads: int | None = None        # in-process ONNX Runtime threads; None: the bundle's, as served
     host: dict[str, Any] = field(default_factory=dict)  # bundle host overrides (RepoConfig fields), in process
     warmup_requests: int = 2          # sent one by one before each run, not measured
+    # the price of serving: closed-loop runs at these concurrencies (same requests, fixed lengths) on the
+    # first policy's stack and in process; tokens/s ratio at the highest, TTFT overhead at the lowest
+    capacity_concurrency: list[int] = field(default_factory=lambda: [1, 8])
+    capacity_requests: int = 16       # per concurrency level
+    capacity_prompt_tokens: int = 64
+    capacity_max_tokens: int = 32
     request_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
@@ -96,6 +102,10 @@ class BenchServeConfig:
             raise ConfigError("bench serve: policies is empty; name at least one (fixed, aimd)")
         if (self.threads is not None and self.threads < 1) or self.warmup_requests < 0 or self.request_timeout_s <= 0:
             raise ConfigError("bench serve: threads >= 1, warmup_requests >= 0 and request_timeout_s > 0")
+        if any(c < 1 for c in self.capacity_concurrency) or self.capacity_requests < 1 \
+                or self.capacity_prompt_tokens < 1 or self.capacity_max_tokens < 1:
+            raise ConfigError("bench serve: capacity_concurrency values, capacity_requests, capacity_prompt_tokens "
+                              "and capacity_max_tokens must be >= 1")
         if self.context_window is not None and self.context_window < 2:
             raise ConfigError(f"bench serve: context_window must be >= 2, got {self.context_window}")
 
@@ -178,7 +188,24 @@ async def _warm_then_run(send: Any, schedule: list[ScheduledRequest], warmup: in
     return await run_open_loop(schedule, send)
 
 
-async def _http(url: str, schedule: list[ScheduledRequest], cfg: BenchServeConfig) -> list[RequestResult]:
+def capacity_requests(cfg: BenchServeConfig, schedule: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    """The closed-loop requests: the schedule's prompts cut (or repeated) to ``capacity_prompt_tokens``,
+    ``capacity_max_tokens`` each."""
+    out = []
+    for i in range(cfg.capacity_requests):
+        ids = schedule[i % len(schedule)].prompt_ids
+        ids = (ids * (cfg.capacity_prompt_tokens // len(ids) + 1))[:cfg.capacity_prompt_tokens]
+        out.append(ScheduledRequest(0.0, ids, cfg.capacity_max_tokens, f"cap-{i}"))
+    return out
+
+
+async def _capacity(send: Any, cfg: BenchServeConfig, reqs: list[ScheduledRequest]) -> dict[int, list[RequestResult]]:
+    return {c: await run_closed_loop([ScheduledRequest(0.0, r.prompt_ids, r.max_tokens, f"{r.request_id}-c{c}")
+                                      for r in reqs], send, c) for c in cfg.capacity_concurrency}
+
+
+async def _http(url: str, schedule: list[ScheduledRequest], cfg: BenchServeConfig,
+                capacity: list[ScheduledRequest] | None = None) -> tuple[list[RequestResult], dict]:
     async with HttpSender(url, cfg.model or "", cfg.mode, cfg.sla_ttft_ms, cfg.sla_tpot_ms, cfg.api_key,
                           cfg.request_timeout_s) as send:
         if cfg.model is None:
@@ -186,36 +213,47 @@ async def _http(url: str, schedule: list[ScheduledRequest], cfg: BenchServeConfi
             if not models:
                 raise SmartExitError(f"bench serve: {url}/v1/models lists no model")
             send.model = models[0]
-        return await _warm_then_run(send, schedule, cfg.warmup_requests, url)
+        results = await _warm_then_run(send, schedule, cfg.warmup_requests, url)
+        return results, (await _capacity(send, cfg, capacity) if capacity else {})
 
 
-def served_runs(cfg: BenchServeConfig, schedule: list[ScheduledRequest]) -> dict[str, list[RequestResult]]:
-    """label -> results: ``served`` against ``url``, else one run per policy on a stack started for it."""
+def served_runs(cfg: BenchServeConfig, schedule: list[ScheduledRequest],
+                capacity: list[ScheduledRequest] | None = None) -> tuple[dict[str, list[RequestResult]], dict]:
+    """(label -> results: ``served`` against ``url``, else one run per policy on a stack started for
+    it; concurrency -> closed-loop results on the first of them)."""
     if cfg.url is not None:
-        return {"served": asyncio.run(_http(cfg.url, schedule, cfg))}
+        res, cap = asyncio.run(_http(cfg.url, schedule, cfg, capacity))
+        return {"served": res}, cap
     from edge.core.configio import apply
     from scheduler.serve.config import ServeConfig
     from scheduler.serve.stack import serving_stack
 
-    runs = {}
-    for policy in cfg.policies:
+    runs, cap = {}, {}
+    for k, policy in enumerate(cfg.policies):
         bundle = {"bundle_dir": cfg.bundle} if cfg.bundle is not None else {}  # else the stack's own
         serve_cfg = apply(ServeConfig(), {**bundle, **cfg.serve, "policy": policy})
-        with serving_stack(cfg.run_dir, serve_cfg) as url:
-            runs[policy] = asyncio.run(_http(url, schedule, cfg))
+        with serving_stack(cfg.run_dir, serve_cfg, graceful=False) as url:
+            runs[policy], c = asyncio.run(_http(url, schedule, cfg, capacity if k == 0 else None))
+            cap = cap or c
         print(f"bench serve: policy {policy}: {len(runs[policy])} requests sent", flush=True)
-    return runs
+    return runs, cap
 
 
-def inprocess_run(cfg: BenchServeConfig, schedule: list[ScheduledRequest]) -> list[RequestResult]:
-    """The same schedule on an EngineHost in this process, opened as the served model opens it."""
+def inprocess_run(cfg: BenchServeConfig, schedule: list[ScheduledRequest],
+                  capacity: list[ScheduledRequest] | None = None) -> tuple[list[RequestResult], dict]:
+    """The same schedule (and closed-loop requests) on an EngineHost in this process, opened as the
+    served model opens it."""
     from scheduler.bundle import open_bundle
 
     host = open_bundle(bundle_dir(cfg), threads=cfg.threads, **cfg.host)
     host.start()
     try:
         send = InProcessSender(host, cfg.mode, cfg.sla_ttft_ms, cfg.sla_tpot_ms, cfg.request_timeout_s, stop_ids(cfg))
-        return asyncio.run(_warm_then_run(send, schedule, cfg.warmup_requests, "the in-process host"))
+
+        async def both():
+            res = await _warm_then_run(send, schedule, cfg.warmup_requests, "the in-process host")
+            return res, (await _capacity(send, cfg, capacity) if capacity else {})
+        return asyncio.run(both())
     finally:
         host.stop()
 
@@ -284,13 +322,58 @@ def build_report(cfg: BenchServeConfig, workload: dict[str, Any], runs: dict[str
             "runs": summaries, "comparison": comparison, "serve_bench": headline, "notes": notes, "config": config}
 
 
+def capacity_report(cfg: BenchServeConfig, served: dict[int, list[RequestResult]],
+                    local: dict[int, list[RequestResult]]) -> dict[str, Any]:
+    """Closed-loop runs side by side: per concurrency, served and in-process tokens/s and TTFT / TPOT
+    p50, their ratio and differences. The headline takes the tokens/s ratio at the highest concurrency
+    (the stack's capacity cost) and the TTFT p50 overhead at the lowest (its latency cost per request)."""
+    levels = {}
+    for c in sorted(served):
+        s, l = (summarize(x[c], cfg.sla_ttft_ms, cfg.sla_tpot_ms) for x in (served, local))
+        keys = ("requests", "errors", "tokens", "tokens_per_s", "ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms",
+                "tpot_p95_ms", "e2e_p50_ms")
+        levels[str(c)] = {"served": {k: s[k] for k in keys}, "inprocess": {k: l[k] for k in keys},
+                          **compare(s, l), "same_output_lengths": same_lengths(served[c], local[c]),
+                          "tpot_p50_overhead_ms": (s["tpot_p50_ms"] - l["tpot_p50_ms"]
+                                                   if s["tpot_p50_ms"] is not None and l["tpot_p50_ms"] is not None
+                                                   else None)}
+    hi, lo = str(max(served)), str(min(served))
+    return {"requests_per_level": cfg.capacity_requests, "prompt_tokens": cfg.capacity_prompt_tokens,
+            "max_tokens": cfg.capacity_max_tokens, "policy": cfg.policies[0] if cfg.url is None else "served",
+            "levels": levels,
+            "headline": {"served_vs_inprocess_tokens_ratio": levels[hi]["served_vs_inprocess_tokens_ratio"],
+                         "served_vs_inprocess_concurrency": int(hi),
+                         "ttft_p50_overhead_ms": levels[lo]["ttft_p50_overhead_ms"],
+                         "ttft_overhead_concurrency": int(lo),
+                         "tpot_p50_overhead_ms": levels[lo]["tpot_p50_overhead_ms"]}}
+
+
+def capacity_markdown(cap: dict[str, Any] | None) -> str:
+    if not cap:
+        return ""
+    f = lambda v, spec=".1f": "n/a" if v is None else format(v, spec)  # noqa: E731
+    lines = ["", "## The price of serving (closed loop, side by side)", "",
+             f"{cap['requests_per_level']} requests per concurrency, {cap['prompt_tokens']} prompt tokens, "
+             f"{cap['max_tokens']} new tokens each (greedy, stop at end of text), through the stack (policy "
+             f"{cap['policy']}) and on the engine in process.", "",
+             "| concurrency | served tokens/s | in-process tokens/s | ratio | TTFT p50 served / in-process ms | "
+             "overhead ms | TPOT p50 overhead ms | same lengths |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for c, lv in cap["levels"].items():
+        s, l = lv["served"], lv["inprocess"]
+        lines.append(f"| {c} | {f(s['tokens_per_s'])} | {f(l['tokens_per_s'])} | "
+                     f"{f(lv['served_vs_inprocess_tokens_ratio'], '.3f')} | {f(s['ttft_p50_ms'])} / "
+                     f"{f(l['ttft_p50_ms'])} | {f(lv['ttft_p50_overhead_ms'])} | {f(lv['tpot_p50_overhead_ms'])} | "
+                     f"{f(lv['same_output_lengths'], '.2f')} |")
+    return "\n".join(lines) + "\n"
+
+
 def write_outputs(cfg: BenchServeConfig, report: dict[str, Any], runs: dict[str, list[RequestResult]]) -> dict[str, Path]:
     out = Path(cfg.run_dir) / "bench"
     paths = {"json": out / "serve.json", "md": out / "serve.md", "latency_cdf_png": out / "serve_latency_cdf.png",
              "throughput_png": out / "serve_throughput.png"}
     plot_latency_cdf(runs, paths["latency_cdf_png"], cfg.sla_ttft_ms, cfg.sla_tpot_ms)
     plot_throughput(runs, paths["throughput_png"])
-    atomic_write_text(paths["md"], render_markdown(report))
+    atomic_write_text(paths["md"], render_markdown(report) + capacity_markdown(report.get("capacity")))
     atomic_write_json(paths["json"], report)  # last: its presence means the set is complete
     return paths
 
@@ -305,10 +388,15 @@ def main(cfg: BenchServeConfig) -> int:
     schedule, w = make_schedule(cfg)
     workload = describe_workload(cfg, w, schedule, context_window(cfg))
     print(f"bench serve: {len(schedule)} requests over {workload['span_s']:.1f} s from {w.source}", flush=True)
-    runs = served_runs(cfg, schedule)
+    cap_reqs = capacity_requests(cfg, schedule) if cfg.capacity_concurrency else None
+    runs, cap_served = served_runs(cfg, schedule, cap_reqs)
+    cap_local: dict = {}
     if cfg.inprocess:
-        runs[INPROCESS] = inprocess_run(cfg, schedule)
+        runs[INPROCESS], cap_local = inprocess_run(cfg, schedule, cap_reqs)
     report = build_report(cfg, workload, runs)
+    if cap_served and cap_local:
+        report["capacity"] = capacity_report(cfg, cap_served, cap_local)
+        report["serve_bench"].update(report["capacity"]["headline"])
     paths = write_outputs(cfg, report, runs)
     for label, s in report["runs"].items():
         ttft = "n/a" if s["ttft_p95_ms"] is None else f"{s['ttft_p95_ms']:.1f}"

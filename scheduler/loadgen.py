@@ -207,6 +207,29 @@ async def run_open_loop(schedule: Sequence[ScheduledRequest], send: Send,
     return results
 
 
+async def run_closed_loop(requests: Sequence[ScheduledRequest], send: Send, concurrency: int,
+                          clock: Callable[[], float] = time.perf_counter) -> list[RequestResult]:
+    """``concurrency`` clients, each sending its next request as soon as its last one finished (the
+    capacity at that concurrency, not latency under an arrival process); results in request order,
+    ``arrival_s`` set to when each was sent."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    t0 = clock()
+    queue = list(enumerate(requests))[::-1]
+    results: list[RequestResult | None] = [None] * len(requests)
+
+    async def client() -> None:
+        while queue:
+            i, req = queue.pop()
+            sent = ScheduledRequest(clock() - t0, req.prompt_ids, req.max_tokens, req.request_id)
+            results[i] = await _guarded(send, sent, clock)
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    for r in results:
+        r._shift(t0)
+    return results  # type: ignore[return-value]
+
+
 async def _guarded(send: Send, req: ScheduledRequest, clock: Callable[[], float]) -> RequestResult:
     fired = clock()
     try:

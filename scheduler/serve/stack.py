@@ -71,10 +71,12 @@ def wait_healthy(base_url: str, timeout_s: float) -> dict:
 
 @contextlib.contextmanager
 def serving_stack(run_dir: str | Path, cfg: ServeConfig, ray_address: str | None = None,
-                  start_timeout_s: float = 300.0) -> Iterator[str]:
+                  start_timeout_s: float = 300.0, graceful: bool = True) -> Iterator[str]:
     """Start Ray + Serve + tritonservers for ``run_dir``; yields the base URL (``http://host:port``).
 
     ``ray_address``: join a running Ray cluster (``"auto"``) instead of starting a local one.
+    ``graceful=False`` (a benchmark between runs): skip Serve's graceful shutdown (~10 s) and end the
+    local Ray at once; its workers' tritonservers get SIGTERM as their parent dies.
     """
     import ray
     from ray import serve
@@ -96,6 +98,7 @@ def serving_stack(run_dir: str | Path, cfg: ServeConfig, ray_address: str | None
         wait_healthy(url, start_timeout_s)
         yield url
     finally:
-        with contextlib.suppress(Exception):  # shutting down: report nothing over the caller's error
-            serve.shutdown()
+        if graceful or ray_address is not None:
+            with contextlib.suppress(Exception):  # shutting down: report nothing over the caller's error
+                serve.shutdown()
         ray.shutdown()

@@ -90,12 +90,14 @@ def test_stage_end_to_end_with_fake_runs(tmp_path, monkeypatch):
     cfg.context_window = 512  # no bundle here
     seen = {}
 
-    def served(c, schedule):
-        seen["schedule"] = schedule
-        return {p: _fake_runs(schedule)(2.0 if p == "fixed" else 1.5) for p in c.policies}
+    def served(c, schedule, cap):
+        seen["schedule"], seen["capacity"] = schedule, cap
+        return ({p: _fake_runs(schedule)(2.0 if p == "fixed" else 1.5) for p in c.policies},
+                {k: _fake_runs(cap)(2.0) for k in c.capacity_concurrency})
 
     monkeypatch.setattr(bench_serve, "served_runs", served)
-    monkeypatch.setattr(bench_serve, "inprocess_run", lambda c, schedule: _fake_runs(schedule)(1.0))
+    monkeypatch.setattr(bench_serve, "inprocess_run", lambda c, schedule, cap: (
+        _fake_runs(schedule)(1.0), {k: _fake_runs(cap)(1.0) for k in c.capacity_concurrency}))
     assert bench_serve.main(cfg) == 0
     out = tmp_path / "run" / "bench"
     rep = json.loads((out / "serve.json").read_text())
@@ -108,6 +110,13 @@ def test_stage_end_to_end_with_fake_runs(tmp_path, monkeypatch):
     assert head["served_vs_inprocess_tokens_ratio"] < 1.0 and head["ttft_p50_overhead_ms"] == pytest.approx(50.0)
     assert set(rep["runs"]) == {"fixed", "aimd", INPROCESS}
     assert rep["comparison"]["fixed"]["same_output_lengths"] == 1.0
+    # the price of serving comes from the closed-loop runs: fixed lengths, both sides, each concurrency
+    cap = rep["capacity"]
+    assert set(cap["levels"]) == {str(c) for c in cfg.capacity_concurrency}
+    assert all(len(r.prompt_ids) == cfg.capacity_prompt_tokens and r.max_tokens == cfg.capacity_max_tokens
+               for r in seen["capacity"])
+    assert head["served_vs_inprocess_concurrency"] == max(cfg.capacity_concurrency)
+    assert "The price of serving" in (out / "serve.md").read_text()
     assert all(len(r.prompt_ids) + r.max_tokens <= 512 for r in seen["schedule"])
     for png in ("serve_latency_cdf.png", "serve_throughput.png"):
         assert (out / png).read_bytes()[:8] == PNG

@@ -341,3 +341,28 @@ def test_inprocess_run_on_a_real_host():
     *good, bad = results
     assert all(r.ok and r.tokens == 6 and len(r.exit_layers) == 6 and r.finish_reason == "length" for r in good)
     assert bad.error_kind == "invalid_request"
+
+
+def test_closed_loop_keeps_exactly_concurrency_requests_in_flight():
+    """Each of c clients sends its next request when its last finished: never more than c at once,
+    every request sent once, results in request order."""
+    import asyncio
+
+    from scheduler.loadgen import RequestResult, ScheduledRequest, run_closed_loop
+
+    active, peak, order = [0], [0], []
+
+    async def send(req):
+        active[0] += 1
+        peak[0] = max(peak[0], active[0])
+        order.append(req.request_id)
+        await asyncio.sleep(0.01)
+        active[0] -= 1
+        r = RequestResult(req.request_id, req.arrival_s, len(req.prompt_ids), req.max_tokens)
+        r.t_submit = r.t_first_token = r.t_end = 0.0
+        return r
+
+    reqs = [ScheduledRequest(0.0, [1, 2], 4, f"r{i}") for i in range(10)]
+    out = asyncio.run(run_closed_loop(reqs, send, 3))
+    assert peak[0] == 3 and sorted(order) == sorted(r.request_id for r in reqs)
+    assert [r.request_id for r in out] == [r.request_id for r in reqs]
