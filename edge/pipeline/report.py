@@ -60,6 +60,10 @@ def _bench(m: Manifest) -> dict[str, Any]:
     return dict(m.stage("bench_decode")["metrics"])
 
 
+def _serve(m: Manifest) -> dict[str, Any]:
+    return dict(m.stage("bench_serve")["metrics"])
+
+
 SECTIONS: dict[str, tuple[str, Callable[[Manifest], dict[str, Any]]]] = {
     "model": ("distill", _model),
     "distill": ("distill", _distill),
@@ -67,6 +71,7 @@ SECTIONS: dict[str, tuple[str, Callable[[Manifest], dict[str, Any]]]] = {
     "generate": ("generate", _generate),
     "export": ("export", _export),
     "decode_bench": ("bench_decode", _bench),
+    "serve_bench": ("bench_serve", _serve),
 }
 
 
@@ -128,7 +133,30 @@ def render_markdown(report: dict[str, Any]) -> str:
                      f"; no fused graphs: {e.get('fused_skipped')}") + ").", ""]
     if "decode_bench" in report:
         lines += _bench_md(report["decode_bench"])
+    if "serve_bench" in report:
+        lines += _serve_md(report["serve_bench"])
     return "\n".join(lines)
+
+
+def _serve_md(b: dict[str, Any]) -> list[str]:
+    lines = ["## Served (Ray Serve + Triton)", "",
+             f"Open-loop arrivals ({b.get('workload_source')}); SLA attainment and goodput against the "
+             "requests' TTFT / TPOT targets; details, CDFs and throughput in bench/serve.md.", "",
+             "| run | requests | errors | TTFT p95 ms | TPOT p95 ms | SLA attainment | goodput req/s | tokens/s |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    runs = dict(b.get("policies", {}))
+    if "inprocess" in b:
+        runs["in process"] = b["inprocess"]
+    for name, r in runs.items():
+        lines.append(f"| {name} | {r['requests']} | {r['errors']} | {_fmt(r['ttft_p95_ms'], '.1f')} | "
+                     f"{_fmt(r['tpot_p95_ms'], '.1f')} | {r['sla_attainment']:.3f} | {r['goodput_rps']:.2f} | "
+                     f"{r['tokens_per_s']:.1f} |")
+    lines += ["", f"The price of serving (closed loop, side by side): served / in-process tokens/s "
+              f"{_fmt(b.get('served_vs_inprocess_tokens_ratio'), '.3f')} at concurrency "
+              f"{b.get('served_vs_inprocess_concurrency', 'n/a')}; TTFT p50 overhead "
+              f"{_fmt(b.get('ttft_p50_overhead_ms'), '.1f')} ms at concurrency {b.get('ttft_overhead_concurrency', 'n/a')}.",
+              ""]
+    return lines
 
 
 def _bench_md(b: dict[str, Any]) -> list[str]:
@@ -217,6 +245,12 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                                           "speedup_full_vs_llamacpp_b1", "speedup_exit_vs_llamacpp_b1",
                                           "speedup_speculative_vs_full_b1")]
         lines.append("decode: " + ", ".join(f"{k.removeprefix('speedup_')} {_fmt(v, '.2f')}" for k, v in ratios))
+    if "serve_bench" in report:
+        b = report["serve_bench"]
+        lines.append(f"served ({b['policy']}): {b['requests']} requests, {b['errors']} errors, TTFT p95 "
+                     f"{_fmt(b['ttft_p95_ms'], '.1f')} ms, SLA attainment {b['sla_attainment']:.3f}; served / in "
+                     f"process tokens/s {_fmt(b.get('served_vs_inprocess_tokens_ratio'), '.3f')}, TTFT p50 overhead "
+                     f"{_fmt(b.get('ttft_p50_overhead_ms'), '.1f')} ms")
     return lines
 
 
