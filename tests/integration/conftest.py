@@ -1,0 +1,104 @@
+"""Serving fixtures: a run with an export, a threshold table and a Triton repository, and the helpers
+the serving tests share (a free port, a private copy of the repository, the processes serving it).
+
+The run is built once per session from ``micro_run`` (tests/conftest.py): export, calibrate and
+``smartexit repo`` with the smallest settings that still certify a table (~40 s on 2 cores).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+REPO = "triton"  # `smartexit repo` writes <run>/triton
+PROCESS_NAMES = ("tritonserver", "triton_python_backend_stub")
+
+
+@pytest.fixture(scope="session")
+def served_run(micro_run, tmp_path_factory) -> Path:
+    """A copy of ``micro_run`` with its ONNX export, threshold table and Triton repository."""
+    from edge.pipeline.cli import main as cli
+
+    run = tmp_path_factory.mktemp("served") / "run"
+    shutil.copytree(micro_run, run)
+    assert cli(["export", f"run_dir={run}", "threads=1", "prompt_tokens=16", "parity_prompts=2"]) == 0
+    assert cli(["calibrate", f"run_dir={run}", "epsilon=0.2", "fit_units=16", "certify_units=32",
+                "propagate_units=32", "eval_units=4", "prompt_tokens=16", "new_tokens=6", "batch=16",
+                "threads=1"]) == 0
+    assert cli(["repo", f"run_dir={run}"]) == 0
+    assert (run / REPO / "smartexit" / "config.pbtxt").is_file()
+    return run
+
+
+def copy_repository(run: Path, dest: Path) -> Path:
+    """A run folder at ``dest`` holding a private copy of ``run``'s Triton repository (new files, not
+    hard links, so editing one cannot touch the run); returns ``dest``.
+
+    Each test module serves its own copy, so the processes it looks for (by repository path) are
+    its own and not another module's or another session's."""
+    shutil.copytree(run / REPO, dest / REPO, ignore=shutil.ignore_patterns("__pycache__", ".ort_cache"))
+    return dest
+
+
+@pytest.fixture(scope="session")
+def free_port() -> Callable[[], int]:
+    """A function returning a TCP port free on 127.0.0.1 now (the OS picks it)."""
+    def pick() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    return pick
+
+
+@dataclass(frozen=True)
+class Proc:
+    pid: int
+    name: str
+    argv: tuple[str, ...]
+
+    def arg(self, prefix: str) -> str | None:
+        """The value of ``--prefix=value`` on the command line, if present."""
+        return next((a[len(prefix) + 1:] for a in self.argv if a.startswith(prefix + "=")), None)
+
+
+def serving_processes(repo: Path) -> list[Proc]:
+    """Live tritonserver and python-backend stub processes serving ``repo`` (read from /proc).
+
+    A tritonserver names the repository as ``--model-repository=<repo>``; its stub as the path of the
+    model's ``model.py`` inside it. Zombies (exited, not yet reaped) do not count."""
+    repo = str(Path(repo).resolve())
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = tuple(a.decode(errors="replace") for a in
+                         Path(entry.path, "cmdline").read_bytes().split(b"\0") if a)
+            state = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # gone meanwhile, or not ours to read
+        if not argv or state == "Z":
+            continue
+        name = os.path.basename(argv[0])
+        if name not in PROCESS_NAMES:
+            continue
+        if f"--model-repository={repo}" in argv or any(a.startswith(repo + os.sep) for a in argv[1:]):
+            found.append(Proc(int(entry.name), name, argv))
+    return found
+
+
+@pytest.fixture(scope="session")
+def find_processes() -> Callable[[Path], list[Proc]]:
+    """:func:`serving_processes` as a fixture (test modules do not import conftest)."""
+    return serving_processes
+
+
+@pytest.fixture(scope="session")
+def repository_copy() -> Callable[[Path, Path], Path]:
+    """:func:`copy_repository` as a fixture."""
+    return copy_repository
