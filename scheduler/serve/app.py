@@ -2,10 +2,7 @@
 
 - ``Ingress`` (FastAPI): the OpenAI routes, bearer-key check, validation and tokenization
   (scheduler/serve/api.py), the front end's in-flight bound, SSE streaming, metrics.
-- ``Worker``: one replica per ``smartexit_device`` resource; owns (launches, supervises) one
-  tritonserver or connects to ``triton_url``; runs the control loop every ``control_tick_s``
-  (``scheduler.policies``) and pushes the engine's stats to the hub; streams generations.
-- ``Hub``: one replica; the latest stats each worker pushed, for ``/metrics`` and ``/health``.
+- ``Worker`` and ``Hub``: scheduler/serve/worker.py (the Triton-facing side, the control loop).
 
 Cancellation: when an HTTP client disconnects, Ray Serve's proxy cancels the ingress request; the
 ``asyncio.CancelledError`` raised in the ingress's stream lands in ``Generation._chunks``, which
@@ -35,171 +32,11 @@ from edge.core.errors import ConfigError
 from scheduler.serve import api
 from scheduler.serve.config import BundleInfo, ServeConfig
 from scheduler.serve.metrics import CONTENT_TYPE, ServeMetrics
-from scheduler.serve.triton_client import TritonClient, TritonError, TritonUnavailable, error_to_dict
+from scheduler.serve.worker import DEVICE_RESOURCE, Hub, Worker
 
 log = logging.getLogger(__name__)
 
-DEVICE_RESOURCE = "smartexit_device"
 EOS = "<|endoftext|>"
-HUB_TIMEOUT_S = 5.0
-
-
-async def control_step(client: Any, policy: Any, observe: Callable[[dict], Any]) -> dict[str, Any]:
-    """One control tick: read the engine's stats, ask the policy, apply what changed.
-
-    Returns the stats after the change (``set`` answers with them).
-    Raises:
-        TritonError: the server did not answer.
-    """
-    stats = await client.control({"op": "stats"})
-    action = policy.act(observe(stats))
-    change = {k: int(v) for k, v in (("prefill_budget", action.prefill_budget),
-                                     ("max_running", action.max_running))
-              if v is not None and v != stats.get(k)}
-    if change:
-        stats = await client.control({"op": "set", **change})
-    return stats
-
-
-@serve.deployment(num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
-class Hub:
-    """The latest ``(ready, stats)`` each worker replica pushed; entries older than ``ttl_s`` expire."""
-
-    def __init__(self, ttl_s: float) -> None:
-        self._ttl_s = ttl_s
-        self._entries: dict[str, tuple[float, bool, dict | None]] = {}
-
-    async def push(self, replica: str, ready: bool, stats: dict | None) -> None:
-        self._entries[replica] = (time.monotonic(), ready, stats)
-
-    def _fresh(self) -> dict[str, tuple[float, bool, dict | None]]:
-        horizon = time.monotonic() - self._ttl_s
-        self._entries = {k: v for k, v in self._entries.items() if v[0] >= horizon}
-        return self._entries
-
-    async def snapshot(self) -> dict[str, dict]:
-        """Replica id -> its latest stats (replicas that pushed stats within ``ttl_s``)."""
-        return {k: stats for k, (_, _, stats) in self._fresh().items() if stats}
-
-    async def health(self) -> dict[str, Any]:
-        """``ready`` when at least one worker's Triton answered its last control tick."""
-        now, entries = time.monotonic(), self._fresh()
-        replicas = {k: {"ready": ready, "age_s": round(now - t, 3)} for k, (t, ready, _) in entries.items()}
-        return {"ready": any(r["ready"] for r in replicas.values()), "replicas": replicas}
-
-
-@serve.deployment(ray_actor_options={"resources": {DEVICE_RESOURCE: 1}, "num_cpus": 0})
-class Worker:
-    """The Triton-facing deployment: one tritonserver per replica (device)."""
-
-    async def __init__(self, cfg: ServeConfig, repo_dir: Path | None, hub: DeploymentHandle) -> None:
-        from scheduler.policies import make_policy, observation_from_stats
-
-        self._cfg, self._hub = cfg, hub
-        self._policy = make_policy(cfg.policy.value, **cfg.policy_kwargs)
-        self._observe = observation_from_stats
-        self._replica = serve.get_replica_context().replica_tag
-        self._proc = None
-        self._restarting = False
-        self._backoff_s = cfg.restart_backoff_s
-        self._stats: dict | None = None
-        if cfg.triton_url is not None:
-            url = cfg.triton_url
-        else:
-            from exporters.tritonserver import TritonProcess
-            if repo_dir is None:
-                raise ConfigError("a worker needs the Triton model repository (repo_dir) or serve.triton_url")
-            self._proc = TritonProcess(Path(repo_dir))  # its threads are the repository's (bundle.json)
-            try:
-                await asyncio.to_thread(self._proc.start, timeout_s=cfg.triton_start_timeout_s)
-            except BaseException:
-                await asyncio.to_thread(self._proc.stop)
-                raise
-            url = self._proc.grpc_url
-        self._client = TritonClient(url, timeout_s=cfg.triton_timeout_s)
-        self._ready = await self._client.ready()
-        self._loop = asyncio.create_task(self._run(), name="smartexit-control")
-
-    async def generate(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """Stream a generation: ``{"token_ids", "exit_layers", "finish_reason"}`` per engine step,
-        or one ``{"error": error_to_dict(...)}`` (errors travel as data, not across actors).
-
-        ``payload``: the keyword arguments of ``TritonClient.generate`` (``GenerationRequest.payload``).
-        """
-        if self._restarting:
-            exc = TritonUnavailable("tritonserver is restarting", self._cfg.retry_after_s)
-            yield {"error": error_to_dict(exc)}
-            return
-        try:
-            async with aclosing(self._client.generate(**payload)) as chunks:
-                async for c in chunks:
-                    yield {"token_ids": c.token_ids, "exit_layers": c.exit_layers, "finish_reason": c.finish_reason}
-        except TritonError as exc:
-            yield {"error": error_to_dict(exc)}
-
-    async def stats(self) -> dict | None:
-        """The engine's stats at the last control tick."""
-        return self._stats
-
-    async def ready(self) -> bool:
-        return self._ready
-
-    def check_health(self) -> None:
-        """Serve's health check: fails (the replica is replaced) when the control loop died."""
-        if self._loop.done():
-            exc = None if self._loop.cancelled() else self._loop.exception()
-            raise RuntimeError(f"the worker's control loop stopped: {exc!r}")
-
-    def __del__(self) -> None:
-        """Serve calls this on shutdown (and the GC may again): stop the loop and our tritonserver."""
-        loop, proc = getattr(self, "_loop", None), getattr(self, "_proc", None)
-        if loop is not None:
-            loop.cancel()
-        if proc is not None:
-            self._proc = None
-            proc.stop()
-
-    async def _run(self) -> None:
-        """Supervise tritonserver and run the control loop (one task, so they never overlap)."""
-        while True:
-            if self._proc is not None and not self._proc.alive:
-                await self._relaunch()
-                continue
-            try:
-                self._stats = await control_step(self._client, self._policy, self._observe)
-                if not self._ready:
-                    log.info("worker %s: tritonserver at %s ready", self._replica, self._client.url)
-                self._ready, self._backoff_s = True, self._cfg.restart_backoff_s
-            except TritonError as exc:
-                if self._ready:
-                    log.warning("worker %s: tritonserver at %s not answering: %s", self._replica,
-                                self._client.url, exc)
-                self._ready = False
-            await self._push()
-            await asyncio.sleep(self._cfg.control_tick_s)
-
-    async def _relaunch(self) -> None:
-        """Restart a dead tritonserver after the current backoff (doubling until a tick succeeds)."""
-        self._ready, self._restarting = False, True
-        await self._push()
-        log.warning("worker %s: tritonserver died; restarting in %.1f s", self._replica, self._backoff_s)
-        await asyncio.sleep(self._backoff_s)
-        self._backoff_s = min(2 * self._backoff_s, self._cfg.restart_backoff_max_s)
-        try:
-            await asyncio.to_thread(self._proc.restart, self._cfg.triton_start_timeout_s)
-        except Exception:  # any launch failure: log it and try again after the (longer) backoff
-            log.exception("worker %s: tritonserver restart failed", self._replica)
-            return
-        if self._proc.grpc_url != self._client.url:
-            old, self._client = self._client, TritonClient(self._proc.grpc_url, timeout_s=self._cfg.triton_timeout_s)
-            await old.close()
-        self._restarting = False
-
-    async def _push(self) -> None:
-        try:
-            await asyncio.wait_for(self._hub.push.remote(self._replica, self._ready, self._stats), HUB_TIMEOUT_S)
-        except (RayError, RayServeException, asyncio.TimeoutError) as exc:
-            log.warning("worker %s: stats not pushed to the hub: %r", self._replica, exc)
 
 
 class Generation:

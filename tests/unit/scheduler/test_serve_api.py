@@ -445,11 +445,12 @@ class FakePolicy:
 
 
 def test_control_step_applies_only_what_changed(app):
+    from scheduler.serve import worker
     client = FakeClient({"waiting": 2, "prefill_budget": 128, "max_running": 8})
     policy = FakePolicy(256, 8)
-    stats = asyncio.run(app.control_step(client, policy, lambda s: ("obs", s["waiting"])))
+    stats = asyncio.run(worker.control_step(client, policy, lambda s: ("obs", s["waiting"])))
     assert client.ops == [{"op": "stats"}, {"op": "set", "prefill_budget": 256}]
     assert stats["prefill_budget"] == 256 and policy.seen == [("obs", 2)]
     client.ops.clear()
-    asyncio.run(app.control_step(client, policy, lambda s: s))
+    asyncio.run(worker.control_step(client, policy, lambda s: s))
     assert client.ops == [{"op": "stats"}]  # nothing to change: no set

@@ -299,9 +299,9 @@ class KeepPolicy:
 
 
 def worker(proc: FakeProc):
-    from scheduler.serve import app
+    from scheduler.serve import worker as worker_module
     from scheduler.serve.config import ServeConfig
-    w = object.__new__(app.Worker.func_or_class)  # the class Serve runs, without its constructor
+    w = object.__new__(worker_module.Worker.func_or_class)  # the class Serve runs, without its constructor
     w._cfg = ServeConfig(control_tick_s=0.01, restart_backoff_s=0.01, restart_backoff_max_s=0.04)
     w._hub, w._policy, w._observe, w._replica = FakeHub(), KeepPolicy(), (lambda s: s), "w0"
     w._proc, w._client, w._stats, w._ready, w._restarting, w._backoff_s = proc, StatsClient(), None, True, False, 0.01
