@@ -38,7 +38,12 @@ def _scalar(request, name, kind, default=None):
     if a.size != 1:
         raise HostError("invalid_request", f"{name} must hold one value, got {a.size}", name)
     v = a[0]
-    return v.decode("utf-8", errors="strict") if kind is str else kind(v)
+    if kind is not str:
+        return kind(v)
+    try:
+        return v.decode("utf-8", errors="strict")
+    except UnicodeDecodeError as exc:
+        raise HostError("invalid_request", f"{name} is not UTF-8 ({exc.reason} at byte {exc.start})", name) from None
 
 
 def _array(request, name):
@@ -77,8 +82,6 @@ class TritonPythonModel:
                     self._generate(request, sender)
             except HostError as exc:
                 sender.send(_error(exc), flags=FINAL)
-            except UnicodeDecodeError as exc:
-                sender.send(_error(HostError("invalid_request", f"a string input is not UTF-8: {exc}")), flags=FINAL)
             except Exception as exc:  # noqa: BLE001 - the client must get an answer, whatever broke
                 sender.send(_error(HostError("internal", repr(exc))), flags=FINAL)
         return None
