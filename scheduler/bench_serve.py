@@ -77,6 +77,7 @@ class BenchServeConfig:
     capacity_requests: int = 16       # per concurrency level
     capacity_prompt_tokens: int = 64
     capacity_max_tokens: int = 32
+    hops: bool = True                 # the closed-loop requests also straight to a tritonserver (no Ray Serve)
     request_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
@@ -322,8 +323,27 @@ def build_report(cfg: BenchServeConfig, workload: dict[str, Any], runs: dict[str
             "runs": summaries, "comparison": comparison, "serve_bench": headline, "notes": notes, "config": config}
 
 
+def triton_direct_run(cfg: BenchServeConfig, reqs: list[ScheduledRequest]) -> dict[int, list[RequestResult]]:
+    """The closed-loop requests over gRPC to a tritonserver of its own on the run's repository."""
+    from exporters.tritonserver import TritonProcess
+    from scheduler.loadgen import TritonSender
+    from scheduler.serve.stack import repository
+
+    with TritonProcess(repository(cfg.run_dir)) as tp:
+        async def run():
+            send = TritonSender(tp.grpc_url, cfg.mode, cfg.sla_ttft_ms, cfg.sla_tpot_ms, stop_ids(cfg))
+            try:
+                for i, req in enumerate(reqs[:cfg.warmup_requests]):
+                    await send(ScheduledRequest(0.0, req.prompt_ids, req.max_tokens, f"warmup-triton-{i}"))
+                return await _capacity(send, cfg, reqs)
+            finally:
+                await send.close()
+        return asyncio.run(run())
+
+
 def capacity_report(cfg: BenchServeConfig, served: dict[int, list[RequestResult]],
-                    local: dict[int, list[RequestResult]]) -> dict[str, Any]:
+                    local: dict[int, list[RequestResult]],
+                    triton: dict[int, list[RequestResult]] | None = None) -> dict[str, Any]:
     """Closed-loop runs side by side: per concurrency, served and in-process tokens/s and TTFT / TPOT
     p50, their ratio and differences. The headline takes the tokens/s ratio at the highest concurrency
     (the stack's capacity cost) and the TTFT p50 overhead at the lowest (its latency cost per request)."""
@@ -332,7 +352,9 @@ def capacity_report(cfg: BenchServeConfig, served: dict[int, list[RequestResult]
         s, l = (summarize(x[c], cfg.sla_ttft_ms, cfg.sla_tpot_ms) for x in (served, local))
         keys = ("requests", "errors", "tokens", "tokens_per_s", "ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms",
                 "tpot_p95_ms", "e2e_p50_ms")
+        t = summarize(triton[c], cfg.sla_ttft_ms, cfg.sla_tpot_ms) if triton and c in triton else None
         levels[str(c)] = {"served": {k: s[k] for k in keys}, "inprocess": {k: l[k] for k in keys},
+                          "triton_direct": {k: t[k] for k in keys} if t else None,
                           **compare(s, l), "same_output_lengths": same_lengths(served[c], local[c]),
                           "tpot_p50_overhead_ms": (s["tpot_p50_ms"] - l["tpot_p50_ms"]
                                                    if s["tpot_p50_ms"] is not None and l["tpot_p50_ms"] is not None
@@ -364,6 +386,17 @@ def capacity_markdown(cap: dict[str, Any] | None) -> str:
                      f"{f(lv['served_vs_inprocess_tokens_ratio'], '.3f')} | {f(s['ttft_p50_ms'])} / "
                      f"{f(l['ttft_p50_ms'])} | {f(lv['ttft_p50_overhead_ms'])} | {f(lv['tpot_p50_overhead_ms'])} | "
                      f"{f(lv['same_output_lengths'], '.2f')} |")
+    hops = [(c, lv) for c, lv in cap["levels"].items() if lv.get("triton_direct")]
+    if hops:
+        lines += ["", "Where the time goes: the same requests in process, straight to a tritonserver over gRPC "
+                  "(+ the python backend's IPC), and through Ray Serve (+ HTTP, the ingress, the worker).", "",
+                  "| concurrency | TTFT p50 ms: in process / Triton / stack | TPOT p50 ms: in process / Triton / "
+                  "stack | tokens/s: in process / Triton / stack |", "| ---: | ---: | ---: | ---: |"]
+        for c, lv in hops:
+            t3 = [lv["inprocess"], lv["triton_direct"], lv["served"]]
+            lines.append(f"| {c} | " + " / ".join(f(x["ttft_p50_ms"]) for x in t3) + " | "
+                         + " / ".join(f(x["tpot_p50_ms"]) for x in t3) + " | "
+                         + " / ".join(f(x["tokens_per_s"]) for x in t3) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -394,8 +427,9 @@ def main(cfg: BenchServeConfig) -> int:
     if cfg.inprocess:
         runs[INPROCESS], cap_local = inprocess_run(cfg, schedule, cap_reqs)
     report = build_report(cfg, workload, runs)
+    cap_triton = triton_direct_run(cfg, cap_reqs) if cap_reqs and cfg.hops and cfg.url is None else {}
     if cap_served and cap_local:
-        report["capacity"] = capacity_report(cfg, cap_served, cap_local)
+        report["capacity"] = capacity_report(cfg, cap_served, cap_local, cap_triton)
         report["serve_bench"].update(report["capacity"]["headline"])
     paths = write_outputs(cfg, report, runs)
     for label, s in report["runs"].items():

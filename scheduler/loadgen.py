@@ -535,3 +535,42 @@ class InProcessSender:
                 if chunk.finish_reason not in NORMAL_FINISH:
                     r.error_kind, r.error = chunk.finish_reason, f"finish_reason {chunk.finish_reason}"
                 return r
+
+
+class TritonSender:
+    """``send`` straight to a tritonserver's ``smartexit`` model over gRPC (no Ray Serve): the middle
+    point of the hop profile (in process -> + Triton -> + Ray Serve and HTTP)."""
+
+    def __init__(self, url: str, mode: str = "bounded", sla_ttft_ms: float | None = None,
+                 sla_tpot_ms: float | None = None, stop_ids: Sequence[int] = ()) -> None:
+        from scheduler.serve.triton_client import TritonClient
+
+        self.client = TritonClient(url)
+        self.mode, self.sla, self.stop_ids = mode, (sla_ttft_ms, sla_tpot_ms), tuple(stop_ids)
+
+    async def __call__(self, req: ScheduledRequest) -> RequestResult:
+        from scheduler.serve.triton_client import TritonError
+
+        r = _result(req)
+        r.t_submit = time.perf_counter()
+        try:
+            async for chunk in self.client.generate(req.request_id, list(req.prompt_ids), req.max_tokens,
+                                                    stop_ids=self.stop_ids, mode=self.mode,
+                                                    sla_ttft_ms=self.sla[0], sla_tpot_ms=self.sla[1]):
+                now = time.perf_counter()
+                if chunk.token_ids and r.t_first_token is None:
+                    r.t_first_token = now
+                r.tokens += len(chunk.token_ids)
+                r.token_times.extend([now] * len(chunk.token_ids))
+                r.exit_layers.extend(int(x) for x in chunk.exit_layers)
+                if chunk.finish_reason:
+                    r.finish_reason = chunk.finish_reason
+        except TritonError as exc:
+            r.error_kind, r.error = type(exc).__name__, str(exc)
+        r.t_end = time.perf_counter()
+        if r.finish_reason is None and r.error_kind is None:
+            r.error_kind, r.error = "unfinished", "the stream ended without a finish reason"
+        return r
+
+    async def close(self) -> None:
+        await self.client.close()

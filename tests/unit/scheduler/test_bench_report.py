@@ -96,6 +96,8 @@ def test_stage_end_to_end_with_fake_runs(tmp_path, monkeypatch):
                 {k: _fake_runs(cap)(2.0) for k in c.capacity_concurrency})
 
     monkeypatch.setattr(bench_serve, "served_runs", served)
+    monkeypatch.setattr(bench_serve, "triton_direct_run", lambda c, cap: {k: _fake_runs(cap)(1.5)
+                                                                         for k in c.capacity_concurrency})
     monkeypatch.setattr(bench_serve, "inprocess_run", lambda c, schedule, cap: (
         _fake_runs(schedule)(1.0), {k: _fake_runs(cap)(1.0) for k in c.capacity_concurrency}))
     assert bench_serve.main(cfg) == 0
@@ -116,7 +118,8 @@ def test_stage_end_to_end_with_fake_runs(tmp_path, monkeypatch):
     assert all(len(r.prompt_ids) == cfg.capacity_prompt_tokens and r.max_tokens == cfg.capacity_max_tokens
                for r in seen["capacity"])
     assert head["served_vs_inprocess_concurrency"] == max(cfg.capacity_concurrency)
-    assert "The price of serving" in (out / "serve.md").read_text()
+    assert "The price of serving" in (out / "serve.md").read_text() and "Where the time goes" in (out / "serve.md").read_text()
+    assert cap["levels"]["1"]["triton_direct"]["ttft_p50_ms"] == pytest.approx(75.0)
     assert all(len(r.prompt_ids) + r.max_tokens <= 512 for r in seen["schedule"])
     for png in ("serve_latency_cdf.png", "serve_throughput.png"):
         assert (out / png).read_bytes()[:8] == PNG
