@@ -12,7 +12,7 @@ DEMO_CFG := configs/demo.yaml
 MODEL_FILES := $(wildcard edge/assets/tiny/*) $(wildcard edge/assets/tiny-ee/*) $(wildcard edge/assets/data/*)
 SRC := $(shell find edge calibration exporters scheduler -name '*.py' 2>/dev/null)
 
-.PHONY: demo test venv distill calibrate export bench generate report repo serve bench-serve train-tiny train-tiny-ee llamacpp clean help
+.PHONY: demo test venv distill calibrate export bench generate report repo serve bench-serve aiperf-check train-tiny train-tiny-ee llamacpp clean help
 .DEFAULT_GOAL := help
 
 help:
@@ -83,6 +83,12 @@ train-tiny: $(STAMP)
 train-tiny-ee: $(STAMP)
 	$(SE) distill --config configs/tiny_ee.yaml run_dir=runs/tiny-ee
 	$(BIN)/python -m edge.training.bundle_ee make-ee runs/tiny-ee
+
+# ---- load-client cross-check: NVIDIA aiperf in its own venv (it pins other versions), never in demo/test ----
+AIPERF_VENV := .venv-aiperf
+aiperf-check: $(ART)/triton/smartexit/config.pbtxt
+	@test -x $(AIPERF_VENV)/bin/aiperf || { $(PYTHON) -m venv $(AIPERF_VENV) && $(AIPERF_VENV)/bin/pip install --quiet -r requirements/aiperf.txt; }
+	$(SE) bench crosscheck run_dir=$(ART) aiperf=$(AIPERF_VENV)/bin/aiperf
 
 # ---- llama.cpp peer of the decode benchmark (system f): built from source, never part of demo or test ----
 LLAMACPP_SRC := $(VENV)/llamacpp-src

@@ -30,6 +30,8 @@ STAGES: dict[str, tuple[str, str, str, str]] = {
                      "decode throughput: transformers, LayerSkip, SmartExit full depth and with exits"),
     "bench serve": ("scheduler.bench_serve", "BenchServeConfig", "main",
                     "serving load test: trace / Poisson arrivals through Ray Serve + Triton vs the engine in process"),
+    "bench crosscheck": ("scheduler.crosscheck", "CrossCheckConfig", "main",
+                         "the load client against NVIDIA aiperf on the same stack (needs `make aiperf-check`)"),
     "serve": ("scheduler.serve.main", "ServeStackConfig", "main",
               "start tritonserver + the Ray Serve OpenAI-compatible front end (Ctrl-C / SIGTERM stops all)"),
     "generate": ("edge.pipeline.generate", "GenerateConfig", "main", "reference early-exit generation on held-out prompts"),
