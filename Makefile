@@ -57,8 +57,11 @@ $(ART)/triton/smartexit/config.pbtxt: $(ART)/onnx/graphs.json $(ART)/calibration
 $(ART)/bench/serve.json: $(ART)/triton/smartexit/config.pbtxt configs/bench_serve.yaml
 	$(SE) bench serve --config configs/bench_serve.yaml run_dir=$(ART)
 
+$(ART)/bench/audit.json: $(ART)/triton/smartexit/config.pbtxt
+	$(SE) bench audit run_dir=$(ART)
+
 $(ART)/report.json: $(ART)/multi_exit/exits.json $(ART)/calibration/thresholds.json $(ART)/.generate.done \
-		$(ART)/onnx/graphs.json $(ART)/bench/decode.json $(ART)/bench/serve.json
+		$(ART)/onnx/graphs.json $(ART)/bench/decode.json $(ART)/bench/serve.json $(ART)/bench/audit.json
 	$(SE) report run_dir=$(ART)
 
 distill: $(ART)/multi_exit/exits.json

@@ -30,6 +30,8 @@ STAGES: dict[str, tuple[str, str, str, str]] = {
                      "decode throughput: transformers, LayerSkip, SmartExit full depth and with exits"),
     "bench serve": ("scheduler.bench_serve", "BenchServeConfig", "main",
                     "serving load test: trace / Poisson arrivals through Ray Serve + Triton vs the engine in process"),
+    "bench audit": ("scheduler.bench_audit", "BenchAuditConfig", "main",
+                    "the online false-exit audit on held-out code vs another domain (word salad)"),
     "bench crosscheck": ("scheduler.crosscheck", "CrossCheckConfig", "main",
                          "the load client against NVIDIA aiperf on the same stack (needs `make aiperf-check`)"),
     "serve": ("scheduler.serve.main", "ServeStackConfig", "main",

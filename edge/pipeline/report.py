@@ -64,6 +64,10 @@ def _serve(m: Manifest) -> dict[str, Any]:
     return dict(m.stage("bench_serve")["metrics"])
 
 
+def _audit(m: Manifest) -> dict[str, Any]:
+    return dict(m.stage("bench_audit")["metrics"])
+
+
 SECTIONS: dict[str, tuple[str, Callable[[Manifest], dict[str, Any]]]] = {
     "model": ("distill", _model),
     "distill": ("distill", _distill),
@@ -72,6 +76,7 @@ SECTIONS: dict[str, tuple[str, Callable[[Manifest], dict[str, Any]]]] = {
     "export": ("export", _export),
     "decode_bench": ("bench_decode", _bench),
     "serve_bench": ("bench_serve", _serve),
+    "audit_bench": ("bench_audit", _audit),
 }
 
 
@@ -135,6 +140,13 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += _bench_md(report["decode_bench"])
     if "serve_bench" in report:
         lines += _serve_md(report["serve_bench"])
+    if "audit_bench" in report:
+        a = report["audit_bench"]
+        lines += ["## Online false-exit audit", "",
+                  f"Every served token re-decoded at full depth (bench/audit.md): held-out code {a['heldout_code_rate']:.4f} "
+                  f"false exits (fallback: {a['false_alarm']}); another domain (its tokens shuffled) "
+                  f"{a['word_salad_rate']:.4f}, fallback to full depth after {a['word_salad_fired_after']} audited "
+                  f"tokens: caught {a['caught']} (eps {a['eps']}).", ""]
     return "\n".join(lines)
 
 

@@ -82,6 +82,7 @@ class AuditEstimate:
     per_exit: dict[int, _Count] = field(default_factory=dict)
     fallback: bool = False
     fallback_events: int = 0
+    fired_after: int | None = None  # audited tokens when the trigger last fired
 
     def record(self, exit_layer: int, false_exit: bool) -> bool:
         """Add one audited token; returns True when this verdict fires the fallback."""
@@ -91,6 +92,7 @@ class AuditEstimate:
         if not self.fallback and self._alarm():
             self.fallback = True
             self.fallback_events += 1
+            self.fired_after = self.audited
             return True
         return False
 
@@ -127,4 +129,4 @@ class AuditEstimate:
                                  "rate": c.false / c.audited if c.audited else 0.0, "upper": up, "lower": lo}
         return {"eps": self.eps, "delta": self.delta, "trigger": self.trigger.value, "audited": n, "false": k,
                 "rate": k / n if n else 0.0, "upper": upper, "lower": lower, "fallback": self.fallback,
-                "fallback_events": self.fallback_events, "exits": exits}
+                "fallback_events": self.fallback_events, "fired_after": self.fired_after, "exits": exits}
