@@ -4,7 +4,12 @@ raw bytes (http.client), many concurrent streams (aiohttp).
 
 One stack per test class (Ray is one per process, so a stack's teardown must come before the next
 one's start): ``TestOneReplica`` runs every front-end case against one worker; ``TestTwoReplicas``
-starts a second stack with two workers. What each test proves is in its docstring.
+starts a second stack with two workers. Each stack's teardown checks that no tritonserver or stub
+outlives it. What each test proves is in its docstring.
+
+The micro model decodes ~1 ms a token and its greedy runs end (end-of-text) within a few hundred
+tokens, so the longest request lasts ~0.2 s in the engine: the tests that need a request in flight
+say how they make sure of it.
 """
 from __future__ import annotations
 
@@ -24,12 +29,11 @@ import pytest
 pytestmark = pytest.mark.integration
 
 MODEL = "smartexit-tiny"
-MAX_TOKENS_LIMIT = 200  # long enough that a request outlives a disconnect or a kill by seconds
+MAX_TOKENS_LIMIT = 200  # the longest request: ~0.2 s in the engine, ~1 s through the stack
 MAX_INFLIGHT = 4
 # greedy, this prompt runs 200 tokens on the micro model without its end-of-text token (which the
 # front end stops at), in modes bounded and full
 PROMPT = "class Stack:\n    def push(self, x):"
-TERMINAL = "data: [DONE]"
 # the front end's families (scheduler/serve/metrics.py) and the type each must have
 METRIC_TYPES = {"smartexit_requests": "counter", "smartexit_ttft_seconds": "histogram",
                 "smartexit_time_per_output_token_seconds": "histogram", "smartexit_e2e_latency_seconds": "histogram",
@@ -54,8 +58,9 @@ class Stack:
         return json.loads((self.repo / "smartexit" / "1" / "bundle" / "bundle.json").read_text())
 
 
-def _start(served_run, repository_copy, tmp_path_factory, port: int, name: str, **overrides):
-    """``serving_stack`` on this class's own copy of the repository, as a generator fixture body."""
+def _start(served_run, repository_copy, find_processes, tmp_path_factory, port: int, name: str, **overrides):
+    """``serving_stack`` on this class's own copy of the repository, as a generator fixture body;
+    after the stack stops, no tritonserver or stub serving that repository may remain."""
     from scheduler.serve.config import ServeConfig
     from scheduler.serve.stack import serving_stack
 
@@ -64,6 +69,8 @@ def _start(served_run, repository_copy, tmp_path_factory, port: int, name: str, 
                       max_inflight=MAX_INFLIGHT, restart_backoff_s=0.5, **overrides)
     with serving_stack(run, cfg, start_timeout_s=180) as url:
         yield Stack(url, run, cfg)
+    wait_for(lambda: not find_processes(run / "triton"), timeout=15,
+             what=f"no process serving {run / 'triton'} after the stack stopped")
 
 
 # -- HTTP helpers ------------------------------------------------------------------------------------
@@ -162,8 +169,8 @@ class TestOneReplica:
     """Every front-end case against one stack: one worker, one tritonserver, ``max_inflight`` 4."""
 
     @pytest.fixture(scope="class")
-    def stack(self, served_run, repository_copy, tmp_path_factory, free_port):
-        yield from _start(served_run, repository_copy, tmp_path_factory, free_port(), "serving1")
+    def stack(self, served_run, repository_copy, find_processes, tmp_path_factory, free_port):
+        yield from _start(served_run, repository_copy, find_processes, tmp_path_factory, free_port(), "serving1")
 
     @pytest.fixture(scope="class")
     def client(self, stack):
@@ -268,8 +275,8 @@ class TestOneReplica:
         ("/v1/completions", {"model": MODEL}, 400, "prompt", "prompt: is required"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens", "max_tokens"),
         ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model", "gpt-4"),
-        ("/v1/completions", {"model": MODEL, "prompt": [5] * 250, "max_tokens": 10}, 400, "prompt",
-         "context window"),
+        ("/v1/completions", lambda window: {"model": MODEL, "prompt": [5] * (window - 5), "max_tokens": 10}, 400,
+         "prompt", "context window"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "at least 1"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": MAX_TOKENS_LIMIT + 1}, 400,
          "max_tokens", "limit"),
@@ -284,6 +291,8 @@ class TestOneReplica:
     def test_bad_input_gets_a_4xx_naming_the_field(self, stack, path, body, status, param, words):
         """Each malformed request gets its 4xx with an OpenAI error body whose ``param`` names the
         field at fault and whose message says what is wrong (bodies not parseable as JSON name none)."""
+        if callable(body):  # sized from the served model's context window
+            body = body(stack.bundle["model"]["max_positions"])
         got, headers, raw = request(stack.url, "POST", path, body)
         assert got == status, raw
         assert headers["content-type"].startswith("application/json")
@@ -442,8 +451,9 @@ class TestTwoReplicas:
     """A second stack with ``replicas=2`` (two units of ``smartexit_device``): one tritonserver each."""
 
     @pytest.fixture(scope="class")
-    def stack(self, served_run, repository_copy, tmp_path_factory, free_port):
-        yield from _start(served_run, repository_copy, tmp_path_factory, free_port(), "serving2", replicas=2)
+    def stack(self, served_run, repository_copy, find_processes, tmp_path_factory, free_port):
+        yield from _start(served_run, repository_copy, find_processes, tmp_path_factory, free_port(), "serving2",
+                          replicas=2)
 
     def test_two_workers_two_tritonservers(self, stack, find_processes):
         """Two worker replicas each launch their own tritonserver (two processes on distinct ports,
