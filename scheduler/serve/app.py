@@ -32,7 +32,7 @@ from edge.core.errors import ConfigError
 from scheduler.serve import api
 from scheduler.serve.config import BundleInfo, ServeConfig
 from scheduler.serve.metrics import CONTENT_TYPE, ServeMetrics
-from scheduler.serve.worker import DEVICE_RESOURCE, Hub, Worker
+from scheduler.serve.worker import DEVICE_RESOURCE, HUB_TIMEOUT_S, Hub, Worker
 
 log = logging.getLogger(__name__)
 
