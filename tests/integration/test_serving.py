@@ -67,7 +67,7 @@ def _start(served_run, repository_copy, find_processes, tmp_path_factory, port: 
     run = repository_copy(served_run, tmp_path_factory.mktemp(name))
     cfg = ServeConfig(port=port, model_name=MODEL, max_tokens_limit=MAX_TOKENS_LIMIT, control_tick_s=0.1,
                       max_inflight=MAX_INFLIGHT, restart_backoff_s=0.5, **overrides)
-    with serving_stack(run, cfg, start_timeout_s=180) as url:
+    with serving_stack(run, cfg, start_timeout_s=120) as url:
         yield Stack(url, run, cfg)
     wait_for(lambda: not find_processes(run / "triton"), timeout=15,
              what=f"no process serving {run / 'triton'} after the stack stopped")
