@@ -2,7 +2,8 @@
 the serving tests share (a free port, a private copy of the repository, the processes serving it).
 
 The run is built once per session from ``micro_run`` (tests/conftest.py): export, calibrate and
-``smartexit repo`` with the smallest settings that still certify a table (~40 s on 2 cores).
+``smartexit repo`` with the smallest settings that still certify a table (~25 s on 2 cores, after
+``micro_run``'s ~10 s distill).
 """
 from __future__ import annotations
 

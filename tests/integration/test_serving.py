@@ -394,6 +394,7 @@ class TestOneReplica:
         status, _, body = completion(stack.url, max_tokens=4, temperature=0)
         assert status == 200 and body["usage"]["completion_tokens"] == 4
 
+    @pytest.mark.slow
     def test_tritonserver_killed_mid_stream_is_relaunched_behind_the_same_front_end(self, stack, find_processes):
         """SIGKILL of the worker's tritonserver while a stream is in flight: the stream, which had
         started (status 200 sent), ends with an SSE error event (type service_unavailable, code

@@ -282,6 +282,7 @@ def _flip_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 def test_a_bundle_with_a_changed_file_refuses_to_load(served_run, repository_copy, find_processes, tmp_path):
     """``smartexit repo`` records every bundle file's sha256; a bundle with one byte changed in
     thresholds.json makes tritonserver fail to start (the error names its log; the log names the
@@ -326,6 +327,7 @@ def _wait_for_line(proc: subprocess.Popen, needle: str, timeout: float) -> list[
     return lines
 
 
+@pytest.mark.slow
 def test_serve_triton_only_leaves_no_process_after_sigterm(served_run, repository_copy, find_processes, tmp_path):
     """``smartexit serve triton_only=true`` prints its ready line once tritonserver (and the model's
     python-backend stub) serve the repository; SIGTERM makes it exit 0, and no tritonserver or stub
