@@ -210,10 +210,14 @@ class TritonProcess:
             self._proc.wait(10)
 
     def log_tail(self, lines: int = 30) -> str:
+        """The log's errors (lines saying why a model failed to load), then its last ``lines`` lines."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            text = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return "(no log)"
+        errors = [line for line in text if line.startswith("E") or "failed to load" in line or "UNAVAILABLE:" in line]
+        head = (["errors:"] + errors[:10] + ["last lines:"]) if errors else []
+        return "\n".join(head + text[-lines:])
 
     def __enter__(self) -> "TritonProcess":
         return self.start() if not self.alive else self

@@ -52,6 +52,8 @@ def _array(request, name):
 
 
 def _error(exc: HostError):
+    if exc.field == "prompt":  # the engine's name for what the wire calls input_ids
+        exc.field = "input_ids"
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(json.dumps(exc.as_dict())))
 
 

@@ -241,8 +241,8 @@ def test_control_ops_stats_set_and_cancel(server, prompt, bundle_info):
 
 
 @pytest.mark.parametrize("case,field", [
-    ("oversize prompt", {"prompt", "input_ids"}),  # the engine names it prompt; the wire input is input_ids
-    ("token outside the vocabulary", {"prompt", "input_ids"}),
+    ("oversize prompt", {"input_ids"}),  # the engine names it prompt; model.py names the wire input
+    ("token outside the vocabulary", {"input_ids"}),
     ("max_tokens 0", {"max_tokens"}),
     ("max_tokens missing", {"max_tokens"}),
     ("unknown mode", {"mode"}),
@@ -298,6 +298,7 @@ def test_a_bundle_with_a_changed_file_refuses_to_load(served_run, repository_cop
         tp.start(timeout_s=90)
     tp.stop()
     assert str(tp.log_path) in str(err.value)
+    assert "thresholds.json changed since `smartexit repo` wrote it" in str(err.value)  # the cause, not only the log's tail
     log = tp.log_path.read_text(errors="replace")
     assert f"{repo / BUNDLE / 'thresholds.json'} changed since `smartexit repo` wrote it (sha256 differs" in log
     assert "failed to load 'smartexit'" in log
