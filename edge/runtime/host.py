@@ -78,6 +78,22 @@ class Chunk:
     finish_reason: str | None = None  # set on the last chunk of a request
 
 
+def merge_chunks(chunks: list[Chunk]) -> list[Chunk]:
+    """Chunks waiting to be sent, one per request in order of first appearance: each request's tokens
+    concatenated in order, finished if any of them is (a transport that fell behind the engine sends
+    fewer, larger responses instead of queueing one per step)."""
+    merged: dict[str, Chunk] = {}
+    for c in chunks:
+        m = merged.get(c.request_id)
+        if m is None:
+            merged[c.request_id] = Chunk(c.request_id, list(c.tokens), list(c.exit_layers), c.finish_reason)
+        elif m.finish_reason is None:
+            m.tokens += c.tokens
+            m.exit_layers += c.exit_layers
+            m.finish_reason = c.finish_reason
+    return list(merged.values())
+
+
 class HostError(SmartExitError):
     """A refused request: ``code`` is ``invalid_request`` (``field`` names the field), ``overloaded``
     (``retry_after_s`` says when to come back) or ``internal``."""

@@ -5,10 +5,13 @@ into responses. Decoupled: ``execute`` returns at once, and the engine thread se
 engine step that decided tokens for the request, the last with the final flag. Wire protocol:
 docs/serving.md. Runs only inside tritonserver (``triton_python_backend_utils`` exists there).
 """
+import collections
 import json
 import os
 import site
 import sys
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -24,10 +27,66 @@ for _p in reversed([p for p in os.environ.get("SMARTEXIT_PYTHONPATH", "").split(
 import numpy as np  # noqa: E402 - after the path set-up above
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from edge.runtime.host import Chunk, GenRequest, HostError
+from edge.runtime.host import Chunk, GenRequest, HostError, merge_chunks
 from scheduler.bundle import open_bundle
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+CANCEL_CHECK_S = 0.5  # how often a streaming request asks Triton whether its client cancelled (an IPC round trip)
+
+
+class Responder:
+    """Sends the engine's chunks from a thread of its own, so the engine thread never waits on the
+    python backend's IPC: whatever queued while it was sending goes out merged, one response per
+    request (``merge_chunks``). The front end cancels with a control op; ``is_cancelled`` (a client
+    that closed its gRPC stream) is asked at most every ``CANCEL_CHECK_S`` per request."""
+
+    def __init__(self, host) -> None:
+        self.host, self.queue, self.wake = host, collections.deque(), threading.Event()
+        self.senders: dict[str, tuple[object, list[float]]] = {}
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, name="smartexit-responder", daemon=True)
+        self.thread.start()
+
+    def add(self, rid: str, sender) -> None:
+        self.senders[rid] = (sender, [time.monotonic()])
+
+    def put(self, chunk: Chunk) -> None:  # on the engine thread
+        self.queue.append(chunk)
+        self.wake.set()
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.wake.set()
+        self.thread.join(5)
+
+    def _run(self) -> None:
+        while not self.stopped or self.queue:
+            self.wake.wait(0.1)
+            self.wake.clear()
+            batch = []
+            while self.queue:
+                batch.append(self.queue.popleft())
+            for chunk in merge_chunks(batch):
+                self._send(chunk)
+
+    def _send(self, chunk: Chunk) -> None:
+        entry = self.senders.get(chunk.request_id)
+        if entry is None:
+            return
+        sender, last_check = entry
+        final = chunk.finish_reason is not None
+        if not final and time.monotonic() - last_check[0] > CANCEL_CHECK_S:
+            last_check[0] = time.monotonic()
+            if sender.is_cancelled():
+                self.host.cancel(chunk.request_id, wait=False)  # the client went away: free its slot
+                return
+        if final:
+            self.senders.pop(chunk.request_id, None)
+        try:
+            sender.send(_chunk_response(chunk), flags=FINAL if final else 0)
+        except Exception:  # noqa: BLE001 - a vanished client must not stop the others' responses
+            if not final:
+                self.host.cancel(chunk.request_id, wait=False)
 
 
 def _scalar(request, name, kind, default=None):
@@ -72,6 +131,7 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("model 'smartexit' must be decoupled (config.pbtxt)")
         bundle = Path(args["model_repository"]) / args["model_version"] / "bundle"
         self.host = open_bundle(bundle).start()
+        self.responder = Responder(self.host)
 
     def execute(self, requests):
         for request in requests:
@@ -109,15 +169,13 @@ class TritonPythonModel:
                          stop_ids=tuple(_array(request, "stop_ids")), mode=_scalar(request, "mode", str, "bounded"),
                          sla_ttft_ms=_scalar(request, "sla_ttft_ms", float),
                          sla_tpot_ms=_scalar(request, "sla_tpot_ms", float))
-        host = self.host
-
-        def emit(chunk: Chunk) -> None:  # on the engine thread
-            if chunk.finish_reason is None and sender.is_cancelled():
-                host.cancel(rid, wait=False)  # the client went away: free its slot; the final goes nowhere
-                return
-            sender.send(_chunk_response(chunk), flags=FINAL if chunk.finish_reason is not None else 0)
-
-        host.submit(req, emit)
+        self.responder.add(rid, sender)
+        try:
+            self.host.submit(req, self.responder.put)
+        except HostError:
+            self.responder.senders.pop(rid, None)
+            raise
 
     def finalize(self):
         self.host.stop()
+        self.responder.stop()

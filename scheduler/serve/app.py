@@ -318,4 +318,6 @@ def run(cfg: ServeConfig, repo_dir: Path | None = None, name: str = "smartexit",
     caller's ``ray.init(resources={"smartexit_device": N})``); the ingress's handle."""
     app = build_app(cfg, repo_dir)
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
-    return serve.run(app, name=name, route_prefix="/", blocking=blocking)
+    # Serve logs every request and every hub push at INFO; on a 2-core device that costs the engine CPU
+    return serve.run(app, name=name, route_prefix="/", blocking=blocking,
+                     logging_config={"log_level": cfg.log_level, "enable_access_log": cfg.log_level == "INFO"})

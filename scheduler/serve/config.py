@@ -76,6 +76,7 @@ class ServeConfig:
     restart_backoff_max_s: float = 30.0
     stats_ttl_s: float = 10.0               # a worker silent this long drops out of /metrics, /health
     tps_window_s: float = 10.0              # smartexit_tokens_per_second averages over this window
+    log_level: str = "WARNING"              # Ray Serve's replica logs (INFO: one access line per request)
 
     def __post_init__(self) -> None:
         if self.bundle_dir is not None:
@@ -86,6 +87,8 @@ class ServeConfig:
             raise ConfigError(f"serve.policy_kwargs must be a mapping, got {type(self.policy_kwargs).__name__}")
         if not self.host:
             raise ConfigError("serve.host must not be empty")
+        if self.log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ConfigError(f"serve.log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         if not is_loopback(self.host) and not self.api_key:
             raise ConfigError(f"serve.api_key is required when serve.host is {self.host!r} (not loopback): "
                               "set an API key or bind to 127.0.0.1")

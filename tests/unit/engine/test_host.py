@@ -179,3 +179,15 @@ def test_clopper_pearson_matches_known_values():
     assert not any(est.record(3, False) for _ in range(500))
     fired = [est.record(3, True) for _ in range(30)]
     assert fired.count(True) == 1 and est.fallback and np.isclose(est.as_dict()["rate"], 30 / 530)
+
+
+def test_merge_chunks_keeps_each_requests_order_and_end():
+    from edge.runtime.host import merge_chunks
+
+    chunks = [Chunk("a", [1], [3]), Chunk("b", [7], [12]), Chunk("a", [2, 3], [9, 12]),
+              Chunk("b", [], [], "cancelled"), Chunk("a", [4], [3], "length")]
+    out = merge_chunks(chunks)
+    assert [c.request_id for c in out] == ["a", "b"]
+    assert (out[0].tokens, out[0].exit_layers, out[0].finish_reason) == ([1, 2, 3, 4], [3, 9, 12, 3], "length")
+    assert (out[1].tokens, out[1].finish_reason) == ([7], "cancelled")
+    assert chunks[0].tokens == [1]  # the inputs are not changed
