@@ -165,20 +165,23 @@ def in_process(bundle: Path, prompt: list[int], max_tokens: int, mode: str) -> l
 @pytest.mark.parametrize("mode", ["bounded", "full"])
 def test_generation_streams_one_response_per_step_and_matches_the_engine_in_process(stream, repo, bundle_info,
                                                                                     prompt, mode):
-    """A greedy generation streams one response per engine step (``bounded`` and ``full`` decide one
-    token a step), each carrying its token and exit layer, with the final flag only on the last,
-    whose finish_reason is "length"; tokens and exit layers equal what ``open_bundle`` on the same
-    bundle generates in process (same ONNX graphs, same ORT threads: the same floats)."""
+    """A greedy generation streams its tokens as the engine decides them: one response per engine
+    step (``bounded`` and ``full`` decide one token a step), or fewer, larger ones when the
+    responder thread fell behind the engine (what queued meanwhile goes out merged); each token with
+    its exit layer, the final flag only on the last response, whose finish_reason is "length";
+    tokens and exit layers equal what ``open_bundle`` on the same bundle generates in process (same
+    ONNX graphs, same ORT threads: the same floats)."""
     max_tokens = 10
     stream.send(request_id=f"gen-{mode}", **gen_tensors(prompt, max_tokens, mode))
     responses = stream.generation()
-    assert len(responses) == max_tokens
-    assert all(len(r["tokens"]) == 1 == len(r["layers"]) for r in responses)
-    assert [r["final"] for r in responses] == [False] * (max_tokens - 1) + [True]
-    assert [r["reason"] for r in responses] == [""] * (max_tokens - 1) + ["length"]
+    assert 2 <= len(responses) <= max_tokens  # streamed, not one response at the end
+    assert all(len(r["tokens"]) >= 1 and len(r["tokens"]) == len(r["layers"]) for r in responses)
+    assert sum(len(r["tokens"]) for r in responses) == max_tokens
+    assert [r["final"] for r in responses] == [False] * (len(responses) - 1) + [True]
+    assert [r["reason"] for r in responses] == [""] * (len(responses) - 1) + ["length"]
     model = bundle_info["model"]
     allowed = set(model["exit_layers"]) | {model["num_layers"]}
-    layers = [r["layers"][0] for r in responses]
+    layers = [layer for r in responses for layer in r["layers"]]
     assert set(layers) <= allowed
     if mode == "full":
         assert set(layers) == {model["num_layers"]}
