@@ -26,7 +26,8 @@ from edge.core.device import run_command
 from edge.core.errors import ConfigError, SmartExitError
 
 STAGE = "bench_crosscheck"
-METRICS = (("ttft_p50_ms", "time_to_first_token", "p50"), ("ttft_p99_ms", "time_to_first_token", "p99"),
+METRICS = (("ttft_mean_ms", "time_to_first_token", "avg"), ("e2e_mean_ms", "request_latency", "avg"),
+           ("ttft_p50_ms", "time_to_first_token", "p50"), ("ttft_p99_ms", "time_to_first_token", "p99"),
            ("itl_p50_ms", "inter_token_latency", "p50"), ("e2e_p50_ms", "request_latency", "p50"),
            ("output_tokens_per_s", "output_token_throughput", "avg"),
            ("requests_per_s", "request_throughput", "avg"), ("output_tokens_mean", "output_sequence_length", "avg"))
@@ -72,11 +73,49 @@ def aiperf_numbers(export: dict[str, Any]) -> dict[str, float | None]:
 
 def our_numbers(summary: dict[str, Any]) -> dict[str, float | None]:
     """The same numbers from ``scheduler.bench_report.summarize``."""
-    return {"ttft_p50_ms": summary["ttft_p50_ms"], "ttft_p99_ms": summary["ttft_p99_ms"],
+    return {"ttft_mean_ms": summary["ttft_mean_ms"], "e2e_mean_ms": summary["e2e_mean_ms"],
+            "ttft_p50_ms": summary["ttft_p50_ms"], "ttft_p99_ms": summary["ttft_p99_ms"],
             "itl_p50_ms": summary["tpot_p50_ms"], "e2e_p50_ms": summary["e2e_p50_ms"],
             "output_tokens_per_s": summary["tokens_per_s"],
             "requests_per_s": summary["completed"] / summary["duration_s"] if summary["duration_s"] else None,
             "output_tokens_mean": summary["tokens"] / summary["completed"] if summary["completed"] else None}
+
+
+SERVER_SERIES = {"ttft": "smartexit_ttft_seconds", "e2e": "smartexit_e2e_latency_seconds"}
+
+
+def server_counts(metrics_text: str) -> dict[str, float]:
+    """Sums and counts of the server's TTFT and end-to-end histograms, and its generated tokens, from
+    a ``/metrics`` scrape: two scrapes bracket a client's run, and their difference is what the
+    server measured for that run's requests."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(metrics_text):
+        for smp in fam.samples:
+            for key, name in SERVER_SERIES.items():
+                if smp.name == f"{name}_sum":
+                    out[f"{key}_sum"] = smp.value
+                elif smp.name == f"{name}_count":
+                    out[f"{key}_count"] = smp.value
+            if smp.name == "smartexit_generated_tokens_total":
+                out["tokens"] = smp.value
+    return out
+
+
+def server_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Mean TTFT and end-to-end latency (ms) and tokens the server saw between two scrapes."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    mean = lambda k: 1e3 * d[f"{k}_sum"] / d[f"{k}_count"] if d.get(f"{k}_count") else None  # noqa: E731
+    return {"ttft_mean_ms": mean("ttft"), "e2e_mean_ms": mean("e2e"), "requests": d.get("ttft_count"),
+            "tokens": d.get("tokens")}
+
+
+def _scrape(url: str) -> dict[str, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        return server_counts(r.read().decode())
 
 
 def tokenizer_folder(bundle: Path, out: Path) -> Path:
@@ -122,12 +161,17 @@ def main(cfg: CrossCheckConfig) -> int:
     tok = tokenizer_folder(bundle, out / "tokenizer")
 
     def both(url: str) -> dict[str, Any]:
+        s0 = _scrape(url)
         ours, model = _ours(cfg, url)
+        s1 = _scrape(url)
         proc = run_command(aiperf_command(cfg, url, model, tok, out / "aiperf"), timeout=1800)
         if proc.returncode != 0:
             raise SmartExitError(f"aiperf failed ({proc.returncode}): {proc.stderr[-2000:] or proc.stdout[-2000:]}")
+        s2 = _scrape(url)
         theirs = json.loads((out / "aiperf" / "profile_export_aiperf.json").read_text())
+        # the warm-up requests of each client are inside its bracket: the server's means include them
         return {"ours": our_numbers(ours), "aiperf": aiperf_numbers(theirs),
+                "server_during_ours": server_means(s0, s1), "server_during_aiperf": server_means(s1, s2),
                 "aiperf_version": theirs.get("aiperf_version")}
 
     if cfg.url is not None:
@@ -150,6 +194,16 @@ def main(cfg: CrossCheckConfig) -> int:
     f = lambda v, s=".2f": "n/a" if v is None else format(v, s)  # noqa: E731
     for k, _, _ in METRICS:
         md.append(f"| {k} | {f(res['ours'][k])} | {f(res['aiperf'][k])} | {f(ratio[k], '.3f')} |")
+    so, sa = res["server_during_ours"], res["server_during_aiperf"]
+    md += ["", "Each client against what the server measured for the same requests (the ingress's TTFT and "
+           "end-to-end histograms, scraped from /metrics before and after each client's run; the client "
+           "adds HTTP and the proxy; warm-up requests included on the server side):", "",
+           "| client | client TTFT mean ms | server TTFT mean ms | client E2E mean ms | server E2E mean ms | "
+           "server-seen requests |", "| --- | ---: | ---: | ---: | ---: | ---: |",
+           f"| ours | {f(res['ours']['ttft_mean_ms'])} | {f(so['ttft_mean_ms'])} | {f(res['ours']['e2e_mean_ms'])} | "
+           f"{f(so['e2e_mean_ms'])} | {f(so['requests'], '.0f')} |",
+           f"| aiperf | {f(res['aiperf']['ttft_mean_ms'])} | {f(sa['ttft_mean_ms'])} | "
+           f"{f(res['aiperf']['e2e_mean_ms'])} | {f(sa['e2e_mean_ms'])} | {f(sa['requests'], '.0f')} |"]
     atomic_write_json(out / "crosscheck.json", report)
     atomic_write_text(out / "crosscheck.md", "\n".join(md) + "\n")
     Manifest(cfg.run_dir).record(STAGE, inputs={}, config=asdict(cfg),
