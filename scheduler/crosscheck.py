@@ -118,6 +118,17 @@ def _scrape(url: str) -> dict[str, float]:
         return server_counts(r.read().decode())
 
 
+def agreement(res: dict[str, Any]) -> dict[str, float | None]:
+    """Per client, its mean TTFT and E2E minus the server's for the same requests (ms): equal gaps mean
+    both clients time the same events, whatever the load did to the server between the runs."""
+    out = {}
+    for client, server in (("ours", "server_during_ours"), ("aiperf", "server_during_aiperf")):
+        for k in ("ttft_mean_ms", "e2e_mean_ms"):
+            c, s = res[client].get(k), res[server].get(k)
+            out[f"{client}_{k.removesuffix('_mean_ms')}_minus_server_ms"] = c - s if c is not None and s is not None else None
+    return out
+
+
 def tokenizer_folder(bundle: Path, out: Path) -> Path:
     """A Hugging Face tokenizer folder (what aiperf loads) from the bundle's tokenizer.json."""
     from edge.model.tokenizer import EOS
@@ -208,6 +219,7 @@ def main(cfg: CrossCheckConfig) -> int:
     atomic_write_text(out / "crosscheck.md", "\n".join(md) + "\n")
     Manifest(cfg.run_dir).record(STAGE, inputs={}, config=asdict(cfg),
                                  outputs={"json": out / "crosscheck.json", "md": out / "crosscheck.md"},
-                                 metrics={"ours_over_aiperf": ratio}, seconds=time.perf_counter() - t0)
+                                 metrics={"ours_over_aiperf": ratio, "server_agreement": agreement(res)},
+                                 seconds=time.perf_counter() - t0)
     print("\n".join(md))
     return 0

@@ -64,6 +64,10 @@ def _serve(m: Manifest) -> dict[str, Any]:
     return dict(m.stage("bench_serve")["metrics"])
 
 
+def _crosscheck(m: Manifest) -> dict[str, Any]:
+    return dict(m.stage("bench_crosscheck")["metrics"])
+
+
 def _audit(m: Manifest) -> dict[str, Any]:
     return dict(m.stage("bench_audit")["metrics"])
 
@@ -77,6 +81,7 @@ SECTIONS: dict[str, tuple[str, Callable[[Manifest], dict[str, Any]]]] = {
     "decode_bench": ("bench_decode", _bench),
     "serve_bench": ("bench_serve", _serve),
     "audit_bench": ("bench_audit", _audit),
+    "crosscheck": ("bench_crosscheck", _crosscheck),
 }
 
 
@@ -140,6 +145,15 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += _bench_md(report["decode_bench"])
     if "serve_bench" in report:
         lines += _serve_md(report["serve_bench"])
+    if "crosscheck" in report:
+        r = report["crosscheck"]["ours_over_aiperf"]
+        lines += ["## Load client cross-checked against NVIDIA aiperf (`make aiperf-check`)", "",
+                  "Ours / aiperf on the same stack, one after the other (bench/crosscheck/crosscheck.md has both "
+                  "clients against the server's own histograms): " + ", ".join(
+                      f"{k} {_fmt(v, '.3f')}" for k, v in r.items()) + ". Each client's mean minus the server's "
+                  "own for the same requests (ms; equal gaps: both time the same events): " + ", ".join(
+                      f"{k} {_fmt(v, '.1f')}" for k, v in report["crosscheck"].get("server_agreement", {}).items()),
+                  ""]
     if "audit_bench" in report:
         a = report["audit_bench"]
         lines += ["## Online false-exit audit", "",
