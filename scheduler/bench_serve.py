@@ -28,8 +28,8 @@ from edge.core.artifacts import Manifest, atomic_write_json, atomic_write_text
 from edge.core.errors import ConfigError, SmartExitError
 from scheduler.bench_report import (compare, plot_latency_cdf, plot_throughput, render_markdown, same_lengths,
                                     summarize)
-from scheduler.loadgen import (HttpSender, InProcessSender, RequestResult, ScheduledRequest, build_schedule,
-                               run_closed_loop, run_open_loop)
+from scheduler.loadgen import RequestResult, ScheduledRequest, build_schedule, run_closed_loop, run_open_loop
+from scheduler.senders import HttpSender, InProcessSender
 from scheduler.workload import SHARED_TRACE, Arrivals, Workload, load_workload, synthetic
 
 STAGE = "bench_serve"
@@ -326,7 +326,7 @@ def build_report(cfg: BenchServeConfig, workload: dict[str, Any], runs: dict[str
 def triton_direct_run(cfg: BenchServeConfig, reqs: list[ScheduledRequest]) -> dict[int, list[RequestResult]]:
     """The closed-loop requests over gRPC to a tritonserver of its own on the run's repository."""
     from exporters.tritonserver import TritonProcess
-    from scheduler.loadgen import TritonSender
+    from scheduler.senders import TritonSender
     from scheduler.serve.stack import repository
 
     with TritonProcess(repository(cfg.run_dir)) as tp:

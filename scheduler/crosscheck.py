@@ -143,7 +143,8 @@ def tokenizer_folder(bundle: Path, out: Path) -> Path:
 def _ours(cfg: CrossCheckConfig, url: str) -> tuple[dict[str, Any], str]:
     from scheduler.bench_report import summarize
     from scheduler.bench_serve import BenchServeConfig, _capacity, capacity_requests, make_schedule
-    from scheduler.loadgen import HttpSender, ScheduledRequest
+    from scheduler.loadgen import ScheduledRequest
+    from scheduler.senders import HttpSender
 
     bcfg = BenchServeConfig(run_dir=cfg.run_dir, url=url, max_requests=cfg.requests, duration_s=None,
                             capacity_concurrency=[cfg.concurrency], capacity_requests=cfg.requests,

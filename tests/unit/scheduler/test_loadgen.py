@@ -10,9 +10,9 @@ import pytest
 
 from edge.core.errors import ConfigError
 from edge.runtime.host import Chunk, HostError
-from scheduler.loadgen import (HttpSender, InProcessSender, RequestResult, ScheduledRequest, SSEDecoder, StreamReader,
-                               build_schedule, completion_body, error_from_body, map_lengths, parse_chunk,
-                               run_open_loop, window)
+from scheduler.loadgen import RequestResult, ScheduledRequest, build_schedule, map_lengths, run_open_loop, window
+from scheduler.senders import (HttpSender, InProcessSender, SSEDecoder, StreamReader, completion_body, error_from_body,
+                               parse_chunk)
 from scheduler.workload import SHARED_TRACE, Workload, read_trace, synthetic
 
 POOL = [list(range(k * 1000, k * 1000 + n)) for k, n in enumerate([40, 600, 90, 1200, 300])]
