@@ -75,9 +75,9 @@ def main(cfg: BenchAuditConfig) -> int:
     from edge.model.tokenizer import load_tokenizer
 
     t0 = time.perf_counter()
-    bundle = Path(cfg.run_dir) / "triton" / "smartexit" / "1" / "bundle"
-    if not (bundle / "bundle.json").is_file():
-        raise ConfigError(f"{bundle}: no bundle; run `smartexit repo run_dir={cfg.run_dir}` first")
+    from scheduler.serve.stack import bundle as run_bundle
+
+    bundle = run_bundle(cfg.run_dir)  # ConfigError naming `smartexit repo` when there is none
     tok = load_tokenizer(bundle / "tokenizer.json")
     code = heldout_prompts(tok, load_split(Split.TEST), cfg.prompts, cfg.prompt_tokens, cfg.seed)
     runs = {"heldout_code": audit_run(bundle, code, cfg, "code"),

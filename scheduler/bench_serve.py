@@ -127,7 +127,9 @@ def load_arrivals(cfg: BenchServeConfig) -> Workload:
 
 def bundle_dir(cfg: BenchServeConfig) -> Path:
     # the layout exporters/triton.py writes: <out>/<model name>/<version>/bundle
-    return Path(cfg.bundle) if cfg.bundle is not None else Path(cfg.run_dir) / "triton" / "smartexit" / "1" / "bundle"
+    from scheduler.serve.config import REPO_BUNDLE
+
+    return Path(cfg.bundle) if cfg.bundle is not None else Path(cfg.run_dir) / "triton" / REPO_BUNDLE
 
 
 def context_window(cfg: BenchServeConfig) -> int:

@@ -169,7 +169,9 @@ def main(cfg: CrossCheckConfig) -> int:
     if not Path(cfg.aiperf).is_file():
         raise SmartExitError(f"bench crosscheck: {cfg.aiperf} not found; `make aiperf-check` creates .venv-aiperf")
     out = Path(cfg.run_dir) / "bench" / "crosscheck"
-    bundle = Path(cfg.run_dir) / "triton" / "smartexit" / "1" / "bundle"
+    from scheduler.serve.stack import bundle as run_bundle
+
+    bundle = run_bundle(cfg.run_dir)
     tok = tokenizer_folder(bundle, out / "tokenizer")
 
     def both(url: str) -> dict[str, Any]:

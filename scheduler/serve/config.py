@@ -14,18 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from edge.core.errors import ConfigError
+from edge.runtime.engine import Mode  # the request modes (bounded, exact, full): the engine's own
 
 BUNDLE_JSON = "bundle.json"
+DEVICE_RESOURCE = "smartexit_device"  # the Ray custom resource: one unit per device, one worker replica each
 REPO_BUNDLE = Path("smartexit") / "1" / "bundle"  # where `smartexit repo` puts it (exporters/triton.py)
 TOKENIZER_JSON = "tokenizer.json"
 LOOPBACK_NAMES = ("localhost",)
-
-
-class Mode(str, enum.Enum):
-    """How the engine decides tokens (wire input ``mode``)."""
-    BOUNDED = "bounded"  # calibrated early exits, risk-bounded
-    EXACT = "exact"      # self-speculative: output equals the full model's
-    FULL = "full"        # every layer, no early exit
 
 
 class PolicyName(str, enum.Enum):

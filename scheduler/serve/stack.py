@@ -22,9 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from edge.core.errors import ConfigError, SmartExitError
-from scheduler.serve.config import ServeConfig
-
-DEVICE_RESOURCE = "smartexit_device"
+from scheduler.serve.config import DEVICE_RESOURCE, REPO_BUNDLE, ServeConfig
 
 
 def repository(run_dir: str | Path) -> Path:
@@ -37,6 +35,11 @@ def repository(run_dir: str | Path) -> Path:
     if not (repo / "smartexit" / "config.pbtxt").is_file():
         raise ConfigError(f"{repo} is not a Triton model repository: run `smartexit repo run_dir={run_dir}` first")
     return repo
+
+
+def bundle(run_dir: str | Path) -> Path:
+    """The serving bundle inside the run's Triton repository (what model.py opens)."""
+    return repository(run_dir) / REPO_BUNDLE
 
 
 def health(base_url: str, timeout_s: float = 5.0) -> tuple[int, dict]:

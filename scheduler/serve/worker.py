@@ -23,12 +23,11 @@ from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 
 from edge.core.errors import ConfigError
-from scheduler.serve.config import ServeConfig
+from scheduler.serve.config import DEVICE_RESOURCE, ServeConfig  # noqa: F401 - app.py imports it from here
 from scheduler.serve.triton_client import TritonClient, TritonError, TritonUnavailable, error_to_dict
 
 log = logging.getLogger(__name__)
 
-DEVICE_RESOURCE = "smartexit_device"
 HUB_TIMEOUT_S = 5.0
 
 
