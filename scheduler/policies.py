@@ -11,7 +11,9 @@ token). Sarathi sets it once, offline, from the TPOT SLO; dynamic control is its
   budget by a step and admit one more sequence; as soon as one falls behind, halve the budget and
   admit one fewer.
 
-The learned policy (recurrent PPO) is the scheduler issue's; it implements the same ``act``.
+- ``maxdelay``: Triton-style dynamic batching of prefill (a queue delay and a preferred size).
+
+The learned policy (recurrent PPO, scheduler/learned.py) implements the same ``act``.
 """
 from __future__ import annotations
 
@@ -36,6 +38,13 @@ class ControlObservation:
     num_layers: int
     predicted_exit_layer: float    # mean predicted exit depth of the running sequences
     min_slack_ms: float | None     # the most-behind request's time to its next token's due time (None: idle)
+    # added with the learned scheduler (a host of the serving issue's version lacks them: defaults)
+    oldest_waiting_slack_ms: float | None = None  # the oldest queued request's time to its TTFT due time
+    recent_ttft_p95_ms: float | None = None       # over the last finished requests
+    recent_tpot_p95_ms: float | None = None
+    arrival_rate_rps: float = 0.0                 # over the last few seconds
+    sla_ttft_ms: float = 1000.0                   # the default SLA, for scale
+    sla_tpot_ms: float = 100.0
 
 
 @dataclass(frozen=True)
@@ -57,10 +66,20 @@ def observation_from_stats(stats: dict[str, Any]) -> ControlObservation:
             prefill_budget=int(stats["prefill_budget"]), max_running=int(stats["max_running"]),
             max_seqs=int(stats["max_seqs"]), num_layers=int(stats["num_layers"]),
             predicted_exit_layer=float(stats["predicted_exit_layer"]),
-            min_slack_ms=None if stats.get("min_slack_ms") is None else float(stats["min_slack_ms"]))
+            min_slack_ms=_opt(stats.get("min_slack_ms")),
+            oldest_waiting_slack_ms=_opt(stats.get("oldest_waiting_slack_ms")),
+            recent_ttft_p95_ms=_opt(stats.get("recent_ttft_p95_ms")),
+            recent_tpot_p95_ms=_opt(stats.get("recent_tpot_p95_ms")),
+            arrival_rate_rps=float(stats.get("arrival_rate_rps") or 0.0),
+            sla_ttft_ms=float(stats.get("sla_ttft_ms") or 1000.0),
+            sla_tpot_ms=float(stats.get("sla_tpot_ms") or 100.0))
     except KeyError as exc:
         raise ConfigError(f"engine stats lack {exc.args[0]!r}: the Triton model and the front end are of "
                           "different versions") from None
+
+
+def _opt(v: Any) -> float | None:
+    return None if v is None else float(v)
 
 
 class Policy(Protocol):
@@ -115,7 +134,35 @@ class AIMD:
         return ControlAction(budget, limit)
 
 
-POLICIES = {"fixed": FixedBudget, "aimd": AIMD}
+@dataclass
+class MaxDelay:
+    """Triton-style dynamic batching (``max_queue_delay_microseconds``, ``preferred_batch_size``)
+    applied to prefill: while the queued prompt tokens are fewer than ``preferred_tokens`` and the
+    oldest queued request has waited less than ``max_delay_ms``, prefill trickles at ``min_budget``
+    (the decode batch keeps its pace); once either holds, the whole backlog goes at ``max_budget``."""
+
+    max_delay_ms: float = 100.0
+    preferred_tokens: int = 256
+    min_budget: int = 16
+    max_budget: int = 512
+    max_running: int = 16
+    name: str = "maxdelay"
+
+    def __post_init__(self) -> None:
+        if self.max_delay_ms < 0 or self.preferred_tokens < 1 or not 1 <= self.min_budget <= self.max_budget:
+            raise ConfigError("maxdelay: max_delay_ms >= 0, preferred_tokens >= 1, 1 <= min_budget <= max_budget")
+        if self.max_running < 1:
+            raise ConfigError("maxdelay: max_running must be >= 1")
+
+    def act(self, obs: ControlObservation) -> ControlAction:
+        waited_ms = (None if obs.oldest_waiting_slack_ms is None
+                     else obs.sla_ttft_ms - obs.oldest_waiting_slack_ms)  # slack = due - now, due = arrival + ttft
+        release = (obs.prefill_backlog_tokens >= self.preferred_tokens
+                   or (waited_ms is not None and waited_ms >= self.max_delay_ms))
+        return ControlAction(self.max_budget if release else self.min_budget, min(self.max_running, obs.max_seqs))
+
+
+POLICIES = {"fixed": FixedBudget, "aimd": AIMD, "maxdelay": MaxDelay}
 
 
 def make_policy(name: str, **kwargs: Any) -> Policy:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 from concurrent.futures import Future
@@ -34,6 +35,8 @@ from edge.runtime.rules import BatchExitRule
 
 log = logging.getLogger("smartexit.host")
 EMA = 0.3  # weight of the newest exit layer in a request's predicted exit depth
+RECENT = 32  # finished requests behind the recent tail latencies in ``stats``
+RATE_WINDOW_S = 5.0  # arrivals counted for the recent arrival rate
 
 
 @dataclass
@@ -121,6 +124,8 @@ class _Live:
     layers: list[int] = field(default_factory=list)
     finish: str | None = None
     history: list[int] = field(default_factory=list)  # prompt + output, for audit prefixes
+    first: float | None = None  # when its first token was handed over
+    late: bool = False  # a token was handed over after its due time
 
 
 @dataclass
@@ -159,6 +164,12 @@ class EngineHost:
         self.tokens_total = self.finished_total = self.rejected_total = self.steps_total = 0
         self.error: BaseException | None = None
         self._finished_times: collections.deque[float] = collections.deque(maxlen=64)
+        # what a scheduler's reward and its fallback guard read (docs/serving.md, stats)
+        self.tokens_on_time_total = self.tokens_late_total = self.violations_total = 0
+        self.sla_met_total = 0
+        self._recent_ttft: collections.deque[float] = collections.deque(maxlen=RECENT)
+        self._recent_tpot: collections.deque[float] = collections.deque(maxlen=RECENT)
+        self._arrivals: collections.deque[float] = collections.deque()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "EngineHost":
@@ -216,6 +227,7 @@ class EngineHost:
             raise HostError("overloaded", f"{waiting} requests are waiting (limit {self.cfg.max_waiting})",
                             retry_after_s=self._retry_after(waiting))
         self._queued += 1
+        self._arrivals.append(time.monotonic())  # deque appends are atomic; the engine thread trims
         self._inbox.append(("submit", (req, ereq, emit), None))
         self._wake.set()
 
@@ -363,10 +375,12 @@ class EngineHost:
 
     def _flush(self) -> None:
         """Hand each request the tokens of this step (and its end)."""
+        now = time.monotonic()
         for live in [v for v in self._live.values() if v.tokens or v.finish]:
             chunk = Chunk(live.req.request_id, live.tokens, live.layers, live.finish)
             live.tokens, live.layers = [], []
             self.tokens_total += len(chunk.tokens)
+            self._account(live, len(chunk.tokens), now)
             if live.finish is not None:
                 self._forget(live)
             self._send(live, chunk)
@@ -379,7 +393,30 @@ class EngineHost:
         self._live.pop(live.req.request_id, None)
         self._by_engine.pop(live.engine_id, None)
         self.finished_total += 1
-        self._finished_times.append(time.monotonic())
+        now = time.monotonic()
+        self._finished_times.append(now)
+        if live.first is None or live.finish not in ("length", "stop"):
+            return
+        ttft = live.first - live.arrival
+        tpot = (now - live.first) / (live.n_tokens - 1) if live.n_tokens > 1 else None
+        self._recent_ttft.append(ttft)
+        if tpot is not None:
+            self._recent_tpot.append(tpot)
+        self.sla_met_total += ttft <= live.sla_ttft_s and (tpot is None or tpot <= live.sla_tpot_s)
+
+    def _account(self, live: _Live, n: int, now: float) -> None:
+        """Count ``n`` tokens handed over at ``now`` on time or late (token i is due at arrival + TTFT
+        + i x TPOT, the SLA slack's schedule); a request turning late counts one violation."""
+        if n and live.first is None:
+            live.first = now
+        for i in range(live.n_tokens - n, live.n_tokens):
+            if now <= live.arrival + live.sla_ttft_s + i * live.sla_tpot_s:
+                self.tokens_on_time_total += 1
+            else:
+                self.tokens_late_total += 1
+                if not live.late:
+                    live.late = True
+                    self.violations_total += 1
 
     def _send(self, live: _Live, chunk: Chunk) -> None:
         try:
@@ -436,6 +473,10 @@ class EngineHost:
                 preds.append(live.predicted)
             reqs.append({"id": live.req.request_id, "tokens": live.n_tokens, "recent_exit_layers": layers,
                          "predicted_exit_layer": live.predicted, "slack_ms": slack})
+        while self._arrivals and self._arrivals[0] < now - RATE_WINDOW_S:
+            self._arrivals.popleft()
+        waiting = [v for v in self._live.values() if v.n_tokens == 0]
+        oldest = min((v.arrival + v.sla_ttft_s for v in waiting), default=None)
         fallback_pred = self.expected_exit_layer if self.expected_exit_layer is not None else float(self.num_layers)
         audit = self.audit.as_dict()
         audit.update(fraction=self.cfg.audit.fraction, pending=len(self._audit_queue), dropped=self.audit_dropped)
@@ -447,6 +488,20 @@ class EngineHost:
             "mean_recent_exit_layer": float(np.mean(recent)) if recent else None,
             "predicted_exit_layer": float(np.mean(preds)) if preds else fallback_pred,
             "min_slack_ms": min(slacks) if slacks else None,
+            "oldest_waiting_slack_ms": None if oldest is None else (oldest - now) * 1e3,
+            "recent_ttft_p95_ms": _p95_ms(self._recent_ttft), "recent_tpot_p95_ms": _p95_ms(self._recent_tpot),
+            "arrival_rate_rps": len(self._arrivals) / RATE_WINDOW_S,
+            "sla_ttft_ms": self.cfg.default_sla_ttft_ms, "sla_tpot_ms": self.cfg.default_sla_tpot_ms,
+            "sla_met_total": self.sla_met_total, "violations_total": self.violations_total,
+            "tokens_on_time_total": self.tokens_on_time_total, "tokens_late_total": self.tokens_late_total,
             "tokens_total": self.tokens_total, "finished_total": self.finished_total,
             "rejected_total": self.rejected_total, "steps_total": self.steps_total, "audit": audit,
         }
+
+
+def _p95_ms(values: collections.deque[float]) -> float | None:
+    """The 95th percentile (nearest rank) in ms; None for none."""
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, math.ceil(0.95 * len(s)) - 1)] * 1e3

@@ -1,0 +1,396 @@
+"""A discrete-event simulator of the engine behind the server: chunked prefill, decode with
+per-sequence exit depths, admission, driven by a fitted latency model (scheduler/latency.py).
+
+It follows ``Engine.step`` (edge/runtime/engine.py): each iteration admits waiting requests FCFS
+while a slot is free and fewer than ``max_running`` hold one, decodes one token for every decoding
+sequence (each leaves at an exit layer drawn from its request's exit distribution), then spends the
+prefill budget on prompt chunks FCFS, one sequence per call; a prompt that completes yields its
+first token (full depth). The step lasts what the latency model says for what it did, and its
+tokens are delivered at its end (the host sends a step's tokens after the step). A request that
+arrives to ``max_waiting`` queued ones is refused (the host's ``overloaded``).
+
+Exit depths: each request draws its own exit distribution from a Dirichlet centred on the calibrated
+marginal (``ExitModel``): requests differ in how easy their text is (some exit early often, some
+rarely), which is what makes a per-request predicted exit depth worth having. The concentration is
+fitted from measured per-request exit traces where they exist (``ExitModel.fit``).
+
+``observe()`` answers with the same keys as the engine host's ``stats`` control op, so one
+``observation_from_stats`` serves the simulator, the gym environment and the live server.
+"""
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from edge.core.errors import ConfigError
+from scheduler.latency import LatencyModel
+from scheduler.loadgen import RequestResult
+from scheduler.workload import Workload
+
+EMA = 0.3           # the host's weight of the newest exit layer in a request's predicted depth (edge/runtime/host.py)
+RECENT = 32         # finished requests behind the recent tail latencies (the host keeps as many)
+RATE_WINDOW_S = 5.0  # arrivals counted for the recent arrival rate
+
+
+@dataclass
+class ExitModel:
+    """Exit layers (ascending, the last = full depth) and their marginal token fractions; per request,
+    a distribution ~ Dirichlet(concentration x marginal)."""
+
+    layers: list[int]
+    fractions: list[float]
+    concentration: float = 4.0
+
+    def __post_init__(self) -> None:
+        if len(self.layers) != len(self.fractions) or not self.layers:
+            raise ConfigError(f"exit model: {len(self.layers)} layers but {len(self.fractions)} fractions")
+        if list(self.layers) != sorted(self.layers):
+            raise ConfigError(f"exit model: layers must ascend, got {self.layers}")
+        f = np.asarray(self.fractions, np.float64)
+        if (f < 0).any() or f.sum() <= 0 or self.concentration <= 0:
+            raise ConfigError("exit model: fractions must be >= 0 with a positive sum, concentration > 0")
+        self.fractions = list(f / f.sum())
+
+    @property
+    def mean_layer(self) -> float:
+        return float(np.dot(self.layers, self.fractions))
+
+    def request_probs(self, rng: np.random.Generator) -> np.ndarray:
+        """[len(layers)] one request's exit distribution."""
+        alpha = np.maximum(np.asarray(self.fractions) * self.concentration, 1e-3)
+        return rng.dirichlet(alpha)
+
+    @classmethod
+    def from_certificate(cls, exit_layers: Sequence[int], fractions: dict[str, float] | None,
+                         concentration: float = 4.0) -> ExitModel:
+        """From a threshold table's ``expected_exit_fraction`` ({layer: share}); full depth without one."""
+        if not fractions:
+            return cls(list(exit_layers), [0.0] * (len(exit_layers) - 1) + [1.0], concentration)
+        return cls(list(exit_layers), [float(fractions.get(str(k), 0.0)) for k in exit_layers], concentration)
+
+    @classmethod
+    def fit(cls, exit_layers: Sequence[int], traces: Sequence[Sequence[int]], min_tokens: int = 8) -> ExitModel:
+        """Marginal and concentration from per-request exit-layer sequences (method of moments on
+        the requests' share of full-depth tokens: for a Dirichlet-multinomial, the variance of a
+        request's share p is m (1 - m) / (c + 1) plus the binomial noise m (1 - m) / n).
+
+        Raises:
+            ConfigError: fewer than 4 requests with ``min_tokens`` tokens.
+        """
+        layers = list(exit_layers)
+        seqs = [list(t) for t in traces if len(t) >= min_tokens]
+        if len(seqs) < 4:
+            raise ConfigError(f"exit model: {len(seqs)} requests with >= {min_tokens} tokens; at least 4 needed")
+        counts = np.array([[s.count(k) for k in layers] for s in seqs], np.float64)  # [R, E]
+        marginal = counts.sum(0) / counts.sum()
+        full = counts[:, -1] / counts.sum(1)
+        m = float(marginal[-1])
+        noise = float(np.mean(m * (1 - m) / counts.sum(1)))
+        between = max(float(np.var(full)) - noise, 1e-6)
+        c = m * (1 - m) / between - 1 if 0 < m < 1 else 4.0
+        return cls(layers, list(marginal), float(np.clip(c, 0.5, 1e3)))
+
+
+@dataclass
+class SimConfig:
+    """The simulated server: the engine host's limits, the SLA, the serving path's own latency."""
+
+    max_seqs: int = 16
+    max_waiting: int = 64
+    prefill_budget: int = 128       # initial knob values (the bundle's)
+    max_running: int = 16
+    sla_ttft_ms: float = 500.0
+    sla_tpot_ms: float = 50.0
+    ttft_overhead_ms: float = 0.0   # the serving path's added latency to the first token (HTTP, Ray, Triton)
+    token_overhead_ms: float = 0.0  # and to each later token
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.max_seqs, self.max_waiting, self.prefill_budget, self.max_running) < 1:
+            raise ConfigError("sim: max_seqs, max_waiting, prefill_budget and max_running must be >= 1")
+        if self.sla_ttft_ms <= 0 or self.sla_tpot_ms <= 0:
+            raise ConfigError("sim: the SLA's ttft_ms and tpot_ms must be > 0")
+        if self.ttft_overhead_ms < 0 or self.token_overhead_ms < 0:
+            raise ConfigError("sim: overheads must be >= 0")
+
+
+@dataclass(eq=False)
+class _Req:
+    i: int
+    arrival: float
+    prompt: int
+    out: int
+    exits: np.ndarray           # [out] the exit layer of each generated token (index 0: prefill, full depth)
+    prefilled: int = 0
+    generated: int = 0
+    first: float | None = None
+    end: float | None = None
+    predicted: float | None = None
+    late: bool = False          # a token was delivered after its due time
+    rejected: bool = False
+
+
+@dataclass
+class TickCounts:
+    """What happened since the last ``take_counts`` (the reward's ingredients)."""
+    tokens_on_time: int = 0
+    tokens_late: int = 0
+    violations: int = 0         # requests that turned late (counted once each), refusals included
+    finished: int = 0
+    finished_met: int = 0
+    rejected: int = 0
+    busy_s: float = 0.0         # engine time spent stepping (energy proxy)
+
+
+@dataclass
+class Simulator:
+    """Step-wise simulation of one workload; ``advance`` moves the clock, ``set`` turns the knobs."""
+
+    latency: LatencyModel
+    exits: ExitModel
+    cfg: SimConfig
+    workload: Workload
+    t: float = 0.0
+    counts: TickCounts = field(default_factory=TickCounts)
+
+    def __post_init__(self) -> None:
+        w = self.workload
+        if len(w) == 0:
+            raise ConfigError("sim: the workload has no requests")
+        if self.exits.layers[-1] != self.latency.num_layers:
+            raise ConfigError(f"sim: exit model ends at layer {self.exits.layers[-1]}, the latency model's "
+                              f"engine has {self.latency.num_layers}")
+        rng = np.random.default_rng(self.cfg.seed)
+        layers = np.asarray(self.exits.layers)
+        self._reqs = []
+        for i in range(len(w)):
+            n = int(w.output_tokens[i])
+            ex = rng.choice(layers, size=n, p=self.exits.request_probs(rng))
+            ex[0] = layers[-1]
+            self._reqs.append(_Req(i, float(w.arrival_s[i]), int(w.prompt_tokens[i]), n, ex))
+        self._next = 0                          # the next arrival's index
+        self.waiting: collections.deque[_Req] = collections.deque()
+        self.prefilling: list[_Req] = []
+        self.decoding: list[_Req] = []
+        self.budget, self.limit = self.cfg.prefill_budget, self.cfg.max_running
+        self._ttft = self.cfg.sla_ttft_ms / 1e3
+        self._tpot = self.cfg.sla_tpot_ms / 1e3
+        self._oh_first = self.cfg.ttft_overhead_ms / 1e3
+        self._oh_tok = self.cfg.token_overhead_ms / 1e3
+        self._recent_ttft: collections.deque[float] = collections.deque(maxlen=RECENT)
+        self._recent_tpot: collections.deque[float] = collections.deque(maxlen=RECENT)
+        self._arrivals: collections.deque[float] = collections.deque()
+        self._w = {f: self.latency.coef[f] for f in self.latency.coef}
+        self._ends = list(self.latency.exit_layers)
+        self._L = self.latency.num_layers
+        self.tokens_total = self.finished_total = self.rejected_total = self.steps_total = 0
+        self.sla_met_total = 0
+
+    # ---------------------------------------------------------------- control
+    def set(self, prefill_budget: int | None = None, max_running: int | None = None) -> None:
+        if prefill_budget is not None:
+            self.budget = max(1, int(prefill_budget))
+        if max_running is not None:
+            self.limit = max(1, min(int(max_running), self.cfg.max_seqs))
+
+    @property
+    def done(self) -> bool:
+        return self._next >= len(self._reqs) and not (self.waiting or self.prefilling or self.decoding)
+
+    def take_counts(self) -> TickCounts:
+        c, self.counts = self.counts, TickCounts()
+        return c
+
+    # ---------------------------------------------------------------- the clock
+    def advance(self, until: float) -> None:
+        """Run engine steps (and jump over idle time) until the clock reaches ``until`` or the
+        workload is done; a step in progress at ``until`` finishes (the clock may pass it)."""
+        while self.t < until:
+            self._arrive()
+            if self.waiting or self.prefilling or self.decoding:
+                self._step()
+            elif self._next < len(self._reqs):
+                self.t = min(until, max(self.t, self._reqs[self._next].arrival))
+            else:
+                self.t = until
+                return
+
+    def run_to_end(self, horizon_s: float = 1e6) -> None:
+        self.advance(horizon_s)
+
+    def _arrive(self) -> None:
+        reqs, c = self._reqs, self.counts
+        while self._next < len(reqs) and reqs[self._next].arrival <= self.t:
+            r = reqs[self._next]
+            self._next += 1
+            self._arrivals.append(r.arrival)
+            if len(self.waiting) >= self.cfg.max_waiting:
+                r.rejected, r.end = True, r.arrival
+                self.rejected_total += 1
+                c.rejected += 1
+                c.violations += 1
+            else:
+                self.waiting.append(r)
+
+    def _step(self) -> None:
+        w, ends, L = self._w, self._ends, self._L
+        while self.waiting and len(self.prefilling) + len(self.decoding) < min(self.limit, self.cfg.max_seqs):
+            self.prefilling.append(self.waiting.popleft())
+        # decode: one token each, at its exit layer
+        dec = self.decoding
+        cost = 0.0
+        if dec:
+            deepest, layer_rows, attn = 0, 0, 0.0
+            for r in dec:
+                e = int(r.exits[r.generated])
+                layer_rows += e
+                attn += (r.prompt + r.generated - 1) * e
+                if e > deepest:
+                    deepest = e
+            calls = next(i for i, e in enumerate(ends) if e >= deepest) + 1
+            cost += (w["decode_calls"] * calls + w["decode_rows"] * len(dec)
+                     + w["decode_layer_rows"] * layer_rows + w["decode_attn"] * attn / 1e3)
+        # prefill: the budget over prompt chunks, FCFS
+        budget, done_prefill, chunks, tokens, pattn = self.budget, [], 0, 0, 0.0
+        for r in self.prefilling:
+            n = min(r.prompt - r.prefilled, budget)
+            if n <= 0:
+                break
+            budget -= n
+            chunks += 1
+            tokens += n
+            pattn += n * (r.prefilled + n / 2) * L
+            r.prefilled += n
+            if r.prefilled == r.prompt:
+                done_prefill.append(r)
+        if chunks:
+            cost += w["prefill_calls"] * chunks + w["prefill_tokens"] * tokens + w["prefill_attn"] * pattn / 1e3
+        cost += w["one"]
+        self.t += cost
+        self.steps_total += 1
+        self.counts.busy_s += cost
+        t_deliver = self.t
+        finished = []
+        for r in dec:
+            e = int(r.exits[r.generated])
+            r.predicted = e if r.predicted is None else (1 - EMA) * r.predicted + EMA * e
+            self._deliver(r, t_deliver + self._oh_tok)
+            if r.generated >= r.out:
+                finished.append(r)
+        for r in done_prefill:
+            self.prefilling.remove(r)
+            r.first = t_deliver + self._oh_first
+            self._deliver(r, r.first)
+            if r.generated >= r.out:
+                finished.append(r)
+            else:
+                self.decoding.append(r)
+        for r in finished:
+            if r in self.decoding:
+                self.decoding.remove(r)
+            self._finish(r)
+
+    def _deliver(self, r: _Req, t: float) -> None:
+        due = r.arrival + self._ttft + r.generated * self._tpot
+        r.generated += 1
+        self.tokens_total += 1
+        c = self.counts
+        if t <= due + 1e-12:
+            c.tokens_on_time += 1
+        else:
+            c.tokens_late += 1
+            if not r.late:
+                r.late = True
+                c.violations += 1
+
+    def _finish(self, r: _Req) -> None:
+        r.end = self.t + (self._oh_tok if r.out > 1 else self._oh_first)
+        ttft = r.first - r.arrival
+        tpot = (r.end - r.first) / (r.out - 1) if r.out > 1 else None
+        self._recent_ttft.append(ttft)
+        if tpot is not None:
+            self._recent_tpot.append(tpot)
+        met = ttft <= self._ttft and (tpot is None or tpot <= self._tpot)
+        self.finished_total += 1
+        self.sla_met_total += met
+        self.counts.finished += 1
+        self.counts.finished_met += met
+
+    # ---------------------------------------------------------------- what a policy sees
+    def observe(self) -> dict[str, Any]:
+        """The engine host's ``stats`` keys (docs/serving.md) at the current time."""
+        now = self.t
+        slacks = [(r.arrival + self._ttft + r.generated * self._tpot - now) * 1e3
+                  for r in (*self.waiting, *self.prefilling, *self.decoding)]
+        preds = [r.predicted for r in self.decoding if r.predicted is not None]
+        while self._arrivals and self._arrivals[0] < now - RATE_WINDOW_S:
+            self._arrivals.popleft()
+        oldest = self.waiting[0] if self.waiting else (self.prefilling[0] if self.prefilling else None)
+        return {
+            "time": now, "waiting": len(self.waiting),
+            "prefill_backlog_tokens": sum(r.prompt - r.prefilled for r in (*self.waiting, *self.prefilling)),
+            "running": len(self.prefilling) + len(self.decoding),
+            "free_slots": self.cfg.max_seqs - len(self.prefilling) - len(self.decoding),
+            "prefill_budget": self.budget, "max_running": self.limit, "max_seqs": self.cfg.max_seqs,
+            "max_waiting": self.cfg.max_waiting, "num_layers": self._L, "exit_layers": list(self._ends),
+            "predicted_exit_layer": float(np.mean(preds)) if preds else self.exits.mean_layer,
+            "min_slack_ms": min(slacks) if slacks else None,
+            "oldest_waiting_slack_ms": None if oldest is None else (oldest.arrival + self._ttft - now) * 1e3,
+            "recent_ttft_p95_ms": _p95_ms(self._recent_ttft), "recent_tpot_p95_ms": _p95_ms(self._recent_tpot),
+            "arrival_rate_rps": len(self._arrivals) / RATE_WINDOW_S,
+            "sla_ttft_ms": self.cfg.sla_ttft_ms, "sla_tpot_ms": self.cfg.sla_tpot_ms,
+            "tokens_total": self.tokens_total, "finished_total": self.finished_total,
+            "sla_met_total": self.sla_met_total, "rejected_total": self.rejected_total,
+            "steps_total": self.steps_total,
+        }
+
+    # ---------------------------------------------------------------- results
+    def results(self) -> list[RequestResult]:
+        """Every request as a client would have seen it (loadgen's RequestResult: summarize() applies)."""
+        out = []
+        for r in self._reqs:
+            res = RequestResult(f"sim-{r.i}", r.arrival, r.prompt, r.out, t_submit=r.arrival)
+            if r.rejected:
+                res.t_end, res.error_kind, res.error = r.arrival, "overloaded", "refused: queue full"
+            elif r.end is not None:
+                res.t_first_token, res.t_end, res.tokens, res.finish_reason = r.first, r.end, r.out, "length"
+            else:
+                res.error_kind, res.error = "unfinished", "the simulation ended first"
+            out.append(res)
+        return out
+
+
+def _p95_ms(values: collections.deque[float]) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, math.ceil(0.95 * len(s)) - 1)] * 1e3
+
+
+def simulate(latency: LatencyModel, exits: ExitModel, cfg: SimConfig, workload: Workload, policy: Any,
+             tick_s: float = 0.25, horizon_s: float | None = None) -> Simulator:
+    """Run ``workload`` to the end (or ``horizon_s``) with ``policy`` acting every ``tick_s`` as the
+    serving worker does (``policy.act(observation_from_stats(stats))``); returns the simulator
+    (``results()``, totals).
+
+    Raises:
+        ConfigError: tick_s <= 0.
+    """
+    from scheduler.policies import observation_from_stats
+
+    if tick_s <= 0:
+        raise ConfigError(f"sim: tick_s must be > 0, got {tick_s}")
+    sim = Simulator(latency, exits, cfg, workload)
+    end = horizon_s if horizon_s is not None else math.inf
+    reset = getattr(policy, "reset", None)
+    if reset is not None:
+        reset()
+    while not sim.done and sim.t < end:
+        a = policy.act(observation_from_stats(sim.observe()))
+        sim.set(a.prefill_budget, a.max_running)
+        sim.advance(min(end, sim.t + tick_s))
+    return sim
