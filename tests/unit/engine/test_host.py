@@ -191,3 +191,26 @@ def test_merge_chunks_keeps_each_requests_order_and_end():
     assert (out[0].tokens, out[0].exit_layers, out[0].finish_reason) == ([1, 2, 3, 4], [3, 9, 12, 3], "length")
     assert (out[1].tokens, out[1].finish_reason) == ([7], "cancelled")
     assert chunks[0].tokens == [1]  # the inputs are not changed
+
+
+def test_stats_count_tokens_on_time_and_late_and_the_sla_met():
+    """A generous SLA: every token on time and the request met; an impossible one: every token late
+    and one violation (counted once), not met. The counters are what the scheduler's reward and its
+    fallback guard read."""
+    host = _host()
+    try:
+        for rid, ttft, tpot in (("easy", 60_000, 60_000), ("hard", 1e-3, 1e-3)):
+            sink = Sink(1)
+            host.submit(GenRequest(rid, [5, 6, 7], 6, sla_ttft_ms=ttft, sla_tpot_ms=tpot), sink)
+            assert sink.done.wait(60)
+            st = host.stats()
+            if rid == "easy":
+                assert (st["tokens_on_time_total"], st["tokens_late_total"], st["violations_total"]) == (6, 0, 0)
+                assert st["sla_met_total"] == 1 and st["recent_ttft_p95_ms"] > 0
+            else:
+                assert (st["tokens_on_time_total"], st["tokens_late_total"], st["violations_total"]) == (6, 6, 1)
+                assert st["sla_met_total"] == 1
+        assert st["arrival_rate_rps"] > 0 and st["oldest_waiting_slack_ms"] is None
+        assert st["tokens_on_time_total"] + st["tokens_late_total"] == st["tokens_total"]
+    finally:
+        host.stop()

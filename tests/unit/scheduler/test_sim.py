@@ -1,0 +1,131 @@
+"""The serving simulator: exact timings on hand-checked cases, the budget's trade-off, admission,
+overload, exit depth, and the statistics a policy reads (keys the live host also answers with)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edge.core.errors import ConfigError
+from scheduler.bench_report import summarize
+from scheduler.latency import FEATURES, LatencyModel
+from scheduler.policies import FixedBudget, observation_from_stats
+from scheduler.sim import ExitModel, SimConfig, Simulator, simulate
+from scheduler.workload import Arrivals, Workload, synthetic
+
+LAYERS = [3, 9, 12]
+
+
+def _lm(**coef) -> LatencyModel:
+    return LatencyModel({f: float(coef.get(f, 0.0)) for f in FEATURES}, 12, LAYERS)
+
+
+def _w(arrivals, prompts, outputs) -> Workload:
+    return Workload(np.asarray(arrivals, float), np.asarray(prompts, np.int64), np.asarray(outputs, np.int64), "test")
+
+
+FULL = ExitModel(LAYERS, [0, 0, 1])
+
+
+def test_one_request_has_the_hand_computed_ttft_and_tpot():
+    # step = 1 ms + 0.1 ms per prefill token + 2 ms per decode row; prompt 30 at budget 16: two
+    # prefill steps (1 + 1.6, 1 + 1.4 ms), then 4 decode steps of 3 ms
+    lm = _lm(one=1e-3, prefill_tokens=1e-4, decode_rows=2e-3)
+    sim = simulate(lm, FULL, SimConfig(prefill_budget=16), _w([0.5], [30], [5]), FixedBudget(16, 16), tick_s=0.1)
+    (r,) = sim.results()
+    assert r.ttft_s == pytest.approx(2.6e-3 + 2.4e-3)
+    assert r.tpot_s == pytest.approx(3e-3)
+    assert r.t_submit == 0.5 and r.tokens == 5 and r.ok
+
+
+def test_serving_overheads_add_to_first_and_later_tokens():
+    lm = _lm(one=1e-3)
+    cfg = SimConfig(ttft_overhead_ms=20, token_overhead_ms=2)
+    (r,) = simulate(lm, FULL, cfg, _w([0.0], [8], [3]), FixedBudget(128, 16)).results()
+    assert r.ttft_s == pytest.approx(1e-3 + 0.020)
+    # the last token leaves 2 steps after the first, with the per-token overhead instead of the first's
+    assert r.t_end - r.t_first_token == pytest.approx(2e-3 + 0.002 - 0.020)
+
+
+def _heavy() -> Workload:
+    return synthetic(300, 12.0, Arrivals.POISSON, seed=2, prompt_mean=300, output_mean=24)
+
+
+def test_a_larger_budget_trades_time_per_token_for_time_to_first_token():
+    lm = _lm(one=1e-3, decode_rows=0.3e-3, prefill_calls=0.5e-3, prefill_tokens=0.15e-3)
+    small = summarize(simulate(lm, FULL, SimConfig(), _heavy(), FixedBudget(16, 16)).results(), 500, 50)
+    large = summarize(simulate(lm, FULL, SimConfig(), _heavy(), FixedBudget(512, 16)).results(), 500, 50)
+    assert large["ttft_p50_ms"] < small["ttft_p50_ms"]
+    assert large["tpot_p95_ms"] > small["tpot_p95_ms"]
+
+
+class _Spy(FixedBudget):
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.running: list[int] = []
+
+    def act(self, obs):
+        self.running.append(obs.running)
+        return super().act(obs)
+
+
+def test_admission_limit_holds_and_the_queue_refuses_above_max_waiting():
+    lm = _lm(one=5e-3, prefill_tokens=1e-4, decode_rows=1e-3)
+    spy = _Spy(64, 3)
+    sim = simulate(lm, FULL, SimConfig(max_waiting=4), _w([0.0] * 20, [40] * 20, [30] * 20), spy, tick_s=0.01)
+    assert max(spy.running) == 3
+    res = sim.results()
+    # all arrive before the first step: 4 queue, the rest are refused (as the host's submit refuses
+    # what finds max_waiting requests not yet admitted)
+    assert sum(r.error_kind == "overloaded" for r in res) == 16
+    assert sim.rejected_total == 16 and all(r.ok for r in res if r.error_kind is None)
+
+
+def test_early_exits_make_decoding_cheaper():
+    lm = _lm(one=1e-3, decode_layer_rows=0.2e-3, decode_calls=0.2e-3)
+    w = _w([0.0] * 8, [16] * 8, [64] * 8)
+    full = summarize(simulate(lm, FULL, SimConfig(), w, FixedBudget()).results(), 1e9, 1e9)
+    early = summarize(simulate(lm, ExitModel(LAYERS, [0.6, 0.2, 0.2]), SimConfig(), w, FixedBudget()).results(), 1e9, 1e9)
+    assert early["tpot_p50_ms"] < 0.8 * full["tpot_p50_ms"]
+
+
+def test_observation_has_the_hosts_keys_and_parses():
+    lm = _lm(one=2e-3, prefill_tokens=1e-4, decode_rows=1e-3)
+    sim = Simulator(lm, ExitModel(LAYERS, [0.2, 0.3, 0.5]), SimConfig(), _heavy())
+    sim.advance(3.0)
+    st = sim.observe()
+    o = observation_from_stats(st)
+    assert o.running == st["running"] <= 16 and o.free_slots == 16 - o.running
+    assert 3 <= o.predicted_exit_layer <= 12 and o.arrival_rate_rps > 0
+    assert st["finished_total"] > 0 and o.recent_ttft_p95_ms is not None
+    c = sim.take_counts()
+    assert c.tokens_on_time + c.tokens_late == sim.tokens_total and sim.take_counts().finished == 0
+
+
+def test_seeded_runs_repeat_and_seeds_differ():
+    lm = _lm(one=1e-3, decode_layer_rows=1e-4, prefill_tokens=1e-4)
+    ex = ExitModel(LAYERS, [0.2, 0.3, 0.5])
+    a, b, c = (simulate(lm, ex, SimConfig(seed=s), _heavy(), FixedBudget()).results() for s in (1, 1, 2))
+    assert [r.t_end for r in a] == [r.t_end for r in b]
+    assert [r.t_end for r in a] != [r.t_end for r in c]
+
+
+def test_exit_model_fit_recovers_marginal_and_concentration():
+    rng = np.random.default_rng(0)
+    true = ExitModel(LAYERS, [0.1, 0.25, 0.65], concentration=6.0)
+    traces = [list(rng.choice(LAYERS, size=200, p=true.request_probs(rng))) for _ in range(400)]
+    fit = ExitModel.fit(LAYERS, traces)
+    assert np.allclose(fit.fractions, true.fractions, atol=0.02)
+    assert 4.0 < fit.concentration < 9.0  # method of moments on 400 requests: within ~30%
+    with pytest.raises(ConfigError, match="at least 4"):
+        ExitModel.fit(LAYERS, traces[:3])
+
+
+@pytest.mark.parametrize("kw", [{"max_seqs": 0}, {"sla_ttft_ms": 0}, {"ttft_overhead_ms": -1}])
+def test_bad_sim_config_is_refused(kw):
+    with pytest.raises(ConfigError):
+        SimConfig(**kw)
+
+
+def test_mismatched_exit_model_and_latency_model_are_refused():
+    with pytest.raises(ConfigError, match="exit model ends at layer 8"):
+        Simulator(_lm(one=1e-3), ExitModel([4, 8], [0.5, 0.5]), SimConfig(), _heavy())
