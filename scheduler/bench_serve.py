@@ -207,7 +207,7 @@ async def _capacity(send: Any, cfg: BenchServeConfig, reqs: list[ScheduledReques
                                       for r in reqs], send, c) for c in cfg.capacity_concurrency}
 
 
-async def _http(url: str, schedule: list[ScheduledRequest], cfg: BenchServeConfig,
+async def http_run(url: str, schedule: list[ScheduledRequest], cfg: BenchServeConfig,
                 capacity: list[ScheduledRequest] | None = None) -> tuple[list[RequestResult], dict]:
     async with HttpSender(url, cfg.model or "", cfg.mode, cfg.sla_ttft_ms, cfg.sla_tpot_ms, cfg.api_key,
                           cfg.request_timeout_s) as send:
@@ -225,7 +225,7 @@ def served_runs(cfg: BenchServeConfig, schedule: list[ScheduledRequest],
     """(label -> results: ``served`` against ``url``, else one run per policy on a stack started for
     it; concurrency -> closed-loop results on the first of them)."""
     if cfg.url is not None:
-        res, cap = asyncio.run(_http(cfg.url, schedule, cfg, capacity))
+        res, cap = asyncio.run(http_run(cfg.url, schedule, cfg, capacity))
         return {"served": res}, cap
     from edge.core.configio import apply
     from scheduler.serve.config import ServeConfig
@@ -236,7 +236,7 @@ def served_runs(cfg: BenchServeConfig, schedule: list[ScheduledRequest],
         bundle = {"bundle_dir": cfg.bundle} if cfg.bundle is not None else {}  # else the stack's own
         serve_cfg = apply(ServeConfig(), {**bundle, **cfg.serve, "policy": policy})
         with serving_stack(cfg.run_dir, serve_cfg, graceful=False) as url:
-            runs[policy], c = asyncio.run(_http(url, schedule, cfg, capacity if k == 0 else None))
+            runs[policy], c = asyncio.run(http_run(url, schedule, cfg, capacity if k == 0 else None))
             cap = cap or c
         print(f"bench serve: policy {policy}: {len(runs[policy])} requests sent", flush=True)
     return runs, cap

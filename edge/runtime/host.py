@@ -170,6 +170,7 @@ class EngineHost:
         self._recent_ttft: collections.deque[float] = collections.deque(maxlen=RECENT)
         self._recent_tpot: collections.deque[float] = collections.deque(maxlen=RECENT)
         self._arrivals: collections.deque[float] = collections.deque()
+        self._last_sla = (cfg.default_sla_ttft_ms, cfg.default_sla_tpot_ms)  # the newest request's, for scale
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "EngineHost":
@@ -355,6 +356,7 @@ class EngineHost:
                      (req.sla_tpot_ms or self.cfg.default_sla_tpot_ms) / 1e3,
                      audited=ereq.mode is Mode.BOUNDED and ereq.temperature == 0 and self.cfg.audit.fraction > 0,
                      history=list(req.prompt))
+        self._last_sla = (live.sla_ttft_s * 1e3, live.sla_tpot_s * 1e3)
         ereq.on_token = lambda ev, live=live: self._on_token(live, ev)
         live.engine_id = self.engine.submit(ereq)
         self._live[req.request_id] = live
@@ -491,7 +493,7 @@ class EngineHost:
             "oldest_waiting_slack_ms": None if oldest is None else (oldest - now) * 1e3,
             "recent_ttft_p95_ms": _p95_ms(self._recent_ttft), "recent_tpot_p95_ms": _p95_ms(self._recent_tpot),
             "arrival_rate_rps": len(self._arrivals) / RATE_WINDOW_S,
-            "sla_ttft_ms": self.cfg.default_sla_ttft_ms, "sla_tpot_ms": self.cfg.default_sla_tpot_ms,
+            "sla_ttft_ms": self._last_sla[0], "sla_tpot_ms": self._last_sla[1],
             "sla_met_total": self.sla_met_total, "violations_total": self.violations_total,
             "tokens_on_time_total": self.tokens_on_time_total, "tokens_late_total": self.tokens_late_total,
             "tokens_total": self.tokens_total, "finished_total": self.finished_total,

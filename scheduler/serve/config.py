@@ -24,9 +24,11 @@ LOOPBACK_NAMES = ("localhost",)
 
 
 class PolicyName(str, enum.Enum):
-    """The control policy the worker runs every tick (scheduler/policies.py)."""
+    """The control policy the worker runs every tick (scheduler/policies.py; ppo: scheduler/learned.py)."""
     AIMD = "aimd"
     FIXED = "fixed"
+    MAXDELAY = "maxdelay"
+    PPO = "ppo"
 
 
 def is_loopback(host: str) -> bool:

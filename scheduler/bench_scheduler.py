@@ -1,0 +1,315 @@
+"""``smartexit bench scheduler``: the learned scheduler against the heuristics, in the simulator and
+on the real served stack, and the simulator against the real stack.
+
+1. Simulator grid (:mod:`scheduler.evaluate`): held-out workloads (Poisson and bursty arrivals on
+   seeds never drawn in training, diurnal arrivals never used in training at all, and the Azure code
+   trace or any file with its columns, ``--trace FILE``) x loads from light to past saturation
+   (multiples of the capacity estimated for this engine's latency model) x policies (every fixed
+   budget of the sweep, AIMD, max-delay batching, the learned policy).
+2. Real stack: at the load where the best fixed budget just holds the SLA on the real-stack workload,
+   a served run (Ray Serve -> Triton -> engine) with that fixed budget and one with the learned policy.
+3. Validation: the fixed-budget served run replayed in the simulator (same arrivals, prompt lengths
+   and the output lengths the server produced), with the serving path's own latency measured on
+   separate probe requests (one at a time, after the run) rather than fitted to the run: simulated vs
+   measured TTFT and time per output token, p50 and p95.
+
+Writes ``<run>/bench/scheduler.json`` (the report's ``scheduler`` section) and ``scheduler.md``;
+records stage ``bench_scheduler`` in the manifest.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edge.core.artifacts import Manifest, atomic_write_json, atomic_write_text
+from edge.core.errors import ConfigError
+from scheduler.bench_report import summarize
+from scheduler.env import BUDGETS, EnvConfig, estimate_capacity
+from scheduler.evaluate import FIXED_PREFIX, WorkloadSpec, best_fixed, cell_table, compare, evaluate_grid, workload_for
+from scheduler.latency import LatencyModel
+from scheduler.policies import FixedBudget, make_policy
+from scheduler.sim import ExitModel, SimConfig, simulate
+from scheduler.workload import SHARED_TRACE, Workload, read_trace
+
+STAGE = "bench_scheduler"
+LEARNED = "ppo"
+HELD_OUT_PATTERNS = ("poisson", "bursty", "diurnal")
+
+
+@dataclass
+class BenchSchedulerConfig:
+    run_dir: str = "artifacts/demo"
+    latency: str | None = None        # the latency model; None: <run>/scheduler/latency.json (`smartexit profile`)
+    policy: str | None = None         # the learned policy's folder; None: the shipped scheduler/assets/ppo
+    trace: str | None = None          # any CSV with the Azure trace's columns; None: the shared trace where it exists
+    patterns: list[str] = field(default_factory=lambda: list(HELD_OUT_PATTERNS))
+    seeds: list[int] = field(default_factory=lambda: [1001])   # workload seeds (training draws others)
+    sim_seeds: list[int] = field(default_factory=lambda: [0, 1])  # exit-depth draws: the spread is the noise
+    loads: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0])
+    duration_s: float = 90.0          # simulated seconds of arrivals per run
+    budgets: list[int] = field(default_factory=lambda: list(BUDGETS))
+    heuristics: list[str] = field(default_factory=lambda: ["aimd", "maxdelay"])
+    sla_ttft_ms: float | None = None  # None: the SLA the policy was trained for
+    sla_tpot_ms: float | None = None
+    real: bool = True                 # the served runs (start the stack twice)
+    real_workload: str = "trace"      # which workload runs on the real stack (trace: poisson where no trace)
+    real_duration_s: float = 30.0
+    real_load: float | None = None    # None: the best fixed budget's SLA edge on real_workload in the simulator
+    probe_requests: int = 8           # one at a time, to measure the serving path's own latency
+    warmup_requests: int = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.loads or any(x <= 0 for x in self.loads):
+            raise ConfigError(f"bench scheduler: loads must be > 0, got {self.loads}")
+        if not self.budgets or any(b < 1 for b in self.budgets):
+            raise ConfigError(f"bench scheduler: budgets must be >= 1, got {self.budgets}")
+        if self.duration_s <= 0 or self.real_duration_s <= 0 or self.probe_requests < 1:
+            raise ConfigError("bench scheduler: duration_s, real_duration_s > 0 and probe_requests >= 1")
+        if not self.seeds or not self.sim_seeds:
+            raise ConfigError("bench scheduler: seeds and sim_seeds must not be empty")
+        self.loads = sorted(float(x) for x in self.loads)
+
+
+# --------------------------------------------------------------------------- inputs
+
+def load_inputs(cfg: BenchSchedulerConfig) -> tuple[LatencyModel, ExitModel, Any, dict[str, Any]]:
+    """(latency model, exit model, learned policy, its policy.json)."""
+    from scheduler.learned import LearnedPolicy, default_policy_dir
+
+    run = Path(cfg.run_dir)
+    latency = LatencyModel.load(cfg.latency or run / "scheduler" / "latency.json")
+    learned = LearnedPolicy.load(cfg.policy or default_policy_dir())
+    return latency, exit_model(run, latency), learned, learned.info
+
+
+def exit_model(run: Path, latency: LatencyModel) -> ExitModel:
+    """From the profile's exit traces where they exist, else the threshold table's exit fractions."""
+    traces = run / "scheduler" / "exit_traces.json"
+    if traces.is_file():
+        data = json.loads(traces.read_text())
+        try:
+            return ExitModel.fit(latency.exit_layers, [t["exit_layers"] for t in data])
+        except ConfigError:
+            pass  # too few traces: the table's fractions below
+    table = run / "calibration" / "thresholds.json"
+    fractions = json.loads(table.read_text()).get("expected_exit_fraction") if table.is_file() else None
+    return ExitModel.from_certificate(latency.exit_layers, fractions)
+
+
+def env_config(cfg: BenchSchedulerConfig, info: dict[str, Any]) -> EnvConfig:
+    """The environment the policy was trained in, with the SLA overridden where the config says."""
+    env = dict(info.get("env") or {})
+    env.pop("capacity_rps", None)
+    e = EnvConfig(**{k: v for k, v in env.items() if k in EnvConfig.__dataclass_fields__})
+    if cfg.sla_ttft_ms is not None:
+        e.sim.sla_ttft_ms = cfg.sla_ttft_ms
+    if cfg.sla_tpot_ms is not None:
+        e.sim.sla_tpot_ms = cfg.sla_tpot_ms
+    return e
+
+
+def workload_specs(cfg: BenchSchedulerConfig) -> tuple[list[WorkloadSpec], str]:
+    """The held-out families; the trace (``cfg.trace`` must exist; the shared one where present)."""
+    specs = [WorkloadSpec(f"{p}-s{s}", p, s) for p in cfg.patterns for s in cfg.seeds]
+    if cfg.trace is not None or SHARED_TRACE.is_file():
+        path = Path(cfg.trace) if cfg.trace is not None else SHARED_TRACE
+        specs.append(WorkloadSpec("trace", "trace", cfg.seed, read_trace(path)))
+        note = f"trace {path}"
+    else:
+        note = f"no trace (none named, none at {SHARED_TRACE}): synthetic workloads only"
+    return specs, note
+
+
+def policy_factories(cfg: BenchSchedulerConfig, learned: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {f"{FIXED_PREFIX}{b}": (lambda b=b: FixedBudget(b, 16)) for b in cfg.budgets}
+    for h in cfg.heuristics:
+        make_policy(h)  # an unknown name fails here, before the grid runs
+        out[h] = lambda h=h: make_policy(h)
+    out[LEARNED] = lambda: learned
+    return out
+
+
+# --------------------------------------------------------------------------- the real stack
+
+def real_schedule(cfg: BenchSchedulerConfig, w: Workload) -> list:
+    """The workload's arrivals and lengths with prompts cut from the held-out split (bench serve's pool)."""
+    from scheduler.bench_serve import BenchServeConfig, prompt_pool
+    from scheduler.loadgen import ScheduledRequest, cut_prompts
+
+    pool = prompt_pool(BenchServeConfig(run_dir=cfg.run_dir))
+    prompts = cut_prompts(pool, w.prompt_tokens, cfg.seed)
+    return [ScheduledRequest(float(a), p, int(o), f"r{i:05d}") for i, (a, p, o) in
+            enumerate(zip(w.arrival_s, prompts, w.output_tokens))]
+
+
+def probe_requests(schedule: list, n: int) -> list:
+    from scheduler.loadgen import ScheduledRequest
+
+    return [ScheduledRequest(0.0, r.prompt_ids, r.max_tokens, f"probe-{i}") for i, r in enumerate(schedule[:n])]
+
+
+def served(cfg: BenchSchedulerConfig, env: EnvConfig, policy: str, kwargs: dict[str, Any], schedule: list,
+           probes: list | None) -> tuple[list, list]:
+    """One served run of ``schedule`` on a stack started with ``policy``; then ``probes`` one at a time."""
+    from scheduler.bench_serve import BenchServeConfig, http_run
+    from scheduler.serve.config import ServeConfig
+    from scheduler.serve.stack import serving_stack
+
+    sla = {"default_sla_ttft_ms": env.sim.sla_ttft_ms, "default_sla_tpot_ms": env.sim.sla_tpot_ms}
+    scfg = ServeConfig(policy=policy, policy_kwargs=kwargs, **sla)
+    bcfg = BenchServeConfig(run_dir=cfg.run_dir, sla_ttft_ms=env.sim.sla_ttft_ms, sla_tpot_ms=env.sim.sla_tpot_ms,
+                            warmup_requests=cfg.warmup_requests, capacity_concurrency=[1],
+                            capacity_requests=max(1, len(probes or [])))
+    with serving_stack(cfg.run_dir, scfg, graceful=False) as url:
+        res, cap = asyncio.run(http_run(url, schedule, bcfg, probes))
+    return res, cap.get(1, [])
+
+
+def serving_overhead(latency: LatencyModel, exits: ExitModel, env: EnvConfig, probes: list) -> dict[str, float]:
+    """The serving path's own latency: measured probe TTFT / TPOT minus the simulator's for the same
+    request alone (median over probes, >= 0)."""
+    ok = [r for r in probes if r.ok and r.tokens >= 1]
+    if not ok:
+        return {"ttft_ms": 0.0, "token_ms": 0.0, "probes": 0}
+    w = Workload(np.arange(len(ok)) * 30.0, np.array([r.prompt_tokens for r in ok], np.int64),
+                 np.array([r.tokens for r in ok], np.int64), "probes")
+    sim = simulate(latency, exits, SimConfig(**{**env.sim.__dict__, "ttft_overhead_ms": 0.0, "token_overhead_ms": 0.0}),
+                   w, FixedBudget(512, 16), env.tick_s).results()
+    d_ttft = [(r.ttft_s - s.ttft_s) * 1e3 for r, s in zip(ok, sim)]
+    d_tpot = [(r.tpot_s - s.tpot_s) * 1e3 for r, s in zip(ok, sim) if r.tpot_s is not None and s.tpot_s is not None]
+    return {"ttft_ms": max(0.0, float(np.median(d_ttft))),
+            "token_ms": max(0.0, float(np.median(d_tpot))) if d_tpot else 0.0, "probes": len(ok)}
+
+
+VALIDATED = ("ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms", "tpot_p95_ms")
+
+
+def validate(latency: LatencyModel, exits: ExitModel, env: EnvConfig, results: list, policy: Any,
+             overhead: dict[str, float], seeds: list[int]) -> dict[str, Any]:
+    """The served run replayed in the simulator (arrivals, prompt lengths, realized output lengths),
+    with the probes' overhead: measured vs simulated percentiles and their relative errors."""
+    ok = [r for r in results if r.ok and r.tokens >= 1]
+    w = Workload(np.array([r.arrival_s for r in ok]), np.array([r.prompt_tokens for r in ok], np.int64),
+                 np.array([r.tokens for r in ok], np.int64), "the served run")
+    sla = (env.sim.sla_ttft_ms, env.sim.sla_tpot_ms)
+    real = summarize(results, *sla)
+    sims = []
+    for seed in seeds:
+        scfg = SimConfig(**{**env.sim.__dict__, "seed": seed, "ttft_overhead_ms": overhead["ttft_ms"],
+                            "token_overhead_ms": overhead["token_ms"]})
+        sims.append(summarize(simulate(latency, exits, scfg, w, policy, env.tick_s).results(), *sla))
+    sim = {k: float(np.mean([s[k] for s in sims if s[k] is not None])) for k in VALIDATED}
+    rel = {k: abs(sim[k] - real[k]) / real[k] for k in VALIDATED if real[k]}
+    return {"measured": {k: real[k] for k in VALIDATED}, "simulated": sim, "rel_err": rel,
+            "max_rel_err": max(rel.values()) if rel else None, "requests": len(ok)}
+
+
+# --------------------------------------------------------------------------- main
+
+def main(cfg: BenchSchedulerConfig) -> int:
+    t0 = time.perf_counter()
+    latency, exits, learned, info = load_inputs(cfg)
+    env = env_config(cfg, info)
+    env.capacity_rps = estimate_capacity(latency, exits, env, FixedBudget(128, 16))
+    specs, trace_note = workload_specs(cfg)
+    policies = policy_factories(cfg, learned)
+    print(f"bench scheduler: capacity {env.capacity_rps:.2f} req/s (fixed 128, SLA {env.sim.sla_ttft_ms:g} / "
+          f"{env.sim.sla_tpot_ms:g} ms); {len(specs)} workloads x {len(cfg.loads)} loads x {len(policies)} policies "
+          f"x {len(cfg.sim_seeds)} seeds; {trace_note}", flush=True)
+    rows = evaluate_grid(latency, exits, env, specs, cfg.loads, policies, cfg.duration_s, cfg.sim_seeds,
+                         progress=lambda s: print(f"  sim {s}", flush=True))
+    cells = cell_table(rows)
+    names = [s.name for s in specs]
+    cmp = compare(cells, names, cfg.loads, LEARNED)
+    report: dict[str, Any] = {"config": asdict(cfg), "capacity_rps": env.capacity_rps, "env": _env_dict(env),
+                              "workloads": trace_note, "policy": {k: info.get(k) for k in ("layout_id", "trained_at",
+                                                                                            "selected", "sha256")},
+                              "latency_fit": latency.fit, "exit_model": asdict(exits), "sim": {"rows": rows, **cmp}}
+    real_w = "trace" if cfg.real_workload == "trace" and "trace" in names else \
+        next((n for n in names if n.startswith(cfg.real_workload)), names[0])
+    if cfg.real:
+        report["real"] = real_runs(cfg, env, latency, exits, learned, specs[names.index(real_w)], cells)
+    report["summary"] = summary(report, cells, real_w)
+    paths = write_outputs(cfg, report)
+    print(render_headline(report["summary"]), flush=True)
+    Manifest(cfg.run_dir).record(STAGE, inputs={}, config=report["config"], outputs=paths,
+                                 metrics={k: v for k, v in report["summary"].items() if not isinstance(v, dict)},
+                                 seconds=time.perf_counter() - t0)
+    return 0
+
+
+def _env_dict(env: EnvConfig) -> dict[str, Any]:
+    d = asdict(env)
+    d["patterns"] = list(d["patterns"])
+    return d
+
+
+def real_runs(cfg: BenchSchedulerConfig, env: EnvConfig, latency: LatencyModel, exits: ExitModel, learned: Any,
+              spec: WorkloadSpec, cells: dict) -> dict[str, Any]:
+    from scheduler.evaluate import sla_edge
+
+    load = cfg.real_load or sla_edge(cells, spec.name, cfg.loads) or cfg.loads[0]
+    name, _ = best_fixed(cells, spec.name, load)
+    budget = int(name[len(FIXED_PREFIX):])
+    w = workload_for(spec, load * env.capacity_rps, cfg.real_duration_s, env)
+    schedule = real_schedule(cfg, w)
+    probes = probe_requests(schedule, cfg.probe_requests)
+    print(f"bench scheduler: real stack, {spec.name} at x{load:g} ({len(schedule)} requests): {name} then {LEARNED}",
+          flush=True)
+    fixed_res, probe_res = served(cfg, env, "fixed", {"prefill_budget": budget, "max_running": 16}, schedule, probes)
+    learned_res, _ = served(cfg, env, LEARNED, {"path": str(learned.path)}, schedule, None)
+    sla = (env.sim.sla_ttft_ms, env.sim.sla_tpot_ms)
+    runs = {name: summarize(fixed_res, *sla), LEARNED: summarize(learned_res, *sla)}
+    overhead = serving_overhead(latency, exits, env, probe_res)
+    val = {name: validate(latency, exits, env, fixed_res, FixedBudget(budget, 16), overhead, cfg.sim_seeds),
+           LEARNED: validate(latency, exits, env, learned_res, learned, overhead, cfg.sim_seeds)}
+    ratio = runs[LEARNED]["goodput_rps"] / runs[name]["goodput_rps"] if runs[name]["goodput_rps"] else None
+    return {"workload": spec.name, "load": load, "rate_rps": load * env.capacity_rps, "best_fixed": name,
+            "runs": runs, "overhead": overhead, "validation": val, "goodput_ratio": ratio}
+
+
+def summary(report: dict[str, Any], cells: dict, real_w: str) -> dict[str, Any]:
+    sim = report["sim"]
+    attain: dict[str, dict[str, float]] = {}
+    for (w, _, p), c in cells.items():
+        attain.setdefault(p, {}).setdefault(w, []).append(c["sla_attainment"])
+    out: dict[str, Any] = {
+        "goodput_ratio_vs_best_fixed": sim["goodput_ratio_vs_best_fixed"],
+        "goodput_ratio_vs_best_fixed_min": sim["goodput_ratio_vs_best_fixed_min"],
+        "goodput_ratio_vs_best_fixed_at_sla_edge_sim": {w: v["ratio"] for w, v in sim["at_sla_edge"].items()},
+        "sla_capacity_ratio_sim": {w: v["ratio"] for w, v in sim["sla_capacity"].items()},
+        "sla_attainment": {p: float(np.mean([x for v in ws.values() for x in v])) for p, ws in attain.items()},
+        "capacity_rps": report["capacity_rps"],
+    }
+    real = report.get("real")
+    if real:
+        out["goodput_ratio_vs_best_fixed_at_sla_edge"] = real["goodput_ratio"]
+        out["sla_attainment_real"] = {p: s["sla_attainment"] for p, s in real["runs"].items()}
+        errs = [v["max_rel_err"] for v in real["validation"].values() if v["max_rel_err"] is not None]
+        out["sim_validation_max_rel_err"] = max(errs) if errs else None
+    return out
+
+
+def render_headline(s: dict[str, Any]) -> str:
+    lines = [f"  goodput vs best fixed (sim, min over loads): {s['goodput_ratio_vs_best_fixed']}"]
+    if "goodput_ratio_vs_best_fixed_at_sla_edge" in s:
+        lines.append(f"  real stack at the SLA edge: goodput ratio {s['goodput_ratio_vs_best_fixed_at_sla_edge']}, "
+                     f"sim validation max rel err {s['sim_validation_max_rel_err']}")
+    return "\n".join(lines)
+
+
+def write_outputs(cfg: BenchSchedulerConfig, report: dict[str, Any]) -> dict[str, Path]:
+    from scheduler.bench_scheduler_report import render_markdown
+
+    out = Path(cfg.run_dir) / "bench"
+    paths = {"json": out / "scheduler.json", "md": out / "scheduler.md"}
+    atomic_write_text(paths["md"], render_markdown(report))
+    atomic_write_json(paths["json"], report)
+    return paths
