@@ -240,7 +240,7 @@ def main(cfg: BenchSchedulerConfig) -> int:
     paths = write_outputs(cfg, report)
     print(render_headline(report["summary"]), flush=True)
     Manifest(cfg.run_dir).record(STAGE, inputs={}, config=report["config"], outputs=paths,
-                                 metrics={k: v for k, v in report["summary"].items() if not isinstance(v, dict)},
+                                 metrics=report["summary"],
                                  seconds=time.perf_counter() - t0)
     return 0
 

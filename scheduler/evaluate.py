@@ -18,7 +18,7 @@ from scheduler.bench_report import summarize
 from scheduler.env import EnvConfig, make_workload
 from scheduler.latency import LatencyModel
 from scheduler.sim import ExitModel, SimConfig, simulate
-from scheduler.workload import Workload
+from scheduler.workload import Workload, rate_of
 
 FIXED_PREFIX = "fixed-"
 
@@ -41,7 +41,7 @@ def trace_at_rate(trace: Workload, rate: float, duration_s: float, cfg: EnvConfi
         ConfigError: the window holds fewer than two requests.
     """
     t = trace.arrival_s
-    native = len(t) / max(float(t[-1] - t[0]), 1e-9)
+    native = rate_of(trace)
     scale = native / rate                                # trace seconds -> run seconds
     window = (t >= start_s) & (t < start_s + duration_s / scale)
     if window.sum() < 2:

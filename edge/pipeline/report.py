@@ -68,6 +68,10 @@ def _crosscheck(m: Manifest) -> dict[str, Any]:
     return dict(m.stage("bench_crosscheck")["metrics"])
 
 
+def _scheduler(m: Manifest) -> dict[str, Any]:
+    return dict(m.stage("bench_scheduler")["metrics"])
+
+
 def _audit(m: Manifest) -> dict[str, Any]:
     return dict(m.stage("bench_audit")["metrics"])
 
@@ -82,6 +86,7 @@ SECTIONS: dict[str, tuple[str, Callable[[Manifest], dict[str, Any]]]] = {
     "serve_bench": ("bench_serve", _serve),
     "audit_bench": ("bench_audit", _audit),
     "crosscheck": ("bench_crosscheck", _crosscheck),
+    "scheduler": ("bench_scheduler", _scheduler),
 }
 
 
@@ -154,6 +159,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                   "own for the same requests (ms; equal gaps: both time the same events): " + ", ".join(
                       f"{k} {_fmt(v, '.1f')}" for k, v in report["crosscheck"].get("server_agreement", {}).items()),
                   ""]
+    if "scheduler" in report:
+        lines += _scheduler_md(report["scheduler"])
     if "audit_bench" in report:
         a = report["audit_bench"]
         lines += ["## Online false-exit audit", "",
@@ -162,6 +169,23 @@ def render_markdown(report: dict[str, Any]) -> str:
                   f"{a['word_salad_rate']:.4f}, fallback to full depth after {a['word_salad_fired_after']} audited "
                   f"tokens: caught {a['caught']} (eps {a['eps']}).", ""]
     return "\n".join(lines)
+
+
+def _scheduler_md(s: dict[str, Any]) -> list[str]:
+    """The learned scheduler against the heuristics (bench/scheduler.md has every table)."""
+    ratios = ", ".join(f"{w} {_fmt(v, '.3f')}" for w, v in s["goodput_ratio_vs_best_fixed"].items())
+    att = ", ".join(f"{p} {_fmt(v, '.3f')}" for p, v in sorted(s["sla_attainment"].items()))
+    lines = ["## SLA scheduler (learned vs fixed budgets and heuristics)", "",
+             f"Simulator, held-out workloads, loads x0.25 to past saturation (capacity {s['capacity_rps']:.2f} req/s): "
+             f"goodput of the learned policy / the best fixed budget, the smallest over loads per workload: {ratios} "
+             f"(min {_fmt(s['goodput_ratio_vs_best_fixed_min'], '.3f')}). Mean SLA attainment over the grid: {att}."]
+    if "goodput_ratio_vs_best_fixed_at_sla_edge" in s:
+        real = ", ".join(f"{p} {_fmt(v, '.3f')}" for p, v in s["sla_attainment_real"].items())
+        lines.append(f"Real served stack at the best fixed budget's SLA edge: goodput ratio "
+                     f"{_fmt(s['goodput_ratio_vs_best_fixed_at_sla_edge'], '.3f')}; SLA attainment {real}. The "
+                     f"simulator against the real stack: largest relative error of TTFT / TPOT p50 / p95 "
+                     f"{_fmt(s['sim_validation_max_rel_err'], '.3f')} (bench/scheduler.md).")
+    return lines + [""]
 
 
 def _serve_md(b: dict[str, Any]) -> list[str]:
@@ -277,6 +301,12 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                      f"{_fmt(b['ttft_p95_ms'], '.1f')} ms, SLA attainment {b['sla_attainment']:.3f}; served / in "
                      f"process tokens/s {_fmt(b.get('served_vs_inprocess_tokens_ratio'), '.3f')}, TTFT p50 overhead "
                      f"{_fmt(b.get('ttft_p50_overhead_ms'), '.1f')} ms")
+    if "scheduler" in report:
+        s = report["scheduler"]
+        lines.append(f"scheduler: learned / best fixed goodput, min over held-out workloads and loads (sim) "
+                     f"{_fmt(s['goodput_ratio_vs_best_fixed_min'], '.3f')}; at the SLA edge on the real stack "
+                     f"{_fmt(s.get('goodput_ratio_vs_best_fixed_at_sla_edge'), '.3f')}; sim vs real max rel err "
+                     f"{_fmt(s.get('sim_validation_max_rel_err'), '.3f')}")
     return lines
 
 
