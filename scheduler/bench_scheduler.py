@@ -232,6 +232,7 @@ def main(cfg: BenchSchedulerConfig) -> int:
                               "workloads": trace_note, "policy": {k: info.get(k) for k in ("layout_id", "trained_at",
                                                                                             "selected", "sha256")},
                               "latency_fit": latency.fit, "exit_model": asdict(exits), "sim": {"rows": rows, **cmp}}
+    report["predictor"] = predictor_report(Path(cfg.run_dir))
     real_w = "trace" if cfg.real_workload == "trace" and "trace" in names else \
         next((n for n in names if n.startswith(cfg.real_workload)), names[0])
     if cfg.real:
@@ -243,6 +244,21 @@ def main(cfg: BenchSchedulerConfig) -> int:
                                  metrics=report["summary"],
                                  seconds=time.perf_counter() - t0)
     return 0
+
+
+def predictor_report(run: Path) -> dict[str, Any] | None:
+    """The exit-depth predictors' held-out error on the profile's per-request exit traces (None without them)."""
+    from scheduler.predictor import evaluate_predictors, read_exit_traces
+
+    path = run / "scheduler" / "exit_traces.json"
+    if not path.is_file():
+        return None
+    try:
+        r = evaluate_predictors(read_exit_traces(path))
+    except ConfigError as exc:
+        return {"error": str(exc)}
+    return {k: r[k] for k in ("requests", "tokens", "token_mae", "request_mae", "global_mean") if k in r} | {
+        "train_requests": len(r["train_ids"]), "test_requests": len(r["test_ids"]), "traces": str(path)}
 
 
 def _env_dict(env: EnvConfig) -> dict[str, Any]:
@@ -288,6 +304,9 @@ def summary(report: dict[str, Any], cells: dict, real_w: str) -> dict[str, Any]:
         "sla_attainment": {p: float(np.mean([x for v in ws.values() for x in v])) for p, ws in attain.items()},
         "capacity_rps": report["capacity_rps"],
     }
+    pred = report.get("predictor") or {}
+    if "token_mae" in pred:
+        out["exit_depth_predictor_mae_layers"] = pred["token_mae"]
     real = report.get("real")
     if real:
         out["goodput_ratio_vs_best_fixed_at_sla_edge"] = real["goodput_ratio"]

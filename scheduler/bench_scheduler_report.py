@@ -37,6 +37,15 @@ def render_markdown(r: dict[str, Any]) -> str:
         out.append(f"| {w} | {_f(ratio, 3)} | {_f(edge.get('load'))} | {_f(edge.get('ratio'), 3)} | "
                    f"{_f(cap['best_fixed_edge_load'])} / {_f(cap['learned_edge_load'])} | {_f(cap['ratio'], 3)} |")
     out.append("")
+    pred = r.get("predictor")
+    if pred and "token_mae" in pred:
+        out += ["## Exit-depth predictor (held-out requests of the profile's exit traces)", "",
+                f"{pred['train_requests']} requests to fit, {pred['test_requests']} to test; mean absolute error in layers "
+                "of each next token's exit layer, and of each request's mean exit layer predicted at admission.", "",
+                "| predictor | per token | per request (at admission) |", "| --- | ---: | ---: |"]
+        for k, v in pred["token_mae"].items():
+            out.append(f"| {k} | {_f(v, 3)} | {_f(pred['request_mae'].get(k), 3)} |")
+        out.append("")
     real = r.get("real")
     if real:
         out += _real_tables(real, sla)
