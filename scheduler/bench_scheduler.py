@@ -35,7 +35,7 @@ from scheduler.evaluate import FIXED_PREFIX, WorkloadSpec, best_fixed, cell_tabl
 from scheduler.latency import LatencyModel
 from scheduler.policies import FixedBudget, make_policy
 from scheduler.sim import ExitModel, SimConfig, simulate
-from scheduler.workload import SHARED_TRACE, Workload, read_trace
+from scheduler.workload import SHARED_TRACE, Workload, read_workload_file
 
 STAGE = "bench_scheduler"
 LEARNED = "ppo"
@@ -120,7 +120,7 @@ def workload_specs(cfg: BenchSchedulerConfig) -> tuple[list[WorkloadSpec], str]:
     specs = [WorkloadSpec(f"{p}-s{s}", p, s) for p in cfg.patterns for s in cfg.seeds]
     if cfg.trace is not None or SHARED_TRACE.is_file():
         path = Path(cfg.trace) if cfg.trace is not None else SHARED_TRACE
-        specs.append(WorkloadSpec("trace", "trace", cfg.seed, read_trace(path)))
+        specs.append(WorkloadSpec("trace", "trace", cfg.seed, read_workload_file(path)))
         note = f"trace {path}"
     else:
         note = f"no trace (none named, none at {SHARED_TRACE}): synthetic workloads only"
