@@ -165,6 +165,31 @@ class _ReplicaCollector:
             if _number(audit.get("fallback_events")):
                 fallbacks.add_metric([rid], float(audit["fallback_events"]))
         yield from (rate, upper, audited, fallbacks)
+        yield from _scheduler_families(replicas)
+
+
+def _scheduler_families(replicas: Mapping[str, Mapping[str, Any]]):
+    """The control policy's state (the worker adds ``scheduler`` to the stats it pushes): which policy
+    is in control, the learned policy's fallbacks to the heuristic, its online updates."""
+    active = GaugeMetricFamily("smartexit_scheduler_active_policy", "1 for the policy in control of the "
+                               "replica's engine (the learned one, or the heuristic it fell back to).",
+                               labels=["replica", "policy"])
+    fallbacks = CounterMetricFamily("smartexit_scheduler_fallbacks", "Times the guard handed control from the "
+                                    "learned policy to the heuristic (its SLA attainment fell below the "
+                                    "heuristic's).", labels=["replica"])
+    updates = CounterMetricFamily("smartexit_scheduler_online_updates", "Online PPO updates of the learned "
+                                  "policy from live transitions.", labels=["replica"])
+    for rid, stats in sorted(replicas.items()):
+        sched = stats.get("scheduler")
+        if not isinstance(sched, Mapping):
+            continue
+        if isinstance(sched.get("active"), str):
+            active.add_metric([rid, sched["active"]], 1.0)
+        if _number(sched.get("fallbacks")):
+            fallbacks.add_metric([rid], float(sched["fallbacks"]))
+        if _number(sched.get("updates")):
+            updates.add_metric([rid], float(sched["updates"]))
+    yield from (active, fallbacks, updates)
 
 
 def _number(x: Any) -> bool:

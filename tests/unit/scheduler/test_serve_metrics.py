@@ -44,7 +44,8 @@ def test_names_follow_prometheus_conventions():
         "smartexit_running_sequences": "gauge", "smartexit_prefill_budget_tokens": "gauge",
         "smartexit_admission_limit": "gauge", "smartexit_audit_false_exit_rate": "gauge",
         "smartexit_audit_false_exit_upper_bound": "gauge", "smartexit_audit_tokens": "counter",
-        "smartexit_audit_fallbacks": "counter"}
+        "smartexit_audit_fallbacks": "counter", "smartexit_scheduler_active_policy": "gauge",
+        "smartexit_scheduler_fallbacks": "counter", "smartexit_scheduler_online_updates": "counter"}
     for name, f in fams.items():
         if name.endswith("_created"):
             continue
@@ -119,3 +120,16 @@ def test_malformed_stats_are_skipped_not_fatal():
     assert samples(f["smartexit_queue_length"], "smartexit_queue_length") == {}
     assert samples(f["smartexit_running_sequences"], "smartexit_running_sequences") == {}
     assert samples(f["smartexit_audit_tokens"], "smartexit_audit_tokens_total") == {(("replica", "w"),): 0.0}
+
+
+def test_scheduler_state_comes_from_the_workers_stats():
+    m = ServeMetrics([3, 6], num_layers=12)
+    m.set_replica_stats({"a": {**STATS, "scheduler": {"active": "heuristic", "fallbacks": 2, "updates": 7}},
+                         "b": {**STATS, "scheduler": "garbage"}})
+    fams = families(m)
+    assert samples(fams["smartexit_scheduler_active_policy"], "smartexit_scheduler_active_policy") == {
+        (("policy", "heuristic"), ("replica", "a")): 1.0}
+    assert samples(fams["smartexit_scheduler_fallbacks"], "smartexit_scheduler_fallbacks_total") == {
+        (("replica", "a"),): 2.0}
+    assert samples(fams["smartexit_scheduler_online_updates"], "smartexit_scheduler_online_updates_total") == {
+        (("replica", "a"),): 7.0}
