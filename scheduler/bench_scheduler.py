@@ -81,12 +81,13 @@ class BenchSchedulerConfig:
 
 def load_inputs(cfg: BenchSchedulerConfig) -> tuple[LatencyModel, ExitModel, Any, dict[str, Any]]:
     """(latency model, exit model, learned policy, its policy.json)."""
-    from scheduler.learned import LearnedPolicy, default_policy_dir
+    from scheduler.learned import DEFAULT_DIR, LearnedPolicy
 
     run = Path(cfg.run_dir)
     latency = LatencyModel.load(cfg.latency or run / "scheduler" / "latency.json")
-    learned = LearnedPolicy.load(cfg.policy or default_policy_dir())
-    return latency, exit_model(run, latency), learned, learned.info
+    cfg.policy = str(cfg.policy or DEFAULT_DIR)
+    learned = LearnedPolicy.load(cfg.policy)
+    return latency, exit_model(run, latency), learned, learned.meta
 
 
 def exit_model(run: Path, latency: LatencyModel) -> ExitModel:
@@ -280,7 +281,7 @@ def real_runs(cfg: BenchSchedulerConfig, env: EnvConfig, latency: LatencyModel, 
     print(f"bench scheduler: real stack, {spec.name} at x{load:g} ({len(schedule)} requests): {name} then {LEARNED}",
           flush=True)
     fixed_res, probe_res = served(cfg, env, "fixed", {"prefill_budget": budget, "max_running": 16}, schedule, probes)
-    learned_res, _ = served(cfg, env, LEARNED, {"path": str(learned.path)}, schedule, None)
+    learned_res, _ = served(cfg, env, LEARNED, {"path": cfg.policy}, schedule, None)
     sla = (env.sim.sla_ttft_ms, env.sim.sla_tpot_ms)
     runs = {name: summarize(fixed_res, *sla), LEARNED: summarize(learned_res, *sla)}
     overhead = serving_overhead(latency, exits, env, probe_res)

@@ -34,8 +34,13 @@ STAGES: dict[str, tuple[str, str, str, str]] = {
                     "the online false-exit audit on held-out code vs another domain (word salad)"),
     "bench crosscheck": ("scheduler.crosscheck", "CrossCheckConfig", "main",
                          "the load client against NVIDIA aiperf on the same stack (needs `make aiperf-check`)"),
+    "bench scheduler": ("scheduler.bench_scheduler", "BenchSchedulerConfig", "main",
+                        "the learned SLA scheduler vs fixed budgets and heuristics: simulator grid, real stack, "
+                        "simulator validation (--trace FILE: any file with the Azure trace's columns)"),
     "serve": ("scheduler.serve.main", "ServeStackConfig", "main",
               "start tritonserver + the Ray Serve OpenAI-compatible front end (Ctrl-C / SIGTERM stops all)"),
+    "profile": ("scheduler.profile", "ProfileConfig", "main",
+                "measure the engine's step time vs prefill tokens, batch and exit depth; fit the simulator's latency model"),
     "generate": ("edge.pipeline.generate", "GenerateConfig", "main", "reference early-exit generation on held-out prompts"),
     "report": ("edge.pipeline.report", "ReportConfig", "main", "write report.json / report.md from the run manifest"),
 }

@@ -64,7 +64,14 @@ class ServeConfig:
     replicas: int = 1                       # worker replicas, one per `smartexit_device` resource
     control_tick_s: float = 0.25
     policy: PolicyName = PolicyName.AIMD
-    policy_kwargs: dict[str, Any] = field(default_factory=dict)
+    policy_kwargs: dict[str, Any] = field(default_factory=dict)  # ppo: {"path": folder} (default: the shipped one)
+    # policy ppo only: the heuristic the guard falls back to, the guard's and the online tuner's settings
+    # (scheduler/online.py FallbackGuard, OnlineTuner)
+    fallback_policy: PolicyName = PolicyName.AIMD
+    fallback_kwargs: dict[str, Any] = field(default_factory=dict)
+    guard: dict[str, Any] = field(default_factory=dict)
+    online_finetune: bool = True
+    tuner: dict[str, Any] = field(default_factory=dict)
     max_inflight: int = 64                  # per worker replica: the front end answers 429 above it
     retry_after_s: float = 1.0              # Retry-After on the front end's own 429 / 503
     triton_timeout_s: float = 10.0          # control ops and readiness probes (not generation streams)
@@ -80,8 +87,12 @@ class ServeConfig:
             self.bundle_dir = Path(self.bundle_dir)
         self.default_mode = _enum(Mode, self.default_mode, "default_mode")
         self.policy = _enum(PolicyName, self.policy, "policy")
-        if not isinstance(self.policy_kwargs, dict):
-            raise ConfigError(f"serve.policy_kwargs must be a mapping, got {type(self.policy_kwargs).__name__}")
+        self.fallback_policy = _enum(PolicyName, self.fallback_policy, "fallback_policy")
+        if self.fallback_policy is PolicyName.PPO:
+            raise ConfigError("serve.fallback_policy must be a heuristic (aimd, fixed, maxdelay), not ppo")
+        for name in ("policy_kwargs", "fallback_kwargs", "guard", "tuner"):
+            if not isinstance(getattr(self, name), dict):
+                raise ConfigError(f"serve.{name} must be a mapping, got {type(getattr(self, name)).__name__}")
         if not self.host:
             raise ConfigError("serve.host must not be empty")
         if self.log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):

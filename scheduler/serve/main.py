@@ -24,8 +24,11 @@ class ServeStackConfig:
     triton_only: bool = False
     ray_address: str | None = None  # "auto": join a running Ray cluster (several devices)
     serve: dict[str, Any] = field(default_factory=dict)  # ServeConfig fields (host, port, api_key, replicas, policy, ...)
+    policy: str | None = None       # `--policy ppo`: shorthand for serve.policy
 
     def __post_init__(self) -> None:
+        if self.policy is not None:
+            self.serve = {**self.serve, "policy": self.policy}
         apply(ServeConfig(), dict(self.serve))  # validates the keys and values now, with their names
 
 

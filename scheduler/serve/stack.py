@@ -89,6 +89,9 @@ def serving_stack(run_dir: str | Path, cfg: ServeConfig, ray_address: str | None
     repo = None if cfg.triton_url is not None else repository(run_dir)
     if repo is None and cfg.bundle_dir is None:
         raise ConfigError("serve.triton_url needs serve.bundle_dir (the tokenizer and bundle.json)")
+    if cfg.policy.value == "ppo":  # a missing, altered or mismatched policy fails here, not inside a replica
+        from scheduler.serve.worker import build_policy
+        build_policy(cfg)
     kwargs = dict(include_dashboard=False, configure_logging=True, logging_level="WARNING")
     if ray_address is None:
         ray.init(resources={DEVICE_RESOURCE: cfg.replicas}, **kwargs)

@@ -39,6 +39,9 @@ async def control_step(client: Any, policy: Any, observe: Callable[[dict], Any])
         TritonError: the server did not answer.
     """
     stats = await client.control({"op": "stats"})
+    feed = getattr(policy, "observe_stats", None)  # the guarded learned policy: its guard and tuner
+    if feed is not None:
+        feed(stats, time.monotonic())
     action = policy.act(observe(stats))
     change = {k: int(v) for k, v in (("prefill_budget", action.prefill_budget),
                                      ("max_running", action.max_running))
@@ -46,6 +49,29 @@ async def control_step(client: Any, policy: Any, observe: Callable[[dict], Any])
     if change:
         stats = await client.control({"op": "set", **change})
     return stats
+
+
+def build_policy(cfg: ServeConfig) -> Any:
+    """The worker's control policy: a heuristic, or (ppo) the learned policy behind the fallback
+    guard, with online fine-tuning when ``cfg.online_finetune``.
+
+    Raises:
+        ConfigError: unknown settings, or a learned policy that is missing, altered or of another layout.
+    """
+    from scheduler.policies import make_policy
+
+    if cfg.policy.value != "ppo":
+        return make_policy(cfg.policy.value, **cfg.policy_kwargs)
+    from scheduler.online import FallbackGuard, GuardedPolicy, OnlineTuner
+
+    learned = make_policy("ppo", **cfg.policy_kwargs)
+    heuristic = make_policy(cfg.fallback_policy.value, **cfg.fallback_kwargs)
+    try:
+        guard = FallbackGuard(**cfg.guard)
+        tuner = OnlineTuner(learned, **cfg.tuner) if cfg.online_finetune else None
+    except TypeError as exc:
+        raise ConfigError(f"serve.guard / serve.tuner: {exc}") from None
+    return GuardedPolicy(learned, heuristic, guard, tuner)
 
 
 @serve.deployment(num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
@@ -80,10 +106,11 @@ class Worker:
     """The Triton-facing deployment: one tritonserver per replica (device)."""
 
     async def __init__(self, cfg: ServeConfig, repo_dir: Path | None, hub: DeploymentHandle) -> None:
-        from scheduler.policies import make_policy, observation_from_stats
+        from scheduler.policies import observation_from_stats
 
         self._cfg, self._hub = cfg, hub
-        self._policy = make_policy(cfg.policy.value, **cfg.policy_kwargs)
+        self._policy = build_policy(cfg)
+        self._tuning: asyncio.Task | None = None
         self._observe = observation_from_stats
         self._replica = serve.get_replica_context().replica_tag
         self._proc = None
@@ -154,6 +181,8 @@ class Worker:
                 continue
             try:
                 self._stats = await control_step(self._client, self._policy, self._observe)
+                self._stats["scheduler"] = self._scheduler_state()
+                self._maybe_tune()
                 if not self._ready:
                     log.info("worker %s: tritonserver at %s ready", self._replica, self._client.url)
                 self._ready, self._backoff_s = True, self._cfg.restart_backoff_s
@@ -164,6 +193,31 @@ class Worker:
                 self._ready = False
             await self._push()
             await asyncio.sleep(self._cfg.control_tick_s)
+
+    def _scheduler_state(self) -> dict[str, Any]:
+        p = self._policy
+        guard, tuner = getattr(p, "guard", None), getattr(p, "tuner", None)
+        return {"policy": self._cfg.policy.value,
+                "active": self._cfg.policy.value if guard is None else
+                (self._cfg.policy.value if guard.active == "learned" else self._cfg.fallback_policy.value),
+                "fallbacks": 0 if guard is None else guard.fallbacks,
+                "updates": 0 if tuner is None else tuner.updates}
+
+    def _maybe_tune(self) -> None:
+        """Start an online PPO update in a thread when the tuner has a batch and none is running."""
+        tuner = getattr(self._policy, "tuner", None)
+        if tuner is None or not tuner.ready or (self._tuning is not None and not self._tuning.done()):
+            return
+
+        async def run() -> None:
+            try:
+                st = await asyncio.to_thread(tuner.update)
+                if st is not None:
+                    log.info("worker %s: online update %d (%d transitions, kl %.4f, %.2f s)", self._replica,
+                             st.updates, st.transitions, st.approx_kl, st.seconds)
+            except Exception:  # a failed update leaves the acting network as it was; serving goes on
+                log.exception("worker %s: online update failed", self._replica)
+        self._tuning = asyncio.create_task(run(), name="smartexit-online-update")
 
     async def _relaunch(self) -> None:
         """Restart a dead tritonserver after the current backoff (doubling until a tick succeeds)."""

@@ -60,7 +60,7 @@ def test_aimd_converges_under_a_toy_latency_model():
     assert max(tail) <= 240 and min(tail) >= 90 and 120 < sum(tail) / len(tail) < 220
 
 
-@pytest.mark.parametrize("name,kw,msg", [("ppo", {}, "unknown policy"), ("aimd", {"decrease": 1.5}, "decrease"),
+@pytest.mark.parametrize("name,kw,msg", [("sarathi", {}, "unknown policy"), ("aimd", {"decrease": 1.5}, "decrease"),
                                          ("fixed", {"prefill_budget": 0}, ">= 1"), ("aimd", {"nope": 1}, "nope")])
 def test_bad_policy_settings(name, kw, msg):
     with pytest.raises(ConfigError, match=msg):
