@@ -15,7 +15,8 @@ from edge.core.errors import CheckpointError, ConfigError
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 # which stage each preset file configures
 PRESET_STAGE = {"demo.yaml": "distill", "tiny_ee.yaml": "distill", "bench_decode.yaml": "bench decode",
-                "bench_serve.yaml": "bench serve"}
+                "bench_serve.yaml": "bench serve", "bench_scheduler.yaml": "bench scheduler",
+                "train_scheduler.yaml": "train-scheduler"}
 
 
 def test_overrides_convert_types():
