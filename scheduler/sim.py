@@ -107,6 +107,9 @@ class SimConfig:
     sla_tpot_ms: float = 50.0
     ttft_overhead_ms: float = 0.0   # the serving path's added latency to the first token (HTTP, Ray, Triton)
     token_overhead_ms: float = 0.0  # and to each later token
+    # rows exit only while the decode batch holds at most this many sequences (None: any batch): the
+    # engine's defer_exit_max_batch (edge/runtime/engine.py; 1 in the shipped defer mode on CPU)
+    exit_max_batch: int | None = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -116,6 +119,8 @@ class SimConfig:
             raise ConfigError("sim: the SLA's ttft_ms and tpot_ms must be > 0")
         if self.ttft_overhead_ms < 0 or self.token_overhead_ms < 0:
             raise ConfigError("sim: overheads must be >= 0")
+        if self.exit_max_batch is not None and self.exit_max_batch < 1:
+            raise ConfigError(f"sim: exit_max_batch must be >= 1 or None, got {self.exit_max_batch}")
 
 
 @dataclass(eq=False)
@@ -243,10 +248,12 @@ class Simulator:
         # decode: one token each, at its exit layer
         dec = self.decoding
         cost = 0.0
+        limit = self.cfg.exit_max_batch
+        exits = limit is None or len(dec) <= limit
         if dec:
             deepest, layer_rows, attn = 0, 0, 0.0
             for r in dec:
-                e = int(r.exits[r.generated])
+                e = int(r.exits[r.generated]) if exits else L
                 layer_rows += e
                 attn += (r.prompt + r.generated - 1) * e
                 if e > deepest:
@@ -276,7 +283,7 @@ class Simulator:
         t_deliver = self.t
         finished = []
         for r in dec:
-            e = int(r.exits[r.generated])
+            e = int(r.exits[r.generated]) if exits else L
             r.predicted = e if r.predicted is None else (1 - EMA) * r.predicted + EMA * e
             self._deliver(r, t_deliver + self._oh_tok)
             if r.generated >= r.out:
