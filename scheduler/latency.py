@@ -132,9 +132,9 @@ MIN_POINTS_PER_FEATURE = 4
 
 def fit_latency(X: np.ndarray, y: np.ndarray, num_layers: int, exit_layers: list[int],
                 groups: np.ndarray | None = None, holdout: float = 0.25, seed: int = 0) -> LatencyModel:
-    """Non-negative least squares of step seconds ``y`` [N] on features ``X`` [N, F], fitted on
-    the points outside a held-out share of ``groups`` (profile scenarios: steps of one scenario are
-    correlated, so they are held out together) and scored on the rest.
+    """Non-negative least squares, weighted by 1/sqrt(y), of step seconds ``y`` [N] on features ``X``
+    [N, F], fitted on the points outside a held-out share of ``groups`` (profile scenarios: steps of one
+    scenario are correlated, so they are held out together) and scored on the rest.
 
     The fit's relative error is reported as the median and p90 of |pred - y| / y per held-out step,
     and the error of the mean step time per held-out scenario (what a simulator's averages see).
@@ -164,9 +164,13 @@ def fit_latency(X: np.ndarray, y: np.ndarray, num_layers: int, exit_layers: list
     if train.sum() < need:
         raise ConfigError(f"latency profile too small to fit: {int(train.sum())} training steps after holding out "
                           f"{int(test.sum())}, at least {need} needed")
-    # scale columns so NNLS is well conditioned; coefficients are scaled back
+    # scale columns so NNLS is well conditioned; coefficients are scaled back. Rows are weighted by
+    # 1/sqrt(y): a step's timing noise grows with the step, and unweighted, the longest steps set every
+    # coefficient (on the demo profile, 20 held-out splits, unweighted: batch-1 steps under-predicted
+    # 2-3x, median step error 0.33 vs 0.17, p90 0.80 vs 0.45, worst scenario mean 0.50 vs 0.34)
     scale = np.maximum(np.abs(X[train]).max(axis=0), 1e-12)
-    w, _ = nnls(X[train] / scale, y[train])
+    wt = 1.0 / np.sqrt(np.maximum(y[train], 1e-9))  # [N_train]
+    w, _ = nnls(X[train] / scale * wt[:, None], y[train] * wt)
     w = w / scale
     pred = X @ w
     rel = np.abs(pred[test] - y[test]) / np.maximum(y[test], 1e-9)
