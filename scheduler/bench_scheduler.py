@@ -90,18 +90,36 @@ def load_inputs(cfg: BenchSchedulerConfig) -> tuple[LatencyModel, ExitModel, Any
     return latency, exit_model(run, latency), learned, learned.meta
 
 
+def exit_traces(run: Path) -> list[dict[str, Any]] | None:
+    """The profile's per-request exit traces, cut to the tokens decoded where the engine let rows exit
+    (``exits_allowed``: at larger batches every row runs to full depth, which says nothing about the
+    text); None without the file."""
+    path = run / "scheduler" / "exit_traces.json"
+    if not path.is_file():
+        return None
+    out = []
+    for t in json.loads(path.read_text()):
+        allowed = t.get("exits_allowed") or [True] * len(t["exit_layers"])
+        layers = [e for e, a in zip(t["exit_layers"], allowed) if a]
+        if layers:
+            out.append({**t, "exit_layers": layers})
+    return out
+
+
 def exit_model(run: Path, latency: LatencyModel) -> ExitModel:
-    """From the profile's exit traces where they exist, else the threshold table's exit fractions."""
-    traces = run / "scheduler" / "exit_traces.json"
-    if traces.is_file():
-        data = json.loads(traces.read_text())
-        try:
-            return ExitModel.fit(latency.exit_layers, [t["exit_layers"] for t in data])
-        except ConfigError:
-            pass  # too few traces: the table's fractions below
+    """The threshold table's exit fractions (calibrated on free-running batch-1 generations: the
+    deployed regime where rows may exit), with the between-request concentration fitted on the
+    profile's exit traces where there are enough (a Dirichlet's default otherwise)."""
     table = run / "calibration" / "thresholds.json"
     fractions = json.loads(table.read_text()).get("expected_exit_fraction") if table.is_file() else None
-    return ExitModel.from_certificate(latency.exit_layers, fractions)
+    model = ExitModel.from_certificate(latency.exit_layers, fractions)
+    traces = exit_traces(run)
+    if traces:
+        try:
+            model.concentration = ExitModel.fit(latency.exit_layers, [t["exit_layers"] for t in traces]).concentration
+        except ConfigError:
+            pass  # too few traces: the default concentration
+    return model
 
 
 def env_config(cfg: BenchSchedulerConfig, info: dict[str, Any]) -> EnvConfig:
@@ -249,17 +267,20 @@ def main(cfg: BenchSchedulerConfig) -> int:
 
 def predictor_report(run: Path) -> dict[str, Any] | None:
     """The exit-depth predictors' held-out error on the profile's per-request exit traces (None without them)."""
-    from scheduler.predictor import evaluate_predictors, read_exit_traces
+    from scheduler.predictor import evaluate_predictors
 
-    path = run / "scheduler" / "exit_traces.json"
-    if not path.is_file():
+    traces = exit_traces(run)
+    if traces is None:
         return None
+    traces = [{k: t[k] for k in ("prompt_len", "prompt_ids_head", "exit_layers")} for t in traces
+              if len(t["exit_layers"]) >= 2]
     try:
-        r = evaluate_predictors(read_exit_traces(path))
+        r = evaluate_predictors(traces)
     except ConfigError as exc:
         return {"error": str(exc)}
     return {k: r[k] for k in ("requests", "tokens", "token_mae", "request_mae", "global_mean") if k in r} | {
-        "train_requests": len(r["train_ids"]), "test_requests": len(r["test_ids"]), "traces": str(path)}
+        "train_requests": len(r["train_ids"]), "test_requests": len(r["test_ids"]),
+        "traces": "the profile's exit traces, tokens decoded where rows may exit"}
 
 
 def _env_dict(env: EnvConfig) -> dict[str, Any]:
