@@ -12,7 +12,7 @@ DEMO_CFG := configs/demo.yaml
 MODEL_FILES := $(wildcard edge/assets/tiny/*) $(wildcard edge/assets/tiny-ee/*) $(wildcard edge/assets/data/*)
 SRC := $(shell find edge calibration exporters scheduler -name '*.py' 2>/dev/null)
 
-.PHONY: demo test venv distill calibrate export bench generate report repo serve bench-serve aiperf-check train-tiny train-tiny-ee llamacpp clean help
+.PHONY: demo test venv distill calibrate export bench generate report repo serve bench-serve aiperf-check train-tiny train-tiny-ee train-scheduler llamacpp clean help
 .DEFAULT_GOAL := help
 
 help:
@@ -20,6 +20,7 @@ help:
 	@echo "make test        run the test suite (unit + integration; gpu/jetson tiers skip without hardware)"
 	@echo "make train-tiny  retrain the bundled tiny model (1-2 h on 2 cores, resumable)"
 	@echo "make train-tiny-ee  LayerSkip-train it into bundled-ee (about an hour on 2 cores; resumable)"
+	@echo "make train-scheduler  retrain the learned scheduler -> scheduler/assets/ppo (~10 min on 2 cores; needs the latency model of smartexit profile)"
 	@echo "make serve       start tritonserver + the Ray Serve OpenAI API on 127.0.0.1:8000 (Ctrl-C stops it)"
 	@echo "make bench-serve the serving load test (trace arrivals, both control policies, vs in process)"
 	@echo "make llamacpp    build llama-cpp-python from source: adds llama.cpp as system (f) of make bench"
@@ -86,6 +87,9 @@ train-tiny: $(STAMP)
 train-tiny-ee: $(STAMP)
 	$(SE) distill --config configs/tiny_ee.yaml run_dir=runs/tiny-ee
 	$(BIN)/python -m edge.training.bundle_ee make-ee runs/tiny-ee
+
+train-scheduler: $(STAMP)
+	$(SE) train-scheduler --config configs/train_scheduler.yaml run_dir=$(ART)
 
 # ---- load-client cross-check: NVIDIA aiperf in its own venv (it pins other versions), never in demo/test ----
 AIPERF_VENV := .venv-aiperf

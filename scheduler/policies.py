@@ -162,7 +162,15 @@ class MaxDelay:
         return ControlAction(self.max_budget if release else self.min_budget, min(self.max_running, obs.max_seqs))
 
 
-POLICIES = {"fixed": FixedBudget, "aimd": AIMD, "maxdelay": MaxDelay}
+def _learned(path: str | None = None, deterministic: bool = True) -> Policy:
+    """The learned policy in ``path`` (default: the shipped scheduler/assets/ppo), imported on demand so
+    this module stays free of torch."""
+    from scheduler.learned import load_policy
+
+    return load_policy(path, deterministic)
+
+
+POLICIES = {"fixed": FixedBudget, "aimd": AIMD, "maxdelay": MaxDelay, "ppo": _learned}
 
 
 def make_policy(name: str, **kwargs: Any) -> Policy:

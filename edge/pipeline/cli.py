@@ -18,6 +18,8 @@ from edge.core.errors import SmartExitError
 STAGES: dict[str, tuple[str, str, str, str]] = {
     "train-tiny": ("edge.training.train_tiny", "TrainConfig", "main", "train the bundled tiny model (an hour or two)"),
     "distill": ("edge.training.distill", "DistillConfig", "main", "train exit heads by multi-exit distillation"),
+    "train-scheduler": ("scheduler.train", "TrainSchedulerConfig", "main",
+                        "train the learned scheduler (recurrent PPO) in the simulator -> scheduler/assets/ppo"),
     "calibrate": ("edge.pipeline.calibrate", "CalibrateConfig", "main",
                   "calibrated exit thresholds with a certified false-exit bound (--calib-data DIR to certify on "
                   "your own text, --eval-data DIR to check on it)"),
