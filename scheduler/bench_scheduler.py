@@ -83,43 +83,12 @@ def load_inputs(cfg: BenchSchedulerConfig) -> tuple[LatencyModel, ExitModel, Any
     """(latency model, exit model, learned policy, its policy.json)."""
     from scheduler.learned import DEFAULT_DIR, LearnedPolicy
 
-    run = Path(cfg.run_dir)
-    latency = LatencyModel.load(cfg.latency or run / "scheduler" / "latency.json")
+    from scheduler.engine_model import from_run
+
+    latency, exits, _ = from_run(cfg.run_dir, cfg.latency)
     cfg.policy = str(cfg.policy or DEFAULT_DIR)
     learned = LearnedPolicy.load(cfg.policy)
-    return latency, exit_model(run, latency), learned, learned.meta
-
-
-def exit_traces(run: Path) -> list[dict[str, Any]] | None:
-    """The profile's per-request exit traces, cut to the tokens decoded where the engine let rows exit
-    (``exits_allowed``: at larger batches every row runs to full depth, which says nothing about the
-    text); None without the file."""
-    path = run / "scheduler" / "exit_traces.json"
-    if not path.is_file():
-        return None
-    out = []
-    for t in json.loads(path.read_text()):
-        allowed = t.get("exits_allowed") or [True] * len(t["exit_layers"])
-        layers = [e for e, a in zip(t["exit_layers"], allowed) if a]
-        if layers:
-            out.append({**t, "exit_layers": layers})
-    return out
-
-
-def exit_model(run: Path, latency: LatencyModel) -> ExitModel:
-    """The threshold table's exit fractions (calibrated on free-running batch-1 generations: the
-    deployed regime where rows may exit), with the between-request concentration fitted on the
-    profile's exit traces where there are enough (a Dirichlet's default otherwise)."""
-    table = run / "calibration" / "thresholds.json"
-    fractions = json.loads(table.read_text()).get("expected_exit_fraction") if table.is_file() else None
-    model = ExitModel.from_certificate(latency.exit_layers, fractions)
-    traces = exit_traces(run)
-    if traces:
-        try:
-            model.concentration = ExitModel.fit(latency.exit_layers, [t["exit_layers"] for t in traces]).concentration
-        except ConfigError:
-            pass  # too few traces: the default concentration
-    return model
+    return latency, exits, learned, learned.meta
 
 
 def env_config(cfg: BenchSchedulerConfig, info: dict[str, Any]) -> EnvConfig:
@@ -267,9 +236,10 @@ def main(cfg: BenchSchedulerConfig) -> int:
 
 def predictor_report(run: Path) -> dict[str, Any] | None:
     """The exit-depth predictors' held-out error on the profile's per-request exit traces (None without them)."""
+    from scheduler.engine_model import exit_traces
     from scheduler.predictor import evaluate_predictors
 
-    traces = exit_traces(run)
+    traces = exit_traces(run / "scheduler" / "exit_traces.json")
     if traces is None:
         return None
     traces = [{k: t[k] for k in ("prompt_len", "prompt_ids_head", "exit_layers")} for t in traces

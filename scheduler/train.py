@@ -123,33 +123,20 @@ def engine_models(cfg: TrainSchedulerConfig) -> tuple[LatencyModel, ExitModel, d
     Raises:
         ConfigError: no latency model; no exit traces and no threshold table; layers that disagree.
     """
+    from scheduler.engine_model import exit_model
+
     run = Path(cfg.run_dir)
     lat_path = Path(cfg.latency) if cfg.latency else run / "scheduler" / "latency.json"
     latency = LatencyModel.load(lat_path)
     traces = Path(cfg.exit_traces) if cfg.exit_traces else run / "scheduler" / "exit_traces.json"
     table = Path(cfg.thresholds) if cfg.thresholds else run / "calibration" / "thresholds.json"
-    if cfg.exit_traces and not traces.is_file():
-        raise ConfigError(f"train-scheduler: exit_traces {traces} does not exist")
-    exits, source = None, None
-    if traces.is_file():
-        data = _json(traces)
-        try:
-            exits, source = ExitModel.fit(latency.exit_layers, [t["exit_layers"] for t in data]), str(traces)
-        except ConfigError as exc:
-            print(f"train-scheduler: {traces}: {exc}; the threshold table's fractions instead", flush=True)
-        except (TypeError, KeyError) as exc:
-            raise ConfigError(f"train-scheduler: {traces}: expected a list of {{'exit_layers': [...]}}, "
-                              f"({type(exc).__name__}: {exc})") from None
-    if exits is None:
-        if not table.is_file():
-            raise ConfigError(f"train-scheduler: no exit model: neither {traces} (`smartexit profile`) nor "
-                              f"{table} (`smartexit calibrate`) exists")
-        exits = ExitModel.from_certificate(latency.exit_layers, _json(table).get("expected_exit_fraction"))
-        source = str(table)
-    if list(exits.layers) != list(latency.exit_layers):
-        raise ConfigError(f"train-scheduler: exit layers {exits.layers} differ from the latency model's "
-                          f"{latency.exit_layers}")
-    return latency, exits, {"latency": str(lat_path), "exits": source}
+    for name, path in (("exit_traces", cfg.exit_traces), ("thresholds", cfg.thresholds)):
+        if path and not Path(path).is_file():
+            raise ConfigError(f"train-scheduler: {name} {path} does not exist")
+    exits, source = exit_model(latency, table, traces)
+    files = {"latency": str(lat_path)} | {k: str(p) for k, p in (("thresholds", table), ("exit_traces", traces))
+                                          if p.is_file()}
+    return latency, exits, {**files, "exits": source}
 
 
 def _json(path: Path) -> Any:
@@ -402,7 +389,7 @@ def main(cfg: TrainSchedulerConfig) -> int:
     save_artifact(model, out, meta, {"training.md": render_markdown(meta)})
     say(f"train-scheduler: kept {name} (validation {val:.1f} vs {best} {base_val:.1f}); test reward "
         f"{mean_reward(test['learned']):.1f} vs {mean_reward(test[best]):.1f}; {wall['total_s']:.0f} s; wrote {out}")
-    inputs = {k: p for k, p in sources.items() if p}
+    inputs = {k: p for k, p in sources.items() if k != "exits"}  # files, hashed by the manifest
     Manifest(cfg.run_dir).record(STAGE, inputs=inputs, config=asdict(cfg), outputs={"policy": out},
                                  metrics={"capacity_rps": env.capacity_rps, "bc_accuracy": bc["accuracy_held_out"],
                                           "selected": name, "val_reward": val, "val_reward_baseline": base_val},

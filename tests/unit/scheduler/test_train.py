@@ -83,18 +83,22 @@ def test_inputs_latency_and_the_tables_exit_fractions(run_dir):
     assert exits.fractions == pytest.approx([0.1, 0.23, 0.67]) and src["exits"].endswith("thresholds.json")
 
 
-def test_inputs_prefer_the_profiles_exit_traces(run_dir):
+def test_inputs_take_the_tables_fractions_and_the_traces_concentration(run_dir):
+    """The fractions are the table's (the deployed batch-1 regime); the traces' exit-allowed tokens
+    (a batch > 1 step lets no row exit: those tokens say nothing) give the between-request spread."""
     rng = np.random.default_rng(0)
-    traces = [{"exit_layers": [int(x) for x in rng.choice([3, 9, 12], size=20, p=[0.5, 0.3, 0.2])],
-               "prompt_len": 9} for _ in range(12)]
+    traces = [{"exit_layers": [int(x) for x in rng.choice([3, 9, 12], size=20, p=[0.5, 0.3, 0.2])] + [12] * 30,
+               "exits_allowed": [True] * 20 + [False] * 30, "prompt_len": 9} for _ in range(12)]
     (run_dir / "scheduler" / "exit_traces.json").write_text(json.dumps(traces))
+    table = json.loads((run_dir / "calibration" / "thresholds.json").read_text())
     _, exits, src = engine_models(TrainSchedulerConfig(run_dir=str(run_dir)))
-    assert src["exits"].endswith("exit_traces.json") and exits.fractions[0] > 0.35
+    want = [table["expected_exit_fraction"][str(k)] for k in exits.layers]
+    assert np.allclose(exits.fractions, np.asarray(want) / sum(want))
+    assert "exit_traces.json (exit-allowed tokens)" in src["exits"] and exits.concentration > 1
 
 
 @pytest.mark.parametrize("remove,override,msg", [
     ("scheduler/latency.json", [], "no such file \\(run `smartexit profile`\\)"),
-    ("calibration/thresholds.json", [], "no exit model: neither .*exit_traces.json.* nor .*thresholds.json"),
     (None, ["exit_traces=/nowhere/traces.json"], "exit_traces /nowhere/traces.json does not exist"),
 ])
 def test_missing_inputs_are_named(run_dir, remove, override, msg):
@@ -106,7 +110,7 @@ def test_missing_inputs_are_named(run_dir, remove, override, msg):
 
 def test_malformed_traces_are_refused(run_dir):
     (run_dir / "scheduler" / "exit_traces.json").write_text(json.dumps([{"layers": [3]}]))
-    with pytest.raises(ConfigError, match="expected a list of"):
+    with pytest.raises(ConfigError, match="expected a JSON list of"):
         engine_models(TrainSchedulerConfig(run_dir=str(run_dir)))
 
 
