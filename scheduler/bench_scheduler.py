@@ -8,10 +8,10 @@ on the real served stack, and the simulator against the real stack.
    budget of the sweep, AIMD, max-delay batching, the learned policy).
 2. Real stack: at the load where the best fixed budget just holds the SLA on the real-stack workload,
    a served run (Ray Serve -> Triton -> engine) with that fixed budget and one with the learned policy.
-3. Validation: the fixed-budget served run replayed in the simulator (same arrivals, prompt lengths
-   and the output lengths the server produced), with the serving path's own latency measured on
-   separate probe requests (one at a time, after the run) rather than fitted to the run: simulated vs
-   measured TTFT and time per output token, p50 and p95.
+3. Validation: each served run replayed in the simulator (same arrivals, prompt lengths and the
+   output lengths the server produced), with the serving path ``smartexit profile`` measured on its
+   own requests (scheduler/serving_path.py), never fitted to these runs: simulated vs measured TTFT
+   and time per output token, p50 and p95.
 
 Writes ``<run>/bench/scheduler.json`` (the report's ``scheduler`` section) and ``scheduler.md``;
 records stage ``bench_scheduler`` in the manifest.
@@ -31,7 +31,8 @@ from edge.core.artifacts import Manifest, atomic_write_json, atomic_write_text
 from edge.core.errors import ConfigError
 from scheduler.bench_report import summarize
 from scheduler.env import BUDGETS, EnvConfig, estimate_capacity
-from scheduler.evaluate import FIXED_PREFIX, WorkloadSpec, best_fixed, cell_table, compare, evaluate_grid, workload_for
+from scheduler.evaluate import (FIXED_PREFIX, WorkloadSpec, best_fixed, cell_table, compare, evaluate_grid,
+                                spec_capacity, workload_for)
 from scheduler.latency import LatencyModel
 from scheduler.policies import FixedBudget, make_policy
 from scheduler.sim import ExitModel, SimConfig, simulate
@@ -61,7 +62,6 @@ class BenchSchedulerConfig:
     real_workload: str = "trace"      # which workload runs on the real stack (trace: poisson where no trace)
     real_duration_s: float = 30.0
     real_load: float | None = None    # None: the best fixed budget's SLA edge on real_workload in the simulator
-    probe_requests: int = 8           # one at a time, to measure the serving path's own latency
     warmup_requests: int = 2
     seed: int = 0
 
@@ -70,8 +70,8 @@ class BenchSchedulerConfig:
             raise ConfigError(f"bench scheduler: loads must be > 0, got {self.loads}")
         if not self.budgets or any(b < 1 for b in self.budgets):
             raise ConfigError(f"bench scheduler: budgets must be >= 1, got {self.budgets}")
-        if self.duration_s <= 0 or self.real_duration_s <= 0 or self.probe_requests < 1:
-            raise ConfigError("bench scheduler: duration_s, real_duration_s > 0 and probe_requests >= 1")
+        if self.duration_s <= 0 or self.real_duration_s <= 0:
+            raise ConfigError("bench scheduler: duration_s, real_duration_s > 0")
         if not self.seeds or not self.sim_seeds:
             raise ConfigError("bench scheduler: seeds and sim_seeds must not be empty")
         self.loads = sorted(float(x) for x in self.loads)
@@ -92,9 +92,14 @@ def load_inputs(cfg: BenchSchedulerConfig) -> tuple[LatencyModel, ExitModel, Any
 
 
 def env_config(cfg: BenchSchedulerConfig, info: dict[str, Any]) -> EnvConfig:
-    """The environment the policy was trained in, with the SLA overridden where the config says."""
+    """The environment the policy was trained in, with this run's measured serving path (where
+    ``smartexit profile`` measured one) and the SLA overridden where the config says."""
+    from scheduler.engine_model import serving_fields
+
     env = dict(info.get("env") or {})
     env.pop("capacity_rps", None)
+    sim = {k: v for k, v in dict(env.get("sim") or {}).items() if k in SimConfig.__dataclass_fields__}
+    env["sim"] = {**sim, **serving_fields(cfg.run_dir)}
     e = EnvConfig(**{k: v for k, v in env.items() if k in EnvConfig.__dataclass_fields__})
     if cfg.sla_ttft_ms is not None:
         e.sim.sla_ttft_ms = cfg.sla_ttft_ms
@@ -137,52 +142,34 @@ def real_schedule(cfg: BenchSchedulerConfig, w: Workload) -> list:
             enumerate(zip(w.arrival_s, prompts, w.output_tokens))]
 
 
-def probe_requests(schedule: list, n: int) -> list:
-    from scheduler.loadgen import ScheduledRequest
+def served(cfg: BenchSchedulerConfig, env: EnvConfig, policy: str, kwargs: dict[str, Any], schedule: list) -> list:
+    """One served run of ``schedule`` on a stack started with ``policy``.
 
-    return [ScheduledRequest(0.0, r.prompt_ids, r.max_tokens, f"probe-{i}") for i, r in enumerate(schedule[:n])]
-
-
-def served(cfg: BenchSchedulerConfig, env: EnvConfig, policy: str, kwargs: dict[str, Any], schedule: list,
-           probes: list | None) -> tuple[list, list]:
-    """One served run of ``schedule`` on a stack started with ``policy``; then ``probes`` one at a time."""
+    The learned policy runs alone: in control from the first tick (the guard's first window is
+    otherwise the heuristic's probe), no fallback, no online updates: what is measured is the
+    shipped policy."""
     from scheduler.bench_serve import BenchServeConfig, http_run
     from scheduler.serve.config import ServeConfig
     from scheduler.serve.stack import serving_stack
 
     sla = {"default_sla_ttft_ms": env.sim.sla_ttft_ms, "default_sla_tpot_ms": env.sim.sla_tpot_ms}
-    scfg = ServeConfig(policy=policy, policy_kwargs=kwargs, **sla)
+    alone = {"guard": {"first": "learned", "window_s": 1e9}, "online_finetune": False} if policy == LEARNED else {}
+    scfg = ServeConfig(policy=policy, policy_kwargs=kwargs, **sla, **alone)
     bcfg = BenchServeConfig(run_dir=cfg.run_dir, sla_ttft_ms=env.sim.sla_ttft_ms, sla_tpot_ms=env.sim.sla_tpot_ms,
-                            warmup_requests=cfg.warmup_requests, capacity_concurrency=[1],
-                            capacity_requests=max(1, len(probes or [])))
+                            warmup_requests=cfg.warmup_requests)
     with serving_stack(cfg.run_dir, scfg, graceful=False) as url:
-        res, cap = asyncio.run(http_run(url, schedule, bcfg, probes))
-    return res, cap.get(1, [])
-
-
-def serving_overhead(latency: LatencyModel, exits: ExitModel, env: EnvConfig, probes: list) -> dict[str, float]:
-    """The serving path's own latency: measured probe TTFT / TPOT minus the simulator's for the same
-    request alone (median over probes, >= 0)."""
-    ok = [r for r in probes if r.ok and r.tokens >= 1]
-    if not ok:
-        return {"ttft_ms": 0.0, "token_ms": 0.0, "probes": 0}
-    w = Workload(np.arange(len(ok)) * 30.0, np.array([r.prompt_tokens for r in ok], np.int64),
-                 np.array([r.tokens for r in ok], np.int64), "probes")
-    sim = simulate(latency, exits, SimConfig(**{**env.sim.__dict__, "ttft_overhead_ms": 0.0, "token_overhead_ms": 0.0}),
-                   w, FixedBudget(512, 16), env.tick_s).results()
-    d_ttft = [(r.ttft_s - s.ttft_s) * 1e3 for r, s in zip(ok, sim)]
-    d_tpot = [(r.tpot_s - s.tpot_s) * 1e3 for r, s in zip(ok, sim) if r.tpot_s is not None and s.tpot_s is not None]
-    return {"ttft_ms": max(0.0, float(np.median(d_ttft))),
-            "token_ms": max(0.0, float(np.median(d_tpot))) if d_tpot else 0.0, "probes": len(ok)}
+        res, _ = asyncio.run(http_run(url, schedule, bcfg))
+    return res
 
 
 VALIDATED = ("ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms", "tpot_p95_ms")
 
 
 def validate(latency: LatencyModel, exits: ExitModel, env: EnvConfig, results: list, policy: Any,
-             overhead: dict[str, float], seeds: list[int]) -> dict[str, Any]:
-    """The served run replayed in the simulator (arrivals, prompt lengths, realized output lengths),
-    with the probes' overhead: measured vs simulated percentiles and their relative errors."""
+             seeds: list[int]) -> dict[str, Any]:
+    """The served run replayed in the simulator (arrivals, prompt lengths, realized output lengths) with
+    the serving path ``smartexit profile`` measured on its own requests: measured vs simulated
+    percentiles and their relative errors."""
     ok = [r for r in results if r.ok and r.tokens >= 1]
     w = Workload(np.array([r.arrival_s for r in ok]), np.array([r.prompt_tokens for r in ok], np.int64),
                  np.array([r.tokens for r in ok], np.int64), "the served run")
@@ -190,8 +177,7 @@ def validate(latency: LatencyModel, exits: ExitModel, env: EnvConfig, results: l
     real = summarize(results, *sla)
     sims = []
     for seed in seeds:
-        scfg = SimConfig(**{**env.sim.__dict__, "seed": seed, "ttft_overhead_ms": overhead["ttft_ms"],
-                            "token_overhead_ms": overhead["token_ms"]})
+        scfg = SimConfig(**{**env.sim.__dict__, "seed": seed})
         sims.append(summarize(simulate(latency, exits, scfg, w, policy, env.tick_s).results(), *sla))
     sim = {k: float(np.mean([s[k] for s in sims if s[k] is not None])) for k in VALIDATED}
     rel = {k: abs(sim[k] - real[k]) / real[k] for k in VALIDATED if real[k]}
@@ -207,16 +193,19 @@ def main(cfg: BenchSchedulerConfig) -> int:
     env = env_config(cfg, info)
     env.capacity_rps = estimate_capacity(latency, exits, env, FixedBudget(128, 16))
     specs, trace_note = workload_specs(cfg)
+    caps = {s.name: spec_capacity(latency, exits, env, s, FixedBudget(128, 16), cfg.duration_s) for s in specs}
     policies = policy_factories(cfg, learned)
-    print(f"bench scheduler: capacity {env.capacity_rps:.2f} req/s (fixed 128, SLA {env.sim.sla_ttft_ms:g} / "
-          f"{env.sim.sla_tpot_ms:g} ms); {len(specs)} workloads x {len(cfg.loads)} loads x {len(policies)} policies "
-          f"x {len(cfg.sim_seeds)} seeds; {trace_note}", flush=True)
+    print(f"bench scheduler: capacity (fixed 128, SLA {env.sim.sla_ttft_ms:g} / {env.sim.sla_tpot_ms:g} ms) "
+          + ", ".join(f"{k} {v:.2f}" for k, v in caps.items()) + f" req/s; {len(specs)} workloads x {len(cfg.loads)} "
+          f"loads x {len(policies)} policies x {len(cfg.sim_seeds)} seeds; {trace_note}", flush=True)
     rows = evaluate_grid(latency, exits, env, specs, cfg.loads, policies, cfg.duration_s, cfg.sim_seeds,
-                         progress=lambda s: print(f"  sim {s}", flush=True))
+                         progress=lambda s: print(f"  sim {s}", flush=True), capacities=caps)
     cells = cell_table(rows)
     names = [s.name for s in specs]
-    cmp = compare(cells, names, cfg.loads, LEARNED)
-    report: dict[str, Any] = {"config": asdict(cfg), "capacity_rps": env.capacity_rps, "env": _env_dict(env),
+    offered = {(r["workload"], r["load"]): r["rate_rps"] for r in rows}
+    cmp = compare(cells, names, cfg.loads, LEARNED, offered)
+    report: dict[str, Any] = {"config": asdict(cfg), "capacity_rps": env.capacity_rps, "capacities_rps": caps,
+                              "env": _env_dict(env),
                               "workloads": trace_note, "policy": {k: info.get(k) for k in ("layout_id", "trained_at",
                                                                                             "selected", "sha256")},
                               "latency_fit": latency.fit, "exit_model": asdict(exits), "sim": {"rows": rows, **cmp}}
@@ -224,7 +213,8 @@ def main(cfg: BenchSchedulerConfig) -> int:
     real_w = "trace" if cfg.real_workload == "trace" and "trace" in names else \
         next((n for n in names if n.startswith(cfg.real_workload)), names[0])
     if cfg.real:
-        report["real"] = real_runs(cfg, env, latency, exits, learned, specs[names.index(real_w)], cells)
+        report["real"] = real_runs(cfg, env, latency, exits, learned, specs[names.index(real_w)], cells,
+                                   caps[real_w])
     report["summary"] = summary(report, cells, real_w)
     paths = write_outputs(cfg, report)
     print(render_headline(report["summary"]), flush=True)
@@ -260,27 +250,27 @@ def _env_dict(env: EnvConfig) -> dict[str, Any]:
 
 
 def real_runs(cfg: BenchSchedulerConfig, env: EnvConfig, latency: LatencyModel, exits: ExitModel, learned: Any,
-              spec: WorkloadSpec, cells: dict) -> dict[str, Any]:
+              spec: WorkloadSpec, cells: dict, capacity: float) -> dict[str, Any]:
     from scheduler.evaluate import sla_edge
 
     load = cfg.real_load or sla_edge(cells, spec.name, cfg.loads) or cfg.loads[0]
     name, _ = best_fixed(cells, spec.name, load)
     budget = int(name[len(FIXED_PREFIX):])
-    w = workload_for(spec, load * env.capacity_rps, cfg.real_duration_s, env)
+    w = workload_for(spec, load * capacity, cfg.real_duration_s, env)
     schedule = real_schedule(cfg, w)
-    probes = probe_requests(schedule, cfg.probe_requests)
     print(f"bench scheduler: real stack, {spec.name} at x{load:g} ({len(schedule)} requests): {name} then {LEARNED}",
           flush=True)
-    fixed_res, probe_res = served(cfg, env, "fixed", {"prefill_budget": budget, "max_running": 16}, schedule, probes)
-    learned_res, _ = served(cfg, env, LEARNED, {"path": cfg.policy}, schedule, None)
+    fixed_res = served(cfg, env, "fixed", {"prefill_budget": budget, "max_running": 16}, schedule)
+    learned_res = served(cfg, env, LEARNED, {"path": cfg.policy}, schedule)
     sla = (env.sim.sla_ttft_ms, env.sim.sla_tpot_ms)
     runs = {name: summarize(fixed_res, *sla), LEARNED: summarize(learned_res, *sla)}
-    overhead = serving_overhead(latency, exits, env, probe_res)
-    val = {name: validate(latency, exits, env, fixed_res, FixedBudget(budget, 16), overhead, cfg.sim_seeds),
-           LEARNED: validate(latency, exits, env, learned_res, learned, overhead, cfg.sim_seeds)}
+    val = {name: validate(latency, exits, env, fixed_res, FixedBudget(budget, 16), cfg.sim_seeds),
+           LEARNED: validate(latency, exits, env, learned_res, learned, cfg.sim_seeds)}
     ratio = runs[LEARNED]["goodput_rps"] / runs[name]["goodput_rps"] if runs[name]["goodput_rps"] else None
-    return {"workload": spec.name, "load": load, "rate_rps": load * env.capacity_rps, "best_fixed": name,
-            "runs": runs, "overhead": overhead, "validation": val, "goodput_ratio": ratio}
+    return {"workload": spec.name, "load": load, "rate_rps": load * capacity, "best_fixed": name,
+            "runs": runs, "serving_path": {k: getattr(env.sim, k) for k in
+                                           ("ttft_overhead_ms", "token_overhead_ms", "serve_chunk_ms")},
+            "validation": val, "goodput_ratio": ratio}
 
 
 def summary(report: dict[str, Any], cells: dict, real_w: str) -> dict[str, Any]:
@@ -294,7 +284,7 @@ def summary(report: dict[str, Any], cells: dict, real_w: str) -> dict[str, Any]:
         "goodput_ratio_vs_best_fixed_at_sla_edge_sim": {w: v["ratio"] for w, v in sim["at_sla_edge"].items()},
         "sla_capacity_ratio_sim": {w: v["ratio"] for w, v in sim["sla_capacity"].items()},
         "sla_attainment": {p: float(np.mean([x for v in ws.values() for x in v])) for p, ws in attain.items()},
-        "capacity_rps": report["capacity_rps"],
+        "capacity_rps": report["capacity_rps"], "capacities_rps": report["capacities_rps"],
     }
     pred = report.get("predictor") or {}
     if "token_mae" in pred:

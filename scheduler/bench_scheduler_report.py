@@ -21,8 +21,10 @@ def render_markdown(r: dict[str, Any]) -> str:
     sla = env["sim"]
     out = ["# Scheduler benchmark", "",
            f"SLA: TTFT <= {sla['sla_ttft_ms']:g} ms, time per output token <= {sla['sla_tpot_ms']:g} ms. "
-           f"Capacity (the rate at which a fixed budget of 128 keeps 95% of requests within the SLA in the "
-           f"simulator): {r['capacity_rps']:.2f} req/s; loads are multiples of it. Workloads held out from "
+           f"Capacity of each workload (the rate at which a fixed budget of 128 keeps 95% of its requests within "
+           f"the SLA in the simulator): " + ", ".join(f"{k} {v:.2f}" for k, v in r["capacities_rps"].items())
+           + " req/s; loads are multiples of it. Ratios skip cells where even the best fixed budget serves "
+           "under 10% of the offered requests within the SLA (collapse: two near-zero numbers). Workloads held out from "
            f"training: Poisson and bursty arrivals on other seeds, diurnal arrivals (never used in training), "
            f"{r['workloads']}. Goodput = requests meeting the SLA per second; the best fixed budget is chosen per "
            "cell in hindsight.", ""]
@@ -85,12 +87,13 @@ def _real_tables(real: dict[str, Any], sla: dict[str, Any]) -> list[str]:
         out.append(f"| {p} | {s['requests']} | {s['errors']} | {_f(s['sla_attainment'], 3)} | {_f(s['goodput_rps'])} | "
                    f"{_f(s['ttft_p50_ms'], 1)} / {_f(s['ttft_p95_ms'], 1)} | {_f(s['tpot_p50_ms'], 1)} / "
                    f"{_f(s['tpot_p95_ms'], 1)} |")
-    o = real["overhead"]
+    o = real["serving_path"]
     out += ["", f"Goodput ratio, learned / best fixed, on the real stack: {_f(real['goodput_ratio'], 3)}.", "",
             "### The simulator against the real stack", "",
-            f"Each served run replayed in the simulator (same arrivals, prompt lengths and produced output lengths). "
-            f"The serving path's own latency was measured on {o['probes']} probe requests sent one at a time after the "
-            f"run (not fitted to it): +{o['ttft_ms']:.1f} ms to the first token, +{o['token_ms']:.2f} ms per later token.",
+            f"Each served run replayed in the simulator (same arrivals, prompt lengths and produced output lengths), "
+            f"with the serving path `smartexit profile` measured on its own requests (never fitted to these runs): "
+            f"+{o['ttft_overhead_ms']:.1f} ms to the first token, +{o['token_overhead_ms']:.2f} ms per later token, "
+            f"{o['serve_chunk_ms']:.2f} ms of the stack's time per delivered chunk under load.",
             "", "| run | metric | measured (ms) | simulated (ms) | relative error |", "| --- | --- | ---: | ---: | ---: |"]
     for p, v in real["validation"].items():
         for k in v["measured"]:

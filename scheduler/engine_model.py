@@ -69,6 +69,15 @@ def exit_model(latency: LatencyModel, thresholds: str | Path | None, traces: str
     return model, source
 
 
+def serving_fields(run_dir: str | Path) -> dict[str, float]:
+    """The SimConfig fields of the run's measured serving path (``smartexit profile``'s serving.json);
+    none without it (the simulator then models the engine alone)."""
+    from scheduler.serving_path import SERVING_JSON, ServingPath
+
+    sp = ServingPath.load(Path(run_dir) / "scheduler" / SERVING_JSON)
+    return {} if sp is None else sp.sim_fields()
+
+
 def from_run(run_dir: str | Path, latency: str | Path | None = None) -> tuple[LatencyModel, ExitModel, dict[str, str]]:
     """The run's latency model (or ``latency``) and exit model, with their sources."""
     run = Path(run_dir)

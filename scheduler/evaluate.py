@@ -34,21 +34,24 @@ class WorkloadSpec:
 
 
 def trace_at_rate(trace: Workload, rate: float, duration_s: float, cfg: EnvConfig, start_s: float = 0.0) -> Workload:
-    """``duration_s`` of ``trace`` from ``start_s`` (trace time), time-scaled so its mean rate is
-    ``rate``; lengths clipped to the context (cfg.max_prompt / max_output).
+    """The ``rate x duration_s`` requests of ``trace`` from ``start_s`` (trace time), time-scaled so
+    that their own mean rate is ``rate`` (a trace's density varies along it: scaling by the whole
+    trace's mean would miss the target); lengths clipped to the context (cfg.max_prompt / max_output).
 
     Raises:
-        ConfigError: the window holds fewer than two requests.
+        ConfigError: fewer than two requests from ``start_s``.
     """
     t = trace.arrival_s
-    native = rate_of(trace)
-    scale = native / rate                                # trace seconds -> run seconds
-    window = (t >= start_s) & (t < start_s + duration_s / scale)
-    if window.sum() < 2:
-        raise ConfigError(f"trace window from {start_s} s holds {int(window.sum())} requests; need >= 2")
-    arr = (t[window] - t[window][0]) * scale
-    return Workload(arr, np.minimum(trace.prompt_tokens[window], cfg.max_prompt),
-                    np.minimum(trace.output_tokens[window], cfg.max_output), f"{trace.source} at {rate:.2f} req/s")
+    first = int(np.searchsorted(t, start_s))
+    n = min(max(2, int(round(rate * duration_s))), len(t) - first)
+    if n < 2:
+        raise ConfigError(f"trace from {start_s} s holds {max(0, len(t) - first)} requests; need >= 2")
+    idx = slice(first, first + n)
+    span = float(t[idx][-1] - t[idx][0])
+    scale = (n - 1) / rate / span if span > 0 else 0.0  # trace seconds -> run seconds
+    arr = (t[idx] - t[idx][0]) * scale if span > 0 else np.arange(n) / rate
+    return Workload(arr, np.minimum(trace.prompt_tokens[idx], cfg.max_prompt),
+                    np.minimum(trace.output_tokens[idx], cfg.max_output), f"{trace.source} at {rate:.2f} req/s")
 
 
 def workload_for(spec: WorkloadSpec, rate: float, duration_s: float, cfg: EnvConfig) -> Workload:
@@ -64,18 +67,39 @@ def holds_sla(s: dict[str, Any]) -> bool:
             and (s["tpot_p95_ms"] is None or s["tpot_p95_ms"] <= sla["tpot_ms"]))
 
 
+def spec_capacity(latency: LatencyModel, exits: ExitModel, cfg: EnvConfig, spec: WorkloadSpec, policy: Any,
+                  duration_s: float, attainment: float = 0.95) -> float:
+    """The highest rate (req/s, bisection on a log scale) at which ``policy`` keeps SLA attainment >=
+    ``attainment`` on this workload family: its own capacity (a trace's long prompts load the engine
+    more per request than short synthetic ones)."""
+
+    def ok(rate: float) -> bool:
+        sim = simulate(latency, exits, cfg.sim, workload_for(spec, rate, duration_s, cfg), policy, cfg.tick_s)
+        return summarize(sim.results(), cfg.sim.sla_ttft_ms, cfg.sim.sla_tpot_ms)["sla_attainment"] >= attainment
+
+    lo, hi = 0.05, 0.5
+    while ok(hi) and hi < 1e4:
+        lo, hi = hi, hi * 2
+    for _ in range(10):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
 def evaluate_grid(latency: LatencyModel, exits: ExitModel, cfg: EnvConfig, specs: Sequence[WorkloadSpec],
                   loads: Sequence[float], policies: dict[str, Callable[[], Any]], duration_s: float,
-                  seeds: Sequence[int] = (0,), progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+                  seeds: Sequence[int] = (0,), progress: Callable[[str], None] | None = None,
+                  capacities: dict[str, float] | None = None) -> list[dict[str, Any]]:
     """One row per (workload, load, policy, seed): the run's summary plus its keys.
 
-    ``loads``: multiples of ``cfg.capacity_rps``; ``policies``: name -> a factory (a fresh policy per
-    run: the learned one carries LSTM state).
+    ``loads``: multiples of each workload's capacity (``capacities[name]``, default
+    ``cfg.capacity_rps``); ``policies``: name -> a factory (a fresh policy per run: the learned one
+    carries LSTM state).
     """
     rows = []
     for spec in specs:
         for load in loads:
-            rate = load * cfg.capacity_rps
+            rate = load * (capacities or {}).get(spec.name, cfg.capacity_rps)
             w = workload_for(spec, rate, duration_s, cfg)
             for seed in seeds:
                 sim_cfg = SimConfig(**{**cfg.sim.__dict__, "seed": seed})
@@ -133,10 +157,16 @@ def sla_edge(cells: dict, workload: str, loads: Sequence[float], policy: str | N
     return edge
 
 
-def compare(cells: dict, workloads: Sequence[str], loads: Sequence[float], learned: str) -> dict[str, Any]:
+MIN_GOODPUT_SHARE = 0.1  # cells where the best fixed budget serves less than this share of the offered
+# requests within the SLA (collapse past saturation) compare two near-zero numbers: reported, not ratioed
+
+
+def compare(cells: dict, workloads: Sequence[str], loads: Sequence[float], learned: str,
+            offered: dict[tuple[str, float], float] | None = None) -> dict[str, Any]:
     """The learned policy against the best fixed budget: goodput ratio per (workload, load), its
-    smallest per workload and overall, at each workload's SLA edge, and the SLA capacity ratio (the
-    highest load each holds, learned / best fixed)."""
+    smallest per workload and overall (over cells where the best fixed budget still serves
+    ``MIN_GOODPUT_SHARE`` of the offered rate within the SLA), at each workload's SLA edge, and the
+    SLA capacity ratio (the highest load each holds, learned / best fixed)."""
     per_cell, per_workload, at_edge, capacity = {}, {}, {}, {}
     for w in workloads:
         ratios = []
@@ -144,10 +174,14 @@ def compare(cells: dict, workloads: Sequence[str], loads: Sequence[float], learn
             name, bf = best_fixed(cells, w, load)
             le = cells[(w, load, learned)]
             ratio = le["goodput_rps"] / bf["goodput_rps"] if bf["goodput_rps"] > 0 else math.nan
+            rate = (offered or {}).get((w, load))
+            collapsed = rate is not None and bf["goodput_rps"] < MIN_GOODPUT_SHARE * rate
             per_cell[f"{w}@{load:g}"] = {"best_fixed": name, "ratio": ratio, "best_fixed_goodput": bf["goodput_rps"],
-                                         "learned_goodput": le["goodput_rps"], "noise": max(bf["goodput_std"], le["goodput_std"])}
-            ratios.append(ratio)
-        per_workload[w] = float(np.nanmin(ratios))
+                                         "learned_goodput": le["goodput_rps"], "collapsed": collapsed,
+                                         "noise": max(bf["goodput_std"], le["goodput_std"])}
+            if not collapsed:
+                ratios.append(ratio)
+        per_workload[w] = float(np.nanmin(ratios)) if ratios else math.nan
         edge = sla_edge(cells, w, loads)
         if edge is not None:
             name, bf = best_fixed(cells, w, edge)
@@ -157,5 +191,5 @@ def compare(cells: dict, workloads: Sequence[str], loads: Sequence[float], learn
         capacity[w] = {"best_fixed_edge_load": edge, "learned_edge_load": le_edge,
                        "ratio": (le_edge / edge) if edge and le_edge else None}
     return {"per_cell": per_cell, "goodput_ratio_vs_best_fixed": per_workload,
-            "goodput_ratio_vs_best_fixed_min": float(min(per_workload.values())),
+            "goodput_ratio_vs_best_fixed_min": float(np.nanmin(list(per_workload.values()))),
             "at_sla_edge": at_edge, "sla_capacity": capacity}

@@ -210,8 +210,9 @@ class FallbackGuard:
 
     Windows of ``window_s`` follow one another; each runs in one mode: ``probe`` (the heuristic, to
     measure the reference), ``learned``, or ``fallback`` (the heuristic after the learned policy fell
-    short). The first window is a probe (no reference yet); then the heuristic probes once every
-    ``probe_every`` windows. A window's attainment counts only with ``min_requests`` finished in it.
+    short). The first window is a probe (no reference yet) unless ``first="learned"`` (a benchmark of
+    the learned policy alone: no fallback before the first probe); then the heuristic probes once
+    every ``probe_every`` windows. A window's attainment counts only with ``min_requests`` finished in it.
     Any heuristic window with an attainment refreshes the reference; a learned window whose
     attainment is below the reference starts a fallback of ``cooldown_windows`` windows (logged at
     WARNING with both numbers, counted in ``fallbacks``, recorded in ``events``), after which
@@ -222,6 +223,7 @@ class FallbackGuard:
     min_requests: int = 20
     probe_every: int = 10
     cooldown_windows: int = 4
+    first: str = "probe"                                         # the first window's mode: probe | learned
     fallbacks: int = field(default=0, init=False)
     events: list[dict[str, Any]] = field(default_factory=list, init=False)
     reference: float | None = field(default=None, init=False)  # the heuristic's latest window attainment
@@ -232,6 +234,9 @@ class FallbackGuard:
         if self.window_s <= 0 or self.min_requests < 1 or self.probe_every < 2 or self.cooldown_windows < 1:
             raise ConfigError("fallback guard: window_s > 0, min_requests >= 1, probe_every >= 2 and "
                               "cooldown_windows >= 1")
+        if self.first not in ("probe", "learned"):
+            raise ConfigError(f"fallback guard: first must be 'probe' or 'learned', got {self.first!r}")
+        self.mode = self.first
         self._start: float | None = None
         self._base = (0, 0)             # finished_total, sla_met_total at the window's start
         self._since_probe = 0           # learned windows since the last heuristic one

@@ -82,6 +82,11 @@ class ProfileConfig:
     holdout: float = 0.25  # share of scenarios held out to score the fit
     budgets: list[int] = field(default_factory=lambda: list(BUDGETS))
     max_output: int = 64  # generated scenarios: output tokens per request, max_output / 8 .. max_output
+    # the serving path (scheduler/serving_path.py): start the stack once, send serving_requests one at a
+    # time and max_seqs at once (~40 s); false: the engine alone (the simulator then adds nothing for it)
+    serving: bool = True
+    serving_requests: int = 16
+    serving_budget: int = 512
 
     def __post_init__(self) -> None:
         self.scenario_list = [Scenario(**s) if isinstance(s, dict) else s for s in self.scenario_list]
@@ -386,6 +391,31 @@ def bundle_path(cfg: ProfileConfig) -> Path:
     return path
 
 
+def profile_serving(cfg: ProfileConfig, model: LatencyModel, pool: list[list[int]], max_seqs: int) -> Path:
+    """Measure and fit the serving path (scheduler/serving_path.py); writes ``serving.json``."""
+    from scheduler.engine_model import exit_model
+    from scheduler.loadgen import ScheduledRequest, cut_prompts
+    from scheduler.serving_path import SERVING_JSON, fit_serving_path, measure
+    from scheduler.sim import SimConfig
+
+    rng = np.random.default_rng(cfg.seed + 1)
+    lengths = rng.integers(64, 257, cfg.serving_requests)
+    reqs = [ScheduledRequest(0.0, p, 32, f"serving-{i}") for i, p in enumerate(cut_prompts(pool, lengths, cfg.seed))]
+    sla = (500.0, 50.0)  # what the requests carry; the measurement does not depend on it
+    print(f"profile: the serving path: {len(reqs)} requests one at a time, {min(max_seqs, len(reqs))} at once",
+          flush=True)
+    probes, burst = measure(cfg.run_dir, reqs, cfg.serving_budget, max_seqs, sla)
+    run = Path(cfg.run_dir)
+    exits, _ = exit_model(model, run / "calibration" / "thresholds.json", None)
+    sp = fit_serving_path(model, exits, SimConfig(max_seqs=max_seqs, sla_ttft_ms=sla[0], sla_tpot_ms=sla[1]),
+                          probes, burst, cfg.serving_budget)
+    out = run / "scheduler" / SERVING_JSON
+    sp.save(out)
+    print(f"profile: serving path +{sp.ttft_overhead_ms:.1f} ms to the first token, +{sp.token_overhead_ms:.2f} ms "
+          f"per later token, {sp.serve_chunk_ms:.2f} ms per chunk under load ({sp.measured})", flush=True)
+    return out
+
+
 def prompt_pool(bundle: Path) -> tuple[list[list[int]], tuple[int, ...]]:
     """The held-out test split, one token stream per document, and the stop ids the server adds (end of
     text), both through the bundle's tokenizer (as scheduler/bench_serve.py reads them)."""
@@ -449,6 +479,13 @@ def main(cfg: ProfileConfig) -> int:
           f"{fit['test_rel_err_median']:.3f}, p90 {fit['test_rel_err_p90']:.3f}; wrote {out}", flush=True)
     metrics = {k: fit[k] for k in ("test_rel_err_median", "test_rel_err_p90", "test_scenario_mean_rel_err_median",
                                    "test_scenario_mean_rel_err_max", "points", "scenarios")}
+    if cfg.serving:
+        del engine  # its ONNX Runtime sessions: the stack's engine gets the CPU to itself
+        gc.collect()
+        path = profile_serving(cfg, model, pool, ecfg.max_seqs)
+        paths["serving"] = path
+        sp = json.loads(path.read_text())
+        metrics.update({k: sp[k] for k in ("ttft_overhead_ms", "token_overhead_ms", "serve_chunk_ms")})
     Manifest(cfg.run_dir).record(STAGE, inputs={"bundle": bundle}, config=asdict(cfg), outputs=paths,
                                  metrics=metrics, seconds=time.perf_counter() - t0)
     return 0

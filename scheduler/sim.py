@@ -107,6 +107,10 @@ class SimConfig:
     sla_tpot_ms: float = 50.0
     ttft_overhead_ms: float = 0.0   # the serving path's added latency to the first token (HTTP, Ray, Triton)
     token_overhead_ms: float = 0.0  # and to each later token
+    # the serving path's time per delivered chunk (one request's tokens of one step: host -> Triton stub
+    # -> worker -> ingress -> client), a FIFO behind the engine: under load, a stack sharing the CPU
+    # with the engine delivers at most 1 / serve_chunk_ms chunks per ms (0: no limit)
+    serve_chunk_ms: float = 0.0
     # rows exit only while the decode batch holds at most this many sequences (None: any batch): the
     # engine's defer_exit_max_batch (edge/runtime/engine.py; 1 in the shipped defer mode on CPU)
     exit_max_batch: int | None = 1
@@ -117,8 +121,8 @@ class SimConfig:
             raise ConfigError("sim: max_seqs, max_waiting, prefill_budget and max_running must be >= 1")
         if self.sla_ttft_ms <= 0 or self.sla_tpot_ms <= 0:
             raise ConfigError("sim: the SLA's ttft_ms and tpot_ms must be > 0")
-        if self.ttft_overhead_ms < 0 or self.token_overhead_ms < 0:
-            raise ConfigError("sim: overheads must be >= 0")
+        if self.ttft_overhead_ms < 0 or self.token_overhead_ms < 0 or self.serve_chunk_ms < 0:
+            raise ConfigError("sim: overheads and serve_chunk_ms must be >= 0")
         if self.exit_max_batch is not None and self.exit_max_batch < 1:
             raise ConfigError(f"sim: exit_max_batch must be >= 1 or None, got {self.exit_max_batch}")
 
@@ -133,6 +137,7 @@ class _Req:
     prefilled: int = 0
     generated: int = 0
     first: float | None = None
+    last: float | None = None   # when its latest token reached the client
     end: float | None = None
     predicted: float | None = None
     late: bool = False          # a token was delivered after its due time
@@ -186,6 +191,8 @@ class Simulator:
         self._tpot = self.cfg.sla_tpot_ms / 1e3
         self._oh_first = self.cfg.ttft_overhead_ms / 1e3
         self._oh_tok = self.cfg.token_overhead_ms / 1e3
+        self._chunk = self.cfg.serve_chunk_ms / 1e3
+        self._serve_free = 0.0  # when the serving path is next free
         self._recent_ttft: collections.deque[float] = collections.deque(maxlen=RECENT)
         self._recent_tpot: collections.deque[float] = collections.deque(maxlen=RECENT)
         self._arrivals: collections.deque[float] = collections.deque()
@@ -285,12 +292,12 @@ class Simulator:
         for r in dec:
             e = int(r.exits[r.generated]) if exits else L
             r.predicted = e if r.predicted is None else (1 - EMA) * r.predicted + EMA * e
-            self._deliver(r, t_deliver + self._oh_tok)
+            self._deliver(r, self._served(t_deliver) + self._oh_tok)
             if r.generated >= r.out:
                 finished.append(r)
         for r in done_prefill:
             self.prefilling.remove(r)
-            r.first = t_deliver + self._oh_first
+            r.first = self._served(t_deliver) + self._oh_first
             self._deliver(r, r.first)
             if r.generated >= r.out:
                 finished.append(r)
@@ -301,7 +308,15 @@ class Simulator:
                 self.decoding.remove(r)
             self._finish(r)
 
+    def _served(self, t: float) -> float:
+        """When a chunk the engine hands over at ``t`` leaves the serving path (FIFO)."""
+        if self._chunk <= 0:
+            return t
+        self._serve_free = max(self._serve_free, t) + self._chunk
+        return self._serve_free
+
     def _deliver(self, r: _Req, t: float) -> None:
+        r.last = t
         due = r.arrival + self._ttft + r.generated * self._tpot
         r.generated += 1
         self.tokens_total += 1
@@ -315,7 +330,7 @@ class Simulator:
                 c.violations += 1
 
     def _finish(self, r: _Req) -> None:
-        r.end = self.t + (self._oh_tok if r.out > 1 else self._oh_first)
+        r.end = r.last
         ttft = r.first - r.arrival
         tpot = (r.end - r.first) / (r.out - 1) if r.out > 1 else None
         self._recent_ttft.append(ttft)
