@@ -69,13 +69,26 @@ def exit_model(latency: LatencyModel, thresholds: str | Path | None, traces: str
     return model, source
 
 
-def serving_fields(run_dir: str | Path) -> dict[str, float]:
-    """The SimConfig fields of the run's measured serving path (``smartexit profile``'s serving.json);
-    none without it (the simulator then models the engine alone)."""
+def serving_fields(run_dir: str | Path) -> dict[str, Any]:
+    """The SimConfig fields of the served engine: the host's limits and audit rate from the bundle
+    ``smartexit repo`` wrote (the audit's full-depth re-decodes are engine work too), and the serving
+    path ``smartexit profile`` measured (serving.json); what is absent keeps the simulator's default."""
+    from edge.runtime.audit import AuditConfig
     from scheduler.serving_path import SERVING_JSON, ServingPath
 
-    sp = ServingPath.load(Path(run_dir) / "scheduler" / SERVING_JSON)
-    return {} if sp is None else sp.sim_fields()
+    run = Path(run_dir)
+    out: dict[str, Any] = {}
+    bundle = run / "triton" / "smartexit" / "1" / "bundle" / "bundle.json"
+    if bundle.is_file():
+        host = json.loads(bundle.read_text()).get("host", {})
+        audit = host.get("audit") or {}
+        out["audit_fraction"] = float(audit.get("fraction", AuditConfig().fraction))
+        out["audit_max_pending"] = int(audit.get("max_pending", AuditConfig().max_pending))
+        for k in ("max_seqs", "max_waiting"):
+            if k in host:
+                out[k] = int(host[k])
+    sp = ServingPath.load(run / "scheduler" / SERVING_JSON)
+    return out if sp is None else {**out, **sp.sim_fields()}
 
 
 def from_run(run_dir: str | Path, latency: str | Path | None = None) -> tuple[LatencyModel, ExitModel, dict[str, str]]:

@@ -85,8 +85,10 @@ class ProfileConfig:
     # the serving path (scheduler/serving_path.py): start the stack once, send serving_requests one at a
     # time and max_seqs at once (~40 s); false: the engine alone (the simulator then adds nothing for it)
     serving: bool = True
-    serving_requests: int = 16
-    serving_budget: int = 512
+    serving_requests: int = 8        # probes, one at a time
+    serving_rate: float = 4.0        # req/s of the open-loop load run (Poisson, seed 7 + seed)
+    serving_duration_s: float = 15.0
+    serving_budget: int = 128
 
     def __post_init__(self) -> None:
         self.scenario_list = [Scenario(**s) if isinstance(s, dict) else s for s in self.scenario_list]
@@ -398,21 +400,30 @@ def profile_serving(cfg: ProfileConfig, model: LatencyModel, pool: list[list[int
     from scheduler.serving_path import SERVING_JSON, fit_serving_path, measure
     from scheduler.sim import SimConfig
 
+    from scheduler.env import EnvConfig, make_workload
+    from scheduler.engine_model import serving_fields
+
     rng = np.random.default_rng(cfg.seed + 1)
     lengths = rng.integers(64, 257, cfg.serving_requests)
-    reqs = [ScheduledRequest(0.0, p, 32, f"serving-{i}") for i, p in enumerate(cut_prompts(pool, lengths, cfg.seed))]
+    probes = [ScheduledRequest(0.0, p, 32, f"probe-{i}") for i, p in enumerate(cut_prompts(pool, lengths, cfg.seed))]
+    w = make_workload("poisson", cfg.serving_rate, cfg.serving_duration_s, 7 + cfg.seed, EnvConfig())
+    load = [ScheduledRequest(float(a), p, int(o), f"load-{i}") for i, (a, p, o) in
+            enumerate(zip(w.arrival_s, cut_prompts(pool, w.prompt_tokens, cfg.seed + 2), w.output_tokens))]
     sla = (500.0, 50.0)  # what the requests carry; the measurement does not depend on it
-    print(f"profile: the serving path: {len(reqs)} requests one at a time, {min(max_seqs, len(reqs))} at once",
-          flush=True)
-    probes, burst = measure(cfg.run_dir, reqs, cfg.serving_budget, max_seqs, sla)
+    print(f"profile: the serving path: {len(load)} requests at {cfg.serving_rate:g} req/s, then {len(probes)} one "
+          "at a time", flush=True)
+    probes_res, load_res = measure(cfg.run_dir, probes, load, cfg.serving_budget, max_seqs, sla)
     run = Path(cfg.run_dir)
     exits, _ = exit_model(model, run / "calibration" / "thresholds.json", None)
-    sp = fit_serving_path(model, exits, SimConfig(max_seqs=max_seqs, sla_ttft_ms=sla[0], sla_tpot_ms=sla[1]),
-                          probes, burst, cfg.serving_budget)
+    engine = {k: v for k, v in serving_fields(run).items() if k in ("audit_fraction", "audit_max_pending",
+                                                                   "max_waiting")}
+    sp = fit_serving_path(model, exits, SimConfig(max_seqs=max_seqs, sla_ttft_ms=sla[0], sla_tpot_ms=sla[1],
+                                                  **engine), probes_res, load_res, cfg.serving_budget)
     out = run / "scheduler" / SERVING_JSON
     sp.save(out)
     print(f"profile: serving path +{sp.ttft_overhead_ms:.1f} ms to the first token, +{sp.token_overhead_ms:.2f} ms "
-          f"per later token, {sp.serve_chunk_ms:.2f} ms per chunk under load ({sp.measured})", flush=True)
+          f"per later token; under load the served engine steps {sp.engine_slowdown:.2f}x slower than profiled "
+          f"({sp.measured})", flush=True)
     return out
 
 
@@ -485,7 +496,7 @@ def main(cfg: ProfileConfig) -> int:
         path = profile_serving(cfg, model, pool, ecfg.max_seqs)
         paths["serving"] = path
         sp = json.loads(path.read_text())
-        metrics.update({k: sp[k] for k in ("ttft_overhead_ms", "token_overhead_ms", "serve_chunk_ms")})
+        metrics.update({k: sp[k] for k in ("ttft_overhead_ms", "token_overhead_ms", "engine_slowdown")})
     Manifest(cfg.run_dir).record(STAGE, inputs={"bundle": bundle}, config=asdict(cfg), outputs=paths,
                                  metrics=metrics, seconds=time.perf_counter() - t0)
     return 0

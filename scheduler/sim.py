@@ -107,13 +107,23 @@ class SimConfig:
     sla_tpot_ms: float = 50.0
     ttft_overhead_ms: float = 0.0   # the serving path's added latency to the first token (HTTP, Ray, Triton)
     token_overhead_ms: float = 0.0  # and to each later token
-    # the serving path's time per delivered chunk (one request's tokens of one step: host -> Triton stub
-    # -> worker -> ingress -> client), a FIFO behind the engine: under load, a stack sharing the CPU
-    # with the engine delivers at most 1 / serve_chunk_ms chunks per ms (0: no limit)
+    # engine time lost per delivered chunk (one request's tokens of one step) when served: Triton's
+    # python backend packs and sends each chunk on a responder thread of the engine's own process,
+    # under the GIL the engine thread needs, and the stack's processes share the CPU (measured: the
+    # stub at ~80% of a core under load); it lengthens the step that produced the chunks
     serve_chunk_ms: float = 0.0
+    # the served engine's step time / the profiled engine's (>= 1): the stack's processes and threads
+    # (Triton's python backend responder, IPC, Ray Serve, the HTTP client) share the CPU and the GIL
+    # with the engine thread; measured by `smartexit profile` on an open-loop run of its own
+    engine_slowdown: float = 1.0
     # rows exit only while the decode batch holds at most this many sequences (None: any batch): the
     # engine's defer_exit_max_batch (edge/runtime/engine.py; 1 in the shipped defer mode on CPU)
     exit_max_batch: int | None = 1
+    # the host's online false-exit audit (edge/runtime/host.py): each early-exited token is sampled with
+    # this probability and re-decoded at full depth as a one-token request over its whole prefix, one at
+    # a time, admitted only when nothing waits and a slot is free; at most audit_max_pending queued
+    audit_fraction: float = 0.0
+    audit_max_pending: int = 64
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -121,8 +131,13 @@ class SimConfig:
             raise ConfigError("sim: max_seqs, max_waiting, prefill_budget and max_running must be >= 1")
         if self.sla_ttft_ms <= 0 or self.sla_tpot_ms <= 0:
             raise ConfigError("sim: the SLA's ttft_ms and tpot_ms must be > 0")
+        if self.engine_slowdown < 1.0:
+            raise ConfigError(f"sim: engine_slowdown must be >= 1, got {self.engine_slowdown}")
         if self.ttft_overhead_ms < 0 or self.token_overhead_ms < 0 or self.serve_chunk_ms < 0:
             raise ConfigError("sim: overheads and serve_chunk_ms must be >= 0")
+        if not 0.0 <= self.audit_fraction <= 1.0 or self.audit_max_pending < 0:
+            raise ConfigError(f"sim: audit_fraction must be in [0, 1] and audit_max_pending >= 0, got "
+                              f"{self.audit_fraction}, {self.audit_max_pending}")
         if self.exit_max_batch is not None and self.exit_max_batch < 1:
             raise ConfigError(f"sim: exit_max_batch must be >= 1 or None, got {self.exit_max_batch}")
 
@@ -142,6 +157,7 @@ class _Req:
     predicted: float | None = None
     late: bool = False          # a token was delivered after its due time
     rejected: bool = False
+    audit: bool = False         # the host's own audit request: no client, no SLA
 
 
 @dataclass
@@ -182,6 +198,10 @@ class Simulator:
             ex = rng.choice(layers, size=n, p=self.exits.request_probs(rng))
             ex[0] = layers[-1]
             self._reqs.append(_Req(i, float(w.arrival_s[i]), int(w.prompt_tokens[i]), n, ex))
+        self._audit_rng = np.random.default_rng([self.cfg.seed, 1])
+        self._audits: collections.deque[int] = collections.deque()  # queued audit prefixes' lengths
+        self._audit_inflight = False
+        self.audits_total = 0
         self._next = 0                          # the next arrival's index
         self.waiting: collections.deque[_Req] = collections.deque()
         self.prefilling: list[_Req] = []
@@ -192,7 +212,6 @@ class Simulator:
         self._oh_first = self.cfg.ttft_overhead_ms / 1e3
         self._oh_tok = self.cfg.token_overhead_ms / 1e3
         self._chunk = self.cfg.serve_chunk_ms / 1e3
-        self._serve_free = 0.0  # when the serving path is next free
         self._recent_ttft: collections.deque[float] = collections.deque(maxlen=RECENT)
         self._recent_tpot: collections.deque[float] = collections.deque(maxlen=RECENT)
         self._arrivals: collections.deque[float] = collections.deque()
@@ -248,10 +267,22 @@ class Simulator:
             else:
                 self.waiting.append(r)
 
+    def _maybe_audit(self) -> None:
+        """As the host: one audit at a time, only when nothing waits and a slot is free."""
+        running = len(self.prefilling) + len(self.decoding)
+        if (self._audits and not self._audit_inflight and not self.waiting
+                and running < min(self.limit, self.cfg.max_seqs)):
+            n = self._audits.popleft()
+            self.prefilling.append(_Req(-1, self.t, n, 1, np.array([self._L]), audit=True))
+            self._audit_inflight = True
+            self.audits_total += 1
+
     def _step(self) -> None:
         w, ends, L = self._w, self._ends, self._L
         while self.waiting and len(self.prefilling) + len(self.decoding) < min(self.limit, self.cfg.max_seqs):
             self.prefilling.append(self.waiting.popleft())
+        if self.cfg.audit_fraction > 0:
+            self._maybe_audit()
         # decode: one token each, at its exit layer
         dec = self.decoding
         cost = 0.0
@@ -283,21 +314,24 @@ class Simulator:
                 done_prefill.append(r)
         if chunks:
             cost += w["prefill_calls"] * chunks + w["prefill_tokens"] * tokens + w["prefill_attn"] * pattn / 1e3
-        cost += w["one"]
+        cost = (cost + w["one"]) * self.cfg.engine_slowdown + self._chunk * (len(dec) + len(done_prefill))
         self.t += cost
         self.steps_total += 1
         self.counts.busy_s += cost
         t_deliver = self.t
         finished = []
+        af = self.cfg.audit_fraction
         for r in dec:
             e = int(r.exits[r.generated]) if exits else L
             r.predicted = e if r.predicted is None else (1 - EMA) * r.predicted + EMA * e
-            self._deliver(r, self._served(t_deliver) + self._oh_tok)
+            if af > 0 and e < L and self._audit_rng.random() < af and len(self._audits) < self.cfg.audit_max_pending:
+                self._audits.append(r.prompt + r.generated)
+            self._deliver(r, t_deliver + self._oh_tok)
             if r.generated >= r.out:
                 finished.append(r)
         for r in done_prefill:
             self.prefilling.remove(r)
-            r.first = self._served(t_deliver) + self._oh_first
+            r.first = t_deliver + self._oh_first
             self._deliver(r, r.first)
             if r.generated >= r.out:
                 finished.append(r)
@@ -308,15 +342,11 @@ class Simulator:
                 self.decoding.remove(r)
             self._finish(r)
 
-    def _served(self, t: float) -> float:
-        """When a chunk the engine hands over at ``t`` leaves the serving path (FIFO)."""
-        if self._chunk <= 0:
-            return t
-        self._serve_free = max(self._serve_free, t) + self._chunk
-        return self._serve_free
-
     def _deliver(self, r: _Req, t: float) -> None:
         r.last = t
+        if r.audit:  # its token goes to the audit, not to a client
+            r.generated += 1
+            return
         due = r.arrival + self._ttft + r.generated * self._tpot
         r.generated += 1
         self.tokens_total += 1
@@ -331,6 +361,9 @@ class Simulator:
 
     def _finish(self, r: _Req) -> None:
         r.end = r.last
+        if r.audit:
+            self._audit_inflight = False
+            return
         ttft = r.first - r.arrival
         tpot = (r.end - r.first) / (r.out - 1) if r.out > 1 else None
         self._recent_ttft.append(ttft)
@@ -347,14 +380,16 @@ class Simulator:
         """The engine host's ``stats`` keys (docs/serving.md) at the current time."""
         now = self.t
         slacks = [(r.arrival + self._ttft + r.generated * self._tpot - now) * 1e3
-                  for r in (*self.waiting, *self.prefilling, *self.decoding)]
+                  for r in (*self.waiting, *self.prefilling, *self.decoding) if not r.audit]
         preds = [r.predicted for r in self.decoding if r.predicted is not None]
         while self._arrivals and self._arrivals[0] < now - RATE_WINDOW_S:
             self._arrivals.popleft()
-        oldest = self.waiting[0] if self.waiting else (self.prefilling[0] if self.prefilling else None)
+        pre = [r for r in self.prefilling if not r.audit]
+        oldest = self.waiting[0] if self.waiting else (pre[0] if pre else None)
         return {
             "time": now, "waiting": len(self.waiting),
             "prefill_backlog_tokens": sum(r.prompt - r.prefilled for r in (*self.waiting, *self.prefilling)),
+            "audits_total": self.audits_total, "audit_pending": len(self._audits),
             "running": len(self.prefilling) + len(self.decoding),
             "free_slots": self.cfg.max_seqs - len(self.prefilling) - len(self.decoding),
             "prefill_budget": self.budget, "max_running": self.limit, "max_seqs": self.cfg.max_seqs,

@@ -322,8 +322,15 @@ def main(cfg: TrainSchedulerConfig) -> int:
 
     t0, wall = time.perf_counter(), {}
     th.set_num_threads(cfg.threads)
+    from dataclasses import replace
+
+    from scheduler.engine_model import serving_fields
+
     latency, exits, sources = engine_models(cfg)
     env = cfg.env
+    # the served engine: the bundle's audit and limits, the serving path the profile measured
+    env.sim = replace(env.sim, **{k: v for k, v in serving_fields(cfg.run_dir).items()
+                                  if k in env.sim.__dataclass_fields__})
     env.capacity_rps = estimate_capacity(latency, exits, env, FixedBudget(cfg.capacity_budget, env.sim.max_seqs))
     say = partial(print, flush=True)
     say(f"train-scheduler: capacity {env.capacity_rps:.2f} req/s (fixed {cfg.capacity_budget}, SLA "

@@ -66,10 +66,11 @@ def test_holds_sla_reads_p95_and_refusals():
 
 
 def test_trace_rescaled_to_a_rate():
-    t = np.arange(0.0, 1000.0, 2.0)  # 0.5 req/s native
+    # dense at first (10 req/s for 10 s), sparse after: the window's own rate is what gets scaled
+    t = np.concatenate([np.arange(0.0, 10.0, 0.1), np.arange(10.0, 1000.0, 2.0)])
     w = Workload(t, np.full(t.size, 900), np.full(t.size, 100), "trace x")
     out = trace_at_rate(w, 5.0, 20.0, EnvConfig())
-    assert len(out) == 100 and out.arrival_s[1] - out.arrival_s[0] == pytest.approx(0.2)
+    assert len(out) == 100 and (len(out) - 1) / out.arrival_s[-1] == pytest.approx(5.0)
     assert out.prompt_tokens.max() == 448 and out.output_tokens.max() == 64
     with pytest.raises(ConfigError, match="holds 0 requests"):
         trace_at_rate(w, 5.0, 20.0, EnvConfig(), start_s=5000.0)
