@@ -12,7 +12,7 @@ DEMO_CFG := configs/demo.yaml
 MODEL_FILES := $(wildcard edge/assets/tiny/*) $(wildcard edge/assets/tiny-ee/*) $(wildcard edge/assets/data/*)
 SRC := $(shell find edge calibration exporters scheduler -name '*.py' 2>/dev/null)
 
-.PHONY: demo test venv distill calibrate export bench generate report repo serve bench-serve aiperf-check train-tiny train-tiny-ee train-scheduler llamacpp clean help
+.PHONY: demo test venv distill calibrate export bench generate report repo serve bench-serve profile bench-scheduler aiperf-check train-tiny train-tiny-ee train-scheduler llamacpp clean help
 .DEFAULT_GOAL := help
 
 help:
@@ -23,6 +23,8 @@ help:
 	@echo "make train-scheduler  retrain the learned scheduler -> scheduler/assets/ppo (~10 min on 2 cores; needs the latency model of smartexit profile)"
 	@echo "make serve       start tritonserver + the Ray Serve OpenAI API on 127.0.0.1:8000 (Ctrl-C stops it)"
 	@echo "make bench-serve the serving load test (trace arrivals, both control policies, vs in process)"
+	@echo "make profile     the engine's step time and the serving path -> the simulator's latency model (~1.5 min)"
+	@echo "make bench-scheduler  the learned scheduler vs fixed budgets and heuristics (simulator + real stack)"
 	@echo "make llamacpp    build llama-cpp-python from source: adds llama.cpp as system (f) of make bench"
 	@echo "make distill | calibrate | export | bench | generate | report   one stage at a time (RUN=name picks artifacts/<name>)"
 
@@ -61,8 +63,16 @@ $(ART)/bench/serve.json: $(ART)/triton/smartexit/config.pbtxt configs/bench_serv
 $(ART)/bench/audit.json: $(ART)/triton/smartexit/config.pbtxt
 	$(SE) bench audit run_dir=$(ART)
 
+$(ART)/scheduler/latency.json: $(ART)/triton/smartexit/config.pbtxt
+	$(SE) profile run_dir=$(ART)
+
+POLICY_FILES := $(wildcard scheduler/assets/ppo/*)
+$(ART)/bench/scheduler.json: $(ART)/scheduler/latency.json configs/bench_scheduler.yaml $(POLICY_FILES)
+	$(SE) bench scheduler --config configs/bench_scheduler.yaml run_dir=$(ART)
+
 $(ART)/report.json: $(ART)/multi_exit/exits.json $(ART)/calibration/thresholds.json $(ART)/.generate.done \
-		$(ART)/onnx/graphs.json $(ART)/bench/decode.json $(ART)/bench/serve.json $(ART)/bench/audit.json
+		$(ART)/onnx/graphs.json $(ART)/bench/decode.json $(ART)/bench/serve.json $(ART)/bench/audit.json \
+		$(ART)/bench/scheduler.json
 	$(SE) report run_dir=$(ART)
 
 distill: $(ART)/multi_exit/exits.json
@@ -73,6 +83,8 @@ generate: $(ART)/.generate.done
 report: $(ART)/report.json
 repo: $(ART)/triton/smartexit/config.pbtxt
 bench-serve: $(ART)/bench/serve.json
+profile: $(ART)/scheduler/latency.json
+bench-scheduler: $(ART)/bench/scheduler.json
 
 # the serving stack on the run's repository until Ctrl-C (serve.host / serve.port / serve.api_key: SERVE_ARGS)
 serve: $(ART)/triton/smartexit/config.pbtxt
@@ -88,7 +100,7 @@ train-tiny-ee: $(STAMP)
 	$(SE) distill --config configs/tiny_ee.yaml run_dir=runs/tiny-ee
 	$(BIN)/python -m edge.training.bundle_ee make-ee runs/tiny-ee
 
-train-scheduler: $(STAMP)
+train-scheduler: $(ART)/scheduler/latency.json
 	$(SE) train-scheduler --config configs/train_scheduler.yaml run_dir=$(ART)
 
 # ---- load-client cross-check: NVIDIA aiperf in its own venv (it pins other versions), never in demo/test ----

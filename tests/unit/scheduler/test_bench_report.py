@@ -88,6 +88,7 @@ def test_stage_end_to_end_with_fake_runs(tmp_path, monkeypatch):
     cfg = apply(BenchServeConfig(), load_yaml(ROOT / "configs" / "bench_serve.yaml"))
     cfg.run_dir, cfg.tokenizer = str(tmp_path / "run"), str(ROOT / "edge" / "assets" / "tiny-ee" / "tokenizer.json")
     cfg.context_window = 512  # no bundle here
+    cfg.policies = ["fixed", "aimd"]  # the demo preset runs one; both here: the first heads the summary
     seen = {}
 
     def served(c, schedule, cap):
