@@ -62,8 +62,12 @@ def build_policy(cfg: ServeConfig) -> Any:
 
     if cfg.policy.value != "ppo":
         return make_policy(cfg.policy.value, **cfg.policy_kwargs)
+    import torch
+
     from scheduler.online import FallbackGuard, GuardedPolicy, OnlineTuner
 
+    # the policy's forward pass is tiny; torch's default pool would take every core from the engine
+    torch.set_num_threads(1)
     learned = make_policy("ppo", **cfg.policy_kwargs)
     heuristic = make_policy(cfg.fallback_policy.value, **cfg.fallback_kwargs)
     try:
