@@ -195,17 +195,18 @@ class SchedulerEnv(_gym().Env):
 
 def estimate_capacity(latency: LatencyModel, exits: ExitModel, cfg: EnvConfig, policy: Any,
                       attainment: float = 0.95, seed: int = 0, duration_s: float = 60.0,
-                      pattern: str = "poisson") -> float:
-    """The highest rate (req/s, bisection) at which ``policy`` keeps SLA attainment >= ``attainment``
-    on ``pattern`` arrivals of ``cfg``'s lengths in the simulator."""
+                      pattern: str = "poisson", workload_at: Any = None) -> float:
+    """The highest rate (req/s, bisection on a log scale) at which ``policy`` keeps SLA attainment >=
+    ``attainment`` in the simulator, on ``pattern`` arrivals of ``cfg``'s lengths or on
+    ``workload_at(rate)`` (a workload family of its own: scheduler/evaluate.py)."""
     from scheduler.bench_report import summarize
 
     def ok(rate: float) -> bool:
-        w = make_workload(pattern, rate, duration_s, seed, cfg)
+        w = workload_at(rate) if workload_at is not None else make_workload(pattern, rate, duration_s, seed, cfg)
         sim = simulate(latency, exits, cfg.sim, w, policy, cfg.tick_s)
         return summarize(sim.results(), cfg.sim.sla_ttft_ms, cfg.sim.sla_tpot_ms)["sla_attainment"] >= attainment
 
-    lo, hi = 0.1, 1.0
+    lo, hi = 0.05, 0.5
     while ok(hi) and hi < 1e4:
         lo, hi = hi, hi * 2
     for _ in range(12):

@@ -15,7 +15,7 @@ import numpy as np
 
 from edge.core.errors import ConfigError
 from scheduler.bench_report import summarize
-from scheduler.env import EnvConfig, make_workload
+from scheduler.env import EnvConfig, estimate_capacity, make_workload
 from scheduler.latency import LatencyModel
 from scheduler.sim import ExitModel, SimConfig, simulate
 from scheduler.workload import Workload, rate_of
@@ -69,21 +69,10 @@ def holds_sla(s: dict[str, Any]) -> bool:
 
 def spec_capacity(latency: LatencyModel, exits: ExitModel, cfg: EnvConfig, spec: WorkloadSpec, policy: Any,
                   duration_s: float, attainment: float = 0.95) -> float:
-    """The highest rate (req/s, bisection on a log scale) at which ``policy`` keeps SLA attainment >=
-    ``attainment`` on this workload family: its own capacity (a trace's long prompts load the engine
-    more per request than short synthetic ones)."""
-
-    def ok(rate: float) -> bool:
-        sim = simulate(latency, exits, cfg.sim, workload_for(spec, rate, duration_s, cfg), policy, cfg.tick_s)
-        return summarize(sim.results(), cfg.sim.sla_ttft_ms, cfg.sim.sla_tpot_ms)["sla_attainment"] >= attainment
-
-    lo, hi = 0.05, 0.5
-    while ok(hi) and hi < 1e4:
-        lo, hi = hi, hi * 2
-    for _ in range(10):
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo
+    """This workload family's own capacity (a trace's long prompts and same-instant bursts load the
+    engine more per request than short synthetic ones): :func:`scheduler.env.estimate_capacity` on it."""
+    return estimate_capacity(latency, exits, cfg, policy, attainment,
+                             workload_at=lambda rate: workload_for(spec, rate, duration_s, cfg))
 
 
 def evaluate_grid(latency: LatencyModel, exits: ExitModel, cfg: EnvConfig, specs: Sequence[WorkloadSpec],

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from edge.core.errors import ConfigError
+from edge.runtime.host import p95_ms  # the host's own tail statistic: one definition live and simulated
 from scheduler.latency import LatencyModel
 from scheduler.loadgen import RequestResult
 from scheduler.workload import Workload
@@ -397,7 +398,7 @@ class Simulator:
             "predicted_exit_layer": float(np.mean(preds)) if preds else self.exits.mean_layer,
             "min_slack_ms": min(slacks) if slacks else None,
             "oldest_waiting_slack_ms": None if oldest is None else (oldest.arrival + self._ttft - now) * 1e3,
-            "recent_ttft_p95_ms": _p95_ms(self._recent_ttft), "recent_tpot_p95_ms": _p95_ms(self._recent_tpot),
+            "recent_ttft_p95_ms": p95_ms(self._recent_ttft), "recent_tpot_p95_ms": p95_ms(self._recent_tpot),
             "arrival_rate_rps": len(self._arrivals) / RATE_WINDOW_S,
             "sla_ttft_ms": self.cfg.sla_ttft_ms, "sla_tpot_ms": self.cfg.sla_tpot_ms,
             "tokens_total": self.tokens_total, "finished_total": self.finished_total,
@@ -419,13 +420,6 @@ class Simulator:
                 res.error_kind, res.error = "unfinished", "the simulation ended first"
             out.append(res)
         return out
-
-
-def _p95_ms(values: collections.deque[float]) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, math.ceil(0.95 * len(s)) - 1)] * 1e3
 
 
 def simulate(latency: LatencyModel, exits: ExitModel, cfg: SimConfig, workload: Workload, policy: Any,

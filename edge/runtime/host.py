@@ -491,7 +491,7 @@ class EngineHost:
             "predicted_exit_layer": float(np.mean(preds)) if preds else fallback_pred,
             "min_slack_ms": min(slacks) if slacks else None,
             "oldest_waiting_slack_ms": None if oldest is None else (oldest - now) * 1e3,
-            "recent_ttft_p95_ms": _p95_ms(self._recent_ttft), "recent_tpot_p95_ms": _p95_ms(self._recent_tpot),
+            "recent_ttft_p95_ms": p95_ms(self._recent_ttft), "recent_tpot_p95_ms": p95_ms(self._recent_tpot),
             "arrival_rate_rps": len(self._arrivals) / RATE_WINDOW_S,
             "sla_ttft_ms": self._last_sla[0], "sla_tpot_ms": self._last_sla[1],
             "sla_met_total": self.sla_met_total, "violations_total": self.violations_total,
@@ -501,7 +501,7 @@ class EngineHost:
         }
 
 
-def _p95_ms(values: collections.deque[float]) -> float | None:
+def p95_ms(values: collections.deque[float]) -> float | None:
     """The 95th percentile (nearest rank) in ms; None for none."""
     if not values:
         return None
