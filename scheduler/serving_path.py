@@ -90,30 +90,43 @@ def fit_serving_path(latency: LatencyModel, exits: ExitModel, base: SimConfig, p
     if not probes or len(load) < 4:
         raise ConfigError(f"serving path: {len(probes)} probes and {len(load)} load requests succeeded with "
                           ">= 2 tokens; need 1 and 4")
-    alone = _sim(latency, exits, SimConfig(**{**base.__dict__, "ttft_overhead_ms": 0.0, "token_overhead_ms": 0.0}),
-                 _workload(probes, np.arange(len(probes)) * 60.0), budget)
-    o_ttft = max(0.0, float(np.median([(r.ttft_s - s.ttft_s) * 1e3 for r, s in zip(probes, alone)])))
-    o_tok = max(0.0, float(np.median([(r.tpot_s - s.tpot_s) * 1e3 for r, s in zip(probes, alone)])))
     measured = float(np.mean([r.tpot_s for r in load])) * 1e3
     wl = _workload(load, [r.arrival_s for r in load])
+    wp = _workload(probes, np.arange(len(probes)) * 60.0)
 
-    def tpot(k: float) -> float:
-        cfg = SimConfig(**{**base.__dict__, "ttft_overhead_ms": o_ttft, "token_overhead_ms": o_tok,
-                           "engine_slowdown": k})
+    def overheads(k: float) -> tuple[float, float]:
+        """The probes' latency beyond the simulator's for each request alone, its steps slowed by k."""
+        alone = _sim(latency, exits, SimConfig(**{**base.__dict__, "ttft_overhead_ms": 0.0, "token_overhead_ms": 0.0,
+                                                  "engine_slowdown": k}), wp, budget)
+        return (max(0.0, float(np.median([(r.ttft_s - s.ttft_s) * 1e3 for r, s in zip(probes, alone)]))),
+                # the last token's delay: every later token carries the per-token overhead
+                max(0.0, float(np.median([(r.e2e_s - s.e2e_s) * 1e3 for r, s in zip(probes, alone)]))))
+
+    def tpot(k: float, o: tuple[float, float]) -> float:
+        cfg = SimConfig(**{**base.__dict__, "ttft_overhead_ms": o[0], "token_overhead_ms": o[1], "engine_slowdown": k})
         return float(np.mean([s.tpot_s for s in _sim(latency, exits, cfg, wl, budget) if s.tpot_s is not None])) * 1e3
 
-    lo, hi = 1.0, 8.0
-    if tpot(lo) >= measured:
-        hi = 1.0
-    else:
-        for _ in range(25):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if tpot(mid) < measured else (lo, mid)
+    # the slowdown stretches a lone request's steps too: fit it and the overheads in turn
+    hi, o = 1.0, overheads(1.0)
+    for _ in range(3):
+        lo, hi = 1.0, 8.0
+        if tpot(lo, o) >= measured:
+            hi = 1.0
+        else:
+            for _ in range(25):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if tpot(mid, o) < measured else (lo, mid)
+        o = overheads(hi)
+    o_ttft, o_tok = o
+
+    def _tp(k: float) -> float:
+        return tpot(k, o)
+
     return ServingPath(o_ttft, o_tok, 0.0, hi, len(probes), len(load),
                        {"probe_ttft_p50_ms": float(np.median([r.ttft_s for r in probes])) * 1e3,
                         "probe_tpot_p50_ms": float(np.median([r.tpot_s for r in probes])) * 1e3,
-                        "load_tpot_mean_ms": measured, "load_tpot_mean_sim_ms": tpot(hi),
-                        "load_tpot_mean_sim_unslowed_ms": tpot(1.0)})
+                        "load_tpot_mean_ms": measured, "load_tpot_mean_sim_ms": _tp(hi),
+                        "load_tpot_mean_sim_unslowed_ms": _tp(1.0)})
 
 
 def measure(run_dir: str | Path, probes: Sequence[Any], load: Sequence[Any], budget: int, max_seqs: int,

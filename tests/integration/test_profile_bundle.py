@@ -35,7 +35,7 @@ def test_profile_fits_the_engine(bundle, tmp_path):
     run = tmp_path / "run"
     cli = Path(sys.executable).with_name("smartexit")
     proc = subprocess.run([str(cli), "profile", f"run_dir={run}", f"bundle={bundle}", "scenarios=12",
-                           "steps_per_scenario=40", "warmup_steps=5"], capture_output=True, text=True, timeout=120)
+                           "steps_per_scenario=40", "warmup_steps=5", "serving=false"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     out = run / "scheduler"
     model = LatencyModel.load(out / "latency.json")
