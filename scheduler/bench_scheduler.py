@@ -19,7 +19,6 @@ records stage ``bench_scheduler`` in the manifest.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -134,12 +133,9 @@ def policy_factories(cfg: BenchSchedulerConfig, learned: Any) -> dict[str, Any]:
 def real_schedule(cfg: BenchSchedulerConfig, w: Workload) -> list:
     """The workload's arrivals and lengths with prompts cut from the held-out split (bench serve's pool)."""
     from scheduler.bench_serve import BenchServeConfig, prompt_pool
-    from scheduler.loadgen import ScheduledRequest, cut_prompts
+    from scheduler.loadgen import requests_of
 
-    pool = prompt_pool(BenchServeConfig(run_dir=cfg.run_dir))
-    prompts = cut_prompts(pool, w.prompt_tokens, cfg.seed)
-    return [ScheduledRequest(float(a), p, int(o), f"r{i:05d}") for i, (a, p, o) in
-            enumerate(zip(w.arrival_s, prompts, w.output_tokens))]
+    return requests_of(w, prompt_pool(BenchServeConfig(run_dir=cfg.run_dir)), cfg.seed)
 
 
 def served(cfg: BenchSchedulerConfig, env: EnvConfig, policy: str, kwargs: dict[str, Any], schedule: list) -> list:

@@ -91,10 +91,24 @@ def serving_fields(run_dir: str | Path) -> dict[str, Any]:
     return out if sp is None else {**out, **sp.sim_fields()}
 
 
-def from_run(run_dir: str | Path, latency: str | Path | None = None) -> tuple[LatencyModel, ExitModel, dict[str, str]]:
-    """The run's latency model (or ``latency``) and exit model, with their sources."""
+def from_run(run_dir: str | Path, latency: str | Path | None = None, thresholds: str | Path | None = None,
+             traces: str | Path | None = None) -> tuple[LatencyModel, ExitModel, dict[str, str]]:
+    """The run's latency model and exit model (each file the run's unless named), with their sources:
+    the files that exist (``latency``, ``thresholds``, ``exit_traces``) and ``exits``, how the exit
+    model was made.
+
+    Raises:
+        ConfigError: a named file that does not exist; as LatencyModel.load and exit_model.
+    """
     run = Path(run_dir)
+    for name, path in (("exit_traces", traces), ("thresholds", thresholds)):
+        if path and not Path(path).is_file():
+            raise ConfigError(f"{name} {path} does not exist")
     lat_path = Path(latency) if latency else run / "scheduler" / "latency.json"
+    table = Path(thresholds) if thresholds else run / "calibration" / "thresholds.json"
+    trace_path = Path(traces) if traces else run / "scheduler" / "exit_traces.json"
     lm = LatencyModel.load(lat_path)
-    exits, source = exit_model(lm, run / "calibration" / "thresholds.json", run / "scheduler" / "exit_traces.json")
-    return lm, exits, {"latency": str(lat_path), "exits": source}
+    exits, source = exit_model(lm, table, trace_path)
+    files = {"latency": str(lat_path)} | {k: str(p) for k, p in (("thresholds", table), ("exit_traces", trace_path))
+                                          if p.is_file()}
+    return lm, exits, {**files, "exits": source}

@@ -18,7 +18,7 @@ from scheduler.bench_report import summarize
 from scheduler.env import EnvConfig, estimate_capacity, make_workload
 from scheduler.latency import LatencyModel
 from scheduler.sim import ExitModel, SimConfig, simulate
-from scheduler.workload import Workload, rate_of
+from scheduler.workload import Workload
 
 FIXED_PREFIX = "fixed-"
 

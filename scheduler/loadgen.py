@@ -162,6 +162,18 @@ def cut_prompts(pool: Sequence[Sequence[int]], lengths: np.ndarray, seed: int) -
     return out
 
 
+def requests_of(workload: Workload, pool: Sequence[Sequence[int]], seed: int, prefix: str = "r") -> list[ScheduledRequest]:
+    """The workload's requests as they are (arrivals, prompt and output lengths), prompts cut from
+    ``pool`` (:func:`cut_prompts`).
+
+    Raises:
+        ConfigError: as :func:`cut_prompts`.
+    """
+    prompts = cut_prompts(pool, workload.prompt_tokens, seed)
+    return [ScheduledRequest(float(a), p, int(o), f"{prefix}{i:05d}")
+            for i, (a, p, o) in enumerate(zip(workload.arrival_s, prompts, workload.output_tokens))]
+
+
 def build_schedule(workload: Workload, prompts_pool: Sequence[Sequence[int]], context_window: int, max_output: int,
                    time_scale: float, seed: int, *, start_s: float = 0.0, duration_s: float | None = None,
                    max_requests: int | None = None, prompt_percentile: float = 99.0) -> list[ScheduledRequest]:

@@ -396,7 +396,7 @@ def bundle_path(cfg: ProfileConfig) -> Path:
 def profile_serving(cfg: ProfileConfig, model: LatencyModel, pool: list[list[int]], max_seqs: int) -> Path:
     """Measure and fit the serving path (scheduler/serving_path.py); writes ``serving.json``."""
     from scheduler.engine_model import exit_model
-    from scheduler.loadgen import ScheduledRequest, cut_prompts
+    from scheduler.loadgen import ScheduledRequest, cut_prompts, requests_of
     from scheduler.serving_path import SERVING_JSON, fit_serving_path, measure
     from scheduler.sim import SimConfig
 
@@ -407,8 +407,7 @@ def profile_serving(cfg: ProfileConfig, model: LatencyModel, pool: list[list[int
     lengths = rng.integers(64, 257, cfg.serving_requests)
     probes = [ScheduledRequest(0.0, p, 32, f"probe-{i}") for i, p in enumerate(cut_prompts(pool, lengths, cfg.seed))]
     w = make_workload("poisson", cfg.serving_rate, cfg.serving_duration_s, 7 + cfg.seed, EnvConfig())
-    load = [ScheduledRequest(float(a), p, int(o), f"load-{i}") for i, (a, p, o) in
-            enumerate(zip(w.arrival_s, cut_prompts(pool, w.prompt_tokens, cfg.seed + 2), w.output_tokens))]
+    load = requests_of(w, pool, cfg.seed + 2, prefix="load-")
     sla = (500.0, 50.0)  # what the requests carry; the measurement does not depend on it
     print(f"profile: the serving path: {len(load)} requests at {cfg.serving_rate:g} req/s, then {len(probes)} one "
           "at a time", flush=True)

@@ -118,15 +118,11 @@ def fit_serving_path(latency: LatencyModel, exits: ExitModel, base: SimConfig, p
                 lo, hi = (mid, hi) if tpot(mid, o) < measured else (lo, mid)
         o = overheads(hi)
     o_ttft, o_tok = o
-
-    def _tp(k: float) -> float:
-        return tpot(k, o)
-
     return ServingPath(o_ttft, o_tok, 0.0, hi, len(probes), len(load),
                        {"probe_ttft_p50_ms": float(np.median([r.ttft_s for r in probes])) * 1e3,
                         "probe_tpot_p50_ms": float(np.median([r.tpot_s for r in probes])) * 1e3,
-                        "load_tpot_mean_ms": measured, "load_tpot_mean_sim_ms": _tp(hi),
-                        "load_tpot_mean_sim_unslowed_ms": _tp(1.0)})
+                        "load_tpot_mean_ms": measured, "load_tpot_mean_sim_ms": tpot(hi, o),
+                        "load_tpot_mean_sim_unslowed_ms": tpot(1.0, o)})
 
 
 def measure(run_dir: str | Path, probes: Sequence[Any], load: Sequence[Any], budget: int, max_seqs: int,

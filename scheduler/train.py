@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import copy
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -123,27 +122,12 @@ def engine_models(cfg: TrainSchedulerConfig) -> tuple[LatencyModel, ExitModel, d
     Raises:
         ConfigError: no latency model; no exit traces and no threshold table; layers that disagree.
     """
-    from scheduler.engine_model import exit_model
+    from scheduler.engine_model import from_run
 
-    run = Path(cfg.run_dir)
-    lat_path = Path(cfg.latency) if cfg.latency else run / "scheduler" / "latency.json"
-    latency = LatencyModel.load(lat_path)
-    traces = Path(cfg.exit_traces) if cfg.exit_traces else run / "scheduler" / "exit_traces.json"
-    table = Path(cfg.thresholds) if cfg.thresholds else run / "calibration" / "thresholds.json"
-    for name, path in (("exit_traces", cfg.exit_traces), ("thresholds", cfg.thresholds)):
-        if path and not Path(path).is_file():
-            raise ConfigError(f"train-scheduler: {name} {path} does not exist")
-    exits, source = exit_model(latency, table, traces)
-    files = {"latency": str(lat_path)} | {k: str(p) for k, p in (("thresholds", table), ("exit_traces", traces))
-                                          if p.is_file()}
-    return latency, exits, {**files, "exits": source}
-
-
-def _json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"train-scheduler: {path} is not JSON ({exc})") from None
+        return from_run(cfg.run_dir, cfg.latency, cfg.thresholds, cfg.exit_traces)
+    except ConfigError as exc:
+        raise ConfigError(f"train-scheduler: {exc}") from None
 
 
 def baselines(env: EnvConfig) -> dict[str, Callable[[], Policy]]:

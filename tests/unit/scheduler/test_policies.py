@@ -65,3 +65,19 @@ def test_aimd_converges_under_a_toy_latency_model():
 def test_bad_policy_settings(name, kw, msg):
     with pytest.raises(ConfigError, match=msg):
         make_policy(name, **kw)
+
+
+def test_maxdelay_trickles_until_the_queue_is_long_or_old_enough():
+    from scheduler.policies import MaxDelay
+
+    base = dict(waiting=1, prefill_backlog_tokens=100, running=2, free_slots=14, prefill_budget=16, max_running=16,
+                max_seqs=16, num_layers=12, predicted_exit_layer=12.0, min_slack_ms=50.0, sla_ttft_ms=500.0)
+    p = MaxDelay(max_delay_ms=100, preferred_tokens=256, min_budget=16, max_budget=512)
+    # waited 50 ms (slack 450 of 500), 100 tokens queued: trickle
+    assert p.act(ControlObservation(**base, oldest_waiting_slack_ms=450.0)).prefill_budget == 16
+    # waited 150 ms: release
+    assert p.act(ControlObservation(**base, oldest_waiting_slack_ms=350.0)).prefill_budget == 512
+    # enough tokens queued: release at once
+    assert p.act(ControlObservation(**{**base, "prefill_backlog_tokens": 300}, oldest_waiting_slack_ms=490.0)
+                 ).prefill_budget == 512
+    assert p.act(ControlObservation(**{**base, "max_seqs": 4}, oldest_waiting_slack_ms=None)).max_running == 4
