@@ -137,6 +137,7 @@ class TritonProcess:
     host: str = LOOPBACK
     ports: TritonPorts | None = None
     log_verbose: int = 0
+    env: dict[str, str] = field(default_factory=dict)  # added to the server's environment
     _proc: object = field(default=None, repr=False)
     install: TritonInstall | None = None
 
@@ -174,7 +175,7 @@ class TritonProcess:
         Raises:
             SmartExitError: it exited or did not become ready in time (the log's tail is in the message).
         """
-        env = {**os.environ, **self.install.env}
+        env = {**os.environ, **self.install.env, **self.env}
         self._proc = spawn(self.command(), env=env, log_path=self.log_path)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

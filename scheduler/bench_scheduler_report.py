@@ -91,13 +91,24 @@ def _real_tables(real: dict[str, Any], sla: dict[str, Any]) -> list[str]:
     out += ["", f"Goodput ratio, learned / best fixed, on the real stack: {_f(real['goodput_ratio'], 3)}.", "",
             "### The simulator against the real stack", "",
             f"Each served run replayed in the simulator (same arrivals, prompt lengths and produced output lengths), "
-            f"with the serving path `smartexit profile` measured on its own requests (never fitted to these runs): "
-            f"+{o['ttft_overhead_ms']:.1f} ms to the first token, +{o['token_overhead_ms']:.2f} ms per later token, "
-            f"{o['serve_chunk_ms']:.2f} ms of the stack's time per delivered chunk under load.",
-            "", "| run | metric | measured (ms) | simulated (ms) | relative error |", "| --- | --- | ---: | ---: | ---: |"]
-    for p, v in real["validation"].items():
+            f"with the serving path `smartexit profile` fitted on its own requests (never on these runs): decode "
+            f"steps x{o['engine_slowdown']:.2f} and prefill x{o['prefill_slowdown'] or o['engine_slowdown']:.2f} the "
+            f"profiled time, {o['serve_chunk_ms']:.2f} ms per chunk sent, +{o['ttft_overhead_ms']:.1f} ms to the first "
+            f"token, +{o['token_overhead_ms']:.2f} ms per later token. The runs below the edge (same stack as the fixed "
+            f"budget's run) give `sim_validation_max_rel_err`; at the edge the stack is at its knee and two runs of one "
+            f"schedule can differ by up to 2x on 2 cores: those errors are reported apart."]
+    spread = real.get("repeat_spread")
+    if spread:
+        out += ["", "The real stack against itself: two runs of one schedule below the edge differ by "
+                + ", ".join(f"{k} {v:.3f}" for k, v in spread["rel_diff"].items())
+                + " (|a - b| / their mean): no simulator can be closer to one run than the runs are to each other."]
+    out += ["", "| run | metric | measured (ms) | simulated (ms) | relative error |", "| --- | --- | ---: | ---: | ---: |"]
+    runs = [(f"{v['policy']} at {v['rate_rps']:.2f} req/s (x{v['share_of_edge']:g} of the edge)", v)
+            for v in real.get("validation_below_edge", [])]
+    runs += [(f"{p} at the edge", v) for p, v in real["validation"].items()]
+    for label, v in runs:
         for k in v["measured"]:
-            out.append(f"| {p} | {k} | {_f(v['measured'][k], 1)} | {_f(v['simulated'][k], 1)} | "
+            out.append(f"| {label} | {k} | {_f(v['measured'][k], 1)} | {_f(v['simulated'][k], 1)} | "
                        f"{_f(v['rel_err'].get(k), 3)} |")
     out.append("")
     return out

@@ -82,12 +82,14 @@ class ProfileConfig:
     holdout: float = 0.25  # share of scenarios held out to score the fit
     budgets: list[int] = field(default_factory=lambda: list(BUDGETS))
     max_output: int = 64  # generated scenarios: output tokens per request, max_output / 8 .. max_output
-    # the serving path (scheduler/serving_path.py): start the stack once, send serving_requests one at a
-    # time and max_seqs at once (~40 s); false: the engine alone (the simulator then adds nothing for it)
+    # the serving path (scheduler/serving_path.py): start the stack once, one open-loop Poisson run
+    # (seed 7 + seed + i) per load (~1 min in all); false: the engine alone (the simulator adds nothing)
     serving: bool = True
-    serving_requests: int = 8        # probes, one at a time
-    serving_rate: float = 4.0        # req/s of the open-loop load run (Poisson, seed 7 + seed)
-    serving_duration_s: float = 15.0
+    # the runs' rates, as shares of the rate the engine alone holds the SLA at (simulated): light and
+    # moderate, below the knee (on 2 cores the stack holds the SLA to ~0.45 of it; past the knee, two
+    # runs of one schedule differ by 2x: nothing to fit)
+    serving_loads: list[float] = field(default_factory=lambda: [0.2, 0.4])
+    serving_duration_s: float = 20.0
     serving_budget: int = 128
 
     def __post_init__(self) -> None:
@@ -103,6 +105,11 @@ class ProfileConfig:
             raise ConfigError(f"profile: threads must be >= 1 or None, got {self.threads}")
         if not self.budgets or any(b < 1 for b in self.budgets):
             raise ConfigError(f"profile: budgets must be a non-empty list of values >= 1, got {self.budgets}")
+        if self.serving and (not self.serving_loads or any(not 0 < f <= 2 for f in self.serving_loads)
+                             or self.serving_duration_s <= 0 or self.serving_budget < 1):
+            raise ConfigError(f"profile: serving_loads must be a non-empty list in (0, 2] (shares of the engine's "
+                              f"capacity), serving_duration_s > 0 and serving_budget >= 1; got {self.serving_loads}, "
+                              f"{self.serving_duration_s}, {self.serving_budget}")
 
 
 # --------------------------------------------------------------------------- scenarios
@@ -395,34 +402,37 @@ def bundle_path(cfg: ProfileConfig) -> Path:
 
 def profile_serving(cfg: ProfileConfig, model: LatencyModel, pool: list[list[int]], max_seqs: int) -> Path:
     """Measure and fit the serving path (scheduler/serving_path.py); writes ``serving.json``."""
-    from scheduler.engine_model import exit_model
-    from scheduler.loadgen import ScheduledRequest, cut_prompts, requests_of
-    from scheduler.serving_path import SERVING_JSON, fit_serving_path, measure
+    from scheduler.engine_model import exit_model, serving_fields
+    from scheduler.env import EnvConfig, estimate_capacity, make_workload
+    from scheduler.loadgen import requests_of
+    from scheduler.policies import FixedBudget
+    from scheduler.serving_path import SERVING_JSON, STEP_LOG, fit_serving_path, measure
     from scheduler.sim import SimConfig
 
-    from scheduler.env import EnvConfig, make_workload
-    from scheduler.engine_model import serving_fields
-
-    rng = np.random.default_rng(cfg.seed + 1)
-    lengths = rng.integers(64, 257, cfg.serving_requests)
-    probes = [ScheduledRequest(0.0, p, 32, f"probe-{i}") for i, p in enumerate(cut_prompts(pool, lengths, cfg.seed))]
-    w = make_workload("poisson", cfg.serving_rate, cfg.serving_duration_s, 7 + cfg.seed, EnvConfig())
-    load = requests_of(w, pool, cfg.seed + 2, prefix="load-")
-    sla = (500.0, 50.0)  # what the requests carry; the measurement does not depend on it
-    print(f"profile: the serving path: {len(load)} requests at {cfg.serving_rate:g} req/s, then {len(probes)} one "
-          "at a time", flush=True)
-    probes_res, load_res = measure(cfg.run_dir, probes, load, cfg.serving_budget, max_seqs, sla)
     run = Path(cfg.run_dir)
     exits, _ = exit_model(model, run / "calibration" / "thresholds.json", None)
     engine = {k: v for k, v in serving_fields(run).items() if k in ("audit_fraction", "audit_max_pending",
                                                                    "max_waiting")}
-    sp = fit_serving_path(model, exits, SimConfig(max_seqs=max_seqs, sla_ttft_ms=sla[0], sla_tpot_ms=sla[1],
-                                                  **engine), probes_res, load_res, cfg.serving_budget)
+    base = SimConfig(max_seqs=max_seqs, **engine)  # the SLA the requests carry: the measurement ignores it
+    env = EnvConfig(sim=base)
+    capacity = estimate_capacity(model, exits, env, FixedBudget(cfg.serving_budget, max_seqs))
+    rates = [f * capacity for f in cfg.serving_loads]
+    loads = [requests_of(make_workload("poisson", r, cfg.serving_duration_s, 7 + cfg.seed + i, env), pool,
+                         cfg.seed + 2 + i, prefix=f"cal{i}-") for i, r in enumerate(rates)]
+    print(f"profile: the serving path: open-loop runs at {', '.join(f'{r:.2f}' for r in rates)} req/s "
+          f"({', '.join(str(len(x)) for x in loads)} requests; the engine alone holds the SLA to {capacity:.2f})",
+          flush=True)
+    results, steps = measure(cfg.run_dir, loads, cfg.serving_budget, max_seqs, (base.sla_ttft_ms, base.sla_tpot_ms),
+                             run / "scheduler" / STEP_LOG)
+    sp = fit_serving_path(model, exits, base, results, cfg.serving_budget, steps)
     out = run / "scheduler" / SERVING_JSON
     sp.save(out)
-    print(f"profile: serving path +{sp.ttft_overhead_ms:.1f} ms to the first token, +{sp.token_overhead_ms:.2f} ms "
-          f"per later token; under load the served engine steps {sp.engine_slowdown:.2f}x slower than profiled "
-          f"({sp.measured})", flush=True)
+    st = sp.fit["steps"]
+    print(f"profile: serving path: {st['steps']} served steps: decode {sp.engine_slowdown:.2f}x and prefill "
+          f"{sp.prefill_slowdown:.2f}x the profiled time, {sp.serve_chunk_ms:.2f} ms per chunk sent (step error "
+          f"median {st['rel_err_median']:.3f}); +{sp.ttft_overhead_ms:.1f} ms to the first token, "
+          f"+{sp.token_overhead_ms:.2f} ms per later token; TTFT / TPOT p50 / p95 max rel err "
+          f"{sp.fit['max_rel_err']:.3f}", flush=True)
     return out
 
 
@@ -495,7 +505,9 @@ def main(cfg: ProfileConfig) -> int:
         path = profile_serving(cfg, model, pool, ecfg.max_seqs)
         paths["serving"] = path
         sp = json.loads(path.read_text())
-        metrics.update({k: sp[k] for k in ("ttft_overhead_ms", "token_overhead_ms", "engine_slowdown")})
+        metrics.update({k: sp[k] for k in ("ttft_overhead_ms", "token_overhead_ms", "engine_slowdown",
+                                           "prefill_slowdown", "serve_chunk_ms")})
+        metrics["serving_fit_max_rel_err"] = sp["fit"]["max_rel_err"]
     Manifest(cfg.run_dir).record(STAGE, inputs={"bundle": bundle}, config=asdict(cfg), outputs=paths,
                                  metrics=metrics, seconds=time.perf_counter() - t0)
     return 0

@@ -117,6 +117,10 @@ class SimConfig:
     # (Triton's python backend responder, IPC, Ray Serve, the HTTP client) share the CPU and the GIL
     # with the engine thread; measured by `smartexit profile` on an open-loop run of its own
     engine_slowdown: float = 1.0
+    # the same for the prefill part of a step (None: engine_slowdown); measured apart because long
+    # prompt chunks are one large ONNX Runtime call that holds no GIL, while decode is many short calls
+    # with Python between them, each taking the GIL back from the stack's threads
+    prefill_slowdown: float | None = None
     # rows exit only while the decode batch holds at most this many sequences (None: any batch): the
     # engine's defer_exit_max_batch (edge/runtime/engine.py; 1 in the shipped defer mode on CPU)
     exit_max_batch: int | None = 1
@@ -132,8 +136,9 @@ class SimConfig:
             raise ConfigError("sim: max_seqs, max_waiting, prefill_budget and max_running must be >= 1")
         if self.sla_ttft_ms <= 0 or self.sla_tpot_ms <= 0:
             raise ConfigError("sim: the SLA's ttft_ms and tpot_ms must be > 0")
-        if self.engine_slowdown < 1.0:
-            raise ConfigError(f"sim: engine_slowdown must be >= 1, got {self.engine_slowdown}")
+        if self.engine_slowdown < 1.0 or (self.prefill_slowdown is not None and self.prefill_slowdown < 1.0):
+            raise ConfigError(f"sim: engine_slowdown and prefill_slowdown must be >= 1, got "
+                              f"{self.engine_slowdown} and {self.prefill_slowdown}")
         if self.ttft_overhead_ms < 0 or self.token_overhead_ms < 0 or self.serve_chunk_ms < 0:
             raise ConfigError("sim: overheads and serve_chunk_ms must be >= 0")
         if not 0.0 <= self.audit_fraction <= 1.0 or self.audit_max_pending < 0:
@@ -213,6 +218,8 @@ class Simulator:
         self._oh_first = self.cfg.ttft_overhead_ms / 1e3
         self._oh_tok = self.cfg.token_overhead_ms / 1e3
         self._chunk = self.cfg.serve_chunk_ms / 1e3
+        kp = self.cfg.prefill_slowdown
+        self._kp = self.cfg.engine_slowdown if kp is None else kp
         self._recent_ttft: collections.deque[float] = collections.deque(maxlen=RECENT)
         self._recent_tpot: collections.deque[float] = collections.deque(maxlen=RECENT)
         self._arrivals: collections.deque[float] = collections.deque()
@@ -220,7 +227,8 @@ class Simulator:
         self._ends = list(self.latency.exit_layers)
         self._L = self.latency.num_layers
         self.tokens_total = self.finished_total = self.rejected_total = self.steps_total = 0
-        self.sla_met_total = 0
+        self.sla_met_total = self.chunks_total = 0
+        self.step_seconds_total = self.emit_seconds_total = 0.0
 
     # ---------------------------------------------------------------- control
     def set(self, prefill_budget: int | None = None, max_running: int | None = None) -> None:
@@ -313,11 +321,17 @@ class Simulator:
             r.prefilled += n
             if r.prefilled == r.prompt:
                 done_prefill.append(r)
+        pcost = 0.0
         if chunks:
-            cost += w["prefill_calls"] * chunks + w["prefill_tokens"] * tokens + w["prefill_attn"] * pattn / 1e3
-        cost = (cost + w["one"]) * self.cfg.engine_slowdown + self._chunk * (len(dec) + len(done_prefill))
+            pcost = w["prefill_calls"] * chunks + w["prefill_tokens"] * tokens + w["prefill_attn"] * pattn / 1e3
+        sent = len(dec) + sum(not r.audit for r in done_prefill)  # the host emits no chunk for an audit
+        engine = (cost + w["one"]) * self.cfg.engine_slowdown + pcost * self._kp
+        cost = engine + self._chunk * sent
         self.t += cost
         self.steps_total += 1
+        self.chunks_total += sent
+        self.step_seconds_total += engine
+        self.emit_seconds_total += cost - engine
         self.counts.busy_s += cost
         t_deliver = self.t
         finished = []
@@ -403,7 +417,8 @@ class Simulator:
             "sla_ttft_ms": self.cfg.sla_ttft_ms, "sla_tpot_ms": self.cfg.sla_tpot_ms,
             "tokens_total": self.tokens_total, "finished_total": self.finished_total,
             "sla_met_total": self.sla_met_total, "rejected_total": self.rejected_total,
-            "steps_total": self.steps_total,
+            "steps_total": self.steps_total, "step_seconds_total": self.step_seconds_total,
+            "emit_seconds_total": self.emit_seconds_total, "chunks_total": self.chunks_total,
         }
 
     # ---------------------------------------------------------------- results

@@ -184,7 +184,10 @@ def _scheduler_md(s: dict[str, Any]) -> list[str]:
         lines.append(f"Real served stack at the best fixed budget's SLA edge: goodput ratio "
                      f"{_fmt(s['goodput_ratio_vs_best_fixed_at_sla_edge'], '.3f')}; SLA attainment {real}. The "
                      f"simulator against the real stack: largest relative error of TTFT / TPOT p50 / p95 "
-                     f"{_fmt(s['sim_validation_max_rel_err'], '.3f')} (bench/scheduler.md).")
+                     f"{_fmt(s['sim_validation_max_rel_err'], '.3f')} on held-out runs below the edge, "
+                     f"{_fmt(s.get('sim_validation_at_edge_max_rel_err'), '.3f')} at the edge, where the stack "
+                     f"is at its knee; two served runs of one schedule differ by up to "
+                     f"{_fmt(s.get('real_repeat_max_rel_diff'), '.3f')} (bench/scheduler.md).")
     return lines + [""]
 
 

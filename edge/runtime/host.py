@@ -17,6 +17,7 @@ request's admission. When the audit's bound crosses eps, later ``bounded`` reque
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import math
 import threading
@@ -30,7 +31,7 @@ import numpy as np
 from edge.core.errors import ConfigError, RequestError, SmartExitError
 from edge.runtime.audit import AuditConfig, AuditEstimate
 from edge.runtime.backend import Backend
-from edge.runtime.engine import Engine, EngineConfig, Mode, Request, TokenEvent
+from edge.runtime.engine import NO_TOKEN, Engine, EngineConfig, Mode, Request, TokenEvent
 from edge.runtime.rules import BatchExitRule
 
 log = logging.getLogger("smartexit.host")
@@ -47,6 +48,10 @@ class HostConfig:
     default_sla_tpot_ms: float = 100.0
     audit: AuditConfig = field(default_factory=AuditConfig)
     control_timeout_s: float = 10.0
+    # a JSONL file the engine thread appends one line per step to (what the step did and how long it
+    # took under the stack): `smartexit profile` fits the served engine's step time from it
+    # (scheduler/serving_path.py). None: no log (the default; it costs the engine thread ~20 us a step)
+    step_log: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.engine, dict):
@@ -162,6 +167,9 @@ class EngineHost:
         self._thread: threading.Thread | None = None
         self._queued = 0  # submitted, not yet handed to the engine (read without a lock: an estimate)
         self.tokens_total = self.finished_total = self.rejected_total = self.steps_total = 0
+        # where the engine thread's time goes (the serving path's cost, scheduler/serving_path.py)
+        self.step_seconds_total = self.emit_seconds_total = 0.0
+        self.chunks_total = 0
         self.error: BaseException | None = None
         self._finished_times: collections.deque[float] = collections.deque(maxlen=64)
         # what a scheduler's reward and its fallback guard read (docs/serving.md, stats)
@@ -287,16 +295,28 @@ class EngineHost:
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
+        log_file = open(self.cfg.step_log, "a", encoding="utf-8") if self.cfg.step_log else None
         try:
             while not self._stop.is_set():
                 self._drain()
                 busy = self.engine.has_work
                 if busy:
-                    self.engine.step()
+                    before = self._before_step() if log_file is not None else None
+                    t0 = time.perf_counter()
+                    events = self.engine.step()
+                    t1 = time.perf_counter()
                     self.steps_total += 1
-                    self._flush()
+                    chunks = self._flush()
+                    t2 = time.perf_counter()
+                    self.chunks_total += chunks
+                    self.step_seconds_total += t1 - t0
+                    self.emit_seconds_total += t2 - t1
+                    if before is not None:
+                        self._log_step(log_file, before, events, t1 - t0, t2 - t1, chunks)
                 self._maybe_audit()
                 if not busy and not self._inbox:
+                    if log_file is not None:
+                        log_file.flush()
                     self._wake.wait(0.05)
                     self._wake.clear()
         except BaseException as exc:  # noqa: BLE001 - the thread must report its death, not vanish
@@ -308,6 +328,28 @@ class EngineHost:
                 _, _, fut = self._inbox.popleft()
                 if fut is not None:
                     fut.set_exception(HostError("internal", f"engine thread died: {exc!r}"))
+        finally:
+            if log_file is not None:
+                log_file.close()
+
+    def _before_step(self) -> tuple[dict[int, int], list[tuple[Any, int]]]:
+        """What the step log needs from before a step: the decoding sequences' cached positions and the
+        waiting or prefilling sequences with their prefilled tokens."""
+        e = self.engine
+        return {s.id: s.length for s in e.decoding}, [(s, s.prefilled) for s in e.waiting + e.prefilling]
+
+    def _log_step(self, f: Any, before: tuple[dict[int, int], list[tuple[Any, int]]], events: list[TokenEvent],
+                  step_s: float, emit_s: float, chunks: int) -> None:
+        """One line: step and emit seconds, chunks sent, decode rows ``[cached positions, exit layer]``,
+        prefill chunks ``[start, tokens]`` (a prefill's first token is not a decode row)."""
+        ctx, pending = before
+        rows = [[ctx[ev.request_id], ev.exit_layer] for ev in events
+                if ev.request_id in ctx and ev.token != NO_TOKEN]
+        pre = [[start, s.prefilled - start] for s, start in pending if s.prefilled > start]
+        f.write(json.dumps({"s": round(step_s, 7), "e": round(emit_s, 7), "c": chunks, "d": rows, "p": pre},
+                           separators=(",", ":")) + "\n")
+        if self.steps_total % 64 == 0:
+            f.flush()  # a stack stopped without a graceful shutdown loses at most 64 lines
 
     def _drain(self) -> None:
         while self._inbox:
@@ -375,10 +417,11 @@ class EngineHost:
         if ev.finished:
             live.finish = ev.finish_reason
 
-    def _flush(self) -> None:
-        """Hand each request the tokens of this step (and its end)."""
+    def _flush(self) -> int:
+        """Hand each request the tokens of this step (and its end); returns the chunks sent."""
         now = time.monotonic()
-        for live in [v for v in self._live.values() if v.tokens or v.finish]:
+        ready = [v for v in self._live.values() if v.tokens or v.finish]
+        for live in ready:
             chunk = Chunk(live.req.request_id, live.tokens, live.layers, live.finish)
             live.tokens, live.layers = [], []
             self.tokens_total += len(chunk.tokens)
@@ -386,6 +429,7 @@ class EngineHost:
             if live.finish is not None:
                 self._forget(live)
             self._send(live, chunk)
+        return len(ready)
 
     def _finish(self, live: _Live, reason: str) -> None:
         self._forget(live)
@@ -497,7 +541,9 @@ class EngineHost:
             "sla_met_total": self.sla_met_total, "violations_total": self.violations_total,
             "tokens_on_time_total": self.tokens_on_time_total, "tokens_late_total": self.tokens_late_total,
             "tokens_total": self.tokens_total, "finished_total": self.finished_total,
-            "rejected_total": self.rejected_total, "steps_total": self.steps_total, "audit": audit,
+            "rejected_total": self.rejected_total, "steps_total": self.steps_total,
+            "step_seconds_total": self.step_seconds_total, "emit_seconds_total": self.emit_seconds_total,
+            "chunks_total": self.chunks_total, "audit": audit,
         }
 
 

@@ -130,7 +130,11 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException("model 'smartexit' must be decoupled (config.pbtxt)")
         bundle = Path(args["model_repository"]) / args["model_version"] / "bundle"
-        self.host = open_bundle(bundle).start()
+        self.host = open_bundle(bundle)
+        # the serving path's measurement (scheduler/serving_path.py) asks for a step log through the
+        # environment the worker starts tritonserver with (ServeConfig.step_log)
+        self.host.cfg.step_log = os.environ.get("SMARTEXIT_STEP_LOG") or None
+        self.host.start()
         self.responder = Responder(self.host)
 
     def execute(self, requests):

@@ -81,6 +81,9 @@ class ServeConfig:
     stats_ttl_s: float = 10.0               # a worker silent this long drops out of /metrics, /health
     tps_window_s: float = 10.0              # smartexit_tokens_per_second averages over this window
     log_level: str = "WARNING"              # Ray Serve's replica logs (INFO: one access line per request)
+    # a JSONL file the served engine appends one line per step to (edge/runtime/host.py HostConfig.step_log;
+    # `smartexit profile` reads it); tritonservers this app starts only; None: no log
+    step_log: str | None = None
 
     def __post_init__(self) -> None:
         if self.bundle_dir is not None:

@@ -28,6 +28,15 @@ REPLICA_GAUGES = {
     "prefill_budget": ("smartexit_prefill_budget_tokens", "Prompt tokens the engine may prefill per step."),
     "max_running": ("smartexit_admission_limit", "Most sequences the engine may run at once (policy-set)."),
 }
+# counters (the ``_total`` suffix is the exposition's): where the engine thread's time goes
+REPLICA_COUNTERS = {
+    "steps_total": ("smartexit_engine_steps", "Engine iterations run."),
+    "step_seconds_total": ("smartexit_engine_step_seconds", "Seconds the engine thread spent in engine steps."),
+    "emit_seconds_total": ("smartexit_engine_emit_seconds", "Seconds the engine thread spent handing a step's "
+                           "tokens to the serving path."),
+    "chunks_total": ("smartexit_engine_chunks", "Token chunks handed to the serving path (one per request "
+                     "per step)."),
+}
 
 
 class ServeMetrics:
@@ -134,6 +143,12 @@ class _ReplicaCollector:
         replicas = self._owner._replicas
         for key, (name, doc) in REPLICA_GAUGES.items():
             fam = GaugeMetricFamily(name, doc, labels=["replica"])
+            for rid, stats in sorted(replicas.items()):
+                if _number(stats.get(key)):
+                    fam.add_metric([rid], float(stats[key]))
+            yield fam
+        for key, (name, doc) in REPLICA_COUNTERS.items():
+            fam = CounterMetricFamily(name, doc, labels=["replica"])
             for rid, stats in sorted(replicas.items()):
                 if _number(stats.get(key)):
                     fam.add_metric([rid], float(stats[key]))

@@ -127,7 +127,8 @@ class Worker:
             from exporters.tritonserver import TritonProcess
             if repo_dir is None:
                 raise ConfigError("a worker needs the Triton model repository (repo_dir) or serve.triton_url")
-            self._proc = TritonProcess(Path(repo_dir))  # its threads are the repository's (bundle.json)
+            env = {"SMARTEXIT_STEP_LOG": cfg.step_log} if cfg.step_log else {}
+            self._proc = TritonProcess(Path(repo_dir), env=env)  # its threads are the repository's (bundle.json)
             try:
                 await asyncio.to_thread(self._proc.start, timeout_s=cfg.triton_start_timeout_s)
             except BaseException:

@@ -31,7 +31,7 @@ BUNDLE = Path("smartexit") / "1" / "bundle"
 STATS_KEYS = {"time", "waiting", "prefill_backlog_tokens", "running", "free_slots", "prefill_budget", "max_running",
               "max_seqs", "max_waiting", "num_layers", "exit_layers", "requests", "mean_recent_exit_layer",
               "predicted_exit_layer", "min_slack_ms", "tokens_total", "finished_total", "rejected_total",
-              "steps_total", "audit",
+              "steps_total", "step_seconds_total", "emit_seconds_total", "chunks_total", "audit",
               # the scheduler's (docs/serving.md, docs/scheduler.md)
               "oldest_waiting_slack_ms", "recent_ttft_p95_ms", "recent_tpot_p95_ms", "arrival_rate_rps",
               "sla_ttft_ms", "sla_tpot_ms", "sla_met_total", "violations_total", "tokens_on_time_total",

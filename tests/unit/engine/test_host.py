@@ -214,3 +214,28 @@ def test_stats_count_tokens_on_time_and_late_and_the_sla_met():
         assert st["tokens_on_time_total"] + st["tokens_late_total"] == st["tokens_total"]
     finally:
         host.stop()
+
+
+def test_step_log_records_every_step_as_the_counters_do(tmp_path):
+    """HostConfig.step_log: one line per engine step with its decode rows and prefill chunks; the
+    stats' time counters add up what the lines say, and every prompt token is in a prefill chunk."""
+    import json
+
+    log = tmp_path / "steps.jsonl"
+    prompts = _prompts(5, seed=4)
+    host, sink = _host(step_log=str(log)), Sink(len(prompts))
+    try:
+        for i, p in enumerate(prompts):
+            host.submit(GenRequest(f"r{i}", p, 6), sink)
+        assert sink.done.wait(60)
+        st = host.stats()
+    finally:
+        host.stop()
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert len(lines) == st["steps_total"] > 0
+    assert sum(x["c"] for x in lines) == st["chunks_total"]
+    assert sum(x["s"] for x in lines) == pytest.approx(st["step_seconds_total"], rel=1e-3)
+    assert sum(n for x in lines for _, n in x["p"]) == sum(len(p) for p in prompts)
+    # each request's first token comes from its prefill; the other 5 are decode rows
+    assert sum(len(x["d"]) for x in lines) == 5 * len(prompts)
+    assert all(ctx >= 1 and layer >= 1 for x in lines for ctx, layer in x["d"])

@@ -8,7 +8,7 @@ import pytest
 from edge.core.errors import ConfigError
 from scheduler.latency import FEATURES, LatencyModel
 from scheduler.policies import FixedBudget
-from scheduler.serving_path import ServingPath, fit_serving_path
+from scheduler.serving_path import ServingPath, fit_serving_path, fit_steps, read_step_log
 from scheduler.sim import ExitModel, SimConfig, simulate
 from scheduler.workload import Arrivals, Workload, synthetic
 
@@ -21,19 +21,76 @@ def _results(w: Workload, **cfg):
     return simulate(LM, EX, SimConfig(**cfg), w, FixedBudget(128, 16)).results()
 
 
-def test_fit_recovers_overheads_and_slowdown(tmp_path):
-    truth = dict(ttft_overhead_ms=20.0, token_overhead_ms=3.0, engine_slowdown=1.6)
-    probes_w = Workload(np.arange(6) * 60.0, np.full(6, 100), np.full(6, 20), "probes")
-    load_w = synthetic(200, 25.0, Arrivals.POISSON, seed=3, prompt_mean=120, output_mean=24)
-    probes, load = _results(probes_w, **truth), _results(load_w, **truth)
-    sp = fit_serving_path(LM, EX, SimConfig(), probes, load, 128)
-    # one request alone: the slowdown also stretches its steps, so the probes' overheads absorb a little
-    assert sp.ttft_overhead_ms == pytest.approx(20.0, abs=2.0) and sp.token_overhead_ms == pytest.approx(3.0, abs=1.0)
-    assert sp.engine_slowdown == pytest.approx(1.6, rel=0.1)
+def _steps(truth: dict, n: int = 400, seed: int = 0) -> list[dict]:
+    """Step-log records of random decode batches and prefill chunks, timed as ``truth`` says (+-5% noise)."""
+    from scheduler.serving_path import step_terms
+
+    rng = np.random.default_rng(seed)
+    steps = []
+    for _ in range(n):
+        rows = [(int(rng.integers(10, 300)), int(rng.choice([3, 9, 12]))) for _ in range(int(rng.integers(0, 9)))]
+        pre = [(0, int(rng.integers(16, 129)))] if rng.random() < 0.4 or not rows else []
+        steps.append({"s": 0.0, "c": len(rows) + len(pre), "d": rows, "p": pre})
+    T = step_terms(LM, steps)
+    y = T @ np.array([truth["engine_slowdown"], truth["prefill_slowdown"], truth["serve_chunk_ms"] / 1e3])
+    for st, v in zip(steps, y * rng.uniform(0.95, 1.05, n)):
+        st["s"] = float(v)
+    return steps
+
+
+def test_the_served_steps_give_the_slowdowns_and_the_chunk_cost():
+    truth = dict(engine_slowdown=1.8, prefill_slowdown=1.3, serve_chunk_ms=0.4)
+    fields, fit = fit_steps(LM, _steps(truth))
+    assert fields["engine_slowdown"] == pytest.approx(1.8, rel=0.05)
+    assert fields["prefill_slowdown"] == pytest.approx(1.3, rel=0.05)
+    assert fields["serve_chunk_ms"] == pytest.approx(0.4, rel=0.15)
+    assert fit["rel_err_median"] < 0.05 and fit["steps"] == 400
+    with pytest.raises(ConfigError, match="busy steps"):
+        fit_steps(LM, _steps(truth, n=10))
+
+
+def test_fit_recovers_the_serving_path(tmp_path):
+    """Two calibration runs made by the simulator with known fields, and a step log timed by them:
+    the fit gives percentiles that match the runs (its own table) and the fields back."""
+    truth = dict(ttft_overhead_ms=20.0, token_overhead_ms=3.0, engine_slowdown=1.6, prefill_slowdown=1.2,
+                 serve_chunk_ms=0.3)
+    runs = [_results(synthetic(int(rate * 12), rate, Arrivals.POISSON, seed=3 + i, prompt_mean=120, output_mean=24),
+                     **truth) for i, rate in enumerate((6.0, 14.0))]
+    sp = fit_serving_path(LM, EX, SimConfig(), runs, 128, _steps(truth), seeds=(0,))
+    used = sum(r.ok and r.tokens >= 2 for run in runs for r in run)
+    assert sp.fit["max_rel_err"] < 0.05 and len(sp.fit["runs"]) == 2 and sp.requests == used
+    assert sp.engine_slowdown == pytest.approx(1.6, rel=0.05)
+    assert sp.prefill_slowdown == pytest.approx(1.2, rel=0.05)
+    assert sp.ttft_overhead_ms == pytest.approx(20.0, abs=3.0)
+    assert SimConfig(**sp.sim_fields())  # the fields are the simulator's
     sp.save(tmp_path / "serving.json")
     assert ServingPath.load(tmp_path / "serving.json") == sp and ServingPath.load(tmp_path / "none.json") is None
 
 
+def test_the_step_log_is_read_and_a_broken_line_is_named(tmp_path):
+    log = tmp_path / "steps.jsonl"
+    log.write_text('{"s":0.01,"e":0.001,"c":2,"d":[[40,3],[12,12]],"p":[]}\n{"s":0.02,"e":0,"c":1,"d":[],"p":[[0,64]]}\n'
+                   '{"s":0.0')  # the last line cut by a stopped stack
+    steps = read_step_log(log)
+    assert len(steps) == 2 and steps[0]["s"] == pytest.approx(0.011) and steps[1]["p"] == [(0, 64)]
+    log.write_text('{"s":0.01,"c":2}\n{"s":0.02,"e":0,"c":1,"d":[],"p":[]}\n')
+    with pytest.raises(ConfigError, match="line 1"):
+        read_step_log(log)
+    with pytest.raises(ConfigError, match="no step log"):
+        read_step_log(tmp_path / "none.jsonl")
+
+
+def test_a_serving_json_of_the_one_factor_fit_still_loads(tmp_path):
+    """serving.json written before prefill_slowdown existed: prefill is slowed as decode."""
+    (tmp_path / "serving.json").write_text('{"ttft_overhead_ms": 29.6, "token_overhead_ms": 3.8, '
+                                           '"serve_chunk_ms": 0.0, "engine_slowdown": 1.8, "probes": 8}')
+    sp = ServingPath.load(tmp_path / "serving.json")
+    assert sp.prefill_slowdown is None and sp.engine_slowdown == 1.8
+    sim = simulate(LM, EX, SimConfig(**sp.sim_fields()), Workload(np.zeros(1), np.array([100]), np.array([1]), "one"),
+                   FixedBudget(128, 16))
+    assert sim.step_seconds_total == pytest.approx(1.8 * (1e-3 + 1e-3 + 100 * 0.2e-3))
+
+
 def test_too_few_results_are_refused():
-    with pytest.raises(ConfigError, match="need 1 and 4"):
-        fit_serving_path(LM, EX, SimConfig(), [], [], 128)
+    with pytest.raises(ConfigError, match="need 8 in each"):
+        fit_serving_path(LM, EX, SimConfig(), [[]], 128, [])
