@@ -306,7 +306,8 @@ def repeat_spread(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
     return {"rel_diff": diffs, "max_rel_diff": max(diffs.values())} if diffs else None
 
 
-SERVING_FIELDS = ("engine_slowdown", "prefill_slowdown", "serve_chunk_ms", "ttft_overhead_ms", "token_overhead_ms")
+SERVING_FIELDS = ("engine_slowdown", "prefill_slowdown", "serve_chunk_ms", "serve_chunk_sq_ms", "ttft_overhead_ms",
+                  "token_overhead_ms")
 
 
 def summary(report: dict[str, Any], cells: dict, real_w: str) -> dict[str, Any]:

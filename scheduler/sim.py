@@ -108,14 +108,15 @@ class SimConfig:
     sla_tpot_ms: float = 50.0
     ttft_overhead_ms: float = 0.0   # the serving path's added latency to the first token (HTTP, Ray, Triton)
     token_overhead_ms: float = 0.0  # and to each later token
-    # engine time lost per delivered chunk (one request's tokens of one step) when served: Triton's
-    # python backend packs and sends each chunk on a responder thread of the engine's own process,
-    # under the GIL the engine thread needs, and the stack's processes share the CPU (measured: the
-    # stub at ~80% of a core under load); it lengthens the step that produced the chunks
+    # engine time lost per delivered chunk (one request's tokens of one step) when served, and per
+    # chunk squared: Triton's python backend packs and sends each chunk on a responder thread of the
+    # engine's own process, under the GIL the engine thread needs, and the stack's processes (Ray
+    # Serve's proxy and ingress streaming each request, the client) share the 2 cores: the more streams
+    # a step feeds, the more each costs (measured in the served engine's step log: scheduler/serving_path.py)
     serve_chunk_ms: float = 0.0
-    # the served engine's step time / the profiled engine's (>= 1): the stack's processes and threads
-    # (Triton's python backend responder, IPC, Ray Serve, the HTTP client) share the CPU and the GIL
-    # with the engine thread; measured by `smartexit profile` on an open-loop run of its own
+    serve_chunk_sq_ms: float = 0.0
+    # the served engine's decode step time / the profiled one (> 0): the stack's processes and threads
+    # share the CPU and the GIL with the engine thread; measured by `smartexit profile`
     engine_slowdown: float = 1.0
     # the same for the prefill part of a step (None: engine_slowdown); measured apart because long
     # prompt chunks are one large ONNX Runtime call that holds no GIL, while decode is many short calls
@@ -136,11 +137,11 @@ class SimConfig:
             raise ConfigError("sim: max_seqs, max_waiting, prefill_budget and max_running must be >= 1")
         if self.sla_ttft_ms <= 0 or self.sla_tpot_ms <= 0:
             raise ConfigError("sim: the SLA's ttft_ms and tpot_ms must be > 0")
-        if self.engine_slowdown < 1.0 or (self.prefill_slowdown is not None and self.prefill_slowdown < 1.0):
-            raise ConfigError(f"sim: engine_slowdown and prefill_slowdown must be >= 1, got "
+        if not self.engine_slowdown > 0 or (self.prefill_slowdown is not None and not self.prefill_slowdown > 0):
+            raise ConfigError(f"sim: engine_slowdown and prefill_slowdown must be > 0, got "
                               f"{self.engine_slowdown} and {self.prefill_slowdown}")
-        if self.ttft_overhead_ms < 0 or self.token_overhead_ms < 0 or self.serve_chunk_ms < 0:
-            raise ConfigError("sim: overheads and serve_chunk_ms must be >= 0")
+        if min(self.ttft_overhead_ms, self.token_overhead_ms, self.serve_chunk_ms, self.serve_chunk_sq_ms) < 0:
+            raise ConfigError("sim: overheads, serve_chunk_ms and serve_chunk_sq_ms must be >= 0")
         if not 0.0 <= self.audit_fraction <= 1.0 or self.audit_max_pending < 0:
             raise ConfigError(f"sim: audit_fraction must be in [0, 1] and audit_max_pending >= 0, got "
                               f"{self.audit_fraction}, {self.audit_max_pending}")
@@ -218,6 +219,7 @@ class Simulator:
         self._oh_first = self.cfg.ttft_overhead_ms / 1e3
         self._oh_tok = self.cfg.token_overhead_ms / 1e3
         self._chunk = self.cfg.serve_chunk_ms / 1e3
+        self._chunk_sq = self.cfg.serve_chunk_sq_ms / 1e3
         kp = self.cfg.prefill_slowdown
         self._kp = self.cfg.engine_slowdown if kp is None else kp
         self._recent_ttft: collections.deque[float] = collections.deque(maxlen=RECENT)
@@ -326,7 +328,7 @@ class Simulator:
             pcost = w["prefill_calls"] * chunks + w["prefill_tokens"] * tokens + w["prefill_attn"] * pattn / 1e3
         sent = len(dec) + sum(not r.audit for r in done_prefill)  # the host emits no chunk for an audit
         engine = (cost + w["one"]) * self.cfg.engine_slowdown + pcost * self._kp
-        cost = engine + self._chunk * sent
+        cost = engine + self._chunk * sent + self._chunk_sq * sent * sent
         self.t += cost
         self.steps_total += 1
         self.chunks_total += sent

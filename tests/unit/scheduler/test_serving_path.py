@@ -28,23 +28,26 @@ def _steps(truth: dict, n: int = 400, seed: int = 0) -> list[dict]:
     rng = np.random.default_rng(seed)
     steps = []
     for _ in range(n):
-        rows = [(int(rng.integers(10, 300)), int(rng.choice([3, 9, 12]))) for _ in range(int(rng.integers(0, 9)))]
+        rows = [(int(rng.integers(10, 300)), int(rng.choice([3, 9, 12]))) for _ in range(int(rng.integers(0, 13)))]
         pre = [(0, int(rng.integers(16, 129)))] if rng.random() < 0.4 or not rows else []
         steps.append({"s": 0.0, "c": len(rows) + len(pre), "d": rows, "p": pre})
     T = step_terms(LM, steps)
-    y = T @ np.array([truth["engine_slowdown"], truth["prefill_slowdown"], truth["serve_chunk_ms"] / 1e3])
+    y = T @ np.array([truth["engine_slowdown"], truth["prefill_slowdown"], truth["serve_chunk_ms"],
+                      truth.get("serve_chunk_sq_ms", 0.0)])
     for st, v in zip(steps, y * rng.uniform(0.95, 1.05, n)):
         st["s"] = float(v)
     return steps
 
 
 def test_the_served_steps_give_the_slowdowns_and_the_chunk_cost():
-    truth = dict(engine_slowdown=1.8, prefill_slowdown=1.3, serve_chunk_ms=0.4)
-    fields, fit = fit_steps(LM, _steps(truth))
-    assert fields["engine_slowdown"] == pytest.approx(1.8, rel=0.05)
-    assert fields["prefill_slowdown"] == pytest.approx(1.3, rel=0.05)
-    assert fields["serve_chunk_ms"] == pytest.approx(0.4, rel=0.15)
-    assert fit["rel_err_median"] < 0.05 and fit["steps"] == 400
+    truth = dict(engine_slowdown=1.2, prefill_slowdown=0.9, serve_chunk_ms=1.5, serve_chunk_sq_ms=0.1)
+    fields, fit = fit_steps(LM, _steps(truth, n=1000))
+    assert fields["engine_slowdown"] == pytest.approx(1.2, rel=0.1)
+    assert fields["prefill_slowdown"] == pytest.approx(0.9, rel=0.05)
+    assert fields["serve_chunk_ms"] == pytest.approx(1.5, rel=0.2)
+    assert fields["serve_chunk_sq_ms"] == pytest.approx(0.1, rel=0.3)
+    assert fit["rel_err_median"] < 0.05 and fit["steps"] == 1000 and fit["total_ratio"] == pytest.approx(1.0, abs=0.01)
+    assert set(fit["decode_batches"]) == {"1-1", "2-3", "4-7", "8+"}
     with pytest.raises(ConfigError, match="busy steps"):
         fit_steps(LM, _steps(truth, n=10))
 

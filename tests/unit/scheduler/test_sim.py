@@ -142,3 +142,8 @@ def test_the_serving_paths_cost_per_chunk_lengthens_the_step():
     lm = _lm(one=1e-3)
     res = simulate(lm, FULL, SimConfig(serve_chunk_ms=5.0), _w([0.0] * 4, [8] * 4, [1] * 4), FixedBudget(128, 16)).results()
     assert [r.ttft_s for r in res] == pytest.approx([1e-3 + 4 * 5e-3] * 4)
+    # and per chunk squared (the stack's contention grows with the streams a step feeds)
+    sim = simulate(lm, FULL, SimConfig(serve_chunk_ms=5.0, serve_chunk_sq_ms=0.5), _w([0.0] * 4, [8] * 4, [1] * 4),
+                   FixedBudget(128, 16))
+    assert [r.ttft_s for r in sim.results()] == pytest.approx([1e-3 + 4 * 5e-3 + 16 * 0.5e-3] * 4)
+    assert sim.emit_seconds_total == pytest.approx(4 * 5e-3 + 16 * 0.5e-3) and sim.chunks_total == 4
