@@ -338,42 +338,6 @@ def per_scenario(model: LatencyModel, X: np.ndarray, y: np.ndarray, groups: np.n
 
 # --------------------------------------------------------------------------- outputs
 
-UNITS = {"one": "per busy step", "decode_calls": "per decode segment call", "decode_rows": "per decode row",
-         "decode_layer_rows": "per decode row-layer", "decode_attn": "per 1k context x layers",
-         "prefill_calls": "per prefill chunk", "prefill_tokens": "per prefill token",
-         "prefill_attn": "per 1k token pairs x layers"}
-
-
-def _time(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.2f} µs"
-
-
-def render_markdown(report: dict[str, Any]) -> str:
-    fit, m = report["fit"], report["machine"]
-    lines = ["# Engine step-time profile", "",
-             f"{fit['points']} steps in {fit['scenarios']} scenarios; fitted on {fit['train_points']}, scored on "
-             f"{fit['test_points']} steps of {fit['test_scenarios']} held-out scenarios.", "",
-             f"Machine: {m['processor']}, {m['cpus']} CPUs; ONNX Runtime threads {m['threads']}; kv_mode "
-             f"{m['kv_mode']}.", "",
-             "| feature | coefficient | unit |", "|---|---|---|"]
-    lines += [f"| {f} | {_time(report['coef'][f])} | {UNITS[f]} |" for f in FEATURES]
-    lines += ["", "Held-out error of the step time, relative: "
-              f"median {fit['test_rel_err_median']:.3f}, p90 {fit['test_rel_err_p90']:.3f}; of the mean step "
-              f"per held-out scenario: median {fit['test_scenario_mean_rel_err_median']:.3f}, max "
-              f"{fit['test_scenario_mean_rel_err_max']:.3f}.", "",
-              "| scenario | budget | batch | prompt | full share | steps | measured ms | predicted ms | rel err | "
-              "held out |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for s in report["per_scenario"]:
-        held = "?" if s["held_out"] is None else ("yes" if s["held_out"] else "")
-        lines.append(f"| {s['group']} | {s['prefill_budget']} | {s['batch']} | {s['prompt_min']}-{s['prompt_max']} | "
-                     f"{s['full_share']:.2f} | {s['steps']} | {s['measured_ms']:.2f} | {s['predicted_ms']:.2f} | "
-                     f"{s['mean_rel_err']:.3f} | {held} |")
-    ef = ", ".join(f"{k}: {v:.3f}" for k, v in report["exit_fractions"].items())
-    free = ", ".join(f"{k}: {v:.3f}" for k, v in report["exit_fractions_exits_allowed"].items())
-    lines += ["", f"Exit layers of bounded decode tokens: {ef}; in steps where the engine let rows exit: {free}.", ""]
-    return "\n".join(lines)
-
-
 def _machine(engine: Engine, asked: int | None) -> dict[str, Any]:
     """Where the profile ran. The ONNX Runtime pool belongs to the process, sized by its first session
     (edge/runtime/ortsession.py): its real size is reported, and a mismatch with ``asked`` said."""
@@ -400,43 +364,6 @@ def bundle_path(cfg: ProfileConfig) -> Path:
     return path
 
 
-def profile_serving(cfg: ProfileConfig, model: LatencyModel, pool: list[list[int]], max_seqs: int) -> Path:
-    """Measure and fit the serving path (scheduler/serving_path.py); writes ``serving.json``."""
-    from scheduler.engine_model import exit_model, serving_fields
-    from scheduler.env import EnvConfig, estimate_capacity, make_workload
-    from scheduler.loadgen import requests_of
-    from scheduler.policies import FixedBudget
-    from scheduler.serving_path import SERVING_JSON, STEP_LOG, fit_serving_path, measure
-    from scheduler.sim import SimConfig
-
-    run = Path(cfg.run_dir)
-    exits, _ = exit_model(model, run / "calibration" / "thresholds.json", None)
-    engine = {k: v for k, v in serving_fields(run).items() if k in ("audit_fraction", "audit_max_pending",
-                                                                   "max_waiting")}
-    base = SimConfig(max_seqs=max_seqs, **engine)  # the SLA the requests carry: the measurement ignores it
-    env = EnvConfig(sim=base)
-    capacity = estimate_capacity(model, exits, env, FixedBudget(cfg.serving_budget, max_seqs))
-    rates = [f * capacity for f in cfg.serving_loads]
-    loads = [requests_of(make_workload("poisson", r, cfg.serving_duration_s, 7 + cfg.seed + i, env), pool,
-                         cfg.seed + 2 + i, prefix=f"cal{i}-") for i, r in enumerate(rates)]
-    print(f"profile: the serving path: open-loop runs at {', '.join(f'{r:.2f}' for r in rates)} req/s "
-          f"({', '.join(str(len(x)) for x in loads)} requests; the engine alone holds the SLA to {capacity:.2f})",
-          flush=True)
-    results, steps = measure(cfg.run_dir, loads, cfg.serving_budget, max_seqs, (base.sla_ttft_ms, base.sla_tpot_ms),
-                             run / "scheduler" / STEP_LOG)
-    sp = fit_serving_path(model, exits, base, results, cfg.serving_budget, steps)
-    out = run / "scheduler" / SERVING_JSON
-    sp.save(out)
-    st = sp.fit["steps"]
-    print(f"profile: serving path: {st['steps']} served steps: decode {sp.engine_slowdown:.2f}x and prefill "
-          f"{sp.prefill_slowdown:.2f}x the profiled time, {sp.serve_chunk_ms:.2f} ms per chunk sent + "
-          f"{sp.serve_chunk_sq_ms:.3f} ms x chunks^2 (step error median {st['rel_err_median']:.3f}, mean step "
-          f"{st['total_ratio']:.3f} of measured); +{sp.ttft_overhead_ms:.1f} ms to the first token, "
-          f"+{sp.token_overhead_ms:.2f} ms per later token; TTFT / TPOT p50 / p95 max rel err "
-          f"{sp.fit['max_rel_err']:.3f}", flush=True)
-    return out
-
-
 def prompt_pool(bundle: Path) -> tuple[list[list[int]], tuple[int, ...]]:
     """The held-out test split, one token stream per document, and the stop ids the server adds (end of
     text), both through the bundle's tokenizer (as scheduler/bench_serve.py reads them)."""
@@ -459,6 +386,8 @@ def main(cfg: ProfileConfig) -> int:
             (fit_latency's message); nothing is written then.
     """
     from scheduler.bundle import open_bundle
+    from scheduler.profile_report import render_markdown
+    from scheduler.serving_path import SERVING_JSON, calibrate
 
     t0 = time.perf_counter()
     bundle = bundle_path(cfg)
@@ -493,8 +422,6 @@ def main(cfg: ProfileConfig) -> int:
     with atomic_path(paths["latency"]) as tmp:
         model.save(tmp)
     atomic_write_json(paths["exit_traces"], [t for t in prof.traces.values() if t["exit_layers"]])
-    atomic_write_text(paths["profile_md"], render_markdown(report))
-    atomic_write_json(paths["profile"], report)
     fit = model.fit
     print(f"profile: {fit['points']} steps in {time.perf_counter() - t0:.1f} s; held-out relative error median "
           f"{fit['test_rel_err_median']:.3f}, p90 {fit['test_rel_err_p90']:.3f}; wrote {out}", flush=True)
@@ -503,12 +430,14 @@ def main(cfg: ProfileConfig) -> int:
     if cfg.serving:
         del engine  # its ONNX Runtime sessions: the stack's engine gets the CPU to itself
         gc.collect()
-        path = profile_serving(cfg, model, pool, ecfg.max_seqs)
-        paths["serving"] = path
-        sp = json.loads(path.read_text())
-        metrics.update({k: sp[k] for k in ("ttft_overhead_ms", "token_overhead_ms", "engine_slowdown",
-                                           "prefill_slowdown", "serve_chunk_ms", "serve_chunk_sq_ms")})
-        metrics["serving_fit_max_rel_err"] = sp["fit"]["max_rel_err"]
+        sp = calibrate(cfg.run_dir, model, pool, ecfg.max_seqs, cfg.serving_loads, cfg.serving_duration_s,
+                       cfg.serving_budget, cfg.seed)
+        paths["serving"] = out / SERVING_JSON
+        report["serving"] = asdict(sp)
+        metrics.update(sp.sim_fields())
+        metrics["serving_fit_max_rel_err"] = sp.fit["max_rel_err"]
+    atomic_write_text(paths["profile_md"], render_markdown(report))
+    atomic_write_json(paths["profile"], report)
     Manifest(cfg.run_dir).record(STAGE, inputs={"bundle": bundle}, config=asdict(cfg), outputs=paths,
                                  metrics=metrics, seconds=time.perf_counter() - t0)
     return 0

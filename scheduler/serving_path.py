@@ -261,3 +261,39 @@ def measure(run_dir: str | Path, loads: Sequence[Sequence[Any]], budget: int, ma
             out.append(asyncio.run(http_run(url, list(load), bcfg))[0])
         time.sleep(0.5)  # the engine, idle, flushes its log
     return out, read_step_log(step_log)
+
+
+def calibrate(run_dir: str | Path, latency: LatencyModel, pool: list[list[int]], max_seqs: int, loads: Sequence[float],
+              duration_s: float, budget: int, seed: int) -> ServingPath:
+    """Measure and fit the serving path for ``run_dir`` (``smartexit profile``): open-loop Poisson runs
+    at ``loads`` x the rate the engine alone holds the SLA at (simulated), prompts from ``pool``;
+    writes ``<run>/scheduler/serving.json`` and the step log beside it."""
+    from scheduler.engine_model import exit_model, serving_fields
+    from scheduler.env import EnvConfig, estimate_capacity, make_workload
+    from scheduler.loadgen import requests_of
+
+    run = Path(run_dir)
+    exits, _ = exit_model(latency, run / "calibration" / "thresholds.json", None)
+    engine = {k: v for k, v in serving_fields(run).items() if k in ("audit_fraction", "audit_max_pending",
+                                                                   "max_waiting")}
+    base = SimConfig(max_seqs=max_seqs, **engine)  # the SLA the requests carry: the measurement ignores it
+    env = EnvConfig(sim=base)
+    capacity = estimate_capacity(latency, exits, env, FixedBudget(budget, max_seqs))
+    rates = [f * capacity for f in loads]
+    schedules = [requests_of(make_workload("poisson", r, duration_s, 7 + seed + i, env), pool, seed + 2 + i,
+                             prefix=f"cal{i}-") for i, r in enumerate(rates)]
+    print(f"profile: the serving path: open-loop runs at {', '.join(f'{r:.2f}' for r in rates)} req/s "
+          f"({', '.join(str(len(x)) for x in schedules)} requests; the engine alone holds the SLA to {capacity:.2f})",
+          flush=True)
+    results, steps = measure(run, schedules, budget, max_seqs, (base.sla_ttft_ms, base.sla_tpot_ms),
+                             run / "scheduler" / STEP_LOG)
+    sp = fit_serving_path(latency, exits, base, results, budget, steps)
+    sp.save(run / "scheduler" / SERVING_JSON)
+    st = sp.fit["steps"]
+    print(f"profile: serving path: {st['steps']} served steps: decode {sp.engine_slowdown:.2f}x and prefill "
+          f"{sp.prefill_slowdown:.2f}x the profiled time, {sp.serve_chunk_ms:.2f} ms per chunk sent + "
+          f"{sp.serve_chunk_sq_ms:.3f} ms x chunks^2 (step error median {st['rel_err_median']:.3f}, mean step "
+          f"{st['total_ratio']:.3f} of measured); +{sp.ttft_overhead_ms:.1f} ms to the first token, "
+          f"+{sp.token_overhead_ms:.2f} ms per later token; TTFT / TPOT p50 / p95 max rel err "
+          f"{sp.fit['max_rel_err']:.3f}", flush=True)
+    return sp

@@ -130,11 +130,17 @@ def prompt(repo) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def server(repo):
-    """A real tritonserver on the repository (model loaded), for the module."""
+def step_log(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("step_log") / "steps.jsonl"
+
+
+@pytest.fixture(scope="module")
+def server(repo, step_log):
+    """A real tritonserver on the repository (model loaded), for the module; its engine writes a step
+    log (the environment ServeConfig.step_log sets)."""
     from exporters.tritonserver import TritonProcess
 
-    tp = TritonProcess(repo).start(timeout_s=120)
+    tp = TritonProcess(repo, env={"SMARTEXIT_STEP_LOG": str(step_log)}).start(timeout_s=120)
     yield tp
     tp.stop()
 
@@ -168,7 +174,7 @@ def in_process(bundle: Path, prompt: list[int], max_tokens: int, mode: str) -> l
 
 @pytest.mark.parametrize("mode", ["bounded", "full"])
 def test_generation_streams_one_response_per_step_and_matches_the_engine_in_process(stream, repo, bundle_info,
-                                                                                    prompt, mode):
+                                                                                    prompt, mode, step_log):
     """A greedy generation streams its tokens as the engine decides them: one response per engine
     step (``bounded`` and ``full`` decide one token a step), or fewer, larger ones when the
     responder thread fell behind the engine (what queued meanwhile goes out merged); each token with
@@ -192,6 +198,15 @@ def test_generation_streams_one_response_per_step_and_matches_the_engine_in_proc
 
     ref = in_process(repo / BUNDLE, prompt, max_tokens, mode)
     assert ref[-1].finish_reason == "length"
+    # the served engine's step log (flushed when it idles): this request's steps are its last lines
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not step_log.is_file():
+        time.sleep(0.1)
+    time.sleep(0.3)
+    lines = [json.loads(x) for x in step_log.read_text().splitlines()]
+    mine = lines[-(max_tokens + 5):]
+    assert sum(n for x in mine for _, n in x["p"]) >= len(prompt) and all(x["s"] > 0 for x in mine)
+    assert [layer for x in lines for _, layer in x["d"]][-(max_tokens - 1):] == layers[1:]
     assert [t for r in responses for t in r["tokens"]] == [t for c in ref for t in c.tokens]
     assert layers == [layer for c in ref for layer in c.exit_layers]
 

@@ -2,12 +2,15 @@
 slowdown and overheads give those numbers back; too few results are refused."""
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import numpy as np
 import pytest
 
 from edge.core.errors import ConfigError
 from scheduler.latency import FEATURES, LatencyModel
 from scheduler.policies import FixedBudget
+from scheduler.profile_report import render_serving
 from scheduler.serving_path import ServingPath, fit_serving_path, fit_steps, read_step_log
 from scheduler.sim import ExitModel, SimConfig, simulate
 from scheduler.workload import Arrivals, Workload, synthetic
@@ -66,6 +69,10 @@ def test_fit_recovers_the_serving_path(tmp_path):
     assert sp.prefill_slowdown == pytest.approx(1.2, rel=0.05)
     assert sp.ttft_overhead_ms == pytest.approx(20.0, abs=3.0)
     assert SimConfig(**sp.sim_fields())  # the fields are the simulator's
+    md = render_serving(asdict(sp))  # profile.md's section: one row per decode batch and per run x metric
+    assert sum(r.startswith("| ") and "req/s" in r for r in md) == 2 * 4
+    assert sum(r.startswith(f"| {b} |") for r in md for b in sp.fit["steps"]["decode_batches"]) == \
+        len(sp.fit["steps"]["decode_batches"]) > 0
     sp.save(tmp_path / "serving.json")
     assert ServingPath.load(tmp_path / "serving.json") == sp and ServingPath.load(tmp_path / "none.json") is None
 
