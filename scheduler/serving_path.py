@@ -19,7 +19,8 @@ the profiled model's decode and prefill parts of that step and the chunks it sen
 are then fitted (Nelder-Mead, bounded) so that the simulator, replaying each calibration run (its
 arrivals, prompt and output lengths), gives the measured TTFT and time per output token (p50, p90
 and mean: squared log ratios summed over the runs). The calibration runs are open-loop Poisson runs
-of the profile's own (seeds and rates unlike any evaluation's) at two loads, light and moderate; the
+of the profile's own (seeds and rates unlike any evaluation's) at two loads, light and moderate, and
+two budgets (a budget's steps differ in how many calls and chunks they make per token); the
 evaluation's workloads (scheduler/bench_scheduler.py) never enter the fit.
 """
 from __future__ import annotations
@@ -196,11 +197,11 @@ def fit_steps(latency: LatencyModel, steps: Sequence[dict[str, Any]]) -> tuple[d
 
 
 def fit_serving_path(latency: LatencyModel, exits: ExitModel, base: SimConfig, runs: Sequence[Sequence[Any]],
-                     budget: int, steps: Sequence[dict[str, Any]], seeds: Sequence[int] = (0, 1),
+                     budgets: int | Sequence[int], steps: Sequence[dict[str, Any]], seeds: Sequence[int] = (0, 1),
                      max_evals: int = 150) -> ServingPath:
-    """The serving path from open-loop runs on a stack whose policy held ``budget`` (loadgen
-    ``RequestResult``s, arrivals as scheduled; best at two or more loads) and the served engine's
-    step log over them (:func:`read_step_log`).
+    """The serving path from open-loop runs on a stack whose policy held a fixed budget (``budgets``:
+    one for all runs or one per run; loadgen ``RequestResult``s, arrivals as scheduled; best at two or
+    more loads and budgets) and the served engine's step log over them (:func:`read_step_log`).
 
     Raises:
         ConfigError: a run with fewer than MIN_REQUESTS successful requests of >= 2 tokens; as fit_steps.
@@ -211,6 +212,9 @@ def fit_serving_path(latency: LatencyModel, exits: ExitModel, base: SimConfig, r
     if not runs or min(len(r) for r in runs) < MIN_REQUESTS:
         raise ConfigError(f"serving path: {[len(r) for r in runs]} requests succeeded with >= 2 tokens per run; "
                           f"need {MIN_REQUESTS} in each of at least one run")
+    budgets = [budgets] * len(runs) if isinstance(budgets, int) else list(budgets)
+    if len(budgets) != len(runs):
+        raise ConfigError(f"serving path: {len(budgets)} budgets for {len(runs)} runs")
     engine, step_fit = fit_steps(latency, steps)
     works = [_workload(r) for r in runs]
     real = [latency_stats(r) for r in runs]
@@ -220,7 +224,7 @@ def fit_serving_path(latency: LatencyModel, exits: ExitModel, base: SimConfig, r
 
     def loss(x: Sequence[float]) -> float:
         cfg, total = cfg_of(x), 0.0
-        for w, m in zip(works, real):
+        for w, m, budget in zip(works, real, budgets):
             sim = simulated(latency, exits, cfg, w, budget, seeds)
             total += sum(np.log(max(sim[k], 1e-6) / m[k]) ** 2 for k in FITTED if m[k])
         return float(total)
@@ -229,10 +233,10 @@ def fit_serving_path(latency: LatencyModel, exits: ExitModel, base: SimConfig, r
                     options={"maxfev": max_evals, "xatol": 1e-2, "fatol": 1e-5})
     cfg = cfg_of(best.x)
     table = []
-    for run, w, m in zip(runs, works, real):
+    for run, w, m, budget in zip(runs, works, real, budgets):
         sim = simulated(latency, exits, cfg, w, budget, seeds)
         rel = {k: abs(sim[k] - m[k]) / m[k] for k in METRICS if m[k]}
-        table.append({"requests": len(run), "rate_rps": len(run) / max(float(w.arrival_s[-1] - w.arrival_s[0]), 1e-9),
+        table.append({"requests": len(run), "budget": budget, "rate_rps": len(run) / max(float(w.arrival_s[-1] - w.arrival_s[0]), 1e-9),
                       "measured": {k: m[k] for k in METRICS}, "simulated": {k: sim[k] for k in METRICS}, "rel_err": rel,
                       "max_rel_err": max(rel.values()) if rel else None})
     fields = {k: getattr(cfg, k) for k in PARAMS}
@@ -241,33 +245,38 @@ def fit_serving_path(latency: LatencyModel, exits: ExitModel, base: SimConfig, r
                             "max_rel_err": max((t["max_rel_err"] or 0.0) for t in table)})
 
 
-def measure(run_dir: str | Path, loads: Sequence[Sequence[Any]], budget: int, max_seqs: int,
+def measure(run_dir: str | Path, runs: Sequence[tuple[int, Sequence[Any]]], max_seqs: int,
             sla: tuple[float, float], step_log: str | Path, warmup: int = 2) -> tuple[list[list], list[dict]]:
-    """(the results of each open-loop schedule in ``loads``, one after another, each drained before
-    the next; the served engine's steps), on one stack started for ``run_dir`` with a fixed ``budget``
-    and its step log at ``step_log`` (replaced)."""
+    """(the results of each open-loop schedule of ``runs``, one after another, each drained before the
+    next; the served engine's steps over all of them): ``(budget, schedule)`` pairs, one stack started
+    for ``run_dir`` per run of equal budgets, its step log at ``step_log`` (replaced)."""
     from scheduler.bench_serve import BenchServeConfig, http_run
     from scheduler.serve.config import ServeConfig
     from scheduler.serve.stack import serving_stack
 
     step_log = Path(step_log).resolve()
     step_log.unlink(missing_ok=True)
-    scfg = ServeConfig(policy="fixed", policy_kwargs={"prefill_budget": budget, "max_running": max_seqs},
-                       default_sla_ttft_ms=sla[0], default_sla_tpot_ms=sla[1], step_log=str(step_log))
     bcfg = BenchServeConfig(run_dir=str(run_dir), sla_ttft_ms=sla[0], sla_tpot_ms=sla[1], warmup_requests=warmup)
-    out = []
-    with serving_stack(run_dir, scfg, graceful=False) as url:
-        for load in loads:
-            out.append(asyncio.run(http_run(url, list(load), bcfg))[0])
-        time.sleep(0.5)  # the engine, idle, flushes its log
+    out: list[list] = []
+    i = 0
+    while i < len(runs):
+        budget = runs[i][0]
+        scfg = ServeConfig(policy="fixed", policy_kwargs={"prefill_budget": budget, "max_running": max_seqs},
+                           default_sla_ttft_ms=sla[0], default_sla_tpot_ms=sla[1], step_log=str(step_log))
+        with serving_stack(run_dir, scfg, graceful=False) as url:
+            while i < len(runs) and runs[i][0] == budget:
+                out.append(asyncio.run(http_run(url, list(runs[i][1]), bcfg))[0])
+                i += 1
+            time.sleep(0.5)  # the engine, idle, flushes its log
     return out, read_step_log(step_log)
 
 
-def calibrate(run_dir: str | Path, latency: LatencyModel, pool: list[list[int]], max_seqs: int, loads: Sequence[float],
-              duration_s: float, budget: int, seed: int) -> ServingPath:
-    """Measure and fit the serving path for ``run_dir`` (``smartexit profile``): open-loop Poisson runs
-    at ``loads`` x the rate the engine alone holds the SLA at (simulated), prompts from ``pool``;
-    writes ``<run>/scheduler/serving.json`` and the step log beside it."""
+def calibrate(run_dir: str | Path, latency: LatencyModel, pool: list[list[int]], max_seqs: int,
+              runs: Sequence[tuple[int, float]], duration_s: float, seed: int) -> ServingPath:
+    """Measure and fit the serving path for ``run_dir`` (``smartexit profile``): open-loop Poisson runs,
+    one per ``(budget, load)`` of ``runs``, at load x the rate the engine alone holds the SLA at with
+    that budget (simulated), prompts from ``pool``; writes ``<run>/scheduler/serving.json`` and the
+    step log beside it."""
     from scheduler.engine_model import exit_model, serving_fields
     from scheduler.env import EnvConfig, estimate_capacity, make_workload
     from scheduler.loadgen import requests_of
@@ -278,16 +287,17 @@ def calibrate(run_dir: str | Path, latency: LatencyModel, pool: list[list[int]],
                                                                    "max_waiting")}
     base = SimConfig(max_seqs=max_seqs, **engine)  # the SLA the requests carry: the measurement ignores it
     env = EnvConfig(sim=base)
-    capacity = estimate_capacity(latency, exits, env, FixedBudget(budget, max_seqs))
-    rates = [f * capacity for f in loads]
-    schedules = [requests_of(make_workload("poisson", r, duration_s, 7 + seed + i, env), pool, seed + 2 + i,
-                             prefix=f"cal{i}-") for i, r in enumerate(rates)]
-    print(f"profile: the serving path: open-loop runs at {', '.join(f'{r:.2f}' for r in rates)} req/s "
-          f"({', '.join(str(len(x)) for x in schedules)} requests; the engine alone holds the SLA to {capacity:.2f})",
-          flush=True)
-    results, steps = measure(run, schedules, budget, max_seqs, (base.sla_ttft_ms, base.sla_tpot_ms),
+    capacity = {b: estimate_capacity(latency, exits, env, FixedBudget(b, max_seqs)) for b in {b for b, _ in runs}}
+    rates = [f * capacity[b] for b, f in runs]
+    schedules = [(b, requests_of(make_workload("poisson", r, duration_s, 7 + seed + i, env), pool, seed + 2 + i,
+                                 prefix=f"cal{i}-")) for i, ((b, _), r) in enumerate(zip(runs, rates))]
+    print("profile: the serving path: open-loop runs at " + ", ".join(
+        f"{r:.2f} req/s, budget {b} ({len(s)} requests)" for (b, s), r in zip(schedules, rates))
+        + "; the engine alone holds the SLA to " + ", ".join(f"{v:.2f} (budget {b})" for b, v in capacity.items()),
+        flush=True)
+    results, steps = measure(run, schedules, max_seqs, (base.sla_ttft_ms, base.sla_tpot_ms),
                              run / "scheduler" / STEP_LOG)
-    sp = fit_serving_path(latency, exits, base, results, budget, steps)
+    sp = fit_serving_path(latency, exits, base, results, [b for b, _ in runs], steps)
     sp.save(run / "scheduler" / SERVING_JSON)
     st = sp.fit["steps"]
     print(f"profile: serving path: {st['steps']} served steps: decode {sp.engine_slowdown:.2f}x and prefill "

@@ -20,8 +20,8 @@ LM = LatencyModel({f: 0.0 for f in FEATURES} | {"one": 1e-3, "decode_rows": 0.4e
 EX = ExitModel([3, 9, 12], [0, 0, 1])
 
 
-def _results(w: Workload, **cfg):
-    return simulate(LM, EX, SimConfig(**cfg), w, FixedBudget(128, 16)).results()
+def _results(w: Workload, budget: int = 128, **cfg):
+    return simulate(LM, EX, SimConfig(**cfg), w, FixedBudget(budget, 16)).results()
 
 
 def _steps(truth: dict, n: int = 400, seed: int = 0) -> list[dict]:
@@ -61,10 +61,10 @@ def test_fit_recovers_the_serving_path(tmp_path):
     truth = dict(ttft_overhead_ms=20.0, token_overhead_ms=3.0, engine_slowdown=1.6, prefill_slowdown=1.2,
                  serve_chunk_ms=0.3)
     runs = [_results(synthetic(int(rate * 12), rate, Arrivals.POISSON, seed=3 + i, prompt_mean=120, output_mean=24),
-                     **truth) for i, rate in enumerate((6.0, 14.0))]
-    sp = fit_serving_path(LM, EX, SimConfig(), runs, 128, _steps(truth), seeds=(0,))
+                     budget, **truth) for i, (rate, budget) in enumerate(((6.0, 128), (14.0, 64)))]
+    sp = fit_serving_path(LM, EX, SimConfig(), runs, [128, 64], _steps(truth), seeds=(0,))
     used = sum(r.ok and r.tokens >= 2 for run in runs for r in run)
-    assert sp.fit["max_rel_err"] < 0.05 and len(sp.fit["runs"]) == 2 and sp.requests == used
+    assert sp.fit["max_rel_err"] < 0.05 and [r["budget"] for r in sp.fit["runs"]] == [128, 64] and sp.requests == used
     assert sp.engine_slowdown == pytest.approx(1.6, rel=0.05)
     assert sp.prefill_slowdown == pytest.approx(1.2, rel=0.05)
     assert sp.ttft_overhead_ms == pytest.approx(20.0, abs=3.0)
@@ -104,3 +104,6 @@ def test_a_serving_json_of_the_one_factor_fit_still_loads(tmp_path):
 def test_too_few_results_are_refused():
     with pytest.raises(ConfigError, match="need 8 in each"):
         fit_serving_path(LM, EX, SimConfig(), [[]], 128, [])
+    with pytest.raises(ConfigError, match="2 budgets for 1 runs"):
+        fit_serving_path(LM, EX, SimConfig(), [_results(Workload(np.arange(10.0), np.full(10, 50), np.full(10, 8), "w"))],
+                         [128, 64], [])
