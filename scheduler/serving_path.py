@@ -19,9 +19,9 @@ the profiled model's decode and prefill parts of that step and the chunks it sen
 are then fitted (Nelder-Mead, bounded) so that the simulator, replaying each calibration run (its
 arrivals, prompt and output lengths), gives the measured TTFT and time per output token (p50, p90
 and mean: squared log ratios summed over the runs). The calibration runs are open-loop Poisson runs
-of the profile's own (seeds and rates unlike any evaluation's) at two loads, light and moderate, and
-two budgets (a budget's steps differ in how many calls and chunks they make per token); the
-evaluation's workloads (scheduler/bench_scheduler.py) never enter the fit.
+of the profile's own (seeds and rates unlike any evaluation's) at two loads, light and moderate, at
+one budget or several (``ProfileConfig.serving_runs``); the evaluation's workloads
+(scheduler/bench_scheduler.py) never enter the fit.
 """
 from __future__ import annotations
 
