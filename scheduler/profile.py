@@ -72,10 +72,10 @@ class ProfileConfig:
     run_dir: str = "artifacts/demo"
     bundle: str | None = None  # None: <run_dir>/triton/smartexit/1/bundle (`smartexit repo`)
     threads: int | None = None  # ONNX Runtime threads; None: the bundle's, as served
-    # 24 x 60 steps: ~40 s on 2 cores at 1 thread (steps of 1 to 200 ms); the held-out error is the
-    # VM's drift more than the sample size (0.13-0.26 at the median with 100 steps a scenario)
+    # 24 x 50 steps: ~35 s on 2 cores at 1 thread (steps of 1 to 200 ms); the held-out error is the
+    # VM's drift more than the sample size (0.13-0.26 at the median with 100 steps a scenario, 0.09 with 60)
     scenarios: int = 24  # generated from seed; ignored when scenario_list is given
-    steps_per_scenario: int = 60  # steps recorded per scenario
+    steps_per_scenario: int = 50  # steps recorded per scenario
     scenario_list: list[Scenario] = field(default_factory=list)
     seed: int = 0
     warmup_steps: int = 10  # unrecorded steps first (ONNX Runtime's first calls allocate)
@@ -95,7 +95,7 @@ class ProfileConfig:
     # simulator then ranked budget 64 far above 512 (the real stack did not) and its validation error
     # grew from 0.22-0.28 to 0.43 (docs/scheduler.md)
     serving_runs: list[list[float]] = field(default_factory=lambda: [[512, 0.2], [512, 0.4]])
-    serving_duration_s: float = 15.0
+    serving_duration_s: float = 12.0
 
     def __post_init__(self) -> None:
         self.scenario_list = [Scenario(**s) if isinstance(s, dict) else s for s in self.scenario_list]
