@@ -141,18 +141,13 @@ class _ReplicaCollector:
 
     def collect(self):
         replicas = self._owner._replicas
-        for key, (name, doc) in REPLICA_GAUGES.items():
-            fam = GaugeMetricFamily(name, doc, labels=["replica"])
-            for rid, stats in sorted(replicas.items()):
-                if _number(stats.get(key)):
-                    fam.add_metric([rid], float(stats[key]))
-            yield fam
-        for key, (name, doc) in REPLICA_COUNTERS.items():
-            fam = CounterMetricFamily(name, doc, labels=["replica"])
-            for rid, stats in sorted(replicas.items()):
-                if _number(stats.get(key)):
-                    fam.add_metric([rid], float(stats[key]))
-            yield fam
+        for family, table in ((GaugeMetricFamily, REPLICA_GAUGES), (CounterMetricFamily, REPLICA_COUNTERS)):
+            for key, (name, doc) in table.items():
+                fam = family(name, doc, labels=["replica"])
+                for rid, stats in sorted(replicas.items()):
+                    if _number(stats.get(key)):
+                        fam.add_metric([rid], float(stats[key]))
+                yield fam
         rate = GaugeMetricFamily("smartexit_audit_false_exit_rate", "Audited false-exit rate of an exit.",
                                  labels=["replica", "exit"])
         upper = GaugeMetricFamily("smartexit_audit_false_exit_upper_bound", "Upper confidence bound on an "
