@@ -73,6 +73,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edge.core.errors import ConfigError
 from edge.model.exits import MultiExitModel
+from exporters.ort_quant import matmul
 
 MS = "com.microsoft"
 FUSED_OPSET = 17
@@ -96,6 +97,7 @@ class _Builder:
         self.inits: dict[str, onnx.TensorProto] = {}
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
+        self.act_qdq: dict[tuple[str, float], str] = {}  # (input, scale) -> its dequantized INT8 copy
 
     def weight(self, name: str, t: torch.Tensor | np.ndarray) -> str:
         if name not in self.inits:
@@ -117,12 +119,10 @@ class _Builder:
     def output(self, name: str, dtype: int, shape: list) -> None:
         self.outputs.append(helper.make_tensor_value_info(name, dtype, shape))
 
-    def linear(self, x: str, lin: torch.nn.Linear, name: str) -> str:
-        """x @ W^T (+ b)."""
-        y = self.node("MatMul", [x, self.weight(f"{name}.weight_t", lin.weight.T)], [f"{name}.mm"])[0]
-        if lin.bias is not None:
-            y = self.node("Add", [y, self.weight(f"{name}.bias", lin.bias)], [f"{name}.out"])[0]
-        return y
+    def linear(self, x: str, lin: torch.nn.Linear | list[torch.nn.Linear], name: str) -> str:
+        """x @ W^T (+ b), in the linear's precision; a list packs linears that read x along the output
+        (:func:`exporters.ort_quant.matmul`)."""
+        return matmul(self, x, lin if isinstance(lin, list) else [lin], name)
 
     def model_proto(self, name: str) -> onnx.ModelProto:
         graph = helper.make_graph(self.nodes, name, self.inputs, self.outputs, list(self.inits.values()))
@@ -153,16 +153,12 @@ class _Builder:
             x, _, _, resid = self.node("SkipSimplifiedLayerNormalization", [pending, resid, w1],
                                        [f"l{j}.n1", "", "", f"l{j}.r1"], domain=MS, epsilon=eps)
         a = layer.self_attn
-        wqkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)
-        qkv = self.node("MatMul", [x, self.weight(f"l{j}.qkv_t", wqkv.T)], [f"l{j}.qkv"])[0]
-        if a.q_proj.bias is not None:
-            bqkv = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-            qkv = self.node("Add", [qkv, self.weight(f"l{j}.qkv_b", bqkv)], [f"l{j}.qkvb"])[0]
+        qkv = self.linear(x, [a.q_proj, a.k_proj, a.v_proj], f"l{j}.qkv")
         window = cfg.sliding_window if cfg.sliding_window is not None else -1
         att = self.node("GroupQueryAttention",
                         [qkv, "", "", f"past_key_{j}", f"past_value_{j}", "seqlens_k", "total_len", cos, sin],
                         [f"l{j}.att", f"present_key_{j}", f"present_value_{j}"], domain=MS,
-                        num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads, do_rotary=1,
+                        num_heads=a.num_heads, kv_num_heads=a.num_kv_heads, do_rotary=1,
                         local_window_size=int(window))[0]
         o = self.linear(att, a.o_proj, f"l{j}.o")
         w2 = self.weight(f"l{j}.ln2", layer.post_attention_layernorm.weight)
@@ -374,11 +370,7 @@ def _kvfill_proto(model: MultiExitModel, layers: list[int], name: str) -> onnx.M
         a = layer.self_attn
         x = b.node("SimplifiedLayerNormalization", [h, b.weight(f"l{j}.ln1", layer.input_layernorm.weight)],
                    [f"l{j}.n1"], axis=-1, epsilon=float(cfg.rms_norm_eps))[0]
-        wkv = torch.cat([a.k_proj.weight, a.v_proj.weight], 0)
-        kvp = b.node("MatMul", [x, b.weight(f"l{j}.kv_t", wkv.T)], [f"l{j}.kv"])[0]
-        if a.k_proj.bias is not None:
-            kvp = b.node("Add", [kvp, b.weight(f"l{j}.kv_b", torch.cat([a.k_proj.bias, a.v_proj.bias]))],
-                         [f"l{j}.kvb"])[0]
+        kvp = b.linear(x, [a.k_proj, a.v_proj], f"l{j}.kv")
         k, v = b.node("Split", [kvp, split], [f"l{j}.k", f"value_{j}"], axis=-1)
         b.node("RotaryEmbedding", [k, pos, cos, sin], [f"key_{j}"], domain=MS, interleaved=0, num_heads=kv)
         b.output(f"key_{j}", TensorProto.FLOAT, ["batch", "seq", kv * hd])

@@ -34,6 +34,14 @@ from edge.model.segments import segment_layers
 PARITY_ATOL = 1e-4
 PARITY_RTOL = 1e-4
 DECODE_STEPS = 3
+# Quantized graphs (edge.compress): torch's fake quantization and ONNX Runtime's integer kernels agree
+# on every code except where an activation lands within float rounding noise of a rounding boundary:
+# there the two round to adjacent INT8 codes, and each such flip moves an output by one activation step
+# (1/127 of the range, ~0.8%) times a weight. Measured on the bundled model: at most 1.5% of an
+# output's scale. 5% of the scale (about six steps) leaves room without hiding a wrong scale or a
+# mis-packed weight (those move outputs by tens of %). An exit argmax may then differ only where the
+# torch logits of the two tokens are closer than twice the measured logit difference (a near tie).
+QUANT_RTOL = 5e-2
 CONTRIB_DOMAIN = "com.microsoft"
 
 
@@ -47,6 +55,7 @@ class ParityReport:
     failures: list[str] = field(default_factory=list)
     atol: float = PARITY_ATOL
     rtol: float = PARITY_RTOL
+    near_ties: int = 0  # argmax differences counted as agreeing: near ties within the measured difference
 
     def worst(self, n: int = 5) -> list[tuple[str, str, float]]:
         """The n largest (graph, output, diff), NaN first."""
@@ -69,12 +78,22 @@ def require_parity(report: ParityReport) -> None:
         f"failures: {'; '.join(report.failures[:8])}" + (f" (+{more} more)" if more > 0 else ""))
 
 
+def near_ties(ref_logits: np.ndarray, got_logits: np.ndarray) -> np.ndarray:
+    """[...] bool: rows whose argmax differs only by a near tie: torch's logit of ONNX Runtime's token is
+    within twice the row's largest |difference| of torch's maximum (quantized graphs, QUANT_RTOL)."""
+    chosen = got_logits.argmax(-1)
+    gap = ref_logits.max(-1) - np.take_along_axis(ref_logits, chosen[..., None], -1)[..., 0]
+    return gap <= 2 * np.abs(got_logits - ref_logits).max(-1)
+
+
 class _Comparer:
     """Runs graphs in ORT on torch-made inputs and accumulates diffs, failures and argmax counts."""
 
-    def __init__(self, graphs_dir: Path, meta: dict[str, Any], atol: float, rtol: float) -> None:
+    def __init__(self, graphs_dir: Path, meta: dict[str, Any], atol: float, rtol: float,
+                 scale_rtol: float | None = None) -> None:
         so = session_options(ort)
-        self.meta, self.atol, self.rtol = meta, atol, rtol
+        self.meta, self.atol, self.rtol, self.scale_rtol = meta, atol, rtol, scale_rtol
+        self.ties = 0
         self.sessions = {name: ort.InferenceSession(str(graphs_dir / g["file"]), so, providers=["CPUExecutionProvider"])
                          for name, g in meta["graphs"].items()}
         self.diff: dict[str, dict[str, float]] = {}
@@ -94,11 +113,20 @@ class _Comparer:
             d = float(np.abs(o - r).max()) if o.size else 0.0
             prev = self.diff.setdefault(name, {}).get(out, 0.0)
             self.diff[name][out] = d if (math.isnan(d) or d > prev) else prev
-            if not np.allclose(o, r, atol=self.atol, rtol=self.rtol):
+            if self.scale_rtol is not None:
+                scale = float(np.abs(r).max()) if r.size else 0.0
+                if not d <= self.scale_rtol * (scale or 1.0):
+                    self.failed.setdefault(key, f"{key} ({phase}): max abs diff {d:.3g} > {self.scale_rtol:g} x "
+                                                f"scale {scale:.3g}")
+            elif not np.allclose(o, r, atol=self.atol, rtol=self.rtol):
                 self.failed.setdefault(
                     key, f"{key} ({phase}): max abs diff {d:.3g} > atol {self.atol:g} + rtol {self.rtol:g}*|ref|")
             if out == "logits":
                 same = o.argmax(-1) == r.argmax(-1)
+                if self.scale_rtol is not None:
+                    tie = ~same & near_ties(r, o)
+                    self.ties += int(tie.sum())
+                    same = same | tie
                 self.agree += int(same.sum())
                 self.total += same.size
                 if not same.all():
@@ -163,7 +191,7 @@ def _pipeline(model: MultiExitModel, cmp: _Comparer, phase: str, ids: torch.Tens
 
 def check_parity(model: MultiExitModel, graphs_dir: str | Path, prompts: list[list[int]],
                  atol: float = PARITY_ATOL, rtol: float = PARITY_RTOL,
-                 decode_steps: int = DECODE_STEPS) -> ParityReport:
+                 decode_steps: int = DECODE_STEPS, scale_rtol: float | None = None) -> ParityReport:
     """Compare every exported graph in ONNX Runtime (CPU) with ``model`` in torch.
 
     Args:
@@ -172,6 +200,8 @@ def check_parity(model: MultiExitModel, graphs_dir: str | Path, prompts: list[li
         prompts: token id lists (lengths may differ); each is prefilled alone, then all
             are decoded together for ``decode_steps`` greedy tokens with per-row past lengths.
         atol, rtol: elementwise tolerance (``np.allclose``) for every output.
+        scale_rtol: instead, max |ort - torch| <= scale_rtol * max |torch| per output, and exit argmaxes
+            may differ at near ties (quantized graphs: :data:`QUANT_RTOL`).
 
     Returns:
         A :class:`ParityReport`; ``passed`` needs every output within tolerance, 100% argmax
@@ -189,7 +219,7 @@ def check_parity(model: MultiExitModel, graphs_dir: str | Path, prompts: list[li
     if list(meta["exit_layers"]) != list(model.exit_layers):
         failures.append(f"graphs.json exit_layers {meta['exit_layers']} != model exit_layers {model.exit_layers}")
         return ParityReport(False, {}, 0.0, failures, atol, rtol)
-    cmp = _Comparer(graphs_dir, meta, atol, rtol)
+    cmp = _Comparer(graphs_dir, meta, atol, rtol, scale_rtol)
     cfg = model.backbone.cfg
     window = cfg.sliding_window
     kvh, hd, nl = cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
@@ -229,7 +259,9 @@ def check_parity(model: MultiExitModel, graphs_dir: str | Path, prompts: list[li
             ids = logits[:, -1].argmax(-1, keepdim=True)
     failures += list(cmp.failed.values())
     agreement = cmp.agree / cmp.total if cmp.total else 0.0
-    return ParityReport(not failures and agreement == 1.0, cmp.diff, agreement, failures, atol, rtol)
+    if scale_rtol is not None:
+        atol, rtol = 0.0, scale_rtol
+    return ParityReport(not failures and agreement == 1.0, cmp.diff, agreement, failures, atol, rtol, cmp.ties)
 
 
 # fp32, two kernels for the same math (ONNX Runtime's fused operators vs torch): the rounding of a
@@ -240,7 +272,8 @@ FUSED_RTOL = 1e-4
 
 
 def check_fused_parity(model: MultiExitModel, graphs_dir: str | Path, prompts: list[list[int]],
-                       rtol: float = FUSED_RTOL, decode_steps: int = DECODE_STEPS) -> ParityReport:
+                       rtol: float = FUSED_RTOL, decode_steps: int = DECODE_STEPS,
+                       allow_near_ties: bool = False) -> ParityReport:
     """Compare the fused ONNX Runtime graphs with ``model`` in torch, through the engine's backends.
 
     Both backends run the same calls on caches of their own: each prompt's prefill (B = 1, T = len),
@@ -248,7 +281,8 @@ def check_fused_parity(model: MultiExitModel, graphs_dir: str | Path, prompts: l
     consecutive slots (the in-place path) and once over every other slot (the gathered path), and a
     K/V fill of every later segment. Every segment gets the torch backend's input, so a difference is
     that graph's own. An output passes when max |ort - torch| <= rtol * max |torch| (relative to the
-    output's scale: FUSED_RTOL says why), and every exit argmax agrees.
+    output's scale: FUSED_RTOL says why), and every exit argmax agrees (``allow_near_ties``: or differs
+    at a near tie, :func:`near_ties`; quantized graphs).
     """
     from edge.runtime.backend import make_backend
     from edge.runtime.torch_backend import TorchBackend
@@ -272,10 +306,10 @@ def check_fused_parity(model: MultiExitModel, graphs_dir: str | Path, prompts: l
     got.set_rule(forms)
     diff: dict[str, dict[str, float]] = {}
     failures: list[str] = []
-    agree = total = 0
+    agree = total = ties = 0
 
     def compare(name: str, phase: str, o, r) -> None:
-        nonlocal agree, total
+        nonlocal agree, total, ties
         for field_name in ("hidden", "exit_hidden", "logits", "stats", "gate", "features", "score", "run"):
             a, e = getattr(o, field_name, None), getattr(r, field_name, None)
             if e is None:
@@ -288,6 +322,10 @@ def check_fused_parity(model: MultiExitModel, graphs_dir: str | Path, prompts: l
         if r.token is None:
             return
         same = o.token == r.token
+        if allow_near_ties and not same.all() and getattr(r, "logits", None) is not None:
+            tie = ~same & near_ties(r.logits, o.logits)
+            ties += int(tie.sum())
+            same = same | tie
         agree += int(same.sum())
         total += same.size
         if not same.all():
@@ -328,4 +366,4 @@ def check_fused_parity(model: MultiExitModel, graphs_dir: str | Path, prompts: l
                 if not d <= rtol * scale:
                     failures.append(f"cache/{kind}_{j} ({layout}): max abs diff {d:.3g} > {rtol:g} x scale {scale:.3g}")
     agreement = agree / total if total else 0.0
-    return ParityReport(not failures and agreement == 1.0, diff, agreement, failures, 0.0, rtol)
+    return ParityReport(not failures and agreement == 1.0, diff, agreement, failures, 0.0, rtol, ties)

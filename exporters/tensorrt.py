@@ -470,7 +470,7 @@ def main(cfg: EnginesConfig) -> int:
     t0 = time.time()
     manifest = Manifest(cfg.run_dir)
     graphs = manifest.verified_output("export", "graphs")
-    ckpt = manifest.verified_output("distill", "checkpoint")
+    ckpt = manifest.served_checkpoint()
     out = Path(cfg.run_dir) / "engines"
     result = build_engines(graphs, out, cfg.build, sha256_path(ckpt))
     manifest.record(STAGE, inputs={"graphs": graphs, "checkpoint": ckpt},

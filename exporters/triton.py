@@ -99,7 +99,7 @@ def write_repository(cfg: RepoConfig) -> Path:
         ArtifactError: the run's export, table or checkpoint is missing or changed since recorded.
     """
     manifest = Manifest(cfg.run_dir)
-    ckpt = manifest.verified_output("distill", "checkpoint")
+    ckpt = manifest.served_checkpoint()
     graphs = manifest.verified_output("export", "graphs")
     table_path = manifest.verified_output("calibrate", "thresholds")
     meta = json.loads((graphs / "graphs.json").read_text())

@@ -171,6 +171,23 @@ class Manifest:
             )
         return path
 
+    def served_checkpoint(self) -> Path:
+        """The checkpoint this run serves: the ``compress`` stage's output where that stage ran, else
+        ``distill``'s.
+
+        Raises:
+            ArtifactError: as :meth:`verified_output`, or the distilled checkpoint changed after
+                ``compress`` read it (a compressed model of another checkpoint is an error).
+        """
+        distilled = self.verified_output("distill", "checkpoint")
+        if "compress" not in self.data["stages"]:
+            return distilled
+        read = self.stage("compress").get("inputs", {}).get("checkpoint", {}).get("sha256")
+        if read != sha256_path(distilled):
+            raise ArtifactError(f"{self.path}: the distilled checkpoint changed after stage 'compress' read it; "
+                                "re-run 'compress'")
+        return self.verified_output("compress", "checkpoint")
+
     def record(self, stage: str, *, inputs: dict[str, str | Path], config: dict[str, Any],
                outputs: dict[str, str | Path], metrics: dict[str, Any], seconds: float) -> None:
         """Record a finished stage (hashing its inputs and outputs) and rewrite the manifest atomically."""

@@ -7,6 +7,7 @@ loading never writes anything.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -70,8 +71,10 @@ def read_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_decoder(folder: str | Path, dtype: torch.dtype = torch.float32) -> Decoder:
-    """Build a :class:`Decoder` from a local HF folder.
+def load_decoder(folder: str | Path, dtype: torch.dtype = torch.float32,
+                 prepare: Callable[[Decoder], None] | None = None) -> Decoder:
+    """Build a :class:`Decoder` from a local HF folder. ``prepare`` reshapes the freshly built decoder
+    before its weights load (a compressed checkpoint: pruned shapes, quantized linears and their scales).
 
     Raises:
         CheckpointError: missing folder / files, unsupported architecture, corrupt
@@ -81,6 +84,8 @@ def load_decoder(folder: str | Path, dtype: torch.dtype = torch.float32) -> Deco
     cfg = read_config(folder)
     tensors = read_tensors(folder)
     model = Decoder(cfg)
+    if prepare is not None:
+        prepare(model)
     expected = model.state_dict()
     state: dict[str, torch.Tensor] = {}
     for key, t in tensors.items():

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -167,10 +168,11 @@ def exit_decision_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 def save_multi_exit(model: MultiExitModel, folder: str | Path, *, tokenizer: str | Path | None,
-                    metrics: dict[str, Any], source: dict[str, Any]) -> Path:
-    """Write a multi-exit checkpoint folder (caller wraps it in :func:`atomic_dir`)."""
+                    metrics: dict[str, Any], source: dict[str, Any], dtype: torch.dtype = torch.float16) -> Path:
+    """Write a multi-exit checkpoint folder (caller wraps it in :func:`atomic_dir`); the decoder's
+    weights in ``dtype`` (a quantized model's in float32, so that its grid points stay exact)."""
     folder = Path(folder)
-    save_decoder(model.backbone, folder)
+    save_decoder(model.backbone, folder, dtype=dtype)
     if tokenizer is not None:
         shutil.copyfile(tokenizer, folder / "tokenizer.json")
     heads = {f"exit.{k}": v.detach().contiguous() for k, v in model.heads.state_dict().items()}
@@ -198,7 +200,7 @@ def read_exits_json(folder: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
 
 
-def load_multi_exit(folder: str | Path) -> MultiExitModel:
+def load_multi_exit(folder: str | Path, prepare: Callable[[Decoder], None] | None = None) -> MultiExitModel:
     """Load a multi-exit checkpoint, checking that its files are the ones ``exits.json`` names.
 
     Raises:
@@ -213,7 +215,7 @@ def load_multi_exit(folder: str | Path) -> MultiExitModel:
         actual = sha256_file(path)
         if actual != meta.get(key):
             raise CheckpointError(f"{path} does not match {folder / EXITS_JSON}: sha256 {actual} != {meta.get(key)}")
-    backbone = load_decoder(folder)
+    backbone = load_decoder(folder, prepare=prepare)
     try:
         exits = ExitConfig(**meta["exits"])
     except (KeyError, TypeError) as exc:

@@ -20,6 +20,10 @@ STAGES: dict[str, tuple[str, str, str, str]] = {
     "distill": ("edge.training.distill", "DistillConfig", "main", "train exit heads by multi-exit distillation"),
     "train-scheduler": ("scheduler.train", "TrainSchedulerConfig", "main",
                         "train the learned scheduler (recurrent PPO) in the simulator -> scheduler/assets/ppo"),
+    "compress": ("edge.pipeline.compress", "CompressConfig", "main",
+                 "quantize (INT8 QAT + PTQ, or INT4) and optionally prune the distilled model -> <run>/compressed"),
+    "bench compress": ("edge.pipeline.bench.compress", "CompressBenchConfig", "main",
+                       "every compression recipe: bytes, quality, exit agreement, decode speed vs fp32 and llama.cpp"),
     "calibrate": ("edge.pipeline.calibrate", "CalibrateConfig", "main",
                   "calibrated exit thresholds with a certified false-exit bound (--calib-data DIR to certify on "
                   "your own text, --eval-data DIR to check on it)"),

@@ -21,7 +21,9 @@ from edge.core.data import Split, heldout_prompts, load_split
 from edge.model.exits import ExitConfig, MultiExitModel
 from edge.pipeline.run_checkpoint import open_run
 from exporters.onnx_export import ExportConfig, export_onnx
-from exporters.parity import FUSED_RTOL, PARITY_ATOL, PARITY_RTOL, check_fused_parity, check_parity, require_parity
+from edge.compress.apply import quant_linears
+from exporters.parity import (FUSED_RTOL, PARITY_ATOL, PARITY_RTOL, QUANT_RTOL, check_fused_parity, check_parity,
+                              require_parity)
 
 STAGE = "export"
 
@@ -35,6 +37,7 @@ class ExportStageConfig:
     atol: float = PARITY_ATOL
     rtol: float = PARITY_RTOL
     fused_rtol: float = FUSED_RTOL  # the fused ONNX Runtime graphs, relative to each output's scale
+    quant_rtol: float = QUANT_RTOL  # a quantized model's graphs (both kinds), relative to each output's scale
     seed: int = 0
     threads: int = 2
 
@@ -50,16 +53,20 @@ def main(cfg: ExportStageConfig) -> int:
     manifest, ckpt, model, tok = run.manifest, run.path, run.model, run.tokenizer
     prompts = heldout_prompts(tok, load_split(Split.TEST), cfg.parity_prompts, cfg.prompt_tokens, cfg.seed)
     full = full_depth(model)
+    quantized = any(True for _ in quant_linears(model))  # a compressed model: tolerances of QUANT_RTOL
     outs, reports, counts = {}, {}, {}
     # export beside the final folders, gate both, and only then swap them in
     staging = Path(tempfile.mkdtemp(prefix=".onnx-staging.", dir=cfg.run_dir))
     try:
         for key, name, m in (("graphs", "onnx", model), ("graphs_full", "onnx_full", full)):
             exported = export_onnx(m, staging / name, ExportConfig(opset=cfg.opset), checkpoint_sha256=sha256_path(ckpt))
-            reports[key] = check_parity(m, staging / name, prompts, atol=cfg.atol, rtol=cfg.rtol)
+            reports[key] = check_parity(m, staging / name, prompts, atol=cfg.atol, rtol=cfg.rtol,
+                                        scale_rtol=cfg.quant_rtol if quantized else None)
             require_parity(reports[key])
             if exported.fused:
-                reports[f"{key}_fused"] = check_fused_parity(m, staging / name, prompts, rtol=cfg.fused_rtol)
+                reports[f"{key}_fused"] = check_fused_parity(
+                    m, staging / name, prompts, rtol=cfg.quant_rtol if quantized else cfg.fused_rtol,
+                    allow_near_ties=quantized)
                 require_parity(reports[f"{key}_fused"])
             counts[key] = len(exported.graphs) + len(exported.fused)
         for key, name in (("graphs", "onnx"), ("graphs_full", "onnx_full")):

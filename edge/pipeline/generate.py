@@ -116,7 +116,7 @@ def engine_generate(cfg: GenerateConfig) -> int:
     from edge.runtime.speculative import SpecConfig
 
     manifest = Manifest(cfg.run_dir)
-    ckpt = manifest.verified_output("distill", "checkpoint")
+    ckpt = manifest.served_checkpoint()
     tok = load_tokenizer(ckpt)
     if cfg.prompt is not None:
         prompts = [tok.encode(cfg.prompt).ids]

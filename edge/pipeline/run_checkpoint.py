@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 
 from edge.core.artifacts import Manifest
-from edge.model.exits import MultiExitModel, load_multi_exit
+from edge.compress.checkpoint import load_served
+from edge.model.exits import MultiExitModel
 from edge.model.tokenizer import load_tokenizer
 
 
@@ -23,5 +24,5 @@ def open_run(run_dir: str | Path, threads: int) -> RunCheckpoint:
     """Load the checkpoint ``distill`` wrote in ``run_dir`` (refused if it changed since)."""
     torch.set_num_threads(threads)
     manifest = Manifest(run_dir)
-    path = manifest.verified_output("distill", "checkpoint")
-    return RunCheckpoint(manifest, path, load_multi_exit(path), load_tokenizer(path))
+    path = manifest.served_checkpoint()
+    return RunCheckpoint(manifest, path, load_served(path), load_tokenizer(path))

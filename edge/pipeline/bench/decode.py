@@ -52,7 +52,8 @@ from edge.runtime.profile import ProfiledBackend, ProfiledRule
 from edge.runtime.rules import NeverExit
 from edge.runtime.speculative import SpecConfig, StopRule
 from edge.core.errors import ConfigError
-from edge.model.exits import MultiExitModel, load_multi_exit
+from edge.compress.checkpoint import load_served
+from edge.model.exits import MultiExitModel
 from edge.model.tokenizer import load_tokenizer
 from edge.pipeline.bench.segments import segment_call_overhead
 from edge.pipeline.bench.spec_ceiling import agreement_trace, ceiling as spec_ceiling, measure_costs
@@ -329,7 +330,7 @@ def peak_rss_mib(system: str, run_dir: str, batch: int, cfg: DecodeBenchConfig) 
 
 def _paths(run_dir: str) -> tuple[Path, Path, Path, Path]:
     m = Manifest(run_dir)
-    return (m.verified_output("distill", "checkpoint"), m.verified_output("export", "graphs"),
+    return (m.served_checkpoint(), m.verified_output("export", "graphs"),
             m.verified_output("export", "graphs_full"), m.verified_output("calibrate", "thresholds"))
 
 
@@ -347,7 +348,7 @@ def _memory_probe(argv: list[str]) -> None:
     before = _vm_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # Linux: reset the peak RSS (VmHWM) to the current RSS
     ckpt, graphs, graphs_full, thresholds = _paths(run_dir)
-    model = load_multi_exit(ckpt) if system.startswith("engine") else None
+    model = load_served(ckpt) if system.startswith("engine") else None
     systems = Systems(cfg, ckpt, graphs, graphs_full, thresholds, model, only=(system,))
     prompts = heldout_prompts(load_tokenizer(ckpt), load_split(Split.TEST), int(batch), cfg.prompt_tokens, cfg.seed)
     systems.run(system, prompts, cfg.new_tokens)
@@ -377,7 +378,7 @@ def main(cfg: DecodeBenchConfig) -> int:
     t0 = time.time()
     torch.set_num_threads(cfg.threads)
     ckpt, graphs, graphs_full, thresholds = _paths(cfg.run_dir)
-    model = load_multi_exit(ckpt)
+    model = load_served(ckpt)
     if not 1 <= cfg.layerskip_exit < model.num_layers:
         raise ConfigError(f"bench.layerskip_exit must be in [1, {model.num_layers - 1}], got {cfg.layerskip_exit}")
     tok = load_tokenizer(ckpt)

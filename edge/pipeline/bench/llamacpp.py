@@ -14,6 +14,16 @@ has checked the actual pre-tokenizer, decoder and model of ``tokenizer.json`` do
 fall back to ``gpt-2`` for a hash it does not know (the vendored converter is never edited).
 :func:`verify_tokenizer` then checks that the converted tokenizer reproduces ours id for id, and
 :func:`check_greedy_match` that llama.cpp's greedy tokens are ours before its speed is reported.
+
+For the compression comparison the peer also runs at our bit-widths: :func:`quantize_gguf` hands the
+f32 GGUF to llama.cpp's own quantizer (``llama_model_quantize``, what the ``llama-quantize`` tool
+calls) for :data:`QTYPES`, and :func:`gguf_tensor_types` reads back what was stored, because llama.cpp
+picks per tensor (``llama-quant.cpp``): 1-d tensors (norms) stay F32; the output matrix, and the
+token embedding when it is tied to it as ours is, get Q6_K under the 4-bit types; Q4_K_M keeps some
+attn_v / ffn_down at Q6_K; and a tensor whose rows are not a multiple of a type's block (32 for
+Q4_0 / Q8_0, 256 for the k-quants) falls back to another type (``tensor_type_fallback``:
+Q4_K -> Q5_0, Q6_K -> Q8_0; F16 when even 32 does not divide). :func:`peer_perplexity` scores held-out windows teacher-forced from logits at every
+position (:meth:`LlamaCppPeer.logits`), with the same arithmetic as ours (:func:`next_token_scores`).
 """
 from __future__ import annotations
 
@@ -22,10 +32,14 @@ import json
 import os
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
-from edge.core.errors import MissingExtraError, SmartExitError
+from edge.core.errors import ConfigError, MissingExtraError, SmartExitError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 INSTALL_HINT = "run `make llamacpp`"
 SRC_ENV = "SMARTEXIT_LLAMACPP_SRC"  # overrides where the unpacked sdist is looked for
@@ -35,6 +49,9 @@ UNKNOWN_PRE = "BPE pre-tokenizer was not recognized"  # the converter's message 
 # tokenizer.ggml.pre of GPT-2's own tokenizer: the converter's hash list maps openai-community/gpt2 to it,
 # and llama.cpp's llama-vocab.cpp maps it to LLAMA_VOCAB_PRE_TYPE_GPT2 (GPT-2's split regex)
 GPT2_PRE = "gpt-2"
+# llama.cpp's quantizer targets (llama_ftype names in llama.h); "q4_K" is llama-quantize's own alias of Q4_K_M
+QTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+QTYPE_ALIASES = {"q4_K": "q4_K_M"}
 
 
 class TokenizerMismatch(SmartExitError):
@@ -43,6 +60,10 @@ class TokenizerMismatch(SmartExitError):
 
 class GreedyMismatch(SmartExitError):
     """llama.cpp's greedy tokens differ from ours: its speed must not be reported."""
+
+
+class QuantizationFailed(SmartExitError):
+    """llama.cpp's quantizer returned an error for a GGUF file."""
 
 
 # ------------------------------------------------------------------ where things are
@@ -268,6 +289,163 @@ def _convert_main(argv: list[str]) -> int:
     return 0
 
 
+# ------------------------------------------------------------------ quantization (llama.cpp's own quantizer)
+def canonical_qtype(qtype: str) -> str:
+    """The :data:`QTYPES` key for ``qtype`` (an alias such as ``q4_K`` resolved; case ignored).
+
+    Raises:
+        ConfigError: ``qtype`` is none of them (the message lists the allowed names).
+    """
+    names = {**{q.lower(): q for q in QTYPES}, **{a.lower(): q for a, q in QTYPE_ALIASES.items()}}
+    try:
+        return names[str(qtype).lower()]
+    except KeyError:
+        raise ConfigError(f"llama.cpp quantization type must be one of {[*QTYPES, *QTYPE_ALIASES]}, "
+                          f"got {qtype!r}") from None
+
+
+def quantized_gguf_path(src_gguf: str | Path, qtype: str) -> Path:
+    """The quantized file beside ``src_gguf``, named after it: ``<stem>-to-<qtype>.gguf``.
+
+    Derived from the source's name, so it inherits :func:`gguf_path`'s cache key (checkpoint sha256,
+    llama-cpp-python version, source type) and never collides with a converter output of that type.
+    """
+    src = Path(src_gguf)
+    return src.with_name(f"{src.stem}-to-{canonical_qtype(qtype)}.gguf")
+
+
+class _LlamaLogCapture:
+    """Collect llama.cpp's log lines while in the block, then give back the callback that was set."""
+
+    def __enter__(self) -> list[str]:
+        import ctypes
+
+        import llama_cpp
+
+        self._lib, self.lines = llama_cpp, []
+        self._prev_cb, self._prev_data = llama_cpp.llama_log_callback(), ctypes.c_void_p()
+        llama_cpp.llama_log_get(ctypes.byref(self._prev_cb), ctypes.byref(self._prev_data))
+
+        @llama_cpp.llama_log_callback
+        def collect(level: int, text: bytes, user_data) -> None:
+            self.lines.append(text.decode("utf-8", errors="replace"))
+
+        self._cb = collect  # referenced until restored: llama.cpp holds only the C pointer
+        llama_cpp.llama_log_set(self._cb, None)
+        return self.lines
+
+    def __exit__(self, *exc) -> None:
+        self._lib.llama_log_set(self._prev_cb, self._prev_data)
+
+
+def quantize_gguf(src_gguf: str | Path, out_gguf: str | Path, qtype: str, threads: int = 0) -> Path:
+    """Quantize a GGUF with llama.cpp's quantizer (``llama_model_quantize``, default parameters).
+
+    llama.cpp chooses each tensor's type from ``qtype`` (module docstring): norms stay F32, and rows
+    that a type's block does not divide fall back; :func:`gguf_tensor_types` tells what was stored.
+    The file appears at ``out_gguf`` only if quantization succeeded.
+
+    Args:
+        src_gguf: an f32 / f16 / bf16 GGUF (:func:`cached_gguf`).
+        out_gguf: the ``.gguf`` file to write.
+        qtype: a :data:`QTYPES` key or alias (``q8_0``, ``q4_0``, ``q4_K_M`` = ``q4_K``).
+        threads: quantizer threads; 0 lets llama.cpp use every hardware thread.
+    Returns:
+        ``out_gguf``.
+    Raises:
+        ConfigError: unknown ``qtype``.
+        MissingExtraError: llama-cpp-python is not installed.
+        SmartExitError: ``src_gguf`` missing or ``out_gguf`` not a ``.gguf`` path.
+        QuantizationFailed: the quantizer returned non-zero (its last log lines are in the message).
+    """
+    import ctypes
+
+    from edge.core.artifacts import atomic_path
+
+    qtype = canonical_qtype(qtype)
+    src, out = Path(src_gguf), Path(out_gguf)
+    if not src.is_file():
+        raise SmartExitError(f"GGUF file {src} does not exist")
+    if out.suffix != ".gguf" or out.is_dir():
+        raise SmartExitError(f"out_gguf must name a .gguf file, got {out}")
+    if out.resolve() == src.resolve():
+        raise SmartExitError(f"quantizing {src} onto itself")
+    require_available()
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, QTYPES[qtype])
+    params.nthread = max(0, int(threads))
+    with atomic_path(out) as tmp, _LlamaLogCapture() as log:
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+        if rc != 0:
+            tail = "".join(log).strip().splitlines()[-10:]
+            raise QuantizationFailed(f"llama.cpp could not quantize {src} to {qtype} (llama_model_quantize "
+                                     f"returned {rc}):\n" + "\n".join(tail))
+    return out
+
+
+def cached_quantized_gguf(run_dir: str | Path, model_dir: str | Path, qtype: str, threads: int = 0) -> Path:
+    """The run's ``qtype`` GGUF of ``model_dir``: quantized from the run's cached f32 GGUF
+    (:func:`cached_gguf`, converted on first use) into :func:`quantized_gguf_path` beside it.
+
+    The name carries the f32 file's cache key, so other weights or another llama-cpp-python get
+    another file; a quantized file older than its f32 source is rebuilt.
+    """
+    src = cached_gguf(run_dir, model_dir, "f32")
+    out = quantized_gguf_path(src, qtype)
+    if out.is_file() and out.stat().st_mtime >= src.stat().st_mtime:
+        return out
+    return quantize_gguf(src, out, qtype, threads)
+
+
+# ------------------------------------------------------------------ what a GGUF stores
+def _gguf_module():
+    """The ``gguf`` package: installed, or the ``gguf-py`` of the unpacked sdist (as the converter uses)."""
+    try:
+        import gguf
+    except ImportError:
+        gguf_py = converter_dir() / "gguf-py"
+        if not (gguf_py / "gguf").is_dir():
+            raise MissingExtraError(f"the gguf package is not installed and {gguf_py} is missing: "
+                                    f"{INSTALL_HINT}") from None
+        sys.path.append(str(gguf_py))  # appended: an installed gguf would still win
+        import gguf
+    return gguf
+
+
+def gguf_tensor_types(gguf_file: str | Path) -> dict[str, str]:
+    """Tensor name -> ggml type name (``F32``, ``Q8_0``, ``Q4_K``, ...) as stored in a GGUF file, in file order.
+
+    Raises:
+        SmartExitError: the file is missing or not a readable GGUF.
+    """
+    path = Path(gguf_file)
+    if not path.is_file():
+        raise SmartExitError(f"GGUF file {path} does not exist")
+    gguf = _gguf_module()
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, OSError) as exc:
+        raise SmartExitError(f"{path} is not a readable GGUF file: {exc}") from exc
+    return {t.name: t.tensor_type.name for t in reader.tensors}
+
+
+def tensor_type_counts(types: dict[str, str]) -> dict[str, int]:
+    """How many tensors of each type (most frequent first), from :func:`gguf_tensor_types`."""
+    from collections import Counter
+
+    return dict(sorted(Counter(types.values()).items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def gguf_bytes(gguf_file: str | Path) -> int:
+    """Size of a GGUF file in bytes (weights, vocabulary and metadata)."""
+    path = Path(gguf_file)
+    if not path.is_file():
+        raise SmartExitError(f"GGUF file {path} does not exist")
+    return path.stat().st_size
+
+
 # ------------------------------------------------------------------ the peer
 class PeerGeneration(NamedTuple):
     tokens: list[int]  # [N] generated ids
@@ -302,11 +480,15 @@ class LlamaCppPeer:
                                  "verbose=True) to see llama.cpp's reason") from exc
         self._vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
         self._sampler = llama_cpp.llama_sampler_init_greedy()
+        self._batch = None  # a llama_batch of n_ctx tokens, made by the first logits() call
 
     def close(self) -> None:
         if self._sampler is not None:
             self._lib.llama_sampler_free(self._sampler)
             self._sampler = None
+        if self._batch is not None:
+            self._lib.llama_batch_free(self._batch)
+            self._batch = None
         self.llm.close()
 
     def __enter__(self) -> LlamaCppPeer:
@@ -345,6 +527,41 @@ class LlamaCppPeer:
             self._decode(tokens[-1:])
         seconds = time.perf_counter() - t0
         return PeerGeneration(tokens, seconds, [b - a for a, b in zip(stamps, stamps[1:])])
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        """Teacher-forced logits at every position of ``ids``, from an empty cache: row ``i`` scores
+        the token after ``ids[:i + 1]``. One ``llama_decode`` of a batch that asks for every
+        position's output (``llama_batch_get_one`` would give only the last).
+
+        Args:
+            ids: [T] token ids, 1 <= T <= ``n_ctx``.
+        Returns:
+            [T, V] float32.
+        Raises:
+            SmartExitError: bad length or an id outside the vocabulary.
+        """
+        import numpy as np
+
+        lib, ctx = self._lib, self.llm.ctx
+        ids = [int(t) for t in ids]
+        n, vocab = len(ids), self.vocab_size
+        if not 1 <= n <= self.n_ctx:
+            raise SmartExitError(f"logits() takes 1 to n_ctx={self.n_ctx} tokens, got {n}")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise SmartExitError(f"token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
+        if self._batch is None:
+            self._batch = lib.llama_batch_init(self.n_ctx, 0, 1)
+        batch = self._batch
+        for i, t in enumerate(ids):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, i, 1, 1
+            batch.seq_id[i][0] = 0
+        batch.n_tokens = n
+        lib.llama_memory_clear(lib.llama_get_memory(ctx), True)
+        rc = lib.llama_decode(ctx, batch)
+        if rc != 0:
+            raise SmartExitError(f"llama_decode failed with code {rc} ({n} tokens, all logits)")
+        # llama.cpp returns requested outputs in batch order: [n_outputs, n_vocab]
+        return np.ctypeslib.as_array(lib.llama_get_logits(ctx), shape=(n, vocab)).copy()
 
     # tokenizer of the GGUF
     def tokenize(self, text: str, special: bool = False) -> list[int]:
@@ -496,6 +713,84 @@ def require_greedy_match(peer: LlamaCppPeer, reference_tokens_per_prompt: Sequen
         raise GreedyMismatch(f"llama.cpp ({peer.gguf.name}) matches our greedy tokens for only {frac:.1%} of "
                              f"{sum(map(len, reference_tokens_per_prompt))} tokens; its speed is not reported")
     return frac
+
+
+# ------------------------------------------------------------------ quality on held-out text
+def next_token_scores(logits: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Negative log-likelihood and top-1 hit of each next token of one window, in float64.
+
+    Args:
+        logits: [T, V] (row i predicts ids[i + 1]; the last row is unused).
+        ids: [T] the window's token ids.
+    Returns:
+        (nll [T-1] float64, hit [T-1] bool: first argmax == next token).
+    """
+    import numpy as np
+
+    z = np.asarray(logits, dtype=np.float64)[:-1]  # [T-1, V]
+    nxt = np.asarray(ids, dtype=np.int64)[1:]  # [T-1]
+    if z.ndim != 2 or z.shape[0] != nxt.shape[0]:
+        raise SmartExitError(f"logits {np.shape(logits)} do not fit ids {np.shape(ids)}")
+    m = z.max(axis=1, keepdims=True)
+    log_z = (m + np.log(np.exp(z - m).sum(axis=1, keepdims=True)))[:, 0]  # [T-1] log-sum-exp
+    nll = log_z - z[np.arange(nxt.size), nxt]
+    return nll, z.argmax(axis=1) == nxt
+
+
+@dataclass(frozen=True)
+class PeerQuality:
+    """Teacher-forced next-token quality over held-out windows (tokens 1..T-1 of each window)."""
+
+    windows: int
+    window_tokens: int  # T
+    mean_nll: float  # nats per predicted token, over all N * (T - 1)
+    perplexity: float  # exp(mean_nll)
+    top1: float  # fraction of predicted tokens that are the argmax
+    window_nll: tuple[float, ...]  # [N] mean NLL of each window
+
+    @classmethod
+    def from_scores(cls, nll: np.ndarray, hit: np.ndarray) -> PeerQuality:
+        """From per-token ``nll`` / ``hit`` arrays [N, T-1] (:func:`next_token_scores` per window)."""
+        import numpy as np
+
+        nll, hit = np.asarray(nll, dtype=np.float64), np.asarray(hit, dtype=bool)
+        if nll.ndim != 2 or nll.shape != hit.shape or nll.size == 0:
+            raise SmartExitError(f"nll {nll.shape} and hit {hit.shape} must be the same non-empty [N, T-1]")
+        mean = float(nll.mean())
+        return cls(nll.shape[0], nll.shape[1] + 1, mean, float(np.exp(mean)), float(hit.mean()),
+                   tuple(float(x) for x in nll.mean(axis=1)))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["window_nll"] = list(self.window_nll)
+        return d
+
+
+def peer_perplexity(peer_or_gguf: LlamaCppPeer | str | Path, windows_ids: np.ndarray,
+                    threads: int = 2) -> PeerQuality:
+    """llama.cpp's perplexity and top-1 accuracy on ``windows_ids``, each window scored from an
+    empty cache (the tokenizer must be ours, :func:`verify_tokenizer`, for the ids to mean the same).
+
+    Args:
+        peer_or_gguf: a loaded peer, or a GGUF file (opened with ``threads`` and closed again).
+        windows_ids: [N, T] int token ids (``TokenCorpus.draw(...).ids``), T >= 2.
+        threads: llama.cpp threads when a file is given.
+    Raises:
+        SmartExitError: not a non-empty [N, T >= 2] array, or T beyond the peer's ``n_ctx``.
+    """
+    import numpy as np
+
+    ids = np.asarray(windows_ids)
+    if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise SmartExitError(f"windows_ids must be integer [N >= 1, T >= 2], got {ids.dtype} {ids.shape}")
+    opened = isinstance(peer_or_gguf, (str, Path))
+    peer = LlamaCppPeer(peer_or_gguf, threads, n_ctx=max(ids.shape[1], 2)) if opened else peer_or_gguf
+    try:
+        scores = [next_token_scores(peer.logits(w.tolist()), w) for w in ids]
+    finally:
+        if opened:
+            peer.close()
+    return PeerQuality.from_scores(np.stack([s[0] for s in scores]), np.stack([s[1] for s in scores]))
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["_convert"]:
