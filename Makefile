@@ -12,7 +12,7 @@ DEMO_CFG := configs/demo.yaml
 MODEL_FILES := $(wildcard edge/assets/tiny/*) $(wildcard edge/assets/tiny-ee/*) $(wildcard edge/assets/data/*)
 SRC := $(shell find edge calibration exporters scheduler -name '*.py' 2>/dev/null)
 
-.PHONY: demo test venv distill calibrate export bench generate report repo serve bench-serve profile bench-scheduler aiperf-check train-tiny train-tiny-ee train-scheduler llamacpp clean help
+.PHONY: demo test venv distill compress bench-compress compress-study calibrate export bench generate report repo serve bench-serve profile bench-scheduler aiperf-check train-tiny train-tiny-ee train-scheduler llamacpp clean help
 .DEFAULT_GOAL := help
 
 help:
@@ -25,8 +25,9 @@ help:
 	@echo "make bench-serve the serving load test (trace arrivals, both control policies, vs in process)"
 	@echo "make profile     the engine's step time and the serving path -> the simulator's latency model (~1.5 min)"
 	@echo "make bench-scheduler  the learned scheduler vs fixed budgets and heuristics (simulator + real stack)"
+	@echo "make compress-study  every compression recipe side by side (+ llama.cpp q8_0 / q4_0) -> $(ART)/bench/compress.md (~15 min)"
 	@echo "make llamacpp    build llama-cpp-python from source: adds llama.cpp as system (f) of make bench"
-	@echo "make distill | calibrate | export | bench | generate | report   one stage at a time (RUN=name picks artifacts/<name>)"
+	@echo "make distill | compress | calibrate | export | bench | generate | report   one stage at a time (RUN=name picks artifacts/<name>)"
 
 venv: $(STAMP)
 $(STAMP): requirements/lock.txt pyproject.toml
@@ -41,15 +42,22 @@ $(STAMP): requirements/lock.txt pyproject.toml
 $(ART)/multi_exit/exits.json: $(STAMP) $(MODEL_FILES) $(DEMO_CFG) $(SRC)
 	$(SE) distill --config $(DEMO_CFG) run_dir=$(ART)
 
-$(ART)/calibration/thresholds.json: $(ART)/multi_exit/exits.json
+# distill -> compress -> calibrate -> export: calibration and export see the model that is served
+$(ART)/compressed/compress.json: $(ART)/multi_exit/exits.json configs/compress.yaml
+	$(SE) compress --config configs/compress.yaml run_dir=$(ART)
+
+$(ART)/calibration/thresholds.json: $(ART)/compressed/compress.json
 	$(SE) calibrate run_dir=$(ART)
 
-$(ART)/.generate.done: $(ART)/multi_exit/exits.json
+$(ART)/.generate.done: $(ART)/compressed/compress.json
 	$(SE) generate run_dir=$(ART)
 	@touch $@
 
-$(ART)/onnx/graphs.json: $(ART)/multi_exit/exits.json
+$(ART)/onnx/graphs.json: $(ART)/compressed/compress.json
 	$(SE) export run_dir=$(ART)
+
+$(ART)/bench/compress.json: $(ART)/onnx/graphs.json $(ART)/calibration/thresholds.json configs/bench_compress.yaml
+	$(SE) bench compress --config configs/bench_compress.yaml run_dir=$(ART)
 
 $(ART)/bench/decode.json: $(ART)/onnx/graphs.json $(ART)/calibration/thresholds.json
 	$(SE) bench decode --config configs/bench_decode.yaml run_dir=$(ART)
@@ -72,10 +80,14 @@ $(ART)/bench/scheduler.json: $(ART)/scheduler/latency.json configs/bench_schedul
 
 $(ART)/report.json: $(ART)/multi_exit/exits.json $(ART)/calibration/thresholds.json $(ART)/.generate.done \
 		$(ART)/onnx/graphs.json $(ART)/bench/decode.json $(ART)/bench/serve.json $(ART)/bench/audit.json \
-		$(ART)/bench/scheduler.json
+		$(ART)/bench/scheduler.json $(ART)/bench/compress.json
 	$(SE) report run_dir=$(ART)
 
 distill: $(ART)/multi_exit/exits.json
+compress: $(ART)/compressed/compress.json
+bench-compress: $(ART)/bench/compress.json
+compress-study: $(ART)/onnx/graphs.json $(ART)/calibration/thresholds.json
+	$(SE) bench compress --config configs/compress_study.yaml run_dir=$(ART)
 calibrate: $(ART)/calibration/thresholds.json
 export: $(ART)/onnx/graphs.json
 bench: $(ART)/bench/decode.json

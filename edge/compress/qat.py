@@ -6,11 +6,14 @@ through the rounding. The loss is the KL divergence of every exit from the same 
 multi-exit model (the teacher), so the exits keep agreeing with the last layer as they did.
 
 Sparse regularization against drift: with weight ``sparse_weight`` > 0 the loss adds, per critical
-layer j, ``lambda_j * mean|Q(W_j) - W_j^fp| / mean|W_j^fp|`` (Q: the fake quantizer, W^fp: the float
-weight before training), ``lambda_j`` = ``sparse_weight`` times the layer's sensitivity relative to the
-most sensitive layer. The L1 penalty (not L2) keeps most quantized weights exactly on the grid point
-the float weight rounds to, and lets few move: the quantized weights drift from the float model only
-where distillation needs them to, and less in the layers the exits are most sensitive to.
+layer j, ``lambda_j * mean|W_j - W_j^fp| / mean|W_j^fp|`` (W^fp: the float weight before training),
+``lambda_j`` = ``sparse_weight`` times the layer's sensitivity relative to the most sensitive layer.
+The L1 penalty (not L2) is zero-gradient-neutral at the start and pulls each moved weight back by a
+constant force, so few weights move and most stay where the float model had them: their quantized
+codes stay those of the float model (what :func:`grid_drift` counts), and the layers the exits are
+most sensitive to move least. (A penalty on |Q(W) - W^fp| instead, with Q the fake quantizer, pushes
+every weight by the sign of its rounding error under straight-through gradients, and Adam turns that
+push into a full step: measured, it *raised* the share of moved codes from 6% to 13-35%.)
 """
 from __future__ import annotations
 
@@ -109,13 +112,13 @@ def train(student: MultiExitModel, teacher: MultiExitModel, windows: torch.Tenso
             pen = torch.zeros(())
             for j in layers:
                 if lam[j] > 0:
-                    gap = torch.stack([(m.quantized_weight() - w0).abs().mean() for m, w0 in zip(lins[j], w_fp[j])])
+                    gap = torch.stack([(m.weight - w0).abs().mean() for m, w0 in zip(lins[j], w_fp[j])])
                     pen = pen + lam[j] * gap.mean() / mean_abs[j]
             opt.zero_grad(set_to_none=True)
             (loss + pen).backward()
             opt.step()
-            result.losses.append(float(loss))
-            result.penalties.append(float(pen))
+            result.losses.append(float(loss.detach()))
+            result.penalties.append(float(pen.detach()))
         student.eval()
     for p in student.parameters():
         p.requires_grad_(False)

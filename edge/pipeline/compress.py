@@ -55,7 +55,7 @@ class Recipe(str, enum.Enum):
 @dataclass
 class CompressConfig:
     run_dir: str = "artifacts/demo"
-    recipe: Recipe = Recipe.INT8_MIXED_SPARSE
+    recipe: Recipe = Recipe.INT8_MIXED
     observer: str = "auto"  # auto (per group, by measured error) | minmax | percentile | mse
     extra_critical: int = 2  # most sensitive layers that join the exit-feeding layers in QAT
     qat_steps: int = 40
@@ -169,7 +169,7 @@ def main(cfg: CompressConfig) -> int:
         "recipe": cfg.recipe.value, "pruned": cfg.prune,
         "model_bytes": bytes_c, "model_bytes_fp32": bytes_fp, "model_bytes_ratio": bytes_c / bytes_fp,
         "quality_fp32": before.to_dict(), "quality": after.to_dict(),
-        "top1_loss_rel": (before.top1 - after.top1) / before.top1,
+        "top1_loss_rel": (before.top1 - after.top1) / before.top1 if before.top1 > 0 else None,
         "perplexity_ratio": after.perplexity / before.perplexity,
         "data": {"fit": Split.TRAIN.value, "evaluate": Split.TEST.value},
     }

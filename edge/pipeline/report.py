@@ -76,12 +76,24 @@ def _audit(m: Manifest) -> dict[str, Any]:
     return dict(m.stage("bench_audit")["metrics"])
 
 
+def _compression(m: Manifest) -> dict[str, Any]:
+    """The shipped recipe (stage compress) and the recipes side by side (stage bench_compress)."""
+    out = dict(m.stage("bench_compress")["metrics"])
+    if "compress" in m.data["stages"]:
+        c = m.stage("compress")["metrics"]
+        out["recipe"] = c["recipe"]
+        out["pruned"] = c.get("pruned", False)
+        out["perplexity_ratio_heldout"] = c.get("perplexity_ratio")
+    return out
+
+
 SECTIONS: dict[str, tuple[str, Callable[[Manifest], dict[str, Any]]]] = {
     "model": ("distill", _model),
     "distill": ("distill", _distill),
     "calibration": ("calibrate", _calibration),
     "generate": ("generate", _generate),
     "export": ("export", _export),
+    "compression": ("bench_compress", _compression),
     "decode_bench": ("bench_decode", _bench),
     "serve_bench": ("bench_serve", _serve),
     "audit_bench": ("bench_audit", _audit),
@@ -146,6 +158,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                   + (f"; fused: max abs diff {f['max_abs_diff']:.2e} within {f['rtol']:g} of each output's scale, "
                      f"argmax agreement {f['argmax_agreement']:.2%}" if f else
                      f"; no fused graphs: {e.get('fused_skipped')}") + ").", ""]
+    if "compression" in report:
+        lines += _compression_md(report["compression"])
     if "decode_bench" in report:
         lines += _bench_md(report["decode_bench"])
     if "serve_bench" in report:
@@ -169,6 +183,27 @@ def render_markdown(report: dict[str, Any]) -> str:
                   f"{a['word_salad_rate']:.4f}, fallback to full depth after {a['word_salad_fired_after']} audited "
                   f"tokens: caught {a['caught']} (eps {a['eps']}).", ""]
     return "\n".join(lines)
+
+
+def _compression_md(c: dict[str, Any]) -> list[str]:
+    """The shipped compression recipe against the float model (bench/compress.md has every row)."""
+    lines = ["## Compression", "",
+             f"Shipped recipe `{c.get('recipe')}`{' + pruning near exits' if c.get('pruned') else ''} (distill -> "
+             "compress -> calibrate -> export: the thresholds are certified on this model). Against the distilled "
+             f"float model, held out: accuracy loss {_fmt(c.get('accuracy_loss_rel'))} (relative top-1), weights "
+             f"x{_fmt(c.get('model_bytes_ratio'), '.3f')}, decode with exits on ONNX Runtime CPU "
+             f"x{_fmt(c.get('speedup_vs_fp32_b1'), '.3f')} at batch 1 and x{_fmt(c.get('speedup_vs_fp32_b16'), '.3f')} "
+             f"at batch 16; false-exit bound {_fmt(c.get('false_exit_bound'))} (certified), held-out rate "
+             f"{_fmt(c.get('false_exit_rate_heldout'))}."]
+    if c.get("llamacpp_same_bits"):
+        lines.append(f"Against llama.cpp at the same bit-width ({c['llamacpp_same_bits']}, same weights, batch 1, "
+                     f"measured side by side): x{_fmt(c.get('speedup_vs_llamacpp_same_bits_b1'), '.3f')} tokens/s, "
+                     f"perplexity ratio {_fmt(c.get('perplexity_vs_llamacpp_same_bits'), '.4f')} (ours / theirs).")
+    ti = (c.get("token_importance") or {})
+    for score, r in ti.items():
+        lines.append(f"Token importance ({score}, torch, prefill only): {r['flops_saved_frac']:.1%} of prefill FLOPs "
+                     f"saved, perplexity x{r['ppl_ratio']:.4f} on the continuation.")
+    return lines + ["", "![compression](bench/compress.png)", ""]
 
 
 def _scheduler_md(s: dict[str, Any]) -> list[str]:
@@ -292,6 +327,12 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"exit rule: certified {c['certified']} (bound {c['bound']:.4f} <= eps {c['epsilon']}); held out, "
                      f"free-running: false exits {c['free_run_false_exit_rate_test']:.4f}, accuracy loss "
                      f"{c['accuracy_loss_rel']:.4f}, layers skipped {c['layers_skipped_frac']:.3f}")
+    if "compression" in report:
+        c = report["compression"]
+        lines.append(f"compression ({c.get('recipe')}): accuracy loss {_fmt(c.get('accuracy_loss_rel'))}, weights "
+                     f"x{_fmt(c.get('model_bytes_ratio'), '.3f')}, exits b1 vs fp32 x{_fmt(c.get('speedup_vs_fp32_b1'), '.2f')}, "
+                     f"vs llama.cpp {c.get('llamacpp_same_bits', 'n/a')} x{_fmt(c.get('speedup_vs_llamacpp_same_bits_b1'), '.2f')}, "
+                     f"false-exit bound {_fmt(c.get('false_exit_bound'))}")
     if "decode_bench" in report:
         b = report["decode_bench"]
         ratios = [(k, b.get(k)) for k in ("speedup_exit_vs_full_b1", "speedup_exit_vs_full_b16",
