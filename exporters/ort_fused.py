@@ -14,7 +14,8 @@ fine in graphs meant only for ONNX Runtime; docs/runtime.md says why both famili
                                        present_key are bound to the same buffer)
     MatMul                             o_proj
     SkipSimplifiedLayerNormalization
-    MatMul, MatMul, QuickGelu, Mul     gate, up, SiLU (QuickGelu with alpha 1 is x * sigmoid(x))
+    MatMul, Split, QuickGelu, Mul      gate and up from one packed weight, SiLU (QuickGelu with alpha 1 is
+                                       x * sigmoid(x))
     MatMul                             down_proj
 
 Graphs (``j`` = 0-based decoder layer; B batch, T new rows, C cache capacity, D hidden, KV
@@ -97,7 +98,6 @@ class _Builder:
         self.inits: dict[str, onnx.TensorProto] = {}
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
-        self.act_qdq: dict[tuple[str, float], str] = {}  # (input, scale) -> its dequantized INT8 copy
 
     def weight(self, name: str, t: torch.Tensor | np.ndarray) -> str:
         if name not in self.inits:
@@ -165,8 +165,12 @@ class _Builder:
         x2, _, _, resid = self.node("SkipSimplifiedLayerNormalization", [o, resid, w2],
                                     [f"l{j}.n2", "", "", f"l{j}.r2"], domain=MS, epsilon=eps)
         m = layer.mlp
-        gate = self.linear(x2, m.gate_proj, f"l{j}.gate")
-        up = self.linear(x2, m.up_proj, f"l{j}.up")
+        # gate and up packed into one MatMul (one INT8 product with one input quantization when quantized:
+        # ONNX Runtime fuses a Q/DQ pair into an integer MatMul only when it feeds that one MatMul)
+        gu_both = self.linear(x2, [m.gate_proj, m.up_proj], f"l{j}.gateup")
+        f = m.gate_proj.out_features
+        gate, up = self.node("Split", [gu_both, self.const(f"c.split_gu{f}", [f, m.up_proj.out_features])],
+                             [f"l{j}.gate", f"l{j}.up"], axis=-1)
         act = self.node("QuickGelu", [gate], [f"l{j}.silu"], domain=MS, alpha=1.0)[0]
         gu = self.node("Mul", [act, up], [f"l{j}.gu"])[0]
         return resid, self.linear(gu, m.down_proj, f"l{j}.down")

@@ -68,14 +68,11 @@ def matmul(b, x: str, lins: list[nn.Linear], name: str) -> str:
             ws = b.weight(f"{name}.w_scale", scale.astype(np.float32))
             wz = b.weight(f"{name}.w_zp", np.zeros(scale.shape, np.int8))
             wd = b.node("DequantizeLinear", [wq, ws, wz], [f"{name}.w_dq"], axis=1)[0]
-            if kind == "w8a8":
-                key = (x, a_scale)
-                if key not in b.act_qdq:  # one Q/DQ pair per input and scale (gate and up share theirs)
-                    s = b.weight(f"{name}.a_scale", np.array(a_scale, np.float32))
-                    z = b.weight(f"{name}.a_zp", np.array(0, np.int8))
-                    q = b.node("QuantizeLinear", [x, s, z], [f"{name}.a_q"])[0]
-                    b.act_qdq[key] = b.node("DequantizeLinear", [q, s, z], [f"{name}.a_dq"])[0]
-                x = b.act_qdq[key]
+            if kind == "w8a8":  # a Q/DQ pair of its own: ONNX Runtime fuses only a pair that feeds one MatMul
+                s = b.weight(f"{name}.a_scale", np.array(a_scale, np.float32))
+                z = b.weight(f"{name}.a_zp", np.array(0, np.int8))
+                q = b.node("QuantizeLinear", [x, s, z], [f"{name}.a_q"])[0]
+                x = b.node("DequantizeLinear", [q, s, z], [f"{name}.a_dq"])[0]
             y = b.node("MatMul", [x, wd], [f"{name}.mm"])[0]
         else:
             block = int(kind.split("/")[1])

@@ -124,6 +124,7 @@ class QuantLinear(nn.Linear):
         w4 = spec.precision is Precision.W4
         self.register_buffer("w4_scale", torch.zeros(out_features, in_features // spec.block_size) if w4 else None)
         self.enabled = True  # False: the float computation (sensitivity analysis turns layers on one at a time)
+        self._wq: tuple[int, torch.Tensor] | None = None  # (weight version, quantized weight) for inference
         self.observing = False
         self.obs_amax = 0.0
         self.obs_rows: list[torch.Tensor] = []
@@ -148,7 +149,16 @@ class QuantLinear(nn.Linear):
         return w8_scales(self.weight) if self.spec.precision is Precision.W8A8 else self.w4_scale
 
     def quantized_weight(self) -> torch.Tensor:
-        """The fake-quantized weight [N, K] (float, straight-through to ``weight``)."""
+        """The fake-quantized weight [N, K] (float, straight-through to ``weight``). Without gradients it is
+        computed once per version of the weight (a decode step would otherwise re-quantize every weight)."""
+        if not torch.is_grad_enabled() and not torch.jit.is_tracing():
+            v = (self.weight._version, id(self.weight), self.w4_scale._version if self.w4_scale is not None else 0)
+            if self._wq is None or self._wq[0] != v:
+                self._wq = (v, self._quantize_weight().detach())
+            return self._wq[1]
+        return self._quantize_weight()
+
+    def _quantize_weight(self) -> torch.Tensor:
         if self.spec.precision is Precision.W4:
             return fake_quant_w4(self.weight, self.w4_scale, self.spec.block_size)
         zp = torch.zeros(self.out_features, dtype=torch.int32)

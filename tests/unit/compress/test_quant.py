@@ -24,6 +24,7 @@ from edge.core.errors import CheckpointError, ConfigError
 from edge.model.config import ModelConfig
 from edge.model.decoder import Decoder
 from edge.model.exits import ExitConfig, MultiExitModel
+from edge.runtime.ortsession import session_options
 from exporters.ort_fused import _Builder
 from exporters.ort_quant import pack_nbits
 
@@ -203,7 +204,8 @@ def _run_linear_graph(lins: list[torch.nn.Linear], x: np.ndarray) -> np.ndarray:
     y = b.linear("x", lins if len(lins) > 1 else lins[0], "lin")
     b.node("Identity", [y], ["y"])
     b.output("y", TensorProto.FLOAT, ["rows", sum(lin.out_features for lin in lins)])
-    sess = ort.InferenceSession(b.model_proto("t").SerializeToString(), providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(b.model_proto("t").SerializeToString(), session_options(ort),
+                                providers=["CPUExecutionProvider"])
     return sess.run(["y"], {"x": x})[0]
 
 
