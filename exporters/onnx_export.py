@@ -196,7 +196,7 @@ class _HeadGraph(nn.Module):
         self.model = model
 
     def forward(self, exit_hidden):
-        logits = F.linear(exit_hidden, self.model.backbone.head_weight)  # [B, 1, V]
+        logits = self.model.backbone.logits(exit_hidden)  # [B, 1, V]
         stats, token = exit_decision_stats(logits)  # [B, 1, 3], [B, 1]
         return logits, stats, token
 
@@ -239,6 +239,8 @@ def _export_one(module: nn.Module, args: tuple, path: Path, inputs: list[str], o
         warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*legacy TorchScript-based ONNX export")
         # ... and torch's exporter calls its own deprecated exporter_context (torch 2.13).
         warnings.filterwarnings("ignore", category=DeprecationWarning, message="The feature will be removed")
+        # a quantized linear reads whether its activation range is set (a constant of the export) as a float
+        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning, module="edge.compress.quant")
         torch.onnx.export(module, args, str(path), dynamo=False, opset_version=cfg.opset,
                           input_names=inputs, output_names=outputs,
                           dynamic_axes=_dynamic_axes(inputs, outputs), do_constant_folding=True)

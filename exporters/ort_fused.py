@@ -194,7 +194,11 @@ class _Builder:
 
     def lm_head(self, eh: str) -> None:
         """``logits`` [B, V], ``exit_stats`` [B, 3], ``exit_token`` [B] from exit hidden rows [B, D]."""
-        logits = self.node("MatMul", [eh, self.weight("lm_head_t", self.model.backbone.head_weight.T)], ["logits"])[0]
+        bb = self.model.backbone
+        if bb.head_q is None:
+            logits = self.node("MatMul", [eh, self.weight("lm_head_t", bb.head_weight.T)], ["logits"])[0]
+        else:  # the quantized copy of the LM head (edge.compress)
+            logits = self.node("Identity", [self.linear(eh, bb.head_q, "lm_head")], ["logits"])[0]
         self.decision_stats(logits)
         self.output("logits", TensorProto.FLOAT, ["batch", self.cfg.vocab_size])
         self.output("exit_stats", TensorProto.FLOAT, ["batch", 3])
@@ -460,6 +464,17 @@ def save_draft_head(head: Path, out_dir: Path, external_data: bool = False
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     path = out_dir / f"{DRAFT_HEAD}.onnx"
+    src = onnx.load(str(head))
+    consts = {t.name for t in src.graph.initializer}
+    if not any(n.op_type == "MatMul" and n.input[1] in consts for n in src.graph.node):
+        # the head is quantized already (edge.compress): the draft head is the head itself
+        data = f"{path.name}.data" if external_data else None
+        if external_data:
+            onnx.save_model(src, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data,
+                            size_threshold=1024)
+        else:
+            onnx.save_model(src, str(path))
+        return path.name, [i.name for i in src.graph.input], [o.name for o in src.graph.output], data
     quiet = logging.getLogger().level
     logging.getLogger().setLevel(logging.ERROR)  # the quantizer advises a pre-processing pass a head does not need
     try:

@@ -56,6 +56,17 @@ def quantize_layers(model: MultiExitModel | Decoder, specs: dict[int, QuantSpec]
     return model
 
 
+def quantize_head(model: MultiExitModel | Decoder, spec: QuantSpec) -> None:
+    """Give the decoder a quantized copy of its LM head (``Decoder.head_q``; with tied embeddings the
+    embedding itself stays float for the lookup)."""
+    dec = model.backbone if isinstance(model, MultiExitModel) else model
+    w = dec.head_weight
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    dec.head_q = QuantLinear.from_linear(lin, spec)
+
+
 def quant_linears(model: nn.Module) -> Iterable[tuple[str, QuantLinear]]:
     return ((n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear))
 
@@ -77,7 +88,7 @@ def observe(model: MultiExitModel, batches: Iterable[torch.Tensor]) -> None:
         m.act_scale.zero_()
     try:
         for ids in batches:
-            model.backbone(ids)
+            model(ids)  # every exit's logits: the head's input is each exit's hidden state
     finally:
         for m, s in zip(qls, saved):
             m.observing = False
@@ -99,31 +110,35 @@ def calibrate_activations(model: MultiExitModel, observer: Observer | None = Non
     try min/max, percentile and MSE and keep, per group, the one whose quantized outputs are closest to
     the float outputs (relative squared error over the sampled rows); else use ``observer``."""
     choices = []
+    head = model.backbone.head_q
+    if isinstance(head, QuantLinear) and head.spec.precision is Precision.W8A8:
+        choices.append(_calibrate_group(-1, "lm_head", [head], observer))
     for j, spec in quantized_layers(model).items():
         if spec.precision is not Precision.W8A8:
             continue
         lins = layer_linears(model, j)
         for group in GROUPS:
-            members = [lins[n] for n in group]
-            rows = torch.cat(members[0].obs_rows) if members[0].obs_rows else torch.zeros(0, members[0].in_features)
-            amax = members[0].obs_amax
-            kinds = [observer] if observer is not None else list(Observer)
-            errors = {}
-            for kind in kinds:
-                s = torch.tensor(observer_scale(rows, amax, kind))
-                xq = fake_quant_act(rows, s)
-                num = sum(float((F.linear(xq, m.quantized_weight(), m.bias) - F.linear(rows, m.weight, m.bias))
-                                .pow(2).sum()) for m in members)
-                den = sum(float(F.linear(rows, m.weight, m.bias).pow(2).sum()) for m in members)
-                errors[kind.value] = num / max(den, 1e-30)
-            best = min(errors, key=errors.get)
-            scale = observer_scale(rows, amax, Observer(best))
-            for m in members:
-                m.act_scale.fill_(scale)
-                m.obs_rows = []
-            choices.append(RangeChoice(j, group[0].split(".")[-1] if len(group) == 1 else "+".join(
-                n.split(".")[-1] for n in group), best, scale, errors))
+            choices.append(_calibrate_group(j, "+".join(n.split(".")[-1] for n in group), [lins[n] for n in group],
+                                            observer))
     return choices
+
+
+def _calibrate_group(layer: int, name: str, members: list[QuantLinear], observer: Observer | None) -> RangeChoice:
+    rows = torch.cat(members[0].obs_rows) if members[0].obs_rows else torch.zeros(0, members[0].in_features)
+    amax = members[0].obs_amax
+    errors = {}
+    for kind in ([observer] if observer is not None else list(Observer)):
+        xq = fake_quant_act(rows, torch.tensor(observer_scale(rows, amax, kind)))
+        num = sum(float((F.linear(xq, m.quantized_weight(), m.bias) - F.linear(rows, m.weight, m.bias)).pow(2).sum())
+                  for m in members)
+        den = sum(float(F.linear(rows, m.weight, m.bias).pow(2).sum()) for m in members)
+        errors[kind.value] = num / max(den, 1e-30)
+    best = min(errors, key=errors.get)
+    scale = observer_scale(rows, amax, Observer(best))
+    for m in members:
+        m.act_scale.fill_(scale)
+        m.obs_rows = []
+    return RangeChoice(layer, name, best, scale, errors)
 
 
 def act_range(scale: float) -> float:

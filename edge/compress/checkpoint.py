@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from edge.compress.apply import quantize_layers, quantized_layers
+from edge.compress.apply import quantize_head, quantize_layers, quantized_layers
 from edge.compress.prune import apply_shapes, layer_shapes
 from edge.compress.quant import Precision, QuantSpec
 from edge.core.artifacts import atomic_write_json
@@ -36,6 +36,9 @@ def save_compressed(model: MultiExitModel, folder: str | Path, *, tokenizer: str
         "layers": {str(j): {"precision": s.precision.value, "block_size": s.block_size}
                    for j, s in quantized_layers(model).items()},
         "shapes": {str(j): v for j, v in layer_shapes(model).items()},
+        "head": (None if model.backbone.head_q is None else
+                 {"precision": model.backbone.head_q.spec.precision.value,
+                  "block_size": model.backbone.head_q.spec.block_size}),
     })
     return folder
 
@@ -55,6 +58,8 @@ def _preparer(meta: dict[str, Any], path: Path):
         shapes = {int(j): v for j, v in meta.get("shapes", {}).items()}
         specs = {int(j): QuantSpec(Precision(v["precision"]), int(v["block_size"]))
                  for j, v in meta.get("layers", {}).items()}
+        head = meta.get("head")
+        head_spec = None if head is None else QuantSpec(Precision(head["precision"]), int(head["block_size"]))
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{path}: malformed compress.json: {exc}") from exc
 
@@ -64,6 +69,8 @@ def _preparer(meta: dict[str, Any], path: Path):
             raise CheckpointError(f"{path}: compress.json names layers {bad} the model does not have")
         apply_shapes(decoder, shapes)
         quantize_layers(decoder, specs)
+        if head_spec is not None:
+            quantize_head(decoder, head_spec)
 
     return prepare
 

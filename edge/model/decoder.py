@@ -190,6 +190,7 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head_q: nn.Module | None = None  # set by compression: a quantized copy of the LM head (edge.compress)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:
@@ -215,9 +216,13 @@ class Decoder(nn.Module):
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_cos_sin(positions, self.inv_freq)
 
+    def logits(self, e: torch.Tensor) -> torch.Tensor:
+        """LM head on normalised hidden states e [.., D] -> logits [.., V] (the quantized copy if compressed)."""
+        return F.linear(e, self.head_weight) if self.head_q is None else self.head_q(e)
+
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head: h [B, T, D] -> logits [B, T, V]."""
-        return F.linear(self.norm(h), self.head_weight)
+        return self.logits(self.norm(h))
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None,
                 past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,

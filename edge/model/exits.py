@@ -134,7 +134,7 @@ class MultiExitModel(nn.Module):
 
     def exit_logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, V] of exit ``layer`` from the hidden state after that layer."""
-        return F.linear(self.exit_hidden(layer, h), self.backbone.head_weight)
+        return self.backbone.logits(self.exit_hidden(layer, h))
 
     def forward(self, ids: torch.Tensor) -> dict[int, torch.Tensor]:
         """Teacher-forced logits of every exit: {layer: [B, T, V]}."""

@@ -125,7 +125,7 @@ def _decode_step(model: MultiExitModel, token: int, pos: int, keys: list, values
             gates[layer] = model.exit_gate(layer, e).numpy()
             stop = rule.decide_gated(layer, gates, hidden)
         else:
-            st, tk = exit_decision_stats(torch.nn.functional.linear(e, bb.head_weight))
+            st, tk = exit_decision_stats(bb.logits(e))
             stats[layer], tokens[layer] = st.numpy(), tk.numpy()
             stop = rule.decide(layer, stats, tokens, hidden)
         if bool(np.asarray(stop)[0]):
@@ -134,6 +134,6 @@ def _decode_step(model: MultiExitModel, token: int, pos: int, keys: list, values
                 keys[j] = torch.cat((keys[j], k), dim=2)
                 values[j] = torch.cat((values[j], v), dim=2)
             if model.gated:  # the LM head runs for the exiting row only, as in the engine
-                return int(torch.nn.functional.linear(e, bb.head_weight).argmax()), layer
+                return int(bb.logits(e).argmax()), layer
             return int(tokens[layer][0]), layer
     raise AssertionError("exit_layers must end with the last layer")

@@ -155,7 +155,7 @@ def read_exits(model: MultiExitModel, rows: np.ndarray, first: int, batch: int) 
         hidden = {k: model.exit_hidden(k, out.hidden_states[k][:, first:]).flatten(0, 1) for k in layers}  # [N, D]
         stats, tokens = {}, {}
         for k in layers:
-            st, tk = exit_decision_stats(F.linear(hidden[k], model.backbone.head_weight))
+            st, tk = exit_decision_stats(model.backbone.logits(hidden[k]))
             stats[k], tokens[k] = st.numpy(), tk.numpy()  # [N, 3], [N]
         gates = {k: model.exit_gate(k, hidden[k]).reshape(-1).numpy() for k in layers[:-1]} if model.gated else {}
         yield ExitReadout({k: v.numpy() for k, v in hidden.items()}, stats, tokens, gates)

@@ -212,6 +212,7 @@ def main(cfg: CalibrateConfig) -> int:
     chosen = next(x for x in systems if x.name.startswith("(d)" if cfg.calibrator is CalibratorKind.ISOTONIC else "(c)"))
     tf = evaluate_cascade(test, cert.calibrated(cals, test), c.lam)
     base = _base_model_accuracy(ckpt, ev_w.ids, P)
+    flt = _float_model_accuracy(ckpt, ev_w.ids, P)
 
     docs = int(data.calibration.eligible(length).size)
     text = statement(ship, cfg.epsilon, cfg.delta, cfg.prompt_tokens, cfg.new_tokens, data.calibration_name, docs,
@@ -255,6 +256,10 @@ def main(cfg: CalibrateConfig) -> int:
         **({"accuracy_base_model": base,
             "accuracy_loss_rel_vs_base_model": 1.0 - tf.accuracy_exit / base if base > 0 else 0.0}
            if base is not None else {}),
+        # a compressed model: its exits against the float model it was compressed from, full depth
+        **({"accuracy_float_model": flt,
+            "accuracy_loss_rel_vs_float_model": 1.0 - tf.accuracy_exit / flt if flt > 0 else 0.0}
+           if flt is not None else {}),
         "exit_fraction": tf.exit_fraction, "calibration_quality": chosen.calibration_quality,
         "certify_walk": c.to_dict(), "comparison": [x.row() for x in systems],
     }
@@ -318,6 +323,15 @@ def _base_model_accuracy(ckpt: Path, windows: np.ndarray, first: int) -> float |
     except CheckpointError as exc:  # the base model moved: calibrate anyway, say what is missing
         print(f"note: no accuracy against the base model ({exc})", flush=True)
         return None
+
+
+def _float_model_accuracy(ckpt: Path, windows: np.ndarray, first: int) -> float | None:
+    """Full-depth accuracy, on the evaluation tokens, of the float model a compressed checkpoint was made
+    from (``compress``); None for a checkpoint that is not compressed."""
+    source = read_exits_json(ckpt).get("source", {})
+    if "compressed_from" not in source:
+        return None
+    return base_model_metrics(source["compressed_from"], windows, first, batch=32)["base_heldout_top1"]
 
 
 def _check_finite(metrics: dict[str, Any]) -> None:

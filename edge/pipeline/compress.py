@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from edge.compress import qat
-from edge.compress.apply import calibrate_activations, model_bytes, observe, quantize_layers
+from edge.compress.apply import calibrate_activations, model_bytes, observe, quantize_head, quantize_layers
 from edge.compress.checkpoint import save_compressed
 from edge.compress.quality import Reference, evaluate
 from edge.compress.quant import Observer, Precision, QuantSpec
@@ -37,7 +37,7 @@ from edge.compress.sensitivity import analyse
 from edge.core.artifacts import Manifest, atomic_dir, atomic_write_json
 from edge.core.data import Split, TokenCorpus, load_split
 from edge.core.errors import ConfigError
-from edge.model.exits import MultiExitModel, load_multi_exit
+from edge.model.exits import MultiExitModel, load_multi_exit, read_exits_json
 from edge.model.tokenizer import load_tokenizer
 from edge.training.distill import sample_train_tokens
 
@@ -63,6 +63,7 @@ class CompressConfig:
     qat_batch: int = 4
     sparse_weight: float = 1.0  # int8_mixed_sparse: base lambda of the drift penalty
     block_size: int = 32  # int4: inputs per scale
+    quantize_head: bool = True  # the LM head in W8A8 too (at batch 1 one head costs about two layers)
     prune: bool = False
     prune_mlp_fraction: float = 0.25
     prune_heads_per_group: int = 0
@@ -126,15 +127,21 @@ def compress(model: MultiExitModel, windows: torch.Tensor, cfg: CompressConfig, 
         _log(t0, "pruned near the exits")
     if cfg.recipe is Recipe.NONE:
         return student, info
-    if cfg.recipe is Recipe.INT4:
-        quantize_layers(student, {j: QuantSpec(Precision.W4, cfg.block_size) for j in range(model.num_layers)})
-        return student, info
     spec = QuantSpec(Precision.W8A8)
+    if cfg.recipe is Recipe.INT4:  # W4 layers; the LM head in W8A8 (as llama.cpp's 4-bit types keep it wider)
+        quantize_layers(student, {j: QuantSpec(Precision.W4, cfg.block_size) for j in range(model.num_layers)})
+        if cfg.quantize_head:
+            quantize_head(student, spec)
+            observe(student, calib)
+            info["activation_ranges"] = [asdict(c) for c in calibrate_activations(student)]
+        return student, info
     if cfg.recipe in (Recipe.INT8_MIXED, Recipe.INT8_MIXED_SPARSE):
         sens = analyse(student, fit_ref, calib, spec, cfg.extra_critical)
         info["sensitivity"] = sens.to_dict()
         _log(t0, f"sensitivity: ranking {sens.ranking}, critical {sens.critical}")
     quantize_layers(student, {j: spec for j in range(model.num_layers)})
+    if cfg.quantize_head:
+        quantize_head(student, spec)
     observe(student, calib)
     choices = calibrate_activations(student, None if cfg.observer == "auto" else Observer(cfg.observer))
     info["activation_ranges"] = [asdict(c) for c in choices]
@@ -179,7 +186,8 @@ def main(cfg: CompressConfig) -> int:
     out = Path(cfg.run_dir) / "compressed"
     with atomic_dir(out) as tmp:
         save_compressed(student, tmp, tokenizer=src / "tokenizer.json", recipe=asdict(cfg) | {"recipe": cfg.recipe.value},
-                        metrics=metrics, source={"checkpoint": str(src)})
+                        metrics=metrics, source={**read_exits_json(src).get("source", {}),
+                                                 "compressed_from": str(src)})
     report = Path(cfg.run_dir) / "compress" / "report.json"
     report.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(report, {"config": asdict(cfg) | {"recipe": cfg.recipe.value}, "metrics": metrics, **info})

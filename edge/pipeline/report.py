@@ -190,7 +190,8 @@ def _compression_md(c: dict[str, Any]) -> list[str]:
     lines = ["## Compression", "",
              f"Shipped recipe `{c.get('recipe')}`{' + pruning near exits' if c.get('pruned') else ''} (distill -> "
              "compress -> calibrate -> export: the thresholds are certified on this model). Against the distilled "
-             f"float model, held out: accuracy loss {_fmt(c.get('accuracy_loss_rel'))} (relative top-1), weights "
+             f"float model, held out: accuracy loss {_fmt(c.get('accuracy_loss_rel'))} (relative top-1, float full depth vs "
+             f"compressed with exits; {_fmt(c.get('accuracy_loss_rel_full_depth'))} at full depth), weights "
              f"x{_fmt(c.get('model_bytes_ratio'), '.3f')}, decode with exits on ONNX Runtime CPU "
              f"x{_fmt(c.get('speedup_vs_fp32_b1'), '.3f')} at batch 1 and x{_fmt(c.get('speedup_vs_fp32_b16'), '.3f')} "
              f"at batch 16; false-exit bound {_fmt(c.get('false_exit_bound'))} (certified), held-out rate "

@@ -79,7 +79,7 @@ class TorchBackend(Backend):
 
     def _head(self, i, exit_hidden):
         with torch.no_grad():
-            logits = torch.nn.functional.linear(torch.from_numpy(exit_hidden), self.model.backbone.head_weight)
+            logits = self.model.backbone.logits(torch.from_numpy(exit_hidden))
             stats, token = exit_decision_stats(logits)
             return HeadOut(logits.numpy(), stats.numpy(), token.numpy())
 

@@ -186,7 +186,7 @@ def main(cfg: CompressBenchConfig) -> int:
     for qt in peers:
         rows[f"llamacpp_{qt}"].update({"tokens_per_s": {k: float(np.median(v)) for k, v in speed[qt].items()}})
         peers[qt].close()
-    summary = _summary(cfg, rows, table, info)
+    summary = _summary(cfg, rows, table, info, manifest.stage("calibrate").get("metrics", {}))
     if cfg.token_importance:
         summary["token_importance"] = _token_importance(cfg, models.get(NONE) or load_multi_exit(
             manifest.verified_output("distill", "checkpoint")), tok, test)
@@ -230,7 +230,7 @@ def _peers(cfg: CompressBenchConfig, manifest: Manifest, tok, ref: Reference, ro
     return peers
 
 
-def _summary(cfg: CompressBenchConfig, rows: dict, table, info: dict) -> dict[str, Any]:
+def _summary(cfg: CompressBenchConfig, rows: dict, table, info: dict, calib: dict) -> dict[str, Any]:
     s: dict[str, Any] = {}
     if NONE in rows:
         base = rows[NONE]
@@ -239,11 +239,15 @@ def _summary(cfg: CompressBenchConfig, rows: dict, table, info: dict) -> dict[st
                 continue
             key = "" if name == SHIPPED else f"_{name}"
             b1 = base["quality"]["top1"]
-            s[f"accuracy_loss_rel{key}"] = (b1 - r["quality"]["top1"]) / b1 if b1 > 0 else 0.0 if r["quality"]["top1"] == 0 else None
+            s[f"accuracy_loss_rel_full_depth{key}"] = ((b1 - r["quality"]["top1"]) / b1 if b1 > 0
+                                                       else 0.0 if r["quality"]["top1"] == 0 else None)
             s[f"model_bytes_ratio{key}"] = r["model_bytes"] / base["model_bytes"]
             for b in r.get("tokens_per_s", {}):
                 s[f"speedup_vs_fp32_b{b}{key}"] = r["tokens_per_s"][b] / base["tokens_per_s"][b]
     if SHIPPED in rows:
+        # the float model at full depth vs the served compressed model with its certified exits, on the
+        # calibration stage's held-out evaluation prompts (teacher-forced); else the full-depth loss
+        s["accuracy_loss_rel"] = calib.get("accuracy_loss_rel_vs_float_model", s.get("accuracy_loss_rel_full_depth"))
         s["false_exit_bound"] = table.certificate.get("bound")
         s["false_exit_rate_heldout"] = rows[SHIPPED]["false_exit_rate_heldout"]
         peer = PEER_BITS.get(rows[SHIPPED]["precision"])

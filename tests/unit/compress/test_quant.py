@@ -13,8 +13,8 @@ import torch
 from onnx import TensorProto, helper
 
 from edge.compress import qat
-from edge.compress.apply import (calibrate_activations, layer_linears, model_bytes, observe, quantize_layers,
-                                 quantized_layers)
+from edge.compress.apply import (calibrate_activations, layer_linears, model_bytes, observe, quantize_head,
+                                 quantize_layers, quantized_layers)
 from edge.compress.checkpoint import COMPRESS_JSON, load_served, save_compressed
 from edge.compress.quality import Reference, evaluate
 from edge.compress.quant import (CLIP_GRID, Observer, Precision, QuantLinear, QuantSpec, fake_quant_act, observer_scale,
@@ -179,11 +179,13 @@ def test_compressed_checkpoint_round_trip(tmp_path, precision):
     m = tiny_model(5)
     prune_mlp(m.backbone.layers[1].mlp, list(range(0, F_, 3)) + [1, 4, 7, 10, 13, 16, 19, 22, 25, 28, 31, 34, 37, 40, 43, 46, 49, 52, 55, 58, 61, 64, 67, 70, 73, 76, 79, 82, 85, 88, 91, 94])  # pruned: 64 neurons
     quantize_layers(m, {0: QuantSpec(precision), 1: QuantSpec(precision), 3: QuantSpec(precision)})
+    quantize_head(m, QuantSpec())
     observe(m, [ids(2, 16, 8)])
     calibrate_activations(m)
     folder = save_compressed(m, tmp_path / "c", tokenizer=None, recipe={"recipe": "test"}, metrics={}, source={})
     back = load_served(folder)
     assert quantized_layers(back) == quantized_layers(m)
+    assert float(back.backbone.head_q.act_scale) == float(m.backbone.head_q.act_scale) > 0
     x = ids(2, 12, 9)
     for k, v in m(x).items():
         torch.testing.assert_close(back(x)[k], v)
