@@ -139,13 +139,19 @@ def main(cfg: CompressBenchConfig) -> int:
     for name, m in models.items():
         q = evaluate(m, ref)
         quantized = precision_of(m) != "fp32"
-        export_onnx(m, work / name, ExportConfig(), checkpoint_sha256="bench")
-        par = check_fused_parity(m, work / name, prompts_parity, rtol=QUANT_RTOL if quantized else FUSED_RTOL,
-                                 allow_near_ties=quantized)
-        rows[name] = {"precision": precision_of(m), "model_bytes": model_bytes(m), "onnx_bytes": onnx_bytes(work / name),
-                      "quality": q.to_dict(), "parity_passed": par.passed, "parity_near_ties": par.near_ties,
-                      "parity_worst": par.worst(3)}
-        backends[name] = make_backend("onnxruntime", graphs_dir=work / name, threads=cfg.threads)
+        if name == SHIPPED:  # the run's own export, gated by the export stage
+            graphs = manifest.verified_output("export", "graphs")
+            fused = manifest.stage("export")["metrics"].get("parity_fused") or {}
+            passed, ties, worst = fused.get("passed"), fused.get("near_ties", 0), None
+        else:
+            graphs = work / name
+            export_onnx(m, graphs, ExportConfig(), checkpoint_sha256="bench")
+            par = check_fused_parity(m, graphs, prompts_parity, rtol=QUANT_RTOL if quantized else FUSED_RTOL,
+                                     allow_near_ties=quantized)
+            passed, ties, worst = par.passed, par.near_ties, par.worst(3)
+        rows[name] = {"precision": precision_of(m), "model_bytes": model_bytes(m), "onnx_bytes": onnx_bytes(graphs),
+                      "quality": q.to_dict(), "parity_passed": passed, "parity_near_ties": ties, "parity_worst": worst}
+        backends[name] = make_backend("onnxruntime", graphs_dir=graphs, threads=cfg.threads)
         _log(t0, f"{name}: {rows[name]['precision']}, {rows[name]['model_bytes'] / 2**20:.1f} MiB, top-1 {q.top1:.4f}, "
                  f"perplexity {q.perplexity:.3f}, parity {'passed' if par.passed else 'FAILED'}")
     rule = TableRule(table)
