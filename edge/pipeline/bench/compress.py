@@ -61,6 +61,7 @@ class CompressBenchConfig:
     repeats: int = 3
     eval_windows: int = 24
     false_exit_prompts: int = 16  # held-out prompts whose exits are judged against the recipe's own full depth
+    memory: bool = True  # peak resident memory of each recipe's engine (a fresh process each)
     llamacpp: bool = True
     peer_types: list[str] = field(default_factory=lambda: ["q8_0", "q4_0"])
     token_importance: bool = True
@@ -134,7 +135,7 @@ def main(cfg: CompressBenchConfig) -> int:
     work = Path(cfg.run_dir) / "bench" / "compress_graphs"
     shutil.rmtree(work, ignore_errors=True)
     rows: dict[str, dict[str, Any]] = {}
-    backends = {}
+    backends, graphs_of = {}, {}
     prompts_parity = heldout_prompts(tok, test, 3, 32, cfg.seed + 7)
     for name, m in models.items():
         q = evaluate(m, ref)
@@ -152,6 +153,7 @@ def main(cfg: CompressBenchConfig) -> int:
         rows[name] = {"precision": precision_of(m), "model_bytes": model_bytes(m), "onnx_bytes": onnx_bytes(graphs),
                       "quality": q.to_dict(), "parity_passed": passed, "parity_near_ties": ties, "parity_worst": worst}
         backends[name] = make_backend("onnxruntime", graphs_dir=graphs, threads=cfg.threads)
+        graphs_of[name] = graphs
         _log(t0, f"{name}: {rows[name]['precision']}, {rows[name]['model_bytes'] / 2**20:.1f} MiB, top-1 {q.top1:.4f}, "
                  f"perplexity {q.perplexity:.3f}, parity {'passed' if par.passed else 'FAILED'}")
     rule = TableRule(table)
@@ -179,6 +181,15 @@ def main(cfg: CompressBenchConfig) -> int:
                     speed[qt].setdefault("1", []).append(n_prompts * cfg.new_tokens / secs)
         _log(t0, f"batch {b}: " + ", ".join(f"{n} {np.median(v[str(b)]):.0f} tok/s" for n, v in speed.items()
                                             if str(b) in v))
+    if cfg.memory:  # a fresh process per recipe, at the largest batch
+        from edge.pipeline.bench.engine_memory import peak_rss_mib
+
+        b = max(cfg.batch_sizes)
+        prompts = heldout_prompts(tok, test, b, cfg.prompt_tokens, cfg.seed)
+        for name in models:
+            rows[name]["peak_rss_mib"] = peak_rss_mib(graphs_of[name], thresholds, served, prompts, cfg.new_tokens,
+                                                      cfg.threads)
+            rows[name]["peak_rss_batch"] = b
     judged = heldout_prompts(tok, test, cfg.false_exit_prompts, cfg.prompt_tokens, cfg.seed + 3)
     for name, m in models.items():
         res = run_engine(backends[name], rule, judged, cfg.new_tokens, kv_mode)
@@ -255,6 +266,8 @@ def _summary(cfg: CompressBenchConfig, rows: dict, table, info: dict, calib: dic
         # calibration stage's held-out evaluation prompts (teacher-forced); else the full-depth loss
         s["accuracy_loss_rel"] = calib.get("accuracy_loss_rel_vs_float_model", s.get("accuracy_loss_rel_full_depth"))
         s["false_exit_bound"] = table.certificate.get("bound")
+        if NONE in rows and rows[SHIPPED].get("peak_rss_mib") and rows[NONE].get("peak_rss_mib"):
+            s["peak_rss_ratio_vs_fp32"] = rows[SHIPPED]["peak_rss_mib"] / rows[NONE]["peak_rss_mib"]
         s["false_exit_rate_heldout"] = rows[SHIPPED]["false_exit_rate_heldout"]
         peer = PEER_BITS.get(rows[SHIPPED]["precision"])
         if peer and f"llamacpp_{peer}" in rows and "1" in rows[SHIPPED]["tokens_per_s"]:

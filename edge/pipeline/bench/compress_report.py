@@ -20,7 +20,7 @@ def render_markdown(result: dict[str, Any]) -> str:
              "recipes ran under the same thresholds, their false-exit rates measured on held-out prompts, not "
              "certified.", ""]
     head = ["recipe", "precision", "weights MiB", "ONNX MiB", "top-1", "perplexity", "KL last exit",
-            *[f"tok/s b{b}" for b in batches], "layers skipped", "false exits (held-out)", "parity"]
+            *[f"tok/s b{b}" for b in batches], "peak MiB", "layers skipped", "false exits (held-out)", "parity"]
     lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for name, r in rows.items():
         q = r.get("quality", {})
@@ -34,7 +34,7 @@ def render_markdown(result: dict[str, Any]) -> str:
             _f(r["onnx_bytes"] / 2**20 if r.get("onnx_bytes") else None, ".2f"),
             _f(q.get("top1"), ".4f"), _f(q.get("perplexity"), ".3f"),
             _f(kl.get(exits[-1]) if kl and exits else None, ".5f"),
-            *[_f(tps.get(b), ".0f") for b in batches],
+            *[_f(tps.get(b), ".0f") for b in batches], _f(r.get("peak_rss_mib"), ".0f"),
             _f(r.get("layers_skipped_frac")), _f(r.get("false_exit_rate_heldout"), ".4f"),
             "-" if "parity_passed" not in r else ("passed" if r["parity_passed"] else "FAILED")]) + " |")
     if exits:
