@@ -266,7 +266,9 @@ class TestOneReplica:
         for hist in ("smartexit_ttft_seconds", "smartexit_time_per_output_token_seconds",
                      "smartexit_e2e_latency_seconds"):
             assert grew(hist, hist + "_count") == 1, hist
-            assert grew(hist, hist + "_sum") > 0, hist
+            # TPOT is (e2e - ttft) / (tokens - 1): exactly 0 when a loaded machine delivers every token in the
+            # first chunk (seen once in CI on 2 cores); TTFT and E2E are always positive
+            assert (grew(hist, hist + "_sum") >= 0 if "per_output" in hist else grew(hist, hist + "_sum") > 0), hist
         assert grew("smartexit_exit_layer", "smartexit_exit_layer_count") == 6
         assert grew("smartexit_generated_tokens", "smartexit_generated_tokens_total") == 6
 
