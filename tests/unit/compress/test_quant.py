@@ -245,3 +245,11 @@ def test_mixed_precisions_in_one_packed_matmul_are_refused():
 
 def test_onnx_helper_is_real():  # the graphs above are checked by ONNX Runtime itself, not mocked
     assert onnx.__version__ and helper.make_node("Identity", ["a"], ["b"]).op_type == "Identity"
+
+
+def test_near_ties_accept_only_differences_the_measured_noise_explains():
+    from exporters.parity import near_ties
+
+    ref = np.array([[5.0, 4.99, 0.0], [5.0, 3.0, 0.0]])
+    got = np.array([[4.98, 5.0, 0.0], [4.98, 5.0, 0.0]])  # row 0: a near tie; row 1: a real disagreement
+    assert near_ties(ref, got).tolist() == [True, False]
