@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from onnx import TensorProto
 from torch import nn
 
 from edge.compress.quant import Precision, QuantLinear
@@ -92,5 +91,3 @@ def graph_precision(lins: list[nn.Linear]) -> str:
     """What :func:`matmul` writes for ``lins``: 'float', 'w8a8', 'w8' or 'w4/<block>'."""
     return _spec_of(lins)[0]
 
-
-__all__ = ["matmul", "pack_nbits", "graph_precision", "TensorProto"]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import enum
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -193,6 +192,5 @@ def main(cfg: CompressConfig) -> int:
     atomic_write_json(report, {"config": asdict(cfg) | {"recipe": cfg.recipe.value}, "metrics": metrics, **info})
     manifest.record(STAGE, inputs={"checkpoint": src}, config=asdict(cfg) | {"recipe": cfg.recipe.value},
                     outputs={"checkpoint": out, "report": report}, metrics=metrics, seconds=time.time() - t0)
-    shutil.rmtree(Path(cfg.run_dir) / ".compress-tmp", ignore_errors=True)
     _log(t0, f"wrote {out}")
     return 0

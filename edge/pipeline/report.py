@@ -189,13 +189,15 @@ def _compression_md(c: dict[str, Any]) -> list[str]:
     """The shipped compression recipe against the float model (bench/compress.md has every row)."""
     lines = ["## Compression", "",
              f"Shipped recipe `{c.get('recipe')}`{' + pruning near exits' if c.get('pruned') else ''} (distill -> "
-             "compress -> calibrate -> export: the thresholds are certified on this model). Against the distilled "
+             "compress -> calibrate -> export: the thresholds are certified on this model, in torch). Against the distilled "
              f"float model, held out: accuracy loss {_fmt(c.get('accuracy_loss_rel'))} (relative top-1, float full depth vs "
              f"compressed with exits; {_fmt(c.get('accuracy_loss_rel_full_depth'))} at full depth), weights "
              f"x{_fmt(c.get('model_bytes_ratio'), '.3f')}, decode with exits on ONNX Runtime CPU "
              f"x{_fmt(c.get('speedup_vs_fp32_b1'), '.3f')} at batch 1 and x{_fmt(c.get('speedup_vs_fp32_b16'), '.3f')} "
              f"at batch 16; false-exit bound {_fmt(c.get('false_exit_bound'))} (certified), held-out rate "
-             f"{_fmt(c.get('false_exit_rate_heldout'))}."]
+             f"{_fmt(c.get('false_exit_rate_heldout'))}. The bound is certified on the torch model with fake "
+             "quantization; the served ONNX Runtime INT8 engine picks another token than it at full depth for about "
+             "1% of tokens (near ties; docs/compression.md), which the certificate does not yet cover."]
     if c.get("llamacpp_same_bits"):
         lines.append(f"Against llama.cpp at the same bit-width ({c['llamacpp_same_bits']}, same weights, batch 1, "
                      f"measured side by side): x{_fmt(c.get('speedup_vs_llamacpp_same_bits_b1'), '.3f')} tokens/s, "
@@ -332,8 +334,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         c = report["compression"]
         lines.append(f"compression ({c.get('recipe')}): accuracy loss {_fmt(c.get('accuracy_loss_rel'))}, weights "
                      f"x{_fmt(c.get('model_bytes_ratio'), '.3f')}, exits b1 vs fp32 x{_fmt(c.get('speedup_vs_fp32_b1'), '.2f')}, "
-                     f"vs llama.cpp {c.get('llamacpp_same_bits', 'n/a')} x{_fmt(c.get('speedup_vs_llamacpp_same_bits_b1'), '.2f')}, "
-                     f"false-exit bound {_fmt(c.get('false_exit_bound'))}")
+                     + (f"vs llama.cpp {c['llamacpp_same_bits']} x{_fmt(c.get('speedup_vs_llamacpp_same_bits_b1'), '.2f')}, "
+                        if c.get("llamacpp_same_bits") else "llama.cpp not built, ")
+                     + f"false-exit bound {_fmt(c.get('false_exit_bound'))}")
     if "decode_bench" in report:
         b = report["decode_bench"]
         ratios = [(k, b.get(k)) for k in ("speedup_exit_vs_full_b1", "speedup_exit_vs_full_b16",
