@@ -196,8 +196,9 @@ def _compression_md(c: dict[str, Any]) -> list[str]:
              f"x{_fmt(c.get('speedup_vs_fp32_b1'), '.3f')} at batch 1 and x{_fmt(c.get('speedup_vs_fp32_b16'), '.3f')} "
              f"at batch 16; false-exit bound {_fmt(c.get('false_exit_bound'))} (certified), held-out rate "
              f"{_fmt(c.get('false_exit_rate_heldout'))}. The bound is certified on the torch model with fake "
-             "quantization; the served ONNX Runtime INT8 engine picks another token than it at full depth for about "
-             "1% of tokens (near ties; docs/compression.md), which the certificate does not yet cover."]
+             "quantization; the served ONNX Runtime engine picks another token than it at full depth for "
+             f"{_fmt(c.get('full_depth_mismatch_vs_torch'))} of tokens (near ties rounded apart; docs/compression.md), "
+             "which the certificate does not yet cover."]
     if c.get("llamacpp_same_bits"):
         lines.append(f"Against llama.cpp at the same bit-width ({c['llamacpp_same_bits']}, same weights, batch 1, "
                      f"measured side by side): x{_fmt(c.get('speedup_vs_llamacpp_same_bits_b1'), '.3f')} tokens/s, "

@@ -54,6 +54,8 @@ def test_compressed_model_is_what_every_later_stage_serves(run):
     assert bench["rows"]["shipped"]["precision"] == "w8a8" and bench["rows"]["none"]["precision"] == "fp32"
     assert bench["rows"]["shipped"]["parity_passed"] is True
     assert bench["rows"]["shipped"]["onnx_bytes"] < bench["rows"]["none"]["onnx_bytes"]
+    assert bench["rows"]["none"]["full_depth_mismatch_vs_torch"] == 0.0  # float graphs decode what torch decodes
+    assert 0.0 <= bench["rows"]["shipped"]["full_depth_mismatch_vs_torch"] <= 1.0
     assert cli(["report", f"run_dir={run}"]) == 0
     c = json.loads((run / "report.json").read_text())["compression"]
     for key in ("accuracy_loss_rel", "model_bytes_ratio", "speedup_vs_fp32_b1", "false_exit_bound"):

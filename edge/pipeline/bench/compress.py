@@ -42,6 +42,7 @@ from edge.pipeline.bench.decode import false_exits, run_engine
 from edge.pipeline.compress import CompressConfig, Recipe, compress, fit_windows
 from edge.runtime.backend import make_backend
 from edge.runtime.engine import KVMode
+from edge.runtime.rules import NeverExit
 from exporters.onnx_export import ExportConfig, export_onnx
 from exporters.parity import QUANT_RTOL, FUSED_RTOL, check_fused_parity
 
@@ -192,6 +193,11 @@ def main(cfg: CompressBenchConfig) -> int:
             rows[name]["peak_rss_batch"] = b
     judged = heldout_prompts(tok, test, cfg.false_exit_prompts, cfg.prompt_tokens, cfg.seed + 3)
     for name, m in models.items():
+        # the served engine at full depth against the torch model the certificate is computed on: tokens where
+        # they differ without any exit (for a quantized model: near ties rounded apart; 0 for float graphs)
+        full = run_engine(backends[name], NeverExit(), judged, cfg.new_tokens, kv_mode)
+        gap, gap_total = false_exits(m, judged, full, kv_mode)
+        rows[name]["full_depth_mismatch_vs_torch"] = gap / max(gap_total, 1)
         res = run_engine(backends[name], rule, judged, cfg.new_tokens, kv_mode)
         wrong, total = false_exits(m, judged, res, kv_mode)
         nl = m.num_layers
@@ -269,6 +275,7 @@ def _summary(cfg: CompressBenchConfig, rows: dict, table, info: dict, calib: dic
         if NONE in rows and rows[SHIPPED].get("peak_rss_mib") and rows[NONE].get("peak_rss_mib"):
             s["peak_rss_ratio_vs_fp32"] = rows[SHIPPED]["peak_rss_mib"] / rows[NONE]["peak_rss_mib"]
         s["false_exit_rate_heldout"] = rows[SHIPPED]["false_exit_rate_heldout"]
+        s["full_depth_mismatch_vs_torch"] = rows[SHIPPED]["full_depth_mismatch_vs_torch"]
         peer = PEER_BITS.get(rows[SHIPPED]["precision"])
         if peer and f"llamacpp_{peer}" in rows and "1" in rows[SHIPPED]["tokens_per_s"]:
             s["speedup_vs_llamacpp_same_bits_b1"] = (rows[SHIPPED]["tokens_per_s"]["1"]

@@ -20,7 +20,8 @@ def render_markdown(result: dict[str, Any]) -> str:
              "recipes ran under the same thresholds, their false-exit rates measured on held-out prompts, not "
              "certified.", ""]
     head = ["recipe", "precision", "weights MiB", "ONNX MiB", "top-1", "perplexity", "KL last exit",
-            *[f"tok/s b{b}" for b in batches], "peak MiB", "layers skipped", "false exits (held-out)", "parity"]
+            *[f"tok/s b{b}" for b in batches], "peak MiB", "layers skipped", "false exits (held-out)",
+            "full depth vs torch", "parity"]
     lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for name, r in rows.items():
         q = r.get("quality", {})
@@ -36,6 +37,7 @@ def render_markdown(result: dict[str, Any]) -> str:
             _f(kl.get(exits[-1]) if kl and exits else None, ".5f"),
             *[_f(tps.get(b), ".0f") for b in batches], _f(r.get("peak_rss_mib"), ".0f"),
             _f(r.get("layers_skipped_frac")), _f(r.get("false_exit_rate_heldout"), ".4f"),
+            _f(r.get("full_depth_mismatch_vs_torch"), ".4f"),
             "-" if "parity_passed" not in r else ("passed" if r["parity_passed"] else "FAILED")]) + " |")
     if exits:
         lines += ["", "Exit agreement (exit argmax = the same model's last layer) and KL to the float model's same exit:",
