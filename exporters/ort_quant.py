@@ -85,9 +85,3 @@ def matmul(b, x: str, lins: list[nn.Linear], name: str) -> str:
     if bias is not None:
         y = b.node("Add", [y, b.weight(f"{name}.bias", bias)], [f"{name}.out"])[0]
     return y
-
-
-def graph_precision(lins: list[nn.Linear]) -> str:
-    """What :func:`matmul` writes for ``lins``: 'float', 'w8a8', 'w8' or 'w4/<block>'."""
-    return _spec_of(lins)[0]
-

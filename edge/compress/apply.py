@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edge.compress.quant import A8_MAX, Observer, Precision, QuantLinear, QuantSpec, fake_quant_act, observer_scale
+from edge.compress.quant import Observer, Precision, QuantLinear, QuantSpec, fake_quant_act, observer_scale
 from edge.model.decoder import Decoder
 from edge.model.exits import MultiExitModel
 
@@ -139,11 +139,6 @@ def _calibrate_group(layer: int, name: str, members: list[QuantLinear], observer
         m.act_scale.fill_(scale)
         m.obs_rows = []
     return RangeChoice(layer, name, best, scale, errors)
-
-
-def act_range(scale: float) -> float:
-    """The clipping range |x| <= range of an activation scale."""
-    return scale * A8_MAX
 
 
 def model_bytes(model: MultiExitModel) -> int:

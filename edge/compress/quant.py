@@ -59,12 +59,16 @@ class QuantSpec:
             raise ConfigError(f"quantization block_size must be a power of two >= 16, got {self.block_size}")
 
 
+def w4_codes(w: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    """INT4 codes [N, K / block, block] (float, in [-8, 7]) of w [N, K] with scales [N, K / block]."""
+    n, k = w.shape
+    return torch.clamp(torch.round(w.reshape(n, k // block, block) / scale.unsqueeze(-1)), W4_MIN, W4_MAX)
+
+
 def fake_quant_w4(w: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
     """Block-wise INT4 fake quantization of w [N, K] with scales [N, K / block]; straight-through."""
-    n, k = w.shape
-    wb = w.reshape(n, k // block, block)
-    q = torch.clamp(torch.round(wb / scale.unsqueeze(-1)), W4_MIN, W4_MAX) * scale.unsqueeze(-1)
-    return w + (q.reshape(n, k) - w).detach()
+    q = (w4_codes(w, scale, block) * scale.unsqueeze(-1)).reshape(w.shape)
+    return w + (q - w).detach()
 
 
 def fake_quant_act_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -88,8 +92,7 @@ def w4_scales(w: torch.Tensor, block: int) -> torch.Tensor:
     best_err, best = None, None
     for r in CLIP_GRID:
         s = amax * r / W4_MAX
-        q = torch.clamp(torch.round(wb / s.unsqueeze(-1)), W4_MIN, W4_MAX) * s.unsqueeze(-1)
-        err = (q - wb).pow(2).sum(-1)
+        err = (w4_codes(w.detach(), s, block) * s.unsqueeze(-1) - wb).pow(2).sum(-1)
         if best is None:
             best_err, best = err, s
         else:
@@ -169,15 +172,13 @@ class QuantLinear(nn.Linear):
         # range (-128, 127), the one ONNX's exporter accepts: with scale = absmax / 127 no weight reaches -128
         return torch.fake_quantize_per_channel_affine(self.weight, self.weight_scale(), zp, 0, A8_MIN, A8_MAX)
 
-    def int_weight(self) -> torch.Tensor:
-        """Integer codes [N, K] (int8: [-127, 127] or [-8, 7]) of the weight, as exported."""
-        w = self.weight.detach()
+    def int_weight(self, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Integer codes [N, K] (int8: [-127, 127] or [-8, 7]) of the weight as exported, or of ``weight``
+        quantized the same way (W8A8: with its own per-channel scales; W4: with this layer's block scales)."""
+        w = (self.weight if weight is None else weight).detach()
         if self.spec.precision is Precision.W4:
-            n, k = w.shape
-            s = self.w4_scale.unsqueeze(-1)
-            q = torch.clamp(torch.round(w.reshape(n, k // self.spec.block_size, -1) / s), W4_MIN, W4_MAX)
-            return q.reshape(n, k).to(torch.int8)
-        return torch.clamp(torch.round(w / self.weight_scale().unsqueeze(1)), -W8_MAX, W8_MAX).to(torch.int8)
+            return w4_codes(w, self.w4_scale, self.spec.block_size).reshape(w.shape).to(torch.int8)
+        return torch.clamp(torch.round(w / w8_scales(w).unsqueeze(1)), -W8_MAX, W8_MAX).to(torch.int8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.observing:

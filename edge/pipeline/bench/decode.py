@@ -57,6 +57,7 @@ from edge.model.exits import MultiExitModel
 from edge.model.tokenizer import load_tokenizer
 from edge.pipeline.bench.segments import segment_call_overhead
 from edge.pipeline.bench.spec_ceiling import agreement_trace, ceiling as spec_ceiling, measure_costs
+from edge.pipeline.bench.engine_memory import vm_kib
 from edge.pipeline.bench.speculation import (calibrated_vs_best_other, distinct, pool_stats, speculative_sweep,
                                              sweep_variants, token_mismatches)
 from edge.pipeline.freerun import check_continuations
@@ -346,23 +347,18 @@ def _memory_probe(argv: list[str]) -> None:
     import transformers  # noqa: F401
 
     if system == "baseline":  # the interpreter with every library imported, nothing loaded
-        print(_vm_kib("VmRSS") / 1024)
+        print(vm_kib("VmRSS") / 1024)
         return
-    before = _vm_kib("VmRSS")
+    before = vm_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # Linux: reset the peak RSS (VmHWM) to the current RSS
     ckpt, graphs, graphs_full, thresholds = _paths(run_dir)
     model = load_served(ckpt) if system.startswith("engine") else None
     systems = Systems(cfg, ckpt, graphs, graphs_full, thresholds, model, only=(system,))
     prompts = heldout_prompts(load_tokenizer(ckpt), load_split(Split.TEST), int(batch), cfg.prompt_tokens, cfg.seed)
     systems.run(system, prompts, cfg.new_tokens)
-    print((_vm_kib("VmHWM") - before) / 1024)  # MiB the system added at its peak
+    print((vm_kib("VmHWM") - before) / 1024)  # MiB the system added at its peak
 
 
-def _vm_kib(field_name: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field_name + ":"):
-            return int(line.split()[1])
-    raise ConfigError(f"/proc/self/status has no {field_name} (peak memory is measured on Linux only)")
 
 
 def profile_step(systems: Systems, prompts: list[list[int]], n: int, system: str) -> dict[str, float]:

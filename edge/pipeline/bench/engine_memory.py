@@ -23,11 +23,12 @@ def peak_rss_mib(graphs: Path, thresholds: Path, checkpoint: Path, prompts: list
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def _vm_kib(field_name: str) -> int:
+def vm_kib(field_name: str) -> int:
+    """A ``/proc/self/status`` memory field in KiB (Linux)."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field_name + ":"):
             return int(line.split()[1])
-    raise ConfigError(f"/proc/self/status has no {field_name}")
+    raise ConfigError(f"/proc/self/status has no {field_name} (peak memory is measured on Linux only)")
 
 
 def _probe(arg: str) -> None:
@@ -38,7 +39,7 @@ def _probe(arg: str) -> None:
     a = json.loads(arg)
     import onnxruntime  # noqa: F401  (imports first: their peak is not the engine's)
 
-    before = _vm_kib("VmRSS")
+    before = vm_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # Linux: reset the peak (VmHWM) to the current RSS
     table = load_table(Path(a["thresholds"]), Path(a["checkpoint"]))
     backend = make_backend("onnxruntime", graphs_dir=Path(a["graphs"]), threads=a["threads"])
@@ -50,7 +51,7 @@ def _probe(arg: str) -> None:
     for p in prompts:
         engine.submit(Request(p, n))
     engine.run_until_idle()
-    print((_vm_kib("VmHWM") - before) / 1024)
+    print((vm_kib("VmHWM") - before) / 1024)
 
 
 if __name__ == "__main__" and len(sys.argv) == 2:
