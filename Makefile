@@ -42,11 +42,12 @@ $(STAMP): requirements/lock.txt pyproject.toml
 $(ART)/multi_exit/exits.json: $(STAMP) $(MODEL_FILES) $(DEMO_CFG) $(SRC)
 	$(SE) distill --config $(DEMO_CFG) run_dir=$(ART)
 
-# distill -> compress -> calibrate -> export: calibration and export see the model that is served
+# distill -> compress -> export -> calibrate: calibration runs the exported graphs that serve (a compressed
+# model's integer kernels), and judges every token against those graphs at full depth
 $(ART)/compressed/compress.json: $(ART)/multi_exit/exits.json configs/compress.yaml
 	$(SE) compress --config configs/compress.yaml run_dir=$(ART)
 
-$(ART)/calibration/thresholds.json: $(ART)/compressed/compress.json
+$(ART)/calibration/thresholds.json: $(ART)/compressed/compress.json $(ART)/onnx/graphs.json
 	$(SE) calibrate run_dir=$(ART)
 
 $(ART)/.generate.done: $(ART)/compressed/compress.json

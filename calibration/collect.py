@@ -10,7 +10,8 @@ to signals batch by batch, so memory stays at one batch's [B, T, V] per exit.
 
 Only :func:`collect_units` runs a model: it imports torch (through
 :mod:`edge.model.windows`) when called, so the rest of calibration, which reads
-:class:`Collected`, stays torch-free.
+:class:`Collected`, stays torch-free. :func:`collect_engine` reads the same data
+from an engine backend (numpy only): the served kernels, in decode, at full depth.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from edge.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from edge.model.exits import MultiExitModel
+    from edge.runtime.backend import Backend
 
 
 @dataclass
@@ -101,14 +103,85 @@ def collect_units(model: MultiExitModel, seqs: np.ndarray, first: int, batch: in
     sig: dict[int, list[np.ndarray]] = {k: [] for k in layers}
     arg: dict[int, list[np.ndarray]] = {k: [] for k in layers}
     for r in read_exits(model, seqs, first, batch):
-        if model.gated:  # what the engine decides from: gates (the last layer is never a decision point)
-            s = gated_signals_all_exits(r.gates, r.hidden)
-            s[layers[-1]] = np.zeros((len(r.tokens[layers[-1]]), len(GATED_SIGNAL_NAMES)))
-        else:
-            s = signals_all_exits(r.stats, r.tokens, r.hidden)
+        s = _signals(layers, model.gated, r.stats, r.tokens, r.hidden, r.gates)
         for k in layers:
             sig[k].append(s[k])
             arg[k].append(r.tokens[k])
+    per = length - 1 - first
+    return Collected(layers, {k: np.concatenate(v) for k, v in sig.items()},
+                     {k: np.concatenate(v) for k, v in arg.items()}, seqs[:, first + 1:].reshape(-1),
+                     np.repeat(np.arange(u), per), u)
+
+
+def _signals(layers: list[int], gated: bool, stats: dict[int, np.ndarray], tokens: dict[int, np.ndarray],
+             hidden: dict[int, np.ndarray], gates: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+    """Signals [N, F] at every exit, as the engine decides from them."""
+    if gated:  # what the engine decides from: gates (the last layer is never a decision point)
+        s = gated_signals_all_exits(gates, hidden)
+        s[layers[-1]] = np.zeros((len(tokens[layers[-1]]), len(GATED_SIGNAL_NAMES)))
+        return s
+    return signals_all_exits(stats, tokens, hidden)
+
+
+def collect_engine(backend: Backend, seqs: np.ndarray, first: int, batch: int = 128) -> Collected:
+    """:func:`collect_units` read from an engine backend instead of the torch model: each row's first
+    ``first`` tokens are prefilled (one call per row, as the engine prefills a prompt), then the rest
+    of the row is fed one token per decode step, every segment run, every exit read. This is the
+    served engine itself at full depth on the same prefixes, in the kernels a decode step uses: the
+    reference a quantized engine's tokens are judged against, where the torch model's fake
+    quantization and the runtime's integer kernels may round an activation to adjacent codes.
+
+    Args:
+        backend: the engine's backend (its cache is replaced: attach yours again afterwards).
+        seqs: int token ids [U, L], one unit per row.
+        first: positions first..L-2 are judged (first >= 1: the prompt is prefilled).
+        batch: rows per decode batch.
+
+    Returns:
+        :class:`Collected` with ``unit`` set; tokens are in row order, positions ascending.
+
+    Raises:
+        ConfigError: no rows, nothing to judge, or no prompt (first < 1).
+    """
+    from edge.runtime.cache import KVCache
+
+    seqs = np.asarray(seqs, dtype=np.int64)
+    if seqs.ndim != 2 or seqs.shape[0] == 0:
+        raise ConfigError(f"collect_engine: expected token ids [U >= 1, L], got shape {seqs.shape}")
+    u, length = seqs.shape
+    if not 1 <= first < length - 1:
+        raise ConfigError(f"collect_engine: first judged position {first} must be in [1, {length - 1})")
+    layers, nseg, gated = backend.exit_layers, len(backend.segments), backend.spec.gated
+    sig: dict[int, list[np.ndarray]] = {k: [] for k in layers}
+    arg: dict[int, list[np.ndarray]] = {k: [] for k in layers}
+    for a in range(0, u, batch):
+        rows = seqs[a:a + batch]
+        b = rows.shape[0]
+        backend.attach(KVCache(backend.num_layers, backend.num_kv_heads, backend.head_dim, b, length))
+        for r in range(b):  # the prompt, full depth, one call per sequence
+            x = rows[r:r + 1, :first]
+            for i in range(nseg):
+                x = backend.segment(i, x, np.array([r]), np.zeros(1, np.int64), decide=False).hidden
+        slots = np.arange(b)
+        steps: list[dict[int, np.ndarray]] = []  # per position: exit -> signals [b, F]
+        tokens: list[dict[int, np.ndarray]] = []
+        for pos in range(first, length - 1):
+            x, prev = rows[:, pos:pos + 1], None
+            st, tk, hd, gt = {}, {}, {}, {}
+            for i, k in enumerate(layers):
+                out = backend.segment(i, x, slots, np.full(b, pos, np.int64), prev, decide=True)
+                hd[k] = out.exit_hidden.copy()  # [b, D]; the backend's buffers are reused by the next call
+                if out.gate is not None:  # a gated decision exit: the head runs apart
+                    gt[k] = out.gate.copy()
+                    tk[k] = backend.head(i, hd[k]).token.copy()
+                else:
+                    st[k], tk[k] = out.stats.copy(), out.token.copy()
+                x, prev = out.hidden, out
+            steps.append(_signals(layers, gated, st, tk, hd, gt))
+            tokens.append(tk)
+        for k in layers:  # [T, b, ...] -> unit-major rows
+            sig[k].append(np.stack([s[k] for s in steps], axis=1).reshape(b * len(steps), -1))
+            arg[k].append(np.stack([t[k] for t in tokens], axis=1).reshape(-1))
     per = length - 1 - first
     return Collected(layers, {k: np.concatenate(v) for k, v in sig.items()},
                      {k: np.concatenate(v) for k, v in arg.items()}, seqs[:, first + 1:].reshape(-1),

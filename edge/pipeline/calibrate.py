@@ -19,11 +19,18 @@
 5. Compare (a) a max-probability threshold tuned without a certificate, (b)
    max-probability + LTT (CALM-like), (c) Platt and (d) isotonic on all signals.
 
+Every engine run and every check runs on the engine that will be served
+(``backend``): a compressed model on the ONNX Runtime graphs ``smartexit
+export`` wrote, each generated token judged against those graphs at full depth
+(:class:`edge.pipeline.freerun.Served`); a float model on the torch reference,
+which its graphs match within float rounding.
+
 Everything is computed before anything is written; outputs go to
 ``<run_dir>/calibration/`` atomically and into the manifest.
 """
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,7 +40,6 @@ import numpy as np
 
 from calibration import certify as cert
 from calibration.calibrators import Calibrator, CalibratorKind, reliability_curve
-from calibration.collect import collect_units
 from calibration.compare import baselines
 from calibration.evaluate import evaluate_cascade
 from calibration.pvalues import PValue, exceeds_pvalue, min_units
@@ -42,16 +48,24 @@ from calibration.signals import GATED_SIGNAL_NAMES, SIGNAL_NAMES, exit_targets
 from calibration.table import ThresholdTable, TableRule
 from calibration.units import check_amount, corpora, seeds
 from edge.core.artifacts import atomic_dir, sha256_path
-from edge.core.errors import CheckpointError, ConfigError
+from edge.core.errors import ArtifactError, CheckpointError, ConfigError
 from edge.model.exits import read_exits_json
 from edge.model.windows import base_model_metrics
-from edge.pipeline.freerun import FreeRun, free_run, free_run_until
+from edge.pipeline.freerun import FreeRun, Served, free_run, free_run_until
 from edge.pipeline.run_checkpoint import open_run
 from edge.pipeline.statement import KVChoice, choose_shipped, statement
 from edge.runtime.engine import KVMode
 from edge.runtime.rules import NeverExit
 
 STAGE = "calibrate"
+
+
+class CalibBackend(str, enum.Enum):
+    """Which engine the free runs and checks use."""
+
+    AUTO = "auto"  # onnxruntime for a compressed checkpoint (its integer kernels are what serves), else torch
+    TORCH = "torch"  # the torch model (float: its exported graphs match it within float rounding)
+    ONNXRUNTIME = "onnxruntime"  # the export's fused graphs, as served (needs `smartexit export` first)
 
 
 @dataclass
@@ -62,6 +76,7 @@ class CalibrateConfig:
     calibrator: CalibratorKind = CalibratorKind.ISOTONIC  # the kind the written table uses
     pvalue: PValue = PValue.BETTING
     kv_mode: KVChoice = KVChoice.AUTO
+    backend: CalibBackend = CalibBackend.AUTO  # the engine the certificate is computed on
     prompt_tokens: int = 64  # a unit: a prompt of this many tokens ...
     new_tokens: int = 32  # ... continued for this many (the first, from the full-depth prefill, is not judged)
     fit_units: int = 256  # prompts the calibrators are fitted on
@@ -88,6 +103,7 @@ class CalibrateConfig:
                 raise ConfigError(f"calibrate.{name} must be in (0, 1), got {v}")
         self.calibrator, self.pvalue, self.kv_mode = (CalibratorKind(self.calibrator), PValue(self.pvalue),
                                                       KVChoice(self.kv_mode))
+        self.backend = CalibBackend(self.backend)
         if self.calibrator is CalibratorKind.MAXPROB:
             raise ConfigError("calibrate.calibrator must be platt or isotonic (maxprob is the CALM-like baseline)")
         if self.prompt_tokens < 1 or self.new_tokens < 2:
@@ -109,6 +125,28 @@ def _log(t0: float, msg: str) -> None:
     print(f"[calibrate {time.time() - t0:6.1f}s wall, {time.process_time():6.1f}s cpu] {msg}", flush=True)
 
 
+def served_engine(choice: CalibBackend, manifest, ckpt: Path, model, threads: int) -> Served:
+    """The engine calibration runs: torch over ``model``, or the export's ONNX Runtime graphs of ``ckpt``.
+
+    Raises:
+        ConfigError: onnxruntime asked for (or implied by a compressed checkpoint) without an export of
+            this checkpoint.
+    """
+    from edge.runtime.backend import make_backend  # onnxruntime's module is imported only now
+
+    compressed = "compressed_from" in read_exits_json(ckpt).get("source", {})
+    if choice is CalibBackend.TORCH or (choice is CalibBackend.AUTO and not compressed):
+        return Served.torch(model)
+    try:
+        graphs = manifest.verified_output("export", "graphs")
+        backend = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=threads)
+    except (ArtifactError, CheckpointError, ConfigError) as exc:
+        why = "a compressed model is calibrated on the graphs that serve it" if compressed else "backend=onnxruntime"
+        raise ConfigError(f"calibrate: {why}, but there is no current export of {ckpt} ({exc}); run `smartexit "
+                          f"export run_dir={manifest.run_dir}` first (or backend=torch)") from exc
+    return Served(backend)
+
+
 def _table(ckpt: Path, model, kind: CalibratorKind, lam: float, cals: dict[int, Calibrator], kv_mode: KVMode,
            certificate: dict[str, Any] | None = None) -> ThresholdTable:
     return ThresholdTable(checkpoint_sha256=sha256_path(ckpt), exit_layers=model.exit_layers,
@@ -122,6 +160,8 @@ def main(cfg: CalibrateConfig) -> int:
     t0 = time.time()
     run = open_run(cfg.run_dir, cfg.threads)
     manifest, ckpt, model, tok = run.manifest, run.path, run.model, run.tokenizer
+    served = served_engine(cfg.backend, manifest, ckpt, model, cfg.threads)
+    _log(t0, f"engine: {served.backend.name}; tokens judged against {served.reference_name}")
     n_min = min_units(cfg.epsilon, cfg.delta, cfg.pvalue)
     if cfg.certify_units < n_min:
         raise ConfigError(f"certify_units={cfg.certify_units} is too few to certify epsilon={cfg.epsilon} at "
@@ -145,7 +185,7 @@ def main(cfg: CalibrateConfig) -> int:
 
     # 1-2. fit units: full-depth continuations, calibrators, provisional threshold
     fit_w = data.calibration.draw(cfg.fit_units, length, s["fit"])
-    fit_run = free_run(model, fit_w.ids[:, :P], cfg.new_tokens, NeverExit(), KVMode.DEFER, cfg.batch,
+    fit_run = free_run(served, fit_w.ids[:, :P], cfg.new_tokens, NeverExit(), KVMode.DEFER, cfg.batch,
                        desc="fit units, full depth")
     fit = fit_run.data
     cals = cert.fit(fit, cfg.calibrator)
@@ -165,7 +205,7 @@ def main(cfg: CalibrateConfig) -> int:
                             lam_p, observed=r.unit_losses()).exact
 
     cert_w = data.calibration.draw(cfg.certify_units, length, s["certify"])
-    cert_run, _ = free_run_until(model, cert_w.ids[:, :P], cfg.new_tokens, prov_rule, mode, cfg.batch, walk_done,
+    cert_run, _ = free_run_until(served, cert_w.ids[:, :P], cfg.new_tokens, prov_rule, mode, cfg.batch, walk_done,
                                  desc=f"certify units, {mode.value}")
     probs = cert.calibrated(cals, cert_run.data)
     c = cert.certify(probs, cert_run.data, lams, cfg.epsilon, cfg.delta, cfg.pvalue, None if anytime else s["order"],
@@ -186,7 +226,7 @@ def main(cfg: CalibrateConfig) -> int:
                                 or exceeds_pvalue(x, cfg.epsilon, cfg.pvalue, None) <= cfg.delta)
 
         prop_w = data.calibration.draw(cfg.propagate_units, length, s["propagate"])
-        prop_run, _ = free_run_until(model, prop_w.ids[:, :P], cfg.new_tokens, prop_rule, KVMode.PROPAGATE,
+        prop_run, _ = free_run_until(served, prop_w.ids[:, :P], cfg.new_tokens, prop_rule, KVMode.PROPAGATE,
                                      cfg.batch, decided, desc="propagate-test units")
         prop = cert.direct_test(prop_run.unit_losses(), cfg.epsilon, cfg.delta, cfg.pvalue,
                                 None if anytime else s["order"])
@@ -198,10 +238,10 @@ def main(cfg: CalibrateConfig) -> int:
 
     # 4. evaluation units: natural text teacher-forced, and free-running in both modes
     ev_w = data.evaluation.draw(cfg.eval_units, length, s["eval"])
-    test = collect_units(model, ev_w.ids, P)
+    test = served.reference(ev_w.ids, P)
     rule = TableRule(_table(ckpt, model, cfg.calibrator, c.lam, cals, shipped))
     modes = list(KVMode) if cfg.eval_both_kv_modes else [shipped]
-    runs = {m: free_run(model, ev_w.ids[:, :P], cfg.new_tokens, rule, m, cfg.batch, desc=f"evaluation units, {m.value}")
+    runs = {m: free_run(served, ev_w.ids[:, :P], cfg.new_tokens, rule, m, cfg.batch, desc=f"evaluation units, {m.value}")
             for m in modes}
     fr = runs[shipped].summary()
     _log(t0, f"evaluation: {test.n_units} prompts, free-running {fr.false_exit_rate:.4f} ({shipped.value})")
@@ -225,7 +265,8 @@ def main(cfg: CalibrateConfig) -> int:
         "calibration_corpus": data.calibration_name, "calibration_documents": docs,
         "certified": ship.certified, "exact": ship.exact, "lambda_provisional": c.lam_provisional,
         "false_exit_rate_calib": ship.empirical_risk, "bound": ship.bound, "p_value": ship.p_value,
-        "kv_mode_reason": ship.reason, "defer_walk": c.to_dict(),
+        "kv_mode_reason": ship.reason, "engine": served.backend.name, "reference": served.reference_name,
+        "defer_walk": c.to_dict(),
         "propagate_test": None if prop is None else prop.to_dict(),
         "expected_exit_fraction": {str(k): v for k, v in c.exit_fraction.items()},
         "expected_layers_skipped_frac": c.layers_skipped_frac,
@@ -236,6 +277,7 @@ def main(cfg: CalibrateConfig) -> int:
     curves = {f"exit {k}": reliability_curve(tp[k], tc[k]) for k in cals}
     metrics = {
         "epsilon": cfg.epsilon, "delta": cfg.delta, "pvalue": cfg.pvalue.value, "calibrator": cfg.calibrator.value,
+        "engine": served.backend.name, "reference": served.reference_name,
         "certificate_statement": text, "certified": ship.certified, "certificate_exact": ship.exact,
         "lambda": c.lam, "lambda_provisional": c.lam_provisional, "bound": ship.bound, "p_value": ship.p_value,
         "n_units": ship.n_units, "n_fit_units": fit.n_units, "n_eval_units": test.n_units, "min_units": n_min,
@@ -273,7 +315,10 @@ def main(cfg: CalibrateConfig) -> int:
         reliability_diagram(curves, tmp / "reliability.png", f"{cfg.calibrator.value} calibration on held-out text")
         exit_depth_histogram({x.name[:3]: {int(k): v for k, v in x.test.exit_fraction.items()} for x in systems},
                              tmp / "exit_depth.png", "exit depth on held-out text (teacher-forced)")
-    manifest.record(STAGE, inputs={"checkpoint": ckpt}, config=asdict(cfg),
+    inputs = {"checkpoint": ckpt}
+    if served.model is None:  # the graphs the engine ran: a new export makes this table stale
+        inputs["graphs"] = manifest.verified_output("export", "graphs")
+    manifest.record(STAGE, inputs=inputs, config=asdict(cfg),
                     outputs={"thresholds": out / "thresholds.json", "reliability_png": out / "reliability.png",
                              "exit_depth_png": out / "exit_depth.png"},
                     metrics=metrics, seconds=time.time() - t0)

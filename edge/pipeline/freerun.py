@@ -19,8 +19,18 @@ ran every layer (possible only with approximate K/V). The first generated
 token comes from the full-depth prefill and is not judged.
 
 :func:`check_continuations` is that check alone, for continuations any engine
-produced (the decode benchmark's); :func:`free_run` generates with the torch
-backend and checks.
+produced (the decode benchmark's); :func:`free_run` generates and checks.
+
+What "the full model" is depends on the engine under test (:class:`Served`): for
+the torch backend, the torch model read teacher-forced (fast, batched); for any
+other backend (the ONNX Runtime graphs that are served), that same backend run
+at full depth on the same prefixes, one decode step per token
+(:func:`calibration.collect.collect_engine`). A quantized model needs the
+latter: the torch model's fake quantization and the runtime's integer kernels
+can round an activation to adjacent codes, and on a near tie the full-depth
+token flips; judged against torch, those flips would count as false exits of
+the served engine that no exit rule caused, and a certificate computed on
+torch would not cover the engine that serves.
 """
 from __future__ import annotations
 
@@ -31,11 +41,40 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from calibration.collect import Collected, collect_units
+from calibration.collect import Collected, collect_engine, collect_units
+from edge.runtime.backend import Backend
 from edge.runtime.torch_backend import TorchBackend
 from edge.runtime.engine import KVMode, generate_batch
 from edge.core.errors import ConfigError
 from edge.model.exits import MultiExitModel
+
+
+@dataclass
+class Served:
+    """The engine under test: the backend it generates with, and the model its tokens are judged
+    against (``model`` set: the torch model teacher-forced; None: the backend itself at full depth)."""
+
+    backend: Backend
+    model: MultiExitModel | None = None
+
+    @classmethod
+    def torch(cls, model: MultiExitModel) -> "Served":
+        """The torch backend over ``model``, judged by ``model`` teacher-forced."""
+        return cls(TorchBackend(model), model)
+
+    @property
+    def num_layers(self) -> int:
+        return self.backend.num_layers
+
+    @property
+    def reference_name(self) -> str:
+        return "torch, teacher-forced" if self.model is not None else f"{self.backend.name}, full-depth decode"
+
+    def reference(self, seqs: np.ndarray, first: int) -> Collected:
+        """Full-depth exit signals and tokens on every prefix of ``seqs`` from position ``first``."""
+        if self.model is not None:
+            return collect_units(self.model, seqs, first)
+        return collect_engine(self.backend, seqs, first)
 
 
 @dataclass
@@ -105,12 +144,12 @@ class FreeRun:
                    np.concatenate([r.exit_layers for r in runs]), Collected.concat([r.data for r in runs]))
 
 
-def check_continuations(model: MultiExitModel, prompts: np.ndarray, generated: np.ndarray, exit_layers: np.ndarray,
+def check_continuations(served: Served, prompts: np.ndarray, generated: np.ndarray, exit_layers: np.ndarray,
                         kv_mode: KVMode) -> FreeRun:
     """Check every generated token against the full model on the same prefix (module docstring).
 
     Args:
-        model: the multi-exit model the engine ran.
+        served: the engine that generated, and its reference.
         prompts: int token ids [U, P].
         generated: the engine's tokens [U, T], T >= 2 (the first, from the prefill, is not judged).
         exit_layers: the layer each generated token was decided at [U, T].
@@ -129,7 +168,7 @@ def check_continuations(model: MultiExitModel, prompts: np.ndarray, generated: n
         raise ConfigError(f"check_continuations: at least 2 new tokens are needed (the first is not judged), "
                           f"got {generated.shape[1]}")
     seqs = np.concatenate([prompts, generated], axis=1)
-    return FreeRun(KVMode(kv_mode), model.num_layers, seqs, exit_layers, collect_units(model, seqs, prompts.shape[1]))
+    return FreeRun(KVMode(kv_mode), served.num_layers, seqs, exit_layers, served.reference(seqs, prompts.shape[1]))
 
 
 def _progress(total: int, desc: str | None) -> tqdm:
@@ -138,12 +177,12 @@ def _progress(total: int, desc: str | None) -> tqdm:
 
 
 @torch.no_grad()
-def free_run(model: MultiExitModel, prompts: np.ndarray, new_tokens: int, rule, kv_mode: KVMode,
+def free_run(served: Served, prompts: np.ndarray, new_tokens: int, rule, kv_mode: KVMode,
              batch: int = 128, desc: str | None = None) -> FreeRun:
     """Generate ``new_tokens`` tokens for every prompt with the engine and check each one.
 
     Args:
-        model: the multi-exit model (the torch backend runs it).
+        served: the engine to run (``Served.torch(model)``: the torch backend) and its reference.
         prompts: int token ids [U, P].
         new_tokens: T >= 2 tokens generated per prompt (T - 1 are judged).
         rule: the engine's exit rule (``decide(layer, stats, tokens, hidden)``), e.g. a
@@ -160,21 +199,20 @@ def free_run(model: MultiExitModel, prompts: np.ndarray, new_tokens: int, rule, 
         raise ConfigError(f"free_run: expected prompts [U >= 1, P], got shape {prompts.shape}")
     if new_tokens < 2:
         raise ConfigError(f"free_run: at least 2 new tokens are needed (the first is not judged), got {new_tokens}")
-    backend = TorchBackend(model)
     gen, layers = [], []
     with _progress(prompts.shape[0], desc) as bar:
         for a in range(0, prompts.shape[0], batch):
             chunk = [p.tolist() for p in prompts[a:a + batch]]
-            for toks, exits in generate_batch(backend, rule, chunk, new_tokens, KVMode(kv_mode)):
+            for toks, exits in generate_batch(served.backend, rule, chunk, new_tokens, KVMode(kv_mode)):
                 if len(toks) != new_tokens:
                     raise ConfigError(f"engine returned {len(toks)} tokens for a prompt, {new_tokens} were asked for")
                 gen.append(toks)
                 layers.append(exits)
             bar.update(len(chunk))
-    return check_continuations(model, prompts, np.asarray(gen), np.asarray(layers), kv_mode)
+    return check_continuations(served, prompts, np.asarray(gen), np.asarray(layers), kv_mode)
 
 
-def free_run_until(model: MultiExitModel, prompts: np.ndarray, new_tokens: int, rule, kv_mode: KVMode,
+def free_run_until(served: Served, prompts: np.ndarray, new_tokens: int, rule, kv_mode: KVMode,
                    batch: int, stop: Callable[[FreeRun], bool], desc: str | None = None) -> tuple[FreeRun, bool]:
     """:func:`free_run` batch by batch in the order of ``prompts``, stopping after the first batch for
     which ``stop(all units so far)`` is true. Returns (the units run, whether ``stop`` fired).
@@ -186,7 +224,7 @@ def free_run_until(model: MultiExitModel, prompts: np.ndarray, new_tokens: int, 
     runs: list[FreeRun] = []
     with _progress(prompts.shape[0], desc) as bar:
         for a in range(0, prompts.shape[0], batch):
-            runs.append(free_run(model, prompts[a:a + batch], new_tokens, rule, kv_mode, batch))
+            runs.append(free_run(served, prompts[a:a + batch], new_tokens, rule, kv_mode, batch))
             bar.update(runs[-1].seqs.shape[0])
             done = FreeRun.concat(runs)
             if stop(done):

@@ -1,5 +1,5 @@
-"""distill -> compress -> calibrate -> export -> bench compress -> report on the micro run: the served model
-is the compressed one, its graphs carry Q/DQ, the report has the compression section."""
+"""distill -> compress -> export -> calibrate -> bench compress -> report on the micro run: the served model
+is the compressed one, its graphs carry Q/DQ, calibration runs them, the report has the compression section."""
 from __future__ import annotations
 
 import json
@@ -25,8 +25,15 @@ def run(micro_run, tmp_path_factory):
     return run
 
 
-def test_compressed_model_is_what_every_later_stage_serves(run):
+CALIBRATE = ["epsilon=0.2", "fit_units=16", "certify_units=32", "propagate_units=32", "eval_units=4", "prompt_tokens=16",
+             "new_tokens=6", "batch=16", "threads=1"]
+
+
+def test_compressed_model_is_what_every_later_stage_serves(run, capsys):
     assert cli(["compress", f"run_dir={run}", "recipe=int8_mixed_sparse", *FAST]) == 0
+    # a compressed model is calibrated on the graphs that serve it: not before they exist
+    assert cli(["calibrate", f"run_dir={run}", *CALIBRATE]) == 2
+    assert "run `smartexit export" in capsys.readouterr().err
     m = Manifest(run)
     assert m.served_checkpoint() == run / "compressed"
     report = json.loads((run / "compress" / "report.json").read_text())
@@ -42,10 +49,12 @@ def test_compressed_model_is_what_every_later_stage_serves(run):
     assert {"QuantizeLinear", "DequantizeLinear"} <= ops  # INT8 Q/DQ in the graph ONNX Runtime runs
     portable = onnx.load(str(run / "onnx" / "segment_0.onnx"))
     assert "QuantizeLinear" in {n.op_type for n in portable.graph.node}  # and in the one TensorRT builds from
-    assert cli(["calibrate", f"run_dir={run}", "epsilon=0.2", "fit_units=16", "certify_units=32",
-                "propagate_units=32", "eval_units=4", "prompt_tokens=16", "new_tokens=6", "batch=16", "threads=1"]) == 0
+    assert cli(["calibrate", f"run_dir={run}", *CALIBRATE]) == 0
     table = json.loads((run / "calibration" / "thresholds.json").read_text())
     assert table["checkpoint_sha256"] == sha256_path(run / "compressed")
+    cal = Manifest(run).stage("calibrate")
+    assert cal["metrics"]["engine"] == "onnxruntime" and cal["metrics"]["reference"] == "onnxruntime, full-depth decode"
+    assert "graphs" in cal["inputs"]  # a new export makes the table stale
     assert cli(["bench", "compress", f"run_dir={run}", "batch_sizes=[1,2]", "prompt_tokens=12", "new_tokens=4",
                 "batch1_prompts=2", "repeats=1", "eval_windows=2", "false_exit_prompts=2", "llamacpp=false",
                 "ti_windows=2", "ti_skip_from_layer=2", "threads=1"]) == 0

@@ -39,6 +39,7 @@ from edge.core.errors import ConfigError
 from edge.model.exits import MultiExitModel, load_multi_exit
 from edge.model.tokenizer import load_tokenizer
 from edge.pipeline.bench.decode import false_exits, run_engine
+from edge.pipeline.freerun import Served
 from edge.pipeline.compress import CompressConfig, Recipe, compress, fit_windows
 from edge.runtime.backend import make_backend
 from edge.runtime.engine import KVMode
@@ -196,10 +197,11 @@ def main(cfg: CompressBenchConfig) -> int:
         # the served engine at full depth against the torch model the certificate is computed on: tokens where
         # they differ without any exit (for a quantized model: near ties rounded apart; 0 for float graphs)
         full = run_engine(backends[name], NeverExit(), judged, cfg.new_tokens, kv_mode)
-        gap, gap_total = false_exits(m, judged, full, kv_mode)
+        gap, gap_total = false_exits(Served.torch(m), judged, full, kv_mode)
         rows[name]["full_depth_mismatch_vs_torch"] = gap / max(gap_total, 1)
+        # exits judged as calibration judges them: against the served engine itself at full depth
         res = run_engine(backends[name], rule, judged, cfg.new_tokens, kv_mode)
-        wrong, total = false_exits(m, judged, res, kv_mode)
+        wrong, total = false_exits(Served(backends[name]), judged, res, kv_mode)
         nl = m.num_layers
         rows[name].update({
             "tokens_per_s": {k: float(np.median(v)) for k, v in speed[name].items()},

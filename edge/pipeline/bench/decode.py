@@ -60,7 +60,7 @@ from edge.pipeline.bench.spec_ceiling import agreement_trace, ceiling as spec_ce
 from edge.pipeline.bench.engine_memory import vm_kib
 from edge.pipeline.bench.speculation import (calibrated_vs_best_other, distinct, pool_stats, speculative_sweep,
                                              sweep_variants, token_mismatches)
-from edge.pipeline.freerun import check_continuations
+from edge.pipeline.freerun import Served, check_continuations
 
 STAGE = "bench_decode"
 def exit_system(mode: KVMode | str) -> str:
@@ -271,10 +271,11 @@ def applicable(name: str, batch: int) -> bool:
 
 
 # ------------------------------------------------------------------ measurement
-def false_exits(model: MultiExitModel, prompts: list[list[int]], res: RunResult, mode: KVMode) -> tuple[int, int]:
+def false_exits(served: Served, prompts: list[list[int]], res: RunResult, mode: KVMode) -> tuple[int, int]:
     """(wrong tokens, judged tokens) of an engine run: the tokens that differ from the full model's greedy
-    choice on the same prefix, by calibration's check (:func:`edge.pipeline.freerun.check_continuations`)."""
-    r = check_continuations(model, np.asarray(prompts), np.asarray(res.tokens), np.asarray(res.exit_layers),
+    choice on the same prefix, by calibration's check (:func:`edge.pipeline.freerun.check_continuations`);
+    ``Served(backend)``: the full model is that backend at full depth (what calibration certifies)."""
+    r = check_continuations(served, np.asarray(prompts), np.asarray(res.tokens), np.asarray(res.exit_layers),
                             mode).summary()
     return r.false_exits + r.full_depth_mismatches, r.tokens
 
@@ -431,7 +432,8 @@ def main(cfg: DecodeBenchConfig) -> int:
         row_fe = {}
         for s in exit_systems:
             bar.set_postfix_str(f"batch {b}, checking {s} against the full model")
-            bad, total = false_exits(model, prompts, runs[s][0], KVMode(s.removeprefix("engine_exit_")))
+            bad, total = false_exits(Served(systems.backend), prompts, runs[s][0],
+                                     KVMode(s.removeprefix("engine_exit_")))
             bar.update()
             wrong[s][0] += bad
             wrong[s][1] += total

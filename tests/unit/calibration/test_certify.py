@@ -150,7 +150,7 @@ def test_in_defer_mode_the_engine_decides_as_the_teacher_forced_cascade(micro_ru
     a few ulps (~1e-7 relative), which the linear score scales by |w| |x|; 1e-4 (1 + |t|) bounds that
     generously."""
     from calibration.cascade import cascade
-    from edge.pipeline.freerun import free_run
+    from edge.pipeline.freerun import Served, free_run
     from calibration.table import TableRule, ThresholdTable
     from edge.core.data import Split, TokenCorpus, load_split
     from edge.runtime.engine import KVMode
@@ -161,14 +161,14 @@ def test_in_defer_mode_the_engine_decides_as_the_teacher_forced_cascade(micro_ru
     ckpt = micro_run / "multi_exit"
     model = load_multi_exit(ckpt)
     prompts = TokenCorpus(load_tokenizer(ckpt), load_split(Split.CALIBRATION)).draw(24, 28, seed=0).ids[:, :16]
-    full = free_run(model, prompts, 12, NeverExit(), KVMode.DEFER, batch=8)
+    full = free_run(Served.torch(model), prompts, 12, NeverExit(), KVMode.DEFER, batch=8)
     fe, mm = full.wrong()
     assert not fe.any() and not mm.any() and (full.judged == model.num_layers).all()
     cals = cert.fit(full.data, CalibratorKind.PLATT)
     lam = float(np.quantile(cert.calibrated(cals, full.data)[1], 0.6))  # about 40% exit at the first exit
     table = ThresholdTable("x", model.exit_layers, "platt", lam, {k: c.score_threshold(lam) for k, c in cals.items()},
                            cals)
-    run = free_run(model, prompts, 12, TableRule(table), KVMode.DEFER, batch=8)
+    run = free_run(Served.torch(model), prompts, 12, TableRule(table), KVMode.DEFER, batch=8)
     probs = cert.calibrated(cals, run.data)
     tf = cascade(probs, lam, run.data.final).reshape(run.judged.shape)
     assert len(np.unique(run.judged)) > 1, "the test needs tokens exiting at different depths"
