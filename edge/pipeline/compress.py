@@ -1,7 +1,8 @@
 """``smartexit compress``: the distilled multi-exit model, quantized (and optionally pruned) by a recipe.
 
-Between ``distill`` and ``calibrate`` (DESIGN.md: distill -> compress -> calibrate -> export), so that
-the thresholds are calibrated, and the graphs exported, for the model that is served. Writes the
+Between ``distill`` and ``export`` (distill -> compress -> export -> calibrate; DESIGN.md lists
+calibrate before export, see docs/compression.md for why a quantized model reverses them), so that the
+graphs are exported, and the thresholds calibrated on those graphs, for the model that is served. Writes the
 compressed checkpoint to ``<run>/compressed`` (:mod:`edge.compress.checkpoint`) and
 ``<run>/compress/report.json``; every later stage loads it through ``Manifest.served_checkpoint``.
 
