@@ -233,22 +233,23 @@ def main(cfg: CompressBenchConfig) -> int:
 
 def _peers(cfg: CompressBenchConfig, manifest: Manifest, tok, ref: Reference, rows: dict, t0: float) -> dict:
     """llama.cpp at each of ``cfg.peer_types`` on the distilled weights, with its held-out quality."""
-    from edge.pipeline.bench import llamacpp
+    from edge.pipeline.bench import llamacpp, llamacpp_gguf, llamacpp_quality, llamacpp_tokenizer
 
     why = llamacpp.available()
     if why is not None:
         _log(t0, f"llama.cpp skipped: {why}")
         return {}
     distilled = manifest.verified_output("distill", "checkpoint")
-    src = llamacpp.cached_gguf(cfg.run_dir, distilled, "f32")
-    llamacpp.verify_tokenizer(distilled, src)
+    src = llamacpp_gguf.cached_gguf(cfg.run_dir, distilled, "f32")
+    llamacpp_tokenizer.verify_tokenizer(distilled, src)
     peers = {}
     for qt in cfg.peer_types:
-        gguf = llamacpp.cached_quantized_gguf(cfg.run_dir, distilled, qt)
+        gguf = llamacpp_gguf.cached_quantized_gguf(cfg.run_dir, distilled, qt)
         peer = llamacpp.LlamaCppPeer(gguf, cfg.threads)
-        pq = llamacpp.peer_perplexity(peer, ref.windows.numpy())
-        rows[f"llamacpp_{qt}"] = {"precision": qt, "gguf_bytes": llamacpp.gguf_bytes(gguf),
-                                  "tensor_types": llamacpp.tensor_type_counts(llamacpp.gguf_tensor_types(gguf)),
+        pq = llamacpp_quality.peer_perplexity(peer, ref.windows.numpy())
+        rows[f"llamacpp_{qt}"] = {"precision": qt, "gguf_bytes": llamacpp_gguf.gguf_bytes(gguf),
+                                  "tensor_types": llamacpp_gguf.tensor_type_counts(
+                                      llamacpp_gguf.gguf_tensor_types(gguf)),
                                   "quality": pq.to_dict()}
         peers[qt] = peer
         _log(t0, f"llama.cpp {qt}: {rows[f'llamacpp_{qt}']['gguf_bytes'] / 2**20:.1f} MiB, {pq.to_dict()}")

@@ -232,12 +232,12 @@ class Systems:
         """The peer (f), if llama-cpp-python is installed (``make llamacpp``): the checkpoint converted
         to an f32 GGUF by the converter of llama.cpp's own source distribution, its tokenizer checked
         against ours."""
-        from edge.pipeline.bench import llamacpp
+        from edge.pipeline.bench import llamacpp, llamacpp_gguf, llamacpp_tokenizer
 
         self.llamacpp_skipped = llamacpp.available()
         if self.llamacpp_skipped is None:
-            gguf = llamacpp.cached_gguf(self.cfg.run_dir, ckpt, "f32")
-            llamacpp.verify_tokenizer(ckpt, gguf)
+            gguf = llamacpp_gguf.cached_gguf(self.cfg.run_dir, ckpt, "f32")
+            llamacpp_tokenizer.verify_tokenizer(ckpt, gguf)
             self.peer = llamacpp.LlamaCppPeer(gguf, self.cfg.threads)
             self.loaded.add("llamacpp")
 

@@ -1,5 +1,6 @@
-"""llama.cpp peer (edge/pipeline/bench/llamacpp.py): tokenizer inspection and command lines everywhere;
-conversion, tokenizer agreement and greedy agreement where `make llamacpp` has installed it."""
+"""llama.cpp peer (edge/pipeline/bench/llamacpp.py, llamacpp_gguf.py, llamacpp_tokenizer.py): tokenizer
+inspection and command lines everywhere; conversion, tokenizer agreement and greedy agreement where
+`make llamacpp` has installed it."""
 from __future__ import annotations
 
 import copy
@@ -9,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from edge.pipeline.bench import llamacpp as lc
+from edge.pipeline.bench import llamacpp_gguf as gg
+from edge.pipeline.bench import llamacpp_tokenizer as tk
 from edge.model.bundled import BUNDLED_DIR, BUNDLED_EE_DIR
 from edge.core.errors import SmartExitError
 
@@ -36,8 +39,8 @@ def one_torch_thread():
 # ------------------------------------------------------------------ pure: tokenizer.json inspection
 @pytest.mark.parametrize("folder", [BUNDLED_DIR, BUNDLED_EE_DIR], ids=["bundled", "bundled-ee"])
 def test_bundled_tokenizers_are_gpt2_byte_level(folder: Path):
-    assert lc.gpt2_byte_level_mismatch(folder / "tokenizer.json") is None
-    assert lc.tokenizer_is_gpt2_byte_level(folder)
+    assert tk.gpt2_byte_level_mismatch(folder / "tokenizer.json") is None
+    assert tk.tokenizer_is_gpt2_byte_level(folder)
 
 
 def _metaspace(tj):
@@ -88,13 +91,13 @@ def _unigram(tj):
 def test_other_tokenizers_are_not_declared_gpt2(ours, change, says):
     tj = copy.deepcopy(ours)
     change(tj)
-    why = lc.gpt2_byte_level_mismatch(tj)
+    why = tk.gpt2_byte_level_mismatch(tj)
     assert why is not None and says in why
-    assert not lc.tokenizer_is_gpt2_byte_level(tj)
+    assert not tk.tokenizer_is_gpt2_byte_level(tj)
 
 
 def test_gpt2_byte_alphabet_is_a_bijection_onto_printable_characters():
-    table = lc.bytes_to_unicode()
+    table = tk.bytes_to_unicode()
     assert sorted(table) == list(range(256)) and len(set(table.values())) == 256
     assert all(c.isprintable() and not c.isspace() for c in table.values())
     assert table[ord("A")] == "A" and table[ord(" ")] == "Ġ" and table[ord("\n")] == "Ċ"  # GPT-2's spellings
@@ -103,15 +106,16 @@ def test_gpt2_byte_alphabet_is_a_bijection_onto_printable_characters():
 def test_unreadable_tokenizer_is_a_clear_error(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(SmartExitError, match="tokenizer.json"):
-        lc.tokenizer_is_gpt2_byte_level(tmp_path)
+        tk.tokenizer_is_gpt2_byte_level(tmp_path)
 
 
 # ------------------------------------------------------------------ pure: command lines, cache keys, matching
 def test_convert_argv():
-    argv = lc.convert_argv("m", "out.gguf", "f32", Path("/src/vendor/llama.cpp"), True, python="py")
-    assert argv == ["py", "-m", "edge.pipeline.bench.llamacpp", "_convert", "--converter-dir", "/src/vendor/llama.cpp",
+    argv = gg.convert_argv("m", "out.gguf", "f32", Path("/src/vendor/llama.cpp"), True, python="py")
+    assert argv == ["py", "-m", "edge.pipeline.bench.llamacpp_gguf",
+                    "_convert", "--converter-dir", "/src/vendor/llama.cpp",
                     "--gpt2-pre-if-unknown", "--", "m", "--outtype", "f32", "--outfile", "out.gguf"]
-    assert "--gpt2-pre-if-unknown" not in lc.convert_argv("m", "o", "q8_0", Path("c"), False)
+    assert "--gpt2-pre-if-unknown" not in gg.convert_argv("m", "o", "q8_0", Path("c"), False)
 
 
 def test_converter_is_looked_for_where_make_llamacpp_unpacks_it(monkeypatch, tmp_path):
@@ -124,20 +128,20 @@ def test_converter_is_looked_for_where_make_llamacpp_unpacks_it(monkeypatch, tmp
 
 
 def test_conversion_wants_a_gguf_file_path(tmp_path, monkeypatch):
-    monkeypatch.setattr(lc, "require_available", lambda: None)
+    monkeypatch.setattr(gg, "require_available", lambda: None)
     with pytest.raises(SmartExitError, match="must name a .gguf file"):
-        lc.convert_to_gguf(BUNDLED_EE_DIR, tmp_path / "llamacpp")
+        gg.convert_to_gguf(BUNDLED_EE_DIR, tmp_path / "llamacpp")
     with pytest.raises(SmartExitError, match="outtype"):
-        lc.convert_to_gguf(BUNDLED_EE_DIR, tmp_path / "m.gguf", outtype="q4_k")
+        gg.convert_to_gguf(BUNDLED_EE_DIR, tmp_path / "m.gguf", outtype="q4_k")
 
 
 def test_gguf_cache_key_names_checkpoint_hash_version_and_type(monkeypatch, tmp_path):
     from edge.core.artifacts import sha256_path
 
-    monkeypatch.setattr(lc, "llamacpp_version", lambda: "9.9.9")
-    p = lc.gguf_path(tmp_path, BUNDLED_EE_DIR, "q8_0")
+    monkeypatch.setattr(gg, "llamacpp_version", lambda: "9.9.9")
+    p = gg.gguf_path(tmp_path, BUNDLED_EE_DIR, "q8_0")
     assert p == tmp_path / "llamacpp" / f"{sha256_path(BUNDLED_EE_DIR)[:16]}-llama-cpp-python-9.9.9-q8_0.gguf"
-    assert lc.gguf_path(tmp_path, BUNDLED_DIR, "q8_0") != p  # other weights, other file
+    assert gg.gguf_path(tmp_path, BUNDLED_DIR, "q8_0") != p  # other weights, other file
 
 
 class _FakePeer:
@@ -182,12 +186,12 @@ def test_bundled_ee_converts_tokenizes_and_decodes_like_ours(tmp_path, one_torch
     from edge.core.data import Split, heldout_prompts, load_split
     from edge.model.tokenizer import load_tokenizer
 
-    gguf = lc.convert_to_gguf(BUNDLED_EE_DIR, tmp_path / "tiny-ee-f32.gguf", "f32")
+    gguf = gg.convert_to_gguf(BUNDLED_EE_DIR, tmp_path / "tiny-ee-f32.gguf", "f32")
     assert gguf.is_file() and [p.name for p in tmp_path.iterdir()] == [gguf.name]  # nothing half-written beside it
     prompts = heldout_prompts(load_tokenizer(BUNDLED_EE_DIR), load_split(Split.TEST), 2, 64, seed=0)
     ref = lc.reference_greedy(BUNDLED_EE_DIR, prompts, 32)
     with lc.LlamaCppPeer(gguf, threads=1) as peer:  # correctness here, not speed
-        assert lc.verify_tokenizer(BUNDLED_EE_DIR, peer) == len(lc.verification_texts())
+        assert tk.verify_tokenizer(BUNDLED_EE_DIR, peer) == len(tk.verification_texts())
         assert lc.check_greedy_match(peer, ref, prompts) == 1.0
         run = peer.generate(prompts[0], 32)
         assert run.tokens == ref[0] and len(run.token_latencies) == 31
@@ -198,9 +202,9 @@ def test_our_token_bytes_spell_every_text():
     """The byte table verify_tokenizer compares llama.cpp's vocabulary against decodes our ids losslessly."""
     from edge.model.tokenizer import load_tokenizer
 
-    tok, pieces = load_tokenizer(BUNDLED_EE_DIR), lc.our_token_bytes(BUNDLED_EE_DIR)
+    tok, pieces = load_tokenizer(BUNDLED_EE_DIR), tk.our_token_bytes(BUNDLED_EE_DIR)
     assert len(pieces) == tok.get_vocab_size() and pieces[0] == b"<|endoftext|>"
-    for text in lc.EDGE_CASES + ("def f(x):\n\t    return {'a': x}  # ünïcode\n",):
+    for text in tk.EDGE_CASES + ("def f(x):\n\t    return {'a': x}  # ünïcode\n",):
         assert b"".join(pieces[i] for i in tok.encode(text).ids) == text.encode("utf-8")
 
 
@@ -210,7 +214,7 @@ class _OurTokenizer:
     def __init__(self):
         from edge.model.tokenizer import load_tokenizer
 
-        self.tok, self.pieces = load_tokenizer(BUNDLED_EE_DIR), lc.our_token_bytes(BUNDLED_EE_DIR)
+        self.tok, self.pieces = load_tokenizer(BUNDLED_EE_DIR), tk.our_token_bytes(BUNDLED_EE_DIR)
         self.vocab_size = len(self.pieces)
 
     def piece(self, i, special=True):
@@ -221,7 +225,7 @@ class _OurTokenizer:
 
 
 def test_tokenizer_check_passes_for_an_identical_tokenizer():
-    assert lc.verify_tokenizer(BUNDLED_EE_DIR, _OurTokenizer(), texts=["a b", "\t\n  x"]) == 2
+    assert tk.verify_tokenizer(BUNDLED_EE_DIR, _OurTokenizer(), texts=["a b", "\t\n  x"]) == 2
 
 
 def test_tokenizer_mismatch_names_the_first_difference():
@@ -230,8 +234,8 @@ def test_tokenizer_mismatch_names_the_first_difference():
             ids = super().tokenize(text)
             return ids[:2] + [ids[2] + 1] + ids[3:]
 
-    with pytest.raises(lc.TokenizerMismatch, match="first difference at token 2"):
-        lc.verify_tokenizer(BUNDLED_EE_DIR, Shifted(), texts=["def f(x):\n    return x + 1\n"])
+    with pytest.raises(tk.TokenizerMismatch, match="first difference at token 2"):
+        tk.verify_tokenizer(BUNDLED_EE_DIR, Shifted(), texts=["def f(x):\n    return x + 1\n"])
 
 
 def test_vocabulary_mismatch_names_the_token():
@@ -241,8 +245,8 @@ def test_vocabulary_mismatch_names_the_token():
 
     peer = Cut()
     first_long = next(i for i, p in enumerate(peer.pieces) if len(p) > 32)
-    with pytest.raises(lc.TokenizerMismatch, match=f"token {first_long} is"):
-        lc.verify_tokenizer(BUNDLED_EE_DIR, peer, texts=[])
+    with pytest.raises(tk.TokenizerMismatch, match=f"token {first_long} is"):
+        tk.verify_tokenizer(BUNDLED_EE_DIR, peer, texts=[])
 
 
 def test_converter_refusal_of_a_non_gpt2_tokenizer_is_explained_and_leaves_nothing(tmp_path, monkeypatch, ours):
@@ -260,12 +264,12 @@ def test_converter_refusal_of_a_non_gpt2_tokenizer_is_explained_and_leaves_nothi
 
     def fake_run(argv, timeout=600.0):
         seen.append(argv)
-        return subprocess.CompletedProcess(argv, 1, "", f"NotImplementedError: {lc.UNKNOWN_PRE} - update")
+        return subprocess.CompletedProcess(argv, 1, "", f"NotImplementedError: {gg.UNKNOWN_PRE} - update")
 
-    monkeypatch.setattr(lc, "require_available", lambda: None)
+    monkeypatch.setattr(gg, "require_available", lambda: None)
     monkeypatch.setattr(edge.core.device, "run_command", fake_run)
     with pytest.raises(SmartExitError, match="not GPT-2 byte-level BPE.*Metaspace"):
-        lc.convert_to_gguf(model, tmp_path / "out" / "m.gguf")
+        gg.convert_to_gguf(model, tmp_path / "out" / "m.gguf")
     assert "--gpt2-pre-if-unknown" not in seen[0]
     assert list((tmp_path / "out").iterdir()) == []
 

@@ -1,6 +1,6 @@
-"""llama.cpp at our bit-widths (edge/pipeline/bench/llamacpp.py): quantization types, cache names and the
-perplexity arithmetic everywhere; llama.cpp's quantizer, the stored tensor types and the peer's perplexity
-against our decoder where `make llamacpp` has installed it."""
+"""llama.cpp at our bit-widths (edge/pipeline/bench/llamacpp_gguf.py, llamacpp_quality.py): quantization
+types, cache names and the perplexity arithmetic everywhere; llama.cpp's quantizer, the stored tensor types
+and the peer's perplexity against our decoder where `make llamacpp` has installed it."""
 from __future__ import annotations
 
 import json
@@ -14,6 +14,8 @@ import pytest
 from edge.core.errors import ConfigError, SmartExitError
 from edge.model.bundled import BUNDLED_DIR, BUNDLED_EE_DIR
 from edge.pipeline.bench import llamacpp as lc
+from edge.pipeline.bench import llamacpp_gguf as gg
+from edge.pipeline.bench import llamacpp_quality as lq
 from tests.conftest import make_hf_checkpoint
 
 REASON = lc.available()
@@ -26,34 +28,34 @@ needs_llamacpp = pytest.mark.skipif(REASON is not None, reason=REASON or "")
     ("Q8_0", "q8_0"), ("q4_k", "q4_K_M"),
 ])
 def test_qtype_names_and_alias(given, canonical):
-    assert lc.canonical_qtype(given) == canonical
+    assert gg.canonical_qtype(given) == canonical
 
 
 @pytest.mark.parametrize("bad", ["q3_K", "f32", "int4", "", "q4_K_S"])
 def test_unknown_qtype_names_the_allowed_ones(bad):
     with pytest.raises(ConfigError, match="q8_0.*q4_0.*q4_K_M"):
-        lc.canonical_qtype(bad)
+        gg.canonical_qtype(bad)
 
 
 def test_every_qtype_is_a_llamacpp_ftype_constant():
     """The ftype names are llama.h's; checked against the installed bindings where they exist."""
-    assert set(lc.QTYPE_ALIASES.values()) <= set(lc.QTYPES)
+    assert set(gg.QTYPE_ALIASES.values()) <= set(gg.QTYPES)
     if REASON is None:
         import llama_cpp
 
-        assert {q: getattr(llama_cpp, name) for q, name in lc.QTYPES.items()} == {"q8_0": 7, "q4_0": 2, "q4_K_M": 15}
+        assert {q: getattr(llama_cpp, name) for q, name in gg.QTYPES.items()} == {"q8_0": 7, "q4_0": 2, "q4_K_M": 15}
 
 
 def test_quantized_file_is_named_after_its_cached_source(monkeypatch, tmp_path):
-    monkeypatch.setattr(lc, "llamacpp_version", lambda: "9.9.9")
-    src = lc.gguf_path(tmp_path, BUNDLED_EE_DIR, "f32")
-    q4 = lc.quantized_gguf_path(src, "q4_K")
+    monkeypatch.setattr(gg, "llamacpp_version", lambda: "9.9.9")
+    src = gg.gguf_path(tmp_path, BUNDLED_EE_DIR, "f32")
+    q4 = gg.quantized_gguf_path(src, "q4_K")
     assert q4 == src.parent / f"{src.stem}-to-q4_K_M.gguf" and q4.parent == tmp_path / "llamacpp"
-    assert lc.quantized_gguf_path(src, "q8_0") != lc.gguf_path(tmp_path, BUNDLED_EE_DIR, "q8_0")  # not the converter's
-    other = lc.quantized_gguf_path(lc.gguf_path(tmp_path, BUNDLED_DIR, "f32"), "q4_K_M")
+    assert gg.quantized_gguf_path(src, "q8_0") != gg.gguf_path(tmp_path, BUNDLED_EE_DIR, "q8_0")  # not the converter's
+    other = gg.quantized_gguf_path(gg.gguf_path(tmp_path, BUNDLED_DIR, "f32"), "q4_K_M")
     assert other != q4  # other weights, other file
     with pytest.raises(ConfigError):
-        lc.quantized_gguf_path(src, "q2_K")
+        gg.quantized_gguf_path(src, "q2_K")
 
 
 def test_cached_quantized_gguf_quantizes_once_and_again_when_the_source_is_newer(monkeypatch, tmp_path):
@@ -67,46 +69,46 @@ def test_cached_quantized_gguf_quantizes_once_and_again_when_the_source_is_newer
         Path(out).write_bytes(b"q")
         return Path(out)
 
-    monkeypatch.setattr(lc, "cached_gguf", lambda run_dir, model_dir, outtype="f32": src)
-    monkeypatch.setattr(lc, "quantize_gguf", fake_quantize)
-    first = lc.cached_quantized_gguf(tmp_path, "model", "q4_0")
+    monkeypatch.setattr(gg, "cached_gguf", lambda run_dir, model_dir, outtype="f32": src)
+    monkeypatch.setattr(gg, "quantize_gguf", fake_quantize)
+    first = gg.cached_quantized_gguf(tmp_path, "model", "q4_0")
     assert first == src.parent / "abc-llama-cpp-python-9.9.9-f32-to-q4_0.gguf" and len(calls) == 1
-    assert lc.cached_quantized_gguf(tmp_path, "model", "q4_0") == first and len(calls) == 1  # cached
+    assert gg.cached_quantized_gguf(tmp_path, "model", "q4_0") == first and len(calls) == 1  # cached
     newer = first.stat().st_mtime + 10
     os.utime(src, (newer, newer))  # the f32 file was rebuilt after the quantized one
-    assert lc.cached_quantized_gguf(tmp_path, "model", "q4_0") == first and len(calls) == 2
+    assert gg.cached_quantized_gguf(tmp_path, "model", "q4_0") == first and len(calls) == 2
     assert calls[-1] == (src, first, "q4_0")
 
 
 def test_quantize_refuses_bad_arguments_before_calling_llamacpp(monkeypatch, tmp_path):
-    monkeypatch.setattr(lc, "require_available", lambda: pytest.fail("must refuse before needing llama.cpp"))
+    monkeypatch.setattr(gg, "require_available", lambda: pytest.fail("must refuse before needing llama.cpp"))
     src = tmp_path / "m.gguf"
     src.write_bytes(b"GGUF")
     with pytest.raises(ConfigError, match="q4_K_M"):
-        lc.quantize_gguf(src, tmp_path / "o.gguf", "q5_K")
+        gg.quantize_gguf(src, tmp_path / "o.gguf", "q5_K")
     with pytest.raises(SmartExitError, match="missing.gguf does not exist"):
-        lc.quantize_gguf(tmp_path / "missing.gguf", tmp_path / "o.gguf", "q8_0")
+        gg.quantize_gguf(tmp_path / "missing.gguf", tmp_path / "o.gguf", "q8_0")
     with pytest.raises(SmartExitError, match="must name a .gguf file"):
-        lc.quantize_gguf(src, tmp_path / "out", "q8_0")
+        gg.quantize_gguf(src, tmp_path / "out", "q8_0")
     with pytest.raises(SmartExitError, match="onto itself"):
-        lc.quantize_gguf(src, src, "q8_0")
+        gg.quantize_gguf(src, src, "q8_0")
 
 
 def test_gguf_file_helpers_name_a_missing_file(tmp_path):
-    for fn in (lc.gguf_bytes, lc.gguf_tensor_types):
+    for fn in (gg.gguf_bytes, gg.gguf_tensor_types):
         with pytest.raises(SmartExitError, match="nothing.gguf does not exist"):
             fn(tmp_path / "nothing.gguf")
 
 
 def test_tensor_type_counts_most_frequent_first():
     types = {"a": "F32", "b": "Q4_0", "c": "Q4_0", "d": "Q6_K", "e": "F32", "f": "Q4_0"}
-    assert list(lc.tensor_type_counts(types).items()) == [("Q4_0", 3), ("F32", 2), ("Q6_K", 1)]
+    assert list(gg.tensor_type_counts(types).items()) == [("Q4_0", 3), ("F32", 2), ("Q6_K", 1)]
 
 
 def test_next_token_scores_against_a_hand_computed_log_softmax():
     logits = np.array([[0.0, 1.0, 2.0], [5.0, 5.0, -1.0], [1.0, 0.0, 0.0], [9.0, 9.0, 9.0]], dtype=np.float32)
     ids = np.array([7, 2, 0, 1])  # ids[0] is only context
-    nll, hit = lc.next_token_scores(logits, ids)
+    nll, hit = lq.next_token_scores(logits, ids)
     want = [math.log(1 + math.e + math.e ** 2) - 2.0,  # row 0 predicts 2
             math.log(2 * math.e ** 5 + math.e ** -1) - 5.0,  # row 1 predicts 0
             math.log(math.e + 2) - 0.0]  # row 2 predicts 1
@@ -116,21 +118,21 @@ def test_next_token_scores_against_a_hand_computed_log_softmax():
 
 def test_next_token_scores_are_stable_for_large_logits():
     logits = np.array([[1e4, 0.0], [0.0, 0.0]])
-    nll, _ = lc.next_token_scores(logits, np.array([0, 1]))
+    nll, _ = lq.next_token_scores(logits, np.array([0, 1]))
     assert np.isfinite(nll).all() and nll[0] == pytest.approx(1e4)
     with pytest.raises(SmartExitError, match="do not fit"):
-        lc.next_token_scores(logits, np.array([0, 1, 1]))
+        lq.next_token_scores(logits, np.array([0, 1, 1]))
 
 
 def test_peer_quality_summarises_token_scores():
     nll = np.array([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]])
     hit = np.array([[True, False, False], [True, True, False]])
-    q = lc.PeerQuality.from_scores(nll, hit)
+    q = lq.PeerQuality.from_scores(nll, hit)
     assert (q.windows, q.window_tokens, q.mean_nll, q.top1, q.window_nll) == (2, 4, 1.0, 0.5, (2.0, 0.0))
     assert q.perplexity == pytest.approx(math.e)
     assert json.loads(json.dumps(q.to_dict()))["window_nll"] == [2.0, 0.0]
     with pytest.raises(SmartExitError, match="same non-empty"):
-        lc.PeerQuality.from_scores(nll, hit[:, :2])
+        lq.PeerQuality.from_scores(nll, hit[:, :2])
 
 
 class _TablePeer:
@@ -149,7 +151,7 @@ def test_peer_perplexity_scores_every_window_from_its_own_logits():
     table = rng.normal(size=(11, 11)).astype(np.float32)
     windows = rng.integers(0, 11, (3, 6))
     peer = _TablePeer(table)
-    q = lc.peer_perplexity(peer, windows)
+    q = lq.peer_perplexity(peer, windows)
     assert peer.seen == windows.tolist()
     logp = table.astype(np.float64) - np.log(np.exp(table.astype(np.float64)).sum(1, keepdims=True))
     want = -logp[windows[:, :-1], windows[:, 1:]]  # [3, 5]
@@ -161,7 +163,7 @@ def test_peer_perplexity_scores_every_window_from_its_own_logits():
                                  np.zeros((2, 4), np.float32)])
 def test_peer_perplexity_wants_integer_windows_of_two_tokens_or_more(bad):
     with pytest.raises(SmartExitError, match="windows_ids"):
-        lc.peer_perplexity(_TablePeer(np.zeros((4, 4))), bad)
+        lq.peer_perplexity(_TablePeer(np.zeros((4, 4))), bad)
 
 
 # ------------------------------------------------------------------ llama.cpp itself (after `make llamacpp`)
@@ -187,8 +189,8 @@ def tiny(tmp_path_factory):
     tok = train_tokenizer([d.text for d in load_split(Split.CALIBRATION)[:20]], vocab_size=400)
     model = make_hf_checkpoint(root / "model", "llama", vocab_size=tok.get_vocab_size(), **TINY)
     tok.save(str(model / "tokenizer.json"))
-    f32 = lc.cached_gguf(root / "run", model, "f32")
-    ggufs = {"f32": f32, **{q: lc.cached_quantized_gguf(root / "run", model, q, threads=1) for q in QUANTS}}
+    f32 = gg.cached_gguf(root / "run", model, "f32")
+    ggufs = {"f32": f32, **{q: gg.cached_quantized_gguf(root / "run", model, q, threads=1) for q in QUANTS}}
     windows = TokenCorpus(tok, load_split(Split.TEST)[:30]).draw(WINDOWS, LENGTH, seed=0).ids
     return model, ggufs, windows
 
@@ -196,7 +198,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def quality(tiny):
     _, ggufs, windows = tiny
-    return {name: lc.peer_perplexity(path, windows, threads=1) for name, path in ggufs.items()}
+    return {name: lq.peer_perplexity(path, windows, threads=1) for name, path in ggufs.items()}
 
 
 def _weights(types: dict[str, str], part: str) -> dict[str, str]:
@@ -207,14 +209,14 @@ def _weights(types: dict[str, str], part: str) -> dict[str, str]:
 @pytest.mark.slow
 def test_quantized_files_store_the_requested_types_and_shrink(tiny):
     _, ggufs, _ = tiny
-    types = {name: lc.gguf_tensor_types(p) for name, p in ggufs.items()}
+    types = {name: gg.gguf_tensor_types(p) for name, p in ggufs.items()}
     assert set(types["f32"].values()) == {"F32"}
     assert all(t.keys() == types["f32"].keys() for t in types.values())  # the same tensors, other types
     for q, want in (("q8_0", "Q8_0"), ("q4_0", "Q4_0")):
         for part in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
             assert set(_weights(types[q], part).values()) == {want}, (q, part)
         assert set(_weights(types[q], "norm").values()) == {"F32"}  # 1-d tensors are never quantized
-    sizes = {name: lc.gguf_bytes(p) for name, p in ggufs.items()}
+    sizes = {name: gg.gguf_bytes(p) for name, p in ggufs.items()}
     assert sizes["f32"] > 3 * sizes["q8_0"] and sizes["q8_0"] > sizes["q4_0"]
     assert sizes == {name: p.stat().st_size for name, p in ggufs.items()}
 
@@ -223,7 +225,7 @@ def test_quantized_files_store_the_requested_types_and_shrink(tiny):
 @pytest.mark.slow
 def test_k_quants_fall_back_where_rows_are_not_256_multiples(tiny):
     """llama-quant.cpp tensor_type_fallback: Q4_K -> Q5_0 and Q6_K -> Q8_0 for rows of 96."""
-    types = lc.gguf_tensor_types(tiny[1]["q4_K_M"])
+    types = gg.gguf_tensor_types(tiny[1]["q4_K_M"])
     for part in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"):  # rows of 256
         assert set(_weights(types, part).values()) <= {"Q4_K", "Q6_K"} and "Q4_K" in types.values(), part
     assert set(_weights(types, "ffn_down").values()) <= {"Q5_0", "Q8_0"}
@@ -234,7 +236,7 @@ def test_k_quants_fall_back_where_rows_are_not_256_multiples(tiny):
 def test_quantized_file_is_cached_beside_the_f32_one(tiny):
     _, ggufs, _ = tiny
     for q in QUANTS:
-        assert ggufs[q] == lc.quantized_gguf_path(ggufs["f32"], q) and ggufs[q].is_file()
+        assert ggufs[q] == gg.quantized_gguf_path(ggufs["f32"], q) and ggufs[q].is_file()
     assert not [p for p in ggufs["f32"].parent.iterdir() if p.name.startswith(".")]  # no half-written files
 
 
@@ -250,8 +252,8 @@ def test_f32_peer_perplexity_matches_our_decoder(tiny, quality):
     model, _, windows = tiny
     with torch.no_grad():
         logits = load_decoder(model)(torch.from_numpy(windows)).logits.numpy()  # [N, T, V]
-    scores = [lc.next_token_scores(z, w) for z, w in zip(logits, windows)]
-    ours = lc.PeerQuality.from_scores(np.stack([s[0] for s in scores]), np.stack([s[1] for s in scores]))
+    scores = [lq.next_token_scores(z, w) for z, w in zip(logits, windows)]
+    ours = lq.PeerQuality.from_scores(np.stack([s[0] for s in scores]), np.stack([s[1] for s in scores]))
     peer = quality["f32"]
     assert (peer.windows, peer.window_tokens) == (WINDOWS, LENGTH)
     assert peer.mean_nll == pytest.approx(ours.mean_nll, rel=1e-3)
@@ -291,8 +293,8 @@ def test_logits_agree_with_greedy_decoding(tiny):
 def test_quantizer_failure_names_the_file_and_leaves_nothing(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 60)
-    with pytest.raises(lc.QuantizationFailed, match=r"bad\.gguf to q4_K_M.*\n.*GGUF"):
-        lc.quantize_gguf(bad, tmp_path / "out" / "bad-q4.gguf", "q4_K")
+    with pytest.raises(gg.QuantizationFailed, match=r"bad\.gguf to q4_K_M.*\n.*GGUF"):
+        gg.quantize_gguf(bad, tmp_path / "out" / "bad-q4.gguf", "q4_K")
     assert list((tmp_path / "out").iterdir()) == []
     with pytest.raises(SmartExitError, match="not a readable GGUF"):
-        lc.gguf_tensor_types(bad)
+        gg.gguf_tensor_types(bad)
