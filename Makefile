@@ -12,7 +12,7 @@ DEMO_CFG := configs/demo.yaml
 MODEL_FILES := $(wildcard edge/assets/tiny/*) $(wildcard edge/assets/tiny-ee/*) $(wildcard edge/assets/data/*)
 SRC := $(shell find edge calibration exporters scheduler -name '*.py' 2>/dev/null)
 
-.PHONY: demo test venv distill compress bench-compress compress-study calibrate export bench generate report repo serve bench-serve profile bench-scheduler aiperf-check train-tiny train-tiny-ee train-scheduler llamacpp clean help
+.PHONY: demo test venv distill compress bench-compress energy compress-study calibrate export bench generate report repo serve bench-serve profile bench-scheduler aiperf-check train-tiny train-tiny-ee train-scheduler llamacpp clean help
 .DEFAULT_GOAL := help
 
 help:
@@ -26,6 +26,7 @@ help:
 	@echo "make profile     the engine's step time and the serving path -> the simulator's latency model (~1.5 min)"
 	@echo "make bench-scheduler  the learned scheduler vs fixed budgets and heuristics (simulator + real stack)"
 	@echo "make compress-study  every compression recipe side by side (+ llama.cpp q8_0 / q4_0) -> $(ART)/bench/compress.md (~15 min)"
+	@echo "make energy      energy per token (jtop / tegrastats / NVML / RAPL; CPU-seconds proxy without a sensor): full depth vs exits vs compressed"
 	@echo "make llamacpp    build llama-cpp-python from source: adds llama.cpp as system (f) of make bench"
 	@echo "make distill | compress | calibrate | export | bench | generate | report   one stage at a time (RUN=name picks artifacts/<name>)"
 
@@ -60,6 +61,9 @@ $(ART)/onnx/graphs.json: $(ART)/compressed/compress.json
 $(ART)/bench/compress.json: $(ART)/onnx/graphs.json $(ART)/calibration/thresholds.json configs/bench_compress.yaml
 	$(SE) bench compress --config configs/bench_compress.yaml run_dir=$(ART)
 
+$(ART)/bench/energy.json: $(ART)/bench/compress.json configs/bench_energy.yaml
+	$(SE) bench energy --config configs/bench_energy.yaml run_dir=$(ART)
+
 $(ART)/bench/decode.json: $(ART)/onnx/graphs.json $(ART)/calibration/thresholds.json
 	$(SE) bench decode --config configs/bench_decode.yaml run_dir=$(ART)
 
@@ -81,12 +85,13 @@ $(ART)/bench/scheduler.json: $(ART)/scheduler/latency.json configs/bench_schedul
 
 $(ART)/report.json: $(ART)/multi_exit/exits.json $(ART)/calibration/thresholds.json $(ART)/.generate.done \
 		$(ART)/onnx/graphs.json $(ART)/bench/decode.json $(ART)/bench/serve.json $(ART)/bench/audit.json \
-		$(ART)/bench/scheduler.json $(ART)/bench/compress.json
+		$(ART)/bench/scheduler.json $(ART)/bench/compress.json $(ART)/bench/energy.json
 	$(SE) report run_dir=$(ART)
 
 distill: $(ART)/multi_exit/exits.json
 compress: $(ART)/compressed/compress.json
 bench-compress: $(ART)/bench/compress.json
+energy: $(ART)/bench/energy.json
 compress-study: $(ART)/onnx/graphs.json $(ART)/calibration/thresholds.json
 	$(SE) bench compress --config configs/compress_study.yaml run_dir=$(ART)
 calibrate: $(ART)/calibration/thresholds.json

@@ -34,6 +34,9 @@ STAGES: dict[str, tuple[str, str, str, str]] = {
                 "TensorRT engines from the ONNX graphs (on the device) + trtexec command lines"),
     "bench decode": ("edge.pipeline.bench.decode", "DecodeBenchConfig", "main",
                      "decode throughput: transformers, LayerSkip, SmartExit full depth and with exits"),
+    "bench energy": ("edge.pipeline.bench.energy", "EnergyBenchConfig", "main",
+                     "energy per token (jtop / tegrastats / NVML / RAPL; CPU-seconds proxy without a sensor): "
+                     "full depth vs exits vs the compressed model"),
     "bench serve": ("scheduler.bench_serve", "BenchServeConfig", "main",
                     "serving load test: trace / Poisson arrivals through Ray Serve + Triton vs the engine in process"),
     "bench audit": ("scheduler.bench_audit", "BenchAuditConfig", "main",

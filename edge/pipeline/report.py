@@ -87,6 +87,10 @@ def _compression(m: Manifest) -> dict[str, Any]:
     return out
 
 
+def _energy(m: Manifest) -> dict[str, Any]:
+    return dict(m.stage("bench_energy")["metrics"])
+
+
 SECTIONS: dict[str, tuple[str, Callable[[Manifest], dict[str, Any]]]] = {
     "model": ("distill", _model),
     "distill": ("distill", _distill),
@@ -94,6 +98,7 @@ SECTIONS: dict[str, tuple[str, Callable[[Manifest], dict[str, Any]]]] = {
     "generate": ("generate", _generate),
     "export": ("export", _export),
     "compression": ("bench_compress", _compression),
+    "energy": ("bench_energy", _energy),
     "decode_bench": ("bench_decode", _bench),
     "serve_bench": ("bench_serve", _serve),
     "audit_bench": ("bench_audit", _audit),
@@ -160,6 +165,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                      f"; no fused graphs: {e.get('fused_skipped')}") + ").", ""]
     if "compression" in report:
         lines += _compression_md(report["compression"])
+    if "energy" in report:
+        lines += _energy_md(report["energy"])
     if "decode_bench" in report:
         lines += _bench_md(report["decode_bench"])
     if "serve_bench" in report:
@@ -209,6 +216,23 @@ def _compression_md(c: dict[str, Any]) -> list[str]:
         lines.append(f"Token importance ({score}, torch, prefill only): {r['flops_saved_frac']:.1%} of prefill FLOPs "
                      f"saved, perplexity x{r['ppl_ratio']:.4f} on the continuation.")
     return lines + ["", "![compression](bench/compress.png)", ""]
+
+
+def _energy_md(e: dict[str, Any]) -> list[str]:
+    """Energy (or, without a sensor, the CPU-time proxy) per token per system (bench/energy.md has the spread)."""
+    systems = list(e["cpu_seconds_per_token"])
+    if e["meter_available"]:
+        head = (f"Meter `{e['meter']}` (rails: {', '.join(e['rails']) or '-'}). Joules per token: " + ", ".join(
+            f"{n} {_fmt(e['joules_per_token'][n], '.4g')}" for n in systems) + f"; exits / full depth "
+            f"x{_fmt(e.get('ratio_exit_vs_full'), '.3f')}, shipped ({e['shipped_system']}) / full depth "
+            f"x{_fmt(e.get('ratio_shipped_vs_full'), '.3f')}.")
+    else:
+        head = (f"**No power sensor on this machine** ({e['meter_reason']}): no joules. As a proxy, CPU-seconds "
+                "per token (process user + system time; not energy): " + ", ".join(
+                    f"{n} {_fmt(1e3 * e['cpu_seconds_per_token'][n], '.3g')} ms" for n in systems)
+                + f"; shipped ({e['shipped_system']}) / full depth x{_fmt(e.get('cpu_ratio_shipped_vs_full'), '.3f')}.")
+    return ["## Energy per token", "", head + " Tokens/s: " + ", ".join(
+        f"{n} {_fmt(e['tokens_per_s'][n], '.0f')}" for n in systems) + ".", "", "![energy](bench/energy.png)", ""]
 
 
 def _scheduler_md(s: dict[str, Any]) -> list[str]:
@@ -339,6 +363,11 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                      + (f"vs llama.cpp {c['llamacpp_same_bits']} x{_fmt(c.get('speedup_vs_llamacpp_same_bits_b1'), '.2f')}, "
                         if c.get("llamacpp_same_bits") else "llama.cpp not built, ")
                      + f"false-exit bound {_fmt(c.get('false_exit_bound'))}")
+    if "energy" in report:
+        e = report["energy"]
+        lines.append(f"energy ({e['meter']}): " + (
+            f"J/token shipped / full depth x{_fmt(e.get('ratio_shipped_vs_full'), '.3f')}" if e["meter_available"]
+            else f"no sensor; CPU-s/token (proxy) shipped / full depth x{_fmt(e.get('cpu_ratio_shipped_vs_full'), '.3f')}"))
     if "decode_bench" in report:
         b = report["decode_bench"]
         ratios = [(k, b.get(k)) for k in ("speedup_exit_vs_full_b1", "speedup_exit_vs_full_b16",

@@ -65,7 +65,24 @@ def test_compressed_model_is_what_every_later_stage_serves(run, capsys):
     assert bench["rows"]["shipped"]["onnx_bytes"] < bench["rows"]["none"]["onnx_bytes"]
     assert bench["rows"]["none"]["full_depth_mismatch_vs_torch"] == 0.0  # float graphs decode what torch decodes
     assert 0.0 <= bench["rows"]["shipped"]["full_depth_mismatch_vs_torch"] <= 1.0
+    float_export = sorted((run / "bench" / "float_onnx").rglob("*.onnx"))
+    assert float_export  # bench compress exported the float model's graphs; bench energy reuses them
+    mtimes = [p.stat().st_mtime_ns for p in float_export]
+    assert cli(["bench", "energy", f"run_dir={run}", "meter=none", "idle_seconds=0.1", "prompts=2", "prompt_tokens=12",
+                "new_tokens=4", "repeats=2", "threads=1"]) == 0
+    assert [p.stat().st_mtime_ns for p in float_export] == mtimes
+    energy = json.loads((run / "bench" / "energy.json").read_text())
+    assert set(energy["rows"]) == {"full", "exits", "compressed_full", "compressed_exits"}
+    for row in energy["rows"].values():  # no sensor here: no joules, the CPU-time proxy measured
+        assert row["joules_per_token"] is None and row["cpu_seconds_per_token"]["median"] > 0
+        assert row["tokens"] == 2 * 2 * 4
+    assert energy["summary"]["meter"] == "none" and energy["summary"]["ratio_exit_vs_full"] is None
+    assert "no power sensor" in (run / "bench" / "energy.md").read_text()
     assert cli(["report", f"run_dir={run}"]) == 0
+    e = json.loads((run / "report.json").read_text())["energy"]
+    assert e["joules_per_token"] == {n: None for n in energy["rows"]}
+    assert set(e["cpu_seconds_per_token"]) == set(energy["rows"]) and "ratio_exit_vs_full" in e
+    assert "## Energy per token" in (run / "report.md").read_text()
     c = json.loads((run / "report.json").read_text())["compression"]
     for key in ("accuracy_loss_rel", "model_bytes_ratio", "speedup_vs_fp32_b1", "false_exit_bound"):
         assert isinstance(c[key], float), key

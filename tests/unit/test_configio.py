@@ -17,7 +17,8 @@ CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 PRESET_STAGE = {"demo.yaml": "distill", "tiny_ee.yaml": "distill", "bench_decode.yaml": "bench decode",
                 "bench_serve.yaml": "bench serve", "bench_scheduler.yaml": "bench scheduler",
                 "train_scheduler.yaml": "train-scheduler", "compress.yaml": "compress",
-                "bench_compress.yaml": "bench compress", "compress_study.yaml": "bench compress"}
+                "bench_compress.yaml": "bench compress", "compress_study.yaml": "bench compress",
+                "bench_energy.yaml": "bench energy"}
 
 
 def test_overrides_convert_types():

@@ -39,6 +39,7 @@ from edge.core.errors import ConfigError
 from edge.model.exits import MultiExitModel, load_multi_exit
 from edge.model.tokenizer import load_tokenizer
 from edge.pipeline.bench.decode import false_exits, run_engine
+from edge.pipeline.bench.float_graphs import float_graphs
 from edge.pipeline.freerun import Served
 from edge.pipeline.compress import CompressConfig, Recipe, compress, fit_windows
 from edge.runtime.backend import make_backend
@@ -146,6 +147,9 @@ def main(cfg: CompressBenchConfig) -> int:
             graphs = manifest.verified_output("export", "graphs")
             fused = manifest.stage("export")["metrics"].get("parity_fused") or {}
             passed, ties, worst = fused.get("passed"), fused.get("near_ties", 0), None
+        elif name == NONE:  # the float model's graphs, shared with the energy benchmark (gated when exported)
+            graphs = float_graphs(manifest, prompts_parity)["exits"]
+            passed, ties, worst = True, 0, None
         else:
             graphs = work / name
             export_onnx(m, graphs, ExportConfig(), checkpoint_sha256="bench")

@@ -1,0 +1,266 @@
+"""``smartexit bench energy``: energy per token of the same decode work, full depth against exits.
+
+Systems (ONNX Runtime CPU engines, the same prompts, greedy): ``full`` the distilled float model
+without exits, ``exits`` the same model with the run's exit rule, and for a compressed run
+``compressed_full`` / ``compressed_exits``, the served model without and with exits. Each repeat
+measures every system once, in a rotated order, each window on the power meter
+(:mod:`edge.energy.detect`: jtop, tegrastats, NVML or RAPL, whichever exists) after an idle window
+of ``idle_seconds`` that gives the idle baseline. Per system: joules per token with and without the
+idle power (None without a sensor), CPU-seconds per token (process resource usage, always; the
+labelled proxy where there is no sensor), tokens/s, and each against ``full`` (ratios of medians
+over repeats, spread as min-max across repeats).
+
+Without a sensor nothing is estimated: the JSON says ``meter: none`` with the reason, joules are
+null, and the Markdown and the PNG show CPU-seconds per token under that label.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edge.core.artifacts import Manifest, atomic_write_json, atomic_write_text
+from edge.core.errors import ConfigError
+
+STAGE = "bench_energy"
+FULL, EXITS, C_FULL, C_EXITS = "full", "exits", "compressed_full", "compressed_exits"
+
+
+@dataclass
+class EnergyBenchConfig:
+    run_dir: str = "artifacts/demo"
+    meter: str = "auto"  # auto | jtop | tegrastats | nvml | rapl | none (edge.energy.detect.MeterKind)
+    interval_s: float = 0.05  # power sampling interval
+    idle_seconds: float = 1.0  # idle baseline window before each repeat (0: none)
+    batch: int = 1  # sequences decoded together
+    prompts: int = 4  # prompts per window (in groups of ``batch``)
+    prompt_tokens: int = 64
+    new_tokens: int = 32
+    repeats: int = 3
+    threads: int = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0 or self.idle_seconds < 0:
+            raise ConfigError("bench energy: interval_s > 0 and idle_seconds >= 0 are required")
+        if min(self.batch, self.prompts, self.prompt_tokens, self.repeats) < 1 or self.new_tokens < 2:
+            raise ConfigError("bench energy: batch, prompts, prompt_tokens, repeats >= 1 and new_tokens >= 2 "
+                              "are required")
+        if self.prompts % self.batch:
+            raise ConfigError(f"bench energy: prompts ({self.prompts}) must be a multiple of batch ({self.batch})")
+
+
+@dataclass
+class Window:
+    """One measured decode window of one system."""
+
+    tokens: int
+    seconds: float
+    cpu_seconds: float
+    joules: float | None
+    idle_watts: float | None  # mean power of the idle window before this repeat
+
+    @property
+    def joules_above_idle(self) -> float | None:
+        if self.joules is None or self.idle_watts is None:
+            return None
+        return self.joules - self.idle_watts * self.seconds
+
+
+def _log(t0: float, msg: str) -> None:
+    print(f"[bench energy {time.time() - t0:6.1f}s] {msg}", flush=True)
+
+
+def per_token(windows: list[Window]) -> dict[str, Any]:
+    """Median and min-max across repeats of each per-token figure (None where a figure is None)."""
+
+    def stat(values: list[float | None]) -> dict[str, float] | None:
+        if not values or any(v is None for v in values):
+            return None
+        a = np.asarray(values, np.float64)
+        return {"median": float(np.median(a)), "min": float(a.min()), "max": float(a.max())}
+
+    return {
+        "joules_per_token": stat([w.joules / w.tokens if w.joules is not None else None for w in windows]),
+        "joules_per_token_above_idle": stat([w.joules_above_idle / w.tokens if w.joules_above_idle is not None
+                                             else None for w in windows]),
+        "cpu_seconds_per_token": stat([w.cpu_seconds / w.tokens for w in windows]),
+        "tokens_per_s": stat([w.tokens / w.seconds for w in windows]),
+        "watts": stat([w.joules / w.seconds if w.joules is not None else None for w in windows]),
+        "tokens": int(sum(w.tokens for w in windows)),
+    }
+
+
+def ratios(rows: dict[str, dict[str, Any]], base: str = FULL) -> dict[str, dict[str, float | None]]:
+    """Each system's medians over ``base``'s: joules, CPU-seconds per token, tokens/s."""
+    out = {}
+    for name, r in rows.items():
+        out[name] = {}
+        for key in ("joules_per_token", "joules_per_token_above_idle", "cpu_seconds_per_token", "tokens_per_s"):
+            a, b = r.get(key), rows[base].get(key)
+            out[name][key] = a["median"] / b["median"] if a and b and b["median"] else None
+    return out
+
+
+def main(cfg: EnergyBenchConfig) -> int:
+    import torch
+
+    from calibration.table import TableRule, load_table
+    from edge.core.data import Split, heldout_prompts, load_split
+    from edge.energy.detect import open_meter
+    from edge.model.tokenizer import load_tokenizer
+    from edge.pipeline.bench.decode import run_engine
+    from edge.pipeline.bench.float_graphs import float_graphs
+    from edge.runtime.backend import make_backend
+    from edge.runtime.engine import KVMode
+    from edge.runtime.rules import NeverExit
+
+    t0 = time.time()
+    torch.set_num_threads(cfg.threads)
+    manifest = Manifest(cfg.run_dir)
+    served = manifest.served_checkpoint()
+    thresholds = manifest.verified_output("calibrate", "thresholds")
+    table = load_table(thresholds, served)
+    rule, kv_mode = TableRule(table), KVMode(table.kv_mode)
+    tok = load_tokenizer(served)
+    test = load_split(Split.TEST)
+    prompts = heldout_prompts(tok, test, cfg.prompts, cfg.prompt_tokens, cfg.seed)
+    graphs = float_graphs(manifest, heldout_prompts(tok, test, 3, 32, cfg.seed + 7))
+    systems = {FULL: (graphs["full"], NeverExit()), EXITS: (graphs["exits"], rule)}
+    if manifest.served_checkpoint() != manifest.verified_output("distill", "checkpoint"):
+        systems[C_FULL] = (manifest.verified_output("export", "graphs_full"), NeverExit())
+        systems[C_EXITS] = (manifest.verified_output("export", "graphs"), rule)
+    backends = {n: make_backend("onnxruntime", graphs_dir=g, threads=cfg.threads) for n, (g, _) in systems.items()}
+    groups = [prompts[i:i + cfg.batch] for i in range(0, len(prompts), cfg.batch)]
+
+    def decode(name: str, n: int) -> int:
+        """One window's work: every group of prompts, ``n`` new tokens each; returns the tokens made."""
+        res = [run_engine(backends[name], systems[name][1], g, n, kv_mode) for g in groups]
+        return sum(len(t) for r in res for t in r.tokens)
+
+    meter = open_meter(cfg.meter, cfg.interval_s)
+    _log(t0, f"meter: {meter.name}" + ("" if meter.available else f" (no sensor: {meter.reason})"))
+    windows: dict[str, list[Window]] = {n: [] for n in systems}
+    traces: dict[str, list[tuple[float, float]]] = {n: [] for n in systems}  # the first repeat's power samples
+    idle_trace: list[Any] = []
+    names = list(systems)
+    try:
+        for name in names:  # warm-up: sessions, plans, caches
+            decode(name, 4)
+        for rep in range(cfg.repeats):
+            idle_w = None
+            if cfg.idle_seconds > 0:
+                meter.start()
+                time.sleep(cfg.idle_seconds)
+                idle = meter.stop()
+                idle_w = idle.mean_watts
+                idle_trace.append(idle.to_dict())
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
+                meter.start()
+                tokens = decode(name, cfg.new_tokens)
+                m = meter.stop()
+                windows[name].append(Window(tokens, m.seconds, m.cpu_seconds, m.joules, idle_w))
+                if rep == 0 and m.samples:
+                    traces[name] = [(s.t - m.samples[0].t, s.watts) for s in m.samples]
+            _log(t0, f"repeat {rep + 1}: " + ", ".join(
+                f"{n} {windows[n][-1].tokens / windows[n][-1].seconds:.0f} tok/s" for n in names))
+    finally:
+        meter.close()
+    rows = {n: per_token(w) for n, w in windows.items()}
+    rel = ratios(rows)
+    exit_name = C_EXITS if C_EXITS in rows else EXITS
+    summary = {
+        "meter": meter.name, "meter_available": meter.available, "meter_reason": meter.reason,
+        "rails": list(meter.rails), "interval_s": cfg.interval_s,
+        "joules_per_token": {n: (r["joules_per_token"] or {}).get("median") for n, r in rows.items()},
+        "joules_per_token_above_idle": {n: (r["joules_per_token_above_idle"] or {}).get("median")
+                                        for n, r in rows.items()},
+        "cpu_seconds_per_token": {n: r["cpu_seconds_per_token"]["median"] for n, r in rows.items()},
+        "tokens_per_s": {n: r["tokens_per_s"]["median"] for n, r in rows.items()},
+        "ratio_exit_vs_full": rel[EXITS]["joules_per_token"],
+        "cpu_ratio_exit_vs_full": rel[EXITS]["cpu_seconds_per_token"],
+        "shipped_system": exit_name,
+        "ratio_shipped_vs_full": rel[exit_name]["joules_per_token"],
+        "cpu_ratio_shipped_vs_full": rel[exit_name]["cpu_seconds_per_token"],
+        "speed_ratio_shipped_vs_full": rel[exit_name]["tokens_per_s"],
+        "idle_watts": [w.idle_watts for w in windows[names[0]]],
+    }
+    result = {"config": asdict(cfg), "rows": rows, "ratios_vs_full": rel, "summary": summary,
+              "windows": {n: [asdict(w) for w in ws] for n, ws in windows.items()}, "idle": idle_trace,
+              "power_trace_first_repeat": traces}
+    out = Path(cfg.run_dir) / "bench"
+    atomic_write_json(out / "energy.json", result)
+    atomic_write_text(out / "energy.md", render_markdown(result))
+    plot(result, out / "energy.png")
+    manifest.record(STAGE, inputs={"checkpoint": served, "thresholds": thresholds}, config=asdict(cfg),
+                    outputs={"json": out / "energy.json", "markdown": out / "energy.md", "png": out / "energy.png"},
+                    metrics=summary, seconds=time.time() - t0)
+    fig = "J/token" if meter.available else "CPU-s/token (no sensor: proxy, not energy)"
+    key = "joules_per_token" if meter.available else "cpu_seconds_per_token"
+    _log(t0, f"wrote {out / 'energy.json'}: {fig} " + ", ".join(
+        f"{n} {rows[n][key]['median']:.3g}" for n in names))
+    return 0
+
+
+def _fmt(v: float | None, spec: str = ".3g") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    s, rows, rel = result["summary"], result["rows"], result["ratios_vs_full"]
+    c = result["config"]
+    sensor = (f"meter `{s['meter']}`, rails {', '.join(s['rails']) or '-'}, sampled every {s['interval_s']} s"
+              if s["meter_available"] else
+              f"**no power sensor** ({s['meter_reason']}): no joules are reported; CPU-seconds per token "
+              "(process user + system time, all threads) is shown as a proxy, and it is not energy")
+    lines = ["# Energy per token", "",
+             f"The same decode work for each system: {c['prompts']} held-out prompts of {c['prompt_tokens']} tokens, "
+             f"{c['new_tokens']} new tokens each, batch {c['batch']}, {c['repeats']} repeats in rotated order, ONNX "
+             f"Runtime CPU with {c['threads']} threads; {sensor}. Idle baseline: {c['idle_seconds']} s before each "
+             "repeat. Median over repeats (min-max); ratios are of medians against `full`.", "",
+             "| system | J/token | J/token above idle | CPU-s/token | tokens/s | J ratio | CPU-s ratio | speed ratio |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+
+    def cell(d: dict[str, float] | None, spec: str = ".4g") -> str:
+        return "-" if not d else f"{d['median']:{spec}} ({d['min']:{spec}}-{d['max']:{spec}})"
+
+    for n, r in rows.items():
+        lines.append(f"| {n} | {cell(r['joules_per_token'])} | {cell(r['joules_per_token_above_idle'])} | "
+                     f"{cell(r['cpu_seconds_per_token'])} | {cell(r['tokens_per_s'], '.0f')} | "
+                     f"{_fmt(rel[n]['joules_per_token'])} | {_fmt(rel[n]['cpu_seconds_per_token'])} | "
+                     f"{_fmt(rel[n]['tokens_per_s'])} |")
+    return "\n".join(lines + ["", "![energy](energy.png)", ""])
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Power over time per system (first repeat) where a sensor exists; else the CPU-seconds proxy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s, rows = result["summary"], result["rows"]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    if s["meter_available"] and any(result["power_trace_first_repeat"].values()):
+        for name, trace in result["power_trace_first_repeat"].items():
+            if trace:
+                t, w = zip(*trace)
+                ax.plot(t, w, label=f"{name} ({rows[name]['joules_per_token']['median']:.3g} J/token)")
+        ax.set_xlabel("seconds into the window")
+        ax.set_ylabel(f"power, W ({s['meter']})")
+        ax.set_title("power during the same decode work (first repeat)")
+        ax.legend(fontsize=8)
+    else:
+        names = list(rows)
+        med = [rows[n]["cpu_seconds_per_token"]["median"] * 1e3 for n in names]
+        lo = [m - rows[n]["cpu_seconds_per_token"]["min"] * 1e3 for n, m in zip(names, med)]
+        hi = [rows[n]["cpu_seconds_per_token"]["max"] * 1e3 - m for n, m in zip(names, med)]
+        ax.bar(names, med, yerr=[lo, hi], color="tab:gray", capsize=4)
+        ax.set_ylabel("CPU-ms per token (proxy)")
+        ax.set_title(f"no power sensor ({s['meter']}): CPU time per token, NOT energy", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

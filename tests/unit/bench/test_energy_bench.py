@@ -1,0 +1,59 @@
+"""The energy benchmark's arithmetic: per-token figures, idle subtraction, ratios, and what it says
+without a sensor (hand-computed windows)."""
+from __future__ import annotations
+
+import pytest
+
+from edge.core.errors import ConfigError
+from edge.pipeline.bench.energy import EnergyBenchConfig, Window, per_token, plot, ratios, render_markdown
+
+
+def _windows(joules: list[float | None], idle_w: float | None = 2.0) -> list[Window]:
+    # 100 tokens in 2 s each; 0.5 CPU-seconds
+    return [Window(100, 2.0, 0.5, j, idle_w) for j in joules]
+
+
+def test_per_token_medians_spread_and_idle():
+    r = per_token(_windows([30.0, 10.0, 20.0]))
+    assert r["joules_per_token"] == {"median": 0.2, "min": 0.1, "max": 0.3}
+    # above idle: 2 W for 2 s = 4 J less per window -> 16 J / 100 tokens
+    assert r["joules_per_token_above_idle"]["median"] == pytest.approx(0.16)
+    assert r["cpu_seconds_per_token"]["median"] == pytest.approx(0.005)
+    assert r["tokens_per_s"]["median"] == 50.0 and r["watts"]["median"] == 10.0 and r["tokens"] == 300
+
+
+def test_no_sensor_gives_no_joules_but_the_proxy():
+    r = per_token(_windows([None, None], idle_w=None))
+    assert r["joules_per_token"] is None and r["joules_per_token_above_idle"] is None and r["watts"] is None
+    assert r["cpu_seconds_per_token"]["median"] == pytest.approx(0.005)
+
+
+def test_ratios_against_full_depth():
+    rows = {"full": per_token(_windows([20.0])), "exits": per_token(_windows([15.0]))}
+    rel = ratios(rows)
+    assert rel["full"]["joules_per_token"] == 1.0
+    assert rel["exits"]["joules_per_token"] == pytest.approx(0.75)
+    assert rel["exits"]["cpu_seconds_per_token"] == 1.0
+    none = ratios({"full": per_token(_windows([None])), "exits": per_token(_windows([None]))})
+    assert none["exits"]["joules_per_token"] is None and none["exits"]["tokens_per_s"] == 1.0
+
+
+def test_markdown_and_plot_say_what_was_measured(tmp_path):
+    rows = {"full": per_token(_windows([None])), "exits": per_token(_windows([None]))}
+    result = {"config": {"prompts": 4, "prompt_tokens": 64, "new_tokens": 32, "batch": 1, "repeats": 1, "threads": 2,
+                         "idle_seconds": 1.0},
+              "rows": rows, "ratios_vs_full": ratios(rows), "power_trace_first_repeat": {"full": [], "exits": []},
+              "summary": {"meter": "none", "meter_available": False, "meter_reason": "no sensor here", "rails": [],
+                          "interval_s": 0.05}}
+    md = render_markdown(result)
+    assert "**no power sensor** (no sensor here)" in md and "it is not energy" in md
+    assert "| exits | - | - | 0.005 (0.005-0.005) |" in md
+    plot(result, tmp_path / "e.png")
+    assert (tmp_path / "e.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("kw,msg", [({"interval_s": 0}, "interval_s"), ({"prompts": 3, "batch": 2}, "multiple"),
+                                    ({"new_tokens": 1}, "new_tokens")])
+def test_bad_configs(kw, msg):
+    with pytest.raises(ConfigError, match=msg):
+        EnergyBenchConfig(**kw)
