@@ -272,7 +272,13 @@ def _serve_md(b: dict[str, Any]) -> list[str]:
               f"{_fmt(b.get('served_vs_inprocess_tokens_ratio'), '.3f')} at concurrency "
               f"{b.get('served_vs_inprocess_concurrency', 'n/a')}; TTFT p50 overhead "
               f"{_fmt(b.get('ttft_p50_overhead_ms'), '.1f')} ms at concurrency {b.get('ttft_overhead_concurrency', 'n/a')}.",
-              ""]
+              "", "![latency CDFs against the SLA](bench/serve_latency_cdf.png)", "",
+              "![served throughput](bench/serve_throughput.png)", ""]
+    if b.get("dashboard_png"):
+        lines += ["The live dashboard (`/dashboard`) during the load, in headless Chromium:", "",
+                  f"![dashboard]({b['dashboard_png']})", ""]
+    elif b.get("dashboard_skipped"):
+        lines += [f"Dashboard screenshot not taken: {b['dashboard_skipped']}.", ""]
     return lines
 
 
@@ -297,7 +303,7 @@ def _bench_md(b: dict[str, Any]) -> list[str]:
               "- decode step of (d) at batch 1, ms: " + ", ".join(f"{k} {v:.3f}" for k, v in b["profile_b1"].items()),
               "- peak RSS over the libraries-imported baseline (MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in (b.get("peak_rss_mib") or {}).items()),
               *_speculative_md(b),
-              "", "Details: `bench/decode.md`, chart `bench/decode.png`.", ""]
+              "", "Details: `bench/decode.md`.", "", "![decode throughput](bench/decode.png)", ""]
     return lines
 
 
@@ -431,5 +437,5 @@ def _calibration_md(c: dict[str, Any]) -> list[str]:
     lines += ["", "| exit | ECE (test) | Brier (test) |", "| ---: | ---: | ---: |"]
     for k, q in (c.get("calibration_quality") or {}).items():
         lines.append(f"| {k} | {q['ece']:.4f} | {q['brier']:.4f} |")
-    lines += ["", "Plots: `calibration/reliability.png`, `calibration/exit_depth.png`.", ""]
+    lines += ["", "![exit depth](calibration/exit_depth.png)", "", "![reliability](calibration/reliability.png)", ""]
     return lines
