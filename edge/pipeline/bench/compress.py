@@ -38,7 +38,8 @@ from edge.core.data import Split, TokenCorpus, heldout_prompts, load_split
 from edge.core.errors import ConfigError
 from edge.model.exits import MultiExitModel, load_multi_exit
 from edge.model.tokenizer import load_tokenizer
-from edge.pipeline.bench.decode import false_exits, run_engine
+from edge.pipeline.bench.decode import false_exits
+from edge.pipeline.bench.engine_run import run_engine
 from edge.pipeline.bench.float_graphs import float_graphs
 from edge.pipeline.freerun import Served
 from edge.pipeline.compress import CompressConfig, Recipe, compress, fit_windows

@@ -47,7 +47,7 @@ from edge.core.artifacts import Manifest, atomic_dir, atomic_write_json
 from edge.pipeline.bench.summary import SYSTEMS, goals, headline, plot, render_markdown, summary_lines
 from edge.core.data import Split, heldout_prompts, load_split
 from edge.runtime.backend import make_backend
-from edge.runtime.engine import Engine, EngineConfig, KVMode, Mode, Request
+from edge.runtime.engine import KVMode
 from edge.runtime.profile import ProfiledBackend, ProfiledRule
 from edge.runtime.rules import NeverExit
 from edge.runtime.speculative import SpecConfig, StopRule
@@ -58,6 +58,7 @@ from edge.model.tokenizer import load_tokenizer
 from edge.pipeline.bench.segments import segment_call_overhead
 from edge.pipeline.bench.spec_ceiling import agreement_trace, ceiling as spec_ceiling, measure_costs
 from edge.pipeline.bench.engine_memory import vm_kib
+from edge.pipeline.bench.engine_run import RunResult, run_engine
 from edge.pipeline.bench.speculation import (calibrated_vs_best_other, distinct, pool_stats, speculative_sweep,
                                              sweep_variants, token_mismatches)
 from edge.pipeline.freerun import Served, check_continuations
@@ -116,15 +117,6 @@ class DecodeBenchConfig:
             raise ConfigError(f"bench.spec_sweep_repeats must be >= 1, got {self.spec_sweep_repeats}")
 
 
-@dataclass
-class RunResult:
-    tokens: list[list[int]]  # [B][N]
-    exit_layers: list[list[int]] | None
-    seconds: float
-    token_latencies: list[float]  # seconds between consecutive tokens of a sequence
-    spec_stats: list[dict[str, Any]] = field(default_factory=list)  # mode exact: SpecStats of each engine
-
-
 # ------------------------------------------------------------------ systems
 class TokenStamps:
     """transformers streamer that records when each generated token arrives.
@@ -174,32 +166,6 @@ def run_groups(fn, groups: list[list[list[int]]], n: int) -> RunResult:
                      None if parts[0].exit_layers is None else [e for p in parts for e in p.exit_layers],
                      sum(p.seconds for p in parts), [g for p in parts for g in p.token_latencies],
                      [d for p in parts for d in p.spec_stats])
-
-
-def run_engine(backend, rule, prompts: list[list[int]], n: int, kv_mode: KVMode,
-               spec: SpecConfig | None = None, speculate_max_batch: int | None = 1) -> RunResult:
-    """Generate with a fresh engine; with ``spec``, every request in mode exact, speculating while the
-    decode batch holds at most ``speculate_max_batch`` sequences (None: any)."""
-    b = len(prompts)
-    cfg = EngineConfig(max_seqs=b, max_running=b, max_len=len(prompts[0]) + n,
-                       prefill_budget=b * len(prompts[0]), kv_mode=kv_mode, speculative=spec or SpecConfig(),
-                       speculate_max_batch=speculate_max_batch)
-    engine = Engine(backend, cfg, rule)
-    mode = Mode.BOUNDED if spec is None else Mode.EXACT
-    stamps: dict[int, list[float]] = {}
-    toks: dict[int, list[tuple[int, int]]] = {}
-
-    def on_token(ev):
-        stamps.setdefault(ev.request_id, []).append(time.perf_counter())
-        toks.setdefault(ev.request_id, []).append((ev.token, ev.exit_layer))
-
-    t0 = time.perf_counter()
-    ids = [engine.submit(Request(p, n, on_token=on_token, mode=mode)) for p in prompts]
-    engine.run_until_idle()
-    seconds = time.perf_counter() - t0
-    gaps = [g for i in ids for g in np.diff(stamps[i]).tolist()]
-    return RunResult([[t for t, _ in toks[i]] for i in ids], [[e for _, e in toks[i]] for i in ids], seconds, gaps,
-                     [] if spec is None else [engine.spec_stats.as_dict()])
 
 
 class Systems:

@@ -112,7 +112,7 @@ def main(cfg: EnergyBenchConfig) -> int:
     from edge.core.data import Split, heldout_prompts, load_split
     from edge.energy.detect import open_meter
     from edge.model.tokenizer import load_tokenizer
-    from edge.pipeline.bench.decode import run_engine
+    from edge.pipeline.bench.engine_run import run_engine
     from edge.pipeline.bench.float_graphs import float_graphs
     from edge.runtime.backend import make_backend
     from edge.runtime.engine import KVMode

@@ -33,8 +33,9 @@ def vm_kib(field_name: str) -> int:
 
 def _probe(arg: str) -> None:
     from calibration.table import TableRule, load_table
+    from edge.pipeline.bench.engine_run import run_engine
     from edge.runtime.backend import make_backend
-    from edge.runtime.engine import Engine, EngineConfig, KVMode, Request
+    from edge.runtime.engine import KVMode
 
     a = json.loads(arg)
     import onnxruntime  # noqa: F401  (imports first: their peak is not the engine's)
@@ -43,14 +44,7 @@ def _probe(arg: str) -> None:
     Path("/proc/self/clear_refs").write_text("5")  # Linux: reset the peak (VmHWM) to the current RSS
     table = load_table(Path(a["thresholds"]), Path(a["checkpoint"]))
     backend = make_backend("onnxruntime", graphs_dir=Path(a["graphs"]), threads=a["threads"])
-    prompts, n = a["prompts"], a["new_tokens"]
-    b = len(prompts)
-    engine = Engine(backend, EngineConfig(max_seqs=b, max_running=b, max_len=len(prompts[0]) + n,
-                                          prefill_budget=b * len(prompts[0]), kv_mode=KVMode(table.kv_mode)),
-                    TableRule(table))
-    for p in prompts:
-        engine.submit(Request(p, n))
-    engine.run_until_idle()
+    run_engine(backend, TableRule(table), a["prompts"], a["new_tokens"], KVMode(table.kv_mode))
     print((vm_kib("VmHWM") - before) / 1024)
 
 

@@ -19,7 +19,8 @@ import numpy as np
 from edge.runtime.speculative import SpecConfig, SpecStats, StopRule
 
 if TYPE_CHECKING:
-    from edge.pipeline.bench.decode import RunResult, Systems
+    from edge.pipeline.bench.decode import Systems
+    from edge.pipeline.bench.engine_run import RunResult
 
 FIXED_LENGTHS = (1, 2, 3, 4)  # draft tokens per round, rule ``fixed``
 TOP1_THRESHOLDS = (0.3, 0.5, 0.7, 0.9)  # top-1 probability to keep drafting, rule ``top1``

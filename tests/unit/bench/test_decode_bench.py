@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from edge.pipeline.bench.decode import DecodeBenchConfig, RunResult, applicable, paired_ratio, summarise
+from edge.pipeline.bench.decode import DecodeBenchConfig, applicable, paired_ratio, summarise
+from edge.pipeline.bench.engine_run import RunResult
 from edge.core.errors import ConfigError
 
 
