@@ -22,6 +22,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
+from edge.core.errors import SmartExitError
+
+
+class SensorUnavailable(SmartExitError):
+    """This meter cannot measure here (no such device, driver, service or permission); the message is
+    the reason :func:`edge.energy.detect.open_meter` reports."""
+
 
 @dataclass(frozen=True)
 class PowerSample:
@@ -125,13 +132,23 @@ class PowerMeter(abc.ABC):
             raise RuntimeError(f"{self.name} meter already started")
         self._cpu0 = cpu_seconds()
         self._t0 = self.clock()
-        self._start()
+        try:
+            begun = self._start()
+        except BaseException:
+            self._t0 = None  # a failed start leaves the meter stopped, so it can be started again
+            raise
+        if begun is not None:  # the first reading came later (a spawned tegrastats): the window starts there
+            self._t0, self._cpu0 = begun, cpu_seconds()
 
     def stop(self) -> Measurement:
         if self._t0 is None:
             raise RuntimeError(f"{self.name} meter was not started")
-        joules, source, samples = self._stop()
-        seconds = self.clock() - self._t0
+        seconds = self.clock() - self._t0  # the window ends when stop() is called, not after the last reading
+        try:
+            joules, source, samples = self._stop()
+        except BaseException:
+            self._t0 = None  # the window is lost, the meter is stopped
+            raise
         self._t0 = None
         return Measurement(self.name, self.available, self.reason, self.rails, self.interval_s, seconds,
                            cpu_seconds() - self._cpu0, joules, source, samples)
@@ -150,7 +167,9 @@ class PowerMeter(abc.ABC):
         self.close()
 
     @abc.abstractmethod
-    def _start(self) -> None: ...
+    def _start(self) -> float | None:
+        """Begin a window; return None, or the clock time the window begins at if later than the call
+        (a meter that must wait for its first reading)."""
 
     @abc.abstractmethod
     def _stop(self) -> tuple[float | None, str | None, list[PowerSample]]:
@@ -188,6 +207,7 @@ class SampledMeter(PowerMeter):
         self._stop_evt = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._error: Exception | None = None  # a reading that failed on the thread, raised by stop()
 
     @abc.abstractmethod
     def _read(self) -> PowerSample:
@@ -202,11 +222,15 @@ class SampledMeter(PowerMeter):
             self._latest = s
 
     def _loop(self) -> None:
-        while not self._stop_evt.wait(self.interval_s):
-            self._record(self._read())
+        try:
+            while not self._stop_evt.wait(self.interval_s):
+                self._record(self._read())
+        except Exception as exc:  # kept for stop(): a sensor failing mid-window must not shorten it silently
+            self._error = exc
 
     def _start(self) -> None:
         self._samples = []
+        self._error = None
         self._stop_evt.clear()
         self._record(self._read())
         self._thread = threading.Thread(target=self._loop, name=f"{self.name}-meter", daemon=True)
@@ -216,6 +240,9 @@ class SampledMeter(PowerMeter):
         self._stop_evt.set()
         if self._thread is not None:
             self._thread.join()
+        if self._error is not None:
+            raise SmartExitError(f"{self.name} meter: a reading failed during the window: "
+                                 f"{type(self._error).__name__}: {self._error}") from self._error
         self._record(self._read())
         with self._lock:
             samples = list(self._samples)
