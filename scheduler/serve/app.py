@@ -1,7 +1,8 @@
 """The Ray Serve application (docs/serving.md): ``Ingress`` -> ``Worker`` (one per device) + ``Hub``.
 
 - ``Ingress`` (FastAPI): the OpenAI routes, bearer-key check, validation and tokenization
-  (scheduler/serve/api.py), the front end's in-flight bound, SSE streaming, metrics.
+  (scheduler/serve/api.py), the front end's in-flight bound, SSE streaming, metrics, the live
+  dashboard (its data: scheduler/serve/dashboard.py, sampled every ``dashboard_tick_s``).
 - ``Worker`` and ``Hub``: scheduler/serve/worker.py (the Triton-facing side, the control loop).
 
 Cancellation: when an HTTP client disconnects, Ray Serve's proxy cancels the ingress request; the
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, RayServeException
@@ -30,6 +31,7 @@ from ray.serve.handle import DeploymentHandle
 
 from edge.core.errors import ConfigError
 from scheduler.serve import api
+from scheduler.serve import dashboard
 from scheduler.serve.config import BundleInfo, ServeConfig
 from scheduler.serve.metrics import CONTENT_TYPE, ServeMetrics
 from scheduler.serve.worker import DEVICE_RESOURCE, HUB_TIMEOUT_S, Hub, Worker
@@ -182,7 +184,7 @@ fastapi_app = FastAPI(title="SmartExit", docs_url=None, redoc_url=None)
 class Ingress:
     """The OpenAI-compatible HTTP front end (routes in docs/serving.md)."""
 
-    def __init__(self, cfg: ServeConfig, worker: DeploymentHandle, hub: DeploymentHandle) -> None:
+    async def __init__(self, cfg: ServeConfig, worker: DeploymentHandle, hub: DeploymentHandle) -> None:
         from tokenizers import Tokenizer
 
         bundle = BundleInfo.load(cfg.bundle_dir)
@@ -193,10 +195,18 @@ class Ingress:
         self._limits = api.Limits(cfg.model_name, cfg.max_tokens_limit, cfg.context_window,
                                   self._tok.get_vocab_size(), cfg.default_mode.value, cfg.default_sla_ttft_ms,
                                   cfg.default_sla_tpot_ms)
-        self._metrics = ServeMetrics(bundle.exit_layers, bundle.num_layers, cfg.tps_window_s)
+        self._metrics = ServeMetrics(bundle.exit_layers, bundle.num_layers, cfg.tps_window_s,
+                                     sla_ttft_ms=cfg.default_sla_ttft_ms, sla_tpot_ms=cfg.default_sla_tpot_ms)
         self._worker, self._hub = worker.options(stream=True), hub
         self._inflight, self._capacity = 0, cfg.max_inflight * cfg.replicas
         self._created = int(time.time())
+        self._dashboard = dashboard.Dashboard(self._metrics, bundle.exit_layers, bundle.num_layers,
+                                              cfg.default_sla_ttft_ms, cfg.default_sla_tpot_ms, cfg.power_meter,
+                                              cfg.dashboard_points, cfg.dashboard_tick_s)
+        self._session = None if cfg.api_key is None else dashboard.session_token(cfg.api_key)
+        self._page = dashboard.static_file(dashboard.PAGE)
+        self._assets = {name: dashboard.static_file(name) for name in dashboard.ASSETS}
+        self._sampler = asyncio.create_task(self._sample_dashboard(), name="smartexit-dashboard")
 
     @fastapi_app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
@@ -231,22 +241,86 @@ class Ingress:
             self._authorize(request)
         except api.ApiError as err:
             return self._error(err, record=False)
+        await self._refresh_replicas()
+        return Response(self._metrics.render(), media_type=CONTENT_TYPE)
+
+    @fastapi_app.get("/dashboard")
+    async def dashboard_page(self, request: Request) -> Response:
+        """The live dashboard. With a key configured: ``?key=K`` answers 303 to ``/dashboard`` with a
+        cookie (HttpOnly, SameSite=Strict, path /dashboard) holding ``session_token(K)``, not K."""
+        key = request.query_params.get("key")
+        if key is not None and self._cfg.api_key is not None:
+            if not hmac.compare_digest(key.encode(), self._cfg.api_key.encode()):
+                return self._error(api.ApiError(401, "invalid API key in ?key=", code="invalid_api_key"),
+                                   record=False)
+            resp = RedirectResponse("dashboard", status_code=303, headers=dashboard.PAGE_HEADERS)
+            resp.set_cookie(dashboard.COOKIE, self._session, path="/dashboard", httponly=True, samesite="strict")
+            return resp
+        try:
+            self._authorize(request, cookie=True)
+        except api.ApiError as err:
+            return self._error(err, record=False)
+        return Response(self._page, media_type="text/html; charset=utf-8", headers=dashboard.PAGE_HEADERS)
+
+    @fastapi_app.get("/dashboard/data")
+    async def dashboard_data(self, request: Request) -> Response:
+        """The dashboard's series (``?since=T``: only rows after unix time T)."""
+        try:
+            self._authorize(request, cookie=True)
+            since = request.query_params.get("since")
+            try:
+                since = None if since is None else float(since)
+            except ValueError:
+                raise api.ApiError(400, f"since: must be unix seconds, got {since!r}", param="since") from None
+        except api.ApiError as err:
+            return self._error(err, record=False)
+        return JSONResponse(self._dashboard.data(since), headers={"Cache-Control": "no-store"})
+
+    @fastapi_app.get("/dashboard/static/{name:path}")
+    async def dashboard_static(self, name: str) -> Response:
+        """The page's script, style and the vendored uPlot (public code: no key needed)."""
+        if name not in self._assets:
+            return self._error(api.ApiError(404, f"no dashboard file {name!r}"), record=False)
+        return Response(self._assets[name], media_type=dashboard.ASSETS[name],
+                        headers={"Cache-Control": "max-age=3600", "X-Content-Type-Options": "nosniff"})
+
+    async def _refresh_replicas(self) -> None:
+        """The workers' latest stats (from the hub) and the in-flight count into the metrics."""
         try:
             self._metrics.set_replica_stats(await asyncio.wait_for(self._hub.snapshot.remote(), HUB_TIMEOUT_S))
         except (RayError, RayServeException, asyncio.TimeoutError) as exc:
             log.warning("metrics without the workers' stats: %r", exc)
             self._metrics.set_replica_stats({})
         self._metrics.inflight.set(self._inflight)
-        return Response(self._metrics.render(), media_type=CONTENT_TYPE)
 
-    def _authorize(self, request: Request) -> None:
+    async def _sample_dashboard(self) -> None:
+        while True:
+            await self._refresh_replicas()
+            try:
+                self._dashboard.sample()
+            except Exception:  # a bad sample costs the dashboard one row, never the API
+                log.exception("dashboard sample failed")
+            await asyncio.sleep(self._cfg.dashboard_tick_s)
+
+    def __del__(self) -> None:
+        sampler = getattr(self, "_sampler", None)
+        if sampler is not None:
+            sampler.cancel()
+
+    def _authorize(self, request: Request, cookie: bool = False) -> None:
+        """Raises ApiError 401 unless the request carries the key (``cookie``: or the dashboard's cookie)."""
         key = self._cfg.api_key
         if key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise api.ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                               code="invalid_api_key")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
+            return
+        token = request.cookies.get(dashboard.COOKIE) if cookie else None
+        if token is not None and hmac.compare_digest(token.encode(), self._session.encode()):
+            return
+        how = "open /dashboard?key=<key> or send" if cookie else "send"
+        raise api.ApiError(401, f"invalid or missing API key: {how} 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
 
     def _error(self, err: api.ApiError, record: bool = True) -> Response:
         if record:

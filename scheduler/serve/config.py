@@ -84,6 +84,11 @@ class ServeConfig:
     # a JSONL file the served engine appends one line per step to (edge/runtime/host.py HostConfig.step_log;
     # `smartexit profile` reads it); tritonservers this app starts only; None: no log
     step_log: str | None = None
+    # each worker's power meter (edge.energy.detect.open_meter's kind: "auto" picks what the device has);
+    # "none": no meter, the dashboard shows why instead of a power chart (docs/serving.md, Dashboard)
+    power_meter: str = "none"
+    dashboard_tick_s: float = 1.0           # the live dashboard samples its time series this often
+    dashboard_points: int = 600             # and keeps this many samples (10 min at 1 s)
 
     def __post_init__(self) -> None:
         if self.bundle_dir is not None:
@@ -98,6 +103,8 @@ class ServeConfig:
                 raise ConfigError(f"serve.{name} must be a mapping, got {type(getattr(self, name)).__name__}")
         if not self.host:
             raise ConfigError("serve.host must not be empty")
+        if not isinstance(self.power_meter, str) or not self.power_meter.strip():
+            raise ConfigError(f"serve.power_meter must be a meter kind ('none', 'auto', ...), got {self.power_meter!r}")
         if self.log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"serve.log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         if not is_loopback(self.host) and not self.api_key:
@@ -109,13 +116,13 @@ class ServeConfig:
             raise ConfigError(f"serve.port must be in [0, 65535], got {self.port}")
         if self.triton_url is not None and ":" not in self.triton_url:
             raise ConfigError(f"serve.triton_url must be host:port, got {self.triton_url!r}")
-        for name in ("max_tokens_limit", "replicas", "max_inflight"):
+        for name in ("max_tokens_limit", "replicas", "max_inflight", "dashboard_points"):
             _positive_int(self, name)
         if self.context_window is not None:
             _positive_int(self, "context_window")
         for name in ("default_sla_ttft_ms", "default_sla_tpot_ms", "control_tick_s", "retry_after_s",
                      "triton_timeout_s", "triton_start_timeout_s", "restart_backoff_s",
-                     "restart_backoff_max_s", "stats_ttl_s", "tps_window_s"):
+                     "restart_backoff_max_s", "stats_ttl_s", "tps_window_s", "dashboard_tick_s"):
             _positive_float(self, name)
         if self.restart_backoff_max_s < self.restart_backoff_s:
             raise ConfigError(f"serve.restart_backoff_max_s ({self.restart_backoff_max_s}) must be >= "

@@ -2,14 +2,20 @@
 
 Names follow Prometheus conventions: base units in the name (``_seconds``, ``_tokens``), counters
 end in ``_total``. Request metrics are recorded by the ingress as requests finish; the per-replica
-gauges (queue, running, prefill budget, admission limit, audit) are read from the latest stats
-snapshot each worker pushed to the hub (``EngineHost.stats()``, keys in docs/serving.md).
+gauges (queue, running, prefill budget, admission limit, audit, power) are read from the latest
+stats snapshot each worker pushed to the hub (``EngineHost.stats()``, keys in docs/serving.md).
+
+The live dashboard (scheduler/serve/dashboard.py) reads the same object: the recent finished
+requests (:attr:`ServeMetrics.finished`, raw latencies rather than histogram buckets) and the
+exit-layer counts.
 """
 from __future__ import annotations
 
 import time
+from collections import Counter as Tally
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -28,6 +34,13 @@ REPLICA_GAUGES = {
     "prefill_budget": ("smartexit_prefill_budget_tokens", "Prompt tokens the engine may prefill per step."),
     "max_running": ("smartexit_admission_limit", "Most sequences the engine may run at once (policy-set)."),
 }
+# the worker's ``power`` stats key (scheduler/serve/dashboard.py LivePower.reading) -> (gauge, help)
+POWER_GAUGES = {
+    "watts": ("smartexit_power_watts", "Power the replica's device draws (its meter's summed rails)."),
+    "temperature_c": ("smartexit_device_temperature_celsius", "The replica's device temperature, where its "
+                      "power meter reports one."),
+}
+FINISHED_KEPT = 4096  # finished requests remembered for the dashboard's percentiles (a few minutes at full load)
 # counters (the ``_total`` suffix is the exposition's): where the engine thread's time goes
 REPLICA_COUNTERS = {
     "steps_total": ("smartexit_engine_steps", "Engine iterations run."),
@@ -39,6 +52,17 @@ REPLICA_COUNTERS = {
 }
 
 
+@dataclass(frozen=True)
+class Finished:
+    """One finished request as the dashboard needs it (times in seconds, on the metrics' clock)."""
+    t: float
+    status: str
+    ttft_s: float | None
+    tpot_s: float | None
+    counted: bool  # counts toward SLA attainment: served (200) or refused / failed by the server (429, 5xx)
+    met: bool      # served within its TTFT and TPOT targets
+
+
 class ServeMetrics:
     """Request metrics plus the workers' stats, rendered in the text exposition format.
 
@@ -47,14 +71,19 @@ class ServeMetrics:
         num_layers: the model's depth (added as the last bucket: full-depth tokens).
         window_s: the sliding window of ``smartexit_tokens_per_second``.
         clock: seconds, monotonic (injected by tests).
+        sla_ttft_ms, sla_tpot_ms: the server's default SLA targets; when given, exported as the gauges
+            ``smartexit_sla_{ttft,tpot}_target_seconds`` (the line a Grafana panel draws).
     """
 
     def __init__(self, exit_layers: Sequence[int], num_layers: int | None = None, window_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, sla_ttft_ms: float | None = None,
+                 sla_tpot_ms: float | None = None) -> None:
         self.registry = r = CollectorRegistry()
-        self._clock, self.window_s = clock, window_s
+        self.clock, self.window_s = clock, window_s
         self._window: deque[tuple[float, int]] = deque()  # (time, tokens) of recent completions' chunks
         self._replicas: dict[str, dict[str, Any]] = {}
+        self.finished: deque[Finished] = deque(maxlen=FINISHED_KEPT)
+        self.exit_counts: Tally[int] = Tally()  # tokens per exit layer since the start
         self.requests = Counter("smartexit_requests", "HTTP generation requests by response status.",
                                 ["status"], registry=r)
         self.ttft = Histogram("smartexit_ttft_seconds", "Time to first token (arrival to first token).",
@@ -75,6 +104,10 @@ class ServeMetrics:
                                     buckets=[float(b) for b in buckets], registry=r)
         self.inflight = Gauge("smartexit_inflight_requests", "Generation requests the front end is serving.",
                               registry=r)
+        for kind, target_ms in (("ttft", sla_ttft_ms), ("tpot", sla_tpot_ms)):
+            if target_ms is not None:
+                Gauge(f"smartexit_sla_{kind}_target_seconds", f"The server's default {kind.upper()} target "
+                      "(a request may carry its own).", registry=r).set(target_ms / 1e3)
         r.register(_ReplicaCollector(self))
 
     # -- request side ------------------------------------------------------------------------------
@@ -83,10 +116,11 @@ class ServeMetrics:
         n = 0
         for layer in exit_layers:
             self.exit_layer.observe(layer)
+            self.exit_counts[layer] += 1
             n += 1
         if n:
             self.tokens.inc(n)
-            self._window.append((self._clock(), n))
+            self._window.append((self.clock(), n))
             self._prune()
 
     def record_request(self, status: int | str, ttft_s: float | None = None, e2e_s: float | None = None,
@@ -97,8 +131,12 @@ class ServeMetrics:
         TPOT is the mean over tokens after the first, ``(e2e - ttft) / (tokens - 1)`` (vLLM's
         definition); a request violates its SLA when its TTFT or that mean exceeds the target.
         """
-        self.requests.labels(status=str(status)).inc()
+        status = str(status)
+        self.requests.labels(status=status).inc()
+        # the server's refusals and failures miss their SLA; a client's bad request or disconnect does not count
+        counted = status == "200" or status == "429" or status.startswith("5")
         if ttft_s is None or e2e_s is None:
+            self.finished.append(Finished(self.clock(), status, None, None, counted, status == "200"))
             return False
         self.ttft.observe(ttft_s)
         self.e2e.observe(e2e_s)
@@ -109,6 +147,7 @@ class ServeMetrics:
                     or (sla_tpot_ms is not None and tpot is not None and tpot * 1e3 > sla_tpot_ms))
         if violated:
             self.sla_violations.inc()
+        self.finished.append(Finished(self.clock(), status, ttft_s, tpot, counted, status == "200" and not violated))
         return violated
 
     def tokens_per_second(self) -> float:
@@ -116,7 +155,7 @@ class ServeMetrics:
         return sum(n for _, n in self._window) / self.window_s
 
     def _prune(self) -> None:
-        horizon = self._clock() - self.window_s
+        horizon = self.clock() - self.window_s
         while self._window and self._window[0][0] < horizon:
             self._window.popleft()
 
@@ -124,6 +163,11 @@ class ServeMetrics:
     def set_replica_stats(self, stats_by_replica: Mapping[str, Mapping[str, Any]]) -> None:
         """Replace the per-replica snapshots (replica id -> ``EngineHost.stats()``)."""
         self._replicas = {str(k): dict(v) for k, v in stats_by_replica.items() if v}
+
+    @property
+    def replicas(self) -> dict[str, dict[str, Any]]:
+        """The per-replica snapshots last set (replica id -> stats)."""
+        return self._replicas
 
     def render(self) -> bytes:
         """The registry in the Prometheus text exposition format."""
@@ -176,6 +220,7 @@ class _ReplicaCollector:
                 fallbacks.add_metric([rid], float(audit["fallback_events"]))
         yield from (rate, upper, audited, fallbacks)
         yield from _scheduler_families(replicas)
+        yield from _power_families(replicas)
 
 
 def _scheduler_families(replicas: Mapping[str, Mapping[str, Any]]):
@@ -200,6 +245,19 @@ def _scheduler_families(replicas: Mapping[str, Mapping[str, Any]]):
         if _number(sched.get("updates")):
             updates.add_metric([rid], float(sched["updates"]))
     yield from (active, fallbacks, updates)
+
+
+def _power_families(replicas: Mapping[str, Mapping[str, Any]]):
+    """Power and temperature of each replica's device (the worker adds ``power`` to its stats when
+    ``serve.power_meter`` is set); no family at all where no replica reports a reading."""
+    for key, (name, doc) in POWER_GAUGES.items():
+        fam = GaugeMetricFamily(name, doc, labels=["replica", "meter"])
+        for rid, stats in sorted(replicas.items()):
+            power = stats.get("power")
+            if isinstance(power, Mapping) and _number(power.get(key)):
+                fam.add_metric([rid, str(power.get("meter", ""))], float(power[key]))
+        if fam.samples:
+            yield fam
 
 
 def _number(x: Any) -> bool:

@@ -2,7 +2,8 @@
 
 - ``Worker``: one replica per ``smartexit_device`` resource; owns (launches, supervises) one
   tritonserver or connects to ``triton_url``; runs the control loop every ``control_tick_s``
-  (``scheduler.policies``) and pushes the engine's stats to the hub; streams generations.
+  (``scheduler.policies``) and pushes the engine's stats (and its device's power, with
+  ``serve.power_meter``) to the hub; streams generations.
 - ``Hub``: one replica; the latest stats each worker pushed, for ``/metrics`` and ``/health``.
 
 No ``from __future__ import annotations`` here or in app.py: Serve rewrites deployment methods and
@@ -24,6 +25,7 @@ from ray.serve.handle import DeploymentHandle
 
 from edge.core.errors import ConfigError
 from scheduler.serve.config import DEVICE_RESOURCE, ServeConfig  # noqa: F401 - app.py imports it from here
+from scheduler.serve.dashboard import open_power
 from scheduler.serve.triton_client import TritonClient, TritonError, TritonUnavailable, error_to_dict
 
 log = logging.getLogger(__name__)
@@ -109,6 +111,8 @@ class Hub:
 class Worker:
     """The Triton-facing deployment: one tritonserver per replica (device)."""
 
+    _power = None  # the device's LivePower with serve.power_meter (set in __init__)
+
     async def __init__(self, cfg: ServeConfig, repo_dir: Path | None, hub: DeploymentHandle) -> None:
         from scheduler.policies import observation_from_stats
 
@@ -121,6 +125,8 @@ class Worker:
         self._restarting = False
         self._backoff_s = cfg.restart_backoff_s
         self._stats: dict | None = None
+        # read once a control tick: sampling the meter faster would buy the live view nothing
+        self._power = open_power(cfg.power_meter, cfg.control_tick_s)
         if cfg.triton_url is not None:
             url = cfg.triton_url
         else:
@@ -171,9 +177,12 @@ class Worker:
 
     def __del__(self) -> None:
         """Serve calls this on shutdown (and the GC may again): stop the loop and our tritonserver."""
-        loop, proc = getattr(self, "_loop", None), getattr(self, "_proc", None)
+        loop, proc, power = getattr(self, "_loop", None), getattr(self, "_proc", None), self._power
         if loop is not None:
             loop.cancel()
+        if power is not None:
+            self._power = None
+            power.close()
         if proc is not None:
             self._proc = None
             proc.stop()
@@ -187,6 +196,10 @@ class Worker:
             try:
                 self._stats = await control_step(self._client, self._policy, self._observe)
                 self._stats["scheduler"] = self._scheduler_state()
+                if self._power is not None:
+                    self._stats["power"] = self._power.reading()
+                    if self._power.roll_due():
+                        await self._roll_power()
                 self._maybe_tune()
                 if not self._ready:
                     log.info("worker %s: tritonserver at %s ready", self._replica, self._client.url)
@@ -207,6 +220,17 @@ class Worker:
                 (self._cfg.policy.value if guard.active == "learned" else self._cfg.fallback_policy.value),
                 "fallbacks": 0 if guard is None else guard.fallbacks,
                 "updates": 0 if tuner is None else tuner.updates}
+
+    async def _roll_power(self) -> None:
+        """Restart the meter's window (joins its thread: off the event loop); a sensor that fails costs
+        the power readings from then on, never the serving."""
+        try:
+            await asyncio.to_thread(self._power.roll)
+        except Exception:
+            log.exception("worker %s: power meter %s failed; no power readings from now on", self._replica,
+                          self._power.meter.name)
+            power, self._power = self._power, None
+            await asyncio.to_thread(power.close)
 
     def _maybe_tune(self) -> None:
         """Start an online PPO update in a thread when the tuner has a batch and none is running."""
