@@ -78,6 +78,9 @@ class BenchServeConfig:
     capacity_prompt_tokens: int = 64
     capacity_max_tokens: int = 32
     hops: bool = True                 # the closed-loop requests also straight to a tritonserver (no Ray Serve)
+    # after the first policy's run, a PNG of the live dashboard (/dashboard) of that stack in headless
+    # Chromium -> bench/dashboard.png, embedded in the report (skipped, saying why, without a browser)
+    screenshot: bool = True
     request_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
@@ -221,25 +224,44 @@ async def http_run(url: str, schedule: list[ScheduledRequest], cfg: BenchServeCo
 
 
 def served_runs(cfg: BenchServeConfig, schedule: list[ScheduledRequest],
-                capacity: list[ScheduledRequest] | None = None) -> tuple[dict[str, list[RequestResult]], dict]:
+                capacity: list[ScheduledRequest] | None = None) -> tuple[dict[str, list[RequestResult]], dict, dict]:
     """(label -> results: ``served`` against ``url``, else one run per policy on a stack started for
-    it; concurrency -> closed-loop results on the first of them)."""
+    it; concurrency -> closed-loop results on the first of them; the dashboard screenshot's record)."""
     if cfg.url is not None:
         res, cap = asyncio.run(http_run(cfg.url, schedule, cfg, capacity))
-        return {"served": res}, cap
+        shot = _screenshot(cfg.url, Path(cfg.run_dir) / "bench" / "dashboard.png", cfg.api_key) if cfg.screenshot else {}
+        return {"served": res}, cap, shot
     from edge.core.configio import apply
     from scheduler.serve.config import ServeConfig
     from scheduler.serve.stack import serving_stack
 
-    runs, cap = {}, {}
+    runs, cap, shot = {}, {}, {}
+    # the dashboard draws the SLA every request of this run carries
+    sla = {"default_sla_ttft_ms": cfg.sla_ttft_ms, "default_sla_tpot_ms": cfg.sla_tpot_ms}
     for k, policy in enumerate(cfg.policies):
         bundle = {"bundle_dir": cfg.bundle} if cfg.bundle is not None else {}  # else the stack's own
-        serve_cfg = apply(ServeConfig(), {**bundle, **cfg.serve, "policy": policy})
+        serve_cfg = apply(ServeConfig(), {**bundle, **sla, **cfg.serve, "policy": policy})
         with serving_stack(cfg.run_dir, serve_cfg, graceful=False) as url:
             runs[policy], c = asyncio.run(http_run(url, schedule, cfg, capacity if k == 0 else None))
             cap = cap or c
+            if k == 0 and cfg.screenshot:
+                shot = _screenshot(url, Path(cfg.run_dir) / "bench" / "dashboard.png", serve_cfg.api_key)
         print(f"bench serve: policy {policy}: {len(runs[policy])} requests sent", flush=True)
-    return runs, cap
+    return runs, cap, shot
+
+
+def _screenshot(url: str, out: Path, api_key: str | None) -> dict[str, str]:
+    """{"dashboard_png": path relative to the run} or {"dashboard_skipped": why} (no browser here)."""
+    from edge.core.errors import MissingExtraError
+    from scheduler.serve.screenshot import BrowserUnavailable, dashboard_screenshot
+
+    try:
+        dashboard_screenshot(url, out, seconds=1.0, api_key=api_key)
+    except (BrowserUnavailable, MissingExtraError) as exc:
+        print(f"bench serve: no dashboard screenshot: {exc}", flush=True)
+        return {"dashboard_skipped": str(exc)}
+    print(f"bench serve: dashboard screenshot {out}", flush=True)
+    return {"dashboard_png": f"bench/{out.name}"}
 
 
 def inprocess_run(cfg: BenchServeConfig, schedule: list[ScheduledRequest],
@@ -424,16 +446,19 @@ def main(cfg: BenchServeConfig) -> int:
     workload = describe_workload(cfg, w, schedule, context_window(cfg))
     print(f"bench serve: {len(schedule)} requests over {workload['span_s']:.1f} s from {w.source}", flush=True)
     cap_reqs = capacity_requests(cfg, schedule) if cfg.capacity_concurrency else None
-    runs, cap_served = served_runs(cfg, schedule, cap_reqs)
+    runs, cap_served, shot = served_runs(cfg, schedule, cap_reqs)
     cap_local: dict = {}
     if cfg.inprocess:
         runs[INPROCESS], cap_local = inprocess_run(cfg, schedule, cap_reqs)
     report = build_report(cfg, workload, runs)
+    report["serve_bench"].update(shot)
     cap_triton = triton_direct_run(cfg, cap_reqs) if cap_reqs and cfg.hops and cfg.url is None else {}
     if cap_served and cap_local:
         report["capacity"] = capacity_report(cfg, cap_served, cap_local, cap_triton)
         report["serve_bench"].update(report["capacity"]["headline"])
     paths = write_outputs(cfg, report, runs)
+    if "dashboard_png" in shot:
+        paths["dashboard_png"] = Path(cfg.run_dir) / shot["dashboard_png"]
     for label, s in report["runs"].items():
         ttft = "n/a" if s["ttft_p95_ms"] is None else f"{s['ttft_p95_ms']:.1f}"
         print(f"  {label}: {s['requests']} requests, {s['errors']} errors, TTFT p95 {ttft} ms, "

@@ -94,7 +94,7 @@ def test_stage_end_to_end_with_fake_runs(tmp_path, monkeypatch):
     def served(c, schedule, cap):
         seen["schedule"], seen["capacity"] = schedule, cap
         return ({p: _fake_runs(schedule)(2.0 if p == "fixed" else 1.5) for p in c.policies},
-                {k: _fake_runs(cap)(2.0) for k in c.capacity_concurrency})
+                {k: _fake_runs(cap)(2.0) for k in c.capacity_concurrency}, {"dashboard_skipped": "no browser (fake)"})
 
     monkeypatch.setattr(bench_serve, "served_runs", served)
     monkeypatch.setattr(bench_serve, "triton_direct_run", lambda c, cap: {k: _fake_runs(cap)(1.5)
@@ -109,6 +109,7 @@ def test_stage_end_to_end_with_fake_runs(tmp_path, monkeypatch):
                 "served_vs_inprocess_tokens_ratio", "policies", "workload_source"):
         assert key in head, key
     assert head["policy"] == "fixed" and set(head["policies"]) == {"fixed", "aimd"}
+    assert head["dashboard_skipped"] == "no browser (fake)" and "dashboard_png" not in head
     assert head["requests"] == len(seen["schedule"]) and head["errors"] == 0
     assert head["served_vs_inprocess_tokens_ratio"] < 1.0 and head["ttft_p50_overhead_ms"] == pytest.approx(50.0)
     assert set(rep["runs"]) == {"fixed", "aimd", INPROCESS}
