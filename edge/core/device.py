@@ -84,8 +84,10 @@ class L4TRelease:
 
 
 def parse_l4t_release(text: str) -> L4TRelease:
-    """Parse ``/etc/nv_tegra_release``: '# R36 (release), REVISION: 4.3, GCID: ...'."""
-    m = re.search(r"#\s*R(\d+)\s*\(release\),\s*REVISION:\s*([0-9.]+)", text)
+    """Parse ``/etc/nv_tegra_release``: '# R36 (release), REVISION: 4.3, GCID: ...'.
+
+    The leading '#' is optional: some tools quote the line without it (tegra-exporter's tests do)."""
+    m = re.search(r"(?:^|#)\s*R(\d+)\s*\(release\),\s*REVISION:\s*([0-9.]+)", text, re.MULTILINE)
     if not m:
         raise SmartExitError(f"unrecognised nv_tegra_release content: {text[:80]!r}")
     return L4TRelease(int(m.group(1)), m.group(2).rstrip("."))

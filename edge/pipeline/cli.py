@@ -52,6 +52,8 @@ STAGES: dict[str, tuple[str, str, str, str]] = {
                 "measure the engine's step time vs prefill tokens, batch and exit depth; fit the simulator's latency model"),
     "generate": ("edge.pipeline.generate", "GenerateConfig", "main", "reference early-exit generation on held-out prompts"),
     "report": ("edge.pipeline.report", "ReportConfig", "main", "write report.json / report.md from the run manifest"),
+    # Jetson deployment (deploy/jetson/jetson.mk; every action takes dry_run=true)
+    "jetson check": ("edge.jetson.check", "CheckConfig", "main", "on the device: versions against the supported table"),
 }
 
 
