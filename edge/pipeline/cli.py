@@ -54,6 +54,9 @@ STAGES: dict[str, tuple[str, str, str, str]] = {
     "report": ("edge.pipeline.report", "ReportConfig", "main", "write report.json / report.md from the run manifest"),
     # Jetson deployment (deploy/jetson/jetson.mk; every action takes dry_run=true)
     "jetson check": ("edge.jetson.check", "CheckConfig", "main", "on the device: versions against the supported table"),
+    "jetson push": ("edge.jetson.push", "PushConfig", "main", "copy the run to a Jetson, sha256 checked on arrival"),
+    "jetson engines": ("edge.jetson.engines", "JetsonEnginesConfig", "main",
+                       "on the device: TensorRT engines per graph, then parity against ONNX Runtime"),
 }
 
 
