@@ -57,6 +57,11 @@ STAGES: dict[str, tuple[str, str, str, str]] = {
     "jetson push": ("edge.jetson.push", "PushConfig", "main", "copy the run to a Jetson, sha256 checked on arrival"),
     "jetson engines": ("edge.jetson.engines", "JetsonEnginesConfig", "main",
                        "on the device: TensorRT engines per graph, then parity against ONNX Runtime"),
+    "jetson serve": ("edge.jetson.serve", "JetsonServeConfig", "main", "on the device: systemd units, started"),
+    "jetson status": ("edge.jetson.serve", "JetsonServiceConfig", "status", "on the device: units and /health"),
+    "jetson stop": ("edge.jetson.serve", "JetsonServiceConfig", "stop", "on the device: stop the units"),
+    "jetson bench": ("edge.jetson.bench", "JetsonBenchConfig", "main",
+                     "decode and energy benchmarks on a Jetson, results pulled into <run>/jetson"),
 }
 
 

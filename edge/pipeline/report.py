@@ -91,6 +91,11 @@ def _energy(m: Manifest) -> dict[str, Any]:
     return dict(m.stage("bench_energy")["metrics"])
 
 
+def _jetson(m: Manifest) -> dict[str, Any]:
+    """The device's own bench metrics, pulled into <run>/jetson/ by `make jetson-bench` (edge/jetson/bench.py)."""
+    return dict(m.stage("jetson_bench")["metrics"])
+
+
 SECTIONS: dict[str, tuple[str, Callable[[Manifest], dict[str, Any]]]] = {
     "model": ("distill", _model),
     "distill": ("distill", _distill),
@@ -104,6 +109,7 @@ SECTIONS: dict[str, tuple[str, Callable[[Manifest], dict[str, Any]]]] = {
     "audit_bench": ("bench_audit", _audit),
     "crosscheck": ("bench_crosscheck", _crosscheck),
     "scheduler": ("bench_scheduler", _scheduler),
+    "jetson": ("jetson_bench", _jetson),
 }
 
 
@@ -182,6 +188,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                   ""]
     if "scheduler" in report:
         lines += _scheduler_md(report["scheduler"])
+    if "jetson" in report:
+        lines += _jetson_md(report["jetson"])
     if "audit_bench" in report:
         a = report["audit_bench"]
         lines += ["## Online false-exit audit", "",
@@ -233,6 +241,24 @@ def _energy_md(e: dict[str, Any]) -> list[str]:
                 + f"; shipped ({e['shipped_system']}) / full depth x{_fmt(e.get('cpu_ratio_shipped_vs_full'), '.3f')}.")
     return ["## Energy per token", "", head + " Tokens/s: " + ", ".join(
         f"{n} {_fmt(e['tokens_per_s'][n], '.0f')}" for n in systems) + ".", "", "![energy](bench/energy.png)", ""]
+
+
+def _jetson_md(j: dict[str, Any]) -> list[str]:
+    """On the Jetson (`make jetson-bench`): the device, the engines' parity, decode tokens/s, joules per token."""
+    d, dec, en = j.get("device") or {}, j.get("decode") or {}, j.get("energy") or {}
+    lines = ["## On the Jetson", "", f"{d.get('model') or 'Jetson'}: L4T {d.get('l4t')} (JetPack {d.get('jetpack')}), "
+             f"TensorRT {d.get('tensorrt')}, power mode {d.get('power_mode')}; TensorRT engines match ONNX Runtime: "
+             f"**{j.get('engine_parity_passed')}**. Results: `jetson/bench/` (device check: `jetson/device/`).", ""]
+    rows = [(b, s, v) for b, row in (dec.get("batches") or {}).items() for s, v in row["systems"].items()]
+    if rows:
+        lines += ["| batch | system | tokens/s |", "| ---: | --- | ---: |"]
+        lines += [f"| {b} | {s} | {_fmt(v.get('tokens_per_s'), '.1f')} |" for b, s, v in rows] + [""]
+    if en.get("meter_available"):
+        lines += [f"Energy (`{en.get('meter')}`): joules per token " + ", ".join(
+            f"{n} {_fmt(v, '.4g')}" for n, v in (en.get("joules_per_token") or {}).items()) + ".", ""]
+    elif en:
+        lines += [f"No power reading on the device: {en.get('meter_reason')}.", ""]
+    return lines
 
 
 def _scheduler_md(s: dict[str, Any]) -> list[str]:
