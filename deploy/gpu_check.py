@@ -1,0 +1,160 @@
+"""One short check on a machine with a CUDA GPU (run by deploy/gpu_check.sh; under 10 minutes).
+
+The product path on a discrete GPU would be the engine's torch backend on CUDA with each decode step
+captured as a CUDA graph; that backend does not exist yet (edge/runtime/torch_backend.py works on
+host arrays). Until it does, this script measures what its numbers would be made of, on the bundled
+model (edge/assets/tiny-ee, float32):
+
+1. the decode step of the torch decoder on CUDA, at full depth and stopping at each exit (layers after
+   the exit get their K/V by state propagation, as the engine does: CALM, Schuster et al. 2022), at
+   batch 1 and 16: milliseconds per step and tokens/s;
+2. that the CUDA run decodes the same greedy tokens as the CPU (full depth, batch 1);
+3. one energy window of the full-depth decode on NVML (edge.energy: the GPU's energy counter), with
+   the idle draw before it.
+
+Writes ``<out>/gpu_check.json``. Exit codes: 0 done, 2 no CUDA GPU (the JSON says why).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout without installing it
+
+
+def prefill(bb, ids):
+    """Full-depth prefill of ids [B, P] (causal, no past): next token [B, 1] and per-layer K/V [B, KV, P, hd]."""
+    import torch
+
+    b, p = ids.shape
+    positions = torch.arange(p, device=ids.device).expand(b, p)
+    cos, sin = bb.rope(positions)
+    h = bb.embed(ids)
+    keys, values = [], []
+    for layer in bb.layers:
+        h, k, v = layer(h, cos, sin, None, None, None)  # mask None: the fused causal kernel
+        keys.append(k)
+        values.append(v)
+    return bb.head(h)[:, -1:].argmax(-1), keys, values
+
+
+def decode_step(bb, token, pos: int, keys: list, values: list, exit_at: int):
+    """One token [B, 1] at position ``pos`` through layers 0..exit_at-1; deeper layers get K/V from the exit's
+    hidden state (state propagation); the next token is the argmax of norm + LM head at the exit."""
+    import torch
+
+    b = token.shape[0]
+    positions = torch.full((b, 1), pos, device=token.device)
+    cos, sin = bb.rope(positions)
+    mask = torch.zeros((b, 1, 1, pos + 1), device=token.device)  # [B, 1, T, P+T]: a decode query sees every key
+    h = bb.embed(token)
+    for j, layer in enumerate(bb.layers):
+        if j < exit_at:
+            h, k, v = layer(h, cos, sin, keys[j], values[j], mask)
+        else:
+            k, v = layer.kv_only(h, cos, sin)
+        keys[j] = torch.cat((keys[j], k), dim=2)
+        values[j] = torch.cat((values[j], v), dim=2)
+    return bb.head(h).argmax(-1)
+
+
+def run_decode(bb, ids, steps: int, exit_at: int, sync) -> tuple[float, list[list[int]]]:
+    """Seconds for ``steps`` decode steps after a prefill of ``ids``, and the tokens."""
+    import torch
+
+    with torch.no_grad():
+        token, keys, values = prefill(bb, ids)
+        sync()
+        tokens = [token]
+        t0 = time.perf_counter()
+        for i in range(steps):
+            token = decode_step(bb, token, ids.shape[1] + i, keys, values, exit_at)
+            tokens.append(token)
+        sync()
+        seconds = time.perf_counter() - t0
+    return seconds, torch.cat(tokens, dim=1).tolist()
+
+
+def nvml_window(bb, ids, steps: int, exit_at: int, sync) -> dict[str, Any]:
+    """Energy of one full-depth decode window on NVML; the reason instead where it cannot measure."""
+    from edge.core.errors import SmartExitError
+
+    try:  # edge.energy is imported here: its NVML meter needs the 'gpu' extra (nvidia-ml-py)
+        from edge.energy.detect import measure_idle, open_meter
+
+        meter = open_meter("nvml", interval_s=0.05)
+    except (ImportError, SmartExitError) as exc:  # no meter: the reason is the result
+        return {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
+    with meter:
+        idle = measure_idle(meter, 2.0)
+        meter.start()
+        seconds, tokens = run_decode(bb, ids, steps, exit_at, sync)
+        window = meter.stop()
+    n = len(tokens) * steps
+    return {"available": True, "idle": idle.to_dict(), "window": window.to_dict(), "tokens": n,
+            "joules_per_token": None if window.joules is None else window.joules / n, "seconds": seconds}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="artifacts/gpu_check")
+    ap.add_argument("--exits", default="3,6,9", help="exit layers to time besides full depth")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=64)
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    result: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                              "cuda_available": torch.cuda.is_available(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ")}
+    if not torch.cuda.is_available():
+        result["skipped"] = "no CUDA GPU visible to torch (torch.cuda.is_available() is False)"
+        (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
+        print(result["skipped"])
+        return 2
+    from edge.model.bundled import BUNDLED_EE_DIR
+    from edge.model.checkpoint import load_decoder
+
+    dev = torch.device("cuda")
+    result["device"] = {"name": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability())}
+    cpu_model = load_decoder(BUNDLED_EE_DIR).eval()
+    bb = load_decoder(BUNDLED_EE_DIR).eval().to(dev)
+    depth = bb.cfg.num_layers
+    g = torch.Generator().manual_seed(0)
+    sync = torch.cuda.synchronize
+    timings = {}
+    for batch in (int(b) for b in args.batches.split(",")):
+        ids = torch.randint(0, bb.cfg.vocab_size, (batch, args.prompt), generator=g).to(dev)
+        run_decode(bb, ids, 4, depth, sync)  # warm-up: kernels, allocator
+        row = {}
+        for exit_at in sorted({*(int(e) for e in args.exits.split(",")), depth}):
+            seconds, _ = run_decode(bb, ids, args.steps, exit_at, sync)
+            row[str(exit_at)] = {"ms_per_step": 1e3 * seconds / args.steps,
+                                 "tokens_per_s": batch * args.steps / seconds}
+        for k, v in row.items():
+            v["speedup_vs_full"] = row[str(depth)]["ms_per_step"] / v["ms_per_step"]
+        timings[str(batch)] = row
+        print(f"batch {batch}: " + ", ".join(f"exit {k}: {v['ms_per_step']:.2f} ms/step" for k, v in row.items()))
+    result["decode_ms_by_batch_and_exit"] = timings
+    ids = torch.randint(0, bb.cfg.vocab_size, (1, args.prompt), generator=g)
+    _, on_cpu = run_decode(cpu_model, ids, 32, depth, lambda: None)
+    _, on_gpu = run_decode(bb, ids.to(dev), 32, depth, sync)
+    result["greedy_tokens_cuda_vs_cpu"] = {"compared": len(on_cpu[0]),
+                                           "equal": sum(a == b for a, b in zip(on_cpu[0], on_gpu[0]))}
+    big = torch.randint(0, bb.cfg.vocab_size, (16, args.prompt), generator=g).to(dev)
+    result["nvml_energy_full_depth_b16"] = nvml_window(bb, big, args.steps, depth, sync)
+    (out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"wrote {out / 'gpu_check.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
