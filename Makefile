@@ -29,6 +29,8 @@ help:
 	@echo "make energy      energy per token (jtop / tegrastats / NVML / RAPL; CPU-seconds proxy without a sensor): full depth vs exits vs compressed"
 	@echo "make llamacpp    build llama-cpp-python from source: adds llama.cpp as system (f) of make bench"
 	@echo "make distill | compress | calibrate | export | bench | generate | report   one stage at a time (RUN=name picks artifacts/<name>)"
+	@echo "make jetson-push DEVICE=user@host, then on the Orin: make jetson-check | jetson-engines | jetson-serve | jetson-status | jetson-stop;"
+	@echo "     make jetson-bench DEVICE=user@host pulls its numbers back (DRY_RUN=1 prints every command; deploy/jetson/README.md)"
 
 venv: $(STAMP)
 $(STAMP): requirements/lock.txt pyproject.toml

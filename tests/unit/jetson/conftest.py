@@ -1,11 +1,5 @@
 """Fixtures of the Jetson deployment tests: a run folder (a real tiny export, manifest records) and a
-device root file system assembled from real identity strings.
-
-These tests run on any CPU machine. tests/conftest.py skips items whose *keywords* contain "jetson",
-and a test's keywords include its folder's name, so every test here would be skipped as if it needed
-a Jetson. The hook below takes that skip back from the items of this folder that carry no real
-``jetson`` marker (until tests/conftest.py asks ``item.get_closest_marker("jetson")`` instead).
-"""
+device root file system assembled from real identity strings. These tests run on any CPU machine."""
 from __future__ import annotations
 
 import json
@@ -20,17 +14,8 @@ import torch
 from edge.core.artifacts import Manifest
 from tests.unit.jetson.jetson_identity import block, identity_file
 
-HERE = Path(__file__).resolve().parent
 CKPT = "c" * 64
 REPO_CONFIG = {"run_dir": "x", "max_seqs": 4, "prefill_budget": 8, "max_running": 4}  # the serving limits
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if Path(str(item.fspath)).resolve().parent == HERE and item.get_closest_marker("jetson") is None:
-            item.own_markers[:] = [m for m in item.own_markers
-                                   if not (m.name == "skip" and "needs a Jetson" in str(m.kwargs.get("reason", "")))]
 
 
 @pytest.fixture(scope="session")
