@@ -7,13 +7,7 @@ import asyncio
 
 from scheduler.serve.dashboard import LivePower
 from tests.unit.scheduler.test_serve_dashboard import FakeSensor
-
-
-class StatsClient:
-    url = "127.0.0.1:1"
-
-    async def control(self, op):
-        return {"waiting": 0, "running": 0, "prefill_budget": 64, "max_running": 4}
+from tests.unit.scheduler.test_triton_client import StatsClient
 
 
 class Hub:
