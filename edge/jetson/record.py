@@ -26,7 +26,11 @@ PARITY_FORMAT = 1
 
 
 def _session(ort, path: Path):
-    opts = ort.SessionOptions()
+    """On the process-wide thread pool (edge.runtime.ortsession): a process whose first session
+    created that pool refuses sessions with threads of their own."""
+    from edge.runtime.ortsession import session_options
+
+    opts = session_options(ort)
     opts.log_severity_level = 3
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
