@@ -10,7 +10,11 @@ model (edge/assets/tiny-ee, float32):
    batch 1 and 16: milliseconds per step and tokens/s;
 2. that the CUDA run decodes the same greedy tokens as the CPU (full depth, batch 1);
 3. one energy window of the full-depth decode on NVML (edge.energy: the GPU's energy counter), with
-   the idle draw before it.
+   the idle draw before it;
+4. the static-cache decode step (edge/runtime/static_decode.py) eager and captured as CUDA graphs (one
+   per segment and K/V fill, per batch bucket): ms per step at full depth and after each exit, the
+   captured tokens against the eager ones, on the bundled model (exits after 3, 6, 9, float32) and on
+   a random-weight model of Llama-3.1-8B's shape (bf16, exits after 8, 16, 24), with peak memory.
 
 Writes ``<out>/gpu_check.json``. Exit codes: 0 done, 2 no CUDA GPU (the JSON says why).
 """
@@ -101,6 +105,68 @@ def nvml_window(bb, ids, steps: int, exit_at: int, sync) -> dict[str, Any]:
             "joules_per_token": None if window.joules is None else window.joules / n, "seconds": seconds}
 
 
+def static_graphs(model, batches: list[int], prompt: int, steps: int, sync) -> dict[str, Any]:
+    """The static-cache decode step eager and as CUDA graphs, per batch bucket: ms per step at full depth
+    and exiting after each decision exit (the rest's K/V propagated), and whether replayed graphs give
+    the eager tokens."""
+    import torch
+
+    from edge.runtime.static_decode import StaticDecode
+
+    vocab = model.backbone.cfg.vocab_size
+    nseg = len(model.exit_layers)
+    out: dict[str, Any] = {}
+    for batch in batches:
+        ids = torch.randint(0, vocab, (batch, prompt), device=next(model.parameters()).device)
+        row: dict[str, Any] = {}
+        tokens = {}
+        for mode in ("eager", "graphs"):
+            torch.cuda.reset_peak_memory_stats()
+            sd = StaticDecode(model, batch, prompt + steps + 2)
+            first = sd.prefill(ids)
+            if mode == "graphs":
+                sd.capture()
+            for last in [nseg - 1, *range(nseg - 1)]:  # full depth first, then exiting after each decision exit
+                sd.pos.fill_(prompt)  # the same positions each time: the prompt's K/V stay
+                tok, seq = first, []
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    tok = sd.step(tok, None if last == nseg - 1 else last)
+                    seq.append(tok)
+                sync()
+                key = "full" if last == nseg - 1 else f"exit_{model.exit_layers[last]}"
+                row[f"{mode}_{key}_ms_per_step"] = 1e3 * (time.perf_counter() - t0) / steps
+                tokens[(mode, key)] = torch.stack(seq, 1).tolist()
+            row[f"{mode}_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        row["graphs_equal_eager_tokens"] = all(tokens[("graphs", k)] == tokens[("eager", k)]
+                                               for m, k in tokens if m == "eager")
+        row["graph_speedup_full"] = row["eager_full_ms_per_step"] / row["graphs_full_ms_per_step"]
+        out[str(batch)] = row
+        print(f"static decode batch {batch}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()
+                                                           if isinstance(v, float)), flush=True)
+    return out
+
+
+def llama8b_shape(dev):
+    """A random-weight model of Llama-3.1-8B's shape in bf16 with exits after 8, 16, 24 (norm + shared head)."""
+    import torch
+
+    from edge.model.config import ModelConfig
+    from edge.model.decoder import Decoder
+    from edge.model.exits import ExitConfig, MultiExitModel
+
+    cfg = ModelConfig(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                      intermediate_size=14336, max_position_embeddings=8192)
+    torch.manual_seed(0)
+    with torch.device(dev):
+        dec = Decoder(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in dec.parameters():
+            p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+    return MultiExitModel(dec.eval(), ExitConfig(layers=[8, 16, 24, 32], adapter_rank=0)).to(dev).eval()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="artifacts/gpu_check")
@@ -108,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--skip-8b", action="store_true", help="skip the Llama-3.1-8B-shaped random model")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -151,6 +218,16 @@ def main(argv: list[str] | None = None) -> int:
                                            "equal": sum(a == b for a, b in zip(on_cpu[0], on_gpu[0]))}
     big = torch.randint(0, bb.cfg.vocab_size, (16, args.prompt), generator=g).to(dev)
     result["nvml_energy_full_depth_b16"] = nvml_window(bb, big, args.steps, depth, sync)
+    from edge.model.exits import ExitConfig, MultiExitModel
+
+    batches = [int(b) for b in args.batches.split(",")]
+    exits = sorted({*(int(e) for e in args.exits.split(",") if int(e) < depth), depth})
+    tiny = MultiExitModel(bb, ExitConfig(layers=exits, adapter_rank=0)).to(dev).eval()
+    result["static_cache_graphs_bundled"] = static_graphs(tiny, batches, args.prompt, args.steps, sync)
+    if not args.skip_8b:
+        del tiny
+        big8 = llama8b_shape(dev)
+        result["static_cache_graphs_llama8b_shape"] = static_graphs(big8, batches, args.prompt, 32, sync)
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"wrote {out / 'gpu_check.json'}")
     return 0

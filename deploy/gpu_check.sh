@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks a session with a lent CUDA GPU runs in one go (well under 10 minutes): the torch decoder's
 # decode step on CUDA at full depth and at each exit, CUDA vs CPU greedy tokens, one NVML energy window
-# (deploy/gpu_check.py says what and why). Results: $OUT/gpu_check.json (+ nvidia-smi's view of the GPU).
+# and the static-cache decode step eager vs captured as CUDA graphs (bundled model and a Llama-3.1-8B-shaped
+# random model) (deploy/gpu_check.py says what and why). Results: $OUT/gpu_check.json (+ nvidia-smi's view of the GPU).
 #   OUT=/some/folder deploy/gpu_check.sh [--steps 64 --batches 1,16 --exits 3,6,9]
 # Needs a Python with this project's requirements and a CUDA build of torch (PYTHON=..., default the
 # checkout's .venv, else python3); nvidia-ml-py for the energy window (else its reason is recorded).
