@@ -93,12 +93,8 @@ def collect_units(model: MultiExitModel, seqs: np.ndarray, first: int, batch: in
     """
     from edge.model.windows import read_exits  # torch, only where a model runs
 
-    seqs = np.asarray(seqs, dtype=np.int64)
-    if seqs.ndim != 2 or seqs.shape[0] == 0:
-        raise ConfigError(f"collect_units: expected token ids [U >= 1, L], got shape {seqs.shape}")
+    seqs = _units(seqs, first, 0, "collect_units")
     u, length = seqs.shape
-    if not 0 <= first < length - 1:
-        raise ConfigError(f"collect_units: first judged position {first} must be in [0, {length - 1})")
     layers = model.exit_layers
     sig: dict[int, list[np.ndarray]] = {k: [] for k in layers}
     arg: dict[int, list[np.ndarray]] = {k: [] for k in layers}
@@ -111,6 +107,16 @@ def collect_units(model: MultiExitModel, seqs: np.ndarray, first: int, batch: in
     return Collected(layers, {k: np.concatenate(v) for k, v in sig.items()},
                      {k: np.concatenate(v) for k, v in arg.items()}, seqs[:, first + 1:].reshape(-1),
                      np.repeat(np.arange(u), per), u)
+
+
+def _units(seqs: np.ndarray, first: int, lowest: int, who: str) -> np.ndarray:
+    """``seqs`` as int64 [U >= 1, L], with ``lowest <= first < L - 1``; a clear error otherwise."""
+    seqs = np.asarray(seqs, dtype=np.int64)
+    if seqs.ndim != 2 or seqs.shape[0] == 0:
+        raise ConfigError(f"{who}: expected token ids [U >= 1, L], got shape {seqs.shape}")
+    if not lowest <= first < seqs.shape[1] - 1:
+        raise ConfigError(f"{who}: first judged position {first} must be in [{lowest}, {seqs.shape[1] - 1})")
+    return seqs
 
 
 def _signals(layers: list[int], gated: bool, stats: dict[int, np.ndarray], tokens: dict[int, np.ndarray],
@@ -145,12 +151,8 @@ def collect_engine(backend: Backend, seqs: np.ndarray, first: int, batch: int = 
     """
     from edge.runtime.cache import KVCache
 
-    seqs = np.asarray(seqs, dtype=np.int64)
-    if seqs.ndim != 2 or seqs.shape[0] == 0:
-        raise ConfigError(f"collect_engine: expected token ids [U >= 1, L], got shape {seqs.shape}")
+    seqs = _units(seqs, first, 1, "collect_engine")
     u, length = seqs.shape
-    if not 1 <= first < length - 1:
-        raise ConfigError(f"collect_engine: first judged position {first} must be in [1, {length - 1})")
     layers, nseg, gated = backend.exit_layers, len(backend.segments), backend.spec.gated
     sig: dict[int, list[np.ndarray]] = {k: [] for k in layers}
     arg: dict[int, list[np.ndarray]] = {k: [] for k in layers}

@@ -76,26 +76,8 @@ def triton_unit(*, user: str, triton_home: str | Path, repository: str | Path, p
     home = Path(triton_home)
     install = TritonInstall(home / "bin" / "tritonserver", home / "backends", dict(env), f"JetPack tarball {home}")
     argv = tritonserver_command(install, Path(repository), ports, LOOPBACK)
-    return "\n".join([
-        "[Unit]",
-        f"Description=SmartExit: tritonserver (JetPack release, {home}) on {repository}",
-        "After=network-online.target",
-        "Wants=network-online.target",
-        "",
-        "[Service]",
-        "Type=simple",
-        f"User={user}",
-        f"WorkingDirectory={path_value(workdir)}",
-        *environment_lines(env),
-        f"ExecStart={exec_line(argv)}",
-        "Restart=on-failure",
-        "RestartSec=5",
-        "TimeoutStopSec=30",
-        "",
-        "[Install]",
-        "WantedBy=multi-user.target",
-        "",
-    ])
+    return _unit(f"SmartExit: tritonserver (JetPack release, {home}) on {repository}", user, workdir,
+                 environment_lines(env), argv, stop_timeout_s=30)
 
 
 def serve_unit(*, user: str, workdir: str | Path, smartexit: str | Path, run_dir: str | Path, host: str, port: int,
@@ -111,22 +93,30 @@ def serve_unit(*, user: str, workdir: str | Path, smartexit: str | Path, run_dir
     argv = [str(smartexit), "serve", *(["--config", str(api_key_config)] if api_key_config else []),
             f"run_dir={run_dir}", f"serve.host={host}", f"serve.port={port}", f"serve.triton_url={triton_grpc}",
             f"serve.power_meter={power_meter}"]
+    return _unit(f"SmartExit: Ray Serve OpenAI-compatible API and dashboard on {host}:{port}", user, workdir,
+                 ["Environment=PYTHONUNBUFFERED=1"], argv, stop_timeout_s=60, requires=TRITON_UNIT)
+
+
+def _unit(description: str, user: str, workdir: str | Path, env_lines: list[str], argv: Sequence[str],
+          stop_timeout_s: int, requires: str | None = None) -> str:
+    """A simple service unit started at boot after the network (and after the unit it ``requires``),
+    restarted on failure."""
     return "\n".join([
         "[Unit]",
-        f"Description=SmartExit: Ray Serve OpenAI-compatible API and dashboard on {host}:{port}",
-        f"Requires={TRITON_UNIT}",
-        f"After={TRITON_UNIT} network-online.target",
+        f"Description={description}",
+        *([f"Requires={requires}"] if requires else []),
+        f"After={requires + ' ' if requires else ''}network-online.target",
         "Wants=network-online.target",
         "",
         "[Service]",
         "Type=simple",
         f"User={user}",
         f"WorkingDirectory={path_value(workdir)}",
-        "Environment=PYTHONUNBUFFERED=1",
+        *env_lines,
         f"ExecStart={exec_line(argv)}",
         "Restart=on-failure",
         "RestartSec=5",
-        "TimeoutStopSec=60",
+        f"TimeoutStopSec={stop_timeout_s}",
         "",
         "[Install]",
         "WantedBy=multi-user.target",

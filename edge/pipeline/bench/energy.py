@@ -130,7 +130,7 @@ def main(cfg: EnergyBenchConfig) -> int:
     prompts = heldout_prompts(tok, test, cfg.prompts, cfg.prompt_tokens, cfg.seed)
     graphs = float_graphs(manifest, heldout_prompts(tok, test, 3, 32, cfg.seed + 7))
     systems = {FULL: (graphs["full"], NeverExit()), EXITS: (graphs["exits"], rule)}
-    if manifest.served_checkpoint() != manifest.verified_output("distill", "checkpoint"):
+    if served != manifest.verified_output("distill", "checkpoint"):  # a compressed run
         systems[C_FULL] = (manifest.verified_output("export", "graphs_full"), NeverExit())
         systems[C_EXITS] = (manifest.verified_output("export", "graphs"), rule)
     backends = {n: make_backend("onnxruntime", graphs_dir=g, threads=cfg.threads) for n, (g, _) in systems.items()}
