@@ -209,6 +209,38 @@ def build_mask(q_pos: np.ndarray, past_len: np.ndarray, P: int, window: int | No
     return np.where(allowed, 0.0, NEG).astype(np.float32)[:, None]
 
 
+def host_decision(backend: Backend, i: int, out: SegmentOut, prev: SegmentOut | None) -> SegmentOut:
+    """Decision exit i's rule features, run and linear score, on the host in float32, as the fused
+    graphs compute them: for backends whose graphs do not (the torch reference, the portable graphs
+    behind TensorRT, the static-cache torch backend). Fills ``out.features``, ``out.run``, ``out.score``."""
+    b = out.exit_hidden.shape[0]
+    zeros = np.zeros(b, np.float32)
+    first = i == 0
+    if prev is None:
+        prev = SegmentOut(None, np.zeros_like(out.exit_hidden), None, None, np.full(b, -1), zeros, run=zeros)
+    cos = zeros if first else _cosine32(out.exit_hidden, prev.exit_hidden)
+    if backend.spec.gated:
+        g = 1.0 / (1.0 + np.exp(-out.gate))
+        pg = zeros if first else 1.0 / (1.0 + np.exp(-prev.gate))
+        feats = np.stack([g, pg, cos], axis=1).astype(np.float32)
+        run = None
+    else:
+        agree = zeros if first else (out.token == prev.token).astype(np.float32)
+        run = zeros if first else agree * (prev.run + 1)
+        m = np.float32(len(backend.exit_layers))
+        feats = np.concatenate([out.stats, np.stack([agree, run / m, cos], axis=1)], axis=1).astype(np.float32)
+    out.features, out.run = feats, run
+    out.score = feats @ backend.rule_w[i] + backend.rule_b[i]
+    return out
+
+
+def _cosine32(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row cosine [B] in float32, 0 where either row is zero (the graphs' formula)."""
+    dot, norms = (a * b).sum(1), np.sqrt((a * a).sum(1) * (b * b).sum(1))
+    ok = norms > 0
+    return np.where(ok, np.clip(dot / np.where(ok, norms, 1), -1, 1), 0).astype(np.float32)
+
+
 ENTRY_POINTS = "smartexit.backends"  # group of the package's entry points (pyproject.toml)
 
 

@@ -10,7 +10,7 @@ import torch
 
 from edge.core.errors import ConfigError
 from edge.model.exits import exit_decision_stats
-from edge.runtime.backend import Backend, HeadOut, ModelSpec, SegmentOut, build_mask
+from edge.runtime.backend import Backend, HeadOut, ModelSpec, SegmentOut, build_mask, host_decision
 
 
 class TorchBackend(Backend):
@@ -53,29 +53,7 @@ class TorchBackend(Backend):
             else:
                 head = self._head(i, eh.numpy())
                 out = SegmentOut(h.numpy(), eh.numpy(), head.logits, head.stats, head.token)
-            return self._decision(i, out, prev)
-
-    def _decision(self, i: int, out: SegmentOut, prev: SegmentOut | None) -> SegmentOut:
-        """The exit rule's features and score, as the fused graphs compute them (float32)."""
-        b = out.exit_hidden.shape[0]
-        zeros = np.zeros(b, np.float32)
-        first = i == 0
-        if prev is None:
-            prev = SegmentOut(None, np.zeros_like(out.exit_hidden), None, None, np.full(b, -1), zeros, run=zeros)
-        cos = zeros if first else _cosine32(out.exit_hidden, prev.exit_hidden)
-        if self.spec.gated:
-            g = 1.0 / (1.0 + np.exp(-out.gate))
-            pg = zeros if first else 1.0 / (1.0 + np.exp(-prev.gate))
-            feats = np.stack([g, pg, cos], axis=1).astype(np.float32)
-            run = None
-        else:
-            agree = zeros if first else (out.token == prev.token).astype(np.float32)
-            run = zeros if first else agree * (prev.run + 1)
-            m = np.float32(len(self.exit_layers))
-            feats = np.concatenate([out.stats, np.stack([agree, run / m, cos], axis=1)], axis=1).astype(np.float32)
-        out.features, out.run = feats, run
-        out.score = feats @ self.rule_w[i] + self.rule_b[i]
-        return out
+            return host_decision(self, i, out, prev)
 
     def _head(self, i, exit_hidden):
         with torch.no_grad():
@@ -93,9 +71,3 @@ class TorchBackend(Backend):
                 self.cache.keys[j][slots, :, positions] = k[:, :, 0].numpy()
                 self.cache.values[j][slots, :, positions] = v[:, :, 0].numpy()
 
-
-def _cosine32(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Row cosine [B] in float32, 0 where either row is zero (the graphs' formula)."""
-    dot, norms = (a * b).sum(1), np.sqrt((a * a).sum(1) * (b * b).sum(1))
-    ok = norms > 0
-    return np.where(ok, np.clip(dot / np.where(ok, norms, 1), -1, 1), 0).astype(np.float32)
