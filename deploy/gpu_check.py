@@ -1,9 +1,9 @@
 """One short check on a machine with a CUDA GPU (run by deploy/gpu_check.sh; under 10 minutes).
 
-The product path on a discrete GPU would be the engine's torch backend on CUDA with each decode step
-captured as a CUDA graph; that backend does not exist yet (edge/runtime/torch_backend.py works on
-host arrays). Until it does, this script measures what its numbers would be made of, on the bundled
-model (edge/assets/tiny-ee, float32):
+The product path on a GPU without TensorRT engines (a Jetson before ``make jetson-engines``, a discrete
+GPU) is the engine over the static-cache torch backend (edge/runtime/static_backend.py), its decode
+calls captured as CUDA graphs. This script measures it and what its numbers are made of, on the
+bundled model (edge/assets/tiny-ee, float32):
 
 1. the decode step of the torch decoder on CUDA, at full depth and stopping at each exit (layers after
    the exit get their K/V by state propagation, as the engine does: CALM, Schuster et al. 2022), at
@@ -14,7 +14,10 @@ model (edge/assets/tiny-ee, float32):
 4. the static-cache decode step (edge/runtime/static_decode.py) eager and captured as CUDA graphs (one
    per segment and K/V fill, per batch bucket): ms per step at full depth and after each exit, the
    captured tokens against the eager ones, on the bundled model (exits after 3, 6, 9, float32) and on
-   a random-weight model of Llama-3.1-8B's shape (bf16, exits after 8, 16, 24), with peak memory.
+   a random-weight model of Llama-3.1-8B's shape (bf16, exits after 8, 16, 24), with peak memory;
+5. the engine itself over ``torch_static`` on CUDA, graphs vs eager: decode tokens/s at full depth and
+   with every token exiting at the first decision exit (the exit-depth ceiling), tokens of the captured
+   run against the eager one, graphs captured, peak memory; on both models.
 
 Writes ``<out>/gpu_check.json``. Exit codes: 0 done, 2 no CUDA GPU (the JSON says why).
 """
@@ -148,6 +151,58 @@ def static_graphs(model, batches: list[int], prompt: int, steps: int, sync) -> d
     return out
 
 
+def engine_runs(model, batches: list[int], prompt: int, steps: int, dtype: str) -> dict[str, Any]:
+    """The engine over the static-cache backend on CUDA, eager and with CUDA graphs: decode tokens/s
+    (after every request's first token) at full depth and exiting everything at the first decision exit."""
+    import numpy as np
+    import torch
+
+    from edge.runtime.engine import Engine, EngineConfig, Request
+    from edge.runtime.rules import ConfidenceRule
+    from edge.runtime.static_backend import StaticTorchBackend
+
+    vocab = model.backbone.cfg.vocab_size
+    rng = np.random.default_rng(0)
+    out: dict[str, Any] = {}
+    for batch in batches:
+        prompts = [rng.integers(0, vocab, prompt).tolist() for _ in range(batch)]
+        row: dict[str, Any] = {}
+        tokens = {}
+        for graphs in (False, True):
+            mode = "graphs" if graphs else "eager"
+            torch.cuda.reset_peak_memory_stats()
+            backend = StaticTorchBackend(model, device="cuda", dtype=dtype, graphs=graphs)
+            for name, rule in (("full", None), ("exit_first", ConfidenceRule(0.0))):
+                for attempt in ("warm", "timed"):  # the first run captures the graphs
+                    eng = Engine(backend, EngineConfig(max_seqs=batch, max_running=batch, max_len=prompt + steps + 2,
+                                                       prefill_budget=prompt * batch), rule)
+                    ids = [eng.submit(Request(p, steps)) for p in prompts]
+                    seen: dict[int, list[int]] = {i: [] for i in ids}
+                    t_first = None
+                    while eng.has_work:
+                        for ev in eng.step():
+                            seen[ev.request_id].append(ev.token)
+                        if t_first is None and all(seen.values()):
+                            torch.cuda.synchronize()
+                            t_first = time.perf_counter()
+                    torch.cuda.synchronize()
+                    elapsed = time.perf_counter() - t_first
+                n = sum(len(v) - 1 for v in seen.values())
+                row[f"{mode}_{name}_decode_tokens_per_s"] = n / elapsed
+                tokens[(mode, name)] = [seen[i] for i in ids]
+            row[f"{mode}_captured"] = backend.captured
+            row[f"{mode}_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+            del backend
+        row["graphs_equal_eager_tokens"] = all(tokens[("graphs", k)] == tokens[("eager", k)] for k in ("full", "exit_first"))
+        row["graph_speedup_full"] = row["graphs_full_decode_tokens_per_s"] / row["eager_full_decode_tokens_per_s"]
+        row["exit_first_vs_full_graphs"] = (row["graphs_exit_first_decode_tokens_per_s"]
+                                            / row["graphs_full_decode_tokens_per_s"])
+        out[str(batch)] = row
+        print(f"engine torch_static batch {batch}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()
+                                                                 if isinstance(v, float)), flush=True)
+    return out
+
+
 def llama8b_shape(dev):
     """A random-weight model of Llama-3.1-8B's shape in bf16 with exits after 8, 16, 24 (norm + shared head)."""
     import torch
@@ -165,6 +220,17 @@ def llama8b_shape(dev):
         for p in dec.parameters():
             p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
     return MultiExitModel(dec.eval(), ExitConfig(layers=[8, 16, 24, 32], adapter_rank=0)).to(dev).eval()
+
+
+def _guarded(fn, *args) -> Any:
+    """One section's result, or its error (the other sections' numbers are kept)."""
+    import traceback
+
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - a check script records what failed and goes on
+        traceback.print_exc()
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,10 +290,13 @@ def main(argv: list[str] | None = None) -> int:
     exits = sorted({*(int(e) for e in args.exits.split(",") if int(e) < depth), depth})
     tiny = MultiExitModel(bb, ExitConfig(layers=exits, adapter_rank=0)).to(dev).eval()
     result["static_cache_graphs_bundled"] = static_graphs(tiny, batches, args.prompt, args.steps, sync)
+    result["engine_torch_static_bundled"] = _guarded(engine_runs, tiny, batches, args.prompt, args.steps, "float32")
+    (out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")  # partial, kept if 8B fails
     if not args.skip_8b:
         del tiny
         big8 = llama8b_shape(dev)
-        result["static_cache_graphs_llama8b_shape"] = static_graphs(big8, batches, args.prompt, 32, sync)
+        result["static_cache_graphs_llama8b_shape"] = _guarded(static_graphs, big8, batches, args.prompt, 32, sync)
+        result["engine_torch_static_llama8b_shape"] = _guarded(engine_runs, big8, batches, args.prompt, 32, "bfloat16")
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"wrote {out / 'gpu_check.json'}")
     return 0

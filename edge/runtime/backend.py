@@ -91,6 +91,7 @@ class Backend(abc.ABC):
     """Computes segments and K/V fills of a multi-exit model on an attached :class:`KVCache`."""
 
     name = "abstract"
+    host_cache = True  # computes on the engine's host KV arrays (False: keeps its own cache on a device)
 
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
@@ -126,9 +127,8 @@ class Backend(abc.ABC):
 
     def attach(self, cache: KVCache) -> None:
         """Compute on ``cache`` from now on (the engine's, allocated once)."""
-        if len(cache.keys) != self.num_layers or cache.keys[0].shape[1:] != (self.num_kv_heads, cache.capacity,
-                                                                             self.head_dim):
-            raise ConfigError(f"KV cache of shape {cache.keys[0].shape} x {len(cache.keys)} layers does not fit "
+        if cache.num_layers != self.num_layers or cache.shape[1:] != (self.num_kv_heads, cache.capacity, self.head_dim):
+            raise ConfigError(f"KV cache of shape {cache.shape} x {cache.num_layers} layers does not fit "
                               f"this model ({self.num_layers} layers, {self.num_kv_heads} KV heads, head dim "
                               f"{self.head_dim})")
         if cache.capacity > self.spec.max_positions:

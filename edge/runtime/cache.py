@@ -15,10 +15,14 @@ from edge.core.errors import SmartExitError
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, slots: int, capacity: int) -> None:
-        shape = (slots, num_kv_heads, capacity, head_dim)
-        self.keys = [np.zeros(shape, np.float32) for _ in range(num_layers)]
-        self.values = [np.zeros(shape, np.float32) for _ in range(num_layers)]
+    """``allocate`` False: slots only, no host arrays (a backend that keeps its cache on a device)."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, slots: int, capacity: int,
+                 allocate: bool = True) -> None:
+        self.shape = (slots, num_kv_heads, capacity, head_dim)  # of each layer's keys and values
+        self.num_layers = num_layers
+        self.keys = [np.zeros(self.shape, np.float32) for _ in range(num_layers)] if allocate else []
+        self.values = [np.zeros(self.shape, np.float32) for _ in range(num_layers)] if allocate else []
         self.slots, self.capacity = slots, capacity
         self._free = list(range(slots))  # a heap: lowest slot first
 

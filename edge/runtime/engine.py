@@ -169,7 +169,8 @@ class Engine:
         self.rule = rule or NeverExit()
         if cfg.max_len > backend.spec.max_positions:
             raise ConfigError(f"engine.max_len {cfg.max_len} exceeds the model's {backend.spec.max_positions} positions")
-        self.cache = KVCache(backend.num_layers, backend.num_kv_heads, backend.head_dim, cfg.max_seqs, cfg.max_len)
+        self.cache = KVCache(backend.num_layers, backend.num_kv_heads, backend.head_dim, cfg.max_seqs, cfg.max_len,
+                             allocate=backend.host_cache)
         backend.attach(self.cache)
         # a rule that is a linear score of the exit's features is computed in the segment graphs, and
         # the engine only reads its sign; any other rule is asked on the host (decide / decide_gated)

@@ -66,6 +66,11 @@ class StaticDecode:
         self._out: dict[str, object] = {}
 
     # ---------------------------------------------------------------- eager computation
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary tables in the model's dtype: K/V then have the cache's dtype (index_put_ needs it)."""
+        cos, sin = self.model.backbone.rope(positions)
+        return cos.to(self.dtype), sin.to(self.dtype)
+
     def _mask(self) -> torch.Tensor:
         """[B, 1, 1, L + 1] additive: a row sees past slots before its position, and its own new row."""
         seen = self._slots[None, :] < self.pos[:, None]  # [B, L]
@@ -80,7 +85,7 @@ class StaticDecode:
     def _segment(self, i: int) -> SegmentResult:
         bb = self.model.backbone
         h = bb.embed(self.ids) if i == 0 else self.hidden_in[i]
-        cos, sin = bb.rope(self.pos[:, None])
+        cos, sin = self._rope(self.pos[:, None])
         mask = self._mask()
         for j in self.segments[i]:
             h, k, v = bb.layers[j](h, cos, sin, self.keys[j], self.values[j], mask)
@@ -94,7 +99,7 @@ class StaticDecode:
     def _fill(self, i: int) -> None:
         """K/V of every layer of segments i.. from ``hidden_in[i]`` (rows that exited before segment i)."""
         bb = self.model.backbone
-        cos, sin = bb.rope(self.pos[:, None])
+        cos, sin = self._rope(self.pos[:, None])
         for j in [j for seg in self.segments[i:] for j in seg]:
             k, v = bb.layers[j].kv_only(self.hidden_in[i], cos, sin)
             self.keys[j][self._rows, :, self.pos] = k[:, :, 0]
@@ -110,7 +115,7 @@ class StaticDecode:
         bb = self.model.backbone
         p = prompts.shape[1]
         positions = torch.arange(p, device=self.device)[None, :].expand(self.batch, p)
-        cos, sin = bb.rope(positions)
+        cos, sin = self._rope(positions)
         h = bb.embed(prompts.to(self.device))
         for j, layer in enumerate(bb.layers):
             h, k, v = layer(h, cos, sin, None, None, None)  # causal, no past

@@ -81,3 +81,12 @@ def test_bad_shapes_and_capture_without_cuda():
         sd.prefill(_prompts(3, 4, 0))
     with pytest.raises(ConfigError, match="CUDA device"):
         sd.capture()
+
+
+def test_bfloat16_steps_write_the_cache_in_its_dtype():
+    """A half-precision model (the 8B-shaped check on a GPU runs bf16): rotary tables are cast, so
+    index_put_ gets K/V of the cache's dtype (it refuses mixed dtypes)."""
+    m = _model(seed=2).to(torch.bfloat16)
+    sd = StaticDecode(m, 2, 16)
+    got = _greedy(sd, _prompts(2, 5, 1), 4, exit_after=0)
+    assert got.shape == (2, 4) and sd.keys[0].dtype == torch.bfloat16
