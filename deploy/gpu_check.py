@@ -151,11 +151,15 @@ def static_graphs(model, batches: list[int], prompt: int, steps: int, sync) -> d
     return out
 
 
-def engine_runs(model, batches: list[int], prompt: int, steps: int, dtype: str) -> dict[str, Any]:
+def engine_runs(model, batches: list[int], prompt: int, steps: int, dtype: str, device: str = "cuda") -> dict[str, Any]:
     """The engine over the static-cache backend on CUDA, eager and with CUDA graphs: decode tokens/s
-    (after every request's first token) at full depth and exiting everything at the first decision exit."""
+    (after every request's first token) at full depth and exiting everything at the first decision exit.
+    ``device`` "cpu": eager only (how the tests run it)."""
     import numpy as np
     import torch
+
+    cuda = device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     from edge.runtime.engine import Engine, EngineConfig, Request
     from edge.runtime.rules import ConfidenceRule
@@ -168,10 +172,11 @@ def engine_runs(model, batches: list[int], prompt: int, steps: int, dtype: str) 
         prompts = [rng.integers(0, vocab, prompt).tolist() for _ in range(batch)]
         row: dict[str, Any] = {}
         tokens = {}
-        for graphs in (False, True):
+        for graphs in (False, True) if cuda else (False,):
             mode = "graphs" if graphs else "eager"
-            torch.cuda.reset_peak_memory_stats()
-            backend = StaticTorchBackend(model, device="cuda", dtype=dtype, graphs=graphs)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            backend = StaticTorchBackend(model, device=device, dtype=dtype, graphs=graphs)
             for name, rule in (("full", None), ("exit_first", ConfidenceRule(0.0))):
                 for attempt in ("warm", "timed"):  # the first run captures the graphs
                     eng = Engine(backend, EngineConfig(max_seqs=batch, max_running=batch, max_len=prompt + steps + 2,
@@ -183,16 +188,20 @@ def engine_runs(model, batches: list[int], prompt: int, steps: int, dtype: str) 
                         for ev in eng.step():
                             seen[ev.request_id].append(ev.token)
                         if t_first is None and all(seen.values()):
-                            torch.cuda.synchronize()
+                            sync()
                             t_first = time.perf_counter()
-                    torch.cuda.synchronize()
+                    sync()
                     elapsed = time.perf_counter() - t_first
                 n = sum(len(v) - 1 for v in seen.values())
                 row[f"{mode}_{name}_decode_tokens_per_s"] = n / elapsed
                 tokens[(mode, name)] = [seen[i] for i in ids]
             row[f"{mode}_captured"] = backend.captured
-            row[f"{mode}_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+            if cuda:
+                row[f"{mode}_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
             del backend
+        if not cuda:
+            out[str(batch)] = row
+            continue
         row["graphs_equal_eager_tokens"] = all(tokens[("graphs", k)] == tokens[("eager", k)] for k in ("full", "exit_first"))
         row["graph_speedup_full"] = row["graphs_full_decode_tokens_per_s"] / row["eager_full_decode_tokens_per_s"]
         row["exit_first_vs_full_graphs"] = (row["graphs_exit_first_decode_tokens_per_s"]

@@ -136,6 +136,8 @@ class TritonPythonModel:
         self.host.cfg.step_log = os.environ.get("SMARTEXIT_STEP_LOG") or None
         self.host.start()
         self.responder = Responder(self.host)
+        # the server's log names the backend (the Jetson's unit may choose TensorRT or torch_static)
+        print(f"smartexit: serving {bundle} on the {self.host.engine.backend.name} backend", flush=True)
 
     def execute(self, requests):
         for request in requests:

@@ -57,3 +57,15 @@ def test_without_cuda_it_says_so(tmp_path):
     res = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path)], capture_output=True, text=True)
     assert res.returncode == 2
     assert "no CUDA GPU" in json.loads((tmp_path / "gpu_check.json").read_text())["skipped"]
+
+
+def test_engine_section_runs_eagerly_on_the_cpu():
+    """The engine timing of section 5, eager on the CPU (the GPU run adds the captured graphs): both rules
+    decode and report their rates (timing itself is the GPU run's business, not a unit test's)."""
+    from tests.unit.engine.test_engine import _model
+
+    out = _module().engine_runs(_model(), [1, 2], 8, 6, "float32", device="cpu")
+    assert set(out) == {"1", "2"}
+    for row in out.values():
+        assert row["eager_full_decode_tokens_per_s"] > 0 and row["eager_exit_first_decode_tokens_per_s"] > 0
+        assert row["eager_captured"] == 0

@@ -1,0 +1,123 @@
+"""Which backend serves a bundle (scheduler/bundle.py): ONNX Runtime by default; the static-cache torch
+backend on the bundle's own checkpoint (what a Jetson serves before its TensorRT engines exist) when the
+file ``$SMARTEXIT_BACKEND_CONFIG`` names says so, in process and in a real tritonserver; bad choices
+refused with the reason. The TensorRT choice needs a device: tests/jetson/test_trt_backend.py."""
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from edge.core.artifacts import Manifest
+from edge.core.errors import ArtifactError, ConfigError
+
+pytestmark = pytest.mark.integration
+
+BUNDLE = Path("smartexit") / "1" / "bundle"
+PROMPTS = ([5, 17, 301, 12, 9, 44, 2], [100, 7, 7, 31])
+
+
+@pytest.fixture(scope="module")
+def repo(served_run, repository_copy, tmp_path_factory) -> Path:
+    return repository_copy(served_run, tmp_path_factory.mktemp("bundle_backends")) / "triton"
+
+
+@pytest.fixture(scope="module")
+def torch_choice(served_run, tmp_path_factory) -> Path:
+    """A backend file: torch_static on the CPU, on the run's served checkpoint."""
+    path = tmp_path_factory.mktemp("choice") / "backend.json"
+    ckpt = Manifest(served_run).served_checkpoint()
+    path.write_text(json.dumps({"name": "torch_static", "checkpoint": str(ckpt), "device": "cpu"}))
+    return path
+
+
+def generate(bundle: Path, prompt: list[int], mode: str, **kw) -> list:
+    """One greedy request on the engine host over ``bundle``: its (tokens, exit layers)."""
+    from edge.runtime.host import GenRequest
+    from scheduler.bundle import open_bundle
+
+    host = open_bundle(bundle, **kw).start()
+    chunks, done = [], threading.Event()
+
+    def emit(chunk):
+        chunks.append(chunk)
+        if chunk.finish_reason is not None:
+            done.set()
+    try:
+        host.submit(GenRequest("r", list(prompt), 10, mode=mode), emit)
+        assert done.wait(60), "the engine did not finish"
+    finally:
+        host.stop()
+    return [(t, e) for c in chunks for t, e in zip(c.tokens, c.exit_layers)]
+
+
+@pytest.mark.parametrize("mode", ["full", "bounded"])
+def test_torch_static_serves_what_onnx_runtime_serves(repo, torch_choice, monkeypatch, mode):
+    """The float model's exported graphs and its torch modules compute the same function (the export's
+    parity gate held them within float32 rounding): the same greedy tokens and exit layers."""
+    for prompt in PROMPTS:
+        ort = generate(repo / BUNDLE, prompt, mode)
+        monkeypatch.setenv("SMARTEXIT_BACKEND_CONFIG", str(torch_choice))
+        got = generate(repo / BUNDLE, prompt, mode)
+        monkeypatch.delenv("SMARTEXIT_BACKEND_CONFIG")
+        assert got == ort
+
+
+@pytest.mark.parametrize("content, error, msg", [
+    ("{not json", ConfigError, "not a readable JSON file"),
+    ('{"name": "tvm"}', ConfigError, "'name' is one of onnxruntime, tensorrt, torch_static"),
+    ('{"name": "tensorrt"}', ConfigError, "needs 'engines_dir'"),
+    ('{"name": "torch_static", "checkpoint": "BUNDLE"}', ArtifactError, "torch_static must load that one"),
+])
+def test_bad_backend_choices_are_refused(repo, tmp_path, monkeypatch, content, error, msg):
+    path = tmp_path / "backend.json"
+    path.write_text(content.replace("BUNDLE", str(repo / BUNDLE)))
+    monkeypatch.setenv("SMARTEXIT_BACKEND_CONFIG", str(path))
+    from scheduler.bundle import open_bundle
+
+    with pytest.raises(error, match=msg):
+        open_bundle(repo / BUNDLE)
+
+
+def test_tritonserver_serves_the_torch_static_backend(repo, torch_choice):
+    """The Triton model loads the bundle on the backend the file names (tritonserver's environment, as
+    the Jetson's systemd unit sets it) and streams the tokens the ONNX Runtime engine decides."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    from exporters.tritonserver import TritonProcess
+
+    prompt = PROMPTS[0]
+    ref = generate(repo / BUNDLE, prompt, "full")
+    tp = TritonProcess(repo, env={"SMARTEXIT_BACKEND_CONFIG": str(torch_choice)}).start(timeout_s=180)
+    try:
+        import queue
+
+        got: queue.Queue = queue.Queue()
+        client = grpcclient.InferenceServerClient(tp.grpc_url)
+        client.start_stream(callback=lambda result=None, error=None: got.put((result, error)))
+        inputs = []
+        for name, arr in (("input_ids", np.asarray(prompt, np.int64)), ("max_tokens", np.asarray([10], np.int32)),
+                          ("mode", np.array([b"full"], np.object_))):
+            t = grpcclient.InferInput(name, list(arr.shape), "BYTES" if arr.dtype == object else
+                                      {"int64": "INT64", "int32": "INT32"}[arr.dtype.name])
+            t.set_data_from_numpy(arr)
+            inputs.append(t)
+        client.async_stream_infer("smartexit", inputs, request_id="torch-static")
+        tokens, layers = [], []
+        while True:
+            result, error = got.get(timeout=60)
+            assert error is None, error
+            tokens += result.as_numpy("token_ids").tolist()
+            layers += result.as_numpy("exit_layers").tolist()
+            if result.as_numpy("finish_reason")[0]:
+                break
+        client.stop_stream()
+        client.close()
+        log = tp.log_path.read_text(errors="replace")
+    finally:
+        tp.stop()
+    assert "on the torch_static backend" in log, log[-2000:]
+    assert list(zip(tokens, layers)) == ref
