@@ -1,4 +1,5 @@
-"""TensorRT engines from the exported ONNX graphs: trtexec command lines, a Python-API builder, a runner.
+"""TensorRT engines from the exported ONNX graphs: trtexec command lines, a Python-API builder (the runner,
+``TrtRunner``, is the runtime's: edge/runtime/trt_runner.py).
 
 TensorRT plans are specific to the GPU, the TensorRT version and the JetPack they were built
 with (TensorRT developer guide, "Version Compatibility" / "Hardware Compatibility": a plan is
@@ -35,12 +36,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import onnx
 
 from edge.core.artifacts import Manifest, atomic_path, atomic_write_json, atomic_write_text, sha256_file, sha256_path
-from edge.core.errors import ArtifactError, ConfigError, MissingExtraError, SmartExitError, require
+from edge.core.errors import ArtifactError, ConfigError
 from edge.runtime.graphs import load_graphs_json, verify_graphs
+# running a plan is the runtime's; users import TrtRunner and NoCudaDeviceError from here too
+from edge.runtime.trt_runner import NoCudaDeviceError, TrtRunner, require_tensorrt  # noqa: F401
 
 STAGE = "engines"
 ENGINES_JSON = "engines.json"
@@ -58,10 +60,6 @@ class Precision(str, enum.Enum):
     FP16 = "fp16"
     FP32 = "fp32"
     INT8 = "int8"  # explicit quantization: the graphs must carry Q/DQ nodes (calibrators are deprecated)
-
-
-class NoCudaDeviceError(SmartExitError):
-    """TensorRT is importable but no CUDA GPU is visible to build or run engines on."""
 
 
 @dataclass
@@ -275,21 +273,11 @@ def write_trtexec_script(graphs_dir: str | Path, out_dir: str | Path, cfg: Engin
 
 def _require_tensorrt(script: Path | None = None):
     where = f"run {script} there" if script else f"run the {SCRIPT} that `smartexit engines` writes"
-    try:
-        trt = require("tensorrt", "tensorrt")
-    except MissingExtraError as exc:
-        raise MissingExtraError(
-            f"TensorRT is not installed here, so no engines were built. Engines are built on the device "
-            f"that runs them: on a Jetson (deploy/jetson), copy the run folder and {where} with JetPack's "
-            f"trtexec ({JETPACK_TRTEXEC_DIR}); or install the 'tensorrt' extra "
-            f"(pip install 'smartexit[tensorrt]') on a machine with an NVIDIA GPU") from exc
-    import torch
-
-    if not torch.cuda.is_available():
-        raise NoCudaDeviceError(
-            f"TensorRT {trt.__version__} is installed but no CUDA GPU is visible (torch.cuda.is_available() "
-            f"is False): engines are built on the GPU that runs them; on a Jetson, {where}")
-    return trt
+    return require_tensorrt(
+        f", so no engines were built. Engines are built on the device that runs them: on a Jetson "
+        f"(deploy/jetson), copy the run folder and {where} with JetPack's trtexec ({JETPACK_TRTEXEC_DIR}); or "
+        f"install the 'tensorrt' extra (pip install 'smartexit[tensorrt]') on a machine with an NVIDIA GPU",
+        f"engines are built on the GPU that runs them; on a Jetson, {where}")
 
 
 def _build_plan(trt, onnx_path: Path, shapes: dict[str, tuple[Shape, Shape, Shape]], cfg: EngineBuildConfig,
@@ -379,76 +367,6 @@ def build_engines(graphs_dir: str | Path, out_dir: str | Path, cfg: EngineBuildC
               "build": {**asdict(cfg), "precision": cfg.precision.value}, "engines": engines}
     atomic_write_json(out_dir / ENGINES_JSON, result)
     return result
-
-
-# --- running a plan ----------------------------------------------------------------------------------
-
-_TORCH_DTYPES = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT8": "int8", "UINT8": "uint8",
-                 "INT32": "int32", "INT64": "int64", "BOOL": "bool"}
-
-
-class TrtRunner:
-    """One TensorRT plan run with torch CUDA tensors as its buffers (numpy in, numpy out)."""
-
-    def __init__(self, engine_path: str | Path) -> None:
-        self.trt = trt = _require_tensorrt()
-        import torch
-
-        self.torch = torch
-        self.path = Path(engine_path)
-        if not self.path.is_file():
-            raise ArtifactError(f"{self.path} (TensorRT plan) is missing")
-        self._runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
-        self.engine = self._runtime.deserialize_cuda_engine(self.path.read_bytes())
-        if self.engine is None:
-            raise ArtifactError(f"{self.path}: TensorRT {trt.__version__} cannot load this plan (built with "
-                                f"another TensorRT version or for another GPU?); rebuild it on this device")
-        self.context = self.engine.create_execution_context()
-        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
-        self.inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
-        self.outputs = [n for n in names if n not in self.inputs]
-        self.stream = torch.cuda.Stream()
-
-    def _dtype(self, name: str):
-        dt = str(self.engine.get_tensor_dtype(name)).rsplit(".", 1)[-1]  # "DataType.FLOAT" -> "FLOAT"
-        if dt not in _TORCH_DTYPES:
-            raise ArtifactError(f"{self.path}: tensor {name!r} has type {dt}, which TrtRunner does not handle")
-        return getattr(self.torch, _TORCH_DTYPES[dt])
-
-    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run the engine once on ``feeds`` (every input by name); returns every output by name.
-
-        Raises:
-            ConfigError: a missing or unknown input, or a shape outside the engine's profile.
-            SmartExitError: TensorRT failed to enqueue the work.
-        """
-        torch, ctx = self.torch, self.context
-        if set(feeds) != set(self.inputs):
-            raise ConfigError(f"{self.path.name}: inputs {sorted(feeds)} given, the engine takes {sorted(self.inputs)}")
-        keep = []  # device buffers must outlive the execution
-        for name in self.inputs:
-            arr = np.ascontiguousarray(feeds[name])
-            if not ctx.set_input_shape(name, arr.shape):
-                lo, _, hi = self.engine.get_tensor_profile_shape(name, 0)
-                raise ConfigError(f"{self.path.name}: input {name!r} shape {arr.shape} is outside the "
-                                  f"engine's profile {tuple(lo)}..{tuple(hi)}")
-            t = torch.from_numpy(arr).to(device="cuda", dtype=self._dtype(name))
-            if t.numel() == 0:  # an empty input still needs a non-null address
-                t = torch.empty(1, dtype=t.dtype, device="cuda")
-            keep.append(t)
-            ctx.set_tensor_address(name, t.data_ptr())
-        outs = {}
-        for name in self.outputs:
-            shape = tuple(ctx.get_tensor_shape(name))  # known once every input shape is set
-            outs[name] = torch.empty(shape, dtype=self._dtype(name), device="cuda")
-            buf = outs[name] if outs[name].numel() else torch.empty(1, dtype=outs[name].dtype, device="cuda")
-            keep.append(buf)
-            ctx.set_tensor_address(name, buf.data_ptr())
-        self.stream.wait_stream(torch.cuda.current_stream())  # inputs were copied on the current stream
-        if not ctx.execute_async_v3(self.stream.cuda_stream):
-            raise SmartExitError(f"{self.path.name}: TensorRT execute_async_v3 failed (see its log)")
-        self.stream.synchronize()
-        return {n: (t.float() if t.dtype == torch.bfloat16 else t).cpu().numpy() for n, t in outs.items()}
 
 
 # --- stage entry -------------------------------------------------------------------------------------
