@@ -2,8 +2,11 @@
 
 ``serve`` writes the two systemd units (:mod:`edge.jetson.units`) into ``<run>/jetson/units/``,
 installs them into ``/etc/systemd/system`` and starts them (``enable --now``: they also start at boot).
-It refuses a run whose engines have not passed parity against ONNX Runtime for this export
-(``make jetson-engines``). The serving app binds 127.0.0.1 unless ``api_key_config`` names a YAML
+The model runs on the TensorRT engines of ``make jetson-engines`` once their parity against ONNX Runtime
+passed for this export; before any engine exists, on the torch backend on CUDA with CUDA graphs
+(``torch_static``, JetPack's torch wheel); engines that failed parity stop it (:func:`choose_backend`).
+The choice is ``<run>/jetson/units/backend.json``, which tritonserver's unit names in
+``SMARTEXIT_BACKEND_CONFIG`` (scheduler.bundle). The serving app binds 127.0.0.1 unless ``api_key_config`` names a YAML
 file holding ``serve: {api_key: ...}`` (mode 0600), then 0.0.0.0 with the key required on every
 ``/v1/*`` request (docs/serving.md).
 """
@@ -19,6 +22,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -26,13 +30,15 @@ from edge.core.artifacts import Manifest
 from edge.core.errors import ArtifactError, ConfigError
 from edge.jetson import commands
 from edge.jetson.check import DEFAULT_TRITON_HOME
-from edge.jetson.engines import PARITY_JSON
+from edge.jetson.engines import ENGINES_DIR, PARITY_JSON
 from edge.jetson.push import REPO_ROOT
 from edge.jetson.steps import Runner, Step, require_jetson
 from edge.jetson.units import ANY, LOOPBACK, SERVE_UNIT, TRITON_UNIT, UNITS, serve_unit, triton_environment, triton_unit
 from exporters.tritonserver import TritonPorts
+from scheduler.bundle import BACKEND_ENV, SERVED_BACKENDS
 
 UNITS_DIR = Path("jetson") / "units"
+BACKEND_JSON = "backend.json"  # what the Triton model serves on (scheduler.bundle.read_backend_choice)
 
 
 @dataclass
@@ -49,6 +55,8 @@ class JetsonServeConfig:
     api_key_config: str | None = None  # YAML with serve.api_key (mode 0600): then bind 0.0.0.0
     user: str | None = None  # the units' User= (default: whoever runs this)
     power_meter: str = "auto"  # the dashboard's power chart (jtop on a Jetson)
+    backend: str = "auto"  # auto | tensorrt | torch_static | onnxruntime (choose_backend)
+    torch_dtype: str = "float32"  # torch_static's: the function calibration certified (float16 / bfloat16: faster)
     unit_dir: str = commands.SYSTEMD_DIR
     dry_run: bool = False
 
@@ -57,6 +65,10 @@ class JetsonServeConfig:
         if len(set(ports)) != 4 or not all(0 < p < 65536 for p in ports):
             raise ConfigError(f"jetson serve: port, triton_http_port, triton_grpc_port, triton_metrics_port must be "
                               f"four different ports in 1..65535, got {ports}")
+        if self.backend not in ("auto", *SERVED_BACKENDS):
+            raise ConfigError(f"jetson serve: backend {self.backend!r} is not auto or one of {', '.join(SERVED_BACKENDS)}")
+        if self.torch_dtype not in ("float32", "float16", "bfloat16"):
+            raise ConfigError(f"jetson serve: torch_dtype {self.torch_dtype!r} is not float32, float16 or bfloat16")
 
 
 @dataclass
@@ -77,13 +89,53 @@ def check_parity_passed(run_dir: Path, manifest: Manifest) -> None:
     try:
         parity = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise ArtifactError(f"{path}: no engine parity result ({exc}); run `make jetson-engines` first: nothing is "
-                            f"served before its engines match ONNX Runtime") from exc
+        raise ArtifactError(f"{path}: no engine parity result ({exc}); run `make jetson-engines` first: no engine is "
+                            f"served before it matches ONNX Runtime") from exc
     want = manifest.stage("export")["outputs"]["graphs"]["sha256"]
     if parity.get("graphs_sha256") != want:
         raise ArtifactError(f"{path}: the parity result is of another export; run `make jetson-engines` again")
     if parity.get("passed") is not True:
         raise ArtifactError(f"{path}: the engines did not match ONNX Runtime; nothing is served (see that file)")
+
+
+def choose_backend(cfg: JetsonServeConfig, run_dir: Path, manifest: Manifest, runner: Runner) -> dict[str, Any]:
+    """What serves the bundle (scheduler.bundle.read_backend_choice's dict).
+
+    ``tensorrt``: the engines of ``make jetson-engines``, only once their parity against ONNX Runtime
+    passed for this export. ``torch_static``: the served checkpoint (pushed with ``bench=true``) on
+    CUDA with CUDA graphs, the path before engines exist. ``auto``: tensorrt where parity passed,
+    torch_static where no engines were built; engines that failed parity or belong to another export
+    stop it (a failed check is never served around)."""
+    name = cfg.backend
+    if name in ("auto", "tensorrt"):
+        try:
+            check_parity_passed(run_dir, manifest)
+            name = "tensorrt"
+        except ArtifactError as exc:
+            missing = not (run_dir / PARITY_JSON).exists()
+            if name == "auto" and missing:
+                runner.note(f"no TensorRT engines yet ({run_dir / PARITY_JSON} is missing): serving the torch backend "
+                            f"on CUDA with CUDA graphs (torch_static); `make jetson-engines` then `make jetson-serve` "
+                            f"switches to the engines")
+                name = "torch_static"
+            elif cfg.dry_run:
+                runner.note(f"a real run would refuse: {exc}")
+                name = "tensorrt"
+            else:
+                raise
+    if name == "tensorrt":
+        return {"name": "tensorrt", "engines_dir": str((run_dir / ENGINES_DIR).resolve())}
+    if name == "torch_static":
+        try:
+            ckpt = manifest.served_checkpoint().resolve()
+        except ArtifactError as exc:
+            if not cfg.dry_run:
+                raise ArtifactError(f"torch_static loads the served checkpoint ({exc}); push it with "
+                                    f"`make jetson-push` (bench=true, the default)") from exc
+            runner.note(f"a real run would refuse: {exc}")
+            ckpt = run_dir / "<served checkpoint>"
+        return {"name": "torch_static", "checkpoint": str(ckpt), "device": "cuda", "dtype": cfg.torch_dtype}
+    return {"name": "onnxruntime"}
 
 
 def check_api_key_config(path: str | Path) -> Path:
@@ -114,12 +166,7 @@ def main(cfg: JetsonServeConfig) -> int:
     run_dir = Path(cfg.run_dir)
     manifest = Manifest(run_dir)
     repo = manifest.verified_output("repo", "repository").resolve()
-    try:
-        check_parity_passed(run_dir, manifest)
-    except ArtifactError as exc:
-        if not cfg.dry_run:
-            raise
-        runner.note(f"a real run would refuse: {exc}")
+    backend = choose_backend(cfg, run_dir, manifest, runner)
     key_config = check_api_key_config(cfg.api_key_config) if cfg.api_key_config else None
     host = ANY if key_config else LOOPBACK
     triton_home = Path(cfg.triton_home or os.environ.get("TRITON_HOME") or DEFAULT_TRITON_HOME)
@@ -133,8 +180,11 @@ def main(cfg: JetsonServeConfig) -> int:
     paths = sysconfig.get_paths()
     env = triton_environment(triton_home, [paths["purelib"], paths["platlib"]], REPO_ROOT,
                              sysconfig.get_config_var("LIBDIR") or "")
-    ports = TritonPorts(cfg.triton_http_port, cfg.triton_grpc_port, cfg.triton_metrics_port)
     units_dir = run_dir / UNITS_DIR
+    choice_path = (units_dir / BACKEND_JSON).resolve()
+    runner.write(choice_path, json.dumps(backend, indent=2) + "\n", f"the serving backend: {backend['name']}")
+    env[BACKEND_ENV] = str(choice_path)
+    ports = TritonPorts(cfg.triton_http_port, cfg.triton_grpc_port, cfg.triton_metrics_port)
     texts = {
         TRITON_UNIT: triton_unit(user=user, triton_home=triton_home, repository=repo, ports=ports, env=env,
                                  workdir=REPO_ROOT),
@@ -151,7 +201,7 @@ def main(cfg: JetsonServeConfig) -> int:
     for name, what in ((TRITON_UNIT, "tritonserver"), (SERVE_UNIT, "the serving app")):
         runner.run(Step(f"start {what} (and at every boot)", commands.systemctl_argv("enable", "--now", name)))
     where = f"http://{'<this device>' if host == ANY else LOOPBACK}:{cfg.port}"
-    what = (f"{run_dir} at {where}/v1 (dashboard {where}/dashboard)"
+    what = (f"{run_dir} on {backend['name']} at {where}/v1 (dashboard {where}/dashboard)"
             f"{'; the API key is required' if key_config else ', loopback only'}")
     if cfg.dry_run:
         runner.note(f"would serve {what}")

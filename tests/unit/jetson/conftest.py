@@ -52,7 +52,7 @@ def make_run(root: Path, export: Path, name: str = "run") -> Path:
     (model / "1" / "bundle" / "bundle.json").write_text("{}\n")
     m = Manifest(run)
     m.record("distill", inputs={}, config={}, outputs={"checkpoint": run / "multi_exit"}, metrics={}, seconds=0)
-    m.record("compress", inputs={}, config={}, outputs={"checkpoint": run / "compressed"}, metrics={}, seconds=0)
+    m.record("compress", inputs={"checkpoint": run / "multi_exit"}, config={}, outputs={"checkpoint": run / "compressed"}, metrics={}, seconds=0)
     m.record("export", inputs={}, config={}, outputs={"graphs": run / "onnx", "graphs_full": run / "onnx_full"},
              metrics={}, seconds=0)
     m.record("calibrate", inputs={}, config={}, outputs={"thresholds": run / "calibration" / "thresholds.json"},

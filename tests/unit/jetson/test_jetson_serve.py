@@ -106,7 +106,7 @@ def test_dry_run_off_device(run_dir, capsys):
     rc = cli(["jetson", "serve", f"run_dir={run_dir}", "dry_run=true"])
     out = capsys.readouterr().out
     assert rc == 0 and "a real run here stops with exit code 2" in out
-    assert "a real run would refuse:" in out and "make jetson-engines" in out  # no parity yet
+    assert "no TensorRT engines yet" in out and "torch_static" in out  # no parity yet: the CUDA torch path
     cmds = [shlex.split(line) for line in out.splitlines() if line and not line.startswith("#")]
     assert cmds[:5] == [
         ["sudo", "install", "-m", "0644", f"{run_dir}/jetson/units/{TRITON_UNIT}", f"/etc/systemd/system/{TRITON_UNIT}"],
@@ -117,18 +117,34 @@ def test_dry_run_off_device(run_dir, capsys):
     assert not (run_dir / "jetson").exists()
 
 
+def _backend(run: Path) -> dict:
+    return json.loads((run / "jetson/units/backend.json").read_text())
+
+
 def test_serve_on_a_device(run_dir, tmp_path, monkeypatch, capsys):
+    from edge.core.artifacts import Manifest
+
     root = device_root(tmp_path / "root")
     ran = []
     monkeypatch.setattr(serve_mod.Runner, "run", lambda self, step: ran.append(step.argv))
-    cfg = JetsonServeConfig(run_dir=str(run_dir), root=str(root), triton_home=str(root / "opt/tritonserver"))
-    with pytest.raises(ArtifactError, match="make jetson-engines"):  # nothing served before parity
+    cfg = JetsonServeConfig(run_dir=str(run_dir), root=str(root), triton_home=str(root / "opt/tritonserver"),
+                            backend="tensorrt")
+    with pytest.raises(ArtifactError, match="make jetson-engines"):  # no engine served before parity
         serve_mod.main(cfg)
+    cfg.backend = "auto"  # no engines yet: the torch backend on CUDA, on the served checkpoint
+    assert serve_mod.main(cfg) == 0
+    choice = _backend(run_dir)
+    assert choice == {"name": "torch_static", "checkpoint": str(Manifest(run_dir).served_checkpoint().resolve()),
+                      "device": "cuda", "dtype": "float32"}
+    tri = (run_dir / "jetson/units" / TRITON_UNIT).read_text()
+    assert f"Environment=SMARTEXIT_BACKEND_CONFIG={(run_dir / 'jetson/units/backend.json').resolve()}" in tri
+    assert "on torch_static" in capsys.readouterr().out
     _parity_passed(run_dir, passed=False)
-    with pytest.raises(ArtifactError, match="did not match ONNX Runtime"):
+    with pytest.raises(ArtifactError, match="did not match ONNX Runtime"):  # never served around a failed check
         serve_mod.main(cfg)
     _parity_passed(run_dir)
     assert serve_mod.main(cfg) == 0
+    assert _backend(run_dir) == {"name": "tensorrt", "engines_dir": str((run_dir / "jetson/engines").resolve())}
     assert ran[-1] == ["sudo", "systemctl", "enable", "--now", SERVE_UNIT]
     unit = (run_dir / "jetson/units" / SERVE_UNIT).read_text()
     assert "serve.host=127.0.0.1" in unit and "loopback only" in capsys.readouterr().out
@@ -139,6 +155,13 @@ def test_serve_on_a_device(run_dir, tmp_path, monkeypatch, capsys):
     assert serve_mod.main(cfg) == 0
     unit = (run_dir / "jetson/units" / SERVE_UNIT).read_text()
     assert "serve.host=0.0.0.0" in unit and "s3cret" not in unit
+
+
+@pytest.mark.parametrize("kw, msg", [(dict(backend="tvm"), "backend 'tvm'"),
+                                     (dict(torch_dtype="int4"), "torch_dtype 'int4'")])
+def test_bad_serve_settings(kw, msg):
+    with pytest.raises(ConfigError, match=msg):
+        JetsonServeConfig(**kw)
 
 
 def test_status_and_stop_dry_runs(tmp_path, capsys):
