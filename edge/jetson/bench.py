@@ -1,8 +1,10 @@
 """``smartexit jetson bench`` (``make jetson-bench DEVICE=user@host``, from the development machine).
 
 Over ssh, in the checkout on the device: ``smartexit jetson check save=true`` (versions, power mode,
-clocks: the conditions of the numbers), ``smartexit bench decode`` and ``smartexit bench energy
-meter=jtop`` (jtop reads the INA3221 rails; NVML has no power on Orin). Then the results come back
+clocks: the conditions of the numbers), ``smartexit bench decode`` (the ONNX Runtime CPU engine against
+its peers, as on the development machine) and ``smartexit bench energy meter=jtop backend=served``: the
+backend ``make jetson-serve`` chose (the TensorRT engines, or torch_static on CUDA) without and with the
+exit rule, tokens/s and joules per token on jtop's INA3221 rails (NVML has no power on Orin). Then the results come back
 into ``artifacts/<run>/jetson/``:
 
 - ``bench/``: the device's ``bench/`` folder (decode.json / .md / .png, energy.json / .md / .png);
@@ -41,7 +43,10 @@ class JetsonBenchConfig:
     ssh_options: list[str] = field(default_factory=list)
     remote_smartexit: str = ".venv/bin/smartexit"  # relative to remote_dir
     decode_args: list[str] = field(default_factory=lambda: ["--config", "configs/bench_decode.yaml"])
-    energy_args: list[str] = field(default_factory=lambda: ["--config", "configs/bench_energy.yaml", "meter=jtop"])
+    # the served backend (jetson/units/backend.json: TensorRT engines, or torch_static on CUDA) without and
+    # with the exit rule, on jtop's power rails
+    energy_args: list[str] = field(default_factory=lambda: ["--config", "configs/bench_energy.yaml", "meter=jtop",
+                                                            "backend=served"])
     timeout_s: float = 7200.0  # per benchmark
     dry_run: bool = False
 

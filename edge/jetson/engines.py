@@ -35,10 +35,10 @@ from edge.jetson.parity import GraphParity, compare_graph, parse_trtexec_outputs
 from edge.jetson.record import PARITY_DIR, PARITY_JSON as PARITY_INPUTS, load_recorded
 from edge.jetson.steps import Runner, Step, require_jetson
 from edge.runtime.graphs import load_graphs_json
+from edge.runtime.served import ENGINES_DIR
 from exporters.tensorrt import EngineBuildConfig, Precision, graph_features, profile_shapes
 
 STAGE = "jetson_engines"
-ENGINES_DIR = Path("jetson") / "engines"
 DEVICE_DIR = Path("jetson") / "device"
 PARITY_JSON = DEVICE_DIR / "parity.json"
 SCRIPT = "build_engines.sh"

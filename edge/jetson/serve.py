@@ -30,15 +30,14 @@ from edge.core.artifacts import Manifest
 from edge.core.errors import ArtifactError, ConfigError
 from edge.jetson import commands
 from edge.jetson.check import DEFAULT_TRITON_HOME
-from edge.jetson.engines import ENGINES_DIR, PARITY_JSON
+from edge.jetson.engines import PARITY_JSON
 from edge.jetson.push import REPO_ROOT
 from edge.jetson.steps import Runner, Step, require_jetson
 from edge.jetson.units import ANY, LOOPBACK, SERVE_UNIT, TRITON_UNIT, UNITS, serve_unit, triton_environment, triton_unit
+from edge.runtime.served import BACKEND_ENV, CHOICE_FILE, ENGINES_DIR, SERVED_BACKENDS
 from exporters.tritonserver import TritonPorts
-from scheduler.bundle import BACKEND_ENV, SERVED_BACKENDS
 
 UNITS_DIR = Path("jetson") / "units"
-BACKEND_JSON = "backend.json"  # what the Triton model serves on (scheduler.bundle.read_backend_choice)
 
 
 @dataclass
@@ -181,7 +180,7 @@ def main(cfg: JetsonServeConfig) -> int:
     env = triton_environment(triton_home, [paths["purelib"], paths["platlib"]], REPO_ROOT,
                              sysconfig.get_config_var("LIBDIR") or "")
     units_dir = run_dir / UNITS_DIR
-    choice_path = (units_dir / BACKEND_JSON).resolve()
+    choice_path = (run_dir / CHOICE_FILE).resolve()
     runner.write(choice_path, json.dumps(backend, indent=2) + "\n", f"the serving backend: {backend['name']}")
     env[BACKEND_ENV] = str(choice_path)
     ports = TritonPorts(cfg.triton_http_port, cfg.triton_grpc_port, cfg.triton_metrics_port)

@@ -253,9 +253,14 @@ def _jetson_md(j: dict[str, Any]) -> list[str]:
     if rows:
         lines += ["| batch | system | tokens/s |", "| ---: | --- | ---: |"]
         lines += [f"| {b} | {s} | {_fmt(v.get('tokens_per_s'), '.1f')} |" for b, s, v in rows] + [""]
+    if en:
+        speed = ", ".join(f"{n} {_fmt(v, '.1f')}" for n, v in (en.get("tokens_per_s") or {}).items())
+        lines += [f"Served backend `{en.get('backend', 'onnxruntime')}` (full: {en.get('full_is', 'see bench/energy.md')}): "
+                  f"tokens/s {speed}; exits / full {_fmt(en.get('speed_ratio_shipped_vs_full'), '.3f')}.", ""]
     if en.get("meter_available"):
         lines += [f"Energy (`{en.get('meter')}`): joules per token " + ", ".join(
-            f"{n} {_fmt(v, '.4g')}" for n, v in (en.get("joules_per_token") or {}).items()) + ".", ""]
+            f"{n} {_fmt(v, '.4g')}" for n, v in (en.get("joules_per_token") or {}).items())
+            + f"; exits / full {_fmt(en.get('ratio_shipped_vs_full'), '.3f')}.", ""]
     elif en:
         lines += [f"No power reading on the device: {en.get('meter_reason')}.", ""]
     return lines

@@ -67,7 +67,7 @@ def test_torch_static_serves_what_onnx_runtime_serves(repo, torch_choice, monkey
 
 @pytest.mark.parametrize("content, error, msg", [
     ("{not json", ConfigError, "not a readable JSON file"),
-    ('{"name": "tvm"}', ConfigError, "'name' is one of onnxruntime, tensorrt, torch_static"),
+    ('{"name": "tvm"}', ConfigError, "'name' is one of onnxruntime, onnxruntime_portable, tensorrt, torch_static"),
     ('{"name": "tensorrt"}', ConfigError, "needs 'engines_dir'"),
     ('{"name": "torch_static", "checkpoint": "BUNDLE"}', ArtifactError, "torch_static must load that one"),
 ])

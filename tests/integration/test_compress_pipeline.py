@@ -88,6 +88,13 @@ def test_compressed_model_is_what_every_later_stage_serves(run, capsys):
         assert isinstance(c[key], float), key
     assert c["recipe"] == "int8_mixed_sparse"
     assert "## Compression" in (run / "report.md").read_text()
+    # what a device serves without TensorRT engines: the compressed model on torch_static (eager on this CPU)
+    assert cli(["bench", "energy", f"run_dir={run}", "meter=none", "idle_seconds=0", "prompts=2", "prompt_tokens=12",
+                "new_tokens=4", "repeats=1", "threads=1", "backend=torch_static", "device=cpu"]) == 0
+    energy = json.loads((run / "bench" / "energy.json").read_text())
+    assert set(energy["rows"]) == {"full", "exits"} and energy["summary"]["backend"] == "torch_static"
+    assert energy["summary"]["full_is"] == "the served model on torch_static without an exit rule"
+    assert all(row["tokens"] == 2 * 4 for row in energy["rows"].values())
 
 
 def test_a_changed_distilled_checkpoint_invalidates_the_compressed_one(run):

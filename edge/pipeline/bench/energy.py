@@ -1,8 +1,12 @@
 """``smartexit bench energy``: energy per token of the same decode work, full depth against exits.
 
-Systems (ONNX Runtime CPU engines, the same prompts, greedy): ``full`` the distilled float model
-without exits, ``exits`` the same model with the run's exit rule, and for a compressed run
-``compressed_full`` / ``compressed_exits``, the served model without and with exits. Each repeat
+Systems (the same prompts, greedy). With ``backend: onnxruntime`` (the CPU engines): ``full`` the
+distilled float model without exits, ``exits`` the same model with the run's exit rule, and for a
+compressed run ``compressed_full`` / ``compressed_exits``, the served model without and with exits.
+With another backend (``served``: the one ``smartexit jetson serve`` chose, jetson/units/backend.json;
+or ``tensorrt``, ``torch_static``, ``onnxruntime_portable``): ``full`` and ``exits`` are the served
+model on that backend without an exit rule and with it (what a device serves, with and without
+early exit). Each repeat
 measures every system once, in a rotated order, each window on the power meter
 (:mod:`edge.energy.detect`: jtop, tegrastats, NVML or RAPL, whichever exists) after an idle window
 of ``idle_seconds`` that gives the idle baseline. Per system: joules per token with and without the
@@ -22,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from edge.core.artifacts import Manifest, atomic_write_json, atomic_write_text
+from edge.core.artifacts import Manifest, atomic_write_json, atomic_write_text, sha256_path
 from edge.core.errors import ConfigError
 
 STAGE = "bench_energy"
@@ -42,8 +46,16 @@ class EnergyBenchConfig:
     repeats: int = 3
     threads: int = 2
     seed: int = 0
+    backend: str = "onnxruntime"  # or served | tensorrt | torch_static | onnxruntime_portable (module docstring)
+    device: str | None = None  # torch_static's (default: cuda where there is one)
+    dtype: str = "float32"  # torch_static's
 
     def __post_init__(self) -> None:
+        from edge.runtime.served import SERVED_BACKENDS
+
+        if self.backend not in ("served", *SERVED_BACKENDS):
+            raise ConfigError(f"bench energy: backend {self.backend!r} is not served or one of "
+                              f"{', '.join(SERVED_BACKENDS)}")
         if self.interval_s <= 0 or self.idle_seconds < 0:
             raise ConfigError("bench energy: interval_s > 0 and idle_seconds >= 0 are required")
         if min(self.batch, self.prompts, self.prompt_tokens, self.repeats) < 1 or self.new_tokens < 2:
@@ -105,6 +117,28 @@ def ratios(rows: dict[str, dict[str, Any]], base: str = FULL) -> dict[str, dict[
     return out
 
 
+def backend_choice(cfg: EnergyBenchConfig, served: Path) -> dict[str, Any]:
+    """The backend file's dict (edge.runtime.served) of a run on another backend than ONNX Runtime's fused
+    graphs: ``served`` reads the one ``smartexit jetson serve`` wrote; the others name theirs.
+
+    Raises:
+        ConfigError: ``served`` without that file.
+    """
+    from edge.runtime.served import CHOICE_FILE, ENGINES_DIR, read_backend_choice
+
+    run = Path(cfg.run_dir)
+    if cfg.backend == "served":
+        if not (run / CHOICE_FILE).is_file():
+            raise ConfigError(f"bench energy backend=served: {run / CHOICE_FILE} is missing (`make jetson-serve` "
+                              f"writes it); name the backend instead: tensorrt, torch_static, onnxruntime_portable")
+        return read_backend_choice(run / CHOICE_FILE)
+    if cfg.backend == "tensorrt":
+        return {"name": "tensorrt", "engines_dir": str(run / ENGINES_DIR)}
+    if cfg.backend == "torch_static":
+        return {"name": "torch_static", "checkpoint": str(served), "device": cfg.device, "dtype": cfg.dtype}
+    return {"name": cfg.backend}
+
+
 def main(cfg: EnergyBenchConfig) -> int:
     import torch
 
@@ -117,6 +151,7 @@ def main(cfg: EnergyBenchConfig) -> int:
     from edge.runtime.backend import make_backend
     from edge.runtime.engine import KVMode
     from edge.runtime.rules import NeverExit
+    from edge.runtime.served import open_backend
 
     t0 = time.time()
     torch.set_num_threads(cfg.threads)
@@ -128,12 +163,21 @@ def main(cfg: EnergyBenchConfig) -> int:
     tok = load_tokenizer(served)
     test = load_split(Split.TEST)
     prompts = heldout_prompts(tok, test, cfg.prompts, cfg.prompt_tokens, cfg.seed)
-    graphs = float_graphs(manifest, heldout_prompts(tok, test, 3, 32, cfg.seed + 7))
-    systems = {FULL: (graphs["full"], NeverExit()), EXITS: (graphs["exits"], rule)}
-    if served != manifest.verified_output("distill", "checkpoint"):  # a compressed run
-        systems[C_FULL] = (manifest.verified_output("export", "graphs_full"), NeverExit())
-        systems[C_EXITS] = (manifest.verified_output("export", "graphs"), rule)
-    backends = {n: make_backend("onnxruntime", graphs_dir=g, threads=cfg.threads) for n, (g, _) in systems.items()}
+    if cfg.backend == "onnxruntime":
+        graphs = float_graphs(manifest, heldout_prompts(tok, test, 3, 32, cfg.seed + 7))
+        systems = {FULL: (graphs["full"], NeverExit()), EXITS: (graphs["exits"], rule)}
+        if served != manifest.verified_output("distill", "checkpoint"):  # a compressed run
+            systems[C_FULL] = (manifest.verified_output("export", "graphs_full"), NeverExit())
+            systems[C_EXITS] = (manifest.verified_output("export", "graphs"), rule)
+        backends = {n: make_backend("onnxruntime", graphs_dir=g, threads=cfg.threads) for n, (g, _) in systems.items()}
+        full_is = "the distilled float model without exit heads (ONNX Runtime, graphs_full)"
+    else:  # the served model on the device's backend, without and with the rule
+        choice = backend_choice(cfg, served)
+        graphs_dir = manifest.verified_output("export", "graphs")
+        backend = open_backend(choice, graphs_dir, sha256_path(served), cfg.threads)
+        systems = {FULL: (graphs_dir, NeverExit()), EXITS: (graphs_dir, rule)}
+        backends = {FULL: backend, EXITS: backend}
+        full_is = f"the served model on {choice['name']} without an exit rule"
     groups = [prompts[i:i + cfg.batch] for i in range(0, len(prompts), cfg.batch)]
 
     def decode(name: str, n: int) -> int:
@@ -173,6 +217,7 @@ def main(cfg: EnergyBenchConfig) -> int:
     rel = ratios(rows)
     exit_name = C_EXITS if C_EXITS in rows else EXITS
     summary = {
+        "backend": backends[FULL].name, "full_is": full_is,
         "meter": meter.name, "meter_available": meter.available, "meter_reason": meter.reason,
         "rails": list(meter.rails), "interval_s": cfg.interval_s,
         "joules_per_token": {n: (r["joules_per_token"] or {}).get("median") for n, r in rows.items()},

@@ -53,7 +53,20 @@ def test_markdown_and_plot_say_what_was_measured(tmp_path):
 
 
 @pytest.mark.parametrize("kw,msg", [({"interval_s": 0}, "interval_s"), ({"prompts": 3, "batch": 2}, "multiple"),
-                                    ({"new_tokens": 1}, "new_tokens")])
+                                    ({"new_tokens": 1}, "new_tokens"), ({"backend": "tvm"}, "backend 'tvm'")])
 def test_bad_configs(kw, msg):
     with pytest.raises(ConfigError, match=msg):
         EnergyBenchConfig(**kw)
+
+
+def test_served_backend_needs_the_choice_jetson_serve_wrote(tmp_path):
+    from edge.pipeline.bench.energy import backend_choice
+
+    cfg = EnergyBenchConfig(run_dir=str(tmp_path), backend="served")
+    with pytest.raises(ConfigError, match="make jetson-serve"):
+        backend_choice(cfg, tmp_path / "ckpt")
+    (tmp_path / "jetson" / "units").mkdir(parents=True)
+    (tmp_path / "jetson" / "units" / "backend.json").write_text('{"name": "tensorrt", "engines_dir": "/e"}')
+    assert backend_choice(cfg, tmp_path / "ckpt") == {"name": "tensorrt", "engines_dir": "/e"}
+    cfg.backend = "torch_static"
+    assert backend_choice(cfg, tmp_path / "ckpt")["checkpoint"] == str(tmp_path / "ckpt")

@@ -24,7 +24,10 @@ from tests.unit.jetson.test_jetson_push import fake_device  # noqa: F401  (fixtu
 # SYNTHETIC bench metrics in the shape bench decode / bench energy record (edge/pipeline/bench); invented
 # numbers for this test only
 DECODE = {"batches": {"1": {"systems": {"(c) full depth": {"tokens_per_s": 100.0}, "(d) exits": {"tokens_per_s": 120.0}}}}}
-ENERGY = {"meter": "jtop", "meter_available": True, "joules_per_token": {"full": 0.5, "exits": 0.4}}
+ENERGY = {"meter": "jtop", "meter_available": True, "joules_per_token": {"full": 0.5, "exits": 0.4},
+          "backend": "tensorrt", "full_is": "the served model on tensorrt without an exit rule",
+          "tokens_per_s": {"full": 90.0, "exits": 117.0}, "speed_ratio_shipped_vs_full": 1.3,
+          "ratio_shipped_vs_full": 0.8}
 
 # stands in for `smartexit` on the device: writes what the real stages write (check.json; bench files and
 # their manifest records), reading the same arguments
@@ -55,7 +58,7 @@ def test_dry_run_prints_remote_and_pull_commands(run_dir, capsys):
         ["ssh", "me@orin", "cd smartexit && .venv/bin/smartexit bench decode --config configs/bench_decode.yaml "
                            "run_dir=artifacts/run"],
         ["ssh", "me@orin", "cd smartexit && .venv/bin/smartexit bench energy --config configs/bench_energy.yaml "
-                           "meter=jtop run_dir=artifacts/run"]]
+                           "meter=jtop backend=served run_dir=artifacts/run"]]
     assert lines[3:] == [
         ["rsync", "-a", "me@orin:smartexit/artifacts/run/bench/", f"{run_dir}/jetson/bench"],
         ["rsync", "-a", "me@orin:smartexit/artifacts/run/jetson/device/", f"{run_dir}/jetson/device"],
@@ -93,6 +96,7 @@ def test_bench_on_a_stand_in_device(run_dir, tmp_path, fake_device, capsys):  # 
     md = report.render_markdown(rep)
     assert rep["jetson"]["device"]["jetpack"] == "6.2.1"
     assert "## On the Jetson" in md and "| 1 | (d) exits | 120.0 |" in md and "exits 0.4" in md
+    assert "Served backend `tensorrt`" in md and "exits / full 1.300" in md and "exits / full 0.800" in md
 
 
 def test_bench_metrics_without_a_check():
