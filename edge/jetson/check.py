@@ -53,6 +53,9 @@ SUPPORTED: tuple[Requirement, ...] = (
     Requirement("python", "3.10", "3.11", "make the venv with JetPack's Python: python3.10 -m venv .venv"),
     Requirement("jtop", None, None, "sudo pip3 install -U jetson-stats, then reboot (the power meter of "
                                     "`smartexit bench energy meter=jtop`)", required=False),
+    Requirement("torch_cuda", None, None, "JetPack's PyTorch wheel in the venv (NVIDIA, 'Installing PyTorch for "
+                                          "Jetson Platform'; PyPI's aarch64 torch has no CUDA): the torch_static "
+                                          "backend that serves before `make jetson-engines`", required=False),
 )
 
 
@@ -103,7 +106,8 @@ def evaluate(facts: DeviceFacts, min_available_mib: int = 2048) -> list[Row]:
     found = {"l4t": facts.l4t, "cuda": facts.stack.cuda, "tensorrt": facts.stack.tensorrt,
              "cudnn": facts.stack.cudnn, "trtexec": commands.TRTEXEC if facts.trtexec else None,
              "triton": facts.triton if facts.triton_present else None, "python": facts.python,
-             "jtop": "jtop.service" if facts.jtop_service else None}
+             "jtop": "jtop.service" if facts.jtop_service else None,
+             "torch_cuda": f"torch {facts.torch} with CUDA" if facts.torch and facts.torch_cuda else None}
     rows = []
     for req in SUPPORTED:
         v = found[req.component]

@@ -33,6 +33,14 @@ def dpkg_versions_argv(patterns: Iterable[str], admindir: str | Path | None = No
     return [*argv, "-W", "-f", "${db:Status-Abbrev} ${Package} ${Version}\\n", *patterns]
 
 
+TORCH_PROBE = "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+
+
+def torch_probe_argv(python: str) -> list[str]:
+    """Whether this venv's torch sees CUDA (the torch_static backend, what serves before TensorRT engines)."""
+    return [python, "-c", TORCH_PROBE]
+
+
 def nvpmodel_query_argv() -> list[str]:
     """The current power mode: 'NV Power Mode: MODE_30W' and its id (nvpmodel, L4T)."""
     return ["nvpmodel", "-q"]

@@ -240,6 +240,8 @@ class DeviceFacts:
     clocks: Clocks | None = None
     memory: Memory | None = None
     jtop_service: bool = False
+    torch: str | None = None  # the venv's torch version, None: not importable
+    torch_cuda: bool = False  # and whether it sees CUDA (JetPack's wheel does; PyPI's aarch64 wheel does not)
     errors: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -306,4 +308,20 @@ def collect(root: str | Path, run: ToolRunner, triton_home: str | Path,
     except (OSError, SmartExitError) as exc:
         facts.errors["memory"] = f"{mem}: {exc}"
     facts.jtop_service = any((root / p).is_file() for p in JTOP_UNITS)
+    try:
+        facts.torch, facts.torch_cuda = parse_torch_probe(_run_text(run, commands.torch_probe_argv(sys.executable)))
+    except SmartExitError as exc:
+        facts.errors["torch"] = str(exc)
     return facts
+
+
+def parse_torch_probe(text: str) -> tuple[str, bool]:
+    """``torch 2.5.0a0+872d972e41.nv24.08 cuda True`` (commands.TORCH_PROBE's line) -> (version, sees CUDA).
+
+    Raises:
+        SmartExitError: not that line (torch failed to import: its error is the text).
+    """
+    parts = text.strip().splitlines()[-1].split() if text.strip() else []
+    if len(parts) != 4 or parts[0] != "torch" or parts[2] != "cuda" or parts[3] not in ("True", "False"):
+        raise SmartExitError(f"torch probe: unexpected output {text.strip()[-200:]!r}")
+    return parts[1], parts[3] == "True"

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 
 from edge.jetson import check as check_mod
 from edge.jetson import facts as facts_mod
@@ -23,11 +24,16 @@ def _done(argv, stdout, rc=0):
     return subprocess.CompletedProcess(argv, rc, stdout, "")
 
 
-def fake_tools(dpkg: str, nvpmodel: str | None, clocks: str | None):
-    """A runner answering dpkg-query, nvpmodel -q and jetson_clocks --show with the given (real) texts;
-    None: the tool fails as on a board where it is missing (run_command raises)."""
+# SYNTHETIC: the torch probe's line (edge/jetson/commands.TORCH_PROBE) with the version of NVIDIA's torch wheel
+# for JetPack 6.1 (torch-2.5.0a0+872d972e41.nv24.08, "Installing PyTorch for Jetson Platform")
+TORCH_JP61 = "torch 2.5.0a0+872d972e41.nv24.08 cuda True\n"
+
+
+def fake_tools(dpkg: str, nvpmodel: str | None, clocks: str | None, torch: str | None = TORCH_JP61):
+    """A runner answering dpkg-query, nvpmodel -q and jetson_clocks --show with the given (real) texts, and
+    the torch probe; None: the tool fails as on a board where it is missing (run_command raises)."""
     def run(argv):
-        text = {"dpkg-query": dpkg, "nvpmodel": nvpmodel, "sudo": clocks}[argv[0]]
+        text = {"dpkg-query": dpkg, "nvpmodel": nvpmodel, "sudo": clocks}.get(argv[0], torch)
         if text is None:
             from edge.core.errors import SmartExitError
             raise SmartExitError(f"{argv[0]} is not installed or not on PATH")
@@ -67,10 +73,29 @@ def test_supported_jetpack_6_2(tmp_path):
     assert {k: r[k].status for k in ("l4t", "cuda", "tensorrt", "cudnn", "trtexec", "triton", "python")} == dict.fromkeys(
         ("l4t", "cuda", "tensorrt", "cudnn", "trtexec", "triton", "python"), "ok")
     assert r["jtop"].status == "info" and "jetson-stats" in r["jtop"].install  # optional: said, not judged
+    assert r["torch_cuda"].status == "ok" and r["torch_cuda"].found == "torch 2.5.0a0+872d972e41.nv24.08 with CUDA"
     assert r["clocks"].status == "info" and "sudo jetson_clocks" in r["clocks"].install  # GPU at its minimum
     assert verdict(rows) == "supported"
     text = render(f, rows)
     assert "verdict: supported" in text and "36.4.4 (JetPack 6.2.1)" in text
+
+
+@pytest.mark.parametrize("probe", ["torch 2.3.1 cuda False\n", None, "Traceback ...\nModuleNotFoundError: torch\n"])
+def test_torch_without_cuda_is_said_not_judged(tmp_path, probe):
+    """PyPI's aarch64 torch (no CUDA), no torch, or a failing import: the torch_static path is not there;
+    the row says what to install, and the verdict stays the TensorRT path's."""
+    root = device_root(tmp_path / "root")
+    f = collect(root, fake_tools(jp62_dpkg(), block(CLOCKS, "`nvpmodel -q` | Orin Nano"),
+                                 block(CLOCKS, "`sudo jetson_clocks --show` | AGX Orin"), torch=probe),
+                root / "opt/tritonserver", python=(3, 10, 12))
+    rows = evaluate(f)
+    r = rows_by(rows)
+    assert r["torch_cuda"].status == "info" and "JetPack's PyTorch wheel" in r["torch_cuda"].install
+    assert verdict(rows) == "supported"
+    if probe and probe.startswith("torch"):
+        assert f.torch == "2.3.1" and f.torch_cuda is False
+    else:
+        assert f.torch is None and "torch" in f.errors
 
 
 def test_too_old_jetpack_5(tmp_path):
