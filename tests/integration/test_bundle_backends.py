@@ -5,7 +5,6 @@ refused with the reason. The TensorRT choice needs a device: tests/jetson/test_t
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 import pytest
@@ -33,24 +32,11 @@ def torch_choice(served_run, tmp_path_factory) -> Path:
     return path
 
 
-def generate(bundle: Path, prompt: list[int], mode: str, **kw) -> list:
-    """One greedy request on the engine host over ``bundle``: its (tokens, exit layers)."""
-    from edge.runtime.host import GenRequest
-    from scheduler.bundle import open_bundle
+def generate(bundle: Path, prompt: list[int], mode: str) -> list:
+    """One greedy request on the engine host over ``bundle`` in this process: its (token, exit layer) pairs."""
+    from tests.integration.test_triton_model import in_process
 
-    host = open_bundle(bundle, **kw).start()
-    chunks, done = [], threading.Event()
-
-    def emit(chunk):
-        chunks.append(chunk)
-        if chunk.finish_reason is not None:
-            done.set()
-    try:
-        host.submit(GenRequest("r", list(prompt), 10, mode=mode), emit)
-        assert done.wait(60), "the engine did not finish"
-    finally:
-        host.stop()
-    return [(t, e) for c in chunks for t, e in zip(c.tokens, c.exit_layers)]
+    return [(t, e) for c in in_process(bundle, prompt, 10, mode) for t, e in zip(c.tokens, c.exit_layers)]
 
 
 @pytest.mark.parametrize("mode", ["full", "bounded"])
