@@ -6,7 +6,6 @@ import json
 import shlex
 import shutil
 import sys
-from pathlib import Path
 
 import pytest
 

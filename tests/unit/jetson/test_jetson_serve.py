@@ -53,7 +53,7 @@ def test_unit_text(tmp_path):
     assert argv[:3] == [str(tmp_path / "tritonserver/bin/tritonserver"), f"--model-repository={tmp_path}/run/triton",
                         f"--backend-directory={tmp_path}/tritonserver/backends"]  # explicit on Jetson
     assert {"--http-address=127.0.0.1", "--grpc-port=8001", "--http-port=8010", "--metrics-port=8002"} <= set(argv)
-    assert (f"Environment=SMARTEXIT_PYTHONPATH=/srv/venv/lib/python3.10/site-packages:/srv/smartexit" in tri
+    assert ("Environment=SMARTEXIT_PYTHONPATH=/srv/venv/lib/python3.10/site-packages:/srv/smartexit" in tri
             and f"Environment=LD_LIBRARY_PATH={tmp_path}/tritonserver/lib:/usr/lib" in tri)
     srv = units[SERVE_UNIT]
     assert f"Requires={TRITON_UNIT}" in srv and f"After={TRITON_UNIT} network-online.target" in srv
