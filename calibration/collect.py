@@ -159,7 +159,8 @@ def collect_engine(backend: Backend, seqs: np.ndarray, first: int, batch: int = 
     for a in range(0, u, batch):
         rows = seqs[a:a + batch]
         b = rows.shape[0]
-        backend.attach(KVCache(backend.num_layers, backend.num_kv_heads, backend.head_dim, b, length))
+        backend.attach(KVCache(backend.num_layers, backend.num_kv_heads, backend.head_dim, b, length,
+                               allocate=backend.host_cache))
         for r in range(b):  # the prompt, full depth, one call per sequence
             x = rows[r:r + 1, :first]
             for i in range(nseg):

@@ -256,7 +256,9 @@ def _jetson_md(j: dict[str, Any]) -> list[str]:
     if en:
         speed = ", ".join(f"{n} {_fmt(v, '.1f')}" for n, v in (en.get("tokens_per_s") or {}).items())
         lines += [f"Served backend `{en.get('backend', 'onnxruntime')}` (full: {en.get('full_is', 'see bench/energy.md')}): "
-                  f"tokens/s {speed}; exits / full {_fmt(en.get('speed_ratio_shipped_vs_full'), '.3f')}.", ""]
+                  f"tokens/s {speed}; exits / full {_fmt(en.get('speed_ratio_shipped_vs_full'), '.3f')}; false exits "
+                  f"{_fmt(en.get('false_exit_rate'), '.4f')} of {en.get('false_exit_tokens')} tokens (against "
+                  f"{en.get('false_exits_judged_against')}).", ""]
     if en.get("meter_available"):
         lines += [f"Energy (`{en.get('meter')}`): joules per token " + ", ".join(
             f"{n} {_fmt(v, '.4g')}" for n, v in (en.get("joules_per_token") or {}).items())

@@ -77,6 +77,9 @@ def test_compressed_model_is_what_every_later_stage_serves(run, capsys):
         assert row["joules_per_token"] is None and row["cpu_seconds_per_token"]["median"] > 0
         assert row["tokens"] == 2 * 2 * 4
     assert energy["summary"]["meter"] == "none" and energy["summary"]["ratio_exit_vs_full"] is None
+    assert energy["summary"]["false_exit_tokens"] == 2 * 3  # 2 prompts x (4 - 1) judged tokens
+    assert 0.0 <= energy["summary"]["false_exit_rate"] <= 1.0
+    assert energy["summary"]["false_exits_judged_against"] == "onnxruntime, full-depth decode"
     assert "no power sensor" in (run / "bench" / "energy.md").read_text()
     assert cli(["report", f"run_dir={run}"]) == 0
     e = json.loads((run / "report.json").read_text())["energy"]
@@ -95,6 +98,8 @@ def test_compressed_model_is_what_every_later_stage_serves(run, capsys):
     assert set(energy["rows"]) == {"full", "exits"} and energy["summary"]["backend"] == "torch_static"
     assert energy["summary"]["full_is"] == "the served model on torch_static without an exit rule"
     assert all(row["tokens"] == 2 * 4 for row in energy["rows"].values())
+    assert energy["summary"]["false_exits_judged_against"] == "torch_static, full-depth decode"
+    assert "False exits of `exits`" in (run / "bench" / "energy.md").read_text()
 
 
 def test_a_changed_distilled_checkpoint_invalidates_the_compressed_one(run):

@@ -148,6 +148,7 @@ def main(cfg: EnergyBenchConfig) -> int:
     from edge.model.tokenizer import load_tokenizer
     from edge.pipeline.bench.engine_run import run_engine
     from edge.pipeline.bench.float_graphs import float_graphs
+    from edge.pipeline.freerun import Served, check_continuations
     from edge.runtime.backend import make_backend
     from edge.runtime.engine import KVMode
     from edge.runtime.rules import NeverExit
@@ -216,6 +217,14 @@ def main(cfg: EnergyBenchConfig) -> int:
     rows = {n: per_token(w) for n, w in windows.items()}
     rel = ratios(rows)
     exit_name = C_EXITS if C_EXITS in rows else EXITS
+    # the shipped system's exits on this backend, judged against the same backend at full depth on the same
+    # prefixes (the certificate was computed on the ONNX Runtime engine; a device's engine may differ)
+    res = [run_engine(backends[exit_name], rule, g, cfg.new_tokens, kv_mode) for g in groups]
+    check = check_continuations(Served(backends[exit_name]), np.asarray(prompts),
+                                np.asarray([t for r in res for t in r.tokens]),
+                                np.asarray([e for r in res for e in r.exit_layers]), kv_mode).summary()
+    _log(t0, f"{exit_name} on {backends[exit_name].name}: false exits {check.false_exits + check.full_depth_mismatches}"
+             f"/{check.tokens} against its own full depth")
     summary = {
         "backend": backends[FULL].name, "full_is": full_is,
         "meter": meter.name, "meter_available": meter.available, "meter_reason": meter.reason,
@@ -232,6 +241,8 @@ def main(cfg: EnergyBenchConfig) -> int:
         "cpu_ratio_shipped_vs_full": rel[exit_name]["cpu_seconds_per_token"],
         "speed_ratio_shipped_vs_full": rel[exit_name]["tokens_per_s"],
         "idle_watts": [w.idle_watts for w in windows[names[0]]],
+        "false_exit_rate": check.false_exit_rate, "false_exit_tokens": check.tokens,
+        "false_exits_judged_against": f"{backends[exit_name].name}, full-depth decode",
     }
     result = {"config": asdict(cfg), "rows": rows, "ratios_vs_full": rel, "summary": summary,
               "windows": {n: [asdict(w) for w in ws] for n, ws in windows.items()}, "idle": idle_trace,
@@ -263,8 +274,9 @@ def render_markdown(result: dict[str, Any]) -> str:
               "(process user + system time, all threads) is shown as a proxy, and it is not energy")
     lines = ["# Energy per token", "",
              f"The same decode work for each system: {c['prompts']} held-out prompts of {c['prompt_tokens']} tokens, "
-             f"{c['new_tokens']} new tokens each, batch {c['batch']}, {c['repeats']} repeats in rotated order, ONNX "
-             f"Runtime CPU with {c['threads']} threads; {sensor}. Idle baseline: {c['idle_seconds']} s before each "
+             f"{c['new_tokens']} new tokens each, batch {c['batch']}, {c['repeats']} repeats in rotated order, backend "
+             f"`{s.get('backend', 'onnxruntime')}` ({c['threads']} CPU threads); `full` is {s.get('full_is', '-')}; "
+             f"{sensor}. Idle baseline: {c['idle_seconds']} s before each "
              "repeat. Median over repeats (min-max); ratios are of medians against `full`.", "",
              "| system | J/token | J/token above idle | CPU-s/token | tokens/s | J ratio | CPU-s ratio | speed ratio |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -277,6 +289,9 @@ def render_markdown(result: dict[str, Any]) -> str:
                      f"{cell(r['cpu_seconds_per_token'])} | {cell(r['tokens_per_s'], '.0f')} | "
                      f"{_fmt(rel[n]['joules_per_token'])} | {_fmt(rel[n]['cpu_seconds_per_token'])} | "
                      f"{_fmt(rel[n]['tokens_per_s'])} |")
+    if s.get("false_exit_tokens"):
+        lines += ["", f"False exits of `{s['shipped_system']}`: {s['false_exit_rate']:.4f} of {s['false_exit_tokens']} "
+                      f"judged tokens, against {s['false_exits_judged_against']} on the same prefixes."]
     return "\n".join(lines + ["", "![energy](energy.png)", ""])
 
 

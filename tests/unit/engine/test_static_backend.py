@@ -37,6 +37,10 @@ def test_engine_over_it_decodes_what_the_reference_decodes(mode):
     assert backend.buckets == [1, 2, 3]  # powers of two up to the slots, and the slots
     assert eng.cache.keys == [], "the engine holds slots only; the K/V live in the backend, on its device"
     assert tuple(backend.keys[0].shape) == (4, CFG.num_kv_heads, 128, CFG.head_dim)  # + the spare slot
+    # a second engine of the same shape keeps the device cache (and, on a GPU, its graphs): stale K/V unread
+    keys = backend.keys[0]
+    assert _run(Engine(backend, cfg, ConfidenceRule(0.3)), prompts) == ref
+    assert backend.keys[0] is keys
 
 
 def test_segment_outputs_agree_with_the_reference():

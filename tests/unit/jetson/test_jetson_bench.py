@@ -26,7 +26,8 @@ DECODE = {"batches": {"1": {"systems": {"(c) full depth": {"tokens_per_s": 100.0
 ENERGY = {"meter": "jtop", "meter_available": True, "joules_per_token": {"full": 0.5, "exits": 0.4},
           "backend": "tensorrt", "full_is": "the served model on tensorrt without an exit rule",
           "tokens_per_s": {"full": 90.0, "exits": 117.0}, "speed_ratio_shipped_vs_full": 1.3,
-          "ratio_shipped_vs_full": 0.8}
+          "ratio_shipped_vs_full": 0.8, "false_exit_rate": 0.004, "false_exit_tokens": 992,
+          "false_exits_judged_against": "tensorrt, full-depth decode"}
 
 # stands in for `smartexit` on the device: writes what the real stages write (check.json; bench files and
 # their manifest records), reading the same arguments
@@ -96,6 +97,7 @@ def test_bench_on_a_stand_in_device(run_dir, tmp_path, fake_device, capsys):  # 
     assert rep["jetson"]["device"]["jetpack"] == "6.2.1"
     assert "## On the Jetson" in md and "| 1 | (d) exits | 120.0 |" in md and "exits 0.4" in md
     assert "Served backend `tensorrt`" in md and "exits / full 1.300" in md and "exits / full 0.800" in md
+    assert "false exits 0.0040 of 992 tokens (against tensorrt, full-depth decode)" in md
 
 
 def test_bench_metrics_without_a_check():
