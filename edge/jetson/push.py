@@ -4,8 +4,9 @@ What the device gets, into ``<remote_dir>/artifacts/<run>/`` (the same layout as
 
 - the ONNX export (``onnx/``: the portable graphs TensorRT builds from, the fused ONNX Runtime ones),
   the threshold table, the Triton repository (its bundle carries the tokenizer), and ``manifest.json``;
-- with ``bench=true`` (default) also what the on-device benchmarks load: the served checkpoint(s) and
-  the full-depth export (``onnx_full/``);
+- with ``bench=true`` (default) also what the on-device benchmarks load: the served checkpoint(s), which
+  the ``torch_static`` backend also serves before TensorRT engines exist, and the full-depth export
+  (``onnx_full/``);
 - ONNX Runtime's outputs on recorded inputs (``jetson/parity/``), the reference of the engines'
   parity check on the device (:mod:`edge.jetson.record`);
 - with ``code=true`` (default) the project's tracked files (``git ls-files``) into ``<remote_dir>``;
@@ -44,8 +45,8 @@ ALWAYS = (("export", "graphs", "ONNX segments: TensorRT engines, the served engi
           ("calibrate", "thresholds", "the threshold table"),
           ("repo", "repository", "the Triton model repository (bundle: graphs, tokenizer, thresholds)"))
 FOR_BENCH = (("export", "graphs_full", "the full-depth baseline of the benchmarks"),
-             ("distill", "checkpoint", "the checkpoint the benchmarks load"),
-             ("compress", "checkpoint", "the compressed checkpoint the benchmarks load"))
+             ("distill", "checkpoint", "the checkpoint the benchmarks load (torch_static serves it uncompressed)"),
+             ("compress", "checkpoint", "the compressed checkpoint the benchmarks load (torch_static serves it)"))
 
 
 @dataclass
