@@ -33,6 +33,7 @@ import torch
 from edge.core.errors import ConfigError
 from edge.model.exits import MultiExitModel, exit_decision_stats
 from edge.runtime.backend import Backend, HeadOut, ModelSpec, SegmentOut, host_decision
+from edge.runtime.static_decode import past_mask
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -116,7 +117,6 @@ class StaticTorchBackend(Backend):
         self.keys = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.num_layers)]
         self.values = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.num_layers)]
         self.spare = c.slots
-        self._cap = torch.arange(c.capacity, device=self.device)
         asked = self._buckets_asked or [1 << k for k in range(c.slots.bit_length() + 1) if 1 << k <= c.slots]
         self.buckets = sorted({b for b in asked if 1 <= b <= c.slots} | {c.slots})
         self._plans.clear()
@@ -129,26 +129,15 @@ class StaticTorchBackend(Backend):
         cos, sin = self.bb.rope(positions)
         return cos.to(self.dtype), sin.to(self.dtype)
 
-    def _decode_mask(self, pos: torch.Tensor) -> torch.Tensor:
-        """[B, 1, 1, L + 1]: a decode row sees its slot's positions before its own, and itself."""
-        seen = self._cap[None, :] < pos[:, None]
-        if self.sliding_window is not None:
-            seen &= self._cap[None, :] > pos[:, None] - self.sliding_window
-        past = torch.zeros(seen.shape, device=self.device, dtype=self.dtype).masked_fill(~seen, torch.finfo(self.dtype).min)
-        own = torch.zeros(pos.shape[0], 1, device=self.device, dtype=self.dtype)
-        return torch.cat((past, own), dim=1)[:, None, None, :]
-
-    def _layers(self, i: int, h: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, past: int | None,
+    def _layers(self, i: int, h: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, past: int,
                 mask: torch.Tensor) -> torch.Tensor:
-        """Segment i's layers on h [B, T, D] at ``positions`` [B, T]; past: gather this many cached
-        positions (None: the whole capacity, a decode call). Writes the new rows' K/V into the slots."""
+        """Segment i's layers on h [B, T, D] at ``positions`` [B, T] over the first ``past`` cached positions
+        of each slot (a decode call: the whole capacity). Writes the new rows' K/V into the slots."""
         cos, sin = self._rope(positions)
         idx = slots[:, None].expand_as(positions)
         for j in self.segments[i]:
             k_all, v_all = self.keys[j], self.values[j]
-            pk, pv = k_all[slots], v_all[slots]  # [B, KV, L, hd] (a gather)
-            if past is not None:
-                pk, pv = pk[:, :, :past], pv[:, :, :past]
+            pk, pv = k_all[slots, :, :past], v_all[slots, :, :past]  # [B, KV, past, hd] (a gather)
             h, k, v = self.bb.layers[j](h, cos, sin, pk, pv, mask)
             k_all[idx, :, positions] = k.transpose(1, 2)  # [B, T, KV, hd] at (slot, position)
             v_all[idx, :, positions] = v.transpose(1, 2)
@@ -179,7 +168,8 @@ class StaticTorchBackend(Backend):
 
             def fn():
                 h = self.bb.embed(x) if i == 0 else x
-                h = self._layers(i, h, slots, pos[:, None], None, self._decode_mask(pos))
+                cap = self.cache.capacity  # the whole slot: no shape depends on the step
+                h = self._layers(i, h, slots, pos[:, None], cap, past_mask(pos[:, None], pos, cap, self.sliding_window))
                 out = {"hidden": h, "exit_hidden": self._exit(i, h)}
                 if self.spec.gated and i < len(self.segments) - 1:
                     out["gate"] = self.model.exit_gate(self.exit_layers[i], out["exit_hidden"])
@@ -220,7 +210,7 @@ class StaticTorchBackend(Backend):
         b, t = x.shape[:2]
         last = i == len(self.segments) - 1
         slots_t, start_t = self._to(slots.astype(np.int64)), self._to(start.astype(np.int64))
-        if t == 1 and b <= self.buckets[-1]:  # a decode call: the bucket's graph
+        if t == 1:  # a decode call (B <= slots, the largest bucket): the bucket's graph
             k = self._bucket(b)
             out = self._decode_plan("segment", i, k)(slots=slots_t, pos=start_t, x=self._to(x, self.dtype))
             h, eh = out["hidden"], out["exit_hidden"]
@@ -229,7 +219,7 @@ class StaticTorchBackend(Backend):
         else:  # a prompt chunk or deferred rows (B == 1 or T == 1): eagerly, over the past that exists
             positions = start_t[:, None] + torch.arange(t, device=self.device)[None, :]
             p = int(start.max())
-            mask = self._mask(positions, start_t, p)
+            mask = past_mask(positions, start_t, p, self.sliding_window)
             h = self.bb.embed(self._to(x)) if i == 0 else self._to(x, self.dtype)
             h = self._layers(i, h, slots_t, positions, p, mask)
             eh = self._exit(i, h[:, t - rows:])
@@ -249,19 +239,6 @@ class StaticTorchBackend(Backend):
                              self._host(ho["token"], r))
         return out if last else host_decision(self, i, out, prev)
 
-    def _mask(self, positions: torch.Tensor, start: torch.Tensor, p: int) -> torch.Tensor:
-        """[B, 1, T, P + T]: a row sees its sequence's cached positions and the new rows up to its own
-        (:func:`edge.runtime.backend.build_mask`, on the device)."""
-        b = positions.shape[0]
-        past = torch.arange(p, device=self.device)[None, :].expand(b, p)
-        k_pos = torch.cat((past, positions), dim=1)
-        k_valid = torch.cat((past < start[:, None], torch.ones_like(positions, dtype=torch.bool)), dim=1)
-        allowed = (k_pos[:, None, :] <= positions[:, :, None]) & k_valid[:, None, :]
-        if self.sliding_window is not None:
-            allowed &= k_pos[:, None, :] > positions[:, :, None] - self.sliding_window
-        zero = torch.zeros(allowed.shape, device=self.device, dtype=self.dtype)
-        return zero.masked_fill(~allowed, torch.finfo(self.dtype).min)[:, None]
-
     @torch.no_grad()
     def _head(self, i, exit_hidden):
         ho = self._head_fn(self._to(exit_hidden, self.dtype))
@@ -273,11 +250,4 @@ class StaticTorchBackend(Backend):
         b = len(slots)
         slots_t, pos_t = self._to(slots.astype(np.int64)), self._to(positions.astype(np.int64))
         hid = self._to(hidden, self.dtype)[:, None]
-        if b <= self.buckets[-1]:
-            self._decode_plan("fill", i, self._bucket(b))(slots=slots_t, pos=pos_t, x=hid)
-            return
-        cos, sin = self._rope(pos_t[:, None])
-        for j in self.suffix_layers(i):
-            k, v = self.bb.layers[j].kv_only(hid, cos, sin)
-            self.keys[j][slots_t, :, pos_t] = k[:, :, 0]
-            self.values[j][slots_t, :, pos_t] = v[:, :, 0]
+        self._decode_plan("fill", i, self._bucket(b))(slots=slots_t, pos=pos_t, x=hid)

@@ -21,8 +21,21 @@ from dataclasses import dataclass
 import torch
 
 from edge.core.errors import ConfigError
+from edge.model.decoder import attention_mask
 from edge.model.exits import MultiExitModel
 from edge.model.segments import segment_layers
+
+
+def past_mask(positions: torch.Tensor, start: torch.Tensor, past: int, window: int | None) -> torch.Tensor:
+    """Additive mask [B, 1, T, past + T] over ``past`` cached positions then the T new rows at ``positions``
+    [B, T]: a row sees its sequence's first ``start[b]`` cached positions and the new rows up to its own
+    (within ``window``); the torch twin of :func:`edge.runtime.backend.build_mask`. A decode step over a
+    static cache is ``past_mask(pos[:, None], pos, L, window)``: no shape depends on the step."""
+    b = positions.shape[0]
+    cached = torch.arange(past, device=positions.device)[None, :].expand(b, past)
+    k_pos = torch.cat((cached, positions), dim=1)
+    k_valid = torch.cat((cached < start[:, None], torch.ones_like(positions, dtype=torch.bool)), dim=1)
+    return attention_mask(positions, k_pos, k_valid, window)
 
 
 @dataclass
@@ -56,7 +69,6 @@ class StaticDecode:
         self.values = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(cfg.num_layers)]
         self.window = cfg.sliding_window
         self._rows = torch.arange(batch, device=self.device)
-        self._slots = torch.arange(max_len, device=self.device)
         # static inputs of the captured graphs, and their outputs
         self.pos = torch.zeros(batch, dtype=torch.long, device=self.device)  # [B] position of this step's token
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=self.device)  # [B, 1]
@@ -71,22 +83,12 @@ class StaticDecode:
         cos, sin = self.model.backbone.rope(positions)
         return cos.to(self.dtype), sin.to(self.dtype)
 
-    def _mask(self) -> torch.Tensor:
-        """[B, 1, 1, L + 1] additive: a row sees past slots before its position, and its own new row."""
-        seen = self._slots[None, :] < self.pos[:, None]  # [B, L]
-        if self.window is not None:
-            seen &= self._slots[None, :] > self.pos[:, None] - self.window
-        past = torch.zeros(seen.shape, device=self.device, dtype=self.dtype).masked_fill(
-            ~seen, torch.finfo(self.dtype).min)
-        own = torch.zeros(self.batch, 1, device=self.device, dtype=self.dtype)
-        return torch.cat((past, own), dim=1)[:, None, None, :]
-
     @torch.no_grad()
     def _segment(self, i: int) -> SegmentResult:
         bb = self.model.backbone
         h = bb.embed(self.ids) if i == 0 else self.hidden_in[i]
         cos, sin = self._rope(self.pos[:, None])
-        mask = self._mask()
+        mask = past_mask(self.pos[:, None], self.pos, self.max_len, self.window)
         for j in self.segments[i]:
             h, k, v = bb.layers[j](h, cos, sin, self.keys[j], self.values[j], mask)
             self.keys[j][self._rows, :, self.pos] = k[:, :, 0]  # index_put_: graph-safe, no host sync

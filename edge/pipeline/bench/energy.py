@@ -181,10 +181,12 @@ def main(cfg: EnergyBenchConfig) -> int:
         full_is = f"the served model on {choice['name']} without an exit rule"
     groups = [prompts[i:i + cfg.batch] for i in range(0, len(prompts), cfg.batch)]
 
+    made: dict[str, list] = {}  # each system's last window's results (the false-exit check reads them)
+
     def decode(name: str, n: int) -> int:
         """One window's work: every group of prompts, ``n`` new tokens each; returns the tokens made."""
-        res = [run_engine(backends[name], systems[name][1], g, n, kv_mode) for g in groups]
-        return sum(len(t) for r in res for t in r.tokens)
+        made[name] = [run_engine(backends[name], systems[name][1], g, n, kv_mode) for g in groups]
+        return sum(len(t) for r in made[name] for t in r.tokens)
 
     meter = open_meter(cfg.meter, cfg.interval_s)
     _log(t0, f"meter: {meter.name}" + ("" if meter.available else f" (no sensor: {meter.reason})"))
@@ -219,7 +221,7 @@ def main(cfg: EnergyBenchConfig) -> int:
     exit_name = C_EXITS if C_EXITS in rows else EXITS
     # the shipped system's exits on this backend, judged against the same backend at full depth on the same
     # prefixes (the certificate was computed on the ONNX Runtime engine; a device's engine may differ)
-    res = [run_engine(backends[exit_name], rule, g, cfg.new_tokens, kv_mode) for g in groups]
+    res = made[exit_name]  # its last timed window
     check = check_continuations(Served(backends[exit_name]), np.asarray(prompts),
                                 np.asarray([t for r in res for t in r.tokens]),
                                 np.asarray([e for r in res for e in r.exit_layers]), kv_mode).summary()

@@ -7,7 +7,7 @@ import asyncio
 
 from scheduler.serve.dashboard import LivePower
 from tests.unit.scheduler.test_serve_dashboard import FakeSensor
-from tests.unit.scheduler.test_triton_client import StatsClient
+from tests.unit.scheduler.test_triton_client import KeepPolicy, StatsClient
 
 
 class Hub:
@@ -21,11 +21,6 @@ class Hub:
         async def done():
             return None
         return done()
-
-
-class KeepPolicy:
-    def act(self, obs):
-        return type("Action", (), {"prefill_budget": 64, "max_running": 4})()
 
 
 class BrokenSensor(FakeSensor):
