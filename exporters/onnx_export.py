@@ -86,6 +86,10 @@ class ExportConfig:
     # Graphs whose weights exceed this many bytes are saved with one external data file.
     external_data_threshold: int = PROTOBUF_LIMIT - (64 << 20)
     slim: bool = True  # simplify the portable graphs with onnxslim (see _slim)
+    # the fused graph of every layer ("full"): what a call in which no row may leave runs (prompt chunks,
+    # batches above the exit limit), one call instead of one per segment and no check. It holds a second
+    # copy of the layers and the embedding table: off for a model whose weights the device cannot hold twice
+    full_graph: bool = True
 
     def __post_init__(self) -> None:
         if self.opset not in SUPPORTED_OPSETS:
@@ -385,11 +389,13 @@ def export_onnx(model: MultiExitModel, out_dir: str | Path, cfg: ExportConfig,
             graphs=graphs, checkpoint_sha256=checkpoint_sha256, opset=cfg.opset,
             model={"num_layers": mcfg.num_layers, "hidden_size": d, "num_kv_heads": kvh, "head_dim": hd,
                    "vocab_size": mcfg.vocab_size, "sliding_window": mcfg.sliding_window,
-                   "max_positions": mcfg.max_position_embeddings, "gated": model.gated},
+                   "max_positions": mcfg.max_position_embeddings, "gated": model.gated,
+                   "shortlist": model.shortlist.tolist() if model.has_shortlist else []},
         )
         manifest.fused_skipped = fused_supported(model)
         if manifest.fused_skipped is None:
-            fused = save_fused(build_fused(model, seg_layers), tmp / FUSED_DIR, cfg.external_data_threshold)
+            fused = save_fused(build_fused(model, seg_layers, cfg.full_graph), tmp / FUSED_DIR,
+                               cfg.external_data_threshold)
             if len(model.exit_layers) > 1:  # a draft exit exists: self-speculative decoding drafts with it
                 fused[DRAFT_HEAD] = save_draft_head(tmp / FUSED_DIR / fused["head"][0], tmp / FUSED_DIR,
                                                     external_data=fused["head"][3] is not None)

@@ -77,6 +77,7 @@ from edge.model.exits import MultiExitModel
 from exporters.ort_quant import matmul
 
 MS = "com.microsoft"
+FULL = "full"  # the graph of every layer, first to last (a segment graph without decision exits)
 FUSED_OPSET = 17
 GQA_HEAD_MULTIPLE = 16  # ONNX Runtime's CPU GroupQueryAttention needs head_size % 16 == 0
 
@@ -279,6 +280,69 @@ class _Builder:
                               ["exit_features"], axis=1)[0]
         self._score(feats, w, bias, 3)
 
+    def decision_shortlist(self, eh: str, first_decision: bool) -> None:
+        """The candidate-set check (:mod:`edge.runtime.candidates`, same formulas in float32) in a decision
+        segment: candidate logits against the shortlist's LM-head rows, the best candidate's token, the
+        features [B, F] (columns ``CANDIDATE_SIGNAL_NAMES``) and the rule's score, an MLP of them whose
+        weights are inputs (``rule_w1`` [F, H], ``rule_b1`` [H], ``rule_w2`` [H], ``rule_b2`` []).
+
+        Inputs ``lookup_token`` int64 [B] and ``lookup_len`` [B] (the context lookup's token and match
+        length); later decision exits also take the previous check's ``prev_token``, ``prev_run`` and
+        ``prev_p1`` [B]. Outputs ``exit_token`` [B], ``exit_features`` [B, F], ``exit_score`` [B],
+        ``exit_run`` [B], ``exit_p1`` [B]."""
+        from edge.runtime.candidates import NUM_FEATURES
+        from edge.runtime.lookup import MAX_N
+
+        model = self.model
+        f = NUM_FEATURES
+        rows = model.shortlist_rows()  # [K, D]
+        z = self.node("MatMul", [eh, self.weight("sl.rows_t", rows.T.contiguous())], ["sl.z"])[0]  # [B, K]
+        vals, idx = self.node("TopK", [z, self.const("c.k2", [2])], ["sl.top", "sl.idx"], axis=-1, largest=1, sorted=1)
+        z1, z2 = self.node("Split", [vals, self.const("c.split11", [1, 1])], ["sl.z1", "sl.z2"], axis=-1)  # [B, 1]
+        e = self.node("Exp", [self.node("Sub", [z, z1], ["sl.d"])[0]], ["sl.e"])[0]
+        total = self.node("ReduceSum", [e, self.const("c.axis_last", [-1])], ["sl.sum"], keepdims=1)[0]
+        p1 = self.node("Reciprocal", [total], ["sl.p1"])[0]  # [B, 1]
+        p2 = self.node("Mul", [self.node("Exp", [self.node("Sub", [z2, z1], ["sl.dz2"])[0]], ["sl.e2"])[0], p1],
+                       ["sl.p2"])[0]
+        margin = self.node("Sub", [p1, p2], ["sl.margin"])[0]
+        top = self.node("Gather", [idx, self.const("c.zero_s", 0)], ["sl.i1"], axis=-1)[0]  # [B]
+        token = self.node("Gather", [self.weight("sl.ids", model.shortlist.numpy().astype(np.int64)), top],
+                          ["exit_token"], axis=0)[0]
+        ltok = self.input("lookup_token", TensorProto.INT64, ["batch"])
+        llen = self.input("lookup_len", TensorProto.FLOAT, ["batch"])
+        la = self.node("Cast", [self.node("Equal", [token, ltok], ["sl.leq"])[0]], ["sl.la"], to=TensorProto.FLOAT)[0]
+        ll = self.node("Div", [llen, self.weight("c.max_n", np.array(MAX_N, np.float32))], ["sl.ll"])[0]
+        cols = [p1, margin, z1, self._col(la, "la1"), self._col(ll, "ll1")]
+        if first_decision:
+            run = self.node("Mul", [la, self.weight("c.zero_f", np.zeros((), np.float32))], ["exit_run"])[0]
+            feats = self.node("Pad", [self.node("Concat", cols, ["sl.f5"], axis=1)[0], self.const("c.pad3", [0, 0, 0, 3])],
+                              ["exit_features"])[0]
+        else:
+            ptok = self.input("prev_token", TensorProto.INT64, ["batch"])
+            prun = self.input("prev_run", TensorProto.FLOAT, ["batch"])
+            pp1 = self.input("prev_p1", TensorProto.FLOAT, ["batch"])
+            agree = self.node("Cast", [self.node("Equal", [token, ptok], ["sl.peq"])[0]], ["sl.agree"],
+                              to=TensorProto.FLOAT)[0]
+            one = self.weight("c.one_f0", np.ones((), np.float32))
+            run = self.node("Mul", [agree, self.node("Add", [prun, one], ["sl.run1"])[0]], ["exit_run"])[0]
+            runm = self.node("Div", [run, self.weight("c.m_exits", np.array(len(model.exit_layers), np.float32))],
+                             ["sl.runm"])[0]
+            feats = self.node("Concat", cols + [self._col(agree, "ag1"), self._col(runm, "rm1"), self._col(pp1, "pp1")],
+                              ["exit_features"], axis=1)[0]
+        self.node("Reshape", [p1, self.const("c.flat", [-1])], ["exit_p1"])
+        w1 = self.input("rule_w1", TensorProto.FLOAT, [f, "hidden"])
+        b1 = self.input("rule_b1", TensorProto.FLOAT, ["hidden"])
+        w2 = self.input("rule_w2", TensorProto.FLOAT, ["hidden"])
+        b2 = self.input("rule_b2", TensorProto.FLOAT, [])
+        h = self.node("Relu", [self.node("Add", [self.node("MatMul", [feats, w1], ["sl.h0"])[0], b1], ["sl.h1"])[0]],
+                      ["sl.h"])[0]
+        self.node("Add", [self.node("MatMul", [h, w2], ["sl.s0"])[0], b2], ["exit_score"])
+        self.output("exit_token", TensorProto.INT64, ["batch"])
+        self.output("exit_features", TensorProto.FLOAT, ["batch", f])
+        self.output("exit_score", TensorProto.FLOAT, ["batch"])
+        self.output("exit_run", TensorProto.FLOAT, ["batch"])
+        self.output("exit_p1", TensorProto.FLOAT, ["batch"])
+
     def _col(self, x: str, name: str) -> str:
         """[B] -> [B, 1]."""
         return self.node("Unsqueeze", [x, self.const("c.unsq1", [1])], [f"dc.{name}"])[0]
@@ -344,6 +408,8 @@ def _segment_proto(model: MultiExitModel, layers: list[int], exit_layer: int | N
         if model.gated and not last:  # decides from its gate; the head runs for the rows that exit
             b.gate(exit_layer, eh)
             b.decision_gated(eh, first_decision=first)
+        elif model.has_shortlist and not last:  # decides over the candidates; no LM head for the check
+            b.decision_shortlist(eh, first_decision=first)
     for j in layers:
         for kind in ("key", "value"):
             b.output(f"present_{kind}_{j}", TensorProto.FLOAT, ["batch", kv, "capacity", hd])
@@ -351,8 +417,9 @@ def _segment_proto(model: MultiExitModel, layers: list[int], exit_layer: int | N
 
 
 def head_decides(model: MultiExitModel) -> bool:
-    """Whether the ``head`` graph computes the exit rule's score: decision exits without gates."""
-    return not model.gated and len(model.exit_layers) > 1
+    """Whether the ``head`` graph computes the exit rule's score: decision exits without gates or a
+    candidate shortlist (those decide in the segment graph)."""
+    return not model.gated and not model.has_shortlist and len(model.exit_layers) > 1
 
 
 def _head_proto(model: MultiExitModel) -> onnx.ModelProto:
@@ -392,9 +459,10 @@ class FusedGraph:
     proto: onnx.ModelProto
 
 
-def build_fused(model: MultiExitModel, segments: list[list[int]]) -> list[FusedGraph]:
+def build_fused(model: MultiExitModel, segments: list[list[int]], full: bool = True) -> list[FusedGraph]:
     """The fused ``segment_{i}``, ``kvfill_{i}`` and ``head`` graphs of ``model`` cut at ``segments``
-    (0-based layers per segment; exits after each).
+    (0-based layers per segment; exits after each), and with ``full`` (and more than one segment) the
+    graph of every layer, :data:`FULL`.
 
     Raises:
         ConfigError: the model has a shape the fused operators do not support (see
@@ -414,6 +482,9 @@ def build_fused(model: MultiExitModel, segments: list[list[int]]) -> list[FusedG
             suffix = [j for seg in segments[i:] for j in seg]
             out.append(FusedGraph(f"kvfill_{i}", _kvfill_proto(model, suffix, f"kvfill_{i}")))
         out.append(FusedGraph("head", _head_proto(model)))
+        if full and n > 1:  # every layer in one call, for calls in which no row may leave early
+            out.append(FusedGraph(FULL, _segment_proto(model, [j for seg in segments for j in seg], model.num_layers,
+                                                       True, True, FULL)))
     return out
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError
@@ -32,6 +33,7 @@ from edge.model.decoder import Decoder, RMSNorm
 
 EXITS_JSON = "exits.json"
 EXITS_WEIGHTS = "exits.safetensors"
+SHORTLIST_KEY = "shortlist"  # the candidate token ids [K] in exits.safetensors
 
 
 @dataclass
@@ -45,6 +47,10 @@ class ExitConfig:
     # and runs the LM head only for the rows that exit: a decision no longer costs a vocabulary-sized
     # matrix product (at batch 1 on the bundled model, the head costs about as much as two layers).
     gate_hidden: int = 0
+    # Candidate shortlist (0 = none): decision exits score their hidden state against the K rows of the
+    # LM head of the K tokens the training text uses most (edge/runtime/candidates.py), so a check costs a
+    # K x D product instead of the vocabulary's, and a leaving token is emitted from those K.
+    shortlist: int = 0
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -57,6 +63,10 @@ class ExitConfig:
             raise ConfigError(f"exits.adapter_rank must be >= 0, got {self.adapter_rank}")
         if self.gate_hidden < 0:
             raise ConfigError(f"exits.gate_hidden must be >= 0, got {self.gate_hidden}")
+        if self.shortlist < 0:
+            raise ConfigError(f"exits.shortlist must be >= 0, got {self.shortlist}")
+        if self.shortlist and self.gate_hidden:
+            raise ConfigError("exits.shortlist and exits.gate_hidden are two kinds of cheap decision: choose one")
 
     def resolved(self, num_layers: int) -> list[int]:
         """Exit layers with the final layer always present; errors if one is past the model's depth."""
@@ -109,6 +119,10 @@ class MultiExitModel(nn.Module):
             head = ExitHead(cfg.hidden_size, cfg.rms_norm_eps, exits.adapter_rank, exits.gate_hidden)
             head.norm.weight.data.copy_(backbone.norm.weight.data)
             self.heads[str(layer)] = head
+        if exits.shortlist > cfg.vocab_size:
+            raise ConfigError(f"exits.shortlist {exits.shortlist} exceeds the vocabulary ({cfg.vocab_size} tokens)")
+        # the candidate tokens of decision exits (set by distill: choose_shortlist); ids [K]
+        self.register_buffer("shortlist", torch.arange(exits.shortlist, dtype=torch.int64), persistent=False)
 
     @property
     def num_layers(self) -> int:
@@ -119,6 +133,23 @@ class MultiExitModel(nn.Module):
         if layer == self.num_layers:
             return self.backbone.norm(h)
         return self.heads[str(layer)](h)
+
+    @property
+    def has_shortlist(self) -> bool:
+        """Decision exits decide over the candidate shortlist (:mod:`edge.runtime.candidates`)."""
+        return self.exit_cfg.shortlist > 0 and len(self.exit_layers) > 1
+
+    def shortlist_rows(self) -> torch.Tensor:
+        """The LM head's rows of the shortlist tokens [K, D] (float32; a quantized head's values as it
+        computes them)."""
+        bb = self.backbone
+        if bb.head_q is None:
+            w = bb.head_weight
+        else:  # the quantized head's effective weights: its output on the identity
+            eye = torch.eye(bb.cfg.hidden_size, dtype=torch.float32)
+            with torch.no_grad():
+                w = bb.head_q(eye).T  # [V, D]
+        return w.detach().float()[self.shortlist]
 
     @property
     def gated(self) -> bool:
@@ -167,6 +198,14 @@ def exit_decision_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return torch.stack([top1, margin, entropy], -1), z.argmax(-1)
 
 
+def choose_shortlist(tokens: np.ndarray, k: int, vocab_size: int) -> torch.Tensor:
+    """The ``k`` token ids that occur most often in ``tokens`` (the training text), most frequent first
+    (ties: lower id first). FR-Spec (Zhao et al., ACL 2025) ranks its draft vocabulary the same way."""
+    counts = np.bincount(np.asarray(tokens, np.int64), minlength=vocab_size)[:vocab_size]
+    order = np.lexsort((np.arange(vocab_size), -counts))
+    return torch.from_numpy(order[:k].astype(np.int64))
+
+
 def save_multi_exit(model: MultiExitModel, folder: str | Path, *, tokenizer: str | Path | None,
                     metrics: dict[str, Any], source: dict[str, Any], dtype: torch.dtype = torch.float16) -> Path:
     """Write a multi-exit checkpoint folder (caller wraps it in :func:`atomic_dir`); the decoder's
@@ -176,6 +215,8 @@ def save_multi_exit(model: MultiExitModel, folder: str | Path, *, tokenizer: str
     if tokenizer is not None:
         shutil.copyfile(tokenizer, folder / "tokenizer.json")
     heads = {f"exit.{k}": v.detach().contiguous() for k, v in model.heads.state_dict().items()}
+    if model.exit_cfg.shortlist:
+        heads[SHORTLIST_KEY] = model.shortlist.detach().contiguous()
     with atomic_path(folder / EXITS_WEIGHTS) as tmp:
         save_file(heads, str(tmp), metadata={"format": "pt"})
     atomic_write_json(folder / EXITS_JSON, {
@@ -225,6 +266,12 @@ def load_multi_exit(folder: str | Path, prepare: Callable[[Decoder], None] | Non
         heads = load_file(str(folder / EXITS_WEIGHTS))
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"{folder / EXITS_WEIGHTS} is corrupt: {exc}") from exc
+    if exits.shortlist:
+        ids = heads.pop(SHORTLIST_KEY, None)
+        if ids is None or ids.shape != (exits.shortlist,) or ids.min() < 0 or ids.max() >= backbone.cfg.vocab_size:
+            raise CheckpointError(f"{folder / EXITS_WEIGHTS}: no valid '{SHORTLIST_KEY}' of {exits.shortlist} token ids, "
+                                  f"which exits.json's shortlist asks for")
+        model.shortlist.copy_(ids.to(torch.int64))
     state = {k.removeprefix("exit."): v.float() for k, v in heads.items()}
     try:
         model.heads.load_state_dict(state)

@@ -21,9 +21,12 @@ import numpy as np
 
 from edge.model.segments import segment_layers
 from edge.runtime.cache import KVCache
+from edge.runtime.candidates import NUM_FEATURES, P1, check, shortlist_logits
+from edge.runtime.rules import ScoreForm
 from edge.core.errors import ConfigError
 
 NEG = np.finfo(np.float32).min
+MAX_HIDDEN = 32  # hidden units of a shortlist model's rule MLP (ScoreForm), the graphs' input width
 
 
 @dataclass(frozen=True)
@@ -39,18 +42,27 @@ class ModelSpec:
     max_positions: int
     sliding_window: int | None = None
     gated: bool = False  # decision exits output a gate; their LM head runs apart (Backend.head)
+    # the candidate token ids of decision exits (edge/runtime/candidates.py); () = none: they decide from
+    # their LM head's softmax (or gates)
+    shortlist: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, model) -> "ModelSpec":
         cfg = model.backbone.cfg
         return cls(cfg.num_layers, tuple(model.exit_layers), cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim,
-                   cfg.vocab_size, cfg.max_position_embeddings, cfg.sliding_window, model.gated)
+                   cfg.vocab_size, cfg.max_position_embeddings, cfg.sliding_window, model.gated,
+                   tuple(int(t) for t in model.shortlist.tolist()) if model.has_shortlist else ())
+
+    @property
+    def candidates(self) -> bool:
+        """Decision exits decide over the candidate shortlist, in the segment (no LM head)."""
+        return bool(self.shortlist) and len(self.exit_layers) > 1
 
     @property
     def num_features(self) -> int:
-        """Columns of a decision exit's features: calibration.signals' SIGNAL_NAMES (6) or, with
-        gates, GATED_SIGNAL_NAMES (3)."""
-        return 3 if self.gated else 6
+        """Columns of a decision exit's features: calibration.signals' SIGNAL_NAMES (6), with gates
+        GATED_SIGNAL_NAMES (3), with a shortlist edge.runtime.candidates.CANDIDATE_SIGNAL_NAMES (8)."""
+        return NUM_FEATURES if self.candidates else (3 if self.gated else 6)
 
     @property
     def segments(self) -> list[list[int]]:
@@ -85,6 +97,7 @@ class SegmentOut:
     features: np.ndarray | None = None
     score: np.ndarray | None = None
     run: np.ndarray | None = None
+    p1: np.ndarray | None = None  # [B] the candidate check's cand_p1 (shortlist decision exits; the next reads it)
 
 
 class Backend(abc.ABC):
@@ -109,17 +122,46 @@ class Backend(abc.ABC):
         f = spec.num_features
         self.rule_w = [np.zeros(f, np.float32) for _ in self.segments[:-1]]
         self.rule_b = [np.full((), -1.0, np.float32) for _ in self.segments[:-1]]
+        # a shortlist model's rule: the ScoreForm MLP per decision segment, padded to MAX_HIDDEN units (the
+        # padding units have zero weights: relu(0) * 0 adds nothing); never exit by default
+        self.rule_mlp = [(np.zeros((f, MAX_HIDDEN), np.float32), np.zeros(MAX_HIDDEN, np.float32),
+                          np.zeros(MAX_HIDDEN, np.float32), np.full((), -1.0, np.float32)) for _ in self.segments[:-1]]
+        self.shortlist_ids = np.asarray(spec.shortlist, np.int64)
 
-    def set_rule(self, forms: dict[int, tuple[np.ndarray, float]]) -> None:
-        """The exit rule as a linear score per decision exit layer: exit where features @ w + b >= 0."""
+    def set_rule(self, forms: dict[int, tuple[np.ndarray, float] | ScoreForm]) -> None:
+        """The exit rule per decision exit layer: a linear score (w, b), exit where features @ w + b >= 0,
+        or (shortlist models) a :class:`ScoreForm`, exit where it is >= 0."""
         for i, layer in enumerate(self.exit_layers[:-1]):
-            w, b = forms[layer]
+            form = forms[layer]
+            if self.spec.candidates:
+                self._set_mlp(i, layer, form if isinstance(form, ScoreForm) else ScoreForm.linear(*form))
+                continue
+            if isinstance(form, ScoreForm):
+                raise ConfigError(f"exit rule for layer {layer} is an MLP score; this model's decision exits take a "
+                                  f"linear score (only candidate-shortlist models compute an MLP in the graph)")
+            w, b = form
             w = np.asarray(w, np.float32)
             if w.shape != self.rule_w[i].shape:
                 raise ConfigError(f"exit rule for layer {layer} has {w.shape[0]} weights; this model's decision "
                                   f"exits have {self.rule_w[i].shape[0]} features")
             self.rule_w[i][...] = w  # in place: bound buffers see the new values
             self.rule_b[i][()] = b
+
+    def _set_mlp(self, i: int, layer: int, form: ScoreForm) -> None:
+        w1, b1, w2, b2 = self.rule_mlp[i]
+        f, h = np.asarray(form.w1).shape
+        if f != w1.shape[0] or h > MAX_HIDDEN or np.asarray(form.b1).shape != (h,) or np.asarray(form.w2).shape != (h,):
+            raise ConfigError(f"exit rule for layer {layer}: an MLP of {f} features and {h} hidden units; this model's "
+                              f"checks have {w1.shape[0]} features and take at most {MAX_HIDDEN} hidden units")
+        w1[...] = 0  # in place: bound buffers see the new values
+        b1[...] = 0
+        w2[...] = 0
+        w1[:, :h], b1[:h], w2[:h], b2[()] = form.w1, form.b1, form.w2, form.b2
+
+    def rule_score(self, i: int) -> ScoreForm:
+        """The MLP rule of shortlist decision segment i as set (padded)."""
+        w1, b1, w2, b2 = self.rule_mlp[i]
+        return ScoreForm(w1, b1, w2, float(b2))
 
     def suffix_layers(self, i: int) -> list[int]:
         """0-based layers of segments i..last (what ``kvfill(i)`` writes K/V for)."""
@@ -138,8 +180,8 @@ class Backend(abc.ABC):
         self._attached()
 
     def segment(self, i: int, x: np.ndarray, slots: np.ndarray, start: np.ndarray,
-                prev: SegmentOut | None = None, decide: bool = True, rows: int = 1, draft: bool = False
-                ) -> SegmentOut:
+                prev: SegmentOut | None = None, decide: bool = True, rows: int = 1, draft: bool = False,
+                lookup: tuple[np.ndarray, np.ndarray] | None = None) -> SegmentOut:
         """Run segment i on new rows: token ids int64 [B, T] when i == 0, else the residual float32
         [B, T, D]; sequence b lives in cache slot ``slots[b]`` and has ``start[b]`` tokens cached, so its
         rows sit at positions start[b] .. start[b] + T - 1. Writes the rows' K/V into the cache; the
@@ -152,7 +194,9 @@ class Backend(abc.ABC):
         decoding reads the last exit's prediction at every row); with rows > 1 no decision is read
         (the last segment, or ``decide`` False). ``draft``: the exit's token only proposes a draft that the
         full model verifies, so a backend may compute the head approximately (the ONNX Runtime backend
-        runs the export's int8 ``draft_head``); never for the last segment."""
+        runs the export's int8 ``draft_head``); never for the last segment. ``lookup``: the context
+        lookup's (token [B] int64, match length [B]) of each sequence (:mod:`edge.runtime.lookup`), a
+        feature of a shortlist model's checks; None: no match for any row."""
         b, t = x.shape[:2]
         if t != 1 and b != 1:
             raise ConfigError(f"a segment call takes one row per sequence or one sequence, got B={b}, T={t}")
@@ -169,12 +213,27 @@ class Backend(abc.ABC):
             raise ConfigError(f"token ids outside the vocabulary [0, {self.vocab_size})")
         if int(start.max()) + t > self.cache.capacity:
             raise ConfigError(f"positions up to {int(start.max()) + t} exceed the cache capacity {self.cache.capacity}")
-        return self._segment(i, x, slots, start, prev, decide or i == len(self.segments) - 1, rows, draft)
+        last = i == len(self.segments) - 1
+        if self.spec.candidates and not last and lookup is None:
+            lookup = (np.full(b * rows, -1, np.int64), np.zeros(b * rows, np.float32))
+        return self._segment(i, x, slots, start, prev, decide or last, rows, draft, lookup)
+
+    def full(self, x: np.ndarray, slots: np.ndarray, start: np.ndarray, rows: int = 1) -> SegmentOut:
+        """Every layer, no decision exit: what the last segment outputs (logits, token of each sequence's
+        last ``rows`` rows), for calls in which no row may leave early (prompt chunks, batches above the
+        exit limit, requests in mode full). A backend with a graph of every layer runs it in one call;
+        this default chains the segments without their decisions."""
+        out = None
+        for i in range(len(self.segments)):
+            out = self.segment(i, x, slots, start, decide=False, rows=rows if i == len(self.segments) - 1 else 1)
+            x = out.hidden
+        return out
 
     def head(self, i: int, exit_hidden: np.ndarray) -> HeadOut:
-        """The LM head of gated decision exit i on normalised exit hidden rows [B, D]."""
-        if not self.spec.gated or not 0 <= i < len(self.segments) - 1:
-            raise ConfigError(f"segment {i} has no separate head (gated decision exits only)")
+        """The LM head of decision exit i on normalised exit hidden rows [B, D], for decision exits that
+        decide without it (gates, candidate checks)."""
+        if not (self.spec.gated or self.spec.candidates) or not 0 <= i < len(self.segments) - 1:
+            raise ConfigError(f"segment {i} has no separate head (decision exits with gates or candidate checks only)")
         return self._head(i, np.ascontiguousarray(exit_hidden, np.float32))
 
     def kvfill(self, i: int, hidden: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> None:
@@ -188,7 +247,7 @@ class Backend(abc.ABC):
         """Hook: the cache was (re)attached."""
 
     @abc.abstractmethod
-    def _segment(self, i, x, slots, start, prev, decide, rows, draft) -> SegmentOut: ...
+    def _segment(self, i, x, slots, start, prev, decide, rows, draft, lookup) -> SegmentOut: ...
 
     @abc.abstractmethod
     def _kvfill(self, i, hidden, slots, positions) -> None: ...
@@ -231,6 +290,20 @@ def host_decision(backend: Backend, i: int, out: SegmentOut, prev: SegmentOut | 
         feats = np.concatenate([out.stats, np.stack([agree, run / m, cos], axis=1)], axis=1).astype(np.float32)
     out.features, out.run = feats, run
     out.score = feats @ backend.rule_w[i] + backend.rule_b[i]
+    return out
+
+
+def host_candidates(backend: Backend, i: int, out: SegmentOut, prev: SegmentOut | None,
+                    lookup: tuple[np.ndarray, np.ndarray], rows: np.ndarray) -> SegmentOut:
+    """Shortlist decision exit i on the host (:mod:`edge.runtime.candidates`, the fused graphs' formulas):
+    for backends whose graphs end at the exit hidden (torch, the portable graphs, torch_static). ``rows``:
+    the LM head's rows of the shortlist [K, D]. Fills the output's token, features, run, p1 and score."""
+    first = i == 0
+    c = check(shortlist_logits(out.exit_hidden, rows), backend.shortlist_ids, lookup[0], lookup[1],
+              None if first or prev is None else prev.token, None if first or prev is None else prev.run,
+              None if first or prev is None else prev.p1, len(backend.exit_layers))
+    out.token, out.features, out.run, out.p1 = c.token, c.features, c.run, c.features[:, P1].copy()
+    out.score = backend.rule_score(i)(c.features)
     return out
 
 

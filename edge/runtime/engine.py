@@ -34,7 +34,9 @@ import numpy as np
 
 from edge.runtime.backend import Backend, SegmentOut
 from edge.runtime.cache import KVCache
-from edge.runtime.rules import TOP1, BatchExitRule, NeverExit
+from edge.runtime.candidates import P1
+from edge.runtime.lookup import Lookup
+from edge.runtime.rules import TOP1, BatchExitRule, NeverExit, score_form
 from edge.runtime.sampling import choose_token, token_distribution
 from edge.runtime.speculative import (MAX_VERIFY_ROWS, DraftCosts, SpecConfig, SpecStats, StopRule, accept_greedy,
                                       accept_sampled, include_next)
@@ -142,6 +144,7 @@ class _Seq:
     rng: np.random.Generator | None = None
     submitted: float = 0.0
     finished: str | None = None  # the finish reason, once ended
+    lookup: Lookup | None = None  # the context lookup over prompt + output (a shortlist model's checks read it)
 
     @property
     def length(self) -> int:
@@ -175,10 +178,16 @@ class Engine:
         # a rule that is a linear score of the exit's features is computed in the segment graphs, and
         # the engine only reads its sign; any other rule is asked on the host (decide / decide_gated)
         linear = getattr(self.rule, "linear", None)
-        self._score_in_graph = linear is not None
-        if linear is not None:
-            f = backend.spec.num_features
+        f = backend.spec.num_features
+        self._candidates = backend.spec.candidates  # checks over the shortlist, decided in the graph
+        if self._candidates:
+            if linear is None and getattr(self.rule, "score_form", None) is None:
+                raise ConfigError("a model with a candidate shortlist decides in its graphs: the exit rule must be a "
+                                  "score of the check's features (linear or score_form), e.g. a threshold table's")
+            backend.set_rule({layer: score_form(self.rule, layer, f) for layer in backend.exit_layers[:-1]})
+        elif linear is not None:
             backend.set_rule({layer: linear(layer, f) for layer in backend.exit_layers[:-1]})
+        self._score_in_graph = self._candidates or linear is not None
         # self-speculative decoding (mode exact): the draft exit's segment, its stop rule's inputs
         spec = cfg.speculative
         self._agreement = getattr(self.rule, "agreement", None)
@@ -327,15 +336,13 @@ class Engine:
                 break
             budget -= n
             x = np.array([seq.req.prompt[seq.prefilled:seq.prefilled + n]], np.int64)  # [1, n]
-            slots, start = np.array([seq.slot]), np.array([seq.prefilled])
-            out = None
-            for i in range(len(self.backend.segments)):
-                out = self.backend.segment(i, x, slots, start, decide=False)  # only the last exit's head
-                x = out.hidden
+            out = self.backend.full(x, np.array([seq.slot]), np.array([seq.prefilled]))  # full depth, last head only
             seq.prefilled += n
             if seq.prefilled == len(seq.req.prompt):
                 self.prefilling.remove(seq)
                 self.decoding.append(seq)
+                if self._candidates:
+                    seq.lookup = Lookup(seq.req.prompt)
                 token = choose_token(out.logits[0], seq.req.temperature, seq.req.top_p, seq.rng)
                 self._emit(seq, token, self.backend.num_layers)
 
@@ -369,21 +376,27 @@ class Engine:
         decided: list[tuple[_Seq, int, int]] = []
         deferred = self.cfg.kv_mode is KVMode.DEFER
         limit = self.cfg.defer_exit_max_batch
-        # the rows that may leave early (requests in mode full never do), compacted with the batch
-        bounded = np.fromiter((s.req.mode is Mode.BOUNDED for s in seqs), bool, len(seqs))
+        # the rows that may leave early (requests in mode full never do; with a candidate shortlist, nor do
+        # sampled ones: a check has no distribution over the vocabulary to sample from), compacted with the batch
+        bounded = np.fromiter((s.req.mode is Mode.BOUNDED and not (self._candidates and s.req.temperature > 0)
+                               for s in seqs), bool, len(seqs))
         exits = bool(bounded.any()) and not (deferred and limit is not None and len(seqs) > limit)
+        if not exits and not (deferred and any(s.pending for s in seqs)):
+            self._step_full(seqs, x, slots, start)  # no row may leave: every layer in one call, no check paid
+            return
         gated = backend.spec.gated
         gates: dict[int, np.ndarray] = {}  # [B] gate logits (gated exits)
         prev = None  # the previous decision exit's outputs for the rows still running
+        lookup = self._lookups(seqs) if self._candidates and exits else None
         for i in range(nseg):
             if deferred and i > 0 and any(s.pending for s in act):
                 if len(act) == 1:  # one call: the deferred rows, then the new token (reads the weights once)
-                    out = self._with_deferred(i, act[0], x, slots, start, prev)
+                    out = self._with_deferred(i, act[0], x, slots, start, prev, lookup)
                 else:
                     x = self._catch_up(i, act, x, slots, start)
-                    out = backend.segment(i, x, slots, start, prev, decide=exits)
+                    out = backend.segment(i, x, slots, start, prev, decide=exits, lookup=lookup)
             else:  # decide=False: no row may exit here, so the exit's LM head need not run
-                out = backend.segment(i, x, slots, start, prev, decide=exits)
+                out = backend.segment(i, x, slots, start, prev, decide=exits, lookup=lookup)
             layer = self.backend.exit_layers[i]
             logits, tok = out.logits, out.token
             if i == nseg - 1:
@@ -420,7 +433,9 @@ class Engine:
                 slots, start, bounded = slots[keep], start[keep], bounded[keep]
                 x = out.hidden[keep]
                 prev = SegmentOut(None, out.exit_hidden[keep], None, None, _rows(out.token, keep),
-                                  _rows(out.gate, keep), run=_rows(out.run, keep))
+                                  _rows(out.gate, keep), run=_rows(out.run, keep), p1=_rows(out.p1, keep))
+                if lookup is not None:
+                    lookup = (lookup[0][keep], lookup[1][keep])
                 for trace in (stats, tokens, hidden, gates):
                     for k in trace:
                         trace[k] = trace[k][keep]
@@ -430,6 +445,28 @@ class Engine:
         for s, token, layer in decided:
             if not s.finished:  # else a callback of this step cancelled it: its token is dropped
                 self._emit(s, token, layer)
+
+    def _step_full(self, seqs: list[_Seq], x: np.ndarray, slots: np.ndarray, start: np.ndarray) -> None:
+        """One token for every sequence at full depth, through the backend's graph of every layer."""
+        out = self.backend.full(x, slots, start)
+        last = self.backend.num_layers
+        decided = []
+        for r, s in enumerate(seqs):
+            token = (choose_token(out.logits[r], s.req.temperature, s.req.top_p, s.rng)
+                     if s.req.temperature > 0 else int(out.token[r]))
+            decided.append((s, token))
+        for s, token in decided:
+            if not s.finished:  # else a callback of this step cancelled it: its token is dropped
+                self._emit(s, token, last)
+
+    @staticmethod
+    def _lookups(seqs: list[_Seq]) -> tuple[np.ndarray, np.ndarray]:
+        """The context lookup's (token [B], match length [B]) of each sequence (edge/runtime/lookup.py)."""
+        b = len(seqs)
+        toks, lens = np.empty(b, np.int64), np.empty(b, np.float32)
+        for r, s in enumerate(seqs):
+            toks[r], lens[r] = s.lookup.predict()
+        return toks, lens
 
     def _speculate(self, seqs: list[_Seq]) -> None:
         """One self-speculative round for every sequence in mode exact (edge/runtime/speculative.py):
@@ -461,7 +498,7 @@ class Engine:
                 out = backend.segment(i, x, slots, start, prev, decide=heads, draft=True)  # heads only draft
                 x, prev = out.hidden, out
             logits, tok, stats = out.logits, out.token, out.stats
-            if heads and backend.spec.gated:
+            if heads and (backend.spec.gated or backend.spec.candidates):  # drafts read the exit's whole head
                 head = backend.head(d, out.exit_hidden)
                 logits, tok, stats = head.logits, head.token, head.stats
             agree = self._agreement(layer, out.features) if heads and calibrated else None
@@ -514,14 +551,14 @@ class Engine:
                 self._emit(s, token, backend.num_layers)
 
     def _with_deferred(self, i: int, s: _Seq, x: np.ndarray, slots: np.ndarray, start: np.ndarray,
-                       prev: SegmentOut | None) -> SegmentOut:
+                       prev: SegmentOut | None, lookup: tuple[np.ndarray, np.ndarray] | None = None) -> SegmentOut:
         """Segment i for one sequence: its deferred rows that segment i must see (the newest ones, at the
         positions just before the new token's) and the new token, in one call of T rows."""
         rows = [p for p in s.pending if p.next_seg <= i]
         if not rows:
-            return self.backend.segment(i, x, slots, start, prev)
+            return self.backend.segment(i, x, slots, start, prev, lookup=lookup)
         h = np.concatenate([np.stack([p.hidden for p in rows])[None], x], axis=1)  # [1, k + 1, D]
-        out = self.backend.segment(i, h, slots, start - len(rows), prev)
+        out = self.backend.segment(i, h, slots, start - len(rows), prev, lookup=lookup)
         for q, p in enumerate(rows):
             p.next_seg = i + 1
             if out.hidden is not None:
@@ -530,7 +567,7 @@ class Engine:
             s.pending = [p for p in s.pending if p.next_seg < i + 1]
         hidden = None if out.hidden is None else out.hidden[:, -1:]
         return SegmentOut(hidden, out.exit_hidden, out.logits, out.stats, out.token, out.gate, out.features,
-                          out.score, out.run)
+                          out.score, out.run, out.p1)
 
     def _catch_up(self, i: int, act: list[_Seq], x: np.ndarray, slots: np.ndarray, start: np.ndarray) -> np.ndarray:
         """Deferred rows that segment i must see before the new tokens: run them first, oldest first,
@@ -566,6 +603,8 @@ class Engine:
 
     def _emit(self, seq: _Seq, token: int, exit_layer: int) -> None:
         seq.tokens.append(token)
+        if seq.lookup is not None:
+            seq.lookup.push(token)
         seq.exit_layers.append(exit_layer)
         reason = None
         if token in seq.req.stop_ids:

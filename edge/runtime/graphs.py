@@ -14,11 +14,14 @@ from edge.core.artifacts import sha256_file
 from edge.core.errors import ArtifactError
 
 GRAPHS_JSON = "graphs.json"
-GRAPHS_FORMAT = 6  # 2: segment graphs output exit_stats, exit_token; 3: exit head on exit_index rows only;
+GRAPHS_FORMAT = 7  # 2: segment graphs output exit_stats, exit_token; 3: exit head on exit_index rows only;
 # 4: fused ONNX Runtime graphs (exporters/ort_fused.py) beside the portable ones, model.max_positions;
 # 5: one LM head graph ("head") for every exit, segments end at exit_hidden; model.gated
 # 6: fused segments' exit_index is the first of the rows whose exit hidden is output (all rows for a
 # self-speculative verification call)
+# 7: model.shortlist (the candidate token ids of decision exits, [] for none): with one, decision segments
+# check their candidates in the graph (exit_token, exit_features, exit_score, exit_run, exit_p1); fused "full",
+# every layer in one graph
 FUSED_DIR = "fused"
 
 

@@ -31,8 +31,11 @@ from edge.runtime.cache import contiguous_start
 from edge.core.errors import ConfigError, require
 from edge.runtime.ortsession import open_session, pool_threads
 
+FULL = "full"  # the fused graph of every layer (exporters/ort_fused.py)
+
 PREFERRED_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
-_PREV_FIELD = {"prev_exit_hidden": "exit_hidden", "prev_token": "token", "prev_run": "run", "prev_gate": "gate"}
+_PREV_FIELD = {"prev_exit_hidden": "exit_hidden", "prev_token": "token", "prev_run": "run", "prev_gate": "gate",
+               "prev_p1": "p1"}
 MAX_PLAN_ROWS = 8  # calls of up to this many rows per sequence keep their binding (a prompt chunk does not)
 
 
@@ -59,6 +62,7 @@ class _Plan:
     exit_index: np.ndarray  # [] int64
     out: SegmentOut
     prev: dict[str, np.ndarray]  # the previous decision exit's outputs these graphs read, by input name
+    lookup: tuple[np.ndarray, np.ndarray] | None = None  # the context lookup's token, length (shortlist checks)
 
 
 class OrtBackend(Backend):
@@ -80,7 +84,7 @@ class OrtBackend(Backend):
         m = meta["model"]
         super().__init__(ModelSpec(m["num_layers"], tuple(meta["exit_layers"]), m["hidden_size"], m["num_kv_heads"],
                                    m["head_dim"], m["vocab_size"], m["max_positions"], m.get("sliding_window"),
-                                   m["gated"]))
+                                   m["gated"], tuple(m.get("shortlist", ()))))
         self.providers = pick_providers(ort.get_available_providers(), providers)
 
         def session(name: str):
@@ -89,6 +93,8 @@ class OrtBackend(Backend):
                                 cache=cache)
 
         self._seg = [session(f"segment_{i}") for i in range(len(self.segments))]
+        # every layer in one graph (calls in which no row may leave early); absent with one segment
+        self._full = session(FULL) if FULL in fused["graphs"] else None
         self._session = session
         # K/V fill graphs (state propagation) are opened on first use: deferral never loads their weights
         self._fill: list = [None] * len(self.segments)
@@ -105,6 +111,7 @@ class OrtBackend(Backend):
         # the last exit's head computes a score nobody reads: a rule of zeros, and has_prev per exit
         self._rule_values.append((ov(np.zeros(self.spec.num_features, np.float32)), ov(np.full((), -1, np.float32))))
         self._has_prev = [ov(np.array(i > 0)) for i in range(len(self.segments))]
+        self._mlp_values = [tuple(ov(a) for a in form) for form in self.rule_mlp]  # shortlist checks' rule
 
     def _attached(self) -> None:
         self._plans.clear()
@@ -120,8 +127,8 @@ class OrtBackend(Backend):
             self._views[key] = (ov(c.keys[j][s0:s0 + b]), ov(c.values[j][s0:s0 + b]))
         return self._views[key]
 
-    def _bind_cache(self, io, i: int, values: list[tuple]) -> None:
-        for j, (k, v) in zip(self.segments[i], values):
+    def _bind_cache(self, io, layers: list[int], values: list[tuple]) -> None:
+        for j, (k, v) in zip(layers, values):
             io.bind_ortvalue_input(f"past_key_{j}", k)
             io.bind_ortvalue_input(f"past_value_{j}", v)
             io.bind_ortvalue_output(f"present_key_{j}", k)
@@ -139,25 +146,30 @@ class OrtBackend(Backend):
         return self._bufs[key]
 
     def _make_plan(self, i: int, s0: int | None, b: int, t: int, values: list[tuple] | None, rows: int = 1,
-                   draft: bool = False) -> _Plan:
+                   draft: bool = False, full: bool = False) -> _Plan:
         """Bind segment i's graph, and the head graph after it, to buffers for B = ``b`` sequences of ``t``
         rows each, the exit on the last ``rows`` of them. Decode plans (s0 given, t == 1) chain through shared buffers: segment i's hidden and
         exit hidden and its exit's token, run and gate are the arrays segment i+1 and its head read, so a
-        step over one cache block copies nothing."""
+        step over one cache block copies nothing. ``full``: the graph of every layer instead (``i`` is then
+        the last segment's index: its exit, its buffers)."""
         ov = self.ort.OrtValue.ortvalue_from_numpy
         d, v, f32 = self.spec.hidden_size, self.vocab_size, np.float32
         last = i == len(self.segments) - 1
         gated_exit = self.spec.gated and not last  # decides from its gate; no head in the plan
+        check = self.spec.candidates and not last  # checks its candidates in the segment; no head in the plan
+        headless = gated_exit or check
         chain = s0 if t == 1 else None  # consecutive segments share their buffers
-        x = np.zeros((b, t), np.int64) if i == 0 else self._buf("hidden", i, chain, b, (b, t, d), f32)
+        first = i == 0 or full
+        x = np.zeros((b, t), np.int64) if first else self._buf("hidden", i, chain, b, (b, t, d), f32)
         r = b * rows  # rows the exit runs on
         out = SegmentOut(
             hidden=None if last else self._buf("hidden", i + 1, chain, b, (b, t, d), f32),
             exit_hidden=self._buf("exit_hidden", i + 1, chain, b, (r, d), f32),
-            logits=None if gated_exit else np.zeros((r, v), f32),
-            stats=None if gated_exit else np.zeros((r, 3), f32),
+            logits=None if headless else np.zeros((r, v), f32),
+            stats=None if headless else np.zeros((r, 3), f32),
             token=None if gated_exit else self._buf("token", i + 1, chain, b, (r,), np.int64),
-            gate=self._buf("gate", i + 1, chain, b, (r,), f32) if gated_exit else None)
+            gate=self._buf("gate", i + 1, chain, b, (r,), f32) if gated_exit else None,
+            p1=self._buf("p1", i + 1, chain, b, (r,), f32) if check else None)
         if not last:  # a decision exit: the rule's features and score (exporters/ort_fused.py)
             out.features = np.zeros((r, self.spec.num_features), f32)
             out.score = np.zeros(r, f32)
@@ -168,21 +180,34 @@ class OrtBackend(Backend):
         if gated_exit and i > 0:
             seg_prev = {"prev_exit_hidden": self._buf("exit_hidden", i, chain, b, (r, d), f32),
                         "prev_gate": self._buf("gate", i, chain, b, (r,), f32)}
-        if not gated_exit and self._head_decides:
+        if check and i > 0:
+            seg_prev = {"prev_token": self._buf("token", i, chain, b, (r,), np.int64),
+                        "prev_run": self._buf("run", i, chain, b, (r,), f32),
+                        "prev_p1": self._buf("p1", i, chain, b, (r,), f32)}
+        if not headless and self._head_decides:
             head_prev = {"prev_exit_hidden": self._buf("exit_hidden", i, chain, b, (r, d), f32),
                          "prev_token": self._buf("token", i, chain, b, (r,), np.int64),
                          "prev_run": self._buf("run", i, chain, b, (r,), f32)}
-        io = self._seg[i].io_binding()
+        io = (self._full if full else self._seg[i]).io_binding()
         head_sess = self._draft_head() if draft else self._head_sess
-        head_io = None if gated_exit else head_sess.io_binding()
+        head_io = None if headless else head_sess.io_binding()
+        lookup = None
+        if check:  # one pair of buffers for every check of a step over this block
+            lookup = (self._buf("lookup_token", 0, chain, b, (r,), np.int64), self._buf("lookup_len", 0, chain, b, (r,), f32))
         plan = _Plan(io, head_io, head_sess, x, np.zeros(b, np.int32), np.zeros((), np.int32), np.zeros((), np.int64), out,
-                     {**seg_prev, **head_prev})
-        io.bind_ortvalue_input("input_ids" if i == 0 else "hidden", ov(x))
+                     {**seg_prev, **head_prev}, lookup)
+        io.bind_ortvalue_input("input_ids" if first else "hidden", ov(x))
         io.bind_ortvalue_input("seqlens_k", ov(plan.seqlens))
         io.bind_ortvalue_input("total_len", ov(plan.total))
         io.bind_ortvalue_input("exit_index", ov(plan.exit_index))
         seg_outs = {"exit_hidden": out.exit_hidden, "hidden_out": out.hidden}
-        if gated_exit:
+        if check:
+            seg_outs.update(exit_token=out.token, exit_features=out.features, exit_score=out.score, exit_run=out.run,
+                            exit_p1=out.p1)
+            self._bind(io, {**seg_prev, "lookup_token": lookup[0], "lookup_len": lookup[1]}, seg_outs, None)
+            for name, value in zip(("rule_w1", "rule_b1", "rule_w2", "rule_b2"), self._mlp_values[i]):
+                io.bind_ortvalue_input(name, value)
+        elif gated_exit:
             seg_outs.update(exit_gate=out.gate, exit_features=out.features, exit_score=out.score)
             self._bind(io, seg_prev, seg_outs, i)
         else:
@@ -194,7 +219,7 @@ class OrtBackend(Backend):
             head_io.bind_ortvalue_input("exit_hidden", ov(out.exit_hidden))  # the segment's output buffer
             self._bind(head_io, head_prev, head_outs, i if self._head_decides else None)
         if values is not None:
-            self._bind_cache(io, i, values)
+            self._bind_cache(io, self.suffix_layers(0) if full else self.segments[i], values)
         return plan
 
     def _bind(self, io, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray | None], rule: int | None) -> None:
@@ -210,7 +235,7 @@ class OrtBackend(Backend):
             io.bind_ortvalue_input("rule_b", self._rule_values[rule][1])
 
     # ---------------------------------------------------------------- calls
-    def _segment(self, i, x, slots, start, prev, decide, rows, draft):
+    def _segment(self, i, x, slots, start, prev, decide, rows, draft, lookup):
         b, t = x.shape[:2]
         s0 = contiguous_start(slots)
         if s0 is not None and t <= MAX_PLAN_ROWS:  # decode steps, deferred rows with their new token, verification
@@ -219,12 +244,32 @@ class OrtBackend(Backend):
             if plan is None:
                 values = [self._cache_values(j, s0, b) for j in self.segments[i]]
                 plan = self._plans[key] = self._make_plan(i, s0, b, t, values, rows, draft)
-            return self._run(i, plan, x, start, t, prev, decide, rows)
+            return self._run(i, plan, x, start, t, prev, decide, rows, lookup)
         if s0 is not None:  # a prompt chunk: bind its cache slot, fresh buffers
             plan = self._make_plan(i, None, b, t, [self._cache_values(j, s0, b) for j in self.segments[i]], rows,
                                    draft)
-            return self._run(i, plan, x, start, t, prev, decide, rows)
-        return self._gathered(i, x, slots, start, prev, decide, draft)
+            return self._run(i, plan, x, start, t, prev, decide, rows, lookup)
+        return self._gathered(i, x, slots, start, prev, decide, draft, lookup)
+
+    def full(self, x, slots, start, rows=1):
+        """Every layer in one call of the ``full`` graph (when the export has one and the slots are one
+        block of the cache); else the segments one after the other."""
+        b, t = x.shape[:2]
+        s0 = contiguous_start(slots)
+        if self._full is None or s0 is None or self.cache is None or x.dtype != np.int64 or not 1 <= rows <= t:
+            return super().full(x, slots, start, rows)
+        if int(start.max()) + t > self.cache.capacity:
+            raise ConfigError(f"positions up to {int(start.max()) + t} exceed the cache capacity {self.cache.capacity}")
+        last = len(self.segments) - 1
+        values = [self._cache_values(j, s0, b) for j in self.suffix_layers(0)]
+        if t <= MAX_PLAN_ROWS:
+            key = ("full", s0, b, t, rows)
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._plans[key] = self._make_plan(last, s0, b, t, values, rows, full=True)
+        else:  # a prompt chunk: fresh buffers
+            plan = self._make_plan(last, None, b, t, values, rows, full=True)
+        return self._run(last, plan, x, start, t, None, True, rows, session=self._full)
 
     def _draft_head(self):
         if self._draft_head_sess is None:
@@ -232,9 +277,14 @@ class OrtBackend(Backend):
         return self._draft_head_sess
 
     def _run(self, i: int, plan: _Plan, x: np.ndarray, start: np.ndarray, t: int, prev: SegmentOut | None,
-             decide: bool, rows: int = 1) -> SegmentOut:
+             decide: bool, rows: int = 1, lookup: tuple[np.ndarray, np.ndarray] | None = None,
+             session=None) -> SegmentOut:
         if x is not plan.x:
             np.copyto(plan.x, x)
+        if plan.lookup is not None and lookup is not None:
+            for buf, src in zip(plan.lookup, lookup):
+                if src is not buf:
+                    np.copyto(buf, src, casting="unsafe")
         if prev is not None and plan.prev:  # what the previous decision exit gave these rows
             for name, arr in plan.prev.items():
                 src = getattr(prev, _PREV_FIELD[name])
@@ -243,12 +293,12 @@ class OrtBackend(Backend):
         np.add(start, t - 1, out=plan.seqlens, casting="unsafe")
         plan.total[()] = int(start.max()) + t
         plan.exit_index[()] = t - rows
-        self._seg[i].run_with_iobinding(plan.io)
+        (session or self._seg[i]).run_with_iobinding(plan.io)
         if plan.head_io is not None and decide:
             plan.head_sess.run_with_iobinding(plan.head_io)
         return plan.out
 
-    def _gathered(self, i, x, slots, start, prev, decide, draft=False):
+    def _gathered(self, i, x, slots, start, prev, decide, draft=False, lookup=None):
         """T == 1 over scattered slots: copy their past into scratch, run, write the new rows back."""
         b = len(slots)
         p = int(start.max()) + 1
@@ -263,7 +313,7 @@ class OrtBackend(Backend):
             scratch.append((k, v))
         self.gathered_rows += b * p * len(scratch)
         plan = self._make_plan(i, None, b, 1, [(ov(k), ov(v)) for k, v in scratch], draft=draft)
-        out = self._run(i, plan, x, start, 1, prev, decide)
+        out = self._run(i, plan, x, start, 1, prev, decide, lookup=lookup)
         rows = np.arange(b)
         for j, (k, v) in zip(self.segments[i], scratch):
             c.keys[j][slots, :, start] = k[rows, :, start]

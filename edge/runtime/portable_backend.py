@@ -24,7 +24,7 @@ import numpy as np
 
 from edge.core.artifacts import sha256_file, sha256_path
 from edge.core.errors import ArtifactError, ConfigError, require
-from edge.runtime.backend import Backend, HeadOut, ModelSpec, SegmentOut, build_mask, host_decision
+from edge.runtime.backend import Backend, HeadOut, ModelSpec, SegmentOut, build_mask, host_candidates, host_decision
 from edge.runtime.graphs import GRAPHS_JSON, load_graphs_json, verify_graphs
 from edge.runtime.ortsession import open_session
 
@@ -135,7 +135,8 @@ def portable_spec(meta: dict[str, Any], graphs_dir: str | Path) -> ModelSpec:
     """
     m = meta["model"]
     spec = ModelSpec(m["num_layers"], tuple(meta["exit_layers"]), m["hidden_size"], m["num_kv_heads"], m["head_dim"],
-                     m["vocab_size"], m["max_positions"], m.get("sliding_window"), m["gated"])
+                     m["vocab_size"], m["max_positions"], m.get("sliding_window"), m["gated"],
+                     tuple(m.get("shortlist", ())))
     if spec.gated:
         raise ConfigError(f"{Path(graphs_dir) / GRAPHS_JSON}: a model with exit gates; the portable graphs have no "
                           f"gate output, so neither TensorRT nor 'onnxruntime_portable' can run it (the fused graphs "
@@ -196,6 +197,11 @@ class PortableBackend(Backend):
         # fill graphs on first use, as the onnxruntime backend does: deferral never loads their weights
         self._inputs = {n: runner.inputs(n) for n in ["embed", *(f"segment_{i}" for i in range(len(self.segments))),
                                                        "head"]}
+        self.shortlist_rows = None
+        if spec.candidates:  # the LM head's rows of the shortlist, read off the head graph itself: head(I) = W^T
+            d = spec.hidden_size
+            logits = self._head_rows(np.eye(d, dtype=np.float32)[:, None, :]).logits  # [D, V]
+            self.shortlist_rows = np.ascontiguousarray(logits[:, list(spec.shortlist)].T, np.float32)  # [K, D]
 
     def _run(self, name: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Graph ``name`` on the feeds it takes."""
@@ -207,7 +213,7 @@ class PortableBackend(Backend):
                                 f"(exporters/onnx_export.py): an export from another SmartExit? re-export")
         return self.runner.run(name, {k: feeds[k] for k in self._inputs[name]})
 
-    def _segment(self, i, x, slots, start, prev, decide, rows, draft):  # drafts use the exact head
+    def _segment(self, i, x, slots, start, prev, decide, rows, draft, lookup):  # drafts use the exact head
         if rows > 1:
             raise ConfigError(f"rows={rows}: the portable graphs output one exit row per sequence, and "
                               f"self-speculative decoding verifies several; it needs the fused graphs of the "
@@ -237,8 +243,13 @@ class PortableBackend(Backend):
         h = out["hidden_out"].astype(np.float32, copy=False)
         if not decide:  # nobody reads this exit's decision
             return SegmentOut(h, eh, None, None, None)
+        if self.spec.candidates:  # the candidate check on the host: no LM head
+            return host_candidates(self, i, SegmentOut(h, eh, None, None, None), prev, lookup, self.shortlist_rows)
         head = self._head_rows(eh3)
         return host_decision(self, i, SegmentOut(h, eh, head.logits, head.stats, head.token), prev)
+
+    def _head(self, i, exit_hidden):
+        return self._head_rows(exit_hidden[:, None, :])
 
     def _head_rows(self, exit_hidden: np.ndarray) -> HeadOut:
         """The shared LM head on exit hidden rows [B, 1, D]."""

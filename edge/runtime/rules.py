@@ -20,9 +20,14 @@ A rule that is a linear score of the exit's features (the columns of
 with ``linear(layer, num_features) -> (w [F], b)``: exit where features @ w + b >= 0.
 The engine then has the segment graphs compute the score and only reads its sign,
 and never calls ``decide``.
+
+A model with a candidate shortlist (:mod:`edge.runtime.candidates`) decides from a small MLP of
+the check's features, :class:`ScoreForm`; a linear rule is one (two hidden units, exactly), and a
+rule that has a non-linear score says so with ``score_form(layer, num_features) -> ScoreForm``.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -43,6 +48,37 @@ class BatchExitRule(Protocol):
 
     # models with exit gates (edge.model.exits.ExitGate): the gate logits [B] of every exit reached so far
     def decide_gated(self, layer: int, gates: ExitTrace, hidden: ExitTrace) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class ScoreForm:
+    """An exit score: ``w2 . relu(features @ w1 + b1) + b2``, exit where it is >= 0 (float32; the form
+    the candidate-set graphs compute, with the rule's weights as graph inputs)."""
+
+    w1: np.ndarray  # [F, H]
+    b1: np.ndarray  # [H]
+    w2: np.ndarray  # [H]
+    b2: float
+
+    @classmethod
+    def linear(cls, w: np.ndarray, b: float) -> "ScoreForm":
+        """features @ w + b as an MLP of two hidden units: relu(a) - relu(-a) = a, exactly."""
+        w = np.asarray(w, np.float32)
+        return cls(np.stack([w, -w], axis=1), np.array([b, -b], np.float32), np.array([1.0, -1.0], np.float32), 0.0)
+
+    def __call__(self, features: np.ndarray) -> np.ndarray:
+        """The score [B] of features [B, F], in float32."""
+        h = np.maximum(np.asarray(features, np.float32) @ self.w1.astype(np.float32) + self.b1.astype(np.float32), 0)
+        return (h @ self.w2.astype(np.float32) + np.float32(self.b2)).astype(np.float32)
+
+
+def score_form(rule, layer: int, num_features: int) -> ScoreForm:
+    """The rule's score at decision exit ``layer`` as a :class:`ScoreForm`: its own ``score_form`` if it has
+    one, else its linear score."""
+    own = getattr(rule, "score_form", None)
+    if own is not None:
+        return own(layer, num_features)
+    return ScoreForm.linear(*rule.linear(layer, num_features))
 
 
 class NeverExit:

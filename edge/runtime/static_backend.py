@@ -32,7 +32,7 @@ import torch
 
 from edge.core.errors import ConfigError
 from edge.model.exits import MultiExitModel, exit_decision_stats
-from edge.runtime.backend import Backend, HeadOut, ModelSpec, SegmentOut, host_decision
+from edge.runtime.backend import Backend, HeadOut, ModelSpec, SegmentOut, host_candidates, host_decision
 from edge.runtime.static_decode import past_mask
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -100,6 +100,7 @@ class StaticTorchBackend(Backend):
         if self.graphs and self.device.type != "cuda":
             raise ConfigError(f"CUDA graphs need a CUDA device, not {self.device}")
         super().__init__(ModelSpec.of(model))
+        self.shortlist_rows = model.shortlist_rows().numpy() if model.has_shortlist else None  # [K, D], float32
         self.dtype = DTYPES[dtype]
         self.model = model.eval().to(device=self.device, dtype=self.dtype)
         self.bb = self.model.backbone
@@ -206,7 +207,7 @@ class StaticTorchBackend(Backend):
         return (t.float() if t.is_floating_point() else t).cpu().numpy()
 
     @torch.no_grad()
-    def _segment(self, i, x, slots, start, prev, decide, rows, draft):
+    def _segment(self, i, x, slots, start, prev, decide, rows, draft, lookup):
         b, t = x.shape[:2]
         last = i == len(self.segments) - 1
         slots_t, start_t = self._to(slots.astype(np.int64)), self._to(start.astype(np.int64))
@@ -231,6 +232,9 @@ class StaticTorchBackend(Backend):
         eh_host = self._host(eh, r)
         if not decide and not last:  # nobody reads this exit's decision
             return SegmentOut(hidden, eh_host, None, None, None)
+        if self.spec.candidates and not last:  # the candidate check on the host (no LM head)
+            return host_candidates(self, i, SegmentOut(hidden, eh_host, None, None, None), prev, lookup,
+                                   self.shortlist_rows)
         if gate is not None:
             out = SegmentOut(hidden, eh_host, None, None, None, self._host(gate, r))
         else:

@@ -10,7 +10,7 @@ import torch
 
 from edge.core.errors import ConfigError
 from edge.model.exits import exit_decision_stats
-from edge.runtime.backend import Backend, HeadOut, ModelSpec, SegmentOut, build_mask, host_decision
+from edge.runtime.backend import Backend, HeadOut, ModelSpec, SegmentOut, build_mask, host_candidates, host_decision
 
 
 class TorchBackend(Backend):
@@ -23,8 +23,9 @@ class TorchBackend(Backend):
             raise ConfigError("the torch backend needs the model (make_backend('torch', model=...))")
         super().__init__(ModelSpec.of(model))
         self.model = model.eval()
+        self.shortlist_rows = model.shortlist_rows().numpy() if model.has_shortlist else None  # [K, D]
 
-    def _segment(self, i, x, slots, start, prev, decide, rows, draft):  # the reference drafts with the exact head
+    def _segment(self, i, x, slots, start, prev, decide, rows, draft, lookup):  # the reference drafts with the exact head
         with torch.no_grad():
             bb = self.model.backbone
             b, t = x.shape[:2]
@@ -48,6 +49,9 @@ class TorchBackend(Backend):
                 return SegmentOut(None, eh.numpy(), head.logits, head.stats, head.token)
             if not decide:  # nobody reads this exit's decision
                 return SegmentOut(h.numpy(), eh.numpy(), None, None, None)
+            if self.spec.candidates:  # the candidate check (no LM head)
+                out = SegmentOut(h.numpy(), eh.numpy(), None, None, None)
+                return host_candidates(self, i, out, prev, lookup, self.shortlist_rows)
             if self.spec.gated:
                 out = SegmentOut(h.numpy(), eh.numpy(), None, None, None, self.model.exit_gate(layer, eh).numpy())
             else:

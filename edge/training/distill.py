@@ -23,7 +23,7 @@ from edge.core.data import Split, load_split
 from edge.core.errors import ConfigError
 from edge.model.bundled import read_lineage, resolve_model
 from edge.model.checkpoint import load_decoder
-from edge.model.exits import ExitConfig, MultiExitModel, save_multi_exit
+from edge.model.exits import ExitConfig, MultiExitModel, choose_shortlist, save_multi_exit
 from edge.model.tokenizer import encode_documents, load_tokenizer
 from edge.model.windows import base_model_metrics, exit_metrics, stream_windows
 from edge.training.layerskip import LOSS_PNG, LayerSkipConfig, exit_loss_summary, lr_at, plot_exit_losses, train_layerskip
@@ -171,6 +171,8 @@ def main(cfg: DistillConfig) -> int:
         model = MultiExitModel(backbone, exits)
         losses = train_exits(model, train_ids, cfg)
         extra = {}
+    if exits.shortlist:  # the candidates of every decision exit: the train text's most frequent tokens
+        model.shortlist.copy_(choose_shortlist(train_ids, exits.shortlist, backbone.cfg.vocab_size))
     metrics = exit_metrics(model, test_rows)
     if model.gated:  # after the heads, on other train-split windows; AUROC on the held-out windows
         from edge.training.gates import gate_data, train_gates

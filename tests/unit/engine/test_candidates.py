@@ -1,0 +1,181 @@
+"""The candidate-set exit decision: the context lookup, the host reference of a check, and the engine
+deciding over a shortlist on torch and on the fused ONNX Runtime graphs (same tokens, same exit layers)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from edge.core.errors import ConfigError
+from edge.model.exits import ExitConfig, MultiExitModel, choose_shortlist
+from edge.model.reference import reference_generate
+from edge.runtime.backend import make_backend
+from edge.runtime.candidates import CANDIDATE_SIGNAL_NAMES, NUM_FEATURES, check, shortlist_logits
+from edge.runtime.engine import Engine, EngineConfig, KVMode, Request
+from edge.runtime.lookup import MAX_N, NONE, Lookup, lookup_along
+from edge.runtime.rules import ConfidenceRule, NeverExit, ScoreForm
+from edge.runtime.torch_backend import TorchBackend
+from edge.model.decoder import Decoder
+from tests.tolerance import assert_f32_close
+from tests.unit.engine.test_engine import CFG, _prompts, _run
+from tests.unit.engine.test_ort_backend import _export
+
+K = 24
+
+
+def _model(seed=0, layers=(1, 2, 3, 4, 6)) -> MultiExitModel:
+    torch.manual_seed(seed)
+    dec = Decoder(CFG)
+    dec.init_weights(seed, std=0.3)
+    m = MultiExitModel(dec.eval(), ExitConfig(layers=list(layers), adapter_rank=4, shortlist=K)).eval()
+    with torch.no_grad():
+        for p in m.heads.parameters():
+            p.add_(0.05 * torch.randn(p.shape))
+        # a shortlist that holds the tokens these random weights like best, so that checks agree sometimes
+        counts = m.backbone.head_weight.norm(dim=1)
+        m.shortlist.copy_(torch.argsort(-counts)[:K])
+    return m
+
+
+# ------------------------------------------------------------------ lookup
+def _brute(tokens: list[int]) -> tuple[int, int]:
+    """The longest suffix (n <= MAX_N) that occurred earlier, and what followed its latest occurrence."""
+    for n in range(min(MAX_N, len(tokens)), 0, -1):
+        suf = tokens[len(tokens) - n:]
+        for s in range(len(tokens) - n - 1, -1, -1):
+            if tokens[s:s + n] == suf:
+                return tokens[s + n], n
+    return NONE, 0
+
+
+def test_lookup_matches_a_brute_force_search():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        seq = rng.integers(0, 5, rng.integers(1, 40)).tolist()  # a small alphabet: many repeats
+        lk = Lookup()
+        for i, t in enumerate(seq):
+            lk.push(t)
+            assert lk.predict() == _brute(seq[:i + 1]), seq[:i + 1]
+
+
+def test_lookup_examples():
+    lk = Lookup([1, 2, 3, 9, 1, 2])
+    assert lk.predict() == (3, 2)  # "1 2" was followed by 3
+    lk.push(7)
+    assert lk.predict() == (NONE, 0)  # 7 is new
+    assert Lookup().predict() == (NONE, 0)
+    toks, lens = lookup_along(np.array([1, 2, 3, 9, 1, 2, 3]), 4, 7)
+    assert toks.tolist() == [2, 3, 9] and lens.tolist() == [1, 2, 3]
+
+
+# ------------------------------------------------------------------ the check
+def test_check_features_by_hand():
+    z = np.array([[2.0, 1.0, 0.0], [0.0, 0.0, 5.0]], np.float32)
+    ids = np.array([7, 8, 9])
+    c = check(z, ids, np.array([7, 3]), np.array([2, 0]), None, None, None, num_exits=4)
+    e = np.exp([0.0, -1.0, -2.0])
+    assert c.token.tolist() == [7, 9]
+    assert c.features.shape == (2, NUM_FEATURES) == (2, len(CANDIDATE_SIGNAL_NAMES))
+    np.testing.assert_allclose(c.features[0, :3], [1 / e.sum(), (1 - e[1]) / e.sum(), 2.0], rtol=1e-6)
+    assert c.features[:, 3].tolist() == [1.0, 0.0]  # the lookup agrees in row 0 only
+    assert c.features[:, 4].tolist() == [2 / MAX_N, 0.0]
+    assert not c.features[:, 5:].any() and not c.run.any()  # first check: no previous
+    nxt = check(z, ids, np.array([-1, -1]), np.zeros(2), c.token, np.array([0.0, 2.0], np.float32),
+                c.features[:, 0], num_exits=4)
+    assert nxt.features[:, 5].tolist() == [1.0, 1.0] and nxt.run.tolist() == [1.0, 3.0]
+    np.testing.assert_allclose(nxt.features[:, 6], [0.25, 0.75])
+    np.testing.assert_allclose(nxt.features[:, 7], c.features[:, 0])
+
+
+def test_score_form_of_a_linear_score_is_that_score():
+    """relu(a) - relu(-a) = a: the two-unit MLP is the linear score up to the product's summation order."""
+    rng = np.random.default_rng(1)
+    w, b = rng.standard_normal(NUM_FEATURES).astype(np.float32), 0.3
+    f = rng.standard_normal((50, NUM_FEATURES)).astype(np.float32)
+    assert_f32_close(ScoreForm.linear(w, b)(f), f @ w + np.float32(b), NUM_FEATURES, 1, "linear score")
+
+
+def test_choose_shortlist_is_by_frequency():
+    ids = choose_shortlist(np.array([5, 5, 5, 2, 2, 9, 1, 1]), 3, vocab_size=10)
+    assert ids.tolist() == [5, 1, 2]  # ties: the lower id first
+
+
+def test_shortlist_and_gates_are_exclusive():
+    with pytest.raises(ConfigError, match="choose one"):
+        ExitConfig(layers=[2, 4], shortlist=8, gate_hidden=4)
+
+
+# ------------------------------------------------------------------ the engine
+def test_never_exit_gives_full_depth_greedy():
+    m = _model()
+    for p in _prompts(2, seed=3):
+        got = _run(Engine(TorchBackend(m), EngineConfig(max_seqs=1, max_len=128), NeverExit()), [p])[0]
+        ref = reference_generate(m, p, 12)
+        assert [t for t, _ in got] == ref.tokens and all(e == 6 for _, e in got)
+
+
+def test_exits_emit_shortlist_tokens_and_checks_see_the_lookup():
+    m = _model()
+    eng = Engine(TorchBackend(m), EngineConfig(max_seqs=4, max_running=4, max_len=128), ConfidenceRule(0.2))
+    out = _run(eng, _prompts(4, seed=4), max_tokens=16)
+    early = [t for seq in out for t, e in seq if e < 6]
+    assert early, "some tokens must exit early for the test to mean anything"
+    assert set(early) <= set(m.shortlist.tolist())
+
+
+def test_sampled_requests_never_exit_over_a_shortlist():
+    m = _model()
+    eng = Engine(TorchBackend(m), EngineConfig(max_seqs=2, max_running=2, max_len=128), ConfidenceRule(0.0))
+    out = _run(eng, _prompts(2, seed=5), max_tokens=8, temperature=0.8, seed=1)
+    assert all(e == 6 for seq in out for _, e in seq)
+
+
+def test_a_rule_without_a_score_is_refused():
+    class HostOnly:
+        def decide(self, layer, stats, tokens, hidden):
+            return np.zeros(tokens[layer].shape[0], bool)
+
+    with pytest.raises(ConfigError, match="decides in its graphs"):
+        Engine(TorchBackend(_model()), EngineConfig(max_seqs=1, max_len=64), HostOnly())
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    return _export(tmp_path_factory.mktemp("cand"), _model(seed=7))
+
+
+@pytest.mark.parametrize("mode", list(KVMode))
+def test_onnxruntime_decides_as_torch(exported, mode):
+    """The fused graphs' checks (candidate logits, features, MLP score in the graph) give the torch
+    reference's tokens and exit layers, through scattered slots and both K/V modes."""
+    m, ckpt, graphs = exported
+    rng = np.random.default_rng(2)
+    mlp = ScoreForm(rng.standard_normal((NUM_FEATURES, 5)).astype(np.float32), rng.standard_normal(5).astype(np.float32),
+                    rng.standard_normal(5).astype(np.float32), -0.5)
+
+    class Mlp:
+        def score_form(self, layer, f):
+            return mlp
+
+    prompts = [p + p[:6] for p in _prompts(4, seed=8)]  # repeats: the lookup finds matches
+    cfg = dict(max_seqs=4, max_running=4, max_len=128, prefill_budget=24, kv_mode=mode, defer_exit_max_batch=None)
+    for rule in (ConfidenceRule(0.25), Mlp()):
+        ref = _run(Engine(TorchBackend(m), EngineConfig(**cfg), rule), prompts, max_tokens=16)
+        backend = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1)
+        got = _run(Engine(backend, EngineConfig(**cfg), rule), prompts, max_tokens=16)
+        assert got == ref
+        layers = {e for seq in got for _, e in seq}
+        assert layers & {1, 2, 3, 4} and 6 in layers, f"exits and full depth must both occur ({layers})"
+
+
+def test_full_graph_equals_the_segments(exported):
+    m, ckpt, graphs = exported
+    backend = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1)
+    assert backend._full is not None
+    prompts = _prompts(3, seed=9)
+    cfg = EngineConfig(max_seqs=3, max_running=3, max_len=128, kv_mode=KVMode.DEFER, defer_exit_max_batch=1)
+    # all three decode together from the first step: batch 3 > 1, so no row may exit and the full graph runs
+    got = _run(Engine(backend, cfg, ConfidenceRule(0.0)), prompts, max_tokens=10)
+    ref = _run(Engine(TorchBackend(m), EngineConfig(max_seqs=3, max_running=3, max_len=128)), prompts, max_tokens=10)
+    assert got == ref
+    assert any(key[0] == "full" and key[2] == 3 for key in backend._plans), "the batch-3 steps ran the full graph"
