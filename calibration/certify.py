@@ -52,9 +52,24 @@ def fit(data: Collected, kind: CalibratorKind) -> dict[int, Calibrator]:
     return fit_calibrators(data.signals, exit_targets(data.argmax), kind)
 
 
-def calibrated(cals: dict[int, Calibrator], data: Collected) -> dict[int, np.ndarray]:
-    """Calibrated probability [N] per decision exit."""
-    return {k: c.predict(data.signals[k]) for k, c in cals.items()}
+def calibrated(cals: dict[int, Calibrator], data: Collected, route: float = 0.0) -> dict[int, np.ndarray]:
+    """Calibrated probability [N] per decision exit; with ``route`` > 0 (a candidate-shortlist model's
+    routing, :func:`routed`), -1 for the tokens the engine sends to full depth without a check (no
+    threshold of the grid reaches it)."""
+    ok = routed(data.signals, route)
+    return {k: np.where(ok[k], c.predict(data.signals[k]), -1.0) if ok is not None else c.predict(data.signals[k])
+            for k, c in cals.items()}
+
+
+def routed(signals: dict[int, np.ndarray], route: float) -> dict[int, np.ndarray] | None:
+    """Which tokens a candidate-shortlist model checks at all: those whose context lookup matched at
+    least ``route`` (the ``lookup_len`` feature, match length / MAX_N); the others run the graph of every
+    layer, no check (edge.runtime.engine). None for ``route`` <= 0 (every token is checked)."""
+    if route <= 0:
+        return None
+    from edge.runtime.candidates import LOOKUP_LEN
+
+    return {k: s[:, LOOKUP_LEN] >= route - 1e-6 for k, s in signals.items()}
 
 
 def unit_losses(probs: dict[int, np.ndarray], data: Collected, lams: np.ndarray) -> np.ndarray:
@@ -68,7 +83,8 @@ def unit_losses(probs: dict[int, np.ndarray], data: Collected, lams: np.ndarray)
     return counts / tokens[:, None]
 
 
-def cross_fitted(data: Collected, kind: CalibratorKind, folds: int = 2, seed: int = 0) -> dict[int, np.ndarray]:
+def cross_fitted(data: Collected, kind: CalibratorKind, folds: int = 2, seed: int = 0,
+                 route: float = 0.0) -> dict[int, np.ndarray]:
     """Out-of-fold calibrated probabilities: units are split into ``folds`` groups (seeded); each
     group's tokens are scored by calibrators fitted on the other groups."""
     if data.unit is None or data.n_units < folds:
@@ -82,15 +98,16 @@ def cross_fitted(data: Collected, kind: CalibratorKind, folds: int = 2, seed: in
         rows = token_group == f
         for k, c in cals.items():
             out[k][rows] = c.predict(data.signals[k][rows])
-    return out
+    ok = routed(data.signals, route)
+    return out if ok is None else {k: np.where(ok[k], v, -1.0) for k, v in out.items()}
 
 
 def provisional_lambda(data: Collected, kind: CalibratorKind, lams: np.ndarray, eps: float, delta: float,
-                       method: PValue, n_certify: int, seed: int = 0) -> float:
+                       method: PValue, n_certify: int, seed: int = 0, route: float = 0.0) -> float:
     """The threshold to generate the certify units with: the median of the walk's choices on the
     cross-fitted fit units resampled (seeded bootstrap) to ``n_certify`` units; a choice that certifies
     nothing counts as the strictest threshold of ``lams``."""
-    probs = cross_fitted(data, kind, seed=seed)
+    probs = cross_fitted(data, kind, seed=seed, route=route)
     losses = unit_losses(probs, data, lams)  # [U_fit, G]
     rng = np.random.default_rng(seed + 1)
     chosen = []

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from calibration.signals import GATED_SIGNAL_NAMES, gated_signals_all_exits, signals_all_exits
+from calibration.signals import (GATED_SIGNAL_NAMES, candidate_signals_all_exits, gated_signals_all_exits,
+                                 signals_all_exits)
 from edge.core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -98,15 +99,32 @@ def collect_units(model: MultiExitModel, seqs: np.ndarray, first: int, batch: in
     layers = model.exit_layers
     sig: dict[int, list[np.ndarray]] = {k: [] for k in layers}
     arg: dict[int, list[np.ndarray]] = {k: [] for k in layers}
-    for r in read_exits(model, seqs, first, batch):
-        s = _signals(layers, model.gated, r.stats, r.tokens, r.hidden, r.gates)
+    lookups = lookups_along(seqs, first) if model.has_shortlist else None
+    rows = model.shortlist_rows().numpy() if model.has_shortlist else None
+    for n, r in enumerate(read_exits(model, seqs, first, batch)):
+        if lookups is not None:  # the checks over the shortlist, as the engine runs them
+            lt, ll = (a[n * batch:(n + 1) * batch].reshape(-1) for a in lookups)
+            s, tokens = candidate_signals_all_exits(r.hidden, r.tokens[layers[-1]], rows, model.shortlist.numpy(), lt, ll)
+        else:
+            s, tokens = _signals(layers, model.gated, r.stats, r.tokens, r.hidden, r.gates), r.tokens
         for k in layers:
             sig[k].append(s[k])
-            arg[k].append(r.tokens[k])
+            arg[k].append(tokens[k])
     per = length - 1 - first
     return Collected(layers, {k: np.concatenate(v) for k, v in sig.items()},
                      {k: np.concatenate(v) for k, v in arg.items()}, seqs[:, first + 1:].reshape(-1),
                      np.repeat(np.arange(u), per), u)
+
+
+def lookups_along(seqs: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray]:
+    """The context lookup's token and ``lookup_len`` feature (match length / MAX_N) [U, L - 1 - first] at
+    every judged position of every row (:func:`edge.runtime.lookup.lookup_along`: what the engine's lookup
+    gives after feeding those tokens)."""
+    from edge.runtime.candidates import lookup_feature
+    from edge.runtime.lookup import lookup_along
+
+    parts = [lookup_along(row, first, seqs.shape[1] - 1) for row in seqs]
+    return np.stack([p[0] for p in parts]), lookup_feature(np.stack([p[1] for p in parts]))
 
 
 def _units(seqs: np.ndarray, first: int, lowest: int, who: str) -> np.ndarray:
@@ -154,8 +172,10 @@ def collect_engine(backend: Backend, seqs: np.ndarray, first: int, batch: int = 
     seqs = _units(seqs, first, 1, "collect_engine")
     u, length = seqs.shape
     layers, nseg, gated = backend.exit_layers, len(backend.segments), backend.spec.gated
+    cand = backend.spec.candidates
     sig: dict[int, list[np.ndarray]] = {k: [] for k in layers}
     arg: dict[int, list[np.ndarray]] = {k: [] for k in layers}
+    lookups = lookups_along(seqs, first) if cand else None
     for a in range(0, u, batch):
         rows = seqs[a:a + batch]
         b = rows.shape[0]
@@ -170,17 +190,24 @@ def collect_engine(backend: Backend, seqs: np.ndarray, first: int, batch: int = 
         tokens: list[dict[int, np.ndarray]] = []
         for pos in range(first, length - 1):
             x, prev = rows[:, pos:pos + 1], None
-            st, tk, hd, gt = {}, {}, {}, {}
+            st, tk, hd, gt, ft = {}, {}, {}, {}, {}
+            lk = None if lookups is None else (lookups[0][a:a + b, pos - first], lookups[1][a:a + b, pos - first])
             for i, k in enumerate(layers):
-                out = backend.segment(i, x, slots, np.full(b, pos, np.int64), prev, decide=True)
+                out = backend.segment(i, x, slots, np.full(b, pos, np.int64), prev, decide=True, lookup=lk)
                 hd[k] = out.exit_hidden.copy()  # [b, D]; the backend's buffers are reused by the next call
                 if out.gate is not None:  # a gated decision exit: the head runs apart
                     gt[k] = out.gate.copy()
                     tk[k] = backend.head(i, hd[k]).token.copy()
+                elif cand and i < nseg - 1:  # a candidate check: its features as the engine computed them
+                    ft[k], tk[k] = out.features.astype(np.float64), out.token.copy()
                 else:
                     st[k], tk[k] = out.stats.copy(), out.token.copy()
                 x, prev = out.hidden, out
-            steps.append(_signals(layers, gated, st, tk, hd, gt))
+            if cand:
+                ft[layers[-1]] = np.zeros((b, backend.spec.num_features))
+                steps.append(ft)
+            else:
+                steps.append(_signals(layers, gated, st, tk, hd, gt))
             tokens.append(tk)
         for k in layers:  # [T, b, ...] -> unit-major rows
             sig[k].append(np.stack([s[k] for s in steps], axis=1).reshape(b * len(steps), -1))

@@ -3,7 +3,8 @@
 (a) a max-probability threshold tuned on the certify units without a
 certificate (common practice), (b) max-probability + Learn-then-Test (CALM-like,
 no consistency signals), (c) Platt and (d) isotonic calibration of all signals +
-Learn-then-Test; each evaluated teacher-forced on the held-out text.
+Learn-then-Test, (e) with a candidate shortlist, an MLP score of all signals +
+isotonic + Learn-then-Test; each evaluated teacher-forced on the held-out text.
 """
 from __future__ import annotations
 
@@ -42,29 +43,47 @@ class System:
 
 
 
+def _single(data: Collected, candidates: bool, route: float) -> dict[int, np.ndarray]:
+    """The single signal (a) thresholds, in [0, 1] for the grid: the softmax (or gate) top-1 probability, or
+    for a candidate-shortlist model the sigmoid of its top candidate logit (monotone: the same ranking), -1 on
+    rows the shortlist model's routing never checks."""
+    ok = cert.routed(data.signals, route)
+    out = {}
+    for k in data.exit_layers[:-1]:
+        x = data.signals[k][:, TOP1]
+        if candidates:
+            x = 1.0 / (1.0 + np.exp(-np.clip(x, -60.0, 60.0)))
+        out[k] = np.where(ok[k], x, -1.0) if ok else x
+    return out
+
+
 def baselines(fit: Collected, certify: Collected, test: Collected, lams: np.ndarray, eps: float, delta: float,
-              method: PValue, order_seed: int | None, gated: bool = False) -> list[System]:
+              method: PValue, order_seed: int | None, gated: bool = False, candidates: bool = False,
+              route: float = 0.0) -> list[System]:
     """(a) hand-tuned max-probability, (b) max-probability + LTT, (c) Platt + LTT, (d) isotonic + LTT,
     all walked over the whole grid on the certify units' teacher-forced signals (the continuations were
     generated with the shipped kind's provisional rule: for the other kinds these are comparisons,
     not certificates of their own regime). For a model with exit gates, column 0 of the signals is the
     gate's probability, so (a) and (b) threshold the gate (CALM's learned classifier) instead."""
     systems = []
-    top1 = {k: certify.signals[k][:, TOP1] for k in certify.exit_layers[:-1]}
+    top1 = _single(certify, candidates, route)
     losses = cert.unit_losses(top1, certify, lams)  # [U, G]
     ok = losses.mean(axis=0) <= eps
     idx = int(np.flatnonzero(ok)[-1]) if ok.any() else None  # loosest with empirical rate <= eps
     lam = float(lams[idx]) if idx is not None else NEVER_EXIT
     rate = float(losses[:, idx].mean()) if idx is not None else 0.0
-    single = "gate prob" if gated else "max-prob"
+    single = "gate prob" if gated else ("top candidate logit" if candidates else "max-prob")
     systems.append(System(f"(a) {single}, hand-tuned, no certificate", False, lam, None, rate,
-                          evaluate_cascade(test, {k: test.signals[k][:, TOP1] for k in top1}, lam)))
-    for kind, label in ((CalibratorKind.MAXPROB, f"(b) {single} + LTT (CALM-like)"),
-                        (CalibratorKind.PLATT, "(c) all signals, Platt + LTT"),
-                        (CalibratorKind.ISOTONIC, "(d) all signals, isotonic + LTT")):
+                          evaluate_cascade(test, _single(test, candidates, route), lam)))
+    kinds = [(CalibratorKind.MAXPROB, f"(b) {single} + LTT (CALM-like)"),
+             (CalibratorKind.PLATT, "(c) all signals, Platt + LTT"),
+             (CalibratorKind.ISOTONIC, "(d) all signals, isotonic + LTT")]
+    if candidates:  # the score the candidate graphs can compute beyond a linear one
+        kinds.append((CalibratorKind.MLP, "(e) all signals, MLP + isotonic + LTT"))
+    for kind, label in kinds:
         cals = cert.fit(fit, kind)
-        c = cert.certify(cert.calibrated(cals, certify), certify, lams, eps, delta, method, order_seed)
-        tp = cert.calibrated(cals, test)
+        c = cert.certify(cert.calibrated(cals, certify, route), certify, lams, eps, delta, method, order_seed)
+        tp = cert.calibrated(cals, test, route)
         tc = exit_targets(test.argmax)
         quality = {str(k): {"ece": expected_calibration_error(tp[k], tc[k]), "brier": brier_score(tp[k], tc[k])}
                    for k in cals}

@@ -32,6 +32,12 @@ softmax statistic or argmax exists at decision time. Its signals are
 - ``gate_prob_prev``: the same at the previous exit (0 at the first);
 - ``cos_prev``: as above.
 
+A model with a candidate shortlist decides each check over K rows of the LM
+head (:mod:`edge.runtime.candidates`): its signals are
+:data:`edge.runtime.candidates.CANDIDATE_SIGNAL_NAMES`, computed by that module's
+:func:`~edge.runtime.candidates.check` (:func:`candidate_signals_all_exits`), and
+a decision exit's token is the best candidate, not the vocabulary's argmax.
+
 All functions are pure: arrays in, arrays out.
 """
 from __future__ import annotations
@@ -39,6 +45,7 @@ from __future__ import annotations
 import numpy as np
 
 from edge.core.errors import ConfigError
+from edge.runtime.candidates import CANDIDATE_SIGNAL_NAMES, check, shortlist_logits
 
 SIGNAL_NAMES: tuple[str, ...] = ("top1_prob", "margin", "entropy", "agree_prev", "agree_run", "cos_prev")
 GATED_SIGNAL_NAMES: tuple[str, ...] = ("gate_prob", "gate_prob_prev", "cos_prev")
@@ -147,3 +154,32 @@ def gated_signals_all_exits(gates: dict[int, np.ndarray], hidden: dict[int, np.n
     """:func:`gated_signals` at every decision exit in ``gates``."""
     layers = sorted(gates)
     return {k: gated_signals({j: gates[j] for j in layers[:i + 1]}, hidden) for i, k in enumerate(layers)}
+
+
+def candidate_signals_all_exits(hidden: dict[int, np.ndarray], final_tokens: np.ndarray, rows: np.ndarray,
+                                shortlist: np.ndarray, lookup_token: np.ndarray, lookup_len: np.ndarray
+                                ) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+    """Signals [N, F] (:data:`CANDIDATE_SIGNAL_NAMES`) and token [N] at every exit of a shortlist model, as
+    its checks compute them in the engine, one check after another (each reads the previous one).
+
+    Args:
+        hidden: exit layer -> normalised exit hidden [N, D], every exit (the last is the full model).
+        final_tokens: the full model's argmax [N] (the last exit's token).
+        rows: the LM head's rows of the shortlist [K, D].
+        shortlist: their token ids [K].
+        lookup_token, lookup_len: the context lookup's token and match length / MAX_N at each position [N].
+
+    Returns:
+        (signals, tokens): exit layer -> [N, F] and -> [N]; the last exit's signals are zeros and its token
+        ``final_tokens``.
+    """
+    layers = sorted(hidden)
+    sig, tok = {}, {}
+    prev = None
+    for k in layers[:-1]:
+        c = check(shortlist_logits(hidden[k], rows), shortlist, lookup_token, lookup_len,
+                  None if prev is None else prev.tokens, None if prev is None else prev.logits)
+        sig[k], tok[k], prev = c.features.astype(np.float64), c.token, c
+    n = len(final_tokens)
+    sig[layers[-1]], tok[layers[-1]] = np.zeros((n, len(CANDIDATE_SIGNAL_NAMES))), np.asarray(final_tokens)
+    return sig, tok

@@ -21,10 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from calibration.calibrators import Calibrator
+from calibration.calibrators import Calibrator, CalibratorKind
 from calibration.signals import GATED_SIGNAL_NAMES, SIGNAL_NAMES, gated_signals, signals_from_stats
+from edge.runtime.candidates import CANDIDATE_SIGNAL_NAMES, lookup_feature
 from edge.core.artifacts import atomic_write_json, sha256_path
 from edge.core.errors import ArtifactError, ConfigError
+from edge.runtime.rules import ScoreForm
 
 TABLE_VERSION = 2
 
@@ -40,6 +42,9 @@ class ThresholdTable:
     certificate: dict[str, Any] = field(default_factory=dict)  # eps, delta, n, empirical rate, bound, ...
     signal_names: tuple[str, ...] = SIGNAL_NAMES
     kv_mode: str = "defer"  # the K/V mode of skipped layers the certificate covers
+    # candidate-shortlist models: rows whose context lookup matched fewer than this many tokens run every layer
+    # with no check (part of the rule the certificate covers; 0: every row is checked)
+    route_min_lookup: int = 0
 
     def __post_init__(self) -> None:
         if self.kv_mode not in ("defer", "propagate"):
@@ -54,6 +59,7 @@ class ThresholdTable:
             "calibrator_kind": self.calibrator_kind,
             "lambda": self.lam,
             "kv_mode": self.kv_mode,
+            "route_min_lookup": self.route_min_lookup,
             **self.certificate,
             "layers": {
                 str(k): {"score_threshold": _finite_or_str(self.score_thresholds[k]),
@@ -73,14 +79,14 @@ class ThresholdTable:
             layers = [int(k) for k in d["exit_layers"]]
             per = {int(k): v for k, v in d["layers"].items()}
             cert_keys = [k for k in d if k not in ("version", "checkpoint_sha256", "exit_layers", "signal_names",
-                                                   "calibrator_kind", "lambda", "layers", "kv_mode")]
+                                                   "calibrator_kind", "lambda", "layers", "kv_mode", "route_min_lookup")]
             return cls(
                 checkpoint_sha256=d["checkpoint_sha256"], exit_layers=layers, calibrator_kind=d["calibrator_kind"],
                 lam=float(d["lambda"]),
                 score_thresholds={k: float(v["score_threshold"]) for k, v in per.items()},
                 calibrators={k: Calibrator.from_dict(v["calibrator"]) for k, v in per.items()},
                 certificate={k: d[k] for k in cert_keys}, signal_names=tuple(d["signal_names"]),
-                kv_mode=d["kv_mode"],
+                kv_mode=d["kv_mode"], route_min_lookup=int(d.get("route_min_lookup", 0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{source}: malformed threshold table ({exc!r})") from exc
@@ -91,6 +97,13 @@ class ThresholdTable:
 
 def _finite_or_str(x: float) -> float | str:
     return x if np.isfinite(x) else ("inf" if x > 0 else "-inf")
+
+
+def _fold(b: float, threshold: float) -> float:
+    """A bias with the score threshold moved into it (an infinite threshold: never / always exit)."""
+    if np.isinf(threshold):
+        return -1e30 if threshold > 0 else 1e30
+    return float(b) - float(threshold)
 
 
 def load_table(path: str | Path, checkpoint: str | Path) -> ThresholdTable:
@@ -129,20 +142,32 @@ class TableRule:
 
     def __init__(self, table: ThresholdTable) -> None:
         names = tuple(table.signal_names)
-        if names not in (SIGNAL_NAMES, GATED_SIGNAL_NAMES):
+        if names not in (SIGNAL_NAMES, GATED_SIGNAL_NAMES, CANDIDATE_SIGNAL_NAMES):
             raise ConfigError(f"threshold table signals {list(names)} are not this version's {list(SIGNAL_NAMES)} "
-                              f"(or {list(GATED_SIGNAL_NAMES)} for a model with exit gates); re-run "
+                              f"(or {list(GATED_SIGNAL_NAMES)} for a model with exit gates, "
+                              f"{list(CANDIDATE_SIGNAL_NAMES)} for one with a candidate shortlist); re-run "
                               f"`smartexit calibrate`")
         self.table = table
         self.gated = names == GATED_SIGNAL_NAMES
+        self.candidates = names == CANDIDATE_SIGNAL_NAMES
+        # the engine checks only rows whose context lookup feature reaches this (edge.runtime.engine)
+        self.route_min_lookup = float(lookup_feature(np.array(table.route_min_lookup))) if self.candidates else 0.0
         self._m = len(table.exit_layers)
-        # per decision exit: the score's weights [F] and its bias with the threshold moved into it
+        # per decision exit: the calibrator's raw score as a ScoreForm, and the rule (threshold folded in)
+        self._raw_form: dict[int, ScoreForm] = {}
+        self._form: dict[int, ScoreForm] = {}
+        # linear calibrators also as (weights [F], bias with the threshold moved into it)
         self._score: dict[int, tuple[np.ndarray, float]] = {}
-        self._raw: dict[int, tuple[np.ndarray, float]] = {}  # the calibrator's raw score, no threshold
+        self._raw_linear: dict[int, tuple[np.ndarray, float]] = {}  # the calibrator's own, no threshold
         for k in table.exit_layers[:-1]:
-            w, b = table.calibrators[k].linear_score()
-            self._raw[k] = (np.asarray(w, np.float64), float(b))
-            self._score[k] = (self._raw[k][0], float(b) - table.score_thresholds[k])
+            cal = table.calibrators[k]
+            raw = cal.score_form()
+            self._raw_form[k] = raw
+            self._form[k] = ScoreForm(raw.w1, raw.b1, raw.w2, _fold(raw.b2, table.score_thresholds[k]))
+            if cal.kind is not CalibratorKind.MLP or cal.constant is not None:
+                w, b = cal.linear_score()
+                self._raw_linear[k] = (np.asarray(w, np.float64), float(b))
+                self._score[k] = (np.asarray(w, np.float64), _fold(b, table.score_thresholds[k]))
 
     def _expect(self, gated: bool) -> None:
         if gated != self.gated:
@@ -169,13 +194,33 @@ class TableRule:
         """Calibrated probability [B] that decision exit ``layer``'s token is the full model's, from the
         exit's features [B, F] as the segment graphs compute them (the table's signal order): for greedy
         self-speculative decoding, the probability that a draft from this exit is accepted."""
-        w, b = self._raw[layer]
-        return self.table.calibrators[layer].probability(np.asarray(features, np.float64) @ w + b)
+        f = np.asarray(features, np.float64)
+        raw = self._raw_linear.get(layer)
+        if raw is not None:
+            return self.table.calibrators[layer].probability(f @ raw[0] + raw[1])
+        form = self._raw_form[layer]  # an mlp calibrator, in float64
+        h = np.maximum(f @ form.w1.astype(np.float64) + form.b1.astype(np.float64), 0.0)
+        return self.table.calibrators[layer].probability(h @ form.w2.astype(np.float64) + form.b2)
+
+    def _interface(self, num_features: int) -> None:
+        if num_features != len(self.table.signal_names):
+            self._expect(not self.gated)  # the message says which interface the table was calibrated on
+            raise ConfigError(f"this threshold table was calibrated on {len(self.table.signal_names)} signals "
+                              f"({', '.join(self.table.signal_names)}); the model's exits give {num_features}: "
+                              f"re-run `smartexit calibrate` for this checkpoint")
 
     def linear(self, layer: int, num_features: int) -> tuple[np.ndarray, float]:
         """The rule at decision exit ``layer`` as a linear score of the exit's features (in the order of
         the table's signal names): exit where features @ w + b >= 0 (the engine computes it in the
-        segment graphs). Raises ConfigError when the model's features are not the table's signals."""
-        if num_features != len(self.table.signal_names):
-            self._expect(not self.gated)  # the message says which interface the table was calibrated on
+        segment graphs). Raises ConfigError when the model's features are not the table's signals, or
+        the calibrator's score is not linear (mlp: :meth:`score_form`)."""
+        self._interface(num_features)
+        if layer not in self._score:
+            raise ConfigError(f"exit {layer}'s calibrator ({self.table.calibrator_kind}) is not a linear score")
         return self._score[layer]
+
+    def score_form(self, layer: int, num_features: int) -> ScoreForm:
+        """The rule at decision exit ``layer`` as a :class:`ScoreForm` of the check's features (what a
+        candidate-shortlist model's graphs compute): exit where it is >= 0."""
+        self._interface(num_features)
+        return self._form[layer]

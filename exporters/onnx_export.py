@@ -55,6 +55,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 import torch
 import torch.nn.functional as F
@@ -66,7 +67,7 @@ from edge.core.errors import ArtifactError, ConfigError
 from edge.model.exits import MultiExitModel, exit_decision_stats
 from edge.model.decoder import rope_cos_sin
 from edge.model.segments import segment_layers
-from edge.runtime.graphs import FUSED_DIR, GRAPHS_FORMAT, GRAPHS_JSON
+from edge.runtime.graphs import FUSED_DIR, GRAPHS_FORMAT, GRAPHS_JSON, SHORTLIST_ROWS
 from exporters.ort_fused import DRAFT_HEAD, build_fused, fused_supported, save_draft_head, save_fused
 
 SUPPORTED_OPSETS = (17, 18)
@@ -392,6 +393,9 @@ def export_onnx(model: MultiExitModel, out_dir: str | Path, cfg: ExportConfig,
                    "max_positions": mcfg.max_position_embeddings, "gated": model.gated,
                    "shortlist": model.shortlist.tolist() if model.has_shortlist else []},
         )
+        if model.has_shortlist:  # the shortlist's LM-head rows, for backends that check candidates on the host
+            np.save(tmp / SHORTLIST_ROWS, model.shortlist_rows().numpy().astype(np.float32))
+            manifest.model["shortlist_rows"] = {"file": SHORTLIST_ROWS, "sha256": sha256_file(tmp / SHORTLIST_ROWS)}
         manifest.fused_skipped = fused_supported(model)
         if manifest.fused_skipped is None:
             fused = save_fused(build_fused(model, seg_layers, cfg.full_graph), tmp / FUSED_DIR,

@@ -280,68 +280,47 @@ class _Builder:
                               ["exit_features"], axis=1)[0]
         self._score(feats, w, bias, 3)
 
-    def decision_shortlist(self, eh: str, first_decision: bool) -> None:
+    def decision_shortlist(self, eh: str) -> None:
         """The candidate-set check (:mod:`edge.runtime.candidates`, same formulas in float32) in a decision
-        segment: candidate logits against the shortlist's LM-head rows, the best candidate's token, the
-        features [B, F] (columns ``CANDIDATE_SIGNAL_NAMES``) and the rule's score, an MLP of them whose
-        weights are inputs (``rule_w1`` [F, H], ``rule_b1`` [H], ``rule_w2`` [H], ``rule_b2`` []).
+        segment: candidate logits against the shortlist's LM-head rows, the two best candidates' tokens and
+        logits, the features [B, F] (columns ``CANDIDATE_SIGNAL_NAMES``) and the rule's score,
+        an MLP of them whose weights are inputs (``rule_w1`` [F, H], ``rule_b1`` [H], ``rule_w2`` [H, 1],
+        ``rule_b2`` [1]).
 
-        Inputs ``lookup_token`` int64 [B] and ``lookup_len`` [B] (the context lookup's token and match
-        length); later decision exits also take the previous check's ``prev_token``, ``prev_run`` and
-        ``prev_p1`` [B]. Outputs ``exit_token`` [B], ``exit_features`` [B, F], ``exit_score`` [B],
-        ``exit_run`` [B], ``exit_p1`` [B]."""
+        Inputs ``lookup_token`` int64 [B, 1] and ``lookup_len`` [B, 1] (the context lookup's token and match
+        length / MAX_N), ``prev_tokens`` int64 [B, 2] and ``prev_logits`` [B, 2] (the previous check's; -1
+        and 0 before the first). Outputs ``exit_tokens`` [B, 2], ``exit_logits`` [B, 2], ``exit_features``
+        [B, F], ``exit_score`` [B, 1]. Eleven nodes after the exit norm, every one on the rows' own shapes
+        (no reshape, slice or first-check variant): at batch 1 a node costs a few microseconds whatever
+        it computes, so the node count is the check's price."""
         from edge.runtime.candidates import NUM_FEATURES
-        from edge.runtime.lookup import MAX_N
 
         model = self.model
         f = NUM_FEATURES
         rows = model.shortlist_rows()  # [K, D]
         z = self.node("MatMul", [eh, self.weight("sl.rows_t", rows.T.contiguous())], ["sl.z"])[0]  # [B, K]
         vals, idx = self.node("TopK", [z, self.const("c.k2", [2])], ["sl.top", "sl.idx"], axis=-1, largest=1, sorted=1)
-        z1, z2 = self.node("Split", [vals, self.const("c.split11", [1, 1])], ["sl.z1", "sl.z2"], axis=-1)  # [B, 1]
-        e = self.node("Exp", [self.node("Sub", [z, z1], ["sl.d"])[0]], ["sl.e"])[0]
-        total = self.node("ReduceSum", [e, self.const("c.axis_last", [-1])], ["sl.sum"], keepdims=1)[0]
-        p1 = self.node("Reciprocal", [total], ["sl.p1"])[0]  # [B, 1]
-        p2 = self.node("Mul", [self.node("Exp", [self.node("Sub", [z2, z1], ["sl.dz2"])[0]], ["sl.e2"])[0], p1],
-                       ["sl.p2"])[0]
-        margin = self.node("Sub", [p1, p2], ["sl.margin"])[0]
-        top = self.node("Gather", [idx, self.const("c.zero_s", 0)], ["sl.i1"], axis=-1)[0]  # [B]
-        token = self.node("Gather", [self.weight("sl.ids", model.shortlist.numpy().astype(np.int64)), top],
-                          ["exit_token"], axis=0)[0]
-        ltok = self.input("lookup_token", TensorProto.INT64, ["batch"])
-        llen = self.input("lookup_len", TensorProto.FLOAT, ["batch"])
-        la = self.node("Cast", [self.node("Equal", [token, ltok], ["sl.leq"])[0]], ["sl.la"], to=TensorProto.FLOAT)[0]
-        ll = self.node("Div", [llen, self.weight("c.max_n", np.array(MAX_N, np.float32))], ["sl.ll"])[0]
-        cols = [p1, margin, z1, self._col(la, "la1"), self._col(ll, "ll1")]
-        if first_decision:
-            run = self.node("Mul", [la, self.weight("c.zero_f", np.zeros((), np.float32))], ["exit_run"])[0]
-            feats = self.node("Pad", [self.node("Concat", cols, ["sl.f5"], axis=1)[0], self.const("c.pad3", [0, 0, 0, 3])],
-                              ["exit_features"])[0]
-        else:
-            ptok = self.input("prev_token", TensorProto.INT64, ["batch"])
-            prun = self.input("prev_run", TensorProto.FLOAT, ["batch"])
-            pp1 = self.input("prev_p1", TensorProto.FLOAT, ["batch"])
-            agree = self.node("Cast", [self.node("Equal", [token, ptok], ["sl.peq"])[0]], ["sl.agree"],
-                              to=TensorProto.FLOAT)[0]
-            one = self.weight("c.one_f0", np.ones((), np.float32))
-            run = self.node("Mul", [agree, self.node("Add", [prun, one], ["sl.run1"])[0]], ["exit_run"])[0]
-            runm = self.node("Div", [run, self.weight("c.m_exits", np.array(len(model.exit_layers), np.float32))],
-                             ["sl.runm"])[0]
-            feats = self.node("Concat", cols + [self._col(agree, "ag1"), self._col(runm, "rm1"), self._col(pp1, "pp1")],
-                              ["exit_features"], axis=1)[0]
-        self.node("Reshape", [p1, self.const("c.flat", [-1])], ["exit_p1"])
+        self.node("Identity", [vals], ["exit_logits"])
+        tokens = self.node("Gather", [self.weight("sl.ids", model.shortlist.numpy().astype(np.int64)), idx],
+                           ["exit_tokens"], axis=0)[0]  # [B, 2]
+        ltok = self.input("lookup_token", TensorProto.INT64, ["batch", 1])
+        llen = self.input("lookup_len", TensorProto.FLOAT, ["batch", 1])
+        ptok = self.input("prev_tokens", TensorProto.INT64, ["batch", 2])
+        plog = self.input("prev_logits", TensorProto.FLOAT, ["batch", 2])
+        la = self.node("Cast", [self.node("Equal", [tokens, ltok], ["sl.leq"])[0]], ["sl.la"], to=TensorProto.FLOAT)[0]
+        agree = self.node("Cast", [self.node("Equal", [tokens, ptok], ["sl.peq"])[0]], ["sl.agree"],
+                          to=TensorProto.FLOAT)[0]
+        feats = self.node("Concat", [vals, la, llen, agree, plog], ["exit_features"], axis=1)[0]  # [B, F]
         w1 = self.input("rule_w1", TensorProto.FLOAT, [f, "hidden"])
         b1 = self.input("rule_b1", TensorProto.FLOAT, ["hidden"])
-        w2 = self.input("rule_w2", TensorProto.FLOAT, ["hidden"])
-        b2 = self.input("rule_b2", TensorProto.FLOAT, [])
-        h = self.node("Relu", [self.node("Add", [self.node("MatMul", [feats, w1], ["sl.h0"])[0], b1], ["sl.h1"])[0]],
-                      ["sl.h"])[0]
-        self.node("Add", [self.node("MatMul", [h, w2], ["sl.s0"])[0], b2], ["exit_score"])
-        self.output("exit_token", TensorProto.INT64, ["batch"])
+        w2 = self.input("rule_w2", TensorProto.FLOAT, ["hidden", 1])
+        b2 = self.input("rule_b2", TensorProto.FLOAT, [1])
+        h = self.node("Relu", [self.node("Gemm", [feats, w1, b1], ["sl.h0"])[0]], ["sl.h"])[0]
+        self.node("Gemm", [h, w2, b2], ["exit_score"])
+        self.output("exit_tokens", TensorProto.INT64, ["batch", 2])
+        self.output("exit_logits", TensorProto.FLOAT, ["batch", 2])
         self.output("exit_features", TensorProto.FLOAT, ["batch", f])
-        self.output("exit_score", TensorProto.FLOAT, ["batch"])
-        self.output("exit_run", TensorProto.FLOAT, ["batch"])
-        self.output("exit_p1", TensorProto.FLOAT, ["batch"])
+        self.output("exit_score", TensorProto.FLOAT, ["batch", 1])
 
     def _col(self, x: str, name: str) -> str:
         """[B] -> [B, 1]."""
@@ -409,7 +388,7 @@ def _segment_proto(model: MultiExitModel, layers: list[int], exit_layer: int | N
             b.gate(exit_layer, eh)
             b.decision_gated(eh, first_decision=first)
         elif model.has_shortlist and not last:  # decides over the candidates; no LM head for the check
-            b.decision_shortlist(eh, first_decision=first)
+            b.decision_shortlist(eh)
     for j in layers:
         for kind in ("key", "value"):
             b.output(f"present_{kind}_{j}", TensorProto.FLOAT, ["batch", kv, "capacity", hd])

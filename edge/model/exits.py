@@ -143,12 +143,7 @@ class MultiExitModel(nn.Module):
         """The LM head's rows of the shortlist tokens [K, D] (float32; a quantized head's values as it
         computes them)."""
         bb = self.backbone
-        if bb.head_q is None:
-            w = bb.head_weight
-        else:  # the quantized head's effective weights: its output on the identity
-            eye = torch.eye(bb.cfg.hidden_size, dtype=torch.float32)
-            with torch.no_grad():
-                w = bb.head_q(eye).T  # [V, D]
+        w = bb.head_weight if bb.head_q is None else bb.head_q.quantized_weight()  # the quantized head's grid values
         return w.detach().float()[self.shortlist]
 
     @property

@@ -45,6 +45,8 @@ from calibration.evaluate import evaluate_cascade
 from calibration.pvalues import PValue, exceeds_pvalue, min_units
 from calibration.risk import default_grid
 from calibration.signals import GATED_SIGNAL_NAMES, SIGNAL_NAMES, exit_targets
+from edge.runtime.candidates import CANDIDATE_SIGNAL_NAMES, lookup_feature
+from edge.runtime.lookup import MAX_N
 from calibration.table import ThresholdTable, TableRule
 from calibration.units import check_amount, corpora, seeds
 from edge.core.artifacts import atomic_dir, sha256_path
@@ -74,6 +76,9 @@ class CalibrateConfig:
     epsilon: float = 0.009  # tolerated mean per-prompt false-exit rate
     delta: float = 0.05  # probability that the certificate is wrong
     calibrator: CalibratorKind = CalibratorKind.ISOTONIC  # the kind the written table uses
+    # candidate-shortlist models: only rows whose context lookup matched at least this many tokens are checked;
+    # the others run every layer in one call (a part of the rule, fixed before the certify units are drawn)
+    route_min_lookup: int = 0
     pvalue: PValue = PValue.BETTING
     kv_mode: KVChoice = KVChoice.AUTO
     backend: CalibBackend = CalibBackend.AUTO  # the engine the certificate is computed on
@@ -105,7 +110,7 @@ class CalibrateConfig:
                                                       KVChoice(self.kv_mode))
         self.backend = CalibBackend(self.backend)
         if self.calibrator is CalibratorKind.MAXPROB:
-            raise ConfigError("calibrate.calibrator must be platt or isotonic (maxprob is the CALM-like baseline)")
+            raise ConfigError("calibrate.calibrator must be platt, isotonic or mlp (maxprob is the CALM-like baseline)")
         if self.prompt_tokens < 1 or self.new_tokens < 2:
             raise ConfigError("calibrate: prompt_tokens >= 1 and new_tokens >= 2 are required")
         for name in ("fit_units", "eval_units", "batch", "min_documents"):
@@ -117,6 +122,9 @@ class CalibrateConfig:
             raise ConfigError("calibrate.pvalue=binomial is exact for 0/1 losses only, but a prompt's false-exit "
                               f"rate over {self.new_tokens - 1} judged tokens takes values in [0, 1]: use betting "
                               "or hoeffding_bentkus (or new_tokens=2)")
+        if not 0 <= self.route_min_lookup <= MAX_N:
+            raise ConfigError(f"calibrate.route_min_lookup must be in [0, {MAX_N}] (the lookup's longest match), got "
+                              f"{self.route_min_lookup}")
         if not 0 < self.heldout_percent < 100:
             raise ConfigError(f"calibrate.heldout_percent must be in (0, 100), got {self.heldout_percent}")
 
@@ -148,18 +156,29 @@ def served_engine(choice: CalibBackend, manifest, ckpt: Path, model, threads: in
 
 
 def _table(ckpt: Path, model, kind: CalibratorKind, lam: float, cals: dict[int, Calibrator], kv_mode: KVMode,
-           certificate: dict[str, Any] | None = None) -> ThresholdTable:
+           certificate: dict[str, Any] | None = None, route: int = 0) -> ThresholdTable:
     return ThresholdTable(checkpoint_sha256=sha256_path(ckpt), exit_layers=model.exit_layers,
                           calibrator_kind=kind.value, lam=lam,
                           score_thresholds={k: c.score_threshold(lam) for k, c in cals.items()},
                           calibrators=cals, certificate=certificate or {}, kv_mode=kv_mode.value,
-                          signal_names=GATED_SIGNAL_NAMES if model.gated else SIGNAL_NAMES)
+                          signal_names=signal_names(model), route_min_lookup=route if model.has_shortlist else 0)
+
+
+def signal_names(model) -> tuple[str, ...]:
+    """The signals the model's decision exits give: softmax, gate or candidate-check ones."""
+    if model.has_shortlist:
+        return CANDIDATE_SIGNAL_NAMES
+    return GATED_SIGNAL_NAMES if model.gated else SIGNAL_NAMES
 
 
 def main(cfg: CalibrateConfig) -> int:
     t0 = time.time()
     run = open_run(cfg.run_dir, cfg.threads)
     manifest, ckpt, model, tok = run.manifest, run.path, run.model, run.tokenizer
+    route = float(lookup_feature(np.array(cfg.route_min_lookup))) if model.has_shortlist else 0.0
+    if cfg.calibrator is CalibratorKind.MLP and not model.has_shortlist:
+        raise ConfigError("calibrate.calibrator=mlp needs a model with a candidate shortlist (exits.shortlist > 0): "
+                          "only its graphs compute a non-linear score; use platt or isotonic")
     served = served_engine(cfg.backend, manifest, ckpt, model, cfg.threads)
     _log(t0, f"engine: {served.backend.name}; tokens judged against {served.reference_name}")
     n_min = min_units(cfg.epsilon, cfg.delta, cfg.pvalue)
@@ -190,24 +209,24 @@ def main(cfg: CalibrateConfig) -> int:
     fit = fit_run.data
     cals = cert.fit(fit, cfg.calibrator)
     lam_p = cert.provisional_lambda(fit, cfg.calibrator, lams, cfg.epsilon, cfg.delta, cfg.pvalue,
-                                    cfg.certify_units, s["crossfit"])
+                                    cfg.certify_units, s["crossfit"], route)
     _log(t0, f"fit: {fit.n_units} prompts, {fit.n} tokens; provisional lambda {lam_p:.3f}")
 
     # 3. certify units: the engine with the provisional rule in the mode to certify. With the betting
     # p-value (anytime-valid) the draw stops as soon as the whole walk has passed.
     anytime = cfg.pvalue is PValue.BETTING
-    prov_rule = TableRule(_table(ckpt, model, cfg.calibrator, lam_p, cals, mode))
+    prov_rule = TableRule(_table(ckpt, model, cfg.calibrator, lam_p, cals, mode, route=cfg.route_min_lookup))
 
     def walk_done(r: FreeRun) -> bool:
         if not anytime or r.data.n_units < n_min:
             return False
-        return cert.certify(cert.calibrated(cals, r.data), r.data, lams, cfg.epsilon, cfg.delta, cfg.pvalue, None,
+        return cert.certify(cert.calibrated(cals, r.data, route), r.data, lams, cfg.epsilon, cfg.delta, cfg.pvalue, None,
                             lam_p, observed=r.unit_losses()).exact
 
     cert_w = data.calibration.draw(cfg.certify_units, length, s["certify"])
     cert_run, _ = free_run_until(served, cert_w.ids[:, :P], cfg.new_tokens, prov_rule, mode, cfg.batch, walk_done,
                                  desc=f"certify units, {mode.value}")
-    probs = cert.calibrated(cals, cert_run.data)
+    probs = cert.calibrated(cals, cert_run.data, route)
     c = cert.certify(probs, cert_run.data, lams, cfg.epsilon, cfg.delta, cfg.pvalue, None if anytime else s["order"],
                      lam_p, observed=cert_run.unit_losses())
     c.agreement = _agreement(cert_run, probs, lam_p)
@@ -218,7 +237,8 @@ def main(cfg: CalibrateConfig) -> int:
     # fixed sequence, shipped only if the walk reached the provisional rule (else the sequence stopped)
     prop = None
     if cfg.kv_mode is KVChoice.AUTO and c.certified:
-        prop_rule = TableRule(_table(ckpt, model, cfg.calibrator, c.lam, cals, KVMode.PROPAGATE))
+        prop_rule = TableRule(_table(ckpt, model, cfg.calibrator, c.lam, cals, KVMode.PROPAGATE,
+                                     route=cfg.route_min_lookup))
 
         def decided(r: FreeRun) -> bool:
             x = r.unit_losses()
@@ -239,7 +259,7 @@ def main(cfg: CalibrateConfig) -> int:
     # 4. evaluation units: natural text teacher-forced, and free-running in both modes
     ev_w = data.evaluation.draw(cfg.eval_units, length, s["eval"])
     test = served.reference(ev_w.ids, P)
-    rule = TableRule(_table(ckpt, model, cfg.calibrator, c.lam, cals, shipped))
+    rule = TableRule(_table(ckpt, model, cfg.calibrator, c.lam, cals, shipped, route=cfg.route_min_lookup))
     modes = list(KVMode) if cfg.eval_both_kv_modes else [shipped]
     runs = {m: free_run(served, ev_w.ids[:, :P], cfg.new_tokens, rule, m, cfg.batch, desc=f"evaluation units, {m.value}")
             for m in modes}
@@ -248,9 +268,10 @@ def main(cfg: CalibrateConfig) -> int:
 
     # 5. comparison
     systems = baselines(fit, cert_run.data, test, lams, cfg.epsilon, cfg.delta, cfg.pvalue,
-                        None if anytime else s["order"], gated=model.gated)
-    chosen = next(x for x in systems if x.name.startswith("(d)" if cfg.calibrator is CalibratorKind.ISOTONIC else "(c)"))
-    tf = evaluate_cascade(test, cert.calibrated(cals, test), c.lam)
+                        None if anytime else s["order"], gated=model.gated, candidates=model.has_shortlist, route=route)
+    chosen = next(x for x in systems if x.name.startswith(
+        {CalibratorKind.ISOTONIC: "(d)", CalibratorKind.MLP: "(e)"}.get(cfg.calibrator, "(c)")))
+    tf = evaluate_cascade(test, cert.calibrated(cals, test, route), c.lam)
     base = _base_model_accuracy(ckpt, ev_w.ids, P)
     flt = _float_model_accuracy(ckpt, ev_w.ids, P)
 
@@ -271,9 +292,9 @@ def main(cfg: CalibrateConfig) -> int:
         "expected_exit_fraction": {str(k): v for k, v in c.exit_fraction.items()},
         "expected_layers_skipped_frac": c.layers_skipped_frac,
     }
-    table = _table(ckpt, model, cfg.calibrator, c.lam, cals, shipped, certificate)
+    table = _table(ckpt, model, cfg.calibrator, c.lam, cals, shipped, certificate, cfg.route_min_lookup)
     tc = exit_targets(test.argmax)
-    tp = cert.calibrated(cals, test)
+    tp = cert.calibrated(cals, test, route)
     curves = {f"exit {k}": reliability_curve(tp[k], tc[k]) for k in cals}
     metrics = {
         "epsilon": cfg.epsilon, "delta": cfg.delta, "pvalue": cfg.pvalue.value, "calibrator": cfg.calibrator.value,

@@ -21,7 +21,7 @@ import numpy as np
 
 from edge.model.segments import segment_layers
 from edge.runtime.cache import KVCache
-from edge.runtime.candidates import NUM_FEATURES, P1, check, shortlist_logits
+from edge.runtime.candidates import NUM_FEATURES, check, shortlist_logits
 from edge.runtime.rules import ScoreForm
 from edge.core.errors import ConfigError
 
@@ -97,7 +97,10 @@ class SegmentOut:
     features: np.ndarray | None = None
     score: np.ndarray | None = None
     run: np.ndarray | None = None
-    p1: np.ndarray | None = None  # [B] the candidate check's cand_p1 (shortlist decision exits; the next reads it)
+    # a candidate check's two best tokens [B, 2] and their local probabilities [B, 2] (the next check reads them;
+    # ``token`` is the first column)
+    cand_tokens: np.ndarray | None = None
+    cand_logits: np.ndarray | None = None
 
 
 class Backend(abc.ABC):
@@ -125,7 +128,7 @@ class Backend(abc.ABC):
         # a shortlist model's rule: the ScoreForm MLP per decision segment, padded to MAX_HIDDEN units (the
         # padding units have zero weights: relu(0) * 0 adds nothing); never exit by default
         self.rule_mlp = [(np.zeros((f, MAX_HIDDEN), np.float32), np.zeros(MAX_HIDDEN, np.float32),
-                          np.zeros(MAX_HIDDEN, np.float32), np.full((), -1.0, np.float32)) for _ in self.segments[:-1]]
+                          np.zeros((MAX_HIDDEN, 1), np.float32), np.full(1, -1.0, np.float32)) for _ in self.segments[:-1]]
         self.shortlist_ids = np.asarray(spec.shortlist, np.int64)
 
     def set_rule(self, forms: dict[int, tuple[np.ndarray, float] | ScoreForm]) -> None:
@@ -156,12 +159,12 @@ class Backend(abc.ABC):
         w1[...] = 0  # in place: bound buffers see the new values
         b1[...] = 0
         w2[...] = 0
-        w1[:, :h], b1[:h], w2[:h], b2[()] = form.w1, form.b1, form.w2, form.b2
+        w1[:, :h], b1[:h], w2[:h, 0], b2[0] = form.w1, form.b1, form.w2, form.b2
 
     def rule_score(self, i: int) -> ScoreForm:
         """The MLP rule of shortlist decision segment i as set (padded)."""
         w1, b1, w2, b2 = self.rule_mlp[i]
-        return ScoreForm(w1, b1, w2, float(b2))
+        return ScoreForm(w1, b1, w2[:, 0], float(b2[0]))
 
     def suffix_layers(self, i: int) -> list[int]:
         """0-based layers of segments i..last (what ``kvfill(i)`` writes K/V for)."""
@@ -195,8 +198,9 @@ class Backend(abc.ABC):
         (the last segment, or ``decide`` False). ``draft``: the exit's token only proposes a draft that the
         full model verifies, so a backend may compute the head approximately (the ONNX Runtime backend
         runs the export's int8 ``draft_head``); never for the last segment. ``lookup``: the context
-        lookup's (token [B] int64, match length [B]) of each sequence (:mod:`edge.runtime.lookup`), a
-        feature of a shortlist model's checks; None: no match for any row."""
+        lookup's (token [B] int64, match length / MAX_N [B] float32: edge.runtime.candidates.lookup_feature)
+        of each sequence (:mod:`edge.runtime.lookup`), a feature of a shortlist model's checks; None: no
+        match for any row."""
         b, t = x.shape[:2]
         if t != 1 and b != 1:
             raise ConfigError(f"a segment call takes one row per sequence or one sequence, got B={b}, T={t}")
@@ -217,6 +221,20 @@ class Backend(abc.ABC):
         if self.spec.candidates and not last and lookup is None:
             lookup = (np.full(b * rows, -1, np.int64), np.zeros(b * rows, np.float32))
         return self._segment(i, x, slots, start, prev, decide or last, rows, draft, lookup)
+
+    def decode_until_exit(self, x: np.ndarray, slots: np.ndarray, start: np.ndarray,
+                          lookup: tuple[np.ndarray, np.ndarray] | None, allowed: np.ndarray) -> tuple[int, SegmentOut]:
+        """A decode step's segments, one after another, until the first where some row that ``allowed``
+        [B] bool lets leave has exit score >= 0, or the last segment: returns (that segment's index, its
+        output). For an exit rule in the graphs (its score is ``SegmentOut.score``); the engine then goes on
+        from there. Backends may run it faster than segment by segment (the ONNX Runtime backend does)."""
+        prev, last = None, len(self.segments) - 1
+        for i in range(len(self.segments)):
+            out = self.segment(i, x, slots, start, prev, lookup=lookup)
+            if i == last or bool(((out.score >= 0.0) & allowed).any()):
+                return i, out
+            x, prev = out.hidden, out
+        raise AssertionError("unreachable")
 
     def full(self, x: np.ndarray, slots: np.ndarray, start: np.ndarray, rows: int = 1) -> SegmentOut:
         """Every layer, no decision exit: what the last segment outputs (logits, token of each sequence's
@@ -298,11 +316,10 @@ def host_candidates(backend: Backend, i: int, out: SegmentOut, prev: SegmentOut 
     """Shortlist decision exit i on the host (:mod:`edge.runtime.candidates`, the fused graphs' formulas):
     for backends whose graphs end at the exit hidden (torch, the portable graphs, torch_static). ``rows``:
     the LM head's rows of the shortlist [K, D]. Fills the output's token, features, run, p1 and score."""
-    first = i == 0
+    first = i == 0 or prev is None
     c = check(shortlist_logits(out.exit_hidden, rows), backend.shortlist_ids, lookup[0], lookup[1],
-              None if first or prev is None else prev.token, None if first or prev is None else prev.run,
-              None if first or prev is None else prev.p1, len(backend.exit_layers))
-    out.token, out.features, out.run, out.p1 = c.token, c.features, c.run, c.features[:, P1].copy()
+              None if first else prev.cand_tokens, None if first else prev.cand_logits)
+    out.token, out.features, out.cand_tokens, out.cand_logits = c.token, c.features, c.tokens, c.logits
     out.score = backend.rule_score(i)(c.features)
     return out
 

@@ -34,7 +34,7 @@ import numpy as np
 
 from edge.runtime.backend import Backend, SegmentOut
 from edge.runtime.cache import KVCache
-from edge.runtime.candidates import P1
+from edge.runtime.candidates import lookup_feature
 from edge.runtime.lookup import Lookup
 from edge.runtime.rules import TOP1, BatchExitRule, NeverExit, score_form
 from edge.runtime.sampling import choose_token, token_distribution
@@ -188,6 +188,8 @@ class Engine:
         elif linear is not None:
             backend.set_rule({layer: linear(layer, f) for layer in backend.exit_layers[:-1]})
         self._score_in_graph = self._candidates or linear is not None
+        # a shortlist rule's routing: rows whose lookup feature is below this run every layer with no check
+        self._route = float(getattr(self.rule, "route_min_lookup", 0.0)) if self._candidates else 0.0
         # self-speculative decoding (mode exact): the draft exit's segment, its stop rule's inputs
         spec = cfg.speculative
         self._agreement = getattr(self.rule, "agreement", None)
@@ -381,15 +383,24 @@ class Engine:
         bounded = np.fromiter((s.req.mode is Mode.BOUNDED and not (self._candidates and s.req.temperature > 0)
                                for s in seqs), bool, len(seqs))
         exits = bool(bounded.any()) and not (deferred and limit is not None and len(seqs) > limit)
+        lookup = self._lookups(seqs) if self._candidates and exits else None
+        if lookup is not None and self._route > 0:  # rows the rule does not check run every layer, no check paid
+            bounded &= lookup[1] >= self._route - 1e-6
+            exits = bool(bounded.any())
         if not exits and not (deferred and any(s.pending for s in seqs)):
             self._step_full(seqs, x, slots, start)  # no row may leave: every layer in one call, no check paid
             return
         gated = backend.spec.gated
         gates: dict[int, np.ndarray] = {}  # [B] gate logits (gated exits)
         prev = None  # the previous decision exit's outputs for the rows still running
-        lookup = self._lookups(seqs) if self._candidates and exits else None
-        for i in range(nseg):
-            if deferred and i > 0 and any(s.pending for s in act):
+        first, fast = 0, None
+        if self._score_in_graph and exits and not (deferred and any(s.pending for s in seqs)):
+            # the segments run back to back until the first where a row leaves (no host work between them)
+            first, fast = backend.decode_until_exit(x, slots, start, lookup, bounded)
+        for i in range(first, nseg):
+            if fast is not None:
+                out, fast = fast, None
+            elif deferred and i > 0 and any(s.pending for s in act):
                 if len(act) == 1:  # one call: the deferred rows, then the new token (reads the weights once)
                     out = self._with_deferred(i, act[0], x, slots, start, prev, lookup)
                 else:
@@ -433,7 +444,8 @@ class Engine:
                 slots, start, bounded = slots[keep], start[keep], bounded[keep]
                 x = out.hidden[keep]
                 prev = SegmentOut(None, out.exit_hidden[keep], None, None, _rows(out.token, keep),
-                                  _rows(out.gate, keep), run=_rows(out.run, keep), p1=_rows(out.p1, keep))
+                                  _rows(out.gate, keep), run=_rows(out.run, keep),
+                                  cand_tokens=_rows(out.cand_tokens, keep), cand_logits=_rows(out.cand_logits, keep))
                 if lookup is not None:
                     lookup = (lookup[0][keep], lookup[1][keep])
                 for trace in (stats, tokens, hidden, gates):
@@ -466,7 +478,7 @@ class Engine:
         toks, lens = np.empty(b, np.int64), np.empty(b, np.float32)
         for r, s in enumerate(seqs):
             toks[r], lens[r] = s.lookup.predict()
-        return toks, lens
+        return toks, lookup_feature(lens)
 
     def _speculate(self, seqs: list[_Seq]) -> None:
         """One self-speculative round for every sequence in mode exact (edge/runtime/speculative.py):
@@ -567,7 +579,7 @@ class Engine:
             s.pending = [p for p in s.pending if p.next_seg < i + 1]
         hidden = None if out.hidden is None else out.hidden[:, -1:]
         return SegmentOut(hidden, out.exit_hidden, out.logits, out.stats, out.token, out.gate, out.features,
-                          out.score, out.run, out.p1)
+                          out.score, out.run, out.cand_tokens, out.cand_logits)
 
     def _catch_up(self, i: int, act: list[_Seq], x: np.ndarray, slots: np.ndarray, start: np.ndarray) -> np.ndarray:
         """Deferred rows that segment i must see before the new tokens: run them first, oldest first,

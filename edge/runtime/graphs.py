@@ -23,6 +23,7 @@ GRAPHS_FORMAT = 7  # 2: segment graphs output exit_stats, exit_token; 3: exit he
 # check their candidates in the graph (exit_token, exit_features, exit_score, exit_run, exit_p1); fused "full",
 # every layer in one graph
 FUSED_DIR = "fused"
+SHORTLIST_ROWS = "shortlist_rows.npy"  # float32 [K, D]: the LM head's rows of a candidate shortlist
 
 
 def load_graphs_json(graphs_dir: str | Path) -> dict[str, Any]:
@@ -63,7 +64,9 @@ def verify_graphs(graphs_dir: str | Path, checkpoint_sha256: str) -> dict[str, A
             f"{graphs_dir / GRAPHS_JSON}: graphs were exported from checkpoint sha256 {recorded}, "
             f"expected {checkpoint_sha256}; re-export for this checkpoint")
     fused = (meta.get("fused") or {}).get("graphs", {})
-    for name, g in [*meta["graphs"].items(), *((f"fused/{k}", v) for k, v in fused.items())]:
+    rows = meta.get("model", {}).get("shortlist_rows")
+    extra = [("shortlist rows", rows)] if rows else []
+    for name, g in [*meta["graphs"].items(), *((f"fused/{k}", v) for k, v in fused.items()), *extra]:
         for file, want in ((g["file"], g["sha256"]), (g.get("external_data"), g.get("external_data_sha256"))):
             if file is None:
                 continue
@@ -76,3 +79,20 @@ def verify_graphs(graphs_dir: str | Path, checkpoint_sha256: str) -> dict[str, A
                     f"{path} (graph {name!r}) sha256 {actual} != recorded {want}: the file changed after export "
                     f"(a segment graph from another checkpoint?); re-export")
     return meta
+
+
+def shortlist_rows(graphs_dir: str | Path, meta: dict[str, Any]):
+    """The LM head's rows of the export's candidate shortlist, float32 [K, D] (None without a shortlist).
+
+    Raises:
+        ArtifactError: graphs.json names a rows file that is missing or changed.
+    """
+    import numpy as np
+
+    rec = meta.get("model", {}).get("shortlist_rows")
+    if not rec:
+        return None
+    path = Path(graphs_dir) / rec["file"]
+    if not path.is_file() or sha256_file(path) != rec["sha256"]:
+        raise ArtifactError(f"{path} (the shortlist's LM-head rows) is missing or changed after export; re-export")
+    return np.load(path).astype(np.float32)

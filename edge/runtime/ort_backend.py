@@ -35,8 +35,13 @@ FULL = "full"  # the fused graph of every layer (exporters/ort_fused.py)
 
 PREFERRED_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
 _PREV_FIELD = {"prev_exit_hidden": "exit_hidden", "prev_token": "token", "prev_run": "run", "prev_gate": "gate",
-               "prev_p1": "p1"}
+               "prev_tokens": "cand_tokens", "prev_logits": "cand_logits"}
 MAX_PLAN_ROWS = 8  # calls of up to this many rows per sequence keep their binding (a prompt chunk does not)
+
+
+def _col(a: np.ndarray) -> np.ndarray:
+    """[N] -> a [N, 1] view of the same memory (a binding of it writes into the [N] buffer)."""
+    return a.reshape(-1, 1)
 
 
 def pick_providers(available: list[str], requested: list[str] | None = None) -> list[str]:
@@ -116,6 +121,7 @@ class OrtBackend(Backend):
     def _attached(self) -> None:
         self._plans.clear()
         self._bufs.clear()
+        self._step_plans: dict[tuple[int, int], list[_Plan]] = {}
         self._views: dict[tuple[int, int, int], tuple] = {}
 
     # ---------------------------------------------------------------- cache views
@@ -167,23 +173,27 @@ class OrtBackend(Backend):
             exit_hidden=self._buf("exit_hidden", i + 1, chain, b, (r, d), f32),
             logits=None if headless else np.zeros((r, v), f32),
             stats=None if headless else np.zeros((r, 3), f32),
-            token=None if gated_exit else self._buf("token", i + 1, chain, b, (r,), np.int64),
-            gate=self._buf("gate", i + 1, chain, b, (r,), f32) if gated_exit else None,
-            p1=self._buf("p1", i + 1, chain, b, (r,), f32) if check else None)
+            token=None if gated_exit or check else self._buf("token", i + 1, chain, b, (r,), np.int64),
+            gate=self._buf("gate", i + 1, chain, b, (r,), f32) if gated_exit else None)
+        if check:  # the two best candidates and their probabilities, which the next check reads
+            out.cand_tokens = self._buf("cand_tokens", i + 1, chain, b, (r, 2), np.int64)
+            out.cand_logits = self._buf("cand_logits", i + 1, chain, b, (r, 2), f32)
+            out.token = out.cand_tokens[:, 0]  # a view: the check's token
         if not last:  # a decision exit: the rule's features and score (exporters/ort_fused.py)
             out.features = np.zeros((r, self.spec.num_features), f32)
             out.score = np.zeros(r, f32)
-            if not self.spec.gated:
+            if not self.spec.gated and not check:
                 out.run = self._buf("run", i + 1, chain, b, (r,), f32)
         # what the previous decision exit gave these rows: the segment reads it (gates) or the head (softmax)
         seg_prev, head_prev = {}, {}
         if gated_exit and i > 0:
             seg_prev = {"prev_exit_hidden": self._buf("exit_hidden", i, chain, b, (r, d), f32),
                         "prev_gate": self._buf("gate", i, chain, b, (r,), f32)}
-        if check and i > 0:
-            seg_prev = {"prev_token": self._buf("token", i, chain, b, (r,), np.int64),
-                        "prev_run": self._buf("run", i, chain, b, (r,), f32),
-                        "prev_p1": self._buf("p1", i, chain, b, (r,), f32)}
+        if check:  # the first check reads a pair of "no previous check" buffers (-1 tokens, zero probabilities)
+            seg_prev = {"prev_tokens": self._buf("cand_tokens", i, chain, b, (r, 2), np.int64),
+                        "prev_logits": self._buf("cand_logits", i, chain, b, (r, 2), f32)}
+            if i == 0:
+                seg_prev["prev_tokens"][...] = -1
         if not headless and self._head_decides:
             head_prev = {"prev_exit_hidden": self._buf("exit_hidden", i, chain, b, (r, d), f32),
                          "prev_token": self._buf("token", i, chain, b, (r,), np.int64),
@@ -194,17 +204,19 @@ class OrtBackend(Backend):
         lookup = None
         if check:  # one pair of buffers for every check of a step over this block
             lookup = (self._buf("lookup_token", 0, chain, b, (r,), np.int64), self._buf("lookup_len", 0, chain, b, (r,), f32))
-        plan = _Plan(io, head_io, head_sess, x, np.zeros(b, np.int32), np.zeros((), np.int32), np.zeros((), np.int64), out,
-                     {**seg_prev, **head_prev}, lookup)
+        # the rows' cache lengths, the longest and the first exit row: one set per block, written once a step
+        plan = _Plan(io, head_io, head_sess, x, self._buf("seqlens", 0, chain, b, (b,), np.int32),
+                     self._buf("total", 0, chain, b, (), np.int32), self._buf("exit_index", 0, chain, b, (), np.int64),
+                     out, {**seg_prev, **head_prev}, lookup)
         io.bind_ortvalue_input("input_ids" if first else "hidden", ov(x))
         io.bind_ortvalue_input("seqlens_k", ov(plan.seqlens))
         io.bind_ortvalue_input("total_len", ov(plan.total))
         io.bind_ortvalue_input("exit_index", ov(plan.exit_index))
         seg_outs = {"exit_hidden": out.exit_hidden, "hidden_out": out.hidden}
-        if check:
-            seg_outs.update(exit_token=out.token, exit_features=out.features, exit_score=out.score, exit_run=out.run,
-                            exit_p1=out.p1)
-            self._bind(io, {**seg_prev, "lookup_token": lookup[0], "lookup_len": lookup[1]}, seg_outs, None)
+        if check:  # per-row values are [B, 1] in these graphs: bind column views of the [B] buffers
+            seg_outs.update(exit_tokens=out.cand_tokens, exit_logits=out.cand_logits, exit_features=out.features,
+                            exit_score=_col(out.score))
+            self._bind(io, {**seg_prev, "lookup_token": _col(lookup[0]), "lookup_len": _col(lookup[1])}, seg_outs, None)
             for name, value in zip(("rule_w1", "rule_b1", "rule_w2", "rule_b2"), self._mlp_values[i]):
                 io.bind_ortvalue_input(name, value)
         elif gated_exit:
@@ -270,6 +282,46 @@ class OrtBackend(Backend):
         else:  # a prompt chunk: fresh buffers
             plan = self._make_plan(last, None, b, t, values, rows, full=True)
         return self._run(last, plan, x, start, t, None, True, rows, session=self._full)
+
+    def decode_until_exit(self, x, slots, start, lookup, allowed):
+        """The engine's decode step, fast: for a batch over one block of the cache (T = 1, the exit rule in
+        the graphs), the step's inputs are written once into the buffers every segment's plan shares, and
+        the segments run back to back until one where an allowed row's score says exit, or the last; no
+        argument is validated (the engine built them). Else :meth:`Backend.decode_until_exit`."""
+        b = len(slots)
+        s0 = contiguous_start(slots)
+        if s0 is None or self.cache is None:
+            return super().decode_until_exit(x, slots, start, lookup, allowed)
+        plans = self._step_plans.get((s0, b))
+        if plans is None:
+            plans = []
+            for i in range(len(self.segments)):
+                key = (i, s0, b, 1, 1, False)
+                if key not in self._plans:
+                    self._plans[key] = self._make_plan(i, s0, b, 1, [self._cache_values(j, s0, b) for j in self.segments[i]])
+                plans.append(self._plans[key])
+            self._step_plans[(s0, b)] = plans
+        p0 = plans[0]
+        np.copyto(p0.x, x)
+        np.copyto(p0.seqlens, start, casting="unsafe")
+        p0.total[()] = int(start.max()) + 1
+        p0.exit_index[()] = 0
+        if lookup is not None and p0.lookup is not None:
+            np.copyto(p0.lookup[0], lookup[0])
+            np.copyto(p0.lookup[1], lookup[1])
+        last = len(plans) - 1
+        one = b == 1 and bool(allowed[0])
+        for i, plan in enumerate(plans):
+            self._seg[i].run_with_iobinding(plan.io)
+            if plan.head_io is not None:  # the last exit's LM head (or a softmax rule's decision)
+                plan.head_sess.run_with_iobinding(plan.head_io)
+            if i == last:
+                return i, plan.out
+            score = plan.out.score
+            if (score[0] >= 0.0) if b == 1 else bool(((score >= 0.0) & allowed).any()):
+                if b > 1 or one:
+                    return i, plan.out
+        raise AssertionError("unreachable")
 
     def _draft_head(self):
         if self._draft_head_sess is None:

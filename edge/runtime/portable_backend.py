@@ -25,7 +25,7 @@ import numpy as np
 from edge.core.artifacts import sha256_file, sha256_path
 from edge.core.errors import ArtifactError, ConfigError, require
 from edge.runtime.backend import Backend, HeadOut, ModelSpec, SegmentOut, build_mask, host_candidates, host_decision
-from edge.runtime.graphs import GRAPHS_JSON, load_graphs_json, verify_graphs
+from edge.runtime.graphs import GRAPHS_JSON, load_graphs_json, shortlist_rows, verify_graphs
 from edge.runtime.ortsession import open_session
 
 ENGINES_JSON = "engines.json"  # what `make jetson-engines` (edge/jetson/engines.py) writes beside the plans
@@ -197,11 +197,7 @@ class PortableBackend(Backend):
         # fill graphs on first use, as the onnxruntime backend does: deferral never loads their weights
         self._inputs = {n: runner.inputs(n) for n in ["embed", *(f"segment_{i}" for i in range(len(self.segments))),
                                                        "head"]}
-        self.shortlist_rows = None
-        if spec.candidates:  # the LM head's rows of the shortlist, read off the head graph itself: head(I) = W^T
-            d = spec.hidden_size
-            logits = self._head_rows(np.eye(d, dtype=np.float32)[:, None, :]).logits  # [D, V]
-            self.shortlist_rows = np.ascontiguousarray(logits[:, list(spec.shortlist)].T, np.float32)  # [K, D]
+        self.shortlist_rows = None  # the LM head's rows of the shortlist [K, D] (shortlist_rows.npy of the export)
 
     def _run(self, name: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Graph ``name`` on the feeds it takes."""
@@ -286,6 +282,7 @@ class OrtPortableBackend(PortableBackend):
         """
         meta = load_meta(graphs_dir, checkpoint, self.name)
         super().__init__(portable_spec(meta, graphs_dir), OrtGraphRunner(graphs_dir, threads, meta))
+        self.shortlist_rows = shortlist_rows(graphs_dir, meta)
 
 
 class TensorRTBackend(PortableBackend):
@@ -315,3 +312,4 @@ class TensorRTBackend(PortableBackend):
         spec = portable_spec(meta, graphs_dir)
         engines = check_engines(graphs_dir, engines_dir, meta)
         super().__init__(spec, TrtGraphRunner(engines_dir, engines))
+        self.shortlist_rows = shortlist_rows(graphs_dir, meta)

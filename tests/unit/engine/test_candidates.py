@@ -10,7 +10,7 @@ from edge.core.errors import ConfigError
 from edge.model.exits import ExitConfig, MultiExitModel, choose_shortlist
 from edge.model.reference import reference_generate
 from edge.runtime.backend import make_backend
-from edge.runtime.candidates import CANDIDATE_SIGNAL_NAMES, NUM_FEATURES, check, shortlist_logits
+from edge.runtime.candidates import CANDIDATE_SIGNAL_NAMES, NUM_FEATURES, check, lookup_feature, shortlist_logits
 from edge.runtime.engine import Engine, EngineConfig, KVMode, Request
 from edge.runtime.lookup import MAX_N, NONE, Lookup, lookup_along
 from edge.runtime.rules import ConfidenceRule, NeverExit, ScoreForm
@@ -72,19 +72,18 @@ def test_lookup_examples():
 def test_check_features_by_hand():
     z = np.array([[2.0, 1.0, 0.0], [0.0, 0.0, 5.0]], np.float32)
     ids = np.array([7, 8, 9])
-    c = check(z, ids, np.array([7, 3]), np.array([2, 0]), None, None, None, num_exits=4)
-    e = np.exp([0.0, -1.0, -2.0])
-    assert c.token.tolist() == [7, 9]
+    c = check(z, ids, np.array([8, 3]), lookup_feature(np.array([2, 0])), None, None)
+    assert c.tokens.tolist() == [[7, 8], [9, 7]] and c.token.tolist() == [7, 9]  # ties: the lower index first
     assert c.features.shape == (2, NUM_FEATURES) == (2, len(CANDIDATE_SIGNAL_NAMES))
-    np.testing.assert_allclose(c.features[0, :3], [1 / e.sum(), (1 - e[1]) / e.sum(), 2.0], rtol=1e-6)
-    assert c.features[:, 3].tolist() == [1.0, 0.0]  # the lookup agrees in row 0 only
+    assert c.features[:, :2].tolist() == [[2.0, 1.0], [5.0, 0.0]] and np.array_equal(c.logits, c.features[:, :2])
+    assert c.features[:, 2:4].tolist() == [[0.0, 1.0], [0.0, 0.0]]  # the lookup is row 0's second candidate
     assert c.features[:, 4].tolist() == [2 / MAX_N, 0.0]
-    assert not c.features[:, 5:].any() and not c.run.any()  # first check: no previous
-    nxt = check(z, ids, np.array([-1, -1]), np.zeros(2), c.token, np.array([0.0, 2.0], np.float32),
-                c.features[:, 0], num_exits=4)
-    assert nxt.features[:, 5].tolist() == [1.0, 1.0] and nxt.run.tolist() == [1.0, 3.0]
-    np.testing.assert_allclose(nxt.features[:, 6], [0.25, 0.75])
-    np.testing.assert_allclose(nxt.features[:, 7], c.features[:, 0])
+    assert not c.features[:, 5:].any()  # first check: no previous
+    z2 = np.array([[2.0, 0.0, 1.0], [0.0, 0.0, 5.0]], np.float32)  # row 0's second candidate changed
+    nxt = check(z2, ids, np.array([-1, -1]), np.zeros(2), c.tokens, c.logits)
+    assert nxt.tokens.tolist() == [[7, 9], [9, 7]]
+    assert nxt.features[:, 5:7].tolist() == [[1.0, 0.0], [1.0, 1.0]]  # agreement with the previous check, per rank
+    assert np.array_equal(nxt.features[:, 7:], c.logits)
 
 
 def test_score_form_of_a_linear_score_is_that_score():
@@ -114,9 +113,22 @@ def test_never_exit_gives_full_depth_greedy():
         assert [t for t, _ in got] == ref.tokens and all(e == 6 for _, e in got)
 
 
+def _mixed_threshold(m, prompts, cfg) -> float:
+    """A threshold on the top candidate logit (feature 0, what ConfidenceRule thresholds for a shortlist
+    model) at which some tokens leave early and others run to full depth."""
+    for t in np.linspace(8.0, -2.0, 41):
+        out = _run(Engine(TorchBackend(m), EngineConfig(**cfg), ConfidenceRule(float(t))), prompts, max_tokens=16)
+        exits = [e for seq in out for _, e in seq]
+        if 0.2 <= np.mean([e < m.num_layers for e in exits]) <= 0.7:
+            return float(t)
+    raise AssertionError("no threshold gives both early exits and full depth")
+
+
 def test_exits_emit_shortlist_tokens_and_checks_see_the_lookup():
     m = _model()
-    eng = Engine(TorchBackend(m), EngineConfig(max_seqs=4, max_running=4, max_len=128), ConfidenceRule(0.2))
+    cfg = dict(max_seqs=4, max_running=4, max_len=128)
+    thr = _mixed_threshold(m, _prompts(4, seed=4), cfg)
+    eng = Engine(TorchBackend(m), EngineConfig(**cfg), ConfidenceRule(thr))
     out = _run(eng, _prompts(4, seed=4), max_tokens=16)
     early = [t for seq in out for t, e in seq if e < 6]
     assert early, "some tokens must exit early for the test to mean anything"
@@ -125,7 +137,7 @@ def test_exits_emit_shortlist_tokens_and_checks_see_the_lookup():
 
 def test_sampled_requests_never_exit_over_a_shortlist():
     m = _model()
-    eng = Engine(TorchBackend(m), EngineConfig(max_seqs=2, max_running=2, max_len=128), ConfidenceRule(0.0))
+    eng = Engine(TorchBackend(m), EngineConfig(max_seqs=2, max_running=2, max_len=128), ConfidenceRule(-1e9))
     out = _run(eng, _prompts(2, seed=5), max_tokens=8, temperature=0.8, seed=1)
     assert all(e == 6 for seq in out for _, e in seq)
 
@@ -159,13 +171,15 @@ def test_onnxruntime_decides_as_torch(exported, mode):
 
     prompts = [p + p[:6] for p in _prompts(4, seed=8)]  # repeats: the lookup finds matches
     cfg = dict(max_seqs=4, max_running=4, max_len=128, prefill_budget=24, kv_mode=mode, defer_exit_max_batch=None)
-    for rule in (ConfidenceRule(0.25), Mlp()):
+    for rule in (ConfidenceRule(_mixed_threshold(m, prompts, cfg)), Mlp()):
         ref = _run(Engine(TorchBackend(m), EngineConfig(**cfg), rule), prompts, max_tokens=16)
-        backend = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1)
-        got = _run(Engine(backend, EngineConfig(**cfg), rule), prompts, max_tokens=16)
-        assert got == ref
-        layers = {e for seq in got for _, e in seq}
+        layers = {e for seq in ref for _, e in seq}
         assert layers & {1, 2, 3, 4} and 6 in layers, f"exits and full depth must both occur ({layers})"
+        # the fused graphs check in the graph; the portable ones (what TensorRT builds) on the host, from the
+        # export's shortlist_rows.npy
+        for name in ("onnxruntime", "onnxruntime_portable"):
+            backend = make_backend(name, graphs_dir=graphs, checkpoint=ckpt, threads=1)
+            assert _run(Engine(backend, EngineConfig(**cfg), rule), prompts, max_tokens=16) == ref, name
 
 
 def test_full_graph_equals_the_segments(exported):
@@ -175,7 +189,7 @@ def test_full_graph_equals_the_segments(exported):
     prompts = _prompts(3, seed=9)
     cfg = EngineConfig(max_seqs=3, max_running=3, max_len=128, kv_mode=KVMode.DEFER, defer_exit_max_batch=1)
     # all three decode together from the first step: batch 3 > 1, so no row may exit and the full graph runs
-    got = _run(Engine(backend, cfg, ConfidenceRule(0.0)), prompts, max_tokens=10)
+    got = _run(Engine(backend, cfg, ConfidenceRule(-1e9)), prompts, max_tokens=10)
     ref = _run(Engine(TorchBackend(m), EngineConfig(max_seqs=3, max_running=3, max_len=128)), prompts, max_tokens=10)
     assert got == ref
     assert any(key[0] == "full" and key[2] == 3 for key in backend._plans), "the batch-3 steps ran the full graph"

@@ -1,0 +1,156 @@
+"""What an exit check costs, in layers, and where the time goes: measured on the run's own graphs.
+
+Three ways to compute the same decode step (same weights, same cache contents, same batch), each a
+chain of ONNX Runtime calls bound once to their buffers, run interleaved, medians over repeats:
+
+  full     the graph of every layer, then the LM head: what a step costs with no exit;
+  split    the same layers cut at the exits into segment graphs without checks, then the head;
+  checks   the export's own segment graphs, each with its candidate check, then the head.
+
+From them, per check point at batch 1 and 16, in layer-equivalents (one layer = (full - head) / L):
+``check`` = (checks - split) / checks, the nodes a check adds inside a call (the decision itself), and
+``boundary`` = (split - full) / (segments - 1), cutting a call in two. The engine's own work around each
+call (host) is measured by the decode benchmark on whole steps (edge/pipeline/bench/decode.py).
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edge.core.errors import ConfigError
+from edge.model.exits import ExitConfig, MultiExitModel
+from edge.runtime.ortsession import open_session
+
+SYMBOLS = ("batch", "seq", "rows", "capacity", "hidden")
+
+
+@dataclass
+class DecisionCost:
+    batch: int
+    past: int
+    layer_ms: float  # one decoder layer (from the full graph)
+    full_ms: float
+    split_ms: float
+    checks_ms: float
+    head_ms: float
+    check_layers: float  # the check's nodes, per check point, in layers
+    boundary_layers: float  # cutting a call, per boundary
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class _Chain:
+    """Sessions of graphs called one after another on shared buffers: every input bound by name (ids,
+    the residual handed on from the previous graph, the cache in place, zeros for the rest), every output
+    to a buffer of its own (outputs named like a later graph's input are handed on)."""
+
+    def __init__(self, ort, paths: list[Path], batch: int, past: int, cache: dict[str, np.ndarray], threads: int,
+                 seed: int = 0) -> None:
+        ov = ort.OrtValue.ortvalue_from_numpy
+        rng = np.random.default_rng(seed)
+        self.keep: list[np.ndarray] = []
+        self.calls = []
+        env = {"batch": batch, "seq": 1, "rows": batch, "capacity": next(iter(cache.values())).shape[2], "hidden": 32}
+        handed: dict[str, np.ndarray] = {}  # an output a later graph reads under this name
+        for path in paths:
+            sess = open_session(ort, path, threads, cache=False)
+            io = sess.io_binding()
+            for inp in sess.get_inputs():
+                name = inp.name
+                if name.startswith(("past_key_", "past_value_")):
+                    arr = cache[name.replace("past_", "")]
+                elif name == "input_ids":
+                    arr = rng.integers(0, 100, (batch, 1)).astype(np.int64)
+                elif name in ("hidden", "exit_hidden") and name in handed:
+                    arr = handed[name]
+                elif name == "seqlens_k":
+                    arr = np.full(batch, past, np.int32)
+                elif name == "total_len":
+                    arr = np.array(past + 1, np.int32)
+                else:  # the rule's weights, the lookup, the previous check: zeros of the declared shape
+                    arr = np.zeros(_shape(inp.shape, env), _dtype(inp.type))
+                self.keep.append(arr)
+                io.bind_ortvalue_input(name, ov(arr))
+            for out in sess.get_outputs():
+                name = out.name
+                if name.startswith(("present_key_", "present_value_")):
+                    arr = cache[name.replace("present_", "")]
+                else:
+                    arr = np.zeros(_shape(out.shape, env), _dtype(out.type))
+                    handed[{"hidden_out": "hidden"}.get(name, name)] = arr
+                self.keep.append(arr)
+                io.bind_ortvalue_output(name, ov(arr))
+            self.calls.append((sess, io))
+
+    def run(self) -> None:
+        for sess, io in self.calls:
+            sess.run_with_iobinding(io)
+
+
+def _shape(dims, env: dict[str, int]) -> tuple[int, ...]:
+    return tuple(env[d] if isinstance(d, str) else int(d) for d in dims)
+
+
+def _dtype(t: str):
+    return {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(int32)": np.int32,
+            "tensor(bool)": np.bool_}[t]
+
+
+def _median_ms(fns: dict, calls: int, repeats: int) -> dict[str, float]:
+    for fn in fns.values():  # warm-up
+        for _ in range(max(5, calls // 10)):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - t0) / calls * 1e3)
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def decision_cost(model: MultiExitModel, fused_dir: Path, batch: int, past: int = 96, threads: int = 2,
+                  calls: int = 50, repeats: int = 7) -> DecisionCost:
+    """The check's price on ``model``'s export (``fused_dir``: its fused graphs, a candidate shortlist
+    model's) at ``batch`` rows of ``past`` cached tokens.
+
+    Raises:
+        ConfigError: a model without a candidate shortlist (its checks are LM heads: docs/runtime.md).
+    """
+    import onnxruntime as ort
+
+    from exporters.ort_fused import FULL, build_fused, save_fused
+
+    if not model.has_shortlist:
+        raise ConfigError("decision cost: the model has no candidate shortlist (exits.shortlist)")
+    cfg = model.backbone.cfg
+    segs = [list(range(a, b)) for a, b in zip([0, *model.exit_layers[:-1]], model.exit_layers)]
+    cap = past + 8
+    rng = np.random.default_rng(1)
+    cache = {f"{kind}_{j}": (0.1 * rng.standard_normal((batch, cfg.num_kv_heads, cap, cfg.head_dim))).astype(np.float32)
+             for j in range(cfg.num_layers) for kind in ("key", "value")}
+    nocheck = MultiExitModel(model.backbone, ExitConfig(layers=model.exit_layers, adapter_rank=0))
+    for layer, head in model.heads.items():  # the same exit norms and adapters, no shortlist
+        nocheck.heads[layer].load_state_dict(head.state_dict())
+    with tempfile.TemporaryDirectory(prefix="smartexit-decision-") as tmp:
+        split_dir = Path(tmp)
+        save_fused([g for g in build_fused(nocheck.eval(), segs, full=False) if g.name.startswith("segment_")], split_dir)
+        n = len(segs)
+        head = fused_dir / "head.onnx"
+        chains = {
+            "full": _Chain(ort, [fused_dir / f"{FULL}.onnx", head], batch, past, cache, threads),
+            "split": _Chain(ort, [split_dir / f"segment_{i}.onnx" for i in range(n)] + [head], batch, past, cache, threads),
+            "checks": _Chain(ort, [fused_dir / f"segment_{i}.onnx" for i in range(n)] + [head], batch, past, cache,
+                             threads),
+            "head": _Chain(ort, [head], batch, past, cache, threads),
+        }
+        ms = _median_ms({k: c.run for k, c in chains.items()}, calls, repeats)
+    layer = max(ms["full"] - ms["head"], 1e-9) / cfg.num_layers
+    return DecisionCost(batch, past, layer, ms["full"], ms["split"], ms["checks"], ms["head"],
+                        (ms["checks"] - ms["split"]) / (n - 1) / layer, (ms["split"] - ms["full"]) / (n - 1) / layer)

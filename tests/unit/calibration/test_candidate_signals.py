@@ -1,0 +1,87 @@
+"""Calibration of a candidate-shortlist model: the signals teacher-forced collection records are the ones
+the engine's checks compute, the MLP calibrator's score is what the graphs compute, and a threshold
+table of it drives the engine (exits where its calibrated probability reaches lambda)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from calibration.calibrators import Calibrator, CalibratorKind
+from calibration.collect import collect_engine, collect_units
+from calibration.signals import exit_targets
+from calibration.table import TableRule, ThresholdTable
+from edge.runtime.backend import make_backend
+from edge.runtime.candidates import CANDIDATE_SIGNAL_NAMES, NUM_FEATURES
+from edge.runtime.engine import Engine, EngineConfig
+from edge.runtime.torch_backend import TorchBackend
+from tests.tolerance import f32_rtol
+from tests.unit.engine.test_candidates import _model
+from tests.unit.engine.test_engine import CFG, _run
+from tests.unit.engine.test_ort_backend import _export
+
+
+def _seqs(n: int, length: int, seed: int) -> np.ndarray:
+    """Rows with repeats, so that the context lookup matches."""
+    rng = np.random.default_rng(seed)
+    half = rng.integers(0, CFG.vocab_size, (n, length // 2))
+    return np.concatenate([half, half[:, :length - length // 2]], axis=1)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    return _export(tmp_path_factory.mktemp("candsig"), _model(seed=3))
+
+
+def test_teacher_forced_signals_are_the_engines(exported):
+    """collect_units (torch, host reference) and collect_engine (the fused graphs' checks, one decode step
+    per token) give the same candidate tokens at every exit and the same features within float32 rounding."""
+    m, ckpt, graphs = exported
+    seqs = _seqs(3, 24, seed=1)
+    tf = collect_units(m, seqs, first=8)
+    eng = collect_engine(make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1), seqs, first=8)
+    assert tf.n == eng.n == 3 * 15
+    for k in m.exit_layers:
+        assert np.array_equal(tf.argmax[k], eng.argmax[k]), f"exit {k}"
+    for k in m.exit_layers[:-1]:
+        assert tf.signals[k].shape == (tf.n, NUM_FEATURES)
+        assert set(tf.argmax[k]) <= set(m.shortlist.tolist())
+        # the top logit's scale: layers of dot products of length hidden
+        tol = f32_rtol(CFG.hidden_size, CFG.num_layers) * max(1.0, float(np.abs(tf.signals[k]).max()))
+        np.testing.assert_allclose(eng.signals[k], tf.signals[k], atol=tol, err_msg=f"exit {k}")
+    assert tf.signals[1][:, CANDIDATE_SIGNAL_NAMES.index("lookup_len")].max() > 0, "the repeats must match"
+
+
+def test_mlp_calibrator_score_form_and_round_trip():
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((3000, NUM_FEATURES)) * np.arange(1, NUM_FEATURES + 1)
+    y = ((X[:, 0] > 0) != (X[:, 3] > 0)).astype(int)  # an interaction (xor) a linear score cannot rank
+    mlp = Calibrator(kind=CalibratorKind.MLP).fit(X, y)
+    iso = Calibrator(kind=CalibratorKind.ISOTONIC).fit(X, y)
+    form = mlp.score_form()
+    np.testing.assert_allclose(form(X.astype(np.float32)), mlp.score(X), rtol=1e-4, atol=1e-4)
+    back = Calibrator.from_dict(mlp.to_dict())
+    np.testing.assert_array_equal(back.predict(X), mlp.predict(X))
+    from sklearn.metrics import roc_auc_score
+    assert roc_auc_score(y, mlp.predict(X)) > 0.9 > 0.6 > roc_auc_score(y, iso.predict(X))
+
+
+def test_mlp_table_drives_the_engine():
+    """A table of MLP calibrators: the engine exits where the calibrated probability of the check's features
+    reaches lambda (its graphs and the table agree), and lambda 1.01 exits nothing."""
+    m = _model(seed=4)
+    seqs = _seqs(40, 32, seed=2)
+    data = collect_units(m, seqs, first=12)
+    targets = exit_targets(data.argmax)
+    cals = {k: Calibrator(kind=CalibratorKind.MLP).fit(data.signals[k], targets[k]) for k in m.exit_layers[:-1]}
+    prompts = [s[:16].tolist() for s in _seqs(4, 32, seed=5)]
+    first = m.exit_layers[0]
+    low = float(np.quantile(cals[first].predict(data.signals[first]), 0.7))  # about 30% of tokens reach it there
+    for lam, some in ((low, True), (1.01, False)):
+        table = ThresholdTable("x", m.exit_layers, "mlp", lam, {k: c.score_threshold(lam) for k, c in cals.items()},
+                               cals, signal_names=CANDIDATE_SIGNAL_NAMES)
+        rule = TableRule(table)
+        out = _run(Engine(TorchBackend(m), EngineConfig(max_seqs=4, max_running=4, max_len=64), rule), prompts, 10)
+        early = sum(e < m.num_layers for seq in out for _, e in seq)
+        assert (early > 0) == some, (lam, early)
+    with pytest.raises(Exception, match="not a linear score"):
+        rule.linear(m.exit_layers[0], NUM_FEATURES)
