@@ -50,8 +50,8 @@ $(ART)/multi_exit/exits.json: $(STAMP) $(MODEL_FILES) $(DEMO_CFG) $(SRC)
 $(ART)/compressed/compress.json: $(ART)/multi_exit/exits.json configs/compress.yaml
 	$(SE) compress --config configs/compress.yaml run_dir=$(ART)
 
-$(ART)/calibration/thresholds.json: $(ART)/compressed/compress.json $(ART)/onnx/graphs.json
-	$(SE) calibrate run_dir=$(ART)
+$(ART)/calibration/thresholds.json: $(ART)/compressed/compress.json $(ART)/onnx/graphs.json configs/calibrate.yaml
+	$(SE) calibrate --config configs/calibrate.yaml run_dir=$(ART)
 
 $(ART)/.generate.done: $(ART)/compressed/compress.json
 	$(SE) generate run_dir=$(ART)

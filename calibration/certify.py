@@ -47,9 +47,16 @@ from edge.core.errors import ConfigError
 PROVISIONAL_RESAMPLES = 5
 
 
-def fit(data: Collected, kind: CalibratorKind) -> dict[int, Calibrator]:
-    """Calibrators of ``kind`` for every decision exit, fitted on the tokens of ``data``."""
-    return fit_calibrators(data.signals, exit_targets(data.argmax), kind)
+def fit(data: Collected, kind: CalibratorKind, route: float = 0.0) -> dict[int, Calibrator]:
+    """Calibrators of ``kind`` for every decision exit, fitted on the tokens of ``data`` (with ``route`` > 0,
+    on the tokens the routing checks, :func:`routed`: the only ones a calibrator ever scores)."""
+    targets = exit_targets(data.argmax)
+    ok = routed(data.signals, route)
+    if ok is None or not all(ok[k].any() for k in targets):
+        return fit_calibrators(data.signals, targets, kind)
+    last = data.exit_layers[-1]
+    return fit_calibrators({**{k: data.signals[k][ok[k]] for k in targets}, last: data.signals[last]},
+                           {k: t[ok[k]] for k, t in targets.items()}, kind)
 
 
 def calibrated(cals: dict[int, Calibrator], data: Collected, route: float = 0.0) -> dict[int, np.ndarray]:
@@ -67,7 +74,7 @@ def routed(signals: dict[int, np.ndarray], route: float) -> dict[int, np.ndarray
     layer, no check (edge.runtime.engine). None for ``route`` <= 0 (every token is checked)."""
     if route <= 0:
         return None
-    from edge.runtime.candidates import LOOKUP_LEN
+    from edge.model.candidates import LOOKUP_LEN
 
     return {k: s[:, LOOKUP_LEN] >= route - 1e-6 for k, s in signals.items()}
 
@@ -94,7 +101,7 @@ def cross_fitted(data: Collected, kind: CalibratorKind, folds: int = 2, seed: in
     out = {k: np.empty(data.n) for k in data.exit_layers[:-1]}
     for f in range(folds):
         train = data.select_units(np.flatnonzero(group != f))
-        cals = fit(train, kind)
+        cals = fit(train, kind, route)
         rows = token_group == f
         for k, c in cals.items():
             out[k][rows] = c.predict(data.signals[k][rows])

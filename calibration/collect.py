@@ -118,10 +118,10 @@ def collect_units(model: MultiExitModel, seqs: np.ndarray, first: int, batch: in
 
 def lookups_along(seqs: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray]:
     """The context lookup's token and ``lookup_len`` feature (match length / MAX_N) [U, L - 1 - first] at
-    every judged position of every row (:func:`edge.runtime.lookup.lookup_along`: what the engine's lookup
+    every judged position of every row (:func:`edge.model.lookup.lookup_along`: what the engine's lookup
     gives after feeding those tokens)."""
-    from edge.runtime.candidates import lookup_feature
-    from edge.runtime.lookup import lookup_along
+    from edge.model.candidates import lookup_feature
+    from edge.model.lookup import lookup_along
 
     parts = [lookup_along(row, first, seqs.shape[1] - 1) for row in seqs]
     return np.stack([p[0] for p in parts]), lookup_feature(np.stack([p[1] for p in parts]))

@@ -81,12 +81,12 @@ def baselines(fit: Collected, certify: Collected, test: Collected, lams: np.ndar
     if candidates:  # the score the candidate graphs can compute beyond a linear one
         kinds.append((CalibratorKind.MLP, "(e) all signals, MLP + isotonic + LTT"))
     for kind, label in kinds:
-        cals = cert.fit(fit, kind)
+        cals = cert.fit(fit, kind, route)
         c = cert.certify(cert.calibrated(cals, certify, route), certify, lams, eps, delta, method, order_seed)
-        tp = cert.calibrated(cals, test, route)
+        tp = cert.calibrated(cals, test)  # the calibrators' quality on every token (routing aside)
         tc = exit_targets(test.argmax)
         quality = {str(k): {"ece": expected_calibration_error(tp[k], tc[k]), "brier": brier_score(tp[k], tc[k])}
                    for k in cals}
-        systems.append(System(label, c.certified, c.lam, c.bound, c.empirical_risk, evaluate_cascade(test, tp, c.lam),
-                              quality))
+        systems.append(System(label, c.certified, c.lam, c.bound, c.empirical_risk,
+                              evaluate_cascade(test, cert.calibrated(cals, test, route), c.lam), quality))
     return systems

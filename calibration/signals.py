@@ -33,9 +33,9 @@ softmax statistic or argmax exists at decision time. Its signals are
 - ``cos_prev``: as above.
 
 A model with a candidate shortlist decides each check over K rows of the LM
-head (:mod:`edge.runtime.candidates`): its signals are
-:data:`edge.runtime.candidates.CANDIDATE_SIGNAL_NAMES`, computed by that module's
-:func:`~edge.runtime.candidates.check` (:func:`candidate_signals_all_exits`), and
+head (:mod:`edge.model.candidates`): its signals are
+:data:`edge.model.candidates.CANDIDATE_SIGNAL_NAMES`, computed by that module's
+:func:`~edge.model.candidates.check` (:func:`candidate_signals_all_exits`), and
 a decision exit's token is the best candidate, not the vocabulary's argmax.
 
 All functions are pure: arrays in, arrays out.
@@ -45,7 +45,7 @@ from __future__ import annotations
 import numpy as np
 
 from edge.core.errors import ConfigError
-from edge.runtime.candidates import CANDIDATE_SIGNAL_NAMES, check, shortlist_logits
+from edge.model.candidates import CANDIDATE_SIGNAL_NAMES, check, shortlist_logits
 
 SIGNAL_NAMES: tuple[str, ...] = ("top1_prob", "margin", "entropy", "agree_prev", "agree_run", "cos_prev")
 GATED_SIGNAL_NAMES: tuple[str, ...] = ("gate_prob", "gate_prob_prev", "cos_prev")

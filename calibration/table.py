@@ -23,7 +23,7 @@ import numpy as np
 
 from calibration.calibrators import Calibrator, CalibratorKind
 from calibration.signals import GATED_SIGNAL_NAMES, SIGNAL_NAMES, gated_signals, signals_from_stats
-from edge.runtime.candidates import CANDIDATE_SIGNAL_NAMES, lookup_feature
+from edge.model.candidates import CANDIDATE_SIGNAL_NAMES, lookup_feature
 from edge.core.artifacts import atomic_write_json, sha256_path
 from edge.core.errors import ArtifactError, ConfigError
 from edge.runtime.rules import ScoreForm

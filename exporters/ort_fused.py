@@ -281,7 +281,7 @@ class _Builder:
         self._score(feats, w, bias, 3)
 
     def decision_shortlist(self, eh: str) -> None:
-        """The candidate-set check (:mod:`edge.runtime.candidates`, same formulas in float32) in a decision
+        """The candidate-set check (:mod:`edge.model.candidates`, same formulas in float32) in a decision
         segment: candidate logits against the shortlist's LM-head rows, the two best candidates' tokens and
         logits, the features [B, F] (columns ``CANDIDATE_SIGNAL_NAMES``) and the rule's score,
         an MLP of them whose weights are inputs (``rule_w1`` [F, H], ``rule_b1`` [H], ``rule_w2`` [H, 1],
@@ -293,7 +293,7 @@ class _Builder:
         [B, F], ``exit_score`` [B, 1]. Eleven nodes after the exit norm, every one on the rows' own shapes
         (no reshape, slice or first-check variant): at batch 1 a node costs a few microseconds whatever
         it computes, so the node count is the check's price."""
-        from edge.runtime.candidates import NUM_FEATURES
+        from edge.model.candidates import NUM_FEATURES
 
         model = self.model
         f = NUM_FEATURES

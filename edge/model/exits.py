@@ -48,7 +48,7 @@ class ExitConfig:
     # matrix product (at batch 1 on the bundled model, the head costs about as much as two layers).
     gate_hidden: int = 0
     # Candidate shortlist (0 = none): decision exits score their hidden state against the K rows of the
-    # LM head of the K tokens the training text uses most (edge/runtime/candidates.py), so a check costs a
+    # LM head of the K tokens the training text uses most (edge/model/candidates.py), so a check costs a
     # K x D product instead of the vocabulary's, and a leaving token is emitted from those K.
     shortlist: int = 0
 
@@ -136,7 +136,7 @@ class MultiExitModel(nn.Module):
 
     @property
     def has_shortlist(self) -> bool:
-        """Decision exits decide over the candidate shortlist (:mod:`edge.runtime.candidates`)."""
+        """Decision exits decide over the candidate shortlist (:mod:`edge.model.candidates`)."""
         return self.exit_cfg.shortlist > 0 and len(self.exit_layers) > 1
 
     def shortlist_rows(self) -> torch.Tensor:

@@ -14,7 +14,10 @@ exit reached so far, the softmax statistics [1, 3] and argmax [1] that the segme
 graphs would compute (:func:`edge.model.exits.exit_decision_stats`) and the normalised
 hidden state [1, D], as numpy arrays (``decide``), or for a model with exit gates the
 gate logits [1] (``decide_gated``), and returns bool [1]. So a rule is written once,
-torch-free, and this generator checks the engine with the engine's own rules.
+torch-free, and this generator checks the engine with the engine's own rules. A model with a
+candidate shortlist decides as the engine's graphs do: the check of :mod:`edge.model.candidates`
+(with the context lookup over prompt and output) scored by the rule's ``score_form`` (or its
+linear score), and only rows whose lookup reaches the rule's ``route_min_lookup`` are checked.
 """
 from __future__ import annotations
 
@@ -25,8 +28,10 @@ import numpy as np
 import torch
 
 from edge.core.errors import SmartExitError
+from edge.model.candidates import CandidateOut, check, lookup_feature, shortlist_logits
 from edge.model.exits import MultiExitModel, exit_decision_stats
 from edge.model.decoder import attention_mask
+from edge.model.lookup import Lookup
 
 
 @dataclass
@@ -82,20 +87,24 @@ def reference_generate(model: MultiExitModel, prompt: Sequence[int], max_new_tok
     token = int(out.logits[0, -1].argmax())
     exit_layer = depth  # prefill is always full depth
     pos = len(prompt)
+    lookup = Lookup(result.prompt) if model.has_shortlist else None
     while True:
         result.tokens.append(token)
         result.exit_layers.append(exit_layer)
+        if lookup is not None:
+            lookup.push(token)
         if token in stop_ids:
             result.stopped = "stop_token"
             break
         if len(result.tokens) >= max_new_tokens:
             break
-        token, exit_layer = _decode_step(model, token, pos, keys, values, rule)
+        token, exit_layer = _decode_step(model, token, pos, keys, values, rule, lookup)
         pos += 1
     return result
 
 
-def _decode_step(model: MultiExitModel, token: int, pos: int, keys: list, values: list, rule: Any) -> tuple[int, int]:
+def _decode_step(model: MultiExitModel, token: int, pos: int, keys: list, values: list, rule: Any,
+                 lookup: Lookup | None = None) -> tuple[int, int]:
     """One token through the segments; appends this position's K/V for every layer."""
     bb = model.backbone
     depth = model.num_layers
@@ -109,6 +118,7 @@ def _decode_step(model: MultiExitModel, token: int, pos: int, keys: list, values
     hidden: dict[int, np.ndarray] = {}  # [1, D]
     gates: dict[int, np.ndarray] = {}  # [1]
     done = 0
+    check = _Checks(model, rule, lookup) if rule is not None and model.has_shortlist else None
     for layer in model.exit_layers:
         for j in range(done, layer):
             h, k, v = bb.layers[j](h, cos, sin, keys[j], values[j], mask)
@@ -121,7 +131,9 @@ def _decode_step(model: MultiExitModel, token: int, pos: int, keys: list, values
             continue
         e = model.exit_hidden(layer, h)[:, -1]  # [1, D]
         hidden[layer] = e.numpy()
-        if model.gated:
+        if check is not None:
+            stop, tokens[layer] = check(layer, hidden[layer])
+        elif model.gated:
             gates[layer] = model.exit_gate(layer, e).numpy()
             stop = rule.decide_gated(layer, gates, hidden)
         else:
@@ -137,3 +149,28 @@ def _decode_step(model: MultiExitModel, token: int, pos: int, keys: list, values
                 return int(bb.logits(e).argmax()), layer
             return int(tokens[layer][0]), layer
     raise AssertionError("exit_layers must end with the last layer")
+
+
+class _Checks:
+    """A shortlist model's checks of one decode step, one after another (each reads the previous one)."""
+
+    def __init__(self, model: MultiExitModel, rule: Any, lookup: Lookup) -> None:
+        self.model, self.rule = model, rule
+        self.rows = model.shortlist_rows().numpy()
+        token, n = lookup.predict()
+        self.lookup = (np.array([token]), lookup_feature(np.array([n])))
+        self.checked = float(self.lookup[1][0]) >= float(getattr(rule, "route_min_lookup", 0.0)) - 1e-6
+        self.prev: CandidateOut | None = None
+
+    def __call__(self, layer: int, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(exit here [1] bool, the check's token [1]) at decision exit ``layer``."""
+        c = check(shortlist_logits(hidden, self.rows), self.model.shortlist.numpy(), *self.lookup,
+                  None if self.prev is None else self.prev.tokens, None if self.prev is None else self.prev.logits)
+        self.prev = c
+        f = c.features.shape[1]
+        if hasattr(self.rule, "score_form"):
+            score = self.rule.score_form(layer, f)(c.features)
+        else:
+            w, b = self.rule.linear(layer, f)
+            score = c.features @ np.asarray(w, np.float32) + np.float32(b)
+        return np.asarray(score >= 0.0) & self.checked, c.token

@@ -45,8 +45,8 @@ from calibration.evaluate import evaluate_cascade
 from calibration.pvalues import PValue, exceeds_pvalue, min_units
 from calibration.risk import default_grid
 from calibration.signals import GATED_SIGNAL_NAMES, SIGNAL_NAMES, exit_targets
-from edge.runtime.candidates import CANDIDATE_SIGNAL_NAMES, lookup_feature
-from edge.runtime.lookup import MAX_N
+from edge.model.candidates import CANDIDATE_SIGNAL_NAMES, lookup_feature
+from edge.model.lookup import MAX_N
 from calibration.table import ThresholdTable, TableRule
 from calibration.units import check_amount, corpora, seeds
 from edge.core.artifacts import atomic_dir, sha256_path
@@ -207,7 +207,7 @@ def main(cfg: CalibrateConfig) -> int:
     fit_run = free_run(served, fit_w.ids[:, :P], cfg.new_tokens, NeverExit(), KVMode.DEFER, cfg.batch,
                        desc="fit units, full depth")
     fit = fit_run.data
-    cals = cert.fit(fit, cfg.calibrator)
+    cals = cert.fit(fit, cfg.calibrator, route)
     lam_p = cert.provisional_lambda(fit, cfg.calibrator, lams, cfg.epsilon, cfg.delta, cfg.pvalue,
                                     cfg.certify_units, s["crossfit"], route)
     _log(t0, f"fit: {fit.n_units} prompts, {fit.n} tokens; provisional lambda {lam_p:.3f}")
@@ -294,7 +294,7 @@ def main(cfg: CalibrateConfig) -> int:
     }
     table = _table(ckpt, model, cfg.calibrator, c.lam, cals, shipped, certificate, cfg.route_min_lookup)
     tc = exit_targets(test.argmax)
-    tp = cert.calibrated(cals, test, route)
+    tp = cert.calibrated(cals, test)  # the calibrators' quality on every token (routing aside)
     curves = {f"exit {k}": reliability_curve(tp[k], tc[k]) for k in cals}
     metrics = {
         "epsilon": cfg.epsilon, "delta": cfg.delta, "pvalue": cfg.pvalue.value, "calibrator": cfg.calibrator.value,

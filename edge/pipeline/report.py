@@ -334,10 +334,22 @@ def _bench_md(b: dict[str, Any]) -> list[str]:
               "- both K/V modes: " + "; ".join(
                   f"{k} " + ", ".join(f"{m} {_fmt(x, '.3f')}" for m, x in v.items()) for k, v in by_mode.items()),
               "- decode step of (d) at batch 1, ms: " + ", ".join(f"{k} {v:.3f}" for k, v in b["profile_b1"].items()),
+              *_decision_md(b),
               "- peak RSS over the libraries-imported baseline (MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in (b.get("peak_rss_mib") or {}).items()),
               *_speculative_md(b),
               "", "Details: `bench/decode.md`.", "", "![decode throughput](bench/decode.png)", ""]
     return lines
+
+
+def _decision_md(b: dict[str, Any]) -> list[str]:
+    """What a candidate check costs, in layers (edge/pipeline/bench/decision.py), when the run measured it."""
+    if b.get("decision_cost_layers_b1") is None:
+        return []
+    big = next((k for k in b if k.startswith("decision_cost_layers_b") and k != "decision_cost_layers_b1"), None)
+    return [f"- a candidate check, in layers (its nodes inside a call): batch 1 {_fmt(b['decision_cost_layers_b1'], '.3f')}"
+            + (f", batch {big.rsplit('_b', 1)[1]} {_fmt(b[big], '.3f')}" if big else "")
+            + f"; cutting a call in two at batch 1 {_fmt(b.get('boundary_cost_layers_b1'), '.3f')}; a check point in "
+            f"the engine at batch 1, host work included, {_fmt(b.get('check_point_cost_layers_b1'), '.3f')}"]
 
 
 def _speculative_md(b: dict[str, Any]) -> list[str]:

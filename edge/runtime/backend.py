@@ -21,7 +21,7 @@ import numpy as np
 
 from edge.model.segments import segment_layers
 from edge.runtime.cache import KVCache
-from edge.runtime.candidates import NUM_FEATURES, check, shortlist_logits
+from edge.model.candidates import NUM_FEATURES, check, shortlist_logits
 from edge.runtime.rules import ScoreForm
 from edge.core.errors import ConfigError
 
@@ -42,7 +42,7 @@ class ModelSpec:
     max_positions: int
     sliding_window: int | None = None
     gated: bool = False  # decision exits output a gate; their LM head runs apart (Backend.head)
-    # the candidate token ids of decision exits (edge/runtime/candidates.py); () = none: they decide from
+    # the candidate token ids of decision exits (edge/model/candidates.py); () = none: they decide from
     # their LM head's softmax (or gates)
     shortlist: tuple[int, ...] = ()
 
@@ -61,7 +61,7 @@ class ModelSpec:
     @property
     def num_features(self) -> int:
         """Columns of a decision exit's features: calibration.signals' SIGNAL_NAMES (6), with gates
-        GATED_SIGNAL_NAMES (3), with a shortlist edge.runtime.candidates.CANDIDATE_SIGNAL_NAMES (8)."""
+        GATED_SIGNAL_NAMES (3), with a shortlist edge.model.candidates.CANDIDATE_SIGNAL_NAMES (8)."""
         return NUM_FEATURES if self.candidates else (3 if self.gated else 6)
 
     @property
@@ -198,8 +198,8 @@ class Backend(abc.ABC):
         (the last segment, or ``decide`` False). ``draft``: the exit's token only proposes a draft that the
         full model verifies, so a backend may compute the head approximately (the ONNX Runtime backend
         runs the export's int8 ``draft_head``); never for the last segment. ``lookup``: the context
-        lookup's (token [B] int64, match length / MAX_N [B] float32: edge.runtime.candidates.lookup_feature)
-        of each sequence (:mod:`edge.runtime.lookup`), a feature of a shortlist model's checks; None: no
+        lookup's (token [B] int64, match length / MAX_N [B] float32: edge.model.candidates.lookup_feature)
+        of each sequence (:mod:`edge.model.lookup`), a feature of a shortlist model's checks; None: no
         match for any row."""
         b, t = x.shape[:2]
         if t != 1 and b != 1:
@@ -313,7 +313,7 @@ def host_decision(backend: Backend, i: int, out: SegmentOut, prev: SegmentOut | 
 
 def host_candidates(backend: Backend, i: int, out: SegmentOut, prev: SegmentOut | None,
                     lookup: tuple[np.ndarray, np.ndarray], rows: np.ndarray) -> SegmentOut:
-    """Shortlist decision exit i on the host (:mod:`edge.runtime.candidates`, the fused graphs' formulas):
+    """Shortlist decision exit i on the host (:mod:`edge.model.candidates`, the fused graphs' formulas):
     for backends whose graphs end at the exit hidden (torch, the portable graphs, torch_static). ``rows``:
     the LM head's rows of the shortlist [K, D]. Fills the output's token, features, run, p1 and score."""
     first = i == 0 or prev is None

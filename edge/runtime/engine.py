@@ -34,8 +34,8 @@ import numpy as np
 
 from edge.runtime.backend import Backend, SegmentOut
 from edge.runtime.cache import KVCache
-from edge.runtime.candidates import lookup_feature
-from edge.runtime.lookup import Lookup
+from edge.model.candidates import lookup_feature
+from edge.model.lookup import Lookup
 from edge.runtime.rules import TOP1, BatchExitRule, NeverExit, score_form
 from edge.runtime.sampling import choose_token, token_distribution
 from edge.runtime.speculative import (MAX_VERIFY_ROWS, DraftCosts, SpecConfig, SpecStats, StopRule, accept_greedy,
@@ -473,7 +473,7 @@ class Engine:
 
     @staticmethod
     def _lookups(seqs: list[_Seq]) -> tuple[np.ndarray, np.ndarray]:
-        """The context lookup's (token [B], match length [B]) of each sequence (edge/runtime/lookup.py)."""
+        """The context lookup's (token [B], match length [B]) of each sequence (edge/model/lookup.py)."""
         b = len(seqs)
         toks, lens = np.empty(b, np.int64), np.empty(b, np.float32)
         for r, s in enumerate(seqs):

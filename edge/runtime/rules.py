@@ -21,7 +21,7 @@ with ``linear(layer, num_features) -> (w [F], b)``: exit where features @ w + b 
 The engine then has the segment graphs compute the score and only reads its sign,
 and never calls ``decide``.
 
-A model with a candidate shortlist (:mod:`edge.runtime.candidates`) decides from a small MLP of
+A model with a candidate shortlist (:mod:`edge.model.candidates`) decides from a small MLP of
 the check's features, :class:`ScoreForm`; a linear rule is one (two hidden units, exactly), and a
 rule that has a non-linear score says so with ``score_form(layer, num_features) -> ScoreForm``.
 """

@@ -55,7 +55,9 @@ from edge.core.errors import ConfigError
 from edge.compress.checkpoint import load_served
 from edge.model.exits import MultiExitModel
 from edge.model.tokenizer import load_tokenizer
+from edge.pipeline.bench.decision import decision_cost
 from edge.pipeline.bench.segments import segment_call_overhead
+from edge.runtime.graphs import FUSED_DIR
 from edge.pipeline.bench.spec_ceiling import agreement_trace, ceiling as spec_ceiling, measure_costs
 from edge.pipeline.bench.engine_memory import vm_kib
 from edge.pipeline.bench.engine_run import RunResult, run_engine
@@ -328,6 +330,25 @@ def _memory_probe(argv: list[str]) -> None:
 
 
 
+def engine_check_point_cost(systems: Systems, prompts: list[list[int]], n: int, layer_ms: float,
+                            repeats: int) -> dict[str, float]:
+    """What a check point costs a token that does not leave, in the engine at batch 1, host work included:
+    the exits export with every row checked and none leaving (NeverExit: its score is always negative)
+    against (c) on the same prompts, paired runs, median; per check point, in layers (``layer_ms``)."""
+    n_checks = len(systems.backend.exit_layers) - 1
+    never, full = [], []
+    for rep in range(repeats + 1):  # the first pair warms up
+        pair = (("never", lambda g: run_engine(systems.backend, NeverExit(), g, n, KVMode.DEFER)),
+                ("full", lambda g: systems.run("engine_full", g, n)))
+        for name, fn in (pair if rep % 2 == 0 else pair[::-1]):
+            r = run_groups(fn, [[p] for p in prompts], n)
+            if rep:
+                (never if name == "never" else full).append(r.seconds / (len(prompts) * n))
+    extra_ms = 1e3 * float(np.median(np.array(never) - np.array(full)))
+    return {"extra_ms_per_token": extra_ms, "checks": n_checks, "layers": extra_ms / n_checks / layer_ms,
+            "ratio_never_vs_full": float(np.median(np.array(never) / np.array(full)))}
+
+
 def profile_step(systems: Systems, prompts: list[list[int]], n: int, system: str) -> dict[str, float]:
     """Where the time of (d)'s decode goes: ms per decode step by component, at this batch."""
     backend = ProfiledBackend(systems.backend)
@@ -370,6 +391,17 @@ def main(cfg: DecodeBenchConfig) -> int:
                                         for b in (1, max(cfg.batch_sizes))}
     print("segment calls vs one call: " + ", ".join(f"batch {b} {r['ratio']:.3f}x"
                                                      for b, r in results["segment_call_overhead"].items()), flush=True)
+    if model.has_shortlist:  # what a candidate check costs, in layers (edge/pipeline/bench/decision.py)
+        results["decision_cost"] = {str(b): decision_cost(model, graphs / FUSED_DIR, b, cfg.prompt_tokens + cfg.new_tokens // 2,
+                                                          cfg.threads).to_dict() for b in (1, max(cfg.batch_sizes))}
+        results["decision_cost"]["engine_b1"] = engine_check_point_cost(
+            systems, heldout_prompts(tok, load_split(Split.TEST), cfg.batch1_prompts, cfg.prompt_tokens, cfg.seed),
+            cfg.new_tokens, results["decision_cost"]["1"]["layer_ms"], max(cfg.repeats, 3))
+        print("decision cost (layers per check): " + ", ".join(
+            f"batch {b} check {r['check_layers']:.3f}, boundary {r['boundary_layers']:.3f}"
+            for b, r in results["decision_cost"].items() if b != "engine_b1")
+            + f"; a check point in the engine at batch 1 {results['decision_cost']['engine_b1']['layers']:.3f}",
+            flush=True)
     d_sys = exit_system(d_mode)
     exit_systems = [exit_system(m) for m in KVMode]
     wrong = {s: [0, 0] for s in exit_systems}  # system -> [mismatches, tokens]

@@ -106,6 +106,17 @@ def per_token(windows: list[Window]) -> dict[str, Any]:
     }
 
 
+def clopper_pearson(k: int, n: int, level: float = 0.95) -> list[float]:
+    """Exact two-sided binomial interval [lo, hi] of a rate of ``k`` in ``n`` (Clopper and Pearson, 1934).
+    Tokens of one prompt are correlated, so this is optimistic; calibration's certificate counts prompts."""
+    from scipy.stats import beta
+
+    a = (1.0 - level) / 2.0
+    lo = 0.0 if k == 0 else float(beta.ppf(a, k, n - k + 1))
+    hi = 1.0 if k == n else float(beta.ppf(1.0 - a, k + 1, n - k))
+    return [lo, hi]
+
+
 def ratios(rows: dict[str, dict[str, Any]], base: str = FULL) -> dict[str, dict[str, float | None]]:
     """Each system's medians over ``base``'s: joules, CPU-seconds per token, tokens/s."""
     out = {}
@@ -243,7 +254,13 @@ def main(cfg: EnergyBenchConfig) -> int:
         "cpu_ratio_shipped_vs_full": rel[exit_name]["cpu_seconds_per_token"],
         "speed_ratio_shipped_vs_full": rel[exit_name]["tokens_per_s"],
         "idle_watts": [w.idle_watts for w in windows[names[0]]],
+        # the compressed model's exits against its own full depth (the served model, with and without exits)
+        "cpu_ratio_compressed_exit_vs_compressed_full": (
+            rows[C_EXITS]["cpu_seconds_per_token"]["median"] / rows[C_FULL]["cpu_seconds_per_token"]["median"]
+            if C_EXITS in rows and C_FULL in rows else None),
         "false_exit_rate": check.false_exit_rate, "false_exit_tokens": check.tokens,
+        # a 95% interval of the rate on these tokens: a few hundred tokens tell little about a rate near 1%
+        "false_exit_interval_95": clopper_pearson(check.false_exits + check.full_depth_mismatches, check.tokens),
         "false_exits_judged_against": f"{backends[exit_name].name}, full-depth decode",
     }
     result = {"config": asdict(cfg), "rows": rows, "ratios_vs_full": rel, "summary": summary,
@@ -292,7 +309,9 @@ def render_markdown(result: dict[str, Any]) -> str:
                      f"{_fmt(rel[n]['joules_per_token'])} | {_fmt(rel[n]['cpu_seconds_per_token'])} | "
                      f"{_fmt(rel[n]['tokens_per_s'])} |")
     if s.get("false_exit_tokens"):
-        lines += ["", f"False exits of `{s['shipped_system']}`: {s['false_exit_rate']:.4f} of {s['false_exit_tokens']} "
+        ci = s.get("false_exit_interval_95") or [float("nan")] * 2
+        lines += ["", f"False exits of `{s['shipped_system']}`: {s['false_exit_rate']:.4f} (95% interval "
+                      f"{ci[0]:.4f}-{ci[1]:.4f}) of {s['false_exit_tokens']} "
                       f"judged tokens, against {s['false_exits_judged_against']} on the same prefixes."]
     return "\n".join(lines + ["", "![energy](energy.png)", ""])
 

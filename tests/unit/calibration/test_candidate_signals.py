@@ -11,8 +11,9 @@ from calibration.collect import collect_engine, collect_units
 from calibration.signals import exit_targets
 from calibration.table import TableRule, ThresholdTable
 from edge.runtime.backend import make_backend
-from edge.runtime.candidates import CANDIDATE_SIGNAL_NAMES, NUM_FEATURES
-from edge.runtime.engine import Engine, EngineConfig
+from edge.model.candidates import CANDIDATE_SIGNAL_NAMES, NUM_FEATURES
+from edge.runtime.engine import Engine, EngineConfig, Request
+from edge.model.lookup import Lookup
 from edge.runtime.torch_backend import TorchBackend
 from tests.tolerance import f32_rtol
 from tests.unit.engine.test_candidates import _model
@@ -85,3 +86,38 @@ def test_mlp_table_drives_the_engine():
         assert (early > 0) == some, (lam, early)
     with pytest.raises(Exception, match="not a linear score"):
         rule.linear(m.exit_layers[0], NUM_FEATURES)
+
+
+def test_routing_checks_only_rows_with_a_lookup_match():
+    """route_min_lookup: a row whose context lookup matched fewer tokens runs every layer, no check (the engine),
+    and calibration's cascades never let such a token leave either."""
+    from calibration import certify as cert
+
+    m = _model(seed=4)
+    seqs = _seqs(40, 32, seed=2)
+    data = collect_units(m, seqs, first=12)
+    targets = exit_targets(data.argmax)
+    cals = {k: Calibrator(kind=CalibratorKind.ISOTONIC).fit(data.signals[k], targets[k]) for k in m.exit_layers[:-1]}
+    col = CANDIDATE_SIGNAL_NAMES.index("lookup_len")
+    probs = cert.calibrated(cals, data, route=0.5)  # matches of at least 2 of 4 tokens
+    for k, p in probs.items():
+        short = data.signals[k][:, col] < 0.5
+        assert short.any() and (~short).any()
+        assert np.all(p[short] == -1.0) and np.all(p[~short] >= 0.0)
+    table = ThresholdTable("x", m.exit_layers, "isotonic", 0.0, {k: -np.inf for k in cals}, cals,
+                           signal_names=CANDIDATE_SIGNAL_NAMES, route_min_lookup=2)
+    back = ThresholdTable.from_dict(table.to_dict())
+    assert back.route_min_lookup == 2
+    rule = TableRule(back)  # lambda 0: every checked row leaves at the first exit
+    rng = np.random.default_rng(9)
+    fresh = [rng.integers(0, CFG.vocab_size, 12).tolist() for _ in range(3)]  # no repeats: no lookup match
+    out = _run(Engine(TorchBackend(m), EngineConfig(max_seqs=3, max_running=3, max_len=64), rule), fresh, 3)
+    assert all(e == m.num_layers for seq in out for _, e in seq[:2]), "rows without a match are never checked"
+    eng = Engine(TorchBackend(m), EngineConfig(max_seqs=3, max_running=3, max_len=64), rule)
+    for p in fresh:
+        eng.submit(Request(p, 4))
+    eng.step()  # the prompts prefilled, first tokens out
+    for seq in eng.decoding:  # give every sequence a context that repeats itself: its lookup matches 4 tokens
+        seq.lookup = Lookup(seq.req.prompt + seq.tokens + seq.req.prompt + seq.tokens)
+    layers = [ev.exit_layer for ev in eng.step()]
+    assert layers == [m.exit_layers[0]] * 3, "rows with a match are checked (and at lambda 0 leave at once)"

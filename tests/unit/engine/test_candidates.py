@@ -10,9 +10,9 @@ from edge.core.errors import ConfigError
 from edge.model.exits import ExitConfig, MultiExitModel, choose_shortlist
 from edge.model.reference import reference_generate
 from edge.runtime.backend import make_backend
-from edge.runtime.candidates import CANDIDATE_SIGNAL_NAMES, NUM_FEATURES, check, lookup_feature, shortlist_logits
+from edge.model.candidates import CANDIDATE_SIGNAL_NAMES, NUM_FEATURES, check, lookup_feature, shortlist_logits
 from edge.runtime.engine import Engine, EngineConfig, KVMode, Request
-from edge.runtime.lookup import MAX_N, NONE, Lookup, lookup_along
+from edge.model.lookup import MAX_N, NONE, Lookup, lookup_along
 from edge.runtime.rules import ConfidenceRule, NeverExit, ScoreForm
 from edge.runtime.torch_backend import TorchBackend
 from edge.model.decoder import Decoder
@@ -133,6 +133,18 @@ def test_exits_emit_shortlist_tokens_and_checks_see_the_lookup():
     early = [t for seq in out for t, e in seq if e < 6]
     assert early, "some tokens must exit early for the test to mean anything"
     assert set(early) <= set(m.shortlist.tolist())
+
+
+def test_engine_matches_the_reference_generator():
+    """One sequence at a time, K/V of skipped layers by propagation (the reference's): the engine's checks
+    and the reference generator's decide the same tokens at the same layers."""
+    m = _model()
+    prompts = [p + p[:5] for p in _prompts(3, seed=6)]
+    thr = _mixed_threshold(m, prompts, dict(max_seqs=1, max_len=128))
+    for p in prompts:
+        got = _run(Engine(TorchBackend(m), EngineConfig(max_seqs=1, max_len=128), ConfidenceRule(thr)), [p])[0]
+        ref = reference_generate(m, p, 12, rule=ConfidenceRule(thr))
+        assert [t for t, _ in got] == ref.tokens and [e for _, e in got] == ref.exit_layers
 
 
 def test_sampled_requests_never_exit_over_a_shortlist():

@@ -14,7 +14,7 @@ Features [B, F] of one check, the columns of :data:`CANDIDATE_SIGNAL_NAMES`:
   skipped at 0.25% / 0.45% / 0.9% error: 0.216 / 0.257 / 0.308 without it, 0.173 / 0.227 / 0.300 with
   it, K = 256, exits 1-8), and it cost three graph nodes and a pass over the K logits;
 - ``lookup_agree1``, ``lookup_agree2``: whether the first / second candidate is the token the
-  context lookup predicts (:mod:`edge.runtime.lookup`); ``lookup_len``: the length of that match /
+  context lookup predicts (:mod:`edge.model.lookup`); ``lookup_len``: the length of that match /
   MAX_N (0: no match);
 - ``agree_prev1``, ``agree_prev2``, ``prev_z1``, ``prev_z2``: whether the first / second candidate
   is the previous check's, and the previous check's two logits (SpecEE's features across checks,
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edge.runtime.lookup import MAX_N
+from edge.model.lookup import MAX_N
 
 CANDIDATE_SIGNAL_NAMES: tuple[str, ...] = ("cand_z1", "cand_z2", "lookup_agree1", "lookup_agree2", "lookup_len",
                                            "agree_prev1", "agree_prev2", "prev_z1", "prev_z2")
