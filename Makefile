@@ -27,7 +27,7 @@ help:
 	@echo "make bench-scheduler  the learned scheduler vs fixed budgets and heuristics (simulator + real stack)"
 	@echo "make compress-study  every compression recipe side by side (+ llama.cpp q8_0 / q4_0) -> $(ART)/bench/compress.md (~15 min)"
 	@echo "make energy      energy per token (jtop / tegrastats / NVML / RAPL; CPU-seconds proxy without a sensor): full depth vs exits vs compressed"
-	@echo "make llamacpp    build llama-cpp-python from source: adds llama.cpp as system (f) of make bench"
+	@echo "make llamacpp    build llama-cpp-python and llama-bench from source: adds llama.cpp as system (f) of make bench"
 	@echo "make distill | compress | calibrate | export | bench | generate | report   one stage at a time (RUN=name picks artifacts/<name>)"
 	@echo "make jetson-push DEVICE=user@host, then on the Orin: make jetson-check | jetson-engines | jetson-serve | jetson-status | jetson-stop;"
 	@echo "     make jetson-bench DEVICE=user@host pulls its numbers back (DRY_RUN=1 prints every command; deploy/jetson/README.md)"
@@ -135,7 +135,7 @@ LLAMACPP_STAMP := $(VENV)/.llamacpp-installed
 
 llamacpp: $(LLAMACPP_STAMP)
 $(LLAMACPP_STAMP): requirements/llamacpp.txt $(STAMP)
-	@echo "building llama-cpp-python from its sdist into $(VENV) (about 6-20 min on 2 cores)"
+	@echo "building llama-cpp-python and llama-bench from its sdist into $(VENV) (about 15-35 min on 2 cores)"
 	rm -rf $(LLAMACPP_SRC) && mkdir -p $(LLAMACPP_SRC)
 	$(BIN)/python -m pip download --quiet --no-deps --no-binary :all: -d $(LLAMACPP_SRC) \
 		"$$(grep -m1 '^llama-cpp-python==' requirements/llamacpp.txt)"
@@ -143,6 +143,7 @@ $(LLAMACPP_STAMP): requirements/llamacpp.txt $(STAMP)
 	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" $(BIN)/python -m pip install --quiet \
 		--no-binary llama-cpp-python -c requirements/lock.txt -r requirements/llamacpp.txt \
 		$(LLAMACPP_SRC)/llama_cpp_python-*.tar.gz
+	$(BIN)/python -m edge.pipeline.bench.llamacpp_bench build
 	$(BIN)/python -c "from edge.pipeline.bench.llamacpp import available; r = available(); print(r or 'llama.cpp peer ready'); raise SystemExit(r is not None)"
 	@touch $@
 

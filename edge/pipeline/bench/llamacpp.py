@@ -9,7 +9,9 @@ packages) ships in the sdist, not in the wheel. :func:`available` says why the p
 The same weights reach llama.cpp through that converter (``llamacpp_gguf``, which also quantizes them
 and reads back what a GGUF stores); ``llamacpp_tokenizer`` checks that the converted tokenizer reproduces
 ours id for id, and :func:`check_greedy_match` that llama.cpp's greedy tokens are ours before its speed is
-reported. Its quality on held-out text is scored in ``llamacpp_quality``.
+reported. Its quality on held-out text is scored in ``llamacpp_quality``. :meth:`LlamaCppPeer.generate_timed`
+times the prefill and the decode steps apart; ``llamacpp_bench`` sets that row beside llama.cpp's own
+``llama-bench``.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 from edge.core.errors import MissingExtraError, SmartExitError
 
@@ -43,8 +45,10 @@ def converter_dir() -> Path:
     return source_dir() / "vendor" / "llama.cpp"
 
 
-def _sdist_version(src: Path) -> str | None:
-    pkg_info = src / "PKG-INFO"
+def sdist_version(src: Path | None = None) -> str | None:
+    """The llama-cpp-python version of the unpacked sdist (its ``PKG-INFO``; default :func:`source_dir`),
+    or None when it is not there."""
+    pkg_info = (src or source_dir()) / "PKG-INFO"
     if not pkg_info.is_file():
         return None
     for line in pkg_info.read_text(errors="replace").splitlines():
@@ -66,7 +70,7 @@ def available() -> str | None:
                if not p.exists()]
     if missing:
         return f"llama.cpp converter not found ({missing[0]} is missing): {INSTALL_HINT}"
-    src_version = _sdist_version(source_dir())
+    src_version = sdist_version()
     if src_version != llama_cpp.__version__:
         return (f"the converter in {source_dir()} is from llama-cpp-python {src_version}, the installed "
                 f"package is {llama_cpp.__version__}: {INSTALL_HINT}")
@@ -91,6 +95,61 @@ class PeerGeneration(NamedTuple):
     tokens: list[int]  # [N] generated ids
     seconds: float  # the whole call, prefill included
     token_latencies: list[float]  # [N - 1] seconds between consecutive generated tokens
+
+
+class PeerTiming(NamedTuple):
+    """One greedy generation timed in two parts: the prefill, and the decode steps after it."""
+
+    tokens: list[int]  # [N] generated ids, N >= 2
+    prompt_tokens: int
+    prefill_seconds: float  # llama_decode of the whole prompt + the greedy choice of the first token
+    decode_seconds: float  # the N - 1 single-token llama_decode calls after it, each with its greedy choice
+    token_latencies: list[float]  # [N - 1] seconds between consecutive generated tokens (sum: decode_seconds)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return (len(self.tokens) - 1) / self.decode_seconds
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds
+
+
+def greedy_stamps(decode: Callable[[list[int]], None], sample: Callable[[], int], prompt_ids: Sequence[int],
+                  n: int, clock: Callable[[], float] = time.perf_counter) -> tuple[list[int], list[float]]:
+    """The batch-1 greedy loop, timestamped: ``decode(prompt)``, then ``n - 1`` times ``decode([last])``,
+    choosing each token with ``sample()`` after its decode.
+
+    Returns:
+        (tokens [n], stamps [n + 1]): ``stamps[0]`` is taken before the prompt's decode and ``stamps[i]``
+        right after token ``i - 1`` was chosen, so ``stamps[1] - stamps[0]`` is the prefill and
+        ``stamps[n] - stamps[1]`` the ``n - 1`` decode steps.
+    """
+    tokens: list[int] = []
+    stamps = [clock()]
+    decode(list(prompt_ids))
+    while True:
+        tokens.append(int(sample()))
+        stamps.append(clock())
+        if len(tokens) == n:
+            return tokens, stamps
+        decode(tokens[-1:])
+
+
+def timing_from_stamps(tokens: Sequence[int], prompt_tokens: int, stamps: Sequence[float]) -> PeerTiming:
+    """Split :func:`greedy_stamps`' timestamps into prefill and decode seconds.
+
+    Raises:
+        SmartExitError: fewer than 2 tokens (no decode step to time), or not one stamp more than tokens.
+    """
+    if len(tokens) < 2 or len(stamps) != len(tokens) + 1:
+        raise SmartExitError(f"decode timing needs >= 2 tokens and one stamp more than tokens, got "
+                             f"{len(tokens)} tokens and {len(stamps)} stamps")
+    return PeerTiming(list(tokens), prompt_tokens, stamps[1] - stamps[0], stamps[-1] - stamps[1], _gaps(stamps[1:]))
+
+
+def _gaps(stamps: Sequence[float]) -> list[float]:
+    return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
 class LlamaCppPeer:
@@ -143,30 +202,36 @@ class LlamaCppPeer:
         if rc != 0:
             raise SmartExitError(f"llama_decode failed with code {rc} ({len(ids)} tokens)")
 
-    def generate(self, prompt_ids: Sequence[int], n: int) -> PeerGeneration:
-        """Greedy ``n`` tokens after ``prompt_ids``, from an empty cache.
-
-        Raises:
-            SmartExitError: empty prompt, n < 1, or prompt + n beyond ``n_ctx``.
-        """
+    def _greedy(self, prompt_ids: Sequence[int], n: int) -> tuple[list[int], list[float]]:
+        """:func:`greedy_stamps` from an empty cache with llama.cpp's greedy sampler."""
         lib, ctx = self._lib, self.llm.ctx
         if not prompt_ids or n < 1 or len(prompt_ids) + n > self.n_ctx:
             raise SmartExitError(f"prompt of {len(prompt_ids)} tokens + {n} new tokens must be within "
                                  f"n_ctx={self.n_ctx} (and both at least 1)")
         lib.llama_memory_clear(lib.llama_get_memory(ctx), True)
         lib.llama_sampler_reset(self._sampler)
-        tokens: list[int] = []
-        stamps: list[float] = []
-        t0 = time.perf_counter()
-        self._decode(list(prompt_ids))
-        while True:
-            tokens.append(int(lib.llama_sampler_sample(self._sampler, ctx, -1)))
-            stamps.append(time.perf_counter())
-            if len(tokens) == n:
-                break
-            self._decode(tokens[-1:])
-        seconds = time.perf_counter() - t0
-        return PeerGeneration(tokens, seconds, [b - a for a, b in zip(stamps, stamps[1:])])
+        return greedy_stamps(self._decode, lambda: lib.llama_sampler_sample(self._sampler, ctx, -1), prompt_ids, n)
+
+    def generate(self, prompt_ids: Sequence[int], n: int) -> PeerGeneration:
+        """Greedy ``n`` tokens after ``prompt_ids``, from an empty cache; ``seconds`` holds the prefill.
+
+        Raises:
+            SmartExitError: empty prompt, n < 1, or prompt + n beyond ``n_ctx``.
+        """
+        tokens, stamps = self._greedy(prompt_ids, n)
+        return PeerGeneration(tokens, stamps[-1] - stamps[0], _gaps(stamps[1:]))
+
+    def generate_timed(self, prompt_ids: Sequence[int], n: int) -> PeerTiming:
+        """Greedy ``n`` tokens after ``prompt_ids`` with the prefill and the ``n - 1`` decode steps timed
+        apart (:class:`PeerTiming`): decode tokens/s is what a batch-1 decode bench compares.
+
+        Raises:
+            SmartExitError: empty prompt, n < 2, or prompt + n beyond ``n_ctx``.
+        """
+        if n < 2:
+            raise SmartExitError(f"generate_timed needs n >= 2 (one decode step after the prefill), got {n}")
+        tokens, stamps = self._greedy(prompt_ids, n)
+        return timing_from_stamps(tokens, len(prompt_ids), stamps)
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced logits at every position of ``ids``, from an empty cache: row ``i`` scores

@@ -245,6 +245,52 @@ def cached_quantized_gguf(run_dir: str | Path, model_dir: str | Path, qtype: str
     return quantize_gguf(src, out, qtype, threads)
 
 
+# ------------------------------------------------------------------ the same precision as ours
+# our precision (edge.compress.quant.Precision values; "fp32" for the float model, as
+# edge.pipeline.bench.compress.precision_of names it) -> the llama.cpp type that stores weights at that width
+SAME_PRECISION = {"fp32": "f32", "w8a8": "q8_0", "w4": "q4_0"}
+
+
+def same_precision_type(precision: str) -> str:
+    """The GGUF type a llama.cpp peer runs at when compared with a system of our ``precision``.
+
+    The float engine is compared with f32, the shipped INT8 (W8A8) model with q8_0, INT4 (W4) with q4_0:
+    the same bits per weight, not the same arithmetic. What the pairing does not equalise:
+
+    - W8A8 vs q8_0: ours stores INT8 weights with one scale per output channel and quantizes activations
+      per tensor with a static scale calibrated offline; q8_0 stores an f16 scale per block of 32 weights
+      (8.5 bits a weight) and its vec_dot quantizes each activation row on the fly to int8 per block of
+      32 (``quantize_row_q8_0``), so its activation scales follow the data and are finer-grained.
+    - W4 vs q4_0: a scale per block of weights in both (ours: ``block_size`` inputs, 32 by default,
+      the scale searched over clipping ratios; q4_0: 32, from the block's largest magnitude); both
+      quantize activations per block on the fly.
+    - Everywhere: llama.cpp keeps norms in f32 and K/V in f16 (its default cache type), and its kernels,
+      graph and threading are ggml's, not ONNX Runtime's.
+
+    Raises:
+        ConfigError: a precision with no llama.cpp counterpart (a mix such as ``w4+w8a8``).
+    """
+    try:
+        return SAME_PRECISION[precision]
+    except KeyError:
+        raise ConfigError(f"no llama.cpp GGUF type has the precision {precision!r}; known: "
+                          f"{', '.join(f'{ours} -> {theirs}' for ours, theirs in SAME_PRECISION.items())}") from None
+
+
+def same_precision_gguf(run_dir: str | Path, model_dir: str | Path, precision: str, threads: int = 0) -> Path:
+    """The run's GGUF of the float weights ``model_dir`` at :func:`same_precision_type` (``precision``):
+    the f32 conversion itself (:func:`cached_gguf`) or llama.cpp's quantization of it
+    (:func:`cached_quantized_gguf`), both cached under the run.
+
+    ``model_dir`` is the float checkpoint (the distilled model) even for a compressed run: llama.cpp
+    quantizes those weights itself, as it would for any user.
+    """
+    qtype = same_precision_type(precision)
+    if qtype == "f32":
+        return cached_gguf(run_dir, model_dir, "f32")
+    return cached_quantized_gguf(run_dir, model_dir, qtype, threads)
+
+
 # ------------------------------------------------------------------ what a GGUF stores
 def _gguf_module():
     """The ``gguf`` package: installed, or the ``gguf-py`` of the unpacked sdist (as the converter uses)."""
