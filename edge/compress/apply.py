@@ -71,6 +71,13 @@ def quant_linears(model: nn.Module) -> Iterable[tuple[str, QuantLinear]]:
     return ((n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear))
 
 
+def precision_of(model: nn.Module) -> str:
+    """The model's precision as its quantized linears name it: ``fp32`` when none is quantized, else their
+    kinds joined (``w8a8``, ``w4``, ``w4+w8a8``)."""
+    kinds = {m.spec.precision.value for _, m in quant_linears(model)}
+    return "fp32" if not kinds else "+".join(sorted(kinds))
+
+
 def quantized_layers(model: MultiExitModel | Decoder) -> dict[int, QuantSpec]:
     """0-based layer -> spec of the layers whose linears are quantized."""
     return {j: lins["self_attn.q_proj"].spec for j in range(len(decoder_layers(model)))

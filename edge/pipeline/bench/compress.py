@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from calibration.table import TableRule, load_table
-from edge.compress.apply import model_bytes, quant_linears
+from edge.compress.apply import model_bytes, precision_of, quant_linears
 from edge.compress.checkpoint import load_served, read_compress_json
 from edge.compress.quality import Reference, evaluate
 from edge.core.artifacts import Manifest, atomic_write_json, atomic_write_text
@@ -41,6 +41,7 @@ from edge.model.tokenizer import load_tokenizer
 from edge.pipeline.bench.decode import false_exits
 from edge.pipeline.bench.engine_run import run_engine
 from edge.pipeline.bench.float_graphs import float_graphs
+from edge.pipeline.bench.llamacpp_gguf import SAME_PRECISION
 from edge.pipeline.freerun import Served
 from edge.pipeline.compress import CompressConfig, Recipe, compress, fit_windows
 from edge.runtime.backend import make_backend
@@ -51,7 +52,6 @@ from exporters.parity import QUANT_RTOL, FUSED_RTOL, check_fused_parity
 
 STAGE = "bench_compress"
 SHIPPED, NONE, PRUNED = "shipped", "none", "+prune"
-PEER_BITS = {"w8a8": "q8_0", "w4": "q4_0"}  # our precision -> llama.cpp's same-bit-width type
 
 
 @dataclass
@@ -87,11 +87,6 @@ class CompressBenchConfig:
 
 def _log(t0: float, msg: str) -> None:
     print(f"[bench compress {time.time() - t0:6.1f}s] {msg}", flush=True)
-
-
-def precision_of(model: MultiExitModel) -> str:
-    kinds = {m.spec.precision.value for _, m in quant_linears(model)}
-    return "fp32" if not kinds else "+".join(sorted(kinds))
 
 
 def onnx_bytes(graphs_dir: Path) -> int:
@@ -285,7 +280,7 @@ def _summary(cfg: CompressBenchConfig, rows: dict, table, info: dict, calib: dic
             s["peak_rss_ratio_vs_fp32"] = rows[SHIPPED]["peak_rss_mib"] / rows[NONE]["peak_rss_mib"]
         s["false_exit_rate_heldout"] = rows[SHIPPED]["false_exit_rate_heldout"]
         s["full_depth_mismatch_vs_torch"] = rows[SHIPPED]["full_depth_mismatch_vs_torch"]
-        peer = PEER_BITS.get(rows[SHIPPED]["precision"])
+        peer = SAME_PRECISION.get(rows[SHIPPED]["precision"])
         if peer and f"llamacpp_{peer}" in rows and "1" in rows[SHIPPED]["tokens_per_s"]:
             s["speedup_vs_llamacpp_same_bits_b1"] = (rows[SHIPPED]["tokens_per_s"]["1"]
                                                      / rows[f"llamacpp_{peer}"]["tokens_per_s"]["1"])

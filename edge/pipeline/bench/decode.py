@@ -15,7 +15,11 @@ Systems, on the same weights and the same held-out prompts (equal length, no pad
                    self-speculative decoding from a draft exit, at every batch size (its tokens must be
                    (c)'s: counted as mismatches); a sweep at batch 1 compares its draft-length rules and
                    draft exits (:mod:`edge.pipeline.bench.speculation`);
-  llamacpp     (f) llama.cpp, when installed.
+  llamacpp     (f) llama.cpp, when installed, at the precision of the served model (f32 for a float
+               run, q8_0 for the shipped INT8 model: llamacpp_gguf.same_precision_type), batch 1, through
+               its Python API, and llama.cpp's own ``llama-bench`` loop where it is built; decode and
+               prefill are timed apart, and the speed-ups over llama.cpp compare decode alone (our decode
+               time: the gaps between a sequence's tokens) against the faster of the two rows.
 Per batch size: warm-up runs, then repeats in which the systems run interleaved (rotated
 order); ratios are computed repeat by repeat and their median reported. Tokens/s counts
 generated tokens over the whole ``generate`` call (prefill included, the same for all).
@@ -52,6 +56,7 @@ from edge.runtime.profile import ProfiledBackend, ProfiledRule
 from edge.runtime.rules import NeverExit
 from edge.runtime.speculative import SpecConfig, StopRule
 from edge.core.errors import ConfigError
+from edge.compress.apply import precision_of
 from edge.compress.checkpoint import load_served
 from edge.model.exits import MultiExitModel
 from edge.model.tokenizer import load_tokenizer
@@ -180,12 +185,13 @@ class Systems:
         self.cfg = cfg
         self.loaded = set(only) - {"llamacpp"}
         self.llamacpp_skipped: str | None = None
+        self.llama_bench_skipped: str | None = "llama.cpp not loaded"
         transformers.logging.set_verbosity_error()
         # transformers, LayerSkip and llama.cpp run the float weights the run distilled (a compressed run's
         # checkpoint holds quantized layers they cannot load): "the same weights" in f32
         source = Manifest(cfg.run_dir).verified_output("distill", "checkpoint")
         if "llamacpp" in only:
-            self._load_llamacpp(source)
+            self._load_llamacpp(source, precision_of(model))
         if {"hf", "layerskip"} & set(only):
             self.hf = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
         if "engine_full" in only:
@@ -196,18 +202,33 @@ class Systems:
             self.table_rule = TableRule(load_table(thresholds, ckpt))
         self.spec = SpecConfig(draft_exit=cfg.draft_exit, stop=cfg.spec_stop)  # (e)'s settings
 
-    def _load_llamacpp(self, ckpt: Path) -> None:
-        """The peer (f), if llama-cpp-python is installed (``make llamacpp``): the checkpoint converted
-        to an f32 GGUF by the converter of llama.cpp's own source distribution, its tokenizer checked
-        against ours."""
-        from edge.pipeline.bench import llamacpp, llamacpp_gguf, llamacpp_tokenizer
+    def _load_llamacpp(self, ckpt: Path, precision: str) -> None:
+        """The peer (f), if llama-cpp-python is installed (``make llamacpp``): the float checkpoint converted
+        to GGUF by the converter of llama.cpp's own source distribution (its tokenizer checked against
+        ours), quantized by llama.cpp to the served model's precision (q8_0 for W8A8); and whether its
+        ``llama-bench`` is built."""
+        from edge.pipeline.bench import llamacpp, llamacpp_bench, llamacpp_gguf, llamacpp_tokenizer
 
         self.llamacpp_skipped = llamacpp.available()
-        if self.llamacpp_skipped is None:
-            gguf = llamacpp_gguf.cached_gguf(self.cfg.run_dir, ckpt, "f32")
-            llamacpp_tokenizer.verify_tokenizer(ckpt, gguf)
-            self.peer = llamacpp.LlamaCppPeer(gguf, self.cfg.threads)
-            self.loaded.add("llamacpp")
+        if self.llamacpp_skipped is not None:
+            return
+        try:
+            self.peer_type = llamacpp_gguf.same_precision_type(precision)
+        except ConfigError as exc:
+            self.llamacpp_skipped = str(exc)
+            return
+        f32 = llamacpp_gguf.cached_gguf(self.cfg.run_dir, ckpt, "f32")
+        llamacpp_tokenizer.verify_tokenizer(ckpt, f32)
+        self.gguf = llamacpp_gguf.same_precision_gguf(self.cfg.run_dir, ckpt, precision, self.cfg.threads)
+        self.peer = llamacpp.LlamaCppPeer(self.gguf, self.cfg.threads)
+        self.llama_bench_skipped = llamacpp_bench.llama_bench_unavailable()
+        self.loaded.add("llamacpp")
+
+    def llama_bench(self, n: int):
+        """One llama-bench measurement (prefill, then the decode steps after a prompt) of the peer's GGUF."""
+        from edge.pipeline.bench.llamacpp_bench import llama_bench_speed
+
+        return llama_bench_speed(self.gguf, self.cfg.prompt_tokens, n, self.cfg.threads, repeats=1)
 
     def run(self, name: str, prompts: list[list[int]], n: int, backend=None, rule=None,
             group: int | None = None, spec: SpecConfig | None = None) -> RunResult:
@@ -224,8 +245,8 @@ class Systems:
         if name == "engine_full":
             return run_engine(self.full_backend, NeverExit(), prompts, n, KVMode.PROPAGATE)
         if name == "llamacpp":
-            tokens, seconds, gaps = self.peer.generate(prompts[0], n)
-            return RunResult([list(tokens)], None, seconds, list(gaps))
+            t = self.peer.generate_timed(prompts[0], n)
+            return RunResult([list(t.tokens)], None, t.prefill_seconds + t.decode_seconds, list(t.token_latencies))
         if name == "engine_speculative":  # the engine's K/V mode is unused: exact requests never exit early
             return run_engine(backend or self.backend, rule or self.table_rule, prompts, n, KVMode.PROPAGATE,
                               spec or self.spec, self.cfg.speculate_max_batch)
@@ -330,6 +351,31 @@ def _memory_probe(argv: list[str]) -> None:
 
 
 
+def decode_tokens_per_s(r: RunResult, sequences: int, n: int) -> float:
+    """Decode alone: the n - 1 tokens after each sequence's first, over the gaps between its tokens."""
+    return sequences * (n - 1) / sum(r.token_latencies)
+
+
+def llamacpp_rows(runs: dict[str, list[RunResult]], bench: list, sequences: int, n: int, prompt_tokens: int) -> dict:
+    """llama.cpp's rows at batch 1, decode and prefill apart: its Python API (the runs of system
+    ``llamacpp``) and llama-bench (``bench``: one DecodeSpeed per repeat, or none), and a function giving our
+    system's decode-only speed-up over the faster row, the median over repeats of the paired ratios."""
+    from edge.pipeline.bench.llamacpp_bench import DecodeSpeed, faster_row
+
+    api = runs["llamacpp"]
+    rows = [DecodeSpeed("python-api", tuple(decode_tokens_per_s(r, sequences, n) for r in api),
+                        tuple(sequences * prompt_tokens / (r.seconds - sum(r.token_latencies)) for r in api))]
+    if bench:
+        rows.append(DecodeSpeed("llama-bench", tuple(x.decode_tokens_per_s for x in bench),
+                                tuple(x.prefill_tokens_per_s for x in bench)))
+    best = faster_row(rows)
+
+    def ratio(ours: list[RunResult]) -> float:
+        return float(np.median([decode_tokens_per_s(r, sequences, n) / t for r, t in zip(ours, best.decode_samples)]))
+
+    return {"rows": {r.source: r.to_dict() for r in rows}, "used": best.source, "ratio": ratio}
+
+
 def engine_check_point_cost(systems: Systems, prompts: list[list[int]], n: int, layer_ms: float,
                             repeats: int) -> dict[str, float]:
     """What a check point costs a token that does not leave, in the engine at batch 1, host work included:
@@ -419,6 +465,8 @@ def main(cfg: DecodeBenchConfig) -> int:
         prompts = heldout_prompts(tok, load_split(Split.TEST), n_prompts, cfg.prompt_tokens, cfg.seed)
         names = names_at[b]
         runs: dict[str, list[RunResult]] = {s: [] for s in names}
+        bench_rows = []  # llama-bench at batch 1, one measurement per repeat (interleaved with the others)
+        with_bench = b == 1 and "llamacpp" in names and systems.llama_bench_skipped is None
         for rep in range(cfg.warmup + cfg.repeats):
             order = names[rep % len(names):] + names[:rep % len(names)]
             for s in order:
@@ -427,6 +475,8 @@ def main(cfg: DecodeBenchConfig) -> int:
                 bar.update()
                 if rep >= cfg.warmup:
                     runs[s].append(r)
+            if with_bench and rep >= cfg.warmup:
+                bench_rows.append(systems.llama_bench(cfg.new_tokens))
         row_fe = {}
         for s in exit_systems:
             bar.set_postfix_str(f"batch {b}, checking {s} against the full model")
@@ -441,7 +491,14 @@ def main(cfg: DecodeBenchConfig) -> int:
         bad_e = [token_mismatches(e.tokens, c.tokens) for e, c in zip(runs["engine_speculative"], runs["engine_full"])]
         spec_bad[0] += sum(m for m, _ in bad_e)
         spec_bad[1] += sum(t for _, t in bad_e)
-        if "llamacpp" in runs:  # its speed counts only if it decodes what the same f32 weights decode
+        peer = None
+        if "llamacpp" in runs:
+            peer = llamacpp_rows(runs, bench_rows, n_prompts, cfg.new_tokens, cfg.prompt_tokens)
+            results["llamacpp"] = {"gguf_type": systems.peer_type, "rows": peer["rows"], "used": peer["used"],
+                                   "llama_bench_skipped": systems.llama_bench_skipped}
+        if "llamacpp" in runs and systems.peer_type == "f32":
+            # the f32 peer's speed counts only if it decodes what the same f32 weights decode; a quantized peer
+            # (q8_0) rounds otherwise than our INT8 model, so its agreement with (c) is reported, not required
             ref = "hf" if "hf" in runs else "engine_full"  # (== (c) when the run is not compressed)
             match = _token_match(runs["llamacpp"][0].tokens, runs[ref][0].tokens)
             results["llamacpp_token_match"] = match
@@ -449,6 +506,10 @@ def main(cfg: DecodeBenchConfig) -> int:
                 results["llamacpp_skipped"] = (f"its greedy tokens match transformers' on the same weights on only "
                                                f"{match:.1%} of tokens: speed not reported")
                 del runs["llamacpp"]
+                peer = None
+        elif "llamacpp" in runs:
+            results["llamacpp_token_match_vs_full_engine"] = _token_match(runs["llamacpp"][0].tokens,
+                                                                          runs["engine_full"][0].tokens)
         systems_row = summarise(runs, n_prompts, cfg.new_tokens)
         exits_d = [e for seq in runs[d_sys][0].exit_layers for e in seq[1:]]  # decoded tokens (the first is prefill)
         ceiling = model.num_layers / layers_computed(exits_d, model.num_layers, d_mode, kv_frac)
@@ -461,8 +522,9 @@ def main(cfg: DecodeBenchConfig) -> int:
             "efficiency_vs_ceiling": speedup / ceiling,
             "speedup_exit_vs_hf": paired_ratio(runs, d_sys, "hf"),
             "speedup_exit_vs_layerskip": paired_ratio(runs, d_sys, "layerskip"),
-            "speedup_full_vs_llamacpp": paired_ratio(runs, "engine_full", "llamacpp"),
-            "speedup_exit_vs_llamacpp": paired_ratio(runs, d_sys, "llamacpp"),
+            # decode only, same precision, against the faster llama.cpp row (llama-bench where it is built)
+            "speedup_full_vs_llamacpp": None if peer is None else peer["ratio"](runs["engine_full"]),
+            "speedup_exit_vs_llamacpp": None if peer is None else peer["ratio"](runs[d_sys]),
             "speedup_vs_full_by_mode": {m.value: paired_ratio(runs, exit_system(m), "engine_full") for m in KVMode},
             # what (d)/(c) would be if time were proportional to the layers a token runs and
             # deciding cost nothing: the bound the exit depth alone sets

@@ -247,7 +247,7 @@ def cached_quantized_gguf(run_dir: str | Path, model_dir: str | Path, qtype: str
 
 # ------------------------------------------------------------------ the same precision as ours
 # our precision (edge.compress.quant.Precision values; "fp32" for the float model, as
-# edge.pipeline.bench.compress.precision_of names it) -> the llama.cpp type that stores weights at that width
+# edge.compress.apply.precision_of names it) -> the llama.cpp type that stores weights at that width
 SAME_PRECISION = {"fp32": "f32", "w8a8": "q8_0", "w4": "q4_0"}
 
 

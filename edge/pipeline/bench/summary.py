@@ -17,7 +17,7 @@ LABELS = {"hf": "(a) transformers generate", "layerskip": "(b) transformers Laye
           "engine_exit_propagate": "SmartExit engine, ORT, exits, K/V by propagation",
           "engine_exit_defer": "SmartExit engine, ORT, exits, K/V by deferred recomputation",
           "engine_speculative": "(e) SmartExit engine, ORT, self-speculative (exact)",
-          "llamacpp": "(f) llama.cpp (llama-cpp-python), f32 GGUF, full depth"}
+          "llamacpp": "(f) llama.cpp (llama-cpp-python), GGUF at the served model's precision, full depth"}
 
 # Issue 8's goals, then issue 10's (self-speculative decoding, (e)): (headline key, ">=" or "<=", target).
 # A key ending in _b<N> is about batch size N: its row
@@ -194,6 +194,14 @@ def render_markdown(results: dict[str, Any], summary: dict[str, Any]) -> str:
               f"eps = {f(eps, 'g')}."]
     if results.get("llamacpp_skipped"):
         lines += ["", f"(f) llama.cpp not measured: {results['llamacpp_skipped']}"]
+    lc = results.get("llamacpp")
+    if lc and not results.get("llamacpp_skipped"):
+        lines += ["", f"(f) llama.cpp on a {lc['gguf_type']} GGUF (the served model's precision), batch 1, decode and "
+                      f"prefill apart; the speed-ups over it compare decode alone against the `{lc['used']}` row"
+                      + (f" (llama-bench: {lc['llama_bench_skipped']})" if lc.get("llama_bench_skipped") else "") + ":", "",
+                  "| row | decode tokens/s | prefill tokens/s |", "| --- | ---: | ---: |",
+                  *(f"| {k} | {r['decode_tokens_per_s']:.1f} (sd {r['decode_stddev']:.1f}) | "
+                    f"{r['prefill_tokens_per_s']:.1f} (sd {r['prefill_stddev']:.1f}) |" for k, r in lc["rows"].items())]
     lines += ["", *goals_table(summary.get("goals", {}))]
     seg = results.get("segment_call_overhead", {})
     if seg:
