@@ -12,7 +12,7 @@ DEMO_CFG := configs/demo.yaml
 MODEL_FILES := $(wildcard edge/assets/tiny/*) $(wildcard edge/assets/tiny-ee/*) $(wildcard edge/assets/data/*)
 SRC := $(shell find edge calibration exporters scheduler -name '*.py' 2>/dev/null)
 
-.PHONY: demo test venv distill compress bench-compress energy compress-study calibrate export bench generate report repo serve bench-serve profile bench-scheduler aiperf-check train-tiny train-tiny-ee train-scheduler llamacpp clean help
+.PHONY: demo test venv distill compress bench-compress energy compress-study calibrate export bench generate report repo serve bench-serve profile bench-scheduler bench-projection aiperf-check train-tiny train-tiny-ee train-scheduler llamacpp clean help
 .DEFAULT_GOAL := help
 
 help:
@@ -27,6 +27,7 @@ help:
 	@echo "make bench-scheduler  the learned scheduler vs fixed budgets and heuristics (simulator + real stack)"
 	@echo "make compress-study  every compression recipe side by side (+ llama.cpp q8_0 / q4_0) -> $(ART)/bench/compress.md (~15 min)"
 	@echo "make energy      energy per token (jtop / tegrastats / NVML / RAPL; CPU-seconds proxy without a sensor): full depth vs exits vs compressed"
+	@echo "make bench-projection  exit decisions at Qwen2.5-0.5B / Llama-3.2-1B shapes, random local weights -> $(ART)/bench/projection.md (~20 min, ~17 GiB)"
 	@echo "make llamacpp    build llama-cpp-python and llama-bench from source: adds llama.cpp as system (f) of make bench"
 	@echo "make distill | compress | calibrate | export | bench | generate | report   one stage at a time (RUN=name picks artifacts/<name>)"
 	@echo "make jetson-push DEVICE=user@host, then on the Orin: make jetson-check | jetson-engines | jetson-serve | jetson-status | jetson-stop;"
@@ -105,6 +106,10 @@ repo: $(ART)/triton/smartexit/config.pbtxt
 bench-serve: $(ART)/bench/serve.json
 profile: $(ART)/scheduler/latency.json
 bench-scheduler: $(ART)/bench/scheduler.json
+
+# not part of demo: minutes per shape and gigabytes of graphs (configs/bench_projection.yaml)
+bench-projection: $(ART)/calibration/thresholds.json
+	$(SE) bench projection --config configs/bench_projection.yaml run_dir=$(ART)
 
 # the serving stack on the run's repository until Ctrl-C (serve.host / serve.port / serve.api_key: SERVE_ARGS)
 serve: $(ART)/triton/smartexit/config.pbtxt

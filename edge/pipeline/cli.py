@@ -34,6 +34,9 @@ STAGES: dict[str, tuple[str, str, str, str]] = {
                 "TensorRT engines from the ONNX graphs (on the device) + trtexec command lines"),
     "bench decode": ("edge.pipeline.bench.decode", "DecodeBenchConfig", "main",
                      "decode throughput: transformers, LayerSkip, SmartExit full depth and with exits"),
+    "bench projection": ("edge.pipeline.bench.projection", "ProjectionBenchConfig", "main",
+                         "exit decisions at Qwen2.5-0.5B and Llama-3.2-1B shapes (random weights made locally): a "
+                         "check's cost in layers and the projected speed-up of the run's exits"),
     "bench energy": ("edge.pipeline.bench.energy", "EnergyBenchConfig", "main",
                      "energy per token (jtop / tegrastats / NVML / RAPL; CPU-seconds proxy without a sensor): "
                      "full depth vs exits vs the compressed model"),

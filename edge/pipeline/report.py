@@ -91,6 +91,11 @@ def _energy(m: Manifest) -> dict[str, Any]:
     return dict(m.stage("bench_energy")["metrics"])
 
 
+def _projection(m: Manifest) -> dict[str, Any]:
+    """`make bench-projection`: the run's exits replayed at real model shapes (edge/pipeline/bench/projection.py)."""
+    return dict(m.stage("bench_projection")["metrics"])
+
+
 def _jetson(m: Manifest) -> dict[str, Any]:
     """The device's own bench metrics, pulled into <run>/jetson/ by `make jetson-bench` (edge/jetson/bench.py)."""
     return dict(m.stage("jetson_bench")["metrics"])
@@ -109,6 +114,7 @@ SECTIONS: dict[str, tuple[str, Callable[[Manifest], dict[str, Any]]]] = {
     "audit_bench": ("bench_audit", _audit),
     "crosscheck": ("bench_crosscheck", _crosscheck),
     "scheduler": ("bench_scheduler", _scheduler),
+    "projection": ("bench_projection", _projection),
     "jetson": ("jetson_bench", _jetson),
 }
 
@@ -188,6 +194,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                   ""]
     if "scheduler" in report:
         lines += _scheduler_md(report["scheduler"])
+    if "projection" in report:
+        lines += _projection_md(report["projection"])
     if "jetson" in report:
         lines += _jetson_md(report["jetson"])
     if "audit_bench" in report:
@@ -241,6 +249,18 @@ def _energy_md(e: dict[str, Any]) -> list[str]:
                 + f"; shipped ({e['shipped_system']}) / full depth x{_fmt(e.get('cpu_ratio_shipped_vs_full'), '.3f')}.")
     return ["## Energy per token", "", head + " Tokens/s: " + ", ".join(
         f"{n} {_fmt(e['tokens_per_s'][n], '.0f')}" for n in systems) + ".", "", "![energy](bench/energy.png)", ""]
+
+
+def _projection_md(p: dict[str, Any]) -> list[str]:
+    """The projection to real shapes (`make bench-projection`), one line per shape."""
+    shapes = {k: v for k, v in p.items() if isinstance(v, dict)}
+    return ["## Exit decisions at real model shapes (a projection: `make bench-projection`)", "",
+            "Random float32 weights at each shape, the run's exit depths replayed at the same relative depth, "
+            "fused ONNX Runtime graphs on this CPU; no quality follows from it (bench/projection.md).", ""] + [
+        f"- {name}: exits {s.get('exit_layers')}, a layer {_fmt(s.get('layer_ms'), '.2f')} ms, a candidate check "
+        f"{_fmt(s.get('decision_cost_layers'), '.3f')} layers, a boundary {_fmt(s.get('boundary_layers'), '.3f')} "
+        f"layers, projected speed-up at batch 1 x{_fmt(s.get('speedup_exit_vs_full_b1'), '.3f')}"
+        for name, s in shapes.items()] + [""]
 
 
 def _jetson_md(j: dict[str, Any]) -> list[str]:

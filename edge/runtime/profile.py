@@ -8,7 +8,8 @@ from edge.runtime.backend import Backend
 
 
 class ProfiledBackend:
-    """Wraps a backend; ``seconds`` holds wall time per public call kind (segment_i, kvfill)."""
+    """Wraps a backend; ``seconds`` holds wall time per public call kind (segment_i, the decode fast path,
+    the graph of every layer, kvfill)."""
 
     def __init__(self, inner: Backend) -> None:
         self.inner = inner
@@ -25,6 +26,12 @@ class ProfiledBackend:
 
     def segment(self, i, *args, **kwargs):
         return self._timed(f"segment_{i}", self.inner.segment, i, *args, **kwargs)
+
+    def decode_until_exit(self, *args, **kwargs):
+        return self._timed("decode_until_exit", self.inner.decode_until_exit, *args, **kwargs)
+
+    def full(self, *args, **kwargs):
+        return self._timed("full", self.inner.full, *args, **kwargs)
 
     def head(self, i, *args, **kwargs):
         return self._timed(f"head_{i}", self.inner.head, i, *args, **kwargs)

@@ -18,7 +18,8 @@ PRESET_STAGE = {"demo.yaml": "distill", "tiny_ee.yaml": "distill", "bench_decode
                 "bench_serve.yaml": "bench serve", "bench_scheduler.yaml": "bench scheduler",
                 "train_scheduler.yaml": "train-scheduler", "compress.yaml": "compress",
                 "bench_compress.yaml": "bench compress", "compress_study.yaml": "bench compress",
-                "bench_energy.yaml": "bench energy", "calibrate.yaml": "calibrate"}
+                "bench_energy.yaml": "bench energy", "calibrate.yaml": "calibrate",
+                "bench_projection.yaml": "bench projection"}
 
 
 def test_overrides_convert_types():

@@ -8,9 +8,14 @@ chain of ONNX Runtime calls bound once to their buffers, run interleaved, median
   checks   the export's own segment graphs, each with its candidate check, then the head.
 
 From them, per check point at batch 1 and 16, in layer-equivalents (one layer = (full - head) / L):
-``check`` = (checks - split) / checks, the nodes a check adds inside a call (the decision itself), and
-``boundary`` = (split - full) / (segments - 1), cutting a call in two. The engine's own work around each
-call (host) is measured by the decode benchmark on whole steps (edge/pipeline/bench/decode.py).
+``check`` = (checks - split) / (segments - 1), the nodes a check adds inside a call (the decision
+itself), and ``boundary`` = (split - full) / (segments - 1), cutting a call in two. The engine's own
+work around each call (host) is measured by the decode benchmark on whole steps
+(edge/pipeline/bench/decode.py).
+
+The pieces are public for benchmarks that time more chains on the same sessions in the same
+interleaved loop (edge/pipeline/bench/projection.py): :func:`split_graphs`, :func:`decision_chains`,
+:func:`chain_times`, :func:`cost_from_times`.
 """
 from __future__ import annotations
 
@@ -22,7 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from edge.core.errors import ConfigError
+from edge.model.config import ModelConfig
 from edge.model.exits import ExitConfig, MultiExitModel
+from edge.model.segments import segment_layers
 from edge.runtime.ortsession import open_session
 
 SYMBOLS = ("batch", "seq", "rows", "capacity", "hidden")
@@ -47,10 +54,12 @@ class DecisionCost:
 class _Chain:
     """Sessions of graphs called one after another on shared buffers: every input bound by name (ids,
     the residual handed on from the previous graph, the cache in place, zeros for the rest), every output
-    to a buffer of its own (outputs named like a later graph's input are handed on)."""
+    to a buffer of its own (outputs named like a later graph's input are handed on). ``sessions`` (path ->
+    session) is shared by the chains of one measurement: a graph that several chains call is loaded once,
+    as the engine loads it once, and each chain binds its own buffers to it."""
 
     def __init__(self, ort, paths: list[Path], batch: int, past: int, cache: dict[str, np.ndarray], threads: int,
-                 seed: int = 0) -> None:
+                 sessions: dict[Path, object], seed: int = 0) -> None:
         ov = ort.OrtValue.ortvalue_from_numpy
         rng = np.random.default_rng(seed)
         self.keep: list[np.ndarray] = []
@@ -58,7 +67,9 @@ class _Chain:
         env = {"batch": batch, "seq": 1, "rows": batch, "capacity": next(iter(cache.values())).shape[2], "hidden": 32}
         handed: dict[str, np.ndarray] = {}  # an output a later graph reads under this name
         for path in paths:
-            sess = open_session(ort, path, threads, cache=False)
+            if path not in sessions:
+                sessions[path] = open_session(ort, path, threads, cache=False)
+            sess = sessions[path]
             io = sess.io_binding()
             for inp in sess.get_inputs():
                 name = inp.name
@@ -101,18 +112,91 @@ def _dtype(t: str):
             "tensor(bool)": np.bool_}[t]
 
 
-def _median_ms(fns: dict, calls: int, repeats: int) -> dict[str, float]:
+def _times_ms(fns: dict, calls: int, repeats: int, by_call: bool = False) -> dict[str, list[float]]:
+    """Milliseconds per call of each function, one mean over ``calls`` per repeat. The functions are
+    interleaved within a repeat so that a slow stretch of the machine hits each of them: ``calls`` of one,
+    then the next (a small model's weights stay in cache between its calls, as they do in a decode loop),
+    or with ``by_call`` one call of each in turn, the first rotating (for calls long enough that the
+    machine's load changes between one function's batch of calls and the next's)."""
     for fn in fns.values():  # warm-up
         for _ in range(max(5, calls // 10)):
             fn()
+    names = list(fns)
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
+        if by_call:
+            spent = dict.fromkeys(names, 0.0)
+            for i in range(calls):
+                for name in names[i % len(names):] + names[:i % len(names)]:
+                    t0 = time.perf_counter()
+                    fns[name]()
+                    spent[name] += time.perf_counter() - t0
+            for name in names:
+                times[name].append(spent[name] / calls * 1e3)
+            continue
         for name, fn in fns.items():
             t0 = time.perf_counter()
             for _ in range(calls):
                 fn()
             times[name].append((time.perf_counter() - t0) / calls * 1e3)
-    return {k: float(np.median(v)) for k, v in times.items()}
+    return times
+
+
+def split_graphs(model: MultiExitModel, out_dir: Path, external_data_threshold: int | None = None) -> None:
+    """Write ``model``'s segment graphs without checks (the same cuts, exit norms and adapters, no
+    shortlist) to ``out_dir`` as ``segment_{i}.onnx``; weights past ``external_data_threshold`` bytes go
+    to external data (:func:`exporters.ort_fused.save_fused`)."""
+    from exporters.ort_fused import build_fused, save_fused
+
+    nocheck = MultiExitModel(model.backbone, ExitConfig(layers=model.exit_layers, adapter_rank=0))
+    for layer, head in model.heads.items():  # the same exit norms and adapters, no shortlist
+        nocheck.heads[layer].load_state_dict(head.state_dict())
+    save_fused([g for g in build_fused(nocheck.eval(), segment_layers(model.exit_layers), full=False)
+                if g.name.startswith("segment_")], out_dir, external_data_threshold)
+
+
+def decision_chains(fused_dir: Path, split_dir: Path, segments: int) -> dict[str, list[Path]]:
+    """The graphs each chain of the module docstring calls, in order (``fused_dir``: the export's fused
+    graphs with ``full``; ``split_dir``: :func:`split_graphs`'s)."""
+    from exporters.ort_fused import FULL
+
+    head = fused_dir / "head.onnx"
+    return {"full": [fused_dir / f"{FULL}.onnx", head],
+            "split": [split_dir / f"segment_{i}.onnx" for i in range(segments)] + [head],
+            "checks": [fused_dir / f"segment_{i}.onnx" for i in range(segments)] + [head],
+            "head": [head]}
+
+
+def chain_times(chains: dict[str, list[Path]], cfg: ModelConfig, batch: int, past: int, threads: int, calls: int,
+                repeats: int, by_call: bool = False) -> dict[str, list[float]]:
+    """Milliseconds per call of each chain at ``batch`` rows of ``past`` cached tokens of a model shaped
+    ``cfg``, one value per repeat, the chains interleaved (``by_call``: call by call, else ``calls`` at a
+    time); chains calling the same graph share its session.
+
+    Raises:
+        ConfigError: ``batch``, ``past``, ``calls`` or ``repeats`` below 1.
+    """
+    import onnxruntime as ort
+
+    if min(batch, past, calls, repeats) < 1:
+        raise ConfigError(f"chain times: batch ({batch}), past ({past}), calls ({calls}) and repeats ({repeats}) "
+                          "must be >= 1")
+    cap = past + 8
+    rng = np.random.default_rng(1)
+    cache = {f"{kind}_{j}": (0.1 * rng.standard_normal((batch, cfg.num_kv_heads, cap, cfg.head_dim))).astype(np.float32)
+             for j in range(cfg.num_layers) for kind in ("key", "value")}
+    sessions: dict[Path, object] = {}
+    built = {name: _Chain(ort, paths, batch, past, cache, threads, sessions) for name, paths in chains.items()}
+    return _times_ms({k: c.run for k, c in built.items()}, calls, repeats, by_call)
+
+
+def cost_from_times(ms: dict[str, float], num_layers: int, segments: int, batch: int, past: int) -> DecisionCost:
+    """The :class:`DecisionCost` of the chains' times ``ms`` (``full``, ``split``, ``checks``, ``head``: one
+    value each, a median or one repeat's) of a model of ``num_layers`` layers cut into ``segments`` (>= 2)."""
+    layer = max(ms["full"] - ms["head"], 1e-9) / num_layers
+    return DecisionCost(batch, past, layer, ms["full"], ms["split"], ms["checks"], ms["head"],
+                        (ms["checks"] - ms["split"]) / (segments - 1) / layer,
+                        (ms["split"] - ms["full"]) / (segments - 1) / layer)
 
 
 def decision_cost(model: MultiExitModel, fused_dir: Path, batch: int, past: int = 96, threads: int = 2,
@@ -123,34 +207,11 @@ def decision_cost(model: MultiExitModel, fused_dir: Path, batch: int, past: int 
     Raises:
         ConfigError: a model without a candidate shortlist (its checks are LM heads: docs/runtime.md).
     """
-    import onnxruntime as ort
-
-    from exporters.ort_fused import FULL, build_fused, save_fused
-
     if not model.has_shortlist:
         raise ConfigError("decision cost: the model has no candidate shortlist (exits.shortlist)")
-    cfg = model.backbone.cfg
-    segs = [list(range(a, b)) for a, b in zip([0, *model.exit_layers[:-1]], model.exit_layers)]
-    cap = past + 8
-    rng = np.random.default_rng(1)
-    cache = {f"{kind}_{j}": (0.1 * rng.standard_normal((batch, cfg.num_kv_heads, cap, cfg.head_dim))).astype(np.float32)
-             for j in range(cfg.num_layers) for kind in ("key", "value")}
-    nocheck = MultiExitModel(model.backbone, ExitConfig(layers=model.exit_layers, adapter_rank=0))
-    for layer, head in model.heads.items():  # the same exit norms and adapters, no shortlist
-        nocheck.heads[layer].load_state_dict(head.state_dict())
+    n = len(model.exit_layers)
     with tempfile.TemporaryDirectory(prefix="smartexit-decision-") as tmp:
-        split_dir = Path(tmp)
-        save_fused([g for g in build_fused(nocheck.eval(), segs, full=False) if g.name.startswith("segment_")], split_dir)
-        n = len(segs)
-        head = fused_dir / "head.onnx"
-        chains = {
-            "full": _Chain(ort, [fused_dir / f"{FULL}.onnx", head], batch, past, cache, threads),
-            "split": _Chain(ort, [split_dir / f"segment_{i}.onnx" for i in range(n)] + [head], batch, past, cache, threads),
-            "checks": _Chain(ort, [fused_dir / f"segment_{i}.onnx" for i in range(n)] + [head], batch, past, cache,
-                             threads),
-            "head": _Chain(ort, [head], batch, past, cache, threads),
-        }
-        ms = _median_ms({k: c.run for k, c in chains.items()}, calls, repeats)
-    layer = max(ms["full"] - ms["head"], 1e-9) / cfg.num_layers
-    return DecisionCost(batch, past, layer, ms["full"], ms["split"], ms["checks"], ms["head"],
-                        (ms["checks"] - ms["split"]) / (n - 1) / layer, (ms["split"] - ms["full"]) / (n - 1) / layer)
+        split_graphs(model, Path(tmp))
+        times = chain_times(decision_chains(fused_dir, Path(tmp), n), model.backbone.cfg, batch, past, threads,
+                            calls, repeats)
+    return cost_from_times({k: float(np.median(v)) for k, v in times.items()}, model.num_layers, n, batch, past)

@@ -384,8 +384,8 @@ def engine_check_point_cost(systems: Systems, prompts: list[list[int]], n: int, 
     n_checks = len(systems.backend.exit_layers) - 1
     never, full = [], []
     for rep in range(repeats + 1):  # the first pair warms up
-        pair = (("never", lambda g: run_engine(systems.backend, NeverExit(), g, n, KVMode.DEFER)),
-                ("full", lambda g: systems.run("engine_full", g, n)))
+        pair = (("never", lambda g, k: run_engine(systems.backend, NeverExit(), g, k, KVMode.DEFER)),
+                ("full", lambda g, k: systems.run("engine_full", g, k)))
         for name, fn in (pair if rep % 2 == 0 else pair[::-1]):
             r = run_groups(fn, [[p] for p in prompts], n)
             if rep:
