@@ -28,6 +28,7 @@ import numpy as np
 
 from calibration.signals import signals_from_stats
 from calibration.table import TableRule
+from edge.core.errors import ConfigError
 from edge.runtime.backend import Backend
 from edge.runtime.cache import KVCache
 from edge.runtime.engine import Engine, EngineConfig, Mode, Request
@@ -60,6 +61,9 @@ def agreement_trace(backend: Backend, rule: TableRule, prompts: list[list[int]],
                     ) -> AgreementTrace:
     """Greedy full-depth decoding of each prompt on ``backend`` (the exits export), recording at every
     position what the draft exit would have drafted."""
+    if backend.spec.candidates:
+        raise ConfigError("speculation ceiling: a model with a candidate shortlist decides in its graphs; the "
+                          "trace records host-side decision inputs, which it has not")
     agree, feats, lengths = [], [], []
     for prompt in prompts:
         rec = _Recorder(draft_exit, len(backend.exit_layers))

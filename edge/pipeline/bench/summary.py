@@ -258,6 +258,8 @@ def speculative_markdown(results: dict[str, Any]) -> list[str]:
     if results.get("speculative_calibrated_vs_best_other_b1") is not None:
         lines += ["", f"Calibrated rule / best other rule (fixed or top-1): "
                   f"{results['speculative_calibrated_vs_best_other_b1']:.3f}."]
+    if results.get("speculative_ceiling_skipped"):
+        lines += ["", f"The self-speculation ceiling was not measured: {results['speculative_ceiling_skipped']}."]
     return lines + ceiling_markdown(results.get("speculative_ceiling"))
 
 

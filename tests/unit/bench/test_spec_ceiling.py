@@ -55,3 +55,14 @@ def test_calibrated_rule_drafts_while_agreement_is_likely():
     sure, unsure = _trace([True] * 30, p=[0.99] * 30), _trace([False] * 30, p=[0.01] * 30)
     assert simulate(sure, COSTS, *rules["calibrated"])["tokens_per_round"] > 5
     assert simulate(unsure, COSTS, *rules["calibrated"])["tokens_per_round"] == 1.0
+
+
+def test_a_shortlist_model_is_refused_with_a_reason():
+    """The ceiling records host-side decision inputs; a shortlist model decides in its graphs (issue 27)."""
+    from edge.core.errors import ConfigError
+    from edge.pipeline.bench.spec_ceiling import agreement_trace
+    from edge.runtime.torch_backend import TorchBackend
+    from tests.unit.engine.test_candidates import _model
+
+    with pytest.raises(ConfigError, match="candidate shortlist"):
+        agreement_trace(TorchBackend(_model()), None, [[1, 2, 3]], 4, 1)
