@@ -54,7 +54,7 @@ $(ART)/compressed/compress.json: $(ART)/multi_exit/exits.json configs/compress.y
 $(ART)/calibration/thresholds.json: $(ART)/compressed/compress.json $(ART)/onnx/graphs.json configs/calibrate.yaml
 	$(SE) calibrate --config configs/calibrate.yaml run_dir=$(ART)
 
-$(ART)/.generate.done: $(ART)/compressed/compress.json
+$(ART)/.generate.done: $(ART)/compressed/compress.json $(ART)/calibration/thresholds.json
 	$(SE) generate run_dir=$(ART)
 	@touch $@
 

@@ -3,7 +3,9 @@
 Without ``--mode`` (the pipeline stage): checks, on the run's multi-exit checkpoint, that generation
 with exits disabled is token-for-token the full model's greedy output, and measures what a fixed
 confidence threshold does (exit depths, agreement with full-depth greedy). Calibrated thresholds
-replace the fixed one in ``smartexit calibrate``.
+replace the fixed one in ``smartexit calibrate``. A model that decides over a candidate shortlist has no
+probability to hold a fixed threshold to (its checks score raw candidate logits): it is run with the
+run's calibrated threshold table instead, so calibrate must come first.
 
 With ``--mode exact|bounded|full``: generates with the serving engine on the run's ONNX export and
 threshold table, every request in that mode, from ``--prompt TEXT`` or the held-out prompts; prints
@@ -62,7 +64,7 @@ def main(cfg: GenerateConfig) -> int:
     run = open_run(cfg.run_dir, cfg.threads)
     manifest, ckpt, model, tok = run.manifest, run.path, run.model, run.tokenizer
     prompts = heldout_prompts(tok, load_split(Split.TEST), cfg.prompts, cfg.prompt_tokens, cfg.seed)
-    rule = ConfidenceRule(cfg.threshold)
+    rule, rule_name = _early_rule(cfg, manifest, ckpt, model)
     identical, matched, total, exits = 0, 0, 0, Counter()
     t_full = t_exit = 0.0
     for p in prompts:
@@ -82,7 +84,8 @@ def main(cfg: GenerateConfig) -> int:
         "prompts": len(prompts),
         "max_new_tokens": cfg.max_new_tokens,
         "disabled_equals_full_greedy": identical == len(prompts),
-        "threshold": cfg.threshold,
+        "threshold": cfg.threshold if rule_name == "fixed" else None,
+        "rule": rule_name,
         "token_match_vs_full": matched / total,
         "mean_exit_layer": sum(k * v for k, v in exits.items()) / n_tok,
         "exit_fraction": {str(k): exits[k] / n_tok for k in model.exit_layers},
@@ -92,9 +95,26 @@ def main(cfg: GenerateConfig) -> int:
     manifest.record(STAGE, inputs={"checkpoint": ckpt}, config=asdict(cfg), outputs={}, metrics=metrics,
                     seconds=time.time() - t0)
     print(f"exits disabled == full greedy on {identical}/{len(prompts)} prompts; "
-          f"threshold {cfg.threshold}: mean exit layer {metrics['mean_exit_layer']:.2f}, "
+          + (f"threshold {cfg.threshold}" if rule_name == "fixed" else "the calibrated rule") + ": mean exit layer {metrics['mean_exit_layer']:.2f}, "
           f"token match {metrics['token_match_vs_full']:.3f}")
     return 0 if metrics["disabled_equals_full_greedy"] else 1
+
+
+def _early_rule(cfg: GenerateConfig, manifest, ckpt, model):
+    """The rule of the early-exit run and its name: ``fixed`` (top-1 probability >= ``cfg.threshold``) or, for
+    a shortlist model, ``calibrated`` (the run's threshold table).
+
+    Raises:
+        ConfigError: a shortlist model in a run that has not been calibrated.
+    """
+    if not model.has_shortlist:
+        return ConfidenceRule(cfg.threshold), "fixed"
+    if "calibrate" not in manifest.data["stages"]:
+        raise ConfigError("generate: the model decides over a candidate shortlist, whose checks score raw candidate "
+                          "logits (no probability for a fixed threshold): run `smartexit calibrate` first")
+    from calibration.table import TableRule, load_table
+
+    return TableRule(load_table(manifest.verified_output("calibrate", "thresholds"), ckpt)), "calibrated"
 
 
 @torch.no_grad()

@@ -160,7 +160,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["## Reference early-exit generator", "",
                   f"- {g['prompts']} held-out prompts, {g['max_new_tokens']} new tokens each, greedy.",
                   f"- exits disabled reproduces full-model greedy decoding: **{g['disabled_equals_full_greedy']}**",
-                  f"- fixed max-probability threshold {g['threshold']} (uncalibrated): mean exit layer "
+                  (f"- fixed max-probability threshold {g['threshold']} (uncalibrated)" if g.get("rule", "fixed") == "fixed"
+                   else "- the calibrated rule (a shortlist model has no probability for a fixed threshold)")
+                  + f": mean exit layer "
                   f"{g['mean_exit_layer']:.2f}, position-wise token match with full depth {g['token_match_vs_full']:.4f}",
                   "- exit fractions: " + ", ".join(f"layer {k}: {v:.3f}" for k, v in g["exit_fraction"].items()),
                   ""]

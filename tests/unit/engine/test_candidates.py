@@ -205,3 +205,18 @@ def test_full_graph_equals_the_segments(exported):
     ref = _run(Engine(TorchBackend(m), EngineConfig(max_seqs=3, max_running=3, max_len=128)), prompts, max_tokens=10)
     assert got == ref
     assert any(key[0] == "full" and key[2] == 3 for key in backend._plans), "the batch-3 steps ran the full graph"
+
+
+def test_generate_stage_holds_a_shortlist_model_to_its_calibrated_table():
+    """A fixed probability threshold means nothing for checks that score raw candidate logits: the generate
+    stage refuses a shortlist model in an uncalibrated run, and keeps the fixed rule for other models."""
+    from types import SimpleNamespace
+
+    from edge.pipeline.generate import GenerateConfig, _early_rule
+
+    uncalibrated = SimpleNamespace(data={"stages": {}})
+    with pytest.raises(ConfigError, match="run `smartexit calibrate` first"):
+        _early_rule(GenerateConfig(), uncalibrated, None, _model())
+    plain = MultiExitModel(_model().backbone, ExitConfig(layers=[2, 6], adapter_rank=0))
+    rule, name = _early_rule(GenerateConfig(threshold=0.8), uncalibrated, None, plain)
+    assert name == "fixed" and isinstance(rule, ConfidenceRule) and rule.threshold == 0.8
