@@ -94,9 +94,9 @@ def main(cfg: GenerateConfig) -> int:
     }
     manifest.record(STAGE, inputs={"checkpoint": ckpt}, config=asdict(cfg), outputs={}, metrics=metrics,
                     seconds=time.time() - t0)
-    print(f"exits disabled == full greedy on {identical}/{len(prompts)} prompts; "
-          + (f"threshold {cfg.threshold}" if rule_name == "fixed" else "the calibrated rule") + f": mean exit layer {metrics['mean_exit_layer']:.2f}, "
-          f"token match {metrics['token_match_vs_full']:.3f}")
+    early = f"threshold {cfg.threshold}" if rule_name == "fixed" else "the calibrated rule"
+    print(f"exits disabled == full greedy on {identical}/{len(prompts)} prompts; {early}: mean exit layer "
+          f"{metrics['mean_exit_layer']:.2f}, token match {metrics['token_match_vs_full']:.3f}")
     return 0 if metrics["disabled_equals_full_greedy"] else 1
 
 
