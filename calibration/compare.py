@@ -79,7 +79,7 @@ def baselines(fit: Collected, certify: Collected, test: Collected, lams: np.ndar
              (CalibratorKind.PLATT, "(c) all signals, Platt + LTT"),
              (CalibratorKind.ISOTONIC, "(d) all signals, isotonic + LTT")]
     if candidates:  # the score the candidate graphs can compute beyond a linear one
-        kinds.append((CalibratorKind.MLP, "(e) all signals, MLP + isotonic + LTT"))
+        kinds.append((CalibratorKind.MLP, "(e) all signals, MLP (its sigmoid) + LTT"))
     for kind, label in kinds:
         cals = cert.fit(fit, kind, route)
         c = cert.certify(cert.calibrated(cals, certify, route), certify, lams, eps, delta, method, order_seed)
