@@ -1,7 +1,8 @@
 """What an exit check costs, in layers, and where the time goes: measured on the run's own graphs.
 
 Three ways to compute the same decode step (same weights, same cache contents, same batch), each a
-chain of ONNX Runtime calls bound once to their buffers, run interleaved, medians over repeats:
+chain of ONNX Runtime calls bound once to their buffers, run interleaved call by call; the check and
+the boundary are medians over repeats of differences within a repeat:
 
   full     the graph of every layer, then the LM head: what a step costs with no exit;
   split    the same layers cut at the exits into segment graphs without checks, then the head;
@@ -200,7 +201,7 @@ def cost_from_times(ms: dict[str, float], num_layers: int, segments: int, batch:
 
 
 def decision_cost(model: MultiExitModel, fused_dir: Path, batch: int, past: int = 96, threads: int = 2,
-                  calls: int = 50, repeats: int = 7) -> DecisionCost:
+                  calls: int = 50, repeats: int = 15) -> DecisionCost:
     """The check's price on ``model``'s export (``fused_dir``: its fused graphs, a candidate shortlist
     model's) at ``batch`` rows of ``past`` cached tokens.
 
@@ -212,6 +213,14 @@ def decision_cost(model: MultiExitModel, fused_dir: Path, batch: int, past: int 
     n = len(model.exit_layers)
     with tempfile.TemporaryDirectory(prefix="smartexit-decision-") as tmp:
         split_graphs(model, Path(tmp))
+        # call by call: the chains differ by a few percent, less than this VM's drift between batches of calls
         times = chain_times(decision_chains(fused_dir, Path(tmp), n), model.backbone.cfg, batch, past, threads,
-                            calls, repeats)
-    return cost_from_times({k: float(np.median(v)) for k, v in times.items()}, model.num_layers, n, batch, past)
+                            calls, repeats, by_call=True)
+    # the check and the boundary are differences of chains measured in the same repeat: the median of the
+    # paired differences, not the difference of medians (which pairs one repeat's split with another's checks)
+    per = [cost_from_times({k: v[r] for k, v in times.items()}, model.num_layers, n, batch, past)
+           for r in range(repeats)]
+    mid = cost_from_times({k: float(np.median(v)) for k, v in times.items()}, model.num_layers, n, batch, past)
+    mid.check_layers = float(np.median([c.check_layers for c in per]))
+    mid.boundary_layers = float(np.median([c.boundary_layers for c in per]))
+    return mid

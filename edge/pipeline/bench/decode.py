@@ -179,7 +179,9 @@ class Systems:
     """Loads every system once; ``run(name, prompts, n)`` generates with it."""
 
     def __init__(self, cfg: DecodeBenchConfig, ckpt: Path, graphs: Path, graphs_full: Path, thresholds: Path,
-                 model: MultiExitModel, only: tuple[str, ...] = SYSTEMS) -> None:
+                 model: MultiExitModel | None, only: tuple[str, ...] = SYSTEMS, precision: str | None = None) -> None:
+        """``model``: the served model (None where only peers run); ``precision``: its precision
+        (:func:`precision_of`), given where ``model`` is None and llama.cpp runs."""
         import transformers
 
         self.cfg = cfg
@@ -191,7 +193,7 @@ class Systems:
         # checkpoint holds quantized layers they cannot load): "the same weights" in f32
         source = Manifest(cfg.run_dir).verified_output("distill", "checkpoint")
         if "llamacpp" in only:
-            self._load_llamacpp(source, precision_of(model))
+            self._load_llamacpp(source, precision if precision is not None else precision_of(model))
         if {"hf", "layerskip"} & set(only):
             self.hf = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
         if "engine_full" in only:
@@ -339,11 +341,13 @@ def _memory_probe(argv: list[str]) -> None:
     if system == "baseline":  # the interpreter with every library imported, nothing loaded
         print(vm_kib("VmRSS") / 1024)
         return
+    ckpt, graphs, graphs_full, thresholds = _paths(run_dir)
+    # llama.cpp's GGUF type follows the served model's precision: read it before the peak is reset
+    precision = precision_of(load_served(ckpt)) if system == "llamacpp" else None
     before = vm_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # Linux: reset the peak RSS (VmHWM) to the current RSS
-    ckpt, graphs, graphs_full, thresholds = _paths(run_dir)
     model = load_served(ckpt) if system.startswith("engine") else None
-    systems = Systems(cfg, ckpt, graphs, graphs_full, thresholds, model, only=(system,))
+    systems = Systems(cfg, ckpt, graphs, graphs_full, thresholds, model, only=(system,), precision=precision)
     prompts = heldout_prompts(load_tokenizer(ckpt), load_split(Split.TEST), int(batch), cfg.prompt_tokens, cfg.seed)
     systems.run(system, prompts, cfg.new_tokens)
     print((vm_kib("VmHWM") - before) / 1024)  # MiB the system added at its peak
