@@ -88,7 +88,8 @@ $(ART)/bench/scheduler.json: $(ART)/scheduler/latency.json configs/bench_schedul
 
 $(ART)/report.json: $(ART)/multi_exit/exits.json $(ART)/calibration/thresholds.json $(ART)/.generate.done \
 		$(ART)/onnx/graphs.json $(ART)/bench/decode.json $(ART)/bench/serve.json $(ART)/bench/audit.json \
-		$(ART)/bench/scheduler.json $(ART)/bench/compress.json $(ART)/bench/energy.json
+		$(ART)/bench/scheduler.json $(ART)/bench/compress.json $(ART)/bench/energy.json \
+		$(wildcard $(ART)/bench/projection.json)
 	$(SE) report run_dir=$(ART)
 
 distill: $(ART)/multi_exit/exits.json
@@ -110,6 +111,7 @@ bench-scheduler: $(ART)/bench/scheduler.json
 # not part of demo: minutes per shape and gigabytes of graphs (configs/bench_projection.yaml)
 bench-projection: $(ART)/calibration/thresholds.json
 	$(SE) bench projection --config configs/bench_projection.yaml run_dir=$(ART)
+	@test ! -f $(ART)/report.json || $(SE) report run_dir=$(ART)
 
 # the serving stack on the run's repository until Ctrl-C (serve.host / serve.port / serve.api_key: SERVE_ARGS)
 serve: $(ART)/triton/smartexit/config.pbtxt
