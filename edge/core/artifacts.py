@@ -18,7 +18,7 @@ import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from edge.core.errors import ArtifactError
 
@@ -62,6 +62,29 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+
+
+def publish_files(folder: str | Path, writers: dict[str, Callable[[Path], Any]]) -> list[Path]:
+    """Write files into a shared ``folder`` (one that other stages also write to) without touching the rest:
+    each ``writers[name](path)`` writes its file to a temporary folder beside ``folder``; only when every
+    one has succeeded is each renamed into ``folder`` (an existing file of that name replaced). A failing
+    writer leaves ``folder`` as it was.
+
+    Returns:
+        The published paths, in the order of ``writers``.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{folder.name}.", dir=folder.parent) as tmp_dir:
+        tmp = Path(tmp_dir)
+        for name, write in writers.items():
+            write(tmp / name)
+        out = []
+        for name in writers:
+            os.chmod(tmp / name, 0o644)
+            os.replace(tmp / name, folder / name)
+            out.append(folder / name)
+    return out
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:

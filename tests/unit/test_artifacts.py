@@ -75,3 +75,25 @@ def test_folder_hash_changes_with_content(tmp_path):
     h1 = sha256_path(tmp_path)
     (tmp_path / "a").write_text("2")
     assert sha256_path(tmp_path) != h1
+
+
+def test_publish_files_replaces_its_own_files_and_keeps_the_folders_others(tmp_path):
+    """bench/ is shared by several benches: re-running one must not delete another's outputs (a re-run of
+    `bench decode` once replaced the whole folder), and a failing writer changes nothing."""
+    from edge.core.artifacts import publish_files
+
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "energy.json").write_text("{}")
+    (bench / "decode.json").write_text("old")
+    paths = publish_files(bench, {"decode.json": lambda p: p.write_text("new"), "decode.md": lambda p: p.write_text("#")})
+    assert paths == [bench / "decode.json", bench / "decode.md"]
+    assert (bench / "energy.json").read_text() == "{}" and (bench / "decode.json").read_text() == "new"
+
+    def fail(p):
+        raise RuntimeError("plot failed")
+
+    with pytest.raises(RuntimeError, match="plot failed"):
+        publish_files(bench, {"decode.json": lambda p: p.write_text("newer"), "decode.png": fail})
+    assert (bench / "decode.json").read_text() == "new" and not (bench / "decode.png").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench"]  # no temporary folder left beside it

@@ -47,7 +47,7 @@ import torch
 from tqdm import tqdm
 
 from calibration.table import TableRule, load_table
-from edge.core.artifacts import Manifest, atomic_dir, atomic_write_json
+from edge.core.artifacts import Manifest, atomic_write_json, publish_files
 from edge.pipeline.bench.summary import SYSTEMS, goals, headline, plot, render_markdown, summary_lines
 from edge.core.data import Split, heldout_prompts, load_split
 from edge.runtime.backend import make_backend
@@ -601,10 +601,11 @@ def main(cfg: DecodeBenchConfig) -> int:
     summary = headline(results)
     summary["goals"] = goals(summary, results["calibration"]["epsilon"], cfg.batch_sizes)
     out = Path(cfg.run_dir) / "bench"
-    with atomic_dir(out) as tmp:
-        atomic_write_json(tmp / "decode.json", {**results, "summary": summary})
-        (tmp / "decode.md").write_text(render_markdown(results, summary))
-        plot(results, tmp / "decode.png")
+    # bench/ holds the other benches' outputs (compress, energy, serve, projection): a re-run of this one
+    # replaces its own files only
+    publish_files(out, {"decode.json": lambda p: atomic_write_json(p, {**results, "summary": summary}),
+                        "decode.md": lambda p: p.write_text(render_markdown(results, summary)),
+                        "decode.png": lambda p: plot(results, p)})
     Manifest(cfg.run_dir).record(STAGE, inputs={"checkpoint": ckpt, "graphs": graphs, "graphs_full": graphs_full,
                                                 "thresholds": thresholds},
                                  config=results["config"], outputs={"json": out / "decode.json",
