@@ -63,9 +63,14 @@ def calibrated(cals: dict[int, Calibrator], data: Collected, route: float = 0.0)
     """Calibrated probability [N] per decision exit; with ``route`` > 0 (a candidate-shortlist model's
     routing, :func:`routed`), -1 for the tokens the engine sends to full depth without a check (no
     threshold of the grid reaches it)."""
-    ok = routed(data.signals, route)
-    return {k: np.where(ok[k], c.predict(data.signals[k]), -1.0) if ok is not None else c.predict(data.signals[k])
-            for k, c in cals.items()}
+    return unrouted_below({k: c.predict(data.signals[k]) for k, c in cals.items()}, data.signals, route)
+
+
+def unrouted_below(probs: dict[int, np.ndarray], signals: dict[int, np.ndarray], route: float) -> dict[int, np.ndarray]:
+    """``probs`` with -1 at the tokens the routing never checks (:func:`routed`; below every threshold of the
+    grid), unchanged for ``route`` <= 0."""
+    ok = routed(signals, route)
+    return probs if ok is None else {k: np.where(ok[k], v, -1.0) for k, v in probs.items()}
 
 
 def routed(signals: dict[int, np.ndarray], route: float) -> dict[int, np.ndarray] | None:
@@ -105,8 +110,7 @@ def cross_fitted(data: Collected, kind: CalibratorKind, folds: int = 2, seed: in
         rows = token_group == f
         for k, c in cals.items():
             out[k][rows] = c.predict(data.signals[k][rows])
-    ok = routed(data.signals, route)
-    return out if ok is None else {k: np.where(ok[k], v, -1.0) for k, v in out.items()}
+    return unrouted_below(out, data.signals, route)
 
 
 def provisional_lambda(data: Collected, kind: CalibratorKind, lams: np.ndarray, eps: float, delta: float,

@@ -3,8 +3,8 @@
 (a) a max-probability threshold tuned on the certify units without a
 certificate (common practice), (b) max-probability + Learn-then-Test (CALM-like,
 no consistency signals), (c) Platt and (d) isotonic calibration of all signals +
-Learn-then-Test, (e) with a candidate shortlist, an MLP score of all signals +
-isotonic + Learn-then-Test; each evaluated teacher-forced on the held-out text.
+Learn-then-Test, (e) with a candidate shortlist, an MLP score of all signals (its
+sigmoid) + Learn-then-Test; each evaluated teacher-forced on the held-out text.
 """
 from __future__ import annotations
 
@@ -47,14 +47,11 @@ def _single(data: Collected, candidates: bool, route: float) -> dict[int, np.nda
     """The single signal (a) thresholds, in [0, 1] for the grid: the softmax (or gate) top-1 probability, or
     for a candidate-shortlist model the sigmoid of its top candidate logit (monotone: the same ranking), -1 on
     rows the shortlist model's routing never checks."""
-    ok = cert.routed(data.signals, route)
     out = {}
     for k in data.exit_layers[:-1]:
         x = data.signals[k][:, TOP1]
-        if candidates:
-            x = 1.0 / (1.0 + np.exp(-np.clip(x, -60.0, 60.0)))
-        out[k] = np.where(ok[k], x, -1.0) if ok else x
-    return out
+        out[k] = 1.0 / (1.0 + np.exp(-np.clip(x, -60.0, 60.0))) if candidates else x
+    return cert.unrouted_below(out, data.signals, route)
 
 
 def baselines(fit: Collected, certify: Collected, test: Collected, lams: np.ndarray, eps: float, delta: float,

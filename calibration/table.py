@@ -153,8 +153,7 @@ class TableRule:
         # the engine checks only rows whose context lookup feature reaches this (edge.runtime.engine)
         self.route_min_lookup = float(lookup_feature(np.array(table.route_min_lookup))) if self.candidates else 0.0
         self._m = len(table.exit_layers)
-        # per decision exit: the calibrator's raw score as a ScoreForm, and the rule (threshold folded in)
-        self._raw_form: dict[int, ScoreForm] = {}
+        # per decision exit: the rule as a ScoreForm (the calibrator's score, threshold folded in)
         self._form: dict[int, ScoreForm] = {}
         # linear calibrators also as (weights [F], bias with the threshold moved into it)
         self._score: dict[int, tuple[np.ndarray, float]] = {}
@@ -162,7 +161,6 @@ class TableRule:
         for k in table.exit_layers[:-1]:
             cal = table.calibrators[k]
             raw = cal.score_form()
-            self._raw_form[k] = raw
             self._form[k] = ScoreForm(raw.w1, raw.b1, raw.w2, _fold(raw.b2, table.score_thresholds[k]))
             if cal.kind is not CalibratorKind.MLP or cal.constant is not None:
                 w, b = cal.linear_score()
@@ -195,12 +193,9 @@ class TableRule:
         exit's features [B, F] as the segment graphs compute them (the table's signal order): for greedy
         self-speculative decoding, the probability that a draft from this exit is accepted."""
         f = np.asarray(features, np.float64)
-        raw = self._raw_linear.get(layer)
-        if raw is not None:
-            return self.table.calibrators[layer].probability(f @ raw[0] + raw[1])
-        form = self._raw_form[layer]  # an mlp calibrator, in float64
-        h = np.maximum(f @ form.w1.astype(np.float64) + form.b1.astype(np.float64), 0.0)
-        return self.table.calibrators[layer].probability(h @ form.w2.astype(np.float64) + form.b2)
+        cal, raw = self.table.calibrators[layer], self._raw_linear.get(layer)
+        # a linear score without the calibrator's input checks (a draft step's hot path); an mlp one its own way
+        return cal.probability(f @ raw[0] + raw[1] if raw is not None else cal.score(f))
 
     def _interface(self, num_features: int) -> None:
         if num_features != len(self.table.signal_names):

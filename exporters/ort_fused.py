@@ -299,8 +299,8 @@ class _Builder:
         f = NUM_FEATURES
         rows = model.shortlist_rows()  # [K, D]
         z = self.node("MatMul", [eh, self.weight("sl.rows_t", rows.T.contiguous())], ["sl.z"])[0]  # [B, K]
-        vals, idx = self.node("TopK", [z, self.const("c.k2", [2])], ["sl.top", "sl.idx"], axis=-1, largest=1, sorted=1)
-        self.node("Identity", [vals], ["exit_logits"])
+        vals, idx = self.node("TopK", [z, self.const("c.k2", [2])], ["exit_logits", "sl.idx"], axis=-1, largest=1,
+                              sorted=1)
         tokens = self.node("Gather", [self.weight("sl.ids", model.shortlist.numpy().astype(np.int64)), idx],
                            ["exit_tokens"], axis=0)[0]  # [B, 2]
         ltok = self.input("lookup_token", TensorProto.INT64, ["batch", 1])

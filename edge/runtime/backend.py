@@ -61,7 +61,7 @@ class ModelSpec:
     @property
     def num_features(self) -> int:
         """Columns of a decision exit's features: calibration.signals' SIGNAL_NAMES (6), with gates
-        GATED_SIGNAL_NAMES (3), with a shortlist edge.model.candidates.CANDIDATE_SIGNAL_NAMES (8)."""
+        GATED_SIGNAL_NAMES (3), with a shortlist edge.model.candidates.CANDIDATE_SIGNAL_NAMES (9)."""
         return NUM_FEATURES if self.candidates else (3 if self.gated else 6)
 
     @property
@@ -97,7 +97,7 @@ class SegmentOut:
     features: np.ndarray | None = None
     score: np.ndarray | None = None
     run: np.ndarray | None = None
-    # a candidate check's two best tokens [B, 2] and their local probabilities [B, 2] (the next check reads them;
+    # a candidate check's two best tokens [B, 2] and their logits [B, 2] (the next check reads them;
     # ``token`` is the first column)
     cand_tokens: np.ndarray | None = None
     cand_logits: np.ndarray | None = None
@@ -315,7 +315,7 @@ def host_candidates(backend: Backend, i: int, out: SegmentOut, prev: SegmentOut 
                     lookup: tuple[np.ndarray, np.ndarray], rows: np.ndarray) -> SegmentOut:
     """Shortlist decision exit i on the host (:mod:`edge.model.candidates`, the fused graphs' formulas):
     for backends whose graphs end at the exit hidden (torch, the portable graphs, torch_static). ``rows``:
-    the LM head's rows of the shortlist [K, D]. Fills the output's token, features, run, p1 and score."""
+    the LM head's rows of the shortlist [K, D]. Fills the output's token, features, candidates and score."""
     first = i == 0 or prev is None
     c = check(shortlist_logits(out.exit_hidden, rows), backend.shortlist_ids, lookup[0], lookup[1],
               None if first else prev.cand_tokens, None if first else prev.cand_logits)

@@ -20,8 +20,8 @@ GRAPHS_FORMAT = 7  # 2: segment graphs output exit_stats, exit_token; 3: exit he
 # 6: fused segments' exit_index is the first of the rows whose exit hidden is output (all rows for a
 # self-speculative verification call)
 # 7: model.shortlist (the candidate token ids of decision exits, [] for none): with one, decision segments
-# check their candidates in the graph (exit_token, exit_features, exit_score, exit_run, exit_p1); fused "full",
-# every layer in one graph
+# check their candidates in the graph (exit_tokens, exit_logits, exit_features, exit_score); fused "full",
+# every layer in one graph; shortlist_rows.npy
 FUSED_DIR = "fused"
 SHORTLIST_ROWS = "shortlist_rows.npy"  # float32 [K, D]: the LM head's rows of a candidate shortlist
 

@@ -175,7 +175,7 @@ class OrtBackend(Backend):
             stats=None if headless else np.zeros((r, 3), f32),
             token=None if gated_exit or check else self._buf("token", i + 1, chain, b, (r,), np.int64),
             gate=self._buf("gate", i + 1, chain, b, (r,), f32) if gated_exit else None)
-        if check:  # the two best candidates and their probabilities, which the next check reads
+        if check:  # the two best candidates and their logits, which the next check reads
             out.cand_tokens = self._buf("cand_tokens", i + 1, chain, b, (r, 2), np.int64)
             out.cand_logits = self._buf("cand_logits", i + 1, chain, b, (r, 2), f32)
             out.token = out.cand_tokens[:, 0]  # a view: the check's token
@@ -310,17 +310,14 @@ class OrtBackend(Backend):
             np.copyto(p0.lookup[0], lookup[0])
             np.copyto(p0.lookup[1], lookup[1])
         last = len(plans) - 1
-        one = b == 1 and bool(allowed[0])
         for i, plan in enumerate(plans):
             self._seg[i].run_with_iobinding(plan.io)
             if plan.head_io is not None:  # the last exit's LM head (or a softmax rule's decision)
                 plan.head_sess.run_with_iobinding(plan.head_io)
-            if i == last:
-                return i, plan.out
             score = plan.out.score
-            if (score[0] >= 0.0) if b == 1 else bool(((score >= 0.0) & allowed).any()):
-                if b > 1 or one:
-                    return i, plan.out
+            # batch 1 (the common case) reads one value: a numpy reduction costs microseconds at this scale
+            if i == last or ((score[0] >= 0.0 and allowed[0]) if b == 1 else bool(((score >= 0.0) & allowed).any())):
+                return i, plan.out
         raise AssertionError("unreachable")
 
     def _draft_head(self):

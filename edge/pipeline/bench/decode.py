@@ -569,10 +569,11 @@ def main(cfg: DecodeBenchConfig) -> int:
     results["speculative_ceiling"] = None
     # the ceiling records the draft exit's host-side decision inputs along full-depth decoding; a shortlist
     # model decides in its graphs and has none (its replay is not ported: the closing note of issue 27)
+    skip_ceiling = cfg.spec_ceiling and systems.backend.spec.candidates
     results["speculative_ceiling_skipped"] = (
         "the model decides over a candidate shortlist in its graphs: the ceiling's host-side recording does not "
-        "apply" if systems.backend.spec.candidates and cfg.spec_ceiling else None)
-    if cfg.spec_ceiling and decision_exits and not systems.backend.spec.candidates:
+        "apply" if skip_ceiling else None)
+    if cfg.spec_ceiling and decision_exits and not skip_ceiling:
         bar.set_postfix_str("(e) the self-speculation ceiling at batch 1")
         draft = spec.draft_exit if spec.draft_exit is not None else decision_exits[0]
         prompts = heldout_prompts(tok, load_split(Split.TEST), cfg.batch1_prompts, cfg.prompt_tokens, cfg.seed)

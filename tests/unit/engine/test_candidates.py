@@ -220,3 +220,21 @@ def test_generate_stage_holds_a_shortlist_model_to_its_calibrated_table():
     plain = MultiExitModel(_model().backbone, ExitConfig(layers=[2, 6], adapter_rank=0))
     rule, name = _early_rule(GenerateConfig(threshold=0.8), uncalibrated, None, plain)
     assert name == "fixed" and isinstance(rule, ConfidenceRule) and rule.threshold == 0.8
+
+
+def test_a_check_is_eleven_graph_nodes():
+    """At batch 1 an ONNX Runtime node costs a few microseconds whatever it computes: the check's price is
+    its node count (docs/runtime.md), so a node added to it should be a decision, not an accident."""
+    from edge.model.segments import segment_layers
+    from exporters.ort_fused import build_fused
+
+    m = _model(layers=(2, 6))
+    plain = MultiExitModel(m.backbone, ExitConfig(layers=[2, 6], adapter_rank=4)).eval()
+    plain.heads.load_state_dict(m.heads.state_dict())
+
+    def nodes(model):
+        g = next(g for g in build_fused(model, segment_layers(model.exit_layers), full=False) if g.name == "segment_0")
+        return len(g.proto.graph.node)
+
+    # the plain model's decision segment ends at its exit hidden and decides in the head graph
+    assert nodes(m) - nodes(plain) == 11
