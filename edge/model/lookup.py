@@ -8,10 +8,14 @@ longest suffix (n <= 4) equals the full model's next token 57% of the time, and 
 exit's token equals it lifts the share of tokens that can leave after layer 1 at a 1% error from
 8% to 26% (docs/runtime.md, "What decides an exit").
 
+The same index drafts for mode exact (edge/runtime/speculative.py): :meth:`Lookup.draft` proposes
+the k tokens that followed that occurrence (prompt-lookup decoding proper), verified by the full
+model in one call; a draft costs no model call.
+
 One :class:`Lookup` per sequence, fed every token once (prompt and output alike): ``push`` is
-O(MAX_N) dictionary updates, ``predict`` O(MAX_N) lookups, so the engine pays a few microseconds
-per row and step. Teacher-forced collection feeds the same tokens in the same order, so the
-feature it records is the one the engine computes (:func:`lookup_along`).
+O(MAX_N) dictionary updates, ``predict`` and ``draft`` O(MAX_N) lookups, so the engine pays a few
+microseconds per row and step. Teacher-forced collection feeds the same tokens in the same order, so
+the feature it records is the one the engine computes (:func:`lookup_along`).
 """
 from __future__ import annotations
 
@@ -22,8 +26,8 @@ NONE = -1  # no match: the token id reported
 
 
 class Lookup:
-    """n-gram index of one token sequence: for n = 1..MAX_N, the token that followed the latest
-    earlier occurrence of each n-gram."""
+    """n-gram index of one token sequence: for n = 1..MAX_N, where the latest earlier occurrence of
+    each n-gram ended (the position of the token that followed it)."""
 
     __slots__ = ("tokens", "_next")
 
@@ -34,23 +38,34 @@ class Lookup:
             self.push(t)
 
     def push(self, token: int) -> None:
-        """Append ``token``: the n-grams ending just before it now predict it."""
+        """Append ``token``: the n-grams ending just before it now point at it."""
         toks = self.tokens
         end = len(toks)
         for n in range(1, min(MAX_N, end) + 1):
-            self._next[n - 1][tuple(toks[end - n:end])] = token
+            self._next[n - 1][tuple(toks[end - n:end])] = end
         toks.append(int(token))
 
     def predict(self) -> tuple[int, int]:
         """(token, n): the token that followed the latest earlier occurrence of the longest suffix of
         length n <= MAX_N that occurred before; (:data:`NONE`, 0) when even the last token is new."""
+        at, n = self._match()
+        return (self.tokens[at], n) if n else (NONE, 0)
+
+    def draft(self, k: int) -> tuple[list[int], int]:
+        """(tokens, n): up to ``k`` tokens that followed the latest earlier occurrence of the longest
+        suffix (n as in :meth:`predict`; the first token is the one it predicts); ([], 0) when even
+        the last token is new. Fewer than ``k`` where that occurrence is near the end."""
+        at, n = self._match()
+        return (self.tokens[at:at + k], n) if n else ([], 0)
+
+    def _match(self) -> tuple[int, int]:
         toks = self.tokens
         end = len(toks)
         for n in range(min(MAX_N, end), 0, -1):
-            hit = self._next[n - 1].get(tuple(toks[end - n:end]))
-            if hit is not None:
-                return hit, n
-        return NONE, 0
+            at = self._next[n - 1].get(tuple(toks[end - n:end]))
+            if at is not None:
+                return at, n
+        return 0, 0
 
 
 def lookup_along(seq: np.ndarray, first: int, last: int) -> tuple[np.ndarray, np.ndarray]:

@@ -35,17 +35,19 @@ import numpy as np
 from edge.runtime.backend import Backend, SegmentOut
 from edge.runtime.cache import KVCache
 from edge.model.candidates import lookup_feature
-from edge.model.lookup import Lookup
+from edge.model.lookup import MAX_N as LOOKUP_MAX_N, Lookup
 from edge.runtime.rules import TOP1, BatchExitRule, NeverExit, score_form
 from edge.runtime.sampling import choose_token, token_distribution
-from edge.runtime.speculative import (MAX_VERIFY_ROWS, DraftCosts, SpecConfig, SpecStats, StopRule, accept_greedy,
-                                      accept_sampled, include_next)
+from edge.runtime.speculative import (MAX_VERIFY_ROWS, CallCosts, DraftCosts, ExitGate, LookupAcceptance, Source,
+                                      SpecConfig, SpecStats, StopRule, accept_greedy, accept_sampled, include_next,
+                                      lookup_length)
 from edge.core.errors import ConfigError, RequestError
 
 class Mode(str, enum.Enum):
     """What a request accepts. ``bounded``: calibrated exits, false exits within the certified eps;
     ``full``: every token from the full model (this request never exits early); ``exact``: the full
-    model's output, sped up by self-speculative decoding from a draft exit (edge/runtime/speculative.py)."""
+    model's output, sped up by speculative decoding from context lookups and a draft exit
+    (edge/runtime/speculative.py)."""
 
     BOUNDED = "bounded"
     FULL = "full"
@@ -206,7 +208,22 @@ class Engine:
         if key not in backend.draft_costs:
             backend.draft_costs[key] = DraftCosts(key, backend.num_layers, MAX_VERIFY_ROWS)
         self.spec_costs = backend.draft_costs[key]
-        self.spec_stats = SpecStats()
+        # lookup drafts: the graph of every layer's measured call costs and the drafts' acceptance, kept by
+        # the backend like the draft costs
+        if "calls" not in backend.draft_costs:
+            backend.draft_costs["calls"] = CallCosts()
+            backend.draft_costs["lookup"] = LookupAcceptance(LOOKUP_MAX_N, MAX_VERIFY_ROWS - 1)
+        self.call_costs: CallCosts = backend.draft_costs["calls"]
+        self._lookup_acc: LookupAcceptance = backend.draft_costs["lookup"]
+        if "exit_gate" not in backend.draft_costs:
+            backend.draft_costs["exit_gate"] = ExitGate()
+        self._exit_gate: ExitGate = backend.draft_costs["exit_gate"]
+        # exit drafts need an exit, and the calibrated stop rule its calibrators
+        self._exit_drafts = (Source.EXIT in spec.sources and self._draft_seg is not None
+                             and not (spec.stop is StopRule.CALIBRATED and self._agreement is None))
+        self.spec_stats = SpecStats()  # every speculative round
+        self.source_stats = {src.value: SpecStats() for src in Source}  # the rounds of each draft source
+        self.plain_steps = 0  # decode steps of exact requests that drafted nothing
         self.waiting: list[_Seq] = []
         self.prefilling: list[_Seq] = []
         self.decoding: list[_Seq] = []
@@ -247,7 +264,7 @@ class Engine:
         except ValueError:
             raise RequestError(f"mode {req.mode!r} is not one of {', '.join(m.value for m in Mode)}",
                                "mode") from None
-        if req.mode is Mode.EXACT:
+        if req.mode is Mode.EXACT and Source.LOOKUP not in self.cfg.speculative.sources:  # exit drafts only
             if self._draft_seg is None:
                 raise RequestError("mode 'exact' drafts from an early exit, and this model has none; use 'full'",
                                    "mode")
@@ -343,25 +360,84 @@ class Engine:
             if seq.prefilled == len(seq.req.prompt):
                 self.prefilling.remove(seq)
                 self.decoding.append(seq)
-                if self._candidates:
+                if self._candidates or seq.req.mode is Mode.EXACT:  # checks and lookup drafts read it
                     seq.lookup = Lookup(seq.req.prompt)
                 token = choose_token(out.logits[0], seq.req.temperature, seq.req.top_p, seq.rng)
                 self._emit(seq, token, self.backend.num_layers)
 
     def _decode(self, seqs: list[_Seq]) -> None:
-        """Requests in mode exact run a speculative round (when the batch is small enough), the others
-        one decode step."""
-        limit = self.cfg.speculate_max_batch
+        """One decode iteration. Requests in mode exact draft where a draft is expected to pay
+        (edge/runtime/speculative.py): a lookup draft is verified in a call of its own; exit drafts run
+        as a batched round (at batches up to ``speculate_max_batch``, while they measure cheaper per
+        token than plain steps); every other row takes one plain step, batched."""
         exact = [s for s in seqs if s.req.mode is Mode.EXACT]
-        if not exact or (limit is not None and len(seqs) > limit):
-            self._step(seqs)  # exact requests decode at full depth here
+        if not exact:
+            self._step(seqs)
             return
-        rest = [s for s in seqs if s.req.mode is not Mode.EXACT]
+        spec, b = self.cfg.speculative, len(seqs)
+        per_token = self.call_costs.cost(b, 1) / b  # a row's seconds per token on a plain batched step
+        lookups: dict[_Seq, tuple[list[int], int, float]] = {}
+        if Source.LOOKUP in spec.sources:
+            for s in exact:
+                cap = self._draft_cap(s)
+                drafts, n = s.lookup.draft(cap) if cap > 0 else ([], 0)
+                if drafts:
+                    probs = self._lookup_acc.probs(n, len(drafts))
+                    k, _ = lookup_length(probs, self.call_costs, 1.0 / per_token)
+                    if k:
+                        lookups[s] = (drafts[:k], n, float(probs[:k].sum()))
+        limit = self.cfg.speculate_max_batch
+        drafting: list[_Seq] = []
+        if self._exit_drafts and (limit is None or b <= limit):
+            others = [s for s in exact if s not in lookups]
+            # with both sources, exit rounds must measure cheaper per token than plain steps; exit drafts alone
+            # always draft (the configuration asked for them)
+            if others and (Source.LOOKUP not in spec.sources or self._exit_gate.pays(per_token)):
+                drafting = others
+        busy = set(map(id, drafting)) | set(map(id, lookups))
+        rest = [s for s in seqs if id(s) not in busy]
+        self.plain_steps += sum(s.req.mode is Mode.EXACT for s in rest)
         if rest:
             self._step(rest)
-        exact = [s for s in exact if not s.finished]  # a callback of the step may have cancelled some
-        if exact:
-            self._speculate(exact)
+        for s, (drafts, n, predicted) in lookups.items():
+            if not s.finished:  # a callback of this iteration may have cancelled it
+                self._verify_lookup(s, drafts, n, predicted)
+        drafting = [s for s in drafting if not s.finished]
+        if drafting:
+            emitted = sum(len(s.tokens) for s in drafting)
+            t0 = time.perf_counter()
+            self._speculate(drafting)
+            self._exit_gate.observe(time.perf_counter() - t0, sum(len(s.tokens) for s in drafting) - emitted)
+
+    def _draft_cap(self, s: _Seq) -> int:
+        """The most drafts a round of ``s`` may verify: it emits drafts + 1 tokens, within max_tokens,
+        and writes positions length .. length + drafts, within the cache."""
+        spec = self.cfg.speculative
+        most = spec.fixed if spec.stop is StopRule.FIXED else spec.max_draft
+        return max(0, min(most, s.req.max_tokens - len(s.tokens) - 1, self.cfg.max_len - s.length - 1))
+
+    def _verify_lookup(self, s: _Seq, drafts: list[int], n: int, predicted: float) -> None:
+        """A lookup round of one sequence: its newest token and ``drafts`` (after a suffix match of length
+        ``n``) in one call of the graph of every layer; emit the accepted drafts and the full model's
+        next token. Rejected rows' cache entries sit past the sequence's new length (overwritten later)."""
+        rows = len(drafts) + 1
+        x = np.array([[s.tokens[-1], *drafts]], np.int64)
+        t0 = time.perf_counter()
+        out = self.backend.full(x, np.array([s.slot]), np.array([s.length]), rows=rows)
+        self.call_costs.observe(1, rows, time.perf_counter() - t0)
+        if s.req.temperature > 0:  # a lookup draft is a point mass: q(x) = 1
+            full = [token_distribution(out.logits[r], s.req.temperature, s.req.top_p) for r in range(rows)]
+            q = [np.eye(1, full[0].shape[0], t, dtype=np.float64)[0] for t in drafts]
+            accepted, token = accept_sampled(drafts, q, full, s.rng)
+        else:
+            accepted, token = accept_greedy(drafts, out.token)
+        self._lookup_acc.record(n, len(drafts), accepted)
+        for stats in (self.spec_stats, self.source_stats[Source.LOOKUP.value]):
+            stats.record(len(drafts), accepted, predicted)
+        for t in drafts[:accepted] + [token]:
+            if s.finished:  # a stop id, max_tokens, or a callback's cancel ended it: the rest is dropped
+                break
+            self._emit(s, t, self.backend.num_layers)
 
     def _step(self, seqs: list[_Seq]) -> None:
         """One token for every sequence: segment by segment, the rule picks the rows that stop after
@@ -460,7 +536,9 @@ class Engine:
 
     def _step_full(self, seqs: list[_Seq], x: np.ndarray, slots: np.ndarray, start: np.ndarray) -> None:
         """One token for every sequence at full depth, through the backend's graph of every layer."""
+        t0 = time.perf_counter()
         out = self.backend.full(x, slots, start)
+        self.call_costs.observe(len(seqs), 1, time.perf_counter() - t0)
         last = self.backend.num_layers
         decided = []
         for r, s in enumerate(seqs):
@@ -491,8 +569,7 @@ class Engine:
         base = [s.length for s in seqs]  # position of each sequence's newest token (not yet cached)
         # the most drafts a sequence may have verified: a round emits drafts + 1 tokens, within max_tokens,
         # and writes positions base .. base + drafts, within the cache
-        most = spec.fixed if spec.stop is StopRule.FIXED else spec.max_draft  # a fixed length asks for no more
-        cap = [max(0, min(most, s.req.max_tokens - len(s.tokens) - 1, self.cfg.max_len - s.length - 1)) for s in seqs]
+        cap = [self._draft_cap(s) for s in seqs]
         resid: list[list[np.ndarray]] = [[] for _ in seqs]  # residual after the draft exit, per row drafted from
         drafts: list[list[int]] = [[] for _ in seqs]
         dists: list[list[np.ndarray | None]] = [[] for _ in seqs]  # what each draft was sampled from
@@ -553,7 +630,8 @@ class Engine:
                 n, token = accept_sampled(drafts[b], dists[b], full, s.rng)
             else:
                 n, token = accept_greedy(drafts[b], out.token)
-            self.spec_stats.record(rows - 1, n, sum(probs[b][:rows - 1]))
+            for stats in (self.spec_stats, self.source_stats[Source.EXIT.value]):
+                stats.record(rows - 1, n, sum(probs[b][:rows - 1]))
             decided.append((s, drafts[b][:n] + [token]))
         decided.sort(key=lambda e: e[0].slot)
         for s, tokens in decided:

@@ -1,4 +1,21 @@
-"""Self-speculative decoding (mode ``exact``): the parts the engine's loop uses.
+"""Speculative decoding (mode ``exact``): the parts the engine's loop uses.
+
+Two draft sources, chosen per row and round by expected tokens per unit of measured cost
+(:func:`lookup_length`, :class:`CallCosts`, :class:`ExitGate`); where no draft is expected to pay,
+the row takes a plain full-depth step.
+
+``lookup``  prompt-lookup drafts (Saxena 2023): the tokens that followed the latest earlier
+            occurrence of the sequence's longest recent suffix (edge/model/lookup.py). No model call:
+            the drafts and the row's newest token go to the graph of every layer in **one call** of
+            k + 1 rows, the same graph that mode ``full`` runs one row at a time, so the output is that
+            graph's own tokens. How many to draft: the acceptance of draft j after a match of length n
+            is counted as the engine runs (:class:`LookupAcceptance`), and k maximises
+            E(k) / C(k + 1), E(k) = 1 + sum_{j<=k} prod_{i<=j} a_{n,i}, C the measured seconds of a
+            call of k + 1 rows; against the plain step's 1 / C(1) (at batch B: B / C_B, the row's share
+            of the batched step, since ONNX Runtime's CPU attention takes several rows with a past only
+            at batch 1 and a speculating row is verified in a call of its own).
+``exit``    self-speculation from an early exit (below), at batches up to ``speculate_max_batch``,
+            while its measured seconds per emitted token beat the plain step's.
 
 The engine drafts tokens with the segments up to a draft exit (LayerSkip's self-speculation,
 Elhoushi et al. 2024), then verifies them with the remaining segments in one call per segment, on
@@ -21,7 +38,7 @@ included in the verification, or drafting stops. Three rules:
                 steps + a verification of k + 1 rows, measured as the engine runs
                 (:class:`DraftCosts`). Draft k + 1 is included when
                 prod_{i<=k+1} p_i / (C(k+1) - C(k)) > E(k) / C(k).
-A hard maximum (``max_draft``) bounds every rule.
+A hard maximum (``max_draft``) bounds every rule and both sources.
 
 Sampling (temperature > 0) uses the speculative-sampling acceptance rule (Leviathan et al. 2023;
 Chen et al. 2023): draft x ~ q is accepted with probability min(1, p(x) / q(x)); the first rejected
@@ -47,6 +64,11 @@ from edge.core.errors import ConfigError
 MAX_VERIFY_ROWS = 8
 
 
+class Source(str, enum.Enum):
+    LOOKUP = "lookup"
+    EXIT = "exit"
+
+
 class StopRule(str, enum.Enum):
     CALIBRATED = "calibrated"
     FIXED = "fixed"
@@ -62,8 +84,16 @@ class SpecConfig:
     max_draft: int = 6  # hard maximum of draft tokens per round (verification rows = drafts + 1 <= 8)
     fixed: int = 3  # draft tokens per round, rule ``fixed``
     top1: float = 0.6  # top-1 probability threshold, rule ``top1``
+    sources: tuple[Source, ...] = (Source.LOOKUP, Source.EXIT)  # draft sources the engine may choose from
 
     def __post_init__(self) -> None:
+        try:
+            self.sources = tuple(Source(x) for x in self.sources)
+        except ValueError:
+            raise ConfigError(f"speculative.sources must be a list of {', '.join(x.value for x in Source)}, "
+                              f"got {self.sources!r}") from None
+        if not self.sources:
+            raise ConfigError("speculative.sources is empty: mode exact needs a draft source")
         try:
             self.stop = StopRule(self.stop)
         except ValueError:
@@ -158,6 +188,115 @@ class DraftCosts:
     def as_dict(self) -> dict[str, object]:
         return {"draft_step_s": self.step, "verify_s_by_rows": {int(m): float(self.verify[m])
                                                                for m in np.flatnonzero(self._seen)}}
+
+
+class CallCosts:
+    """Measured seconds of the graph of every layer by call shape (batch B, rows per sequence T):
+    exponential moving averages, the first call of a shape not counted (it builds the bindings), an
+    observation capped at ``OUTLIER`` times the estimate. A shape not measured yet is estimated from
+    the nearest measured one (the same B first) by the ratio of a growth model: ``ROW_GROWTH`` more per
+    extra row (measured on ONNX Runtime CPU, 2 cores, the demo model at batch 1: T = 2, 4, 8 cost
+    1.07-1.16, 1.18-1.33 and 1.42-1.68 of T = 1), ``BATCH_GROWTH`` more per extra sequence. Before any
+    measurement the unit is one step at batch 1. Only ratios matter to the choices."""
+
+    ALPHA = 0.2
+    OUTLIER = 3.0
+    ROW_GROWTH = 0.07
+    BATCH_GROWTH = 0.1
+
+    def __init__(self) -> None:
+        self._est: dict[tuple[int, int], float] = {}
+        self._calls: dict[tuple[int, int], int] = {}
+
+    def observe(self, b: int, t: int, seconds: float) -> None:
+        key = (b, t)
+        self._calls[key] = self._calls.get(key, 0) + 1
+        if self._calls[key] == 1:
+            return
+        if key not in self._est:
+            self._est[key] = seconds
+        else:
+            self._est[key] += self.ALPHA * (min(seconds, self.OUTLIER * self._est[key]) - self._est[key])
+
+    def _growth(self, b: int, t: int) -> float:
+        return (1 + self.BATCH_GROWTH * (b - 1)) * (1 + self.ROW_GROWTH * (t - 1))
+
+    def cost(self, b: int, t: int) -> float:
+        """Seconds of a call of B = ``b`` sequences, T = ``t`` rows each (estimated where not measured)."""
+        key = (b, t)
+        if key in self._est:
+            return self._est[key]
+        if not self._est:
+            return self._growth(b, t)
+        # the nearest measured shape: the same batch first, then the nearest batch
+        ref = min(self._est, key=lambda k: (k[0] != b, abs(k[0] - b), abs(k[1] - t)))
+        return self._est[ref] * self._growth(b, t) / self._growth(*ref)
+
+    def as_dict(self) -> dict[str, float]:
+        return {f"{b}x{t}": v for (b, t), v in sorted(self._est.items())}
+
+
+class LookupAcceptance:
+    """How often lookup draft j (1-based) is the full model's token, given drafts 1..j-1 were, after a
+    suffix match of length n: counts as the engine verifies, with one success and one failure as the
+    prior (a row that never drafted starts at 1/2)."""
+
+    def __init__(self, max_n: int, max_draft: int) -> None:
+        self.hits = np.ones((max_n + 1, max_draft))
+        self.tries = np.full((max_n + 1, max_draft), 2.0)
+
+    def probs(self, n: int, k: int) -> np.ndarray:
+        return self.hits[n, :k] / self.tries[n, :k]
+
+    def record(self, n: int, drafted: int, accepted: int) -> None:
+        """A round of ``drafted`` drafts after a match of length n, the first ``accepted`` accepted:
+        drafts 1..accepted hit, draft accepted + 1 (if any) missed, the rest were never judged."""
+        judged = min(accepted + 1, drafted)
+        self.tries[n, :judged] += 1
+        self.hits[n, :accepted] += 1
+
+
+def lookup_length(probs: np.ndarray, costs: CallCosts, plain: float) -> tuple[int, float]:
+    """(k, value): the number of drafts 0..len(probs) whose round has the most expected tokens per
+    second, E(k) / C(1, k + 1), and that value; k = 0 (no speculation) unless it beats ``plain``, the
+    row's tokens per second on a plain step."""
+    best, value = 0, plain
+    expected, prefix = 1.0, 1.0
+    for k in range(1, len(probs) + 1):
+        prefix *= float(probs[k - 1])
+        expected += prefix
+        v = expected / costs.cost(1, k + 1)
+        if v > value:
+            best, value = k, v
+    return best, value
+
+
+class ExitGate:
+    """Whether exit-draft rounds pay: their measured seconds per emitted token (moving average) against
+    a plain step's. Untried, they are tried; a source that lost is tried again every ``RETRY`` rounds
+    (costs drift, and a source never chosen is never measured again)."""
+
+    ALPHA = 0.2
+    RETRY = 32
+
+    def __init__(self) -> None:
+        self.per_token: float | None = None
+        self.rounds = 0
+        self._since = 0
+
+    def observe(self, seconds: float, tokens: int) -> None:
+        self.rounds += 1
+        v = seconds / max(tokens, 1)
+        self.per_token = v if self.per_token is None else self.per_token + self.ALPHA * (v - self.per_token)
+
+    def pays(self, plain_per_token: float) -> bool:
+        if self.per_token is None or self.per_token < plain_per_token:
+            return True
+        self._since += 1
+        if self._since >= self.RETRY:
+            self._since = 0
+            return True
+        return False
 
 
 def include_next(rule: SpecConfig, drafts: int, probs: list[float], top1: float, costs: DraftCosts) -> bool:

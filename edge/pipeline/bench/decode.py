@@ -51,7 +51,7 @@ from edge.core.artifacts import Manifest, atomic_write_json, publish_files
 from edge.pipeline.bench.summary import SYSTEMS, goals, headline, plot, render_markdown, summary_lines
 from edge.core.data import Split, heldout_prompts, load_split
 from edge.runtime.backend import make_backend
-from edge.runtime.engine import KVMode
+from edge.runtime.engine import KVMode, Mode
 from edge.runtime.profile import ProfiledBackend, ProfiledRule
 from edge.runtime.rules import NeverExit
 from edge.runtime.speculative import SpecConfig, StopRule
@@ -66,7 +66,8 @@ from edge.runtime.graphs import FUSED_DIR
 from edge.pipeline.bench.spec_ceiling import agreement_trace, ceiling as spec_ceiling, measure_costs
 from edge.pipeline.bench.engine_memory import vm_kib
 from edge.pipeline.bench.engine_run import RunResult, run_engine
-from edge.pipeline.bench.speculation import (calibrated_vs_best_other, distinct, pool_stats, speculative_sweep,
+from edge.pipeline.bench.speculation import (calibrated_vs_best_other, distinct, divergences, pool_stats,
+                                             speculative_sweep, verify_cost_ratios,
                                              sweep_variants, token_mismatches)
 from edge.pipeline.freerun import Served, check_continuations
 
@@ -152,13 +153,18 @@ class TokenStamps:
         return np.diff(self.arrivals).tolist()
 
 
-def run_hf(model, prompts: list[list[int]], n: int, early_exit: int | None = None) -> RunResult:
+HF_LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens (its documented example's value)
+
+
+def run_hf(model, prompts: list[list[int]], n: int, early_exit: int | None = None,
+           prompt_lookup: int | None = None) -> RunResult:
     from transformers import GenerationConfig
 
     ids = torch.tensor(prompts)
     stamps = TokenStamps()
     gen = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-                           eos_token_id=None, assistant_early_exit=early_exit)
+                           eos_token_id=None, assistant_early_exit=early_exit,
+                           prompt_lookup_num_tokens=prompt_lookup)
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen, streamer=stamps)
@@ -172,7 +178,7 @@ def run_groups(fn, groups: list[list[list[int]]], n: int) -> RunResult:
     return RunResult([t for p in parts for t in p.tokens],
                      None if parts[0].exit_layers is None else [e for p in parts for e in p.exit_layers],
                      sum(p.seconds for p in parts), [g for p in parts for g in p.token_latencies],
-                     [d for p in parts for d in p.spec_stats])
+                     [d for p in parts for d in p.spec_stats], [d for p in parts for d in p.source_stats])
 
 
 class Systems:
@@ -185,16 +191,16 @@ class Systems:
         import transformers
 
         self.cfg = cfg
-        self.loaded = set(only) - {"llamacpp"}
+        self.loaded = set(only) - {"llamacpp", "llamacpp_lookup"}
         self.llamacpp_skipped: str | None = None
         self.llama_bench_skipped: str | None = "llama.cpp not loaded"
         transformers.logging.set_verbosity_error()
         # transformers, LayerSkip and llama.cpp run the float weights the run distilled (a compressed run's
         # checkpoint holds quantized layers they cannot load): "the same weights" in f32
         source = Manifest(cfg.run_dir).verified_output("distill", "checkpoint")
-        if "llamacpp" in only:
+        if "llamacpp" in only or "llamacpp_lookup" in only:
             self._load_llamacpp(source, precision if precision is not None else precision_of(model))
-        if {"hf", "layerskip"} & set(only):
+        if {"hf", "layerskip", "hf_lookup"} & set(only):
             self.hf = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
         if "engine_full" in only:
             self.full_backend = make_backend("onnxruntime", graphs_dir=graphs_full, checkpoint=ckpt,
@@ -223,8 +229,9 @@ class Systems:
         llamacpp_tokenizer.verify_tokenizer(ckpt, f32)
         self.gguf = llamacpp_gguf.same_precision_gguf(self.cfg.run_dir, ckpt, precision, self.cfg.threads)
         self.peer = llamacpp.LlamaCppPeer(self.gguf, self.cfg.threads)
+        self.peer_lookup = llamacpp.LlamaCppLookupPeer(self.gguf, self.cfg.threads)
         self.llama_bench_skipped = llamacpp_bench.llama_bench_unavailable()
-        self.loaded.add("llamacpp")
+        self.loaded |= {"llamacpp", "llamacpp_lookup"}
 
     def llama_bench(self, n: int):
         """One llama-bench measurement (prefill, then the decode steps after a prompt) of the peer's GGUF."""
@@ -244,10 +251,12 @@ class Systems:
             return run_hf(self.hf, prompts, n)
         if name == "layerskip":
             return run_hf(self.hf, prompts, n, early_exit=self.cfg.layerskip_exit)
+        if name == "hf_lookup":
+            return run_hf(self.hf, prompts, n, prompt_lookup=HF_LOOKUP_TOKENS)
         if name == "engine_full":
             return run_engine(self.full_backend, NeverExit(), prompts, n, KVMode.PROPAGATE)
-        if name == "llamacpp":
-            t = self.peer.generate_timed(prompts[0], n)
+        if name in ("llamacpp", "llamacpp_lookup"):
+            t = (self.peer if name == "llamacpp" else self.peer_lookup).generate_timed(prompts[0], n)
             return RunResult([list(t.tokens)], None, t.prefill_seconds + t.decode_seconds, list(t.token_latencies))
         if name == "engine_speculative":  # the engine's K/V mode is unused: exact requests never exit early
             return run_engine(backend or self.backend, rule or self.table_rule, prompts, n, KVMode.PROPAGATE,
@@ -257,8 +266,8 @@ class Systems:
 
 
 def applicable(name: str, batch: int) -> bool:
-    # transformers' assisted generation needs batch 1; llama.cpp is measured as a batch-1 decoder
-    return not (name in ("layerskip", "llamacpp") and batch > 1)
+    # transformers' assisted generation and prompt lookup need batch 1; llama.cpp is measured as a batch-1 decoder
+    return not (name in ("layerskip", "llamacpp", "hf_lookup", "llamacpp_lookup") and batch > 1)
 
 
 # ------------------------------------------------------------------ measurement
@@ -353,6 +362,24 @@ def _memory_probe(argv: list[str]) -> None:
     print((vm_kib("VmHWM") - before) / 1024)  # MiB the system added at its peak
 
 
+
+
+def decode_ratio(runs: dict[str, list[RunResult]], num: str, den: str, sequences: int, n: int) -> float | None:
+    """Median over paired repeats of decode-only tokens/s of num over den."""
+    if num not in runs or den not in runs:
+        return None
+    return float(np.median([decode_tokens_per_s(u, sequences, n) / decode_tokens_per_s(d, sequences, n)
+                            for u, d in zip(runs[num], runs[den])]))
+
+
+def source_rows(rs: list[RunResult]) -> dict[str, Any]:
+    """(e)'s rounds by draft source over its repeats, pooled, and its plain steps; ``tokens_per_call``: tokens
+    a verification call emitted (a lookup round is one call; an exit round's draft steps are calls too)."""
+    stats = [d for r in rs for d in r.source_stats]
+    out: dict[str, Any] = {"plain_steps": int(sum(d["plain_steps"] for d in stats))}
+    for src in ("lookup", "exit"):
+        out[src] = pool_stats([d[src] for d in stats if d[src]["rounds"]])
+    return out
 
 
 def decode_tokens_per_s(r: RunResult, sequences: int, n: int) -> float:
@@ -457,6 +484,7 @@ def main(cfg: DecodeBenchConfig) -> int:
     wrong = {s: [0, 0] for s in exit_systems}  # system -> [mismatches, tokens]
     match_c = 0
     spec_bad = [0, 0]  # (e) against (c): [differing tokens, tokens compared]
+    same_total = [0, 0]  # (e) against mode full on (e)'s own graphs
     sweep = cfg.spec_sweep and 1 in cfg.batch_sizes
     n_variants = len(distinct(sweep_variants(spec, decision_exits)))
     names_at = {b: [s for s in SYSTEMS if applicable(s, b) and s in systems.loaded] for b in cfg.batch_sizes}
@@ -495,6 +523,17 @@ def main(cfg: DecodeBenchConfig) -> int:
         bad_e = [token_mismatches(e.tokens, c.tokens) for e, c in zip(runs["engine_speculative"], runs["engine_full"])]
         spec_bad[0] += sum(m for m, _ in bad_e)
         spec_bad[1] += sum(t for _, t in bad_e)
+        bar.set_postfix_str(f"batch {b}, (e) against mode full on the same graphs")
+        ref = run_engine(systems.backend, systems.table_rule, prompts, cfg.new_tokens, KVMode.PROPAGATE,
+                         mode=Mode.FULL).tokens if b == 1 else [
+            t for i in range(0, len(prompts), b) for t in run_engine(
+                systems.backend, systems.table_rule, prompts[i:i + b], cfg.new_tokens, KVMode.PROPAGATE,
+                mode=Mode.FULL).tokens]
+        exact_tokens = runs["engine_speculative"][0].tokens
+        same_bad = token_mismatches(exact_tokens, ref)
+        same_div = divergences(systems.backend, prompts, exact_tokens, ref)
+        same_total[0] += same_bad[0]
+        same_total[1] += same_bad[1]
         peer = None
         if "llamacpp" in runs:
             peer = llamacpp_rows(runs, bench_rows, n_prompts, cfg.new_tokens, cfg.prompt_tokens)
@@ -544,6 +583,17 @@ def main(cfg: DecodeBenchConfig) -> int:
             "speculative": pool_stats([d for r in runs["engine_speculative"] for d in r.spec_stats]),
             "speculative_mismatches": sum(m for m, _ in bad_e),
             "speculative_tokens_compared": sum(t for _, t in bad_e),
+            # the same against mode full on the same backend (the graph (e) verifies with), and where each
+            # differing sequence first differs, with the full model's top-2 logit gap there
+            "speculative_mismatches_same_graph": same_bad[0],
+            "speculative_tokens_compared_same_graph": same_bad[1],
+            "speculative_divergences_same_graph": same_div,
+            "speculative_by_source": source_rows(runs["engine_speculative"]),
+            "speedup_speculative_vs_hf_lookup": paired_ratio(runs, "engine_speculative", "hf_lookup"),
+            # decode only, same precision
+            "speedup_speculative_vs_llamacpp_lookup": decode_ratio(runs, "engine_speculative", "llamacpp_lookup",
+                                                                   n_prompts, cfg.new_tokens),
+            "speedup_speculative_vs_llamacpp": None if peer is None else peer["ratio"](runs["engine_speculative"]),
         }
         tqdm.write(f"batch {b}: " + ", ".join(f"{s} {v['tokens_per_s']:.1f} tok/s"
                                               for s, v in results["batches"][str(b)]["systems"].items()))
@@ -582,6 +632,9 @@ def main(cfg: DecodeBenchConfig) -> int:
                               past=cfg.prompt_tokens + cfg.new_tokens // 2)
         results["speculative_ceiling"] = {"draft_exit": draft, **spec_ceiling(trace, costs, spec)}
     results["speculative_mismatches"], results["speculative_tokens_compared"] = spec_bad
+    results["speculative_mismatches_same_graph"], results["speculative_tokens_compared_same_graph"] = same_total
+    bar.set_postfix_str("rho(k): verification calls of k rows at batch 1")
+    results["verify_cost_ratio_b1"] = verify_cost_ratios(systems.backend, cfg.prompt_tokens + cfg.new_tokens // 2)
     bar.set_postfix_str("profiling a decode step of (d)")
     results["profile_b1"] = profile_step(systems, heldout_prompts(tok, load_split(Split.TEST), cfg.batch1_prompts,
                                                                   cfg.prompt_tokens, cfg.seed), cfg.new_tokens, d_sys)

@@ -11,6 +11,8 @@ What the benchmark reads from it besides its speed (:mod:`edge.pipeline.bench.de
 """
 from __future__ import annotations
 
+import time
+
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -54,6 +56,50 @@ def token_mismatches(a: list[list[int]], b: list[list[int]]) -> tuple[int, int]:
         bad += sum(p != q for p, q in zip(x, y)) + n - min(len(x), len(y))
         total += n
     return bad, total
+
+
+def divergences(backend, prompts: list[list[int]], exact: list[list[int]], reference: list[list[int]]
+                ) -> list[dict[str, Any]]:
+    """Where mode exact's greedy output first differs from the reference's (mode full on the same
+    backend, the same graph one row a call), per sequence that differs: the output index and the full
+    model's top-2 logit gap there, read by one prefill call of the prompt and the common output
+    (a lossless decoder can differ only where the two paths' rounding decides a near-tie)."""
+    from edge.runtime.cache import KVCache
+
+    out = []
+    for i, (p, x, y) in enumerate(zip(prompts, exact, reference)):
+        j = next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), None)
+        if j is None:
+            continue
+        ids = list(p) + list(y[:j])
+        backend.attach(KVCache(backend.num_layers, backend.num_kv_heads, backend.head_dim, 1, len(ids) + 1))
+        logits = backend.full(np.array([ids], np.int64), np.array([0]), np.array([0])).logits[0]
+        top = np.sort(logits)[-2:]
+        out.append({"sequence": i, "index": j, "exact": int(x[j]), "full": int(y[j]),
+                    "top2_gap": float(top[1] - top[0])})
+    return out
+
+
+def verify_cost_ratios(backend, past: int, rows=(1, 2, 4, 8), repeats: int = 30) -> dict[str, float]:
+    """rho(k): the median time of a call of the graph of every layer carrying k new tokens of one
+    sequence, over the median of a call carrying 1, at batch 1, the shapes called in turn (ONNX
+    Runtime's CPU attention takes several new rows with a past only at batch 1: a batch verifies
+    sequence by sequence)."""
+    from edge.runtime.cache import KVCache
+
+    backend.attach(KVCache(backend.num_layers, backend.num_kv_heads, backend.head_dim, 1, past + max(rows)))
+    rng = np.random.default_rng(0)
+    slots, start = np.array([0]), np.array([past])
+    times: dict[int, list[float]] = {k: [] for k in rows}
+    for rep in range(repeats + 2):
+        for k in rows:
+            x = rng.integers(0, backend.vocab_size, (1, k))
+            t0 = time.perf_counter()
+            backend.full(x, slots, start, rows=k)
+            if rep >= 2:  # the first calls of a shape build its bindings
+                times[k].append(time.perf_counter() - t0)
+    one = float(np.median(times[1]))
+    return {str(k): float(np.median(v)) / one for k, v in times.items()}
 
 
 def pool_stats(stats: list[dict[str, Any]]) -> dict[str, float] | None:

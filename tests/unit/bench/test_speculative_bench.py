@@ -168,7 +168,7 @@ def test_markdown_and_summary_lines_show_the_speculative_rows(tmp_path):
     summary = headline(results)
     summary["goals"] = goals(summary, 0.009, [1, 16])
     md = render_markdown(results, summary)
-    assert "| 1 | (e) SmartExit engine, ORT, self-speculative (exact) | 9.0 |" in md
+    assert "| 1 | (e) SmartExit engine, ORT, speculative (exact: lookup and exit drafts) | 9.0 |" in md
     assert "| 16 | 0.40 | n/a | 0.600 | 1.50 | 2.50 | 0 of 1536 |" in md
     assert "| fixed_2 | 1.00 | 0.600 | 1.50 | 2.50 | 0 |" in md and "| 9 | 0.70 | 0.600 |" in md
     assert "Calibrated rule / best other rule (fixed or top-1): 0.850." in md

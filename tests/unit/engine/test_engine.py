@@ -458,9 +458,10 @@ def test_deferral_exits_only_up_to_the_batch_limit(limit):
 
 def test_request_modes_full_never_exits_and_unknown_modes_are_refused():
     """A request in mode full gets the full model's tokens from a batch whose other rows exit; mode
-    exact with the calibrated draft-length rule is refused, clearly, by an engine whose rule has no
-    calibrators; unknown modes too."""
+    exact with exit drafts only and the calibrated draft-length rule is refused, clearly, by an engine
+    whose rule has no calibrators (with lookup drafts, the default, it is served); unknown modes too."""
     from edge.runtime.engine import Mode
+    from edge.runtime.speculative import SpecConfig
 
     m, prompts = _model(), _prompts(2, seed=31)
     cfg = EngineConfig(max_seqs=2, max_running=2, max_len=128, kv_mode=KVMode.PROPAGATE)
@@ -473,7 +474,10 @@ def test_request_modes_full_never_exits_and_unknown_modes_are_refused():
     full = _run(Engine(TorchBackend(m), EngineConfig(max_seqs=1, max_len=128)), [prompts[0]], max_tokens=8)[0]
     assert got[ids[0]] == full
     assert all(e == m.exit_layers[0] for _, e in got[ids[1]][1:])  # the bounded row exits
+    eng.check(Request(prompts[0], 4, mode="exact"))  # lookup drafts need no calibrators
+    exit_only = Engine(TorchBackend(m), EngineConfig(max_len=128, speculative=SpecConfig(sources=("exit",))),
+                       ConfidenceRule(0.0))
     with pytest.raises(SmartExitError, match="needs the threshold table's calibrators"):
-        eng.submit(Request(prompts[0], 4, mode="exact"))
+        exit_only.submit(Request(prompts[0], 4, mode="exact"))
     with pytest.raises(SmartExitError, match="not one of bounded, full, exact"):
         eng.submit(Request(prompts[0], 4, mode="fast"))

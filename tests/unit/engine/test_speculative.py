@@ -95,11 +95,12 @@ def _batched(eng, prompts, lengths, **kw):
     return [out[i] for i in ids]
 
 
+EXIT = dict(sources=("exit",))  # exit drafts only (lookup drafts: test_lookup_drafts.py)
 STOPS = {
-    "fixed1": dict(stop="fixed", fixed=1),
-    "fixed7": dict(stop="fixed", fixed=7, max_draft=7),  # 8 verification rows: the backends' limit
-    "top1": dict(stop="top1", top1=0.1),
-    "calibrated": dict(stop="calibrated"),
+    "fixed1": dict(stop="fixed", fixed=1, **EXIT),
+    "fixed7": dict(stop="fixed", fixed=7, max_draft=7, **EXIT),  # 8 verification rows: the backends' limit
+    "top1": dict(stop="top1", top1=0.1, **EXIT),
+    "calibrated": dict(stop="calibrated", **EXIT),
 }
 
 
@@ -181,19 +182,19 @@ def test_exact_from_the_second_exit_with_gates_and_in_mixed_batches():
     prompts = _prompts(4, seed=42, lo=2, hi=20)
     full = _full(m, prompts, 20)
     eng = Engine(TorchBackend(m), EngineConfig(max_seqs=4, max_running=4, max_len=128, speculate_max_batch=None,
-                                               speculative=SpecConfig(draft_exit=4, stop="fixed", fixed=2)))
+                                               speculative=SpecConfig(**EXIT, draft_exit=4, stop="fixed", fixed=2)))
     assert _run(eng, prompts, max_tokens=20, mode="exact") == full and eng.spec_stats.drafted > 0
 
     gated = _kind("random", gate_hidden=8)
     eng = Engine(TorchBackend(gated), EngineConfig(max_seqs=2, max_running=2, max_len=128, speculate_max_batch=None,
-                                                   speculative=SpecConfig(stop="calibrated")), _Agreement())
+                                                   speculative=SpecConfig(**EXIT, stop="calibrated")), _Agreement())
     assert _run(eng, prompts[:2], max_tokens=20, mode="exact") == _full(gated, prompts[:2], 20)
     assert eng.spec_stats.drafted > 0 and eng.rule.asked == {(2, 3)}  # the gated exits' three features
 
     for kv_mode in KVMode:  # deferral: the bounded row's skipped layers run later, with its next token
         eng = Engine(TorchBackend(m), EngineConfig(max_seqs=4, max_running=4, max_len=128, speculate_max_batch=None,
                                                    kv_mode=kv_mode, defer_exit_max_batch=None,
-                                                   speculative=SpecConfig(stop="fixed", fixed=3)), ConfidenceRule(0.0))
+                                                   speculative=SpecConfig(**EXIT, stop="fixed", fixed=3)), ConfidenceRule(0.0))
         modes = ["exact", "bounded", "exact", "full"]
         ids = [eng.submit(Request(p, 20, mode=mode)) for p, mode in zip(prompts, modes)]
         got: dict[int, list] = {}
@@ -256,7 +257,7 @@ def test_exact_on_onnx_runtime(exported_agreeing, batch):
         _check_regime("agreeing", stop, eng.spec_stats)
     # drafting from exit 4: two draft segments per step, the first one's head only feeds the second's features
     eng = Engine(make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1),
-                 EngineConfig(max_len=128, speculative=SpecConfig(draft_exit=4, stop="fixed", fixed=3), **cfg))
+                 EngineConfig(max_len=128, speculative=SpecConfig(**EXIT, draft_exit=4, stop="fixed", fixed=3), **cfg))
     assert _batched(eng, prompts, [NEW] * len(prompts)) == full and eng.spec_stats.drafted > 0
 
 
@@ -409,7 +410,8 @@ def test_engine_config_errors_and_refused_requests():
     with pytest.raises(ConfigError, match="max_draft"):
         EngineConfig(speculative={"max_draft": 9})
 
-    eng = Engine(TorchBackend(m), EngineConfig(max_len=64), NeverExit())  # stop "calibrated" by default
+    # stop "calibrated" by default; exit drafts only (lookup drafts need no calibrators, nor an exit)
+    eng = Engine(TorchBackend(m), EngineConfig(max_len=64, speculative=SpecConfig(**EXIT)), NeverExit())
     with pytest.raises(SmartExitError, match="calibrated draft-length rule needs the threshold table's calibrators"):
         eng.submit(Request([1, 2, 3], 4, mode="exact"))
     assert not eng.has_work
@@ -418,7 +420,7 @@ def test_engine_config_errors_and_refused_requests():
 
     torch.manual_seed(0)
     one_exit = MultiExitModel(_model().backbone, ExitConfig(layers=[CFG.num_layers], adapter_rank=0)).eval()
-    eng = Engine(TorchBackend(one_exit), EngineConfig(max_len=64, speculative=SpecConfig(stop="fixed")))
+    eng = Engine(TorchBackend(one_exit), EngineConfig(max_len=64, speculative=SpecConfig(stop="fixed", **EXIT)))
     with pytest.raises(SmartExitError, match="this model has none; use 'full'"):
         eng.submit(Request([1, 2, 3], 4, mode="exact"))
 
@@ -498,7 +500,7 @@ def test_drafts_per_round_in_the_engine(monkeypatch, stop, p, want):
     rule runs on the cost priors (measured times would make its lengths machine-dependent)."""
     seen = _drafts_per_round(monkeypatch)
     m = _kind("random")
-    eng = Engine(TorchBackend(m), EngineConfig(max_seqs=1, max_len=128, speculative=SpecConfig(stop=stop, fixed=3)),
+    eng = Engine(TorchBackend(m), EngineConfig(max_seqs=1, max_len=128, speculative=SpecConfig(**EXIT, stop=stop, fixed=3)),
                  _Agreement(p))
     eng.spec_costs = _FrozenCosts(2, CFG.num_layers, 7)
     n = 24

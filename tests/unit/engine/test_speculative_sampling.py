@@ -134,7 +134,7 @@ def _sample_joint(backend, temperature, top_p, requests=REQUESTS):
     round verifies two drafts. Returns (counts, the engine's SpecStats)."""
     eng = Engine(backend, EngineConfig(max_seqs=64, max_running=64, max_len=16, prefill_budget=64 * 3,
                                                speculate_max_batch=None,
-                                               speculative=SpecConfig(stop="fixed", fixed=2, max_draft=2)))
+                                               speculative=SpecConfig(stop="fixed", fixed=2, max_draft=2, sources=("exit",))))
     ids = [eng.submit(Request(PROMPT, TOKENS + 1, temperature=temperature, top_p=top_p, seed=k,
                               mode="exact")) for k in range(requests)]
     out: dict[int, list[int]] = {i: [] for i in ids}
