@@ -40,6 +40,25 @@ class ExportStageConfig:
     quant_rtol: float = QUANT_RTOL  # a quantized model's graphs (both kinds), relative to each output's scale
     seed: int = 0
     threads: int = 2
+    # mode exact's corpus drafts: an n-gram table of the training split (edge/model/ngram.py) in the exits
+    # export; n-grams seen at least ngram_min_count times whose most frequent successor has ngram_min_share
+    ngram_table: bool = True
+    ngram_min_count: int = 2
+    ngram_min_share: float = 0.5
+
+
+def write_ngram_table(tok, folder: Path, min_count: int, min_share: float) -> dict[str, int]:
+    """Build the corpus n-gram table from the training split only (the calibration and test splits are
+    never drafted from) into ``folder``; returns the entries per n."""
+    import numpy as np
+
+    from edge.model.ngram import NGRAM_FILE, build_table, save_table
+
+    docs = load_split(Split.TRAIN)
+    seqs = [np.asarray(e.ids, np.int64) for e in tok.encode_batch([d.text for d in docs])]
+    arrays = build_table(seqs, tok.get_vocab_size(), min_count, min_share)
+    save_table(folder / NGRAM_FILE, arrays)
+    return {k: int(len(v)) for k, v in arrays.items() if k.startswith("keys_")}
 
 
 def full_depth(model: MultiExitModel) -> MultiExitModel:
@@ -69,6 +88,8 @@ def main(cfg: ExportStageConfig) -> int:
                     allow_near_ties=quantized)
                 require_parity(reports[f"{key}_fused"])
             counts[key] = len(exported.graphs) + len(exported.fused)
+        ngram = (write_ngram_table(tok, staging / "onnx", cfg.ngram_min_count, cfg.ngram_min_share)
+                 if cfg.ngram_table else None)
         for key, name in (("graphs", "onnx"), ("graphs_full", "onnx_full")):
             outs[key] = Path(cfg.run_dir) / name
             if outs[key].exists():
@@ -80,7 +101,7 @@ def main(cfg: ExportStageConfig) -> int:
     metrics = {"graphs": counts["graphs"], "graphs_full": counts["graphs_full"], "opset": cfg.opset,
                "parity": report.to_dict(), "parity_full": reports["graphs_full"].to_dict(),
                "parity_fused": reports["graphs_fused"].to_dict() if "graphs_fused" in reports else None,
-               "fused_skipped": exported.fused_skipped}
+               "fused_skipped": exported.fused_skipped, "ngram_table": ngram}
     manifest.record(STAGE, inputs={"checkpoint": ckpt}, config=asdict(cfg), outputs=outs,
                     metrics=metrics, seconds=time.time() - t0)
     worst = report.worst(1)[0]

@@ -36,6 +36,7 @@ from edge.runtime.backend import Backend, SegmentOut
 from edge.runtime.cache import KVCache
 from edge.model.candidates import lookup_feature
 from edge.model.lookup import MAX_N as LOOKUP_MAX_N, Lookup
+from edge.model.ngram import MAX_N as NGRAM_MAX_N
 from edge.runtime.rules import TOP1, BatchExitRule, NeverExit, score_form
 from edge.runtime.sampling import choose_token, token_distribution
 from edge.runtime.speculative import (MAX_VERIFY_ROWS, CallCosts, DraftCosts, ExitGate, LookupAcceptance, Source,
@@ -213,8 +214,12 @@ class Engine:
         if "calls" not in backend.draft_costs:
             backend.draft_costs["calls"] = CallCosts()
             backend.draft_costs["lookup"] = LookupAcceptance(LOOKUP_MAX_N, MAX_VERIFY_ROWS - 1)
+            backend.draft_costs["corpus"] = LookupAcceptance(NGRAM_MAX_N, MAX_VERIFY_ROWS - 1)
         self.call_costs: CallCosts = backend.draft_costs["calls"]
-        self._lookup_acc: LookupAcceptance = backend.draft_costs["lookup"]
+        self._acceptance: dict[Source, LookupAcceptance] = {Source.LOOKUP: backend.draft_costs["lookup"],
+                                                             Source.CORPUS: backend.draft_costs["corpus"]}
+        # the corpus n-gram table the backend's export carries (edge/model/ngram.py), if any
+        self._ngram = getattr(backend, "ngram_table", None) if Source.CORPUS in spec.sources else None
         if "exit_gate" not in backend.draft_costs:
             backend.draft_costs["exit_gate"] = ExitGate()
         self._exit_gate: ExitGate = backend.draft_costs["exit_gate"]
@@ -376,16 +381,28 @@ class Engine:
             return
         spec, b = self.cfg.speculative, len(seqs)
         per_token = self.call_costs.cost(b, 1) / b  # a row's seconds per token on a plain batched step
-        lookups: dict[_Seq, tuple[list[int], int, float]] = {}
-        if Source.LOOKUP in spec.sources:
+        lookups: dict[_Seq, tuple[list[int], int, float, Source]] = {}
+        plain = 1.0 / per_token
+        # a round of k drafts, every one accepted, emits k + 1 tokens: when no k can beat a plain step that
+        # way (large batches), no row's drafts are looked at
+        ceiling = max((k + 1) / self.call_costs.cost(1, k + 1) for k in range(1, spec.max_draft + 1))
+        if ({Source.LOOKUP, Source.CORPUS} & set(spec.sources)) and ceiling > plain:
             for s in exact:
                 cap = self._draft_cap(s)
-                drafts, n = s.lookup.draft(cap) if cap > 0 else ([], 0)
-                if drafts:
-                    probs = self._lookup_acc.probs(n, len(drafts))
-                    k, _ = lookup_length(probs, self.call_costs, 1.0 / per_token)
-                    if k:
-                        lookups[s] = (drafts[:k], n, float(probs[:k].sum()))
+                if cap < 1:
+                    continue
+                best = None  # (value, drafts, n, predicted, source)
+                for src, (drafts, n) in ((Source.LOOKUP, s.lookup.draft(cap) if Source.LOOKUP in spec.sources
+                                          else ([], 0)),
+                                         (Source.CORPUS, self._ngram.draft(s.tokens, cap) if self._ngram is not None
+                                          else ([], 0))):
+                    if drafts:
+                        probs = self._acceptance[src].probs(n, len(drafts))
+                        k, value = lookup_length(probs, self.call_costs, plain)
+                        if k and (best is None or value > best[0]):
+                            best = (value, drafts[:k], n, float(probs[:k].sum()), src)
+                if best is not None:
+                    lookups[s] = best[1:]
         limit = self.cfg.speculate_max_batch
         drafting: list[_Seq] = []
         if self._exit_drafts and (limit is None or b <= limit):
@@ -399,9 +416,9 @@ class Engine:
         self.plain_steps += sum(s.req.mode is Mode.EXACT for s in rest)
         if rest:
             self._step(rest)
-        for s, (drafts, n, predicted) in lookups.items():
+        for s, (drafts, n, predicted, src) in lookups.items():
             if not s.finished:  # a callback of this iteration may have cancelled it
-                self._verify_lookup(s, drafts, n, predicted)
+                self._verify_drafts(s, drafts, n, predicted, src)
         drafting = [s for s in drafting if not s.finished]
         if drafting:
             emitted = sum(len(s.tokens) for s in drafting)
@@ -416,10 +433,11 @@ class Engine:
         most = spec.fixed if spec.stop is StopRule.FIXED else spec.max_draft
         return max(0, min(most, s.req.max_tokens - len(s.tokens) - 1, self.cfg.max_len - s.length - 1))
 
-    def _verify_lookup(self, s: _Seq, drafts: list[int], n: int, predicted: float) -> None:
-        """A lookup round of one sequence: its newest token and ``drafts`` (after a suffix match of length
-        ``n``) in one call of the graph of every layer; emit the accepted drafts and the full model's
-        next token. Rejected rows' cache entries sit past the sequence's new length (overwritten later)."""
+    def _verify_drafts(self, s: _Seq, drafts: list[int], n: int, predicted: float, src: Source) -> None:
+        """A lookup or corpus round of one sequence: its newest token and ``drafts`` (after a match of
+        length ``n``) in one call of the graph of every layer; emit the accepted drafts and the full
+        model's next token. Rejected rows' cache entries sit past the sequence's new length (overwritten
+        later)."""
         rows = len(drafts) + 1
         x = np.array([[s.tokens[-1], *drafts]], np.int64)
         t0 = time.perf_counter()
@@ -431,8 +449,8 @@ class Engine:
             accepted, token = accept_sampled(drafts, q, full, s.rng)
         else:
             accepted, token = accept_greedy(drafts, out.token)
-        self._lookup_acc.record(n, len(drafts), accepted)
-        for stats in (self.spec_stats, self.source_stats[Source.LOOKUP.value]):
+        self._acceptance[src].record(n, len(drafts), accepted)
+        for stats in (self.spec_stats, self.source_stats[src.value]):
             stats.record(len(drafts), accepted, predicted)
         for t in drafts[:accepted] + [token]:
             if s.finished:  # a stop id, max_tokens, or a callback's cancel ended it: the rest is dropped

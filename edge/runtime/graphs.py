@@ -24,6 +24,7 @@ GRAPHS_FORMAT = 7  # 2: segment graphs output exit_stats, exit_token; 3: exit he
 # every layer in one graph; shortlist_rows.npy
 FUSED_DIR = "fused"
 SHORTLIST_ROWS = "shortlist_rows.npy"  # float32 [K, D]: the LM head's rows of a candidate shortlist
+NGRAM_TABLE = "ngram.npz"  # == edge.model.ngram.NGRAM_FILE; the corpus n-gram table of mode exact's corpus drafts (edge/model/ngram.py), if built
 
 
 def load_graphs_json(graphs_dir: str | Path) -> dict[str, Any]:

@@ -14,6 +14,10 @@ the row takes a plain full-depth step.
             call of k + 1 rows; against the plain step's 1 / C(1) (at batch B: B / C_B, the row's share
             of the batched step, since ONNX Runtime's CPU attention takes several rows with a past only
             at batch 1 and a speculating row is verified in a call of its own).
+``corpus``  the training text's most frequent continuations of the sequence's last tokens (an n-gram
+            table built from the training split, edge/model/ngram.py; REST, He et al. 2024), where the
+            backend has one: drafted, chosen and verified as lookup drafts, with acceptance counted
+            apart by the order n of the table's match.
 ``exit``    self-speculation from an early exit (below), at batches up to ``speculate_max_batch``,
             while its measured seconds per emitted token beat the plain step's.
 
@@ -66,6 +70,7 @@ MAX_VERIFY_ROWS = 8
 
 class Source(str, enum.Enum):
     LOOKUP = "lookup"
+    CORPUS = "corpus"
     EXIT = "exit"
 
 
@@ -84,7 +89,7 @@ class SpecConfig:
     max_draft: int = 6  # hard maximum of draft tokens per round (verification rows = drafts + 1 <= 8)
     fixed: int = 3  # draft tokens per round, rule ``fixed``
     top1: float = 0.6  # top-1 probability threshold, rule ``top1``
-    sources: tuple[Source, ...] = (Source.LOOKUP, Source.EXIT)  # draft sources the engine may choose from
+    sources: tuple[Source, ...] = (Source.LOOKUP, Source.CORPUS, Source.EXIT)  # draft sources to choose from
 
     def __post_init__(self) -> None:
         try:

@@ -54,7 +54,7 @@ from edge.runtime.backend import make_backend
 from edge.runtime.engine import KVMode, Mode
 from edge.runtime.profile import ProfiledBackend, ProfiledRule
 from edge.runtime.rules import NeverExit
-from edge.runtime.speculative import SpecConfig, StopRule
+from edge.runtime.speculative import Source, SpecConfig, StopRule
 from edge.core.errors import ConfigError
 from edge.compress.apply import precision_of
 from edge.compress.checkpoint import load_served
@@ -377,8 +377,8 @@ def source_rows(rs: list[RunResult]) -> dict[str, Any]:
     a verification call emitted (a lookup round is one call; an exit round's draft steps are calls too)."""
     stats = [d for r in rs for d in r.source_stats]
     out: dict[str, Any] = {"plain_steps": int(sum(d["plain_steps"] for d in stats))}
-    for src in ("lookup", "exit"):
-        out[src] = pool_stats([d[src] for d in stats if d[src]["rounds"]])
+    for src in Source:
+        out[src.value] = pool_stats([d[src.value] for d in stats if d[src.value]["rounds"]])
     return out
 
 
@@ -488,7 +488,9 @@ def main(cfg: DecodeBenchConfig) -> int:
     sweep = cfg.spec_sweep and 1 in cfg.batch_sizes
     n_variants = len(distinct(sweep_variants(spec, decision_exits)))
     names_at = {b: [s for s in SYSTEMS if applicable(s, b) and s in systems.loaded] for b in cfg.batch_sizes}
-    memory = [s for s in ("baseline", *SYSTEMS) if s == "baseline" or s in systems.loaded] if cfg.memory else []
+    # the prompt-lookup peers load what hf and llamacpp load: their memory is those rows'
+    memory = [s for s in ("baseline", *SYSTEMS) if s == "baseline" or (s in systems.loaded and not s.endswith("_lookup"))
+              ] if cfg.memory else []
     bar = tqdm(total=sum((cfg.warmup + cfg.repeats) * len(v) + len(exit_systems) for v in names_at.values())
                + 1 + len(memory) + (cfg.warmup + cfg.spec_sweep_repeats) * n_variants * sweep,
                desc="bench decode", unit="run", disable=None)

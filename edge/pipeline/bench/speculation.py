@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from edge.runtime.speculative import SpecConfig, SpecStats, StopRule
+from edge.runtime.speculative import Source, SpecConfig, SpecStats, StopRule
 
 if TYPE_CHECKING:
     from edge.pipeline.bench.decode import Systems
@@ -170,7 +170,9 @@ def calibrated_vs_best_other(rows: dict[str, dict[str, Any]]) -> float | None:
 
 
 def sweep_variants(base: SpecConfig, decision_exits: list[int]) -> dict[str, SpecConfig]:
-    """The sweep's variants: ``stop:<rule>`` at the draft exit of ``base``, ``exit:<layer>`` calibrated."""
+    """The sweep's variants: ``stop:<rule>`` at the draft exit of ``base``, ``exit:<layer>`` calibrated; each
+    drafts from the exit only (the sweep compares the exit drafts' stop rules and draft exits)."""
+    base = replace(base, sources=(Source.EXIT,))
     return {**{f"stop:{k}": v for k, v in stop_rule_variants(base).items()},
             **{f"exit:{k}": v for k, v in draft_exit_variants(base, decision_exits).items()}}
 

@@ -44,7 +44,7 @@ def test_stop_rule_and_draft_exit_variants():
     assert v["fixed_2"].stop is StopRule.FIXED and v["fixed_2"].fixed == 2 and v["fixed_2"].draft_exit == 3
     assert v["top1_0.7"].stop is StopRule.TOP1 and v["top1_0.7"].top1 == 0.7
     sweep = sweep_variants(base, [3, 9])
-    assert sweep["exit:9"] == SpecConfig(draft_exit=9) and sweep["exit:3"] == sweep["stop:calibrated"]
+    assert sweep["exit:9"] == SpecConfig(draft_exit=9, sources=("exit",)) and sweep["exit:3"] == sweep["stop:calibrated"]
     assert "exit:3" not in distinct(sweep) and len(distinct(sweep)) == 10  # the same settings run once
 
 

@@ -288,3 +288,80 @@ def test_the_lookup_distribution_test_rejects_a_wrong_acceptance_rule(monkeypatc
     counts, st = _sample_lookup_joint(_sampling_model(), 1.0, 1.0, requests=192)
     assert st.accepted == st.drafted > 0
     assert _chisquare(counts, _loop_joint(1.0, 1.0)) < ALPHA
+
+
+# ------------------------------------------------------------------------------------------ corpus drafts
+def test_ngram_table_keeps_frequent_successors_and_chains_them():
+    from edge.model.ngram import NgramTable, build_table
+
+    seqs = [np.array([1, 2, 3, 4, 5] * 3), np.array([1, 2, 3, 9]), np.array([7, 8, 6])]
+    arrays = build_table(seqs, vocab=10, min_count=2, min_share=0.5)
+    t = NgramTable(arrays, min_n=2)
+    assert t.draft([0, 1, 2], 4) == ([3, 4, 5, 1], 2)  # "1 2" -> 3 (4 of 4), then "2 3" -> 4 (3 of 4), ...
+    assert t.draft([7, 8], 3) == ([], 0)  # "7 8" seen once: below min_count
+    assert t.draft([5], 2) == ([], 0)  # one token is below min_n
+    assert NgramTable(arrays, min_n=1).draft([5], 2) == ([1, 2], 1)
+    shared = build_table([np.array([1, 2, 3, 1, 2, 4, 1, 2, 6])], vocab=10, min_count=2, min_share=0.5)
+    assert NgramTable(shared).draft([1, 2], 1) == ([], 0)  # "1 2" -> 3, 4, 6: no successor has half
+    assert len(NgramTable(shared, min_n=1)) == 1  # only "1" -> 2 (3 of 3) survives
+
+
+def test_a_broken_ngram_table_is_a_clear_error(tmp_path):
+    from edge.model.ngram import NgramTable
+
+    bad = tmp_path / "ngram.npz"
+    bad.write_bytes(b"not a zip")
+    with pytest.raises(ConfigError, match="is not an n-gram table"):
+        NgramTable.load(bad)
+    np.savez(bad, format=np.array(99), vocab=np.array(10))
+    with pytest.raises(ConfigError, match="format 99"):
+        NgramTable.load(bad)
+
+
+def test_corpus_drafts_equal_full_decoding_and_are_chosen_when_they_pay():
+    """A table of the model's own full-depth continuations of *other* prompts (the training role): its
+    drafts are accepted often, the engine drafts from it where the context has no match, and the output
+    is the full model's."""
+    from edge.model.ngram import NgramTable, build_table
+
+    m = _looping()
+    train = _looping_prompts(16, seed=7)
+    text = [np.array(p + [t for t, _ in r]) for p, r in zip(train, _full(m, train, 40))]
+    table = NgramTable(build_table(text, vocab=300, min_count=1, min_share=0.5))
+    backend = TorchBackend(m)
+    backend.ngram_table = table
+    prompts = _looping_prompts(8, seed=3)
+    eng = _engine(backend, speculative=SpecConfig(sources=("lookup", "corpus")))
+    got = _run(eng, prompts, max_tokens=32, mode=Mode.EXACT)
+    assert [[t for t, _ in r] for r in got] == [[t for t, _ in r] for r in _full(m, prompts, 32)]
+    st = eng.source_stats["corpus"]
+    assert st.rounds > 5 and st.accepted > 0, st.as_dict()
+
+
+def test_the_export_builds_the_table_from_the_training_split_only(monkeypatch, tmp_path):
+    """Data roles: corpus drafts come from the training split; a table built from the calibration or test
+    split would draft the very text the benchmarks measure on."""
+    import edge.pipeline.export as export
+    from edge.core.data import Document, Split
+    from edge.model.ngram import NgramTable
+
+    asked = []
+
+    def fake_split(split):
+        asked.append(Split(split))
+        return [Document("a.py", "def f(x):\n    return x\n" * 4)]
+
+    class _Tok:
+        def encode_batch(self, texts):
+            class E:
+                def __init__(self, t):
+                    self.ids = [ord(c) % 50 for c in t]
+            return [E(t) for t in texts]
+
+        def get_vocab_size(self):
+            return 50
+
+    monkeypatch.setattr(export, "load_split", fake_split)
+    counts = export.write_ngram_table(_Tok(), tmp_path, 2, 0.5)
+    assert asked == [Split.TRAIN] and counts["keys_3"] > 0
+    assert len(NgramTable.load(tmp_path / "ngram.npz")) == sum(counts.values())
