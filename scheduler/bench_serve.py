@@ -77,6 +77,9 @@ class BenchServeConfig:
     capacity_requests: int = 16       # per concurrency level
     capacity_prompt_tokens: int = 64
     capacity_max_tokens: int = 32
+    # the closed-loop runs once more with every request in mode exact (lossless speculative decoding),
+    # through the stack: exact-mode tokens/s beside the bounded mode's
+    capacity_exact: bool = True
     hops: bool = True                 # the closed-loop requests also straight to a tritonserver (no Ray Serve)
     # after the first policy's run, a PNG of the live dashboard (/dashboard) of that stack in headless
     # Chromium -> bench/dashboard.png, embedded in the report (skipped, saying why, without a browser)
@@ -220,7 +223,14 @@ async def http_run(url: str, schedule: list[ScheduledRequest], cfg: BenchServeCo
                 raise SmartExitError(f"bench serve: {url}/v1/models lists no model")
             send.model = models[0]
         results = await _warm_then_run(send, schedule, cfg.warmup_requests, url)
-        return results, (await _capacity(send, cfg, capacity) if capacity else {})
+        cap = await _capacity(send, cfg, capacity) if capacity else {}
+        if capacity and cfg.capacity_exact and send.mode != "exact":
+            mode, send.mode = send.mode, "exact"
+            try:
+                cap["exact"] = await _capacity(send, cfg, capacity)
+            finally:
+                send.mode = mode
+        return results, cap
 
 
 def served_runs(cfg: BenchServeConfig, schedule: list[ScheduledRequest],
@@ -386,12 +396,25 @@ def capacity_report(cfg: BenchServeConfig, served: dict[int, list[RequestResult]
     hi, lo = str(max(served)), str(min(served))
     return {"requests_per_level": cfg.capacity_requests, "prompt_tokens": cfg.capacity_prompt_tokens,
             "max_tokens": cfg.capacity_max_tokens, "policy": cfg.policies[0] if cfg.url is None else "served",
+            "mode": cfg.mode,
             "levels": levels,
             "headline": {"served_vs_inprocess_tokens_ratio": levels[hi]["served_vs_inprocess_tokens_ratio"],
                          "served_vs_inprocess_concurrency": int(hi),
                          "ttft_p50_overhead_ms": levels[lo]["ttft_p50_overhead_ms"],
                          "ttft_overhead_concurrency": int(lo),
                          "tpot_p50_overhead_ms": levels[lo]["tpot_p50_overhead_ms"]}}
+
+
+def exact_report(cfg: BenchServeConfig, exact: dict[int, list[RequestResult]],
+                 bounded: dict[int, list[RequestResult]]) -> dict[str, Any]:
+    """The closed loop in mode exact through the stack beside the same requests in the bench's mode: per
+    concurrency tokens/s, TTFT and TPOT p50, and the tokens/s ratio (headline: at the lowest concurrency)."""
+    levels = {}
+    for c in sorted(exact):
+        e, b = (summarize(x[c], cfg.sla_ttft_ms, cfg.sla_tpot_ms) for x in (exact, bounded))
+        levels[str(c)] = {"exact": {k: e[k] for k in ("requests", "errors", "tokens_per_s", "ttft_p50_ms", "tpot_p50_ms")},
+                          "tokens_ratio": e["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else None}
+    return {"levels": levels, "headline": levels[str(min(exact))]["tokens_ratio"]}
 
 
 def capacity_markdown(cap: dict[str, Any] | None) -> str:
@@ -410,6 +433,15 @@ def capacity_markdown(cap: dict[str, Any] | None) -> str:
                      f"{f(lv['served_vs_inprocess_tokens_ratio'], '.3f')} | {f(s['ttft_p50_ms'])} / "
                      f"{f(l['ttft_p50_ms'])} | {f(lv['ttft_p50_overhead_ms'])} | {f(lv['tpot_p50_overhead_ms'])} | "
                      f"{f(lv['same_output_lengths'], '.2f')} |")
+    if cap.get("exact"):
+        lines += ["", f"The same closed loop through the stack in mode exact (lossless speculative decoding) against "
+                  f"mode {cap.get('mode', 'bounded')}:", "",
+                  "| concurrency | exact tokens/s | ratio to the served row above | TTFT p50 ms | TPOT p50 ms |",
+                  "| ---: | ---: | ---: | ---: | ---: |"]
+        for c, lv in cap["exact"]["levels"].items():
+            e = lv["exact"]
+            lines.append(f"| {c} | {f(e['tokens_per_s'])} | {f(lv['tokens_ratio'], '.3f')} | {f(e['ttft_p50_ms'])} | "
+                         f"{f(e['tpot_p50_ms'])} |")
     hops = [(c, lv) for c, lv in cap["levels"].items() if lv.get("triton_direct")]
     if hops:
         lines += ["", "Where the time goes: the same requests in process, straight to a tritonserver over gRPC "
@@ -453,8 +485,12 @@ def main(cfg: BenchServeConfig) -> int:
     report = build_report(cfg, workload, runs)
     report["serve_bench"].update(shot)
     cap_triton = triton_direct_run(cfg, cap_reqs) if cap_reqs and cfg.hops and cfg.url is None else {}
+    cap_exact = cap_served.pop("exact", None) if cap_served else None
     if cap_served and cap_local:
         report["capacity"] = capacity_report(cfg, cap_served, cap_local, cap_triton)
+        if cap_exact:
+            report["capacity"]["exact"] = exact_report(cfg, cap_exact, cap_served)
+            report["serve_bench"]["exact_vs_bounded_tokens_ratio"] = report["capacity"]["exact"]["headline"]
         report["serve_bench"].update(report["capacity"]["headline"])
     paths = write_outputs(cfg, report, runs)
     if "dashboard_png" in shot:
