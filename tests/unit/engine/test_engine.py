@@ -481,3 +481,21 @@ def test_request_modes_full_never_exits_and_unknown_modes_are_refused():
         exit_only.submit(Request(prompts[0], 4, mode="exact"))
     with pytest.raises(SmartExitError, match="not one of bounded, full, exact"):
         eng.submit(Request(prompts[0], 4, mode="fast"))
+
+
+def test_a_new_engine_takes_over_an_idle_cache_of_its_shape():
+    """An engine per request (the benchmarks', ``generate``'s) reuses the backend's idle cache and its
+    bindings; a busy cache or another shape gets a cache of its own; outputs are unchanged."""
+    m, prompts = _model(), _prompts(3, seed=5)
+    backend = TorchBackend(m)
+    cfg = EngineConfig(max_seqs=2, max_running=2, max_len=64)
+    first = Engine(backend, cfg)
+    a = _run(first, prompts[:2], max_tokens=6)
+    second = Engine(backend, cfg)
+    assert second.cache is first.cache  # idle: every slot free
+    assert _run(second, prompts[:2], max_tokens=6) == a
+    busy = Engine(backend, cfg)
+    busy.submit(Request(prompts[2], 4))
+    busy.step()  # holds a slot now
+    assert Engine(backend, cfg).cache is not busy.cache
+    assert Engine(backend, EngineConfig(max_seqs=2, max_running=2, max_len=32)).cache.shape[2] == 32
