@@ -10,7 +10,8 @@ from edge.pipeline.bench.summary import SYSTEMS
 from edge.pipeline.cli import main as cli
 from tests.images import assert_calibration_plots, assert_png, figure_size
 
-TAB10 = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2"]  # matplotlib's default colour cycle
+TAB10 = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+         "#17becf"]  # matplotlib's default colour cycle
 
 pytestmark = pytest.mark.integration
 
