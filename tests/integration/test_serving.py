@@ -443,6 +443,8 @@ class TestOneReplica:
         assert sorted(p.name for p in procs) == ["triton_python_backend_stub", "tritonserver"], procs
         (new,) = tritonservers(find_processes, stack.repo)
         assert new.pid != old.pid
+        # /health reports the last control tick: it may still say 503 just after the first success
+        wait_for(lambda: health(stack.url)[0] == 200, timeout=5, interval=0.05, what="/health answering 200")
         status, after = health(stack.url)
         assert status == 200 and set(after["replicas"]) == set(before["replicas"])
         assert recovery_s < 60
