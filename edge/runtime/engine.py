@@ -39,7 +39,7 @@ from edge.model.lookup import MAX_N as LOOKUP_MAX_N, Lookup
 from edge.model.ngram import MAX_N as NGRAM_MAX_N
 from edge.runtime.rules import TOP1, BatchExitRule, NeverExit, score_form
 from edge.runtime.sampling import choose_token, token_distribution
-from edge.runtime.speculative import (MAX_VERIFY_ROWS, CallCosts, DraftCosts, ExitGate, LookupAcceptance, Source,
+from edge.runtime.speculative import (MAX_VERIFY_ROWS, CallCosts, DraftCosts, ExitDraftGate, LookupAcceptance, Source,
                                       SpecConfig, SpecStats, StopRule, accept_greedy, accept_sampled, include_next,
                                       lookup_length)
 from edge.core.errors import ConfigError, RequestError
@@ -230,8 +230,8 @@ class Engine:
         # the corpus n-gram table the backend's export carries (edge/model/ngram.py), if any
         self._ngram = getattr(backend, "ngram_table", None) if Source.CORPUS in spec.sources else None
         if "exit_gate" not in backend.draft_costs:
-            backend.draft_costs["exit_gate"] = ExitGate()
-        self._exit_gate: ExitGate = backend.draft_costs["exit_gate"]
+            backend.draft_costs["exit_gate"] = ExitDraftGate()
+        self._exit_gate: ExitDraftGate = backend.draft_costs["exit_gate"]
         # exit drafts need an exit, and the calibrated stop rule its calibrators
         self._exit_drafts = (Source.EXIT in spec.sources and self._draft_seg is not None
                              and not (spec.stop is StopRule.CALIBRATED and self._agreement is None))
@@ -278,7 +278,7 @@ class Engine:
         except ValueError:
             raise RequestError(f"mode {req.mode!r} is not one of {', '.join(m.value for m in Mode)}",
                                "mode") from None
-        if req.mode is Mode.EXACT and Source.LOOKUP not in self.cfg.speculative.sources:  # exit drafts only
+        if req.mode is Mode.EXACT and self.cfg.speculative.exit_only:
             if self._draft_seg is None:
                 raise RequestError("mode 'exact' drafts from an early exit, and this model has none; use 'full'",
                                    "mode")
@@ -390,35 +390,23 @@ class Engine:
             return
         spec, b = self.cfg.speculative, len(seqs)
         per_token = self.call_costs.cost(b, 1) / b  # a row's seconds per token on a plain batched step
-        lookups: dict[_Seq, tuple[list[int], int, float, Source]] = {}
         plain = 1.0 / per_token
+        lookups: dict[_Seq, tuple[list[int], int, float, Source]] = {}
         # a round of k drafts, every one accepted, emits k + 1 tokens: when no k can beat a plain step that
         # way (large batches), no row's drafts are looked at
         ceiling = max((k + 1) / self.call_costs.cost(1, k + 1) for k in range(1, spec.max_draft + 1))
-        if ({Source.LOOKUP, Source.CORPUS} & set(spec.sources)) and ceiling > plain:
+        if not spec.exit_only and ceiling > plain:
             for s in exact:
-                cap = self._draft_cap(s)
-                if cap < 1:
-                    continue
-                best = None  # (value, drafts, n, predicted, source)
-                for src, (drafts, n) in ((Source.LOOKUP, s.lookup.draft(cap) if Source.LOOKUP in spec.sources
-                                          else ([], 0)),
-                                         (Source.CORPUS, self._ngram.draft(s.tokens, cap) if self._ngram is not None
-                                          else ([], 0))):
-                    if drafts:
-                        probs = self._acceptance[src].probs(n, len(drafts))
-                        k, value = lookup_length(probs, self.call_costs, plain)
-                        if k and (best is None or value > best[0]):
-                            best = (value, drafts[:k], n, float(probs[:k].sum()), src)
+                best = self._best_draft(s, plain)
                 if best is not None:
-                    lookups[s] = best[1:]
+                    lookups[s] = best
         limit = self.cfg.speculate_max_batch
         drafting: list[_Seq] = []
         if self._exit_drafts and (limit is None or b <= limit):
             others = [s for s in exact if s not in lookups]
-            # with both sources, exit rounds must measure cheaper per token than plain steps; exit drafts alone
-            # always draft (the configuration asked for them)
-            if others and (Source.LOOKUP not in spec.sources or self._exit_gate.pays(per_token)):
+            # beside other sources, exit rounds must measure cheaper per token than plain steps; exit drafts
+            # alone always draft (the configuration asked for them)
+            if others and (spec.exit_only or self._exit_gate.pays(per_token)):
                 drafting = others
         busy = set(map(id, drafting)) | set(map(id, lookups))
         rest = [s for s in seqs if id(s) not in busy]
@@ -434,6 +422,28 @@ class Engine:
             t0 = time.perf_counter()
             self._speculate(drafting)
             self._exit_gate.observe(time.perf_counter() - t0, sum(len(s.tokens) for s in drafting) - emitted)
+
+    def _best_draft(self, s: _Seq, plain: float) -> tuple[list[int], int, float, Source] | None:
+        """Sequence ``s``'s lookup or corpus drafts whose round is expected to return the most tokens per
+        second, above ``plain`` (a plain step's): (drafts, match length, their summed acceptance, source),
+        or None."""
+        cap = self._draft_cap(s)
+        if cap < 1:
+            return None
+        best, value = None, plain
+        for src in self.cfg.speculative.sources:
+            if src is Source.LOOKUP:
+                drafts, n = s.lookup.draft(cap)
+            elif src is Source.CORPUS and self._ngram is not None:
+                drafts, n = self._ngram.draft(s.tokens, cap)
+            else:
+                continue
+            if drafts:
+                probs = self._acceptance[src].probs(n, len(drafts))
+                k, v = lookup_length(probs, self.call_costs, plain)
+                if k and v > value:
+                    best, value = (drafts[:k], n, float(probs[:k].sum()), src), v
+        return best
 
     def _draft_cap(self, s: _Seq) -> int:
         """The most drafts a round of ``s`` may verify: it emits drafts + 1 tokens, within max_tokens,

@@ -1,7 +1,7 @@
 """Speculative decoding (mode ``exact``): the parts the engine's loop uses.
 
-Two draft sources, chosen per row and round by expected tokens per unit of measured cost
-(:func:`lookup_length`, :class:`CallCosts`, :class:`ExitGate`); where no draft is expected to pay,
+Three draft sources, chosen per row and round by expected tokens per unit of measured cost
+(:func:`lookup_length`, :class:`CallCosts`, :class:`ExitDraftGate`); where no draft is expected to pay,
 the row takes a plain full-depth step.
 
 ``lookup``  prompt-lookup drafts (Saxena 2023): the tokens that followed the latest earlier
@@ -110,6 +110,11 @@ class SpecConfig:
             raise ConfigError(f"speculative.fixed must be in 1..max_draft ({self.max_draft}), got {self.fixed}")
         if not 0.0 <= self.top1 <= 1.0:
             raise ConfigError(f"speculative.top1 must be in [0, 1], got {self.top1}")
+
+    @property
+    def exit_only(self) -> bool:
+        """Exit drafts alone: they always draft, as before the other sources came."""
+        return self.sources == (Source.EXIT,)
 
 
 class Agreement(Protocol):
@@ -276,7 +281,7 @@ def lookup_length(probs: np.ndarray, costs: CallCosts, plain: float) -> tuple[in
     return best, value
 
 
-class ExitGate:
+class ExitDraftGate:
     """Whether exit-draft rounds pay: their measured seconds per emitted token (moving average) against
     a plain step's. Untried, they are tried; a source that lost is tried again every ``RETRY`` rounds
     (costs drift, and a source never chosen is never measured again)."""
@@ -286,11 +291,9 @@ class ExitGate:
 
     def __init__(self) -> None:
         self.per_token: float | None = None
-        self.rounds = 0
         self._since = 0
 
     def observe(self, seconds: float, tokens: int) -> None:
-        self.rounds += 1
         v = seconds / max(tokens, 1)
         self.per_token = v if self.per_token is None else self.per_token + self.ALPHA * (v - self.per_token)
 

@@ -21,11 +21,11 @@ from edge.core.errors import ConfigError
 from edge.model.lookup import Lookup
 from edge.runtime.backend import make_backend
 from edge.runtime.engine import Engine, EngineConfig, Mode, Request
-from edge.runtime.speculative import CallCosts, ExitGate, LookupAcceptance, SpecConfig, lookup_length
+from edge.runtime.speculative import CallCosts, ExitDraftGate, LookupAcceptance, SpecConfig, lookup_length
 from edge.runtime.torch_backend import TorchBackend
 from tests.unit.engine.test_engine import _model, _run
 from tests.unit.engine.test_speculative import _full
-from tests.unit.engine.test_speculative_sampling import (ALPHA, PROMPT, TOKENS, V, _chisquare, _exact_joint,
+from tests.unit.engine.test_speculative_sampling import (ALPHA, PROMPT, V, _chisquare, _engine_joint, _exact_joint,
                                                         _sampling_model)
 
 torch.set_num_threads(1)
@@ -124,11 +124,11 @@ def test_lookup_length_maximises_expected_tokens_per_second():
 
 
 def test_exit_gate_follows_measured_cost_and_retries():
-    g = ExitGate()
+    g = ExitDraftGate()
     assert g.pays(1.0)  # untried
     g.observe(4.0, 2)  # 2 s per token
     assert g.pays(3.0) and not g.pays(1.0)
-    assert sum(g.pays(1.0) for _ in range(ExitGate.RETRY * 2)) == 2  # tried again every RETRY rounds
+    assert sum(g.pays(1.0) for _ in range(ExitDraftGate.RETRY * 2)) == 2  # tried again every RETRY rounds
 
 
 def test_sources_config_errors():
@@ -244,28 +244,12 @@ def _sample_lookup_joint(m, temperature, top_p, requests=640):
     draft verified (flat costs), 64 sequences at once. Returns (counts, the lookup source's SpecStats)."""
     eng = _engine(TorchBackend(m), max_seqs=64, max_running=64, max_len=16, prefill_budget=64 * 9,
                   speculative=SpecConfig(max_draft=3, **LOOKUP))
-    ids = [eng.submit(Request(LOOP_PROMPT, TOKENS + 1, temperature=temperature, top_p=top_p, seed=k,
-                              mode="exact")) for k in range(requests)]
-    out: dict[int, list[int]] = {i: [] for i in ids}
-    while eng.has_work:
-        for ev in eng.step():
-            out[ev.request_id].append(ev.token)
-    counts = np.zeros((V,) * TOKENS, int)
-    for toks in out.values():
-        assert len(toks) == TOKENS + 1
-        counts[tuple(toks[:TOKENS])] += 1
-    return counts, eng.source_stats["lookup"]
+    return _engine_joint(eng, LOOP_PROMPT, temperature, top_p, requests), eng.source_stats["lookup"]
 
 
 @functools.lru_cache(maxsize=None)
 def _loop_joint(temperature, top_p):
-    import tests.unit.engine.test_speculative_sampling as sampling
-
-    saved, sampling.PROMPT = sampling.PROMPT, LOOP_PROMPT
-    try:
-        return _exact_joint(_sampling_model(), temperature, top_p)
-    finally:
-        sampling.PROMPT = saved
+    return _exact_joint(_sampling_model(), temperature, top_p, LOOP_PROMPT)
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.8)], ids=["softmax", "t0.7_top_p0.8"])

@@ -108,12 +108,12 @@ def _sampling_model():
 
 
 @torch.no_grad()
-def _exact_joint(m, temperature, top_p) -> np.ndarray:
-    """P(x1, x2, x3) [V, V, V] of full-depth sampling after PROMPT: p(x1) p(x2 | x1) p(x3 | x1, x2), each
+def _exact_joint(m, temperature, top_p, prompt=PROMPT) -> np.ndarray:
+    """P(x1, x2, x3) [V, V, V] of full-depth sampling after ``prompt``: p(x1) p(x2 | x1) p(x3 | x1, x2), each
     factor the distribution the engine samples from (sampling.token_distribution: temperature, then
     the nucleus) of one teacher-forced forward over every continuation."""
-    n = len(PROMPT)
-    seqs = torch.tensor([PROMPT + [a, b] for a in range(V) for b in range(V)])  # [V * V, n + 2]
+    n = len(prompt)
+    seqs = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])  # [V * V, n + 2]
     logits = m.backbone(seqs).logits.numpy()  # [V * V, n + 2, V]
 
     def dist(row, pos):
@@ -128,14 +128,10 @@ def _exact_joint(m, temperature, top_p) -> np.ndarray:
     return joint
 
 
-def _sample_joint(backend, temperature, top_p, requests=REQUESTS):
-    """Counts [V, V, V] of the first TOKENS tokens of ``requests`` requests (seeds 0, 1, ...) in mode exact, 64
-    decoding at once (continuous batching); each request asks one token more than tested, so its first
-    round verifies two drafts. Returns (counts, the engine's SpecStats)."""
-    eng = Engine(backend, EngineConfig(max_seqs=64, max_running=64, max_len=16, prefill_budget=64 * 3,
-                                               speculate_max_batch=None,
-                                               speculative=SpecConfig(stop="fixed", fixed=2, max_draft=2, sources=("exit",))))
-    ids = [eng.submit(Request(PROMPT, TOKENS + 1, temperature=temperature, top_p=top_p, seed=k,
+def _engine_joint(eng, prompt, temperature, top_p, requests) -> np.ndarray:
+    """Counts [V, V, V] of the first TOKENS tokens after ``prompt`` of ``requests`` requests (seeds 0, 1,
+    ...) in mode exact on engine ``eng``, each asking one token more than tested."""
+    ids = [eng.submit(Request(prompt, TOKENS + 1, temperature=temperature, top_p=top_p, seed=k,
                               mode="exact")) for k in range(requests)]
     out: dict[int, list[int]] = {i: [] for i in ids}
     while eng.has_work:
@@ -145,7 +141,17 @@ def _sample_joint(backend, temperature, top_p, requests=REQUESTS):
     for toks in out.values():
         assert len(toks) == TOKENS + 1
         counts[tuple(toks[:TOKENS])] += 1
-    return counts, eng.spec_stats
+    return counts
+
+
+def _sample_joint(backend, temperature, top_p, requests=REQUESTS):
+    """Counts [V, V, V] of the first TOKENS tokens of ``requests`` requests in mode exact, exit drafts, 64
+    decoding at once (continuous batching); each request asks one token more than tested, so its first
+    round verifies two drafts. Returns (counts, the engine's SpecStats)."""
+    eng = Engine(backend, EngineConfig(max_seqs=64, max_running=64, max_len=16, prefill_budget=64 * 3,
+                                       speculate_max_batch=None,
+                                       speculative=SpecConfig(stop="fixed", fixed=2, max_draft=2, sources=("exit",))))
+    return _engine_joint(eng, PROMPT, temperature, top_p, requests), eng.spec_stats
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (1.0, 0.8)], ids=["softmax", "top_p0.8"])
