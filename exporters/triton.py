@@ -10,7 +10,7 @@ Layout (``<run>/triton/`` by default)::
                                  with every file's sha256 and the host's settings
 
 Files are hard-linked from the run where the file system allows (the export is ~150 MB), else
-copied. ``scheduler.bundle.open_bundle`` (what model.py calls at load) re-hashes every file against bundle.json,
+copied. ``scheduler.serving.bundle.open_bundle`` (what model.py calls at load) re-hashes every file against bundle.json,
 checks the export and the threshold table belong to the same checkpoint, and builds the host: a
 bundle that was edited or mixed from two runs refuses to load.
 """

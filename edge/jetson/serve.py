@@ -6,7 +6,7 @@ The model runs on the TensorRT engines of ``make jetson-engines`` once their par
 passed for this export; before any engine exists, on the torch backend on CUDA with CUDA graphs
 (``torch_static``, JetPack's torch wheel); engines that failed parity stop it (:func:`choose_backend`).
 The choice is ``<run>/jetson/units/backend.json``, which tritonserver's unit names in
-``SMARTEXIT_BACKEND_CONFIG`` (scheduler.bundle). The serving app binds 127.0.0.1 unless ``api_key_config`` names a YAML
+``SMARTEXIT_BACKEND_CONFIG`` (scheduler.serving.bundle). The serving app binds 127.0.0.1 unless ``api_key_config`` names a YAML
 file holding ``serve: {api_key: ...}`` (mode 0600), then 0.0.0.0 with the key required on every
 ``/v1/*`` request (docs/serving.md).
 """
@@ -35,7 +35,7 @@ from edge.jetson.push import REPO_ROOT
 from edge.jetson.steps import Runner, Step, require_jetson
 from edge.jetson.units import ANY, LOOPBACK, SERVE_UNIT, TRITON_UNIT, UNITS, serve_unit, triton_environment, triton_unit
 from edge.runtime.served import BACKEND_ENV, CHOICE_FILE, ENGINES_DIR, SERVED_BACKENDS
-from exporters.tritonserver import TritonPorts
+from scheduler.serving.tritonserver import TritonPorts
 
 UNITS_DIR = Path("jetson") / "units"
 
@@ -98,7 +98,7 @@ def check_parity_passed(run_dir: Path, manifest: Manifest) -> None:
 
 
 def choose_backend(cfg: JetsonServeConfig, run_dir: Path, manifest: Manifest, runner: Runner) -> dict[str, Any]:
-    """What serves the bundle (scheduler.bundle.read_backend_choice's dict).
+    """What serves the bundle (scheduler.serving.bundle.read_backend_choice's dict).
 
     ``tensorrt``: the engines of ``make jetson-engines``, only once their parity against ONNX Runtime
     passed for this export. ``torch_static``: the served checkpoint (pushed with ``bench=true``) on

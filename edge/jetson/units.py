@@ -3,7 +3,7 @@
 - ``smartexit-triton.service``: JetPack's tritonserver (the Jetson tarball, ``--backend-directory``
   given explicitly, as Triton's Jetson docs require) on the run's model repository, HTTP / gRPC /
   metrics on loopback only. Its python-backend model imports ``edge``: the environment carries
-  ``SMARTEXIT_PYTHONPATH`` (the stub ignores PYTHONPATH; exporters/tritonserver.py) and the library
+  ``SMARTEXIT_PYTHONPATH`` (the stub ignores PYTHONPATH; scheduler/serving/tritonserver.py) and the library
   folders of Triton and of the venv's Python.
 - ``smartexit-serve.service``: the Ray Serve app (``smartexit serve``) connected to that tritonserver
   (``serve.triton_url``), on 127.0.0.1 unless an API key is configured. The key never appears in a
@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from exporters.tritonserver import TritonInstall, TritonPorts, tritonserver_command
+from scheduler.serving.tritonserver import TritonInstall, TritonPorts, tritonserver_command
 
 TRITON_UNIT = "smartexit-triton.service"
 SERVE_UNIT = "smartexit-serve.service"
@@ -64,7 +64,7 @@ def triton_environment(triton_home: str | Path, site_dirs: Sequence[str], repo_r
                        python_libdir: str) -> dict[str, str]:
     """What the python-backend stub needs: this venv's packages and the checkout (``SMARTEXIT_PYTHONPATH``,
     read by the Triton model.py) and the libraries of Triton and of this Python (``LD_LIBRARY_PATH``),
-    as exporters/tritonserver.py sets them for a server it launches itself."""
+    as scheduler/serving/tritonserver.py sets them for a server it launches itself."""
     paths = list(dict.fromkeys([*site_dirs, str(repo_root)]))
     libs = [str(Path(triton_home) / "lib"), *([python_libdir] if python_libdir else [])]
     return {"SMARTEXIT_PYTHONPATH": ":".join(paths), "LD_LIBRARY_PATH": ":".join(libs)}

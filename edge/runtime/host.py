@@ -50,7 +50,7 @@ class HostConfig:
     control_timeout_s: float = 10.0
     # a JSONL file the engine thread appends one line per step to (what the step did and how long it
     # took under the stack): `smartexit profile` fits the served engine's step time from it
-    # (scheduler/serving_path.py). None: no log (the default; it costs the engine thread ~20 us a step)
+    # (scheduler/loadtest/serving_path.py). None: no log (the default; it costs the engine thread ~20 us a step)
     step_log: str | None = None
 
     def __post_init__(self) -> None:
@@ -167,7 +167,7 @@ class EngineHost:
         self._thread: threading.Thread | None = None
         self._queued = 0  # submitted, not yet handed to the engine (read without a lock: an estimate)
         self.tokens_total = self.finished_total = self.rejected_total = self.steps_total = 0
-        # where the engine thread's time goes (the serving path's cost, scheduler/serving_path.py)
+        # where the engine thread's time goes (the serving path's cost, scheduler/loadtest/serving_path.py)
         self.step_seconds_total = self.emit_seconds_total = 0.0
         self.chunks_total = 0
         self.error: BaseException | None = None

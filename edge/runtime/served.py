@@ -1,6 +1,6 @@
 """Which backend serves an export: the choice file ``smartexit jetson serve`` writes, and the backend it names.
 
-Read where a bundle is opened (scheduler.bundle: Triton's model, the in-process host) and by the
+Read where a bundle is opened (scheduler.serving.bundle: Triton's model, the in-process host) and by the
 benchmarks that measure the served backend on a device (``smartexit bench energy backend=served``).
 Each backend's module is imported only when chosen (torch for torch_static, TensorRT for tensorrt).
 """

@@ -15,7 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
-# The stub's embedded interpreter ignores PYTHONPATH; the launcher (exporters/tritonserver.py) names
+# The stub's embedded interpreter ignores PYTHONPATH; the launcher (scheduler/serving/tritonserver.py) names
 # the environment that holds edge, onnxruntime, numpy here. Put it first, and read its .pth files
 # (an editable install of this package is one).
 for _p in reversed([p for p in os.environ.get("SMARTEXIT_PYTHONPATH", "").split(os.pathsep) if p]):
@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402 - after the path set-up above
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from edge.runtime.host import Chunk, GenRequest, HostError, merge_chunks
-from scheduler.bundle import open_bundle
+from scheduler.serving.bundle import open_bundle
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 CANCEL_CHECK_S = 0.5  # how often a streaming request asks Triton whether its client cancelled (an IPC round trip)
@@ -131,7 +131,7 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("model 'smartexit' must be decoupled (config.pbtxt)")
         bundle = Path(args["model_repository"]) / args["model_version"] / "bundle"
         self.host = open_bundle(bundle)
-        # the serving path's measurement (scheduler/serving_path.py) asks for a step log through the
+        # the serving path's measurement (scheduler/loadtest/serving_path.py) asks for a step log through the
         # environment the worker starts tritonserver with (ServeConfig.step_log)
         self.host.cfg.step_log = os.environ.get("SMARTEXIT_STEP_LOG") or None
         self.host.start()

@@ -1,4 +1,4 @@
-"""Which backend serves a bundle (scheduler/bundle.py): ONNX Runtime by default; the static-cache torch
+"""Which backend serves a bundle (scheduler/serving/bundle.py): ONNX Runtime by default; the static-cache torch
 backend on the bundle's own checkpoint (what a Jetson serves before its TensorRT engines exist) when the
 file ``$SMARTEXIT_BACKEND_CONFIG`` names says so, in process and in a real tritonserver; bad choices
 refused with the reason. The TensorRT choice needs a device: tests/jetson/test_trt_backend.py."""
@@ -61,7 +61,7 @@ def test_bad_backend_choices_are_refused(repo, tmp_path, monkeypatch, content, e
     path = tmp_path / "backend.json"
     path.write_text(content.replace("BUNDLE", str(repo / BUNDLE)))
     monkeypatch.setenv("SMARTEXIT_BACKEND_CONFIG", str(path))
-    from scheduler.bundle import open_bundle
+    from scheduler.serving.bundle import open_bundle
 
     with pytest.raises(error, match=msg):
         open_bundle(repo / BUNDLE)
@@ -73,7 +73,7 @@ def test_tritonserver_serves_the_torch_static_backend(repo, torch_choice):
     import numpy as np
     import tritonclient.grpc as grpcclient
 
-    from exporters.tritonserver import TritonProcess
+    from scheduler.serving.tritonserver import TritonProcess
 
     prompt = PROMPTS[0]
     ref = generate(repo / BUNDLE, prompt, "full")

@@ -37,7 +37,7 @@ def stack(served_run, repository_copy, find_processes, tmp_path_factory, free_po
 @pytest.fixture(scope="module")
 def browser_ready():
     pytest.importorskip("playwright.sync_api", reason="playwright is not installed (requirements/lock.txt)")
-    from scheduler.serve.screenshot import BrowserUnavailable, find_chromium
+    from scheduler.serving.screenshot import BrowserUnavailable, find_chromium
 
     try:
         return find_chromium()
@@ -139,7 +139,7 @@ def test_the_page_fills_and_moves_under_load_in_chromium(stack, browser_ready, t
     has polled again, holds more rows, a newer timestamp and more tokens in its exit-layer
     histogram; latency and tokens/s have values; the power panels say why there is no chart (no
     meter configured); the scheduler table names the policy. Then a screenshot."""
-    from scheduler.serve.screenshot import dashboard_screenshot, open_dashboard
+    from scheduler.serving.screenshot import dashboard_screenshot, open_dashboard
 
     with Load(stack.url) as load:
         with open_dashboard(stack.url, api_key=KEY) as session:

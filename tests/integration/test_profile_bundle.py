@@ -15,9 +15,9 @@ import pytest
 
 from edge.core.artifacts import Manifest
 from edge.core.errors import ConfigError
-from scheduler.latency import LatencyModel
-from scheduler.predictor import read_exit_traces
-from scheduler.profile import ProfileConfig, main
+from scheduler.control.latency import LatencyModel
+from scheduler.control.predictor import read_exit_traces
+from scheduler.loadtest.profile import ProfileConfig, main
 
 pytestmark = pytest.mark.integration
 

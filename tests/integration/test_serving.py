@@ -34,7 +34,7 @@ MAX_INFLIGHT = 4
 # greedy, this prompt runs 200 tokens on the micro model without its end-of-text token (which the
 # front end stops at), in modes bounded and full
 PROMPT = "class Stack:\n    def push(self, x):"
-# the front end's families (scheduler/serve/metrics.py) and the type each must have
+# the front end's families (scheduler/serving/metrics.py) and the type each must have
 METRIC_TYPES = {"smartexit_requests": "counter", "smartexit_ttft_seconds": "histogram",
                 "smartexit_time_per_output_token_seconds": "histogram", "smartexit_e2e_latency_seconds": "histogram",
                 "smartexit_exit_layer": "histogram", "smartexit_generated_tokens": "counter",
@@ -61,8 +61,8 @@ class Stack:
 def _start(served_run, repository_copy, find_processes, tmp_path_factory, port: int, name: str, **overrides):
     """``serving_stack`` on this class's own copy of the repository, as a generator fixture body;
     after the stack stops, no tritonserver or stub serving that repository may remain."""
-    from scheduler.serve.config import ServeConfig
-    from scheduler.serve.stack import serving_stack
+    from scheduler.serving.config import ServeConfig
+    from scheduler.serving.stack import serving_stack
 
     run = repository_copy(served_run, tmp_path_factory.mktemp(name))
     cfg = ServeConfig(port=port, model_name=MODEL, max_tokens_limit=MAX_TOKENS_LIMIT, control_tick_s=0.1,

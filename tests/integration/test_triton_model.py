@@ -138,7 +138,7 @@ def step_log(tmp_path_factory) -> Path:
 def server(repo, step_log):
     """A real tritonserver on the repository (model loaded), for the module; its engine writes a step
     log (the environment ServeConfig.step_log sets)."""
-    from exporters.tritonserver import TritonProcess
+    from scheduler.serving.tritonserver import TritonProcess
 
     tp = TritonProcess(repo, env={"SMARTEXIT_STEP_LOG": str(step_log)}).start(timeout_s=120)
     yield tp
@@ -155,7 +155,7 @@ def stream(server):
 def in_process(bundle: Path, prompt: list[int], max_tokens: int, mode: str) -> list:
     """The engine host over the same bundle, in this process: its chunks for one greedy request."""
     from edge.runtime.host import GenRequest
-    from scheduler.bundle import open_bundle
+    from scheduler.serving.bundle import open_bundle
 
     host = open_bundle(bundle).start()
     chunks, done = [], threading.Event()
@@ -310,8 +310,8 @@ def test_a_bundle_with_a_changed_file_refuses_to_load(served_run, repository_cop
     thresholds.json makes tritonserver fail to start (the error names its log; the log names the
     file and the sha256 mismatch), leaving no process behind; one with a changed tokenizer.json is
     refused by ``open_bundle`` itself (what model.py calls at load)."""
-    from exporters.tritonserver import TritonProcess
-    from scheduler.bundle import open_bundle
+    from scheduler.serving.tritonserver import TritonProcess
+    from scheduler.serving.bundle import open_bundle
 
     repo = repository_copy(served_run, tmp_path / "tampered") / "triton"
     _flip_byte(repo / BUNDLE / "thresholds.json")

@@ -16,7 +16,7 @@ from edge.jetson.serve import JetsonServeConfig, check_api_key_config
 from edge.jetson.units import (SERVE_UNIT, TRITON_UNIT, exec_line, serve_unit, systemd_word, triton_environment,
                                triton_unit)
 from edge.pipeline.cli import main as cli
-from exporters.tritonserver import TritonPorts
+from scheduler.serving.tritonserver import TritonPorts
 from tests.unit.jetson.conftest import device_root
 
 

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from edge.core.configio import apply, load_yaml
-from scheduler import bench_serve
-from scheduler.bench_report import (compare, percentiles, same_lengths, plot_latency_cdf, plot_throughput, render_markdown,
+from scheduler.loadtest import bench_serve
+from scheduler.loadtest.bench_report import (compare, percentiles, same_lengths, plot_latency_cdf, plot_throughput, render_markdown,
                                     summarize, throughput_series)
-from scheduler.bench_serve import INPROCESS, BenchServeConfig
-from scheduler.loadgen import RequestResult
+from scheduler.loadtest.bench_serve import INPROCESS, BenchServeConfig
+from scheduler.loadtest.loadgen import RequestResult
 
 PNG = b"\x89PNG\r\n\x1a\n"
 ROOT = __import__("pathlib").Path(__file__).parents[3]
@@ -135,7 +135,7 @@ def test_stage_end_to_end_with_fake_runs(tmp_path, monkeypatch):
 
 
 def test_report_says_when_arrivals_are_synthetic(tmp_path, monkeypatch):
-    monkeypatch.setattr("scheduler.workload.SHARED_TRACE", tmp_path / "absent.csv")
+    monkeypatch.setattr("scheduler.control.workload.SHARED_TRACE", tmp_path / "absent.csv")
     monkeypatch.setattr(bench_serve, "SHARED_TRACE", tmp_path / "absent.csv")
     cfg = BenchServeConfig(run_dir=str(tmp_path / "r"), duration_s=5.0, rate_rps=3.0, inprocess=False, context_window=256,
                            tokenizer=str(ROOT / "edge" / "assets" / "tiny-ee" / "tokenizer.json"))
@@ -173,7 +173,7 @@ def test_a_failed_warmup_stops_the_stage():
     import asyncio
 
     from edge.core.errors import SmartExitError
-    from scheduler.loadgen import ScheduledRequest
+    from scheduler.loadtest.loadgen import ScheduledRequest
 
     async def refusing(req):
         return _failed(0, 0.0, "http_404")

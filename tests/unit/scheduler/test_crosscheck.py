@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from scheduler.crosscheck import CrossCheckConfig, aiperf_command, aiperf_numbers, our_numbers
+from scheduler.loadtest.crosscheck import CrossCheckConfig, aiperf_command, aiperf_numbers, our_numbers
 
 
 def test_aiperf_command_is_the_closed_loop_we_run():
@@ -31,7 +31,7 @@ def test_numbers_line_up():
 
 
 def test_server_means_from_two_scrapes():
-    from scheduler.crosscheck import server_counts, server_means
+    from scheduler.loadtest.crosscheck import server_counts, server_means
 
     def scrape(n, ttft_sum, e2e_sum, tokens):
         return server_counts(

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from edge.core.errors import ConfigError
-from scheduler import env as env_mod
-from scheduler.env import (ACTIONS, EnvConfig, RewardConfig, SchedulerEnv, action_of, estimate_capacity, index_of,
+from scheduler.control import env as env_mod
+from scheduler.control.env import (ACTIONS, EnvConfig, RewardConfig, SchedulerEnv, action_of, estimate_capacity, index_of,
                            layout_id, obs_vector, reward_of)
-from scheduler.latency import FEATURES, LatencyModel
-from scheduler.policies import ControlAction, FixedBudget, observation_from_stats
-from scheduler.sim import ExitModel, TickCounts
+from scheduler.control.latency import FEATURES, LatencyModel
+from scheduler.control.policies import ControlAction, FixedBudget, observation_from_stats
+from scheduler.control.sim import ExitModel, TickCounts
 
 LM = LatencyModel({f: 0.0 for f in FEATURES} | {"one": 1e-3, "decode_rows": 0.3e-3, "prefill_tokens": 0.15e-3,
                                                  "prefill_calls": 0.5e-3, "decode_layer_rows": 2e-5}, 12, [3, 9, 12])

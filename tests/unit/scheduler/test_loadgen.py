@@ -10,10 +10,10 @@ import pytest
 
 from edge.core.errors import ConfigError
 from edge.runtime.host import Chunk, HostError
-from scheduler.loadgen import RequestResult, ScheduledRequest, build_schedule, map_lengths, run_open_loop, window
-from scheduler.senders import (HttpSender, InProcessSender, SSEDecoder, StreamReader, completion_body, error_from_body,
+from scheduler.loadtest.loadgen import RequestResult, ScheduledRequest, build_schedule, map_lengths, run_open_loop, window
+from scheduler.loadtest.senders import (HttpSender, InProcessSender, SSEDecoder, StreamReader, completion_body, error_from_body,
                                parse_chunk)
-from scheduler.workload import SHARED_TRACE, Workload, read_trace, synthetic
+from scheduler.control.workload import SHARED_TRACE, Workload, read_trace, synthetic
 
 POOL = [list(range(k * 1000, k * 1000 + n)) for k, n in enumerate([40, 600, 90, 1200, 300])]
 
@@ -348,7 +348,7 @@ def test_closed_loop_keeps_exactly_concurrency_requests_in_flight():
     every request sent once, results in request order."""
     import asyncio
 
-    from scheduler.loadgen import RequestResult, ScheduledRequest, run_closed_loop
+    from scheduler.loadtest.loadgen import RequestResult, ScheduledRequest, run_closed_loop
 
     active, peak, order = [0], [0], []
 

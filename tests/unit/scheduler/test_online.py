@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edge.core.errors import ConfigError
-from scheduler.env import RewardConfig, obs_vector, reward_of
-from scheduler.learned import LearnedPolicy
-from scheduler.online import FallbackGuard, GuardedPolicy, OnlineTuner, TuneStats, live_reward
-from scheduler.policies import ControlAction, FixedBudget
-from scheduler.sim import TickCounts
+from scheduler.control.env import RewardConfig, obs_vector, reward_of
+from scheduler.control.learned import LearnedPolicy
+from scheduler.control.online import FallbackGuard, GuardedPolicy, OnlineTuner, TuneStats, live_reward
+from scheduler.control.policies import ControlAction, FixedBudget
+from scheduler.control.sim import TickCounts
 from tests.unit.scheduler.test_learned import observations, tiny_model
 
 
@@ -110,7 +110,7 @@ def test_update_in_a_thread_while_the_policy_acts():
 
 def test_tuner_takes_a_network_fresh_from_training():
     """A network that just ran a training forward (behaviour cloning, PPO) holds graph tensors."""
-    from scheduler.learned import zero_states
+    from scheduler.control.learned import zero_states
 
     model = tiny_model(seed=7)
     net = model.policy
@@ -157,7 +157,7 @@ def test_first_window_probes_then_learned_controls():
 
 def test_worse_learned_window_falls_back_for_the_cooldown_then_returns(caplog):
     g = FallbackGuard(window_s=30, min_requests=20, probe_every=10, cooldown_windows=3)
-    with caplog.at_level(logging.WARNING, logger="scheduler.online"):
+    with caplog.at_level(logging.WARNING, logger="scheduler.control.online"):
         active = feed(g, [(40, 38), (40, 30), (40, 39), (40, 39), (40, 39), (40, 39)])
     assert active == ["heuristic", "learned", "heuristic", "heuristic", "heuristic", "learned"]
     assert g.fallbacks == 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from edge.core.errors import ConfigError
-from scheduler.policies import AIMD, ControlObservation, FixedBudget, make_policy, observation_from_stats
+from scheduler.control.policies import AIMD, ControlObservation, FixedBudget, make_policy, observation_from_stats
 
 STATS = {"waiting": 3, "prefill_backlog_tokens": 200, "running": 4, "free_slots": 12, "prefill_budget": 128,
          "max_running": 8, "max_seqs": 16, "num_layers": 12, "predicted_exit_layer": 9.5, "min_slack_ms": 50.0}
@@ -68,7 +68,7 @@ def test_bad_policy_settings(name, kw, msg):
 
 
 def test_maxdelay_trickles_until_the_queue_is_long_or_old_enough():
-    from scheduler.policies import MaxDelay
+    from scheduler.control.policies import MaxDelay
 
     base = dict(waiting=1, prefill_backlog_tokens=100, running=2, free_slots=14, prefill_budget=16, max_running=16,
                 max_seqs=16, num_layers=12, predicted_exit_layer=12.0, min_slack_ms=50.0, sla_ttft_ms=500.0)

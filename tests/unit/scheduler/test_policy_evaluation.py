@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from edge.core.errors import ConfigError
-from scheduler.env import EnvConfig
-from scheduler.evaluate import (WorkloadSpec, best_fixed, cell_table, compare, evaluate_grid, holds_sla, sla_edge,
+from scheduler.control.env import EnvConfig
+from scheduler.control.evaluate import (WorkloadSpec, best_fixed, cell_table, compare, evaluate_grid, holds_sla, sla_edge,
                                 trace_at_rate)
-from scheduler.latency import FEATURES, LatencyModel
-from scheduler.policies import AIMD, FixedBudget
-from scheduler.sim import ExitModel
-from scheduler.workload import Workload
+from scheduler.control.latency import FEATURES, LatencyModel
+from scheduler.control.policies import AIMD, FixedBudget
+from scheduler.control.sim import ExitModel
+from scheduler.control.workload import Workload
 
 
 def _cell(goodput, holds, ttft=100.0, std=0.0):

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from edge.core.errors import ConfigError
-from scheduler.predictor import (FEATURES, HEAD, EmaPredictor, ExitDepthPredictor, PromptFeatureModel,
+from scheduler.control.predictor import (FEATURES, HEAD, EmaPredictor, ExitDepthPredictor, PromptFeatureModel,
                                  evaluate_predictors, prompt_features, read_exit_traces, ridge_fit)
 
 LAYERS = np.array([3, 9, 12])   # the tiny model's exits

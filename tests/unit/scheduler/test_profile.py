@@ -1,5 +1,5 @@
 """``smartexit profile``'s bookkeeping (step features from engine states, checked against a tiny real
-engine's own outputs), its scenarios and config, and the latency model's fit (scheduler/latency.py)."""
+engine's own outputs), its scenarios and config, and the latency model's fit (scheduler/control/latency.py)."""
 from __future__ import annotations
 
 import json
@@ -13,9 +13,9 @@ from edge.core.errors import ConfigError
 from edge.runtime.engine import NO_TOKEN, Engine, EngineConfig, KVMode, Request, TokenEvent
 from edge.runtime.rules import ConfidenceRule
 from edge.runtime.torch_backend import TorchBackend
-from scheduler.latency import (FEATURES, FORMAT, LatencyModel, StepFeatures, combine, decode_features, fit_latency,
+from scheduler.control.latency import (FEATURES, FORMAT, LatencyModel, StepFeatures, combine, decode_features, fit_latency,
                                prefill_features)
-from scheduler.profile import (ProfileConfig, Scenario, check_scenarios, design, exits_allowed, generate_scenarios,
+from scheduler.loadtest.profile import (ProfileConfig, Scenario, check_scenarios, design, exits_allowed, generate_scenarios,
                                held_out_groups, main, run_profile, step_features, timed_step)
 from tests.unit.engine.test_engine import _model, _prompts
 

@@ -15,8 +15,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from tokenizers import Tokenizer
 
 from edge.core.errors import ConfigError
-from scheduler.serve import api
-from scheduler.serve.config import BundleInfo, ServeConfig
+from scheduler.serving import api
+from scheduler.serving.config import BundleInfo, ServeConfig
 
 # ray.serve's own pydantic models warn on import; not ours to fix
 pytestmark = pytest.mark.filterwarnings("ignore::pydantic.warnings.PydanticDeprecatedSince20")
@@ -282,7 +282,7 @@ def test_serve_config_checks_name_the_field(tmp_path):
 # -- ingress glue: worker chunks -> answers (fakes for the worker stream; app.py imports ray) -------------
 @pytest.fixture(scope="module")
 def app():
-    from scheduler.serve import app
+    from scheduler.serving import app
     return app
 
 
@@ -316,7 +316,7 @@ def steps(text, reason="length", layer=3):
 
 
 def generation(app, raw, stream, kind="completion"):
-    from scheduler.serve.metrics import ServeMetrics
+    from scheduler.serving.metrics import ServeMetrics
     req = (api.parse_chat if kind == "chat" else api.parse_completion)(raw, LIMITS, encode)
     released = []
     gen = app.Generation(stream, req, api.TextStream(decode, req.stop, lstrip=kind == "chat"),
@@ -433,7 +433,7 @@ class FakeClient:
 
 
 class FakePolicy:
-    """The scheduler.policies interface: act(observation) -> an action with prefill_budget, max_running."""
+    """The scheduler.control.policies interface: act(observation) -> an action with prefill_budget, max_running."""
 
     def __init__(self, budget, running):
         self.action = type("Action", (), {"prefill_budget": budget, "max_running": running})()
@@ -445,7 +445,7 @@ class FakePolicy:
 
 
 def test_control_step_applies_only_what_changed(app):
-    from scheduler.serve import worker
+    from scheduler.serving import worker
     client = FakeClient({"waiting": 2, "prefill_budget": 128, "max_running": 8})
     policy = FakePolicy(256, 8)
     stats = asyncio.run(worker.control_step(client, policy, lambda s: ("obs", s["waiting"])))

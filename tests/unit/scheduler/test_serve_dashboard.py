@@ -1,4 +1,4 @@
-"""The live dashboard's data (scheduler/serve/dashboard.py) against hand-computed series, its power
+"""The live dashboard's data (scheduler/serving/dashboard.py) against hand-computed series, its power
 panel with a synthetic meter, and the page's files: vendored uPlot by sha256, package data."""
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import pytest
 
 from edge.core.errors import ConfigError
 from edge.energy.meter import NoSensor, PowerSample, SampledMeter
-from scheduler.serve import dashboard
-from scheduler.serve.config import ServeConfig
-from scheduler.serve.dashboard import ASSETS, PAGE, Dashboard, LivePower, open_power, static_file
-from scheduler.serve.metrics import ServeMetrics
+from scheduler.serving import dashboard
+from scheduler.serving.config import ServeConfig
+from scheduler.serving.dashboard import ASSETS, PAGE, Dashboard, LivePower, open_power, static_file
+from scheduler.serving.metrics import ServeMetrics
 
 ROOT = Path(__file__).resolve().parents[3]
-STATIC = ROOT / "scheduler" / "serve" / "static"
+STATIC = ROOT / "scheduler" / "serving" / "static"
 UPLOT_SHA256 = {  # static/vendor/uplot/README.md: uPlot 1.6.32 from registry.npmjs.org
     "uPlot.iife.min.js": "19c8d4c6ad88929a79f4ae49d6f7161566dfd0ba3d15cc495e974f787eb78f1f",
     "uPlot.min.css": "df630c6a8d6f8eeaff264b50f73ce5b114f646ffd9a0bb74f049b0a00135fa04",
@@ -261,6 +261,6 @@ def test_the_page_loads_only_served_assets_and_they_are_package_data():
     with pytest.raises(KeyError):
         static_file("../config.py")
     patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
-        "scheduler.serve"]
+        "scheduler.serving"]
     for name in [PAGE, *ASSETS, "vendor/uplot/LICENSE"]:
         assert any(fnmatch.fnmatch(f"static/{name}", p) for p in patterns), name

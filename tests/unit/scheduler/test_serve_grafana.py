@@ -10,9 +10,9 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from scheduler.serve.config import ServeConfig
-from scheduler.serve.dashboard import LivePower
-from scheduler.serve.metrics import ServeMetrics
+from scheduler.serving.config import ServeConfig
+from scheduler.serving.dashboard import LivePower
+from scheduler.serving.metrics import ServeMetrics
 from tests.unit.scheduler.test_serve_dashboard import FakeSensor
 from tests.unit.scheduler.test_serve_metrics import STATS
 

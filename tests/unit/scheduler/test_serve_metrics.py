@@ -5,7 +5,7 @@ import math
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from scheduler.serve.metrics import LATENCY_BUCKETS_S, ServeMetrics
+from scheduler.serving.metrics import LATENCY_BUCKETS_S, ServeMetrics
 
 STATS = {  # EngineHost.stats() keys the metrics read (docs/serving.md)
     "waiting": 3, "running": 5, "prefill_budget": 256, "max_running": 8, "tokens_total": 1000,

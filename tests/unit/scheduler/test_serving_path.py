@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from edge.core.errors import ConfigError
-from scheduler.latency import FEATURES, LatencyModel
-from scheduler.policies import FixedBudget
-from scheduler.profile_report import render_serving
-from scheduler.serving_path import ServingPath, fit_serving_path, fit_steps, read_step_log
-from scheduler.sim import ExitModel, SimConfig, simulate
-from scheduler.workload import Arrivals, Workload, synthetic
+from scheduler.control.latency import FEATURES, LatencyModel
+from scheduler.control.policies import FixedBudget
+from scheduler.loadtest.profile_report import render_serving
+from scheduler.loadtest.serving_path import ServingPath, fit_serving_path, fit_steps, read_step_log
+from scheduler.control.sim import ExitModel, SimConfig, simulate
+from scheduler.control.workload import Arrivals, Workload, synthetic
 
 LM = LatencyModel({f: 0.0 for f in FEATURES} | {"one": 1e-3, "decode_rows": 0.4e-3, "prefill_tokens": 0.2e-3,
                                                  "prefill_calls": 1e-3}, 12, [3, 9, 12])
@@ -26,7 +26,7 @@ def _results(w: Workload, budget: int = 128, **cfg):
 
 def _steps(truth: dict, n: int = 400, seed: int = 0) -> list[dict]:
     """Step-log records of random decode batches and prefill chunks, timed as ``truth`` says (+-5% noise)."""
-    from scheduler.serving_path import step_terms
+    from scheduler.loadtest.serving_path import step_terms
 
     rng = np.random.default_rng(seed)
     steps = []

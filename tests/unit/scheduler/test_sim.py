@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from edge.core.errors import ConfigError
-from scheduler.bench_report import summarize
-from scheduler.latency import FEATURES, LatencyModel
-from scheduler.policies import FixedBudget, observation_from_stats
-from scheduler.sim import ExitModel, SimConfig, Simulator, simulate
-from scheduler.workload import Arrivals, Workload, synthetic
+from scheduler.loadtest.bench_report import summarize
+from scheduler.control.latency import FEATURES, LatencyModel
+from scheduler.control.policies import FixedBudget, observation_from_stats
+from scheduler.control.sim import ExitModel, SimConfig, Simulator, simulate
+from scheduler.control.workload import Arrivals, Workload, synthetic
 
 LAYERS = [3, 9, 12]
 

@@ -13,10 +13,10 @@ import torch
 from edge.core.configio import apply, load_yaml, parse_overrides
 from edge.core.errors import ConfigError
 from edge.pipeline.cli import main as cli
-from scheduler.env import EnvConfig, SchedulerEnv, index_of, layout_id
-from scheduler.learned import LearnedPolicy
-from scheduler.policies import AIMD, ControlAction
-from scheduler.train import (Episode, Rollout, TrainSchedulerConfig, accuracy, behaviour_clone, engine_models,
+from scheduler.control.env import EnvConfig, SchedulerEnv, index_of, layout_id
+from scheduler.control.learned import LearnedPolicy
+from scheduler.control.policies import AIMD, ControlAction
+from scheduler.control.train import (Episode, Rollout, TrainSchedulerConfig, accuracy, behaviour_clone, engine_models,
                              run_episode)
 from tests.unit.scheduler.test_learned import EX, LM, observations, tiny_model
 
@@ -126,8 +126,8 @@ def test_run_episode_steps_as_the_environment_does():
     """The reference: SchedulerEnv replaying the same workload with the same simulator seed, stepped with
     the grid action of the same heuristic."""
     cfg = EnvConfig(episode_s=8.0, capacity_rps=20.0)
-    from scheduler.env import make_workload
-    from scheduler.policies import observation_from_stats
+    from scheduler.control.env import make_workload
+    from scheduler.control.policies import observation_from_stats
 
     w = make_workload("bursty", 30.0, cfg.episode_s, 7, cfg)
     env = SchedulerEnv(LM, EX, cfg, workloads=[w])

@@ -14,8 +14,8 @@ import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
-from scheduler.serve.api import GenerationRequest, backend_error
-from scheduler.serve.triton_client import (Chunk, TritonClient, TritonRejected, TritonUnavailable, control_tensors,
+from scheduler.serving.api import GenerationRequest, backend_error
+from scheduler.serving.triton_client import (Chunk, TritonClient, TritonRejected, TritonUnavailable, control_tensors,
                                            decode_chunk, decode_control, error_from_message, error_to_dict,
                                            generation_tensors)
 
@@ -299,8 +299,8 @@ class KeepPolicy:
 
 
 def worker(proc: FakeProc):
-    from scheduler.serve import worker as worker_module
-    from scheduler.serve.config import ServeConfig
+    from scheduler.serving import worker as worker_module
+    from scheduler.serving.config import ServeConfig
     w = object.__new__(worker_module.Worker.func_or_class)  # the class Serve runs, without its constructor
     w._cfg = ServeConfig(control_tick_s=0.01, restart_backoff_s=0.01, restart_backoff_max_s=0.04)
     w._hub, w._policy, w._observe, w._replica = FakeHub(), KeepPolicy(), (lambda s: s), "w0"

@@ -7,9 +7,9 @@ import shutil
 import pytest
 
 from edge.core.errors import ConfigError
-from scheduler.learned import DEFAULT_DIR
-from scheduler.serve.config import ServeConfig
-from scheduler.serve.worker import build_policy
+from scheduler.control.learned import DEFAULT_DIR
+from scheduler.serving.config import ServeConfig
+from scheduler.serving.worker import build_policy
 
 
 def test_heuristics_by_name_and_the_guarded_learned_policy():

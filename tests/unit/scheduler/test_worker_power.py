@@ -1,11 +1,11 @@
-"""The worker's power wiring (scheduler/serve/worker.py): each control tick's stats carry its device's
+"""The worker's power wiring (scheduler/serving/worker.py): each control tick's stats carry its device's
 meter reading; the meter's window rolls off the event loop; a failing meter costs the readings, not
 the control loop."""
 from __future__ import annotations
 
 import asyncio
 
-from scheduler.serve.dashboard import LivePower
+from scheduler.serving.dashboard import LivePower
 from tests.unit.scheduler.test_serve_dashboard import FakeSensor
 from tests.unit.scheduler.test_triton_client import KeepPolicy, StatsClient
 
@@ -31,8 +31,8 @@ class BrokenSensor(FakeSensor):
 
 
 def worker(power: LivePower | None):
-    from scheduler.serve import worker as worker_module
-    from scheduler.serve.config import ServeConfig
+    from scheduler.serving import worker as worker_module
+    from scheduler.serving.config import ServeConfig
     w = object.__new__(worker_module.Worker.func_or_class)  # the class Serve runs, without its constructor
     w._cfg = ServeConfig(control_tick_s=0.01)
     w._hub, w._policy, w._observe, w._replica = Hub(), KeepPolicy(), (lambda s: s), "w0"

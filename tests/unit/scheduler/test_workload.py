@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from edge.core.errors import ConfigError
-from scheduler.workload import (SHARED_TRACE, Arrivals, LengthMix, Lengths, Workload, clip_lengths, load_workload,
+from scheduler.control.workload import (SHARED_TRACE, Arrivals, LengthMix, Lengths, Workload, clip_lengths, load_workload,
                                 rate_of, read_trace, read_workload_file, scale_rate, synthetic)
 
 
@@ -25,7 +25,7 @@ def test_reads_shared_azure_trace():
 
 
 def test_falls_back_to_synthetic_and_says_so(monkeypatch, tmp_path):
-    monkeypatch.setattr("scheduler.workload.SHARED_TRACE", tmp_path / "absent.csv")
+    monkeypatch.setattr("scheduler.control.workload.SHARED_TRACE", tmp_path / "absent.csv")
     w = load_workload(n=200, rate=5.0)
     assert "synthetic poisson" in w.source and "no trace at" in w.source
     assert len(w) == 200

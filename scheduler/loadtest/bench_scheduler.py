@@ -1,0 +1,359 @@
+"""``smartexit bench scheduler``: the learned scheduler against the heuristics, in the simulator and
+on the real served stack, and the simulator against the real stack.
+
+1. Simulator grid (:mod:`scheduler.control.evaluate`): held-out workloads (Poisson and bursty arrivals on
+   seeds never drawn in training, diurnal arrivals never used in training at all, and the Azure code
+   trace or any file with its columns, ``--trace FILE``) x loads from light to past saturation
+   (multiples of the capacity estimated for this engine's latency model) x policies (every fixed
+   budget of the sweep, AIMD, max-delay batching, the learned policy).
+2. Real stack: at the load where the best fixed budget just holds the SLA on the real-stack workload,
+   a served run (Ray Serve -> Triton -> engine) with that fixed budget and one with the learned policy.
+3. Validation: served runs of the same workload family at loads below that edge (``validation_loads``,
+   shares of its rate; the same stack as the fixed budget's run, before it) and the two runs at the
+   edge, each replayed in the simulator (same arrivals, prompt lengths and the output lengths the
+   server produced) with the serving path ``smartexit profile`` fitted on its own requests
+   (scheduler/loadtest/serving_path.py), never on these runs: simulated vs measured TTFT and time per output
+   token, p50 and p95. ``sim_validation_max_rel_err`` is the largest error of the runs below the
+   edge; at the edge itself the stack sits at its knee, where on a 2-core machine two runs of one
+   schedule differ by up to 2x (docs/scheduler.md), and its errors are reported apart.
+
+Writes ``<run>/bench/scheduler.json`` (the report's ``scheduler`` section) and ``scheduler.md``;
+records stage ``bench_scheduler`` in the manifest.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edge.core.artifacts import Manifest, atomic_write_json, atomic_write_text
+from edge.core.errors import ConfigError
+from scheduler.loadtest.bench_report import summarize
+from scheduler.control.env import BUDGETS, EnvConfig, estimate_capacity
+from scheduler.control.evaluate import (FIXED_PREFIX, WorkloadSpec, best_fixed, cell_table, compare, evaluate_grid,
+                                spec_capacity, workload_for)
+from scheduler.control.latency import LatencyModel
+from scheduler.control.policies import FixedBudget, make_policy
+from scheduler.control.sim import ExitModel, SimConfig, simulate
+from scheduler.control.workload import SHARED_TRACE, Workload, read_workload_file
+
+STAGE = "bench_scheduler"
+LEARNED = "ppo"
+HELD_OUT_PATTERNS = ("poisson", "bursty", "diurnal")
+
+
+@dataclass
+class BenchSchedulerConfig:
+    run_dir: str = "artifacts/demo"
+    latency: str | None = None        # the latency model; None: <run>/scheduler/latency.json (`smartexit profile`)
+    policy: str | None = None         # the learned policy's folder; None: the shipped scheduler/assets/ppo
+    trace: str | None = None          # any CSV with the Azure trace's columns; None: the shared trace where it exists
+    patterns: list[str] = field(default_factory=lambda: list(HELD_OUT_PATTERNS))
+    seeds: list[int] = field(default_factory=lambda: [1001])   # workload seeds (training draws others)
+    sim_seeds: list[int] = field(default_factory=lambda: [0, 1])  # exit-depth draws: the spread is the noise
+    loads: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0])
+    duration_s: float = 90.0          # simulated seconds of arrivals per run
+    budgets: list[int] = field(default_factory=lambda: list(BUDGETS))
+    heuristics: list[str] = field(default_factory=lambda: ["aimd", "maxdelay"])
+    sla_ttft_ms: float | None = None  # None: the SLA the policy was trained for
+    sla_tpot_ms: float | None = None
+    real: bool = True                 # the served runs (start the stack twice)
+    real_workload: str = "trace"      # which workload runs on the real stack (trace: poisson where no trace)
+    real_duration_s: float = 30.0
+    real_load: float | None = None    # None: the best fixed budget's SLA edge on real_workload in the simulator
+    validation_loads: list[float] = field(default_factory=lambda: [0.5, 0.75])  # shares of the edge's rate
+    validation_duration_s: float = 30.0
+    validation_repeats: int = 1       # served runs per validation load (2: the real stack's own repeat spread)
+    warmup_requests: int = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.loads or any(x <= 0 for x in self.loads):
+            raise ConfigError(f"bench scheduler: loads must be > 0, got {self.loads}")
+        if not self.budgets or any(b < 1 for b in self.budgets):
+            raise ConfigError(f"bench scheduler: budgets must be >= 1, got {self.budgets}")
+        if self.duration_s <= 0 or self.real_duration_s <= 0 or self.validation_duration_s <= 0:
+            raise ConfigError("bench scheduler: duration_s, real_duration_s and validation_duration_s must be > 0")
+        if self.validation_repeats < 1:
+            raise ConfigError(f"bench scheduler: validation_repeats must be >= 1, got {self.validation_repeats}")
+        if any(not 0 < x < 1 for x in self.validation_loads):
+            raise ConfigError(f"bench scheduler: validation_loads are shares of the edge's rate in (0, 1), got "
+                              f"{self.validation_loads}")
+        if not self.seeds or not self.sim_seeds:
+            raise ConfigError("bench scheduler: seeds and sim_seeds must not be empty")
+        self.loads = sorted(float(x) for x in self.loads)
+
+
+# --------------------------------------------------------------------------- inputs
+
+def load_inputs(cfg: BenchSchedulerConfig) -> tuple[LatencyModel, ExitModel, Any, dict[str, Any]]:
+    """(latency model, exit model, learned policy, its policy.json)."""
+    from scheduler.control.learned import DEFAULT_DIR, LearnedPolicy
+
+    from scheduler.control.engine_model import from_run
+
+    latency, exits, _ = from_run(cfg.run_dir, cfg.latency)
+    cfg.policy = str(cfg.policy or DEFAULT_DIR)
+    learned = LearnedPolicy.load(cfg.policy)
+    return latency, exits, learned, learned.meta
+
+
+def env_config(cfg: BenchSchedulerConfig, info: dict[str, Any]) -> EnvConfig:
+    """The environment the policy was trained in, with this run's measured serving path (where
+    ``smartexit profile`` measured one) and the SLA overridden where the config says."""
+    from scheduler.control.engine_model import serving_fields
+
+    env = dict(info.get("env") or {})
+    env.pop("capacity_rps", None)
+    sim = {k: v for k, v in dict(env.get("sim") or {}).items() if k in SimConfig.__dataclass_fields__}
+    env["sim"] = {**sim, **serving_fields(cfg.run_dir)}
+    e = EnvConfig(**{k: v for k, v in env.items() if k in EnvConfig.__dataclass_fields__})
+    if cfg.sla_ttft_ms is not None:
+        e.sim.sla_ttft_ms = cfg.sla_ttft_ms
+    if cfg.sla_tpot_ms is not None:
+        e.sim.sla_tpot_ms = cfg.sla_tpot_ms
+    return e
+
+
+def workload_specs(cfg: BenchSchedulerConfig) -> tuple[list[WorkloadSpec], str]:
+    """The held-out families; the trace (``cfg.trace`` must exist; the shared one where present)."""
+    specs = [WorkloadSpec(f"{p}-s{s}", p, s) for p in cfg.patterns for s in cfg.seeds]
+    if cfg.trace is not None or SHARED_TRACE.is_file():
+        path = Path(cfg.trace) if cfg.trace is not None else SHARED_TRACE
+        specs.append(WorkloadSpec("trace", "trace", cfg.seed, read_workload_file(path)))
+        note = f"trace {path}"
+    else:
+        note = f"no trace (none named, none at {SHARED_TRACE}): synthetic workloads only"
+    return specs, note
+
+
+def policy_factories(cfg: BenchSchedulerConfig, learned: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {f"{FIXED_PREFIX}{b}": (lambda b=b: FixedBudget(b, 16)) for b in cfg.budgets}
+    for h in cfg.heuristics:
+        make_policy(h)  # an unknown name fails here, before the grid runs
+        out[h] = lambda h=h: make_policy(h)
+    out[LEARNED] = lambda: learned
+    return out
+
+
+# --------------------------------------------------------------------------- the real stack
+
+def real_schedule(cfg: BenchSchedulerConfig, w: Workload) -> list:
+    """The workload's arrivals and lengths with prompts cut from the held-out split (bench serve's pool)."""
+    from scheduler.loadtest.bench_serve import BenchServeConfig, prompt_pool
+    from scheduler.loadtest.loadgen import requests_of
+
+    return requests_of(w, prompt_pool(BenchServeConfig(run_dir=cfg.run_dir)), cfg.seed)
+
+
+def served(cfg: BenchSchedulerConfig, env: EnvConfig, policy: str, kwargs: dict[str, Any],
+           schedules: list[list]) -> list[list]:
+    """Served runs of ``schedules``, one after another, on a stack started with ``policy``.
+
+    The learned policy runs alone: in control from the first tick (the guard's first window is
+    otherwise the heuristic's probe), no fallback, no online updates: what is measured is the
+    shipped policy."""
+    from scheduler.loadtest.bench_serve import BenchServeConfig, http_run
+    from scheduler.serving.config import ServeConfig
+    from scheduler.serving.stack import serving_stack
+
+    sla = {"default_sla_ttft_ms": env.sim.sla_ttft_ms, "default_sla_tpot_ms": env.sim.sla_tpot_ms}
+    alone = {"guard": {"first": "learned", "window_s": 1e9}, "online_finetune": False} if policy == LEARNED else {}
+    scfg = ServeConfig(policy=policy, policy_kwargs=kwargs, **sla, **alone)
+    bcfg = BenchServeConfig(run_dir=cfg.run_dir, sla_ttft_ms=env.sim.sla_ttft_ms, sla_tpot_ms=env.sim.sla_tpot_ms,
+                            warmup_requests=cfg.warmup_requests)
+    with serving_stack(cfg.run_dir, scfg, graceful=False) as url:
+        return [asyncio.run(http_run(url, schedule, bcfg))[0] for schedule in schedules]
+
+
+VALIDATED = ("ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms", "tpot_p95_ms")
+
+
+def validate(latency: LatencyModel, exits: ExitModel, env: EnvConfig, results: list, policy: Any,
+             seeds: list[int]) -> dict[str, Any]:
+    """The served run replayed in the simulator (arrivals, prompt lengths, realized output lengths) with
+    the serving path ``smartexit profile`` measured on its own requests: measured vs simulated
+    percentiles and their relative errors."""
+    ok = [r for r in results if r.ok and r.tokens >= 1]
+    w = Workload(np.array([r.arrival_s for r in ok]), np.array([r.prompt_tokens for r in ok], np.int64),
+                 np.array([r.tokens for r in ok], np.int64), "the served run")
+    sla = (env.sim.sla_ttft_ms, env.sim.sla_tpot_ms)
+    real = summarize(results, *sla)
+    sims = []
+    for seed in seeds:
+        scfg = SimConfig(**{**env.sim.__dict__, "seed": seed})
+        sims.append(summarize(simulate(latency, exits, scfg, w, policy, env.tick_s).results(), *sla))
+    sim = {k: float(np.mean([s[k] for s in sims if s[k] is not None])) for k in VALIDATED}
+    rel = {k: abs(sim[k] - real[k]) / real[k] for k in VALIDATED if real[k]}
+    return {"measured": {k: real[k] for k in VALIDATED}, "simulated": sim, "rel_err": rel,
+            "max_rel_err": max(rel.values()) if rel else None, "requests": len(ok)}
+
+
+# --------------------------------------------------------------------------- main
+
+def main(cfg: BenchSchedulerConfig) -> int:
+    t0 = time.perf_counter()
+    latency, exits, learned, info = load_inputs(cfg)
+    env = env_config(cfg, info)
+    env.capacity_rps = estimate_capacity(latency, exits, env, FixedBudget(128, 16))
+    specs, trace_note = workload_specs(cfg)
+    caps = {s.name: spec_capacity(latency, exits, env, s, FixedBudget(128, 16), cfg.duration_s) for s in specs}
+    policies = policy_factories(cfg, learned)
+    print(f"bench scheduler: capacity (fixed 128, SLA {env.sim.sla_ttft_ms:g} / {env.sim.sla_tpot_ms:g} ms) "
+          + ", ".join(f"{k} {v:.2f}" for k, v in caps.items()) + f" req/s; {len(specs)} workloads x {len(cfg.loads)} "
+          f"loads x {len(policies)} policies x {len(cfg.sim_seeds)} seeds; {trace_note}", flush=True)
+    rows = evaluate_grid(latency, exits, env, specs, cfg.loads, policies, cfg.duration_s, cfg.sim_seeds,
+                         progress=lambda s: print(f"  sim {s}", flush=True), capacities=caps)
+    cells = cell_table(rows)
+    names = [s.name for s in specs]
+    offered = {(r["workload"], r["load"]): r["rate_rps"] for r in rows}
+    cmp = compare(cells, names, cfg.loads, LEARNED, offered)
+    report: dict[str, Any] = {"config": asdict(cfg), "capacity_rps": env.capacity_rps, "capacities_rps": caps,
+                              "env": _env_dict(env),
+                              "workloads": trace_note, "policy": {k: info.get(k) for k in ("layout_id", "trained_at",
+                                                                                            "selected", "sha256")},
+                              "latency_fit": latency.fit, "exit_model": asdict(exits), "sim": {"rows": rows, **cmp}}
+    report["predictor"] = predictor_report(Path(cfg.run_dir))
+    real_w = "trace" if cfg.real_workload == "trace" and "trace" in names else \
+        next((n for n in names if n.startswith(cfg.real_workload)), names[0])
+    if cfg.real:
+        report["real"] = real_runs(cfg, env, latency, exits, learned, specs[names.index(real_w)], cells,
+                                   caps[real_w])
+    report["summary"] = summary(report, cells, real_w)
+    paths = write_outputs(cfg, report)
+    print(render_headline(report["summary"]), flush=True)
+    Manifest(cfg.run_dir).record(STAGE, inputs={}, config=report["config"], outputs=paths,
+                                 metrics=report["summary"],
+                                 seconds=time.perf_counter() - t0)
+    return 0
+
+
+def predictor_report(run: Path) -> dict[str, Any] | None:
+    """The exit-depth predictors' held-out error on the profile's per-request exit traces (None without them)."""
+    from scheduler.control.engine_model import exit_traces
+    from scheduler.control.predictor import evaluate_predictors
+
+    traces = exit_traces(run / "scheduler" / "exit_traces.json")
+    if traces is None:
+        return None
+    traces = [{k: t[k] for k in ("prompt_len", "prompt_ids_head", "exit_layers")} for t in traces
+              if len(t["exit_layers"]) >= 2]
+    try:
+        r = evaluate_predictors(traces)
+    except ConfigError as exc:
+        return {"error": str(exc)}
+    return {k: r[k] for k in ("requests", "tokens", "token_mae", "request_mae", "global_mean") if k in r} | {
+        "train_requests": len(r["train_ids"]), "test_requests": len(r["test_ids"]),
+        "traces": "the profile's exit traces, tokens decoded where rows may exit"}
+
+
+def _env_dict(env: EnvConfig) -> dict[str, Any]:
+    d = asdict(env)
+    d["patterns"] = list(d["patterns"])
+    return d
+
+
+def real_runs(cfg: BenchSchedulerConfig, env: EnvConfig, latency: LatencyModel, exits: ExitModel, learned: Any,
+              spec: WorkloadSpec, cells: dict, capacity: float) -> dict[str, Any]:
+    from scheduler.control.evaluate import sla_edge
+
+    load = cfg.real_load or sla_edge(cells, spec.name, cfg.loads) or cfg.loads[0]
+    name, _ = best_fixed(cells, spec.name, load)
+    budget = int(name[len(FIXED_PREFIX):])
+    w = workload_for(spec, load * capacity, cfg.real_duration_s, env)
+    schedule = real_schedule(cfg, w)
+    print(f"bench scheduler: real stack, {spec.name} at x{load:g} ({len(schedule)} requests): {LEARNED} then {name}",
+          flush=True)
+    # the learned policy first: on this 2-core VM the second of two stacks started back to back ran
+    # slower in both runs where the fixed budget went first (the same actions: 0.86 and 0.78 goodput)
+    below = [(f, real_schedule(cfg, workload_for(spec, f * load * capacity, cfg.validation_duration_s, env)))
+             for f in cfg.validation_loads for _ in range(cfg.validation_repeats)]
+    [learned_res] = served(cfg, env, LEARNED, {"path": cfg.policy}, [schedule])
+    *below_res, fixed_res = served(cfg, env, "fixed", {"prefill_budget": budget, "max_running": 16},
+                                   [s for _, s in below] + [schedule])
+    sla = (env.sim.sla_ttft_ms, env.sim.sla_tpot_ms)
+    runs = {name: summarize(fixed_res, *sla), LEARNED: summarize(learned_res, *sla)}
+    fixed = FixedBudget(budget, 16)
+    val = {name: validate(latency, exits, env, fixed_res, fixed, cfg.sim_seeds),
+           LEARNED: validate(latency, exits, env, learned_res, learned, cfg.sim_seeds)}
+    below_val = [{"share_of_edge": f, "rate_rps": f * load * capacity, "policy": name,
+                  **validate(latency, exits, env, res, fixed, cfg.sim_seeds)} for (f, _), res in zip(below, below_res)]
+    ratio = runs[LEARNED]["goodput_rps"] / runs[name]["goodput_rps"] if runs[name]["goodput_rps"] else None
+    return {"workload": spec.name, "load": load, "rate_rps": load * capacity, "best_fixed": name,
+            "runs": runs, "serving_path": {k: getattr(env.sim, k) for k in SERVING_FIELDS},
+            "validation": val, "validation_below_edge": below_val, "repeat_spread": repeat_spread(below_val),
+            "goodput_ratio": ratio}
+
+
+def repeat_spread(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """How far served runs of one schedule land from each other: per validated metric, the largest
+    |a - b| / mean(a, b) over pairs of runs at one load (None without a repeat)."""
+    by_load: dict[float, list[dict[str, float]]] = {}
+    for v in runs:
+        by_load.setdefault(v["share_of_edge"], []).append(v["measured"])
+    diffs: dict[str, float] = {}
+    for ms in by_load.values():
+        for i in range(len(ms)):
+            for j in range(i + 1, len(ms)):
+                for k in VALIDATED:
+                    a, b = ms[i][k], ms[j][k]
+                    if a and b:
+                        diffs[k] = max(diffs.get(k, 0.0), abs(a - b) / ((a + b) / 2))
+    return {"rel_diff": diffs, "max_rel_diff": max(diffs.values())} if diffs else None
+
+
+SERVING_FIELDS = ("engine_slowdown", "prefill_slowdown", "serve_chunk_ms", "serve_chunk_sq_ms", "ttft_overhead_ms",
+                  "token_overhead_ms")
+
+
+def summary(report: dict[str, Any], cells: dict, real_w: str) -> dict[str, Any]:
+    sim = report["sim"]
+    attain: dict[str, dict[str, float]] = {}
+    for (w, _, p), c in cells.items():
+        attain.setdefault(p, {}).setdefault(w, []).append(c["sla_attainment"])
+    out: dict[str, Any] = {
+        "goodput_ratio_vs_best_fixed": sim["goodput_ratio_vs_best_fixed"],
+        "goodput_ratio_vs_best_fixed_min": sim["goodput_ratio_vs_best_fixed_min"],
+        "goodput_ratio_vs_best_fixed_at_sla_edge_sim": {w: v["ratio"] for w, v in sim["at_sla_edge"].items()},
+        "sla_capacity_ratio_sim": {w: v["ratio"] for w, v in sim["sla_capacity"].items()},
+        "sla_attainment": {p: float(np.mean([x for v in ws.values() for x in v])) for p, ws in attain.items()},
+        "capacity_rps": report["capacity_rps"], "capacities_rps": report["capacities_rps"],
+    }
+    pred = report.get("predictor") or {}
+    if "token_mae" in pred:
+        out["exit_depth_predictor_mae_layers"] = pred["token_mae"]
+    real = report.get("real")
+    if real:
+        out["goodput_ratio_vs_best_fixed_at_sla_edge"] = real["goodput_ratio"]
+        out["sla_attainment_real"] = {p: s["sla_attainment"] for p, s in real["runs"].items()}
+        below = [v["max_rel_err"] for v in real["validation_below_edge"] if v["max_rel_err"] is not None]
+        edge = [v["max_rel_err"] for v in real["validation"].values() if v["max_rel_err"] is not None]
+        out["sim_validation_max_rel_err"] = max(below) if below else None
+        out["sim_validation_loads_rps"] = [v["rate_rps"] for v in real["validation_below_edge"]]
+        out["sim_validation_at_edge_max_rel_err"] = max(edge) if edge else None
+        spread = real.get("repeat_spread")
+        out["real_repeat_max_rel_diff"] = spread["max_rel_diff"] if spread else None
+    return out
+
+
+def render_headline(s: dict[str, Any]) -> str:
+    lines = [f"  goodput vs best fixed (sim, min over loads): {s['goodput_ratio_vs_best_fixed']}"]
+    if "goodput_ratio_vs_best_fixed_at_sla_edge" in s:
+        lines.append(f"  real stack at the SLA edge: goodput ratio {s['goodput_ratio_vs_best_fixed_at_sla_edge']}, "
+                     f"sim validation max rel err {s['sim_validation_max_rel_err']} below the edge, "
+                     f"{s['sim_validation_at_edge_max_rel_err']} at it")
+    return "\n".join(lines)
+
+
+def write_outputs(cfg: BenchSchedulerConfig, report: dict[str, Any]) -> dict[str, Path]:
+    from scheduler.loadtest.bench_scheduler_report import render_markdown
+
+    out = Path(cfg.run_dir) / "bench"
+    paths = {"json": out / "scheduler.json", "md": out / "scheduler.md"}
+    atomic_write_text(paths["md"], render_markdown(report))
+    atomic_write_json(paths["json"], report)
+    return paths

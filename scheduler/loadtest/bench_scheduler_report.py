@@ -1,0 +1,115 @@
+"""``bench/scheduler.md``: the tables of ``smartexit bench scheduler`` (pure: dict in, text out)."""
+from __future__ import annotations
+
+from typing import Any
+
+from scheduler.control.evaluate import FIXED_PREFIX, cell_table
+
+
+def _f(v: Any, d: int = 2) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, (int, float)):
+        return f"{v:.{d}f}"
+    return str(v)
+
+
+def render_markdown(r: dict[str, Any]) -> str:
+    env, s = r["env"], r["summary"]
+    sla = env["sim"]
+    out = ["# Scheduler benchmark", "",
+           f"SLA: TTFT <= {sla['sla_ttft_ms']:g} ms, time per output token <= {sla['sla_tpot_ms']:g} ms. "
+           f"Capacity of each workload (the rate at which a fixed budget of 128 keeps 95% of its requests within "
+           f"the SLA in the simulator): " + ", ".join(f"{k} {v:.2f}" for k, v in r["capacities_rps"].items())
+           + " req/s; loads are multiples of it. Ratios skip cells where even the best fixed budget serves "
+           "under 10% of the offered requests within the SLA (collapse: two near-zero numbers). Workloads held out from "
+           f"training: Poisson and bursty arrivals on other seeds, diurnal arrivals (never used in training), "
+           f"{r['workloads']}. Goodput = requests meeting the SLA per second; the best fixed budget is chosen per "
+           "cell in hindsight.", ""]
+    out += _sim_tables(r)
+    out += ["## The learned policy against the best fixed budget (simulator)", "",
+            "| workload | min goodput ratio over loads | SLA edge load (best fixed) | ratio there | "
+            "highest load held: best fixed / learned | capacity ratio |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    sim = r["sim"]
+    for w, ratio in sim["goodput_ratio_vs_best_fixed"].items():
+        edge = sim["at_sla_edge"].get(w, {})
+        cap = sim["sla_capacity"][w]
+        out.append(f"| {w} | {_f(ratio, 3)} | {_f(edge.get('load'))} | {_f(edge.get('ratio'), 3)} | "
+                   f"{_f(cap['best_fixed_edge_load'])} / {_f(cap['learned_edge_load'])} | {_f(cap['ratio'], 3)} |")
+    out.append("")
+    pred = r.get("predictor")
+    if pred and "token_mae" in pred:
+        out += ["## Exit-depth predictor (held-out requests of the profile's exit traces)", "",
+                f"{pred['train_requests']} requests to fit, {pred['test_requests']} to test; mean absolute error in layers "
+                "of each next token's exit layer, and of each request's mean exit layer predicted at admission.", "",
+                "| predictor | per token | per request (at admission) |", "| --- | ---: | ---: |"]
+        for k, v in pred["token_mae"].items():
+            out.append(f"| {k} | {_f(v, 3)} | {_f(pred['request_mae'].get(k), 3)} |")
+        out.append("")
+    real = r.get("real")
+    if real:
+        out += _real_tables(real, sla)
+    out += ["## Headline", "", "```", *(f"{k}: {v}" for k, v in s.items()), "```", ""]
+    return "\n".join(out)
+
+
+def _sim_tables(r: dict[str, Any]) -> list[str]:
+    cells = cell_table(r["sim"]["rows"])
+    workloads = sorted({w for w, _, _ in cells})
+    loads = sorted({lo for _, lo, _ in cells})
+    policies = sorted({p for _, _, p in cells}, key=lambda p: (not p.startswith(FIXED_PREFIX),
+                                                               int(p[len(FIXED_PREFIX):]) if p.startswith(FIXED_PREFIX) else 0, p))
+    out = ["## Simulator: goodput (req/s) and SLA attainment per policy", "",
+           "Each cell: goodput / attainment (mean over exit-depth seeds); `*` holds the SLA at p95.", ""]
+    for w in workloads:
+        out += [f"### {w}", "", "| load | rate (req/s) | " + " | ".join(policies) + " |",
+                "| ---: | ---: | " + " | ".join("---:" for _ in policies) + " |"]
+        for lo in loads:
+            rate = next(row["rate_rps"] for row in r["sim"]["rows"] if row["workload"] == w and row["load"] == lo)
+            vals = []
+            for p in policies:
+                c = cells[(w, lo, p)]
+                vals.append(f"{c['goodput_rps']:.2f} / {c['sla_attainment']:.2f}{'*' if c['holds_sla'] else ''}")
+            out.append(f"| x{lo:g} | {rate:.2f} | " + " | ".join(vals) + " |")
+        out.append("")
+    return out
+
+
+def _real_tables(real: dict[str, Any], sla: dict[str, Any]) -> list[str]:
+    out = ["## Real served stack (Ray Serve -> Triton -> engine)", "",
+           f"Workload {real['workload']} at x{real['load']:g} = {real['rate_rps']:.2f} req/s, the load where the best "
+           f"fixed budget ({real['best_fixed']}) just holds the SLA in the simulator.", "",
+           "| policy | requests | errors | SLA attainment | goodput (req/s) | TTFT p50 / p95 (ms) | TPOT p50 / p95 (ms) |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for p, s in real["runs"].items():
+        out.append(f"| {p} | {s['requests']} | {s['errors']} | {_f(s['sla_attainment'], 3)} | {_f(s['goodput_rps'])} | "
+                   f"{_f(s['ttft_p50_ms'], 1)} / {_f(s['ttft_p95_ms'], 1)} | {_f(s['tpot_p50_ms'], 1)} / "
+                   f"{_f(s['tpot_p95_ms'], 1)} |")
+    o = real["serving_path"]
+    out += ["", f"Goodput ratio, learned / best fixed, on the real stack: {_f(real['goodput_ratio'], 3)}.", "",
+            "### The simulator against the real stack", "",
+            f"Each served run replayed in the simulator (same arrivals, prompt lengths and produced output lengths), "
+            f"with the serving path `smartexit profile` fitted on its own requests (never on these runs): decode "
+            f"steps x{o['engine_slowdown']:.2f} and prefill x{o['prefill_slowdown'] or o['engine_slowdown']:.2f} the "
+            f"profiled time, {o['serve_chunk_ms']:.2f} ms per chunk sent (+{o.get('serve_chunk_sq_ms') or 0:.3f} ms x "
+            f"chunks^2), +{o['ttft_overhead_ms']:.1f} ms to the first "
+            f"token, +{o['token_overhead_ms']:.2f} ms per later token. The runs below the edge (same stack as the fixed "
+            f"budget's run) give `sim_validation_max_rel_err`; at the edge the stack is at its knee and two runs of one "
+            f"schedule can differ by up to 2x on 2 cores: those errors are reported apart."]
+    spread = real.get("repeat_spread")
+    if spread:
+        out += ["", "The real stack against itself: two runs of one schedule below the edge differ by "
+                + ", ".join(f"{k} {v:.3f}" for k, v in spread["rel_diff"].items())
+                + " (|a - b| / their mean): no simulator can be closer to one run than the runs are to each other."]
+    out += ["", "| run | metric | measured (ms) | simulated (ms) | relative error |", "| --- | --- | ---: | ---: | ---: |"]
+    runs = [(f"{v['policy']} at {v['rate_rps']:.2f} req/s (x{v['share_of_edge']:g} of the edge)", v)
+            for v in real.get("validation_below_edge", [])]
+    runs += [(f"{p} at the edge", v) for p, v in real["validation"].items()]
+    for label, v in runs:
+        for k in v["measured"]:
+            out.append(f"| {label} | {k} | {_f(v['measured'][k], 1)} | {_f(v['simulated'][k], 1)} | "
+                       f"{_f(v['rel_err'].get(k), 3)} |")
+    out.append("")
+    return out

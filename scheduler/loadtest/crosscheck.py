@@ -1,0 +1,228 @@
+"""``smartexit bench crosscheck``: our load client against one nobody on this project wrote.
+
+NVIDIA's ``aiperf`` and ``smartexit bench serve``'s client run the same closed-loop load (concurrency,
+request count, prompt and output lengths, greedy) against the same running stack, one after the
+other, and their TTFT, inter-token latency, request latency and throughput are put side by side. A
+client that timed the wrong event (first byte instead of first token, say) would disagree. The
+prompts differ (aiperf synthesises its own from the tokenizer; ours are held-out code of the same
+length), which moves the decode cost little at these lengths.
+
+aiperf lives in its own environment (``make aiperf-check`` creates ``.venv-aiperf`` from
+``requirements/aiperf.txt``): it pins other versions of packages this project pins, so it never
+enters ``.venv``. It runs offline with the bundle's tokenizer, written as a Hugging Face tokenizer
+folder (tokenizer.json + tokenizer_config.json).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edge.core.artifacts import Manifest, atomic_write_json, atomic_write_text
+from edge.core.device import run_command
+from edge.core.errors import ConfigError, SmartExitError
+
+STAGE = "bench_crosscheck"
+METRICS = (("ttft_mean_ms", "time_to_first_token", "avg"), ("e2e_mean_ms", "request_latency", "avg"),
+           ("ttft_p50_ms", "time_to_first_token", "p50"), ("ttft_p99_ms", "time_to_first_token", "p99"),
+           ("itl_p50_ms", "inter_token_latency", "p50"), ("e2e_p50_ms", "request_latency", "p50"),
+           ("output_tokens_per_s", "output_token_throughput", "avg"),
+           ("requests_per_s", "request_throughput", "avg"), ("output_tokens_mean", "output_sequence_length", "avg"))
+
+
+@dataclass
+class CrossCheckConfig:
+    run_dir: str = "artifacts/demo"
+    url: str | None = None            # a running server; None: start the stack on serve.port
+    aiperf: str = ".venv-aiperf/bin/aiperf"
+    concurrency: int = 4
+    requests: int = 32
+    prompt_tokens: int = 64
+    max_tokens: int = 32
+    warmup_requests: int = 2
+    seed: int = 0
+    serve: dict[str, Any] = field(default_factory=lambda: {"port": 8011})
+
+    def __post_init__(self) -> None:
+        if min(self.concurrency, self.requests, self.prompt_tokens, self.max_tokens) < 1:
+            raise ConfigError("bench crosscheck: concurrency, requests, prompt_tokens and max_tokens must be >= 1")
+
+
+def aiperf_command(cfg: CrossCheckConfig, url: str, model: str, tokenizer_dir: Path, out_dir: Path) -> list[str]:
+    """aiperf's command line for the closed-loop load of ``cfg`` (completions, streaming, greedy)."""
+    return [cfg.aiperf, "profile", "-m", model, "--url", url, "--endpoint-type", "completions", "--streaming",
+            "--tokenizer", str(tokenizer_dir), "--concurrency", str(cfg.concurrency),
+            "--request-count", str(cfg.requests), "--warmup-request-count", str(cfg.warmup_requests),
+            "--synthetic-input-tokens-mean", str(cfg.prompt_tokens), "--synthetic-input-tokens-stddev", "0",
+            "--output-tokens-mean", str(cfg.max_tokens), "--output-tokens-stddev", "0",
+            "--extra-inputs", "temperature:0", "--random-seed", str(cfg.seed),
+            "--output-artifact-dir", str(out_dir), "--no-auto-plot"]
+
+
+def aiperf_numbers(export: dict[str, Any]) -> dict[str, float | None]:
+    """Our names for the numbers in aiperf's ``profile_export_aiperf.json``."""
+    out = {}
+    for ours, theirs, stat in METRICS:
+        v = export.get(theirs)
+        out[ours] = float(v[stat]) if isinstance(v, dict) and v.get(stat) is not None else None
+    return out
+
+
+def our_numbers(summary: dict[str, Any]) -> dict[str, float | None]:
+    """The same numbers from ``scheduler.loadtest.bench_report.summarize``."""
+    return {"ttft_mean_ms": summary["ttft_mean_ms"], "e2e_mean_ms": summary["e2e_mean_ms"],
+            "ttft_p50_ms": summary["ttft_p50_ms"], "ttft_p99_ms": summary["ttft_p99_ms"],
+            "itl_p50_ms": summary["tpot_p50_ms"], "e2e_p50_ms": summary["e2e_p50_ms"],
+            "output_tokens_per_s": summary["tokens_per_s"],
+            "requests_per_s": summary["completed"] / summary["duration_s"] if summary["duration_s"] else None,
+            "output_tokens_mean": summary["tokens"] / summary["completed"] if summary["completed"] else None}
+
+
+SERVER_SERIES = {"ttft": "smartexit_ttft_seconds", "e2e": "smartexit_e2e_latency_seconds"}
+
+
+def server_counts(metrics_text: str) -> dict[str, float]:
+    """Sums and counts of the server's TTFT and end-to-end histograms, and its generated tokens, from
+    a ``/metrics`` scrape: two scrapes bracket a client's run, and their difference is what the
+    server measured for that run's requests."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(metrics_text):
+        for smp in fam.samples:
+            for key, name in SERVER_SERIES.items():
+                if smp.name == f"{name}_sum":
+                    out[f"{key}_sum"] = smp.value
+                elif smp.name == f"{name}_count":
+                    out[f"{key}_count"] = smp.value
+            if smp.name == "smartexit_generated_tokens_total":
+                out["tokens"] = smp.value
+    return out
+
+
+def server_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Mean TTFT and end-to-end latency (ms) and tokens the server saw between two scrapes."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    mean = lambda k: 1e3 * d[f"{k}_sum"] / d[f"{k}_count"] if d.get(f"{k}_count") else None  # noqa: E731
+    return {"ttft_mean_ms": mean("ttft"), "e2e_mean_ms": mean("e2e"), "requests": d.get("ttft_count"),
+            "tokens": d.get("tokens")}
+
+
+def _scrape(url: str) -> dict[str, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        return server_counts(r.read().decode())
+
+
+def agreement(res: dict[str, Any]) -> dict[str, float | None]:
+    """Per client, its mean TTFT and E2E minus the server's for the same requests (ms): equal gaps mean
+    both clients time the same events, whatever the load did to the server between the runs."""
+    out = {}
+    for client, server in (("ours", "server_during_ours"), ("aiperf", "server_during_aiperf")):
+        for k in ("ttft_mean_ms", "e2e_mean_ms"):
+            c, s = res[client].get(k), res[server].get(k)
+            out[f"{client}_{k.removesuffix('_mean_ms')}_minus_server_ms"] = c - s if c is not None and s is not None else None
+    return out
+
+
+def tokenizer_folder(bundle: Path, out: Path) -> Path:
+    """A Hugging Face tokenizer folder (what aiperf loads) from the bundle's tokenizer.json."""
+    from edge.model.tokenizer import EOS
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_bytes((bundle / "tokenizer.json").read_bytes())
+    (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                           "eos_token": EOS}))
+    return out
+
+
+def _ours(cfg: CrossCheckConfig, url: str) -> tuple[dict[str, Any], str]:
+    from scheduler.loadtest.bench_report import summarize
+    from scheduler.loadtest.bench_serve import BenchServeConfig, _capacity, capacity_requests, make_schedule
+    from scheduler.loadtest.loadgen import ScheduledRequest
+    from scheduler.loadtest.senders import HttpSender
+
+    bcfg = BenchServeConfig(run_dir=cfg.run_dir, url=url, max_requests=cfg.requests, duration_s=None,
+                            capacity_concurrency=[cfg.concurrency], capacity_requests=cfg.requests,
+                            capacity_prompt_tokens=cfg.prompt_tokens, capacity_max_tokens=cfg.max_tokens,
+                            seed=cfg.seed)
+    schedule, _ = make_schedule(bcfg)
+    reqs = capacity_requests(bcfg, schedule)
+
+    async def run():
+        async with HttpSender(url, "", "bounded", bcfg.sla_ttft_ms, bcfg.sla_tpot_ms, None, 300.0) as send:
+            send.model = (await send.models())[0]
+            for i, r in enumerate(reqs[:cfg.warmup_requests]):
+                await send(ScheduledRequest(0.0, r.prompt_ids, r.max_tokens, f"warmup-{i}"))
+            return (await _capacity(send, bcfg, reqs))[cfg.concurrency], send.model
+
+    results, model = asyncio.run(run())
+    return summarize(results, bcfg.sla_ttft_ms, bcfg.sla_tpot_ms), model
+
+
+def main(cfg: CrossCheckConfig) -> int:
+    t0 = time.perf_counter()
+    if not Path(cfg.aiperf).is_file():
+        raise SmartExitError(f"bench crosscheck: {cfg.aiperf} not found; `make aiperf-check` creates .venv-aiperf")
+    out = Path(cfg.run_dir) / "bench" / "crosscheck"
+    from scheduler.serving.stack import bundle as run_bundle
+
+    bundle = run_bundle(cfg.run_dir)
+    tok = tokenizer_folder(bundle, out / "tokenizer")
+
+    def both(url: str) -> dict[str, Any]:
+        s0 = _scrape(url)
+        ours, model = _ours(cfg, url)
+        s1 = _scrape(url)
+        proc = run_command(aiperf_command(cfg, url, model, tok, out / "aiperf"), timeout=1800)
+        if proc.returncode != 0:
+            raise SmartExitError(f"aiperf failed ({proc.returncode}): {proc.stderr[-2000:] or proc.stdout[-2000:]}")
+        s2 = _scrape(url)
+        theirs = json.loads((out / "aiperf" / "profile_export_aiperf.json").read_text())
+        # the warm-up requests of each client are inside its bracket: the server's means include them
+        return {"ours": our_numbers(ours), "aiperf": aiperf_numbers(theirs),
+                "server_during_ours": server_means(s0, s1), "server_during_aiperf": server_means(s1, s2),
+                "aiperf_version": theirs.get("aiperf_version")}
+
+    if cfg.url is not None:
+        res = both(cfg.url)
+    else:
+        from edge.core.configio import apply
+        from scheduler.serving.config import ServeConfig
+        from scheduler.serving.stack import serving_stack
+
+        with serving_stack(cfg.run_dir, apply(ServeConfig(), dict(cfg.serve)), graceful=False) as url:
+            res = both(url)
+    ratio = {k: (res["ours"][k] / res["aiperf"][k] if res["ours"][k] and res["aiperf"][k] else None)
+             for k, _, _ in METRICS}
+    report = {"stage": STAGE, "config": asdict(cfg), **res, "ours_over_aiperf": ratio}
+    md = ["# Load-client cross-check: smartexit bench serve's client vs NVIDIA aiperf", "",
+          f"Same stack, one after the other: closed loop at concurrency {cfg.concurrency}, {cfg.requests} "
+          f"requests, {cfg.prompt_tokens} prompt tokens, max {cfg.max_tokens} new tokens, greedy "
+          f"(aiperf {res.get('aiperf_version')}; its prompts are synthetic, ours held-out code).", "",
+          "| metric | ours | aiperf | ours / aiperf |", "| --- | ---: | ---: | ---: |"]
+    f = lambda v, s=".2f": "n/a" if v is None else format(v, s)  # noqa: E731
+    for k, _, _ in METRICS:
+        md.append(f"| {k} | {f(res['ours'][k])} | {f(res['aiperf'][k])} | {f(ratio[k], '.3f')} |")
+    so, sa = res["server_during_ours"], res["server_during_aiperf"]
+    md += ["", "Each client against what the server measured for the same requests (the ingress's TTFT and "
+           "end-to-end histograms, scraped from /metrics before and after each client's run; the client "
+           "adds HTTP and the proxy; warm-up requests included on the server side):", "",
+           "| client | client TTFT mean ms | server TTFT mean ms | client E2E mean ms | server E2E mean ms | "
+           "server-seen requests |", "| --- | ---: | ---: | ---: | ---: | ---: |",
+           f"| ours | {f(res['ours']['ttft_mean_ms'])} | {f(so['ttft_mean_ms'])} | {f(res['ours']['e2e_mean_ms'])} | "
+           f"{f(so['e2e_mean_ms'])} | {f(so['requests'], '.0f')} |",
+           f"| aiperf | {f(res['aiperf']['ttft_mean_ms'])} | {f(sa['ttft_mean_ms'])} | "
+           f"{f(res['aiperf']['e2e_mean_ms'])} | {f(sa['e2e_mean_ms'])} | {f(sa['requests'], '.0f')} |"]
+    atomic_write_json(out / "crosscheck.json", report)
+    atomic_write_text(out / "crosscheck.md", "\n".join(md) + "\n")
+    Manifest(cfg.run_dir).record(STAGE, inputs={}, config=asdict(cfg),
+                                 outputs={"json": out / "crosscheck.json", "md": out / "crosscheck.md"},
+                                 metrics={"ours_over_aiperf": ratio, "server_agreement": agreement(res)},
+                                 seconds=time.perf_counter() - t0)
+    print("\n".join(md))
+    return 0

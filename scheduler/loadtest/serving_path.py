@@ -1,0 +1,309 @@
+"""The serving path's own cost, measured on the real stack, for the simulator (``smartexit profile
+serving=true``; ``<run>/scheduler/serving.json``).
+
+The engine's latency model prices engine steps; between the engine and a client sit the Triton
+python backend's IPC and responder thread, the worker, the Ray Serve ingress and proxy, HTTP and SSE.
+On 2 cores they share the CPU, and the stub's threads share the GIL, with the engine thread. Five
+numbers describe them for the simulator (scheduler/control/sim.py ``SimConfig``):
+
+- ``engine_slowdown``: the served decode step's time / the profiled one (decode is many short ONNX
+  Runtime calls with Python between them: each takes the GIL back from the stack's threads);
+- ``prefill_slowdown``: the same for prefill (a few large calls that hold no GIL: it slows less);
+- ``serve_chunk_ms``: engine time lost per chunk handed to the serving path (the responder's work);
+- ``ttft_overhead_ms`` and ``token_overhead_ms``: latency added to the first and to each later token.
+
+The first three come from the served engine itself: the stack runs with a step log
+(``ServeConfig.step_log``: one line per engine step, what it did and how long it took under the
+stack), and each step's time is regressed (non-negative least squares, weighted by 1/sqrt(time)) on
+the profiled model's decode and prefill parts of that step and the chunks it sent. The two overheads
+are then fitted (Nelder-Mead, bounded) so that the simulator, replaying each calibration run (its
+arrivals, prompt and output lengths), gives the measured TTFT and time per output token (p50, p90
+and mean: squared log ratios summed over the runs). The calibration runs are open-loop Poisson runs
+of the profile's own (seeds and rates unlike any evaluation's) at two loads, light and moderate, at
+one budget or several (``ProfileConfig.serving_runs``); the evaluation's workloads
+(scheduler/loadtest/bench_scheduler.py) never enter the fit.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from edge.core.errors import ConfigError
+from scheduler.control.latency import LatencyModel
+from scheduler.control.policies import FixedBudget
+from scheduler.control.sim import ExitModel, SimConfig, simulate
+from scheduler.control.workload import Workload
+
+SERVING_JSON = "serving.json"
+STEP_LOG = "serving_steps.jsonl"  # the served engine's step log of the calibration runs
+
+
+@dataclass
+class ServingPath:
+    ttft_overhead_ms: float = 0.0
+    token_overhead_ms: float = 0.0
+    serve_chunk_ms: float = 0.0
+    serve_chunk_sq_ms: float = 0.0
+    engine_slowdown: float = 1.0
+    prefill_slowdown: float | None = None  # None: engine_slowdown (a serving.json of the one-factor fit)
+    rates: list[float] | None = None       # req/s of the calibration runs
+    requests: int = 0
+    fit: dict[str, Any] | None = None      # per run: measured and simulated percentiles, relative errors
+
+    def sim_fields(self) -> dict[str, float | None]:
+        """The SimConfig fields."""
+        return {k: getattr(self, k) for k in PARAMS}
+
+    def save(self, path: str | Path) -> None:
+        from edge.core.artifacts import atomic_write_json
+
+        atomic_write_json(Path(path), asdict(self))
+
+    @classmethod
+    def load(cls, path: str | Path) -> ServingPath | None:
+        """None without the file. Raises ConfigError: malformed."""
+        path = Path(path)
+        if not path.is_file():
+            return None
+        try:
+            d = json.loads(path.read_text())
+            return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise ConfigError(f"serving path {path}: {exc}") from None
+
+
+STEP_PARAMS = ("engine_slowdown", "prefill_slowdown", "serve_chunk_ms", "serve_chunk_sq_ms")  # from the step log
+OVERHEADS = ("ttft_overhead_ms", "token_overhead_ms")  # from the requests' latencies
+PARAMS = STEP_PARAMS + OVERHEADS
+BOUNDS = ((0.0, 1000.0), (0.0, 100.0))  # the overheads' (ms)
+START = (20.0, 2.0)
+METRICS = ("ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms", "tpot_p95_ms")  # what the evaluation validates
+# what the fit matches: the p95 of a 20-second run is its 2nd to 5th largest value, so the fit leans on
+# steadier statistics of the same distributions (the median, p90 and the mean)
+FITTED = ("ttft_p50_ms", "ttft_p90_ms", "ttft_mean_ms", "tpot_p50_ms", "tpot_p90_ms", "tpot_mean_ms")
+MIN_REQUESTS = 8
+
+
+def latency_stats(results: Sequence[Any]) -> dict[str, float | None]:
+    """TTFT and time per output token of the successful requests: p50, p90, p95 and mean, in ms."""
+    out: dict[str, float | None] = {}
+    for name in ("ttft", "tpot"):
+        v = np.array([getattr(r, f"{name}_s") for r in results if r.ok and getattr(r, f"{name}_s") is not None]) * 1e3
+        for q in (50, 90, 95):
+            out[f"{name}_p{q}_ms"] = float(np.percentile(v, q)) if v.size else None
+        out[f"{name}_mean_ms"] = float(v.mean()) if v.size else None
+    return out
+
+
+def _workload(results: Sequence[Any]) -> Workload:
+    return Workload(np.array([r.arrival_s for r in results], np.float64),
+                    np.array([r.prompt_tokens for r in results], np.int64),
+                    np.array([r.tokens for r in results], np.int64), "calibration")
+
+
+def simulated(latency: LatencyModel, exits: ExitModel, cfg: SimConfig, w: Workload, budget: int,
+              seeds: Sequence[int]) -> dict[str, float]:
+    """``latency_stats`` of ``w`` replayed at a fixed ``budget``, averaged over exit-draw seeds."""
+    runs = [latency_stats(simulate(latency, exits, SimConfig(**{**cfg.__dict__, "seed": s}), w,
+                                   FixedBudget(budget, cfg.max_seqs), 0.25).results()) for s in seeds]
+    return {k: float(np.mean([r[k] for r in runs if r[k] is not None] or [np.nan])) for k in runs[0]}
+
+
+def read_step_log(path: str | Path) -> list[dict[str, Any]]:
+    """The step log's lines (edge/runtime/host.py ``_log_step``). Raises ConfigError: missing or malformed."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"serving path: no step log at {path} (the served engine did not write one)")
+    out = []
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            out.append({"s": float(rec["s"]) + float(rec.get("e", 0.0)), "c": int(rec["c"]),
+                        "d": [(int(a), int(b)) for a, b in rec["d"]], "p": [(int(a), int(b)) for a, b in rec["p"]]})
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            if i == len(lines):
+                break  # the last line of a stack stopped mid-write
+            raise ConfigError(f"serving path: step log {path} line {i}: {exc!r}") from None
+    return out
+
+
+def step_terms(latency: LatencyModel, steps: Sequence[dict[str, Any]]) -> np.ndarray:
+    """[N, 4]: each logged step's profiled decode part (with the per-step constant), its profiled
+    prefill part, the chunks it sent (in ms: the coefficients are serve_chunk_ms and _sq_ms) and their
+    square."""
+    from scheduler.control.latency import FEATURES, combine, decode_features, prefill_features
+
+    w = np.array([latency.coef[f] for f in FEATURES])
+    pre = np.array([f.startswith("prefill_") for f in FEATURES])
+    out = np.zeros((len(steps), 4))
+    for i, st in enumerate(steps):
+        f = combine(decode_features([e for _, e in st["d"]], [c for c, _ in st["d"]], latency.exit_layers),
+                    prefill_features(st["p"], latency.num_layers)).vector()
+        out[i] = (w[~pre] @ f[~pre], w[pre] @ f[pre], st["c"] / 1e3, st["c"] ** 2 / 1e3)
+    return out
+
+
+MIN_STEPS = 50
+
+
+def fit_steps(latency: LatencyModel, steps: Sequence[dict[str, Any]]) -> tuple[dict[str, float], dict[str, Any]]:
+    """(engine_slowdown, prefill_slowdown, serve_chunk_ms, serve_chunk_sq_ms; the fit's quality) from
+    the served steps: non-negative least squares, unweighted, so that the mean step time (what sets
+    the simulator's throughput) comes out right. (Weighted by 1/sqrt(time), as the profile's own fit,
+    it followed the typical step and left the mean ~10% short: a simulator optimistic under load.)
+
+    Raises:
+        ConfigError: fewer than MIN_STEPS busy steps.
+    """
+    from scipy.optimize import nnls
+
+    T = step_terms(latency, steps)
+    y = np.array([st["s"] for st in steps])
+    busy = (T[:, 0] + T[:, 1]) > 0
+    T, y = T[busy], y[busy]
+    if len(y) < MIN_STEPS:
+        raise ConfigError(f"serving path: {len(y)} busy steps in the step log, at least {MIN_STEPS} needed")
+    scale = np.maximum(T.max(axis=0), 1e-12)
+    coef, _ = nnls(T / scale, y)
+    coef = coef / scale
+    coef[0] = max(coef[0], 1e-3)  # the simulator's factors are > 0
+    if coef[1] == 0:  # no prefill in the log: prefill as decode
+        coef[1] = coef[0]
+    fields = dict(zip(STEP_PARAMS, map(float, coef)))
+    pred = T @ coef
+    rel = np.abs(pred - y) / np.maximum(y, 1e-9)
+    rows = np.array([len(st["d"]) for st, b in zip(steps, busy) if b])
+    only_decode = T[:, 1] == 0
+    batches = {}
+    for lo, hi in ((1, 2), (2, 4), (4, 8), (8, 10 ** 6)):
+        m = only_decode & (rows >= lo) & (rows < hi)
+        if m.sum():
+            batches[f"{lo}-{hi - 1}" if hi < 10 ** 6 else f"{lo}+"] = {
+                "steps": int(m.sum()), "measured_ms": float(y[m].mean() * 1e3), "fitted_ms": float(pred[m].mean() * 1e3),
+                "profiled_ms": float(T[m, 0].mean() * 1e3)}
+    return fields, {"steps": int(len(y)), "rel_err_median": float(np.median(rel)),
+                    "rel_err_p90": float(np.quantile(rel, 0.9)), "total_ratio": float(pred.sum() / y.sum()),
+                    "profiled_total_ratio": float((T[:, 0] + T[:, 1]).sum() / y.sum()),
+                    "mean_step_ms": float(y.mean() * 1e3), "decode_batches": batches}
+
+
+def fit_serving_path(latency: LatencyModel, exits: ExitModel, base: SimConfig, runs: Sequence[Sequence[Any]],
+                     budgets: int | Sequence[int], steps: Sequence[dict[str, Any]], seeds: Sequence[int] = (0, 1),
+                     max_evals: int = 150) -> ServingPath:
+    """The serving path from open-loop runs on a stack whose policy held a fixed budget (``budgets``:
+    one for all runs or one per run; loadgen ``RequestResult``s, arrivals as scheduled; best at two or
+    more loads and budgets) and the served engine's step log over them (:func:`read_step_log`).
+
+    Raises:
+        ConfigError: a run with fewer than MIN_REQUESTS successful requests of >= 2 tokens; as fit_steps.
+    """
+    from scipy.optimize import minimize
+
+    runs = [[r for r in run if r.ok and r.tokens >= 2] for run in runs]
+    if not runs or min(len(r) for r in runs) < MIN_REQUESTS:
+        raise ConfigError(f"serving path: {[len(r) for r in runs]} requests succeeded with >= 2 tokens per run; "
+                          f"need {MIN_REQUESTS} in each of at least one run")
+    budgets = [budgets] * len(runs) if isinstance(budgets, int) else list(budgets)
+    if len(budgets) != len(runs):
+        raise ConfigError(f"serving path: {len(budgets)} budgets for {len(runs)} runs")
+    engine, step_fit = fit_steps(latency, steps)
+    works = [_workload(r) for r in runs]
+    real = [latency_stats(r) for r in runs]
+    def cfg_of(x: Sequence[float]) -> SimConfig:
+        x = [min(max(v, lo), hi) for v, (lo, hi) in zip(x, BOUNDS)]
+        return SimConfig(**{**base.__dict__, **engine, **dict(zip(OVERHEADS, x))})
+
+    def loss(x: Sequence[float]) -> float:
+        cfg, total = cfg_of(x), 0.0
+        for w, m, budget in zip(works, real, budgets):
+            sim = simulated(latency, exits, cfg, w, budget, seeds)
+            total += sum(np.log(max(sim[k], 1e-6) / m[k]) ** 2 for k in FITTED if m[k])
+        return float(total)
+
+    best = minimize(loss, START, method="Nelder-Mead", bounds=BOUNDS,
+                    options={"maxfev": max_evals, "xatol": 1e-2, "fatol": 1e-5})
+    cfg = cfg_of(best.x)
+    table = []
+    for run, w, m, budget in zip(runs, works, real, budgets):
+        sim = simulated(latency, exits, cfg, w, budget, seeds)
+        rel = {k: abs(sim[k] - m[k]) / m[k] for k in METRICS if m[k]}
+        table.append({"requests": len(run), "budget": budget, "rate_rps": len(run) / max(float(w.arrival_s[-1] - w.arrival_s[0]), 1e-9),
+                      "measured": {k: m[k] for k in METRICS}, "simulated": {k: sim[k] for k in METRICS}, "rel_err": rel,
+                      "max_rel_err": max(rel.values()) if rel else None})
+    fields = {k: getattr(cfg, k) for k in PARAMS}
+    return ServingPath(**fields, rates=[t["rate_rps"] for t in table], requests=sum(len(r) for r in runs),
+                       fit={"steps": step_fit, "runs": table, "loss": float(best.fun), "evaluations": int(best.nfev),
+                            "max_rel_err": max((t["max_rel_err"] or 0.0) for t in table)})
+
+
+def measure(run_dir: str | Path, runs: Sequence[tuple[int, Sequence[Any]]], max_seqs: int,
+            sla: tuple[float, float], step_log: str | Path, warmup: int = 2) -> tuple[list[list], list[dict]]:
+    """(the results of each open-loop schedule of ``runs``, one after another, each drained before the
+    next; the served engine's steps over all of them): ``(budget, schedule)`` pairs, one stack started
+    for ``run_dir`` per run of equal budgets, its step log at ``step_log`` (replaced)."""
+    from scheduler.loadtest.bench_serve import BenchServeConfig, http_run
+    from scheduler.serving.config import ServeConfig
+    from scheduler.serving.stack import serving_stack
+
+    step_log = Path(step_log).resolve()
+    step_log.unlink(missing_ok=True)
+    bcfg = BenchServeConfig(run_dir=str(run_dir), sla_ttft_ms=sla[0], sla_tpot_ms=sla[1], warmup_requests=warmup)
+    out: list[list] = []
+    i = 0
+    while i < len(runs):
+        budget = runs[i][0]
+        scfg = ServeConfig(policy="fixed", policy_kwargs={"prefill_budget": budget, "max_running": max_seqs},
+                           default_sla_ttft_ms=sla[0], default_sla_tpot_ms=sla[1], step_log=str(step_log))
+        with serving_stack(run_dir, scfg, graceful=False) as url:
+            while i < len(runs) and runs[i][0] == budget:
+                out.append(asyncio.run(http_run(url, list(runs[i][1]), bcfg))[0])
+                i += 1
+            time.sleep(0.5)  # the engine, idle, flushes its log
+    return out, read_step_log(step_log)
+
+
+def calibrate(run_dir: str | Path, latency: LatencyModel, pool: list[list[int]], max_seqs: int,
+              runs: Sequence[tuple[int, float]], duration_s: float, seed: int) -> ServingPath:
+    """Measure and fit the serving path for ``run_dir`` (``smartexit profile``): open-loop Poisson runs,
+    one per ``(budget, load)`` of ``runs``, at load x the rate the engine alone holds the SLA at with
+    that budget (simulated), prompts from ``pool``; writes ``<run>/scheduler/serving.json`` and the
+    step log beside it."""
+    from scheduler.control.engine_model import exit_model, serving_fields
+    from scheduler.control.env import EnvConfig, estimate_capacity, make_workload
+    from scheduler.loadtest.loadgen import requests_of
+
+    run = Path(run_dir)
+    exits, _ = exit_model(latency, run / "calibration" / "thresholds.json", None)
+    engine = {k: v for k, v in serving_fields(run).items() if k in ("audit_fraction", "audit_max_pending",
+                                                                   "max_waiting")}
+    base = SimConfig(max_seqs=max_seqs, **engine)  # the SLA the requests carry: the measurement ignores it
+    env = EnvConfig(sim=base)
+    capacity = {b: estimate_capacity(latency, exits, env, FixedBudget(b, max_seqs)) for b in {b for b, _ in runs}}
+    rates = [f * capacity[b] for b, f in runs]
+    schedules = [(b, requests_of(make_workload("poisson", r, duration_s, 7 + seed + i, env), pool, seed + 2 + i,
+                                 prefix=f"cal{i}-")) for i, ((b, _), r) in enumerate(zip(runs, rates))]
+    print("profile: the serving path: open-loop runs at " + ", ".join(
+        f"{r:.2f} req/s, budget {b} ({len(s)} requests)" for (b, s), r in zip(schedules, rates))
+        + "; the engine alone holds the SLA to " + ", ".join(f"{v:.2f} (budget {b})" for b, v in capacity.items()),
+        flush=True)
+    results, steps = measure(run, schedules, max_seqs, (base.sla_ttft_ms, base.sla_tpot_ms),
+                             run / "scheduler" / STEP_LOG)
+    sp = fit_serving_path(latency, exits, base, results, [b for b, _ in runs], steps)
+    sp.save(run / "scheduler" / SERVING_JSON)
+    st = sp.fit["steps"]
+    print(f"profile: serving path: {st['steps']} served steps: decode {sp.engine_slowdown:.2f}x and prefill "
+          f"{sp.prefill_slowdown:.2f}x the profiled time, {sp.serve_chunk_ms:.2f} ms per chunk sent + "
+          f"{sp.serve_chunk_sq_ms:.3f} ms x chunks^2 (step error median {st['rel_err_median']:.3f}, mean step "
+          f"{st['total_ratio']:.3f} of measured); +{sp.ttft_overhead_ms:.1f} ms to the first token, "
+          f"+{sp.token_overhead_ms:.2f} ms per later token; TTFT / TPOT p50 / p95 max rel err "
+          f"{sp.fit['max_rel_err']:.3f}", flush=True)
+    return sp

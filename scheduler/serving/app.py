@@ -1,0 +1,397 @@
+"""The Ray Serve application (docs/serving.md): ``Ingress`` -> ``Worker`` (one per device) + ``Hub``.
+
+- ``Ingress`` (FastAPI): the OpenAI routes, bearer-key check, validation and tokenization
+  (scheduler/serving/api.py), the front end's in-flight bound, SSE streaming, metrics, the live
+  dashboard (its data: scheduler/serving/dashboard.py, sampled every ``dashboard_tick_s``).
+- ``Worker`` and ``Hub``: scheduler/serving/worker.py (the Triton-facing side, the control loop).
+
+Cancellation: when an HTTP client disconnects, Ray Serve's proxy cancels the ingress request; the
+``asyncio.CancelledError`` raised in the ingress's stream lands in ``Generation._chunks``, which
+cancels the worker's ``DeploymentResponseGenerator``; Serve then throws ``CancelledError`` into
+``Worker.generate``, whose ``aclosing`` closes the Triton stream, and ``TritonClient.generate`` sends
+the ``cancel`` control op for the request id.
+"""
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
+from ray import serve
+from ray.exceptions import RayError
+from ray.serve.exceptions import BackPressureError, RayServeException
+from ray.serve.handle import DeploymentHandle
+
+from edge.core.errors import ConfigError
+from scheduler.serving import api
+from scheduler.serving import dashboard
+from scheduler.serving.config import BundleInfo, ServeConfig
+from scheduler.serving.metrics import CONTENT_TYPE, ServeMetrics
+from scheduler.serving.worker import DEVICE_RESOURCE, HUB_TIMEOUT_S, Hub, Worker
+
+log = logging.getLogger(__name__)
+
+EOS = "<|endoftext|>"
+
+
+class Generation:
+    """One request's stream from a worker: text deltas, timing, token counts, metrics once at the end."""
+
+    def __init__(self, stream: Any, req: api.GenerationRequest, text: api.TextStream, metrics: ServeMetrics,
+                 t0: float, on_done: Callable[[], None]) -> None:
+        self._stream, self.req, self.text, self._metrics, self.t0 = stream, req, text, metrics, t0
+        self._on_done = on_done
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self.tokens, self.exit_layers, self.finish_reason, self._finished = 0, [], "length", False
+
+    async def _chunks(self) -> AsyncIterator[dict[str, Any]]:
+        done = False
+        try:
+            async for chunk in self._stream:
+                if "error" in chunk:
+                    done = True
+                    raise api.backend_error(chunk["error"])
+                done = bool(chunk["finish_reason"])
+                yield chunk
+                if done:
+                    return
+            raise api.ApiError(503, "the worker ended the stream before its last chunk", code="unavailable",
+                               retry_after_s=1.0)
+        except BackPressureError as exc:
+            done = True
+            raise api.ApiError(429, f"the workers' queues are full: {exc}", code="overloaded", retry_after_s=1.0) \
+                from None
+        except (RayError, RayServeException) as exc:
+            done = True
+            raise api.ApiError(503, f"the worker failed: {exc}", code="unavailable", retry_after_s=1.0) from None
+        finally:
+            if not done:  # the client left, or a stop string ended the text early: stop the worker
+                self._stream.cancel()
+
+    async def deltas(self) -> AsyncIterator[tuple[str, list[int], str | None]]:
+        """``(text, exit_layers, finish_reason)``: each non-empty delta, and the last one with its reason.
+
+        Raises:
+            ApiError: the worker's error chunk, or the worker failing.
+        """
+        pending: list[int] = []
+        async with aclosing(self._chunks()) as chunks:
+            async for chunk in chunks:
+                ids, layers = chunk["token_ids"], chunk["exit_layers"]
+                self.t_last = time.monotonic()
+                if ids and self.t_first is None:
+                    self.t_first = self.t_last
+                self.tokens += len(ids)
+                self.exit_layers += layers
+                pending += layers
+                self._metrics.record_tokens(layers)
+                delta = self.text.push(ids)
+                reason = "stop" if self.text.stopped else (chunk["finish_reason"] or None)
+                if reason is not None:
+                    delta += self.text.flush()
+                    self.finish_reason = reason
+                if delta or reason is not None:
+                    yield delta, pending, reason
+                    pending = []
+                if reason is not None:
+                    return
+
+    def finish(self, status: int) -> None:
+        """Record the request's metrics and release its in-flight slot (once)."""
+        if self._finished:
+            return
+        self._finished = True
+        self._on_done()
+        ttft = None if self.t_first is None else self.t_first - self.t0
+        e2e = None if self.t_last is None or ttft is None else self.t_last - self.t0
+        self._metrics.record_request(status, ttft, e2e if status == 200 else None, self.tokens,
+                                     self.req.sla_ttft_ms, self.req.sla_tpot_ms)
+
+    def usage(self) -> dict[str, int]:
+        return api.usage(len(self.req.prompt_ids), self.tokens)
+
+
+async def complete(gen: Generation, rid: str) -> dict[str, Any]:
+    """The non-streaming answer: the whole completion (or chat completion) with usage.
+
+    Raises:
+        ApiError: the worker's error or failure.
+    """
+    async with aclosing(gen.deltas()) as deltas:
+        async for _ in deltas:
+            pass
+    build = api.chat_response if gen.req.kind == "chat" else api.completion_response
+    return build(rid, int(time.time()), gen.req.model, gen.text.text, gen.finish_reason, gen.exit_layers, gen.usage())
+
+
+async def sse_events(gen: Generation, rid: str) -> AsyncIterator[bytes]:
+    """The SSE body of a streaming answer; records the request when it ends (``gen.finish``).
+
+    Raises:
+        ApiError: only before the first event (nothing sent yet: the caller answers with its status);
+            later errors travel in the stream as an error event.
+    """
+    req, created, status, sent = gen.req, int(time.time()), 499, False
+    try:
+        async with aclosing(gen.deltas()) as deltas:
+            async for delta, layers, reason in deltas:
+                if req.kind == "chat":
+                    out = b"" if sent else api.sse(api.chat_chunk(rid, created, req.model,
+                                                                  {"role": "assistant", "content": ""}))
+                    out += api.sse(api.chat_chunk(rid, created, req.model, {"content": delta} if delta else {},
+                                                  reason, layers))
+                else:
+                    out = api.sse(api.completion_chunk(rid, created, req.model, delta, reason, layers))
+                sent = True
+                yield out
+        if req.include_usage:
+            yield api.sse(api.usage_chunk(req.kind, rid, created, req.model, gen.usage()))
+        status = 200
+        yield api.SSE_DONE
+    except api.ApiError as err:
+        status = err.status
+        if not sent:
+            raise
+        yield api.sse(err.body()) + api.SSE_DONE  # the headers are gone: the error travels in the stream
+    finally:
+        gen.finish(status)
+
+
+async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()
+
+
+# @serve.ingress freezes (cloudpickles) this app and the class's methods when the class is defined:
+# whatever the methods use must be defined above it.
+fastapi_app = FastAPI(title="SmartExit", docs_url=None, redoc_url=None)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.ingress(fastapi_app)
+class Ingress:
+    """The OpenAI-compatible HTTP front end (routes in docs/serving.md)."""
+
+    async def __init__(self, cfg: ServeConfig, worker: DeploymentHandle, hub: DeploymentHandle) -> None:
+        from tokenizers import Tokenizer
+
+        bundle = BundleInfo.load(cfg.bundle_dir)
+        self._cfg = cfg = cfg.with_bundle(bundle)
+        self._tok = Tokenizer.from_file(str(bundle.tokenizer_path))
+        eos = self._tok.token_to_id(EOS)
+        self._stop_ids = [] if eos is None else [eos]
+        self._limits = api.Limits(cfg.model_name, cfg.max_tokens_limit, cfg.context_window,
+                                  self._tok.get_vocab_size(), cfg.default_mode.value, cfg.default_sla_ttft_ms,
+                                  cfg.default_sla_tpot_ms)
+        self._metrics = ServeMetrics(bundle.exit_layers, bundle.num_layers, cfg.tps_window_s,
+                                     sla_ttft_ms=cfg.default_sla_ttft_ms, sla_tpot_ms=cfg.default_sla_tpot_ms)
+        self._worker, self._hub = worker.options(stream=True), hub
+        self._inflight, self._capacity = 0, cfg.max_inflight * cfg.replicas
+        self._created = int(time.time())
+        self._dashboard = dashboard.Dashboard(self._metrics, bundle.exit_layers, bundle.num_layers,
+                                              cfg.default_sla_ttft_ms, cfg.default_sla_tpot_ms, cfg.power_meter,
+                                              cfg.dashboard_points, cfg.dashboard_tick_s)
+        self._session = None if cfg.api_key is None else dashboard.session_token(cfg.api_key)
+        self._page = dashboard.static_file(dashboard.PAGE)
+        self._assets = {name: dashboard.static_file(name) for name in dashboard.ASSETS}
+        self._sampler = asyncio.create_task(self._sample_dashboard(), name="smartexit-dashboard")
+
+    @fastapi_app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, api.parse_completion)
+
+    @fastapi_app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, api.parse_chat)
+
+    @fastapi_app.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except api.ApiError as err:
+            return self._error(err)
+        return JSONResponse({"object": "list", "data": [
+            {"id": self._cfg.model_name, "object": "model", "created": self._created, "owned_by": "smartexit",
+             "max_model_len": self._cfg.context_window}]})
+
+    @fastapi_app.get("/health")
+    async def health(self) -> Response:
+        """200 when a worker's Triton answered its last control tick, else 503 (no key needed)."""
+        try:
+            state = await asyncio.wait_for(self._hub.health.remote(), HUB_TIMEOUT_S)
+        except (RayError, RayServeException, asyncio.TimeoutError) as exc:
+            return JSONResponse({"ready": False, "error": repr(exc)}, status_code=503)
+        return JSONResponse(state, status_code=200 if state["ready"] else 503)
+
+    @fastapi_app.get("/metrics")
+    async def metrics(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except api.ApiError as err:
+            return self._error(err, record=False)
+        await self._refresh_replicas()
+        return Response(self._metrics.render(), media_type=CONTENT_TYPE)
+
+    @fastapi_app.get("/dashboard")
+    async def dashboard_page(self, request: Request) -> Response:
+        """The live dashboard. With a key configured: ``?key=K`` answers 303 to ``/dashboard`` with a
+        cookie (HttpOnly, SameSite=Strict, path /dashboard) holding ``session_token(K)``, not K."""
+        key = request.query_params.get("key")
+        if key is not None and self._cfg.api_key is not None:
+            if not hmac.compare_digest(key.encode(), self._cfg.api_key.encode()):
+                return self._error(api.ApiError(401, "invalid API key in ?key=", code="invalid_api_key"),
+                                   record=False)
+            resp = RedirectResponse("dashboard", status_code=303, headers=dashboard.PAGE_HEADERS)
+            resp.set_cookie(dashboard.COOKIE, self._session, path="/dashboard", httponly=True, samesite="strict")
+            return resp
+        try:
+            self._authorize(request, cookie=True)
+        except api.ApiError as err:
+            return self._error(err, record=False)
+        return Response(self._page, media_type="text/html; charset=utf-8", headers=dashboard.PAGE_HEADERS)
+
+    @fastapi_app.get("/dashboard/data")
+    async def dashboard_data(self, request: Request) -> Response:
+        """The dashboard's series (``?since=T``: only rows after unix time T)."""
+        try:
+            self._authorize(request, cookie=True)
+            since = request.query_params.get("since")
+            try:
+                since = None if since is None else float(since)
+            except ValueError:
+                raise api.ApiError(400, f"since: must be unix seconds, got {since!r}", param="since") from None
+        except api.ApiError as err:
+            return self._error(err, record=False)
+        return JSONResponse(self._dashboard.data(since), headers={"Cache-Control": "no-store"})
+
+    @fastapi_app.get("/dashboard/static/{name:path}")
+    async def dashboard_static(self, name: str) -> Response:
+        """The page's script, style and the vendored uPlot (public code: no key needed)."""
+        if name not in self._assets:
+            return self._error(api.ApiError(404, f"no dashboard file {name!r}"), record=False)
+        return Response(self._assets[name], media_type=dashboard.ASSETS[name],
+                        headers={"Cache-Control": "max-age=3600", "X-Content-Type-Options": "nosniff"})
+
+    async def _refresh_replicas(self) -> None:
+        """The workers' latest stats (from the hub) and the in-flight count into the metrics."""
+        try:
+            self._metrics.set_replica_stats(await asyncio.wait_for(self._hub.snapshot.remote(), HUB_TIMEOUT_S))
+        except (RayError, RayServeException, asyncio.TimeoutError) as exc:
+            log.warning("metrics without the workers' stats: %r", exc)
+            self._metrics.set_replica_stats({})
+        self._metrics.inflight.set(self._inflight)
+
+    async def _sample_dashboard(self) -> None:
+        while True:
+            await self._refresh_replicas()
+            try:
+                self._dashboard.sample()
+            except Exception:  # a bad sample costs the dashboard one row, never the API
+                log.exception("dashboard sample failed")
+            await asyncio.sleep(self._cfg.dashboard_tick_s)
+
+    def __del__(self) -> None:
+        sampler = getattr(self, "_sampler", None)
+        if sampler is not None:
+            sampler.cancel()
+
+    def _authorize(self, request: Request, cookie: bool = False) -> None:
+        """Raises ApiError 401 unless the request carries the key (``cookie``: or the dashboard's cookie)."""
+        key = self._cfg.api_key
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
+            return
+        token = request.cookies.get(dashboard.COOKIE) if cookie else None
+        if token is not None and hmac.compare_digest(token.encode(), self._session.encode()):
+            return
+        how = "open /dashboard?key=<key> or send" if cookie else "send"
+        raise api.ApiError(401, f"invalid or missing API key: {how} 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    def _error(self, err: api.ApiError, record: bool = True) -> Response:
+        if record:
+            self._metrics.record_request(err.status)
+        headers = err.headers() | ({"WWW-Authenticate": "Bearer"} if err.status == 401 else {})
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    def _release(self) -> None:
+        self._inflight -= 1
+
+    async def _serve(self, request: Request, parse: Callable[..., api.GenerationRequest]) -> Response:
+        t0 = time.monotonic()
+        try:
+            self._authorize(request)
+            req = parse(await request.body(), self._limits, lambda s: self._tok.encode(s, add_special_tokens=False).ids)
+            if self._inflight >= self._capacity:
+                raise api.ApiError(429, f"the server is at its limit of {self._capacity} requests in flight",
+                                   code="too_many_requests", retry_after_s=self._cfg.retry_after_s)
+        except api.ApiError as err:
+            return self._error(err)
+        rid = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        text = api.TextStream(lambda ids: self._tok.decode(ids, skip_special_tokens=True), req.stop,
+                              lstrip=req.kind == "chat")
+        stream = self._worker.generate.remote(req.payload(rid, self._stop_ids))
+        self._inflight += 1  # released by gen.finish
+        gen = Generation(stream, req, text, self._metrics, t0, self._release)
+        if req.stream:
+            events = sse_events(gen, rid)
+            try:
+                first = await events.__anext__()  # a rejection still gets its HTTP status
+            except api.ApiError as err:
+                return self._error(err, record=False)  # sse_events recorded it
+            return StreamingResponse(_prepend(first, events), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        status = 499  # the client went away (nginx's code), unless set below
+        try:
+            body = await complete(gen, rid)
+            status = 200
+            return JSONResponse(body)
+        except api.ApiError as err:
+            status = err.status
+            return self._error(err, record=False)
+        finally:
+            gen.finish(status)
+
+
+def build_app(cfg: ServeConfig, repo_dir: Path | None = None) -> serve.Application:
+    """The application: ``Ingress`` bound to ``cfg.replicas`` workers and one hub.
+
+    ``repo_dir``: the Triton model repository each worker launches tritonserver on (not needed when
+    ``cfg.triton_url`` names a running server).
+    Raises:
+        ConfigError: the bundle is unreadable, or neither ``repo_dir`` nor ``triton_url`` is given.
+    """
+    if cfg.triton_url is None and repo_dir is None:
+        raise ConfigError("serving needs a Triton model repository (repo_dir) or serve.triton_url")
+    cfg = cfg.resolve_bundle(repo_dir)  # fail here, in the caller, rather than in a replica
+    hub = Hub.bind(cfg.stats_ttl_s)
+    worker = Worker.options(
+        num_replicas=cfg.replicas, max_ongoing_requests=cfg.max_inflight + 8,
+        ray_actor_options={"resources": {DEVICE_RESOURCE: 1}, "num_cpus": 0},
+    ).bind(cfg, None if repo_dir is None else Path(repo_dir), hub)
+    return Ingress.options(max_ongoing_requests=cfg.max_inflight * cfg.replicas + 32).bind(cfg, worker, hub)
+
+
+def run(cfg: ServeConfig, repo_dir: Path | None = None, name: str = "smartexit",
+        blocking: bool = False) -> DeploymentHandle:
+    """Start Serve's HTTP proxy on ``cfg.host:cfg.port`` and deploy :func:`build_app` (after the
+    caller's ``ray.init(resources={"smartexit_device": N})``); the ingress's handle."""
+    app = build_app(cfg, repo_dir)
+    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    # Serve logs every request and every hub push at INFO; on a 2-core device that costs the engine CPU
+    return serve.run(app, name=name, route_prefix="/", blocking=blocking,
+                     logging_config={"log_level": cfg.log_level, "enable_access_log": cfg.log_level == "INFO"})

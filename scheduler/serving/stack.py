@@ -1,0 +1,110 @@
+"""The whole serving stack in one context manager: Ray, the Serve application, its tritonservers.
+
+``serving_stack(run_dir, cfg)`` starts a local Ray (with ``cfg.replicas`` units of the
+``smartexit_device`` resource, one per worker replica), deploys the application
+(scheduler/serving/app.py: each worker launches its own tritonserver on the run's Triton repository),
+waits until ``/health`` says every worker is ready, yields the base URL, and on exit shuts Serve and
+Ray down, which ends the workers and, with them, their tritonservers.
+
+On several devices (Jetsons) the same application runs on a Ray cluster instead: ``ray start
+--head --resources='{"smartexit_device": 1}'`` on one, ``ray start --address=HEAD:6379
+--resources='{"smartexit_device": 1}'`` on each other, then ``smartexit serve ray_address=auto
+serve.replicas=N``: Serve places one worker (and its tritonserver) per device (docs/serving.md).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+from edge.core.errors import ConfigError, SmartExitError
+from scheduler.serving.config import DEVICE_RESOURCE, REPO_BUNDLE, ServeConfig
+
+
+def repository(run_dir: str | Path) -> Path:
+    """The run's Triton repository (``smartexit repo``).
+
+    Raises:
+        ConfigError: it has not been written.
+    """
+    repo = Path(run_dir) / "triton"
+    if not (repo / "smartexit" / "config.pbtxt").is_file():
+        raise ConfigError(f"{repo} is not a Triton model repository: run `smartexit repo run_dir={run_dir}` first")
+    return repo
+
+
+def bundle(run_dir: str | Path) -> Path:
+    """The serving bundle inside the run's Triton repository (what model.py opens)."""
+    return repository(run_dir) / REPO_BUNDLE
+
+
+def health(base_url: str, timeout_s: float = 5.0) -> tuple[int, dict]:
+    """``GET /health``: (status, body); (0, {}) when nothing answers."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=timeout_s) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        try:
+            return exc.code, json.loads(exc.read() or b"{}")
+        except json.JSONDecodeError:
+            return exc.code, {}
+    except (urllib.error.URLError, OSError, json.JSONDecodeError):
+        return 0, {}
+
+
+def wait_healthy(base_url: str, timeout_s: float) -> dict:
+    """Poll ``/health`` until it answers 200.
+
+    Raises:
+        SmartExitError: not healthy in time (the last answer is in the message).
+    """
+    deadline, last = time.monotonic() + timeout_s, (0, {})
+    while time.monotonic() < deadline:
+        last = health(base_url)
+        if last[0] == 200:
+            return last[1]
+        time.sleep(0.5)
+    raise SmartExitError(f"the serving stack at {base_url} was not healthy after {timeout_s:.0f} s "
+                         f"(last /health: {last[0]} {last[1]})")
+
+
+@contextlib.contextmanager
+def serving_stack(run_dir: str | Path, cfg: ServeConfig, ray_address: str | None = None,
+                  start_timeout_s: float = 300.0, graceful: bool = True) -> Iterator[str]:
+    """Start Ray + Serve + tritonservers for ``run_dir``; yields the base URL (``http://host:port``).
+
+    ``ray_address``: join a running Ray cluster (``"auto"``) instead of starting a local one.
+    ``graceful=False`` (a benchmark between runs): skip Serve's graceful shutdown (~10 s) and end the
+    local Ray at once; its workers' tritonservers get SIGTERM as their parent dies.
+    """
+    import ray
+    from ray import serve
+
+    from scheduler.serving.app import run as run_app
+
+    repo = None if cfg.triton_url is not None else repository(run_dir)
+    if repo is None and cfg.bundle_dir is None:
+        raise ConfigError("serve.triton_url needs serve.bundle_dir (the tokenizer and bundle.json)")
+    if cfg.policy.value == "ppo":  # a missing, altered or mismatched policy fails here, not inside a replica
+        from scheduler.serving.worker import build_policy
+        build_policy(cfg)
+    kwargs = dict(include_dashboard=False, configure_logging=True, logging_level="WARNING")
+    if ray_address is None:
+        ray.init(resources={DEVICE_RESOURCE: cfg.replicas}, **kwargs)
+    else:
+        ray.init(address=ray_address, **kwargs)
+    try:
+        run_app(cfg, repo)
+        host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
+        url = f"http://{host}:{cfg.port}"
+        wait_healthy(url, start_timeout_s)
+        yield url
+    finally:
+        if graceful or ray_address is not None:
+            with contextlib.suppress(Exception):  # shutting down: report nothing over the caller's error
+                serve.shutdown()
+        ray.shutdown()

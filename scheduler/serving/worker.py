@@ -1,0 +1,272 @@
+"""The Triton-facing side of the Ray Serve application: ``Worker`` (one replica per device) and ``Hub``.
+
+- ``Worker``: one replica per ``smartexit_device`` resource; owns (launches, supervises) one
+  tritonserver or connects to ``triton_url``; runs the control loop every ``control_tick_s``
+  (``scheduler.control.policies``) and pushes the engine's stats (and its device's power, with
+  ``serve.power_meter``) to the hub; streams generations.
+- ``Hub``: one replica; the latest stats each worker pushed, for ``/metrics`` and ``/health``.
+
+No ``from __future__ import annotations`` here or in app.py: Serve rewrites deployment methods and
+needs their annotations evaluated.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+from ray.exceptions import RayError
+from ray.serve.exceptions import RayServeException
+from ray.serve.handle import DeploymentHandle
+
+from edge.core.errors import ConfigError
+from scheduler.serving.config import DEVICE_RESOURCE, ServeConfig  # noqa: F401 - app.py imports it from here
+from scheduler.serving.dashboard import open_power
+from scheduler.serving.triton_client import TritonClient, TritonError, TritonUnavailable, error_to_dict
+
+log = logging.getLogger(__name__)
+
+HUB_TIMEOUT_S = 5.0
+
+
+async def control_step(client: Any, policy: Any, observe: Callable[[dict], Any]) -> dict[str, Any]:
+    """One control tick: read the engine's stats, ask the policy, apply what changed.
+
+    Returns the stats after the change (``set`` answers with them).
+    Raises:
+        TritonError: the server did not answer.
+    """
+    stats = await client.control({"op": "stats"})
+    feed = getattr(policy, "observe_stats", None)  # the guarded learned policy: its guard and tuner
+    if feed is not None:
+        feed(stats, time.monotonic())
+    action = policy.act(observe(stats))
+    change = {k: int(v) for k, v in (("prefill_budget", action.prefill_budget),
+                                     ("max_running", action.max_running))
+              if v is not None and v != stats.get(k)}
+    if change:
+        stats = await client.control({"op": "set", **change})
+    return stats
+
+
+def build_policy(cfg: ServeConfig) -> Any:
+    """The worker's control policy: a heuristic, or (ppo) the learned policy behind the fallback
+    guard, with online fine-tuning when ``cfg.online_finetune``.
+
+    Raises:
+        ConfigError: unknown settings, or a learned policy that is missing, altered or of another layout.
+    """
+    from scheduler.control.policies import make_policy
+
+    if cfg.policy.value != "ppo":
+        return make_policy(cfg.policy.value, **cfg.policy_kwargs)
+    import torch
+
+    from scheduler.control.online import FallbackGuard, GuardedPolicy, OnlineTuner
+
+    # the policy's forward pass is tiny; torch's default pool would take every core from the engine
+    torch.set_num_threads(1)
+    learned = make_policy("ppo", **cfg.policy_kwargs)
+    heuristic = make_policy(cfg.fallback_policy.value, **cfg.fallback_kwargs)
+    try:
+        guard = FallbackGuard(**cfg.guard)
+        tuner = OnlineTuner(learned, **cfg.tuner) if cfg.online_finetune else None
+    except TypeError as exc:
+        raise ConfigError(f"serve.guard / serve.tuner: {exc}") from None
+    return GuardedPolicy(learned, heuristic, guard, tuner)
+
+
+@serve.deployment(num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
+class Hub:
+    """The latest ``(ready, stats)`` each worker replica pushed; entries older than ``ttl_s`` expire."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self._ttl_s = ttl_s
+        self._entries: dict[str, tuple[float, bool, dict | None]] = {}
+
+    async def push(self, replica: str, ready: bool, stats: dict | None) -> None:
+        self._entries[replica] = (time.monotonic(), ready, stats)
+
+    def _fresh(self) -> dict[str, tuple[float, bool, dict | None]]:
+        horizon = time.monotonic() - self._ttl_s
+        self._entries = {k: v for k, v in self._entries.items() if v[0] >= horizon}
+        return self._entries
+
+    async def snapshot(self) -> dict[str, dict]:
+        """Replica id -> its latest stats (replicas that pushed stats within ``ttl_s``)."""
+        return {k: stats for k, (_, _, stats) in self._fresh().items() if stats}
+
+    async def health(self) -> dict[str, Any]:
+        """``ready`` when at least one worker's Triton answered its last control tick."""
+        now, entries = time.monotonic(), self._fresh()
+        replicas = {k: {"ready": ready, "age_s": round(now - t, 3)} for k, (t, ready, _) in entries.items()}
+        return {"ready": any(r["ready"] for r in replicas.values()), "replicas": replicas}
+
+
+@serve.deployment(ray_actor_options={"resources": {DEVICE_RESOURCE: 1}, "num_cpus": 0})
+class Worker:
+    """The Triton-facing deployment: one tritonserver per replica (device)."""
+
+    _power = None  # the device's LivePower with serve.power_meter (set in __init__)
+
+    async def __init__(self, cfg: ServeConfig, repo_dir: Path | None, hub: DeploymentHandle) -> None:
+        from scheduler.control.policies import observation_from_stats
+
+        self._cfg, self._hub = cfg, hub
+        self._policy = build_policy(cfg)
+        self._tuning: asyncio.Task | None = None
+        self._observe = observation_from_stats
+        self._replica = serve.get_replica_context().replica_tag
+        self._proc = None
+        self._restarting = False
+        self._backoff_s = cfg.restart_backoff_s
+        self._stats: dict | None = None
+        # read once a control tick: sampling the meter faster would buy the live view nothing
+        self._power = open_power(cfg.power_meter, cfg.control_tick_s)
+        if cfg.triton_url is not None:
+            url = cfg.triton_url
+        else:
+            from scheduler.serving.tritonserver import TritonProcess
+            if repo_dir is None:
+                raise ConfigError("a worker needs the Triton model repository (repo_dir) or serve.triton_url")
+            env = {"SMARTEXIT_STEP_LOG": cfg.step_log} if cfg.step_log else {}
+            self._proc = TritonProcess(Path(repo_dir), env=env)  # its threads are the repository's (bundle.json)
+            try:
+                await asyncio.to_thread(self._proc.start, timeout_s=cfg.triton_start_timeout_s)
+            except BaseException:
+                await asyncio.to_thread(self._proc.stop)
+                raise
+            url = self._proc.grpc_url
+        self._client = TritonClient(url, timeout_s=cfg.triton_timeout_s)
+        self._ready = await self._client.ready()
+        self._loop = asyncio.create_task(self._run(), name="smartexit-control")
+
+    async def generate(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Stream a generation: ``{"token_ids", "exit_layers", "finish_reason"}`` per engine step,
+        or one ``{"error": error_to_dict(...)}`` (errors travel as data, not across actors).
+
+        ``payload``: the keyword arguments of ``TritonClient.generate`` (``GenerationRequest.payload``).
+        """
+        if self._restarting:
+            exc = TritonUnavailable("tritonserver is restarting", self._cfg.retry_after_s)
+            yield {"error": error_to_dict(exc)}
+            return
+        try:
+            async with aclosing(self._client.generate(**payload)) as chunks:
+                async for c in chunks:
+                    yield {"token_ids": c.token_ids, "exit_layers": c.exit_layers, "finish_reason": c.finish_reason}
+        except TritonError as exc:
+            yield {"error": error_to_dict(exc)}
+
+    async def stats(self) -> dict | None:
+        """The engine's stats at the last control tick."""
+        return self._stats
+
+    async def ready(self) -> bool:
+        return self._ready
+
+    def check_health(self) -> None:
+        """Serve's health check: fails (the replica is replaced) when the control loop died."""
+        if self._loop.done():
+            exc = None if self._loop.cancelled() else self._loop.exception()
+            raise RuntimeError(f"the worker's control loop stopped: {exc!r}")
+
+    def __del__(self) -> None:
+        """Serve calls this on shutdown (and the GC may again): stop the loop and our tritonserver."""
+        loop, proc, power = getattr(self, "_loop", None), getattr(self, "_proc", None), self._power
+        if loop is not None:
+            loop.cancel()
+        if power is not None:
+            self._power = None
+            power.close()
+        if proc is not None:
+            self._proc = None
+            proc.stop()
+
+    async def _run(self) -> None:
+        """Supervise tritonserver and run the control loop (one task, so they never overlap)."""
+        while True:
+            if self._proc is not None and not self._proc.alive:
+                await self._relaunch()
+                continue
+            try:
+                self._stats = await control_step(self._client, self._policy, self._observe)
+                self._stats["scheduler"] = self._scheduler_state()
+                if self._power is not None:
+                    self._stats["power"] = self._power.reading()
+                    if self._power.roll_due():
+                        await self._roll_power()
+                self._maybe_tune()
+                if not self._ready:
+                    log.info("worker %s: tritonserver at %s ready", self._replica, self._client.url)
+                self._ready, self._backoff_s = True, self._cfg.restart_backoff_s
+            except TritonError as exc:
+                if self._ready:
+                    log.warning("worker %s: tritonserver at %s not answering: %s", self._replica,
+                                self._client.url, exc)
+                self._ready = False
+            await self._push()
+            await asyncio.sleep(self._cfg.control_tick_s)
+
+    def _scheduler_state(self) -> dict[str, Any]:
+        p = self._policy
+        guard, tuner = getattr(p, "guard", None), getattr(p, "tuner", None)
+        return {"policy": self._cfg.policy.value,
+                "active": self._cfg.policy.value if guard is None else
+                (self._cfg.policy.value if guard.active == "learned" else self._cfg.fallback_policy.value),
+                "fallbacks": 0 if guard is None else guard.fallbacks,
+                "updates": 0 if tuner is None else tuner.updates}
+
+    async def _roll_power(self) -> None:
+        """Restart the meter's window (joins its thread: off the event loop); a sensor that fails costs
+        the power readings from then on, never the serving."""
+        try:
+            await asyncio.to_thread(self._power.roll)
+        except Exception:
+            log.exception("worker %s: power meter %s failed; no power readings from now on", self._replica,
+                          self._power.meter.name)
+            power, self._power = self._power, None
+            await asyncio.to_thread(power.close)
+
+    def _maybe_tune(self) -> None:
+        """Start an online PPO update in a thread when the tuner has a batch and none is running."""
+        tuner = getattr(self._policy, "tuner", None)
+        if tuner is None or not tuner.ready or (self._tuning is not None and not self._tuning.done()):
+            return
+
+        async def run() -> None:
+            try:
+                st = await asyncio.to_thread(tuner.update)
+                if st is not None:
+                    log.info("worker %s: online update %d (%d transitions, kl %.4f, %.2f s)", self._replica,
+                             st.updates, st.transitions, st.approx_kl, st.seconds)
+            except Exception:  # a failed update leaves the acting network as it was; serving goes on
+                log.exception("worker %s: online update failed", self._replica)
+        self._tuning = asyncio.create_task(run(), name="smartexit-online-update")
+
+    async def _relaunch(self) -> None:
+        """Restart a dead tritonserver after the current backoff (doubling until a tick succeeds)."""
+        self._ready, self._restarting = False, True
+        await self._push()
+        log.warning("worker %s: tritonserver died; restarting in %.1f s", self._replica, self._backoff_s)
+        await asyncio.sleep(self._backoff_s)
+        self._backoff_s = min(2 * self._backoff_s, self._cfg.restart_backoff_max_s)
+        try:
+            await asyncio.to_thread(self._proc.restart, self._cfg.triton_start_timeout_s)
+        except Exception:  # any launch failure: log it and try again after the (longer) backoff
+            log.exception("worker %s: tritonserver restart failed", self._replica)
+            return
+        if self._proc.grpc_url != self._client.url:
+            old, self._client = self._client, TritonClient(self._proc.grpc_url, timeout_s=self._cfg.triton_timeout_s)
+            await old.close()
+        self._restarting = False
+
+    async def _push(self) -> None:
+        try:
+            await asyncio.wait_for(self._hub.push.remote(self._replica, self._ready, self._stats), HUB_TIMEOUT_S)
+        except (RayError, RayServeException, asyncio.TimeoutError) as exc:
+            log.warning("worker %s: stats not pushed to the hub: %r", self._replica, exc)
