@@ -9,7 +9,7 @@ import pytest
 from edge.runtime.engine import Engine, EngineConfig
 from edge.runtime.rules import ConfidenceRule
 from edge.runtime.static_backend import StaticTorchBackend
-from tests.unit.engine.test_engine import _model, _prompts, _run
+from tests.unit.edge.runtime.test_engine import _model, _prompts, _run
 
 pytestmark = pytest.mark.gpu
 

@@ -16,8 +16,8 @@ from edge.core.artifacts import sha256_path
 from edge.runtime.backend import make_backend
 from edge.runtime.engine import Engine, EngineConfig, KVMode
 from edge.runtime.rules import ConfidenceRule
-from tests.unit.engine.test_engine import CFG, _model, _prompts, _run
-from tests.unit.engine.test_ort_backend import _export
+from tests.unit.edge.runtime.test_engine import CFG, _model, _prompts, _run
+from tests.unit.edge.runtime.test_ort_backend import _export
 
 pytestmark = pytest.mark.jetson
 trt = pytest.importorskip("tensorrt", reason="TensorRT's Python bindings are not installed (JetPack's "

@@ -16,9 +16,9 @@ from edge.runtime.engine import Engine, EngineConfig, Request
 from edge.model.lookup import Lookup
 from edge.runtime.torch_backend import TorchBackend
 from tests.tolerance import f32_rtol
-from tests.unit.engine.test_candidates import _model
-from tests.unit.engine.test_engine import CFG, _run
-from tests.unit.engine.test_ort_backend import _export
+from tests.unit.edge.runtime.test_candidates import _model
+from tests.unit.edge.runtime.test_engine import CFG, _run
+from tests.unit.edge.runtime.test_ort_backend import _export
 
 
 def _seqs(n: int, length: int, seed: int) -> np.ndarray:

@@ -1,0 +1,71 @@
+"""deploy/gpu_check.*: the script a session with a CUDA GPU runs. Here: it compiles, its shell is clean, its
+decode step (run on CPU) gives the full model's greedy tokens, and without CUDA it says so and exits 2."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import py_compile
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.unit.edge.jetson.jetson_identity import REPO
+
+SCRIPT = REPO / "deploy" / "gpu_check.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_python_compiles_and_shell_is_clean():
+    py_compile.compile(str(SCRIPT), doraise=True)
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed here")
+    res = subprocess.run(["shellcheck", str(REPO / "deploy" / "gpu_check.sh")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout
+
+
+def test_decode_step_matches_full_forward_greedy():
+    """At full depth the cached decode step must give what re-running the whole sequence gives."""
+    from edge.model.bundled import BUNDLED_EE_DIR
+    from edge.model.checkpoint import load_decoder
+
+    if not (BUNDLED_EE_DIR / "model.safetensors").is_file():
+        pytest.skip("the bundled model is not in this checkout")
+    torch.set_num_threads(1)
+    bb = load_decoder(BUNDLED_EE_DIR).eval()
+    ids = torch.randint(0, bb.cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    _, tokens = _module().run_decode(bb, ids, 6, bb.cfg.num_layers, lambda: None)
+    seq = ids
+    with torch.no_grad():
+        for _ in range(7):
+            seq = torch.cat((seq, bb(seq).logits[:, -1:].argmax(-1)), dim=1)
+    assert tokens == seq[:, 12:].tolist()
+    _, early = _module().run_decode(bb, ids, 6, 3, lambda: None)  # an exit runs (and differs, usually)
+    assert len(early[0]) == 7
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_without_cuda_it_says_so(tmp_path):
+    res = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path)], capture_output=True, text=True)
+    assert res.returncode == 2
+    assert "no CUDA GPU" in json.loads((tmp_path / "gpu_check.json").read_text())["skipped"]
+
+
+def test_engine_section_runs_eagerly_on_the_cpu():
+    """The engine timing of section 5, eager on the CPU (the GPU run adds the captured graphs): both rules
+    decode and report their rates (timing itself is the GPU run's business, not a unit test's)."""
+    from tests.unit.edge.runtime.test_engine import _model
+
+    out = _module().engine_runs(_model(), [1, 2], 8, 6, "float32", device="cpu")
+    assert set(out) == {"1", "2"}
+    for row in out.values():
+        assert row["eager_full_decode_tokens_per_s"] > 0 and row["eager_exit_first_decode_tokens_per_s"] > 0
+        assert row["eager_captured"] == 0

@@ -1,0 +1,240 @@
+"""The candidate-set exit decision: the context lookup, the host reference of a check, and the engine
+deciding over a shortlist on torch and on the fused ONNX Runtime graphs (same tokens, same exit layers)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from edge.core.errors import ConfigError
+from edge.model.exits import ExitConfig, MultiExitModel, choose_shortlist
+from edge.model.reference import reference_generate
+from edge.runtime.backend import make_backend
+from edge.model.candidates import CANDIDATE_SIGNAL_NAMES, NUM_FEATURES, check, lookup_feature, shortlist_logits
+from edge.runtime.engine import Engine, EngineConfig, KVMode, Request
+from edge.model.lookup import MAX_N, NONE, Lookup, lookup_along
+from edge.runtime.rules import ConfidenceRule, NeverExit, ScoreForm
+from edge.runtime.torch_backend import TorchBackend
+from edge.model.decoder import Decoder
+from tests.tolerance import assert_f32_close
+from tests.unit.edge.runtime.test_engine import CFG, _prompts, _run
+from tests.unit.edge.runtime.test_ort_backend import _export
+
+K = 24
+
+
+def _model(seed=0, layers=(1, 2, 3, 4, 6)) -> MultiExitModel:
+    torch.manual_seed(seed)
+    dec = Decoder(CFG)
+    dec.init_weights(seed, std=0.3)
+    m = MultiExitModel(dec.eval(), ExitConfig(layers=list(layers), adapter_rank=4, shortlist=K)).eval()
+    with torch.no_grad():
+        for p in m.heads.parameters():
+            p.add_(0.05 * torch.randn(p.shape))
+        # a shortlist that holds the tokens these random weights like best, so that checks agree sometimes
+        counts = m.backbone.head_weight.norm(dim=1)
+        m.shortlist.copy_(torch.argsort(-counts)[:K])
+    return m
+
+
+# ------------------------------------------------------------------ lookup
+def _brute(tokens: list[int]) -> tuple[int, int]:
+    """The longest suffix (n <= MAX_N) that occurred earlier, and what followed its latest occurrence."""
+    for n in range(min(MAX_N, len(tokens)), 0, -1):
+        suf = tokens[len(tokens) - n:]
+        for s in range(len(tokens) - n - 1, -1, -1):
+            if tokens[s:s + n] == suf:
+                return tokens[s + n], n
+    return NONE, 0
+
+
+def test_lookup_matches_a_brute_force_search():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        seq = rng.integers(0, 5, rng.integers(1, 40)).tolist()  # a small alphabet: many repeats
+        lk = Lookup()
+        for i, t in enumerate(seq):
+            lk.push(t)
+            assert lk.predict() == _brute(seq[:i + 1]), seq[:i + 1]
+
+
+def test_lookup_examples():
+    lk = Lookup([1, 2, 3, 9, 1, 2])
+    assert lk.predict() == (3, 2)  # "1 2" was followed by 3
+    lk.push(7)
+    assert lk.predict() == (NONE, 0)  # 7 is new
+    assert Lookup().predict() == (NONE, 0)
+    toks, lens = lookup_along(np.array([1, 2, 3, 9, 1, 2, 3]), 4, 7)
+    assert toks.tolist() == [2, 3, 9] and lens.tolist() == [1, 2, 3]
+
+
+# ------------------------------------------------------------------ the check
+def test_check_features_by_hand():
+    z = np.array([[2.0, 1.0, 0.0], [0.0, 0.0, 5.0]], np.float32)
+    ids = np.array([7, 8, 9])
+    c = check(z, ids, np.array([8, 3]), lookup_feature(np.array([2, 0])), None, None)
+    assert c.tokens.tolist() == [[7, 8], [9, 7]] and c.token.tolist() == [7, 9]  # ties: the lower index first
+    assert c.features.shape == (2, NUM_FEATURES) == (2, len(CANDIDATE_SIGNAL_NAMES))
+    assert c.features[:, :2].tolist() == [[2.0, 1.0], [5.0, 0.0]] and np.array_equal(c.logits, c.features[:, :2])
+    assert c.features[:, 2:4].tolist() == [[0.0, 1.0], [0.0, 0.0]]  # the lookup is row 0's second candidate
+    assert c.features[:, 4].tolist() == [2 / MAX_N, 0.0]
+    assert not c.features[:, 5:].any()  # first check: no previous
+    z2 = np.array([[2.0, 0.0, 1.0], [0.0, 0.0, 5.0]], np.float32)  # row 0's second candidate changed
+    nxt = check(z2, ids, np.array([-1, -1]), np.zeros(2), c.tokens, c.logits)
+    assert nxt.tokens.tolist() == [[7, 9], [9, 7]]
+    assert nxt.features[:, 5:7].tolist() == [[1.0, 0.0], [1.0, 1.0]]  # agreement with the previous check, per rank
+    assert np.array_equal(nxt.features[:, 7:], c.logits)
+
+
+def test_score_form_of_a_linear_score_is_that_score():
+    """relu(a) - relu(-a) = a: the two-unit MLP is the linear score up to the product's summation order."""
+    rng = np.random.default_rng(1)
+    w, b = rng.standard_normal(NUM_FEATURES).astype(np.float32), 0.3
+    f = rng.standard_normal((50, NUM_FEATURES)).astype(np.float32)
+    assert_f32_close(ScoreForm.linear(w, b)(f), f @ w + np.float32(b), NUM_FEATURES, 1, "linear score")
+
+
+def test_choose_shortlist_is_by_frequency():
+    ids = choose_shortlist(np.array([5, 5, 5, 2, 2, 9, 1, 1]), 3, vocab_size=10)
+    assert ids.tolist() == [5, 1, 2]  # ties: the lower id first
+
+
+def test_shortlist_and_gates_are_exclusive():
+    with pytest.raises(ConfigError, match="choose one"):
+        ExitConfig(layers=[2, 4], shortlist=8, gate_hidden=4)
+
+
+# ------------------------------------------------------------------ the engine
+def test_never_exit_gives_full_depth_greedy():
+    m = _model()
+    for p in _prompts(2, seed=3):
+        got = _run(Engine(TorchBackend(m), EngineConfig(max_seqs=1, max_len=128), NeverExit()), [p])[0]
+        ref = reference_generate(m, p, 12)
+        assert [t for t, _ in got] == ref.tokens and all(e == 6 for _, e in got)
+
+
+def _mixed_threshold(m, prompts, cfg) -> float:
+    """A threshold on the top candidate logit (feature 0, what ConfidenceRule thresholds for a shortlist
+    model) at which some tokens leave early and others run to full depth."""
+    for t in np.linspace(8.0, -2.0, 41):
+        out = _run(Engine(TorchBackend(m), EngineConfig(**cfg), ConfidenceRule(float(t))), prompts, max_tokens=16)
+        exits = [e for seq in out for _, e in seq]
+        if 0.2 <= np.mean([e < m.num_layers for e in exits]) <= 0.7:
+            return float(t)
+    raise AssertionError("no threshold gives both early exits and full depth")
+
+
+def test_exits_emit_shortlist_tokens_and_checks_see_the_lookup():
+    m = _model()
+    cfg = dict(max_seqs=4, max_running=4, max_len=128)
+    thr = _mixed_threshold(m, _prompts(4, seed=4), cfg)
+    eng = Engine(TorchBackend(m), EngineConfig(**cfg), ConfidenceRule(thr))
+    out = _run(eng, _prompts(4, seed=4), max_tokens=16)
+    early = [t for seq in out for t, e in seq if e < 6]
+    assert early, "some tokens must exit early for the test to mean anything"
+    assert set(early) <= set(m.shortlist.tolist())
+
+
+def test_engine_matches_the_reference_generator():
+    """One sequence at a time, K/V of skipped layers by propagation (the reference's): the engine's checks
+    and the reference generator's decide the same tokens at the same layers."""
+    m = _model()
+    prompts = [p + p[:5] for p in _prompts(3, seed=6)]
+    thr = _mixed_threshold(m, prompts, dict(max_seqs=1, max_len=128))
+    for p in prompts:
+        got = _run(Engine(TorchBackend(m), EngineConfig(max_seqs=1, max_len=128), ConfidenceRule(thr)), [p])[0]
+        ref = reference_generate(m, p, 12, rule=ConfidenceRule(thr))
+        assert [t for t, _ in got] == ref.tokens and [e for _, e in got] == ref.exit_layers
+
+
+def test_sampled_requests_never_exit_over_a_shortlist():
+    m = _model()
+    eng = Engine(TorchBackend(m), EngineConfig(max_seqs=2, max_running=2, max_len=128), ConfidenceRule(-1e9))
+    out = _run(eng, _prompts(2, seed=5), max_tokens=8, temperature=0.8, seed=1)
+    assert all(e == 6 for seq in out for _, e in seq)
+
+
+def test_a_rule_without_a_score_is_refused():
+    class HostOnly:
+        def decide(self, layer, stats, tokens, hidden):
+            return np.zeros(tokens[layer].shape[0], bool)
+
+    with pytest.raises(ConfigError, match="decides in its graphs"):
+        Engine(TorchBackend(_model()), EngineConfig(max_seqs=1, max_len=64), HostOnly())
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    return _export(tmp_path_factory.mktemp("cand"), _model(seed=7))
+
+
+@pytest.mark.parametrize("mode", list(KVMode))
+def test_onnxruntime_decides_as_torch(exported, mode):
+    """The fused graphs' checks (candidate logits, features, MLP score in the graph) give the torch
+    reference's tokens and exit layers, through scattered slots and both K/V modes."""
+    m, ckpt, graphs = exported
+    rng = np.random.default_rng(2)
+    mlp = ScoreForm(rng.standard_normal((NUM_FEATURES, 5)).astype(np.float32), rng.standard_normal(5).astype(np.float32),
+                    rng.standard_normal(5).astype(np.float32), -0.5)
+
+    class Mlp:
+        def score_form(self, layer, f):
+            return mlp
+
+    prompts = [p + p[:6] for p in _prompts(4, seed=8)]  # repeats: the lookup finds matches
+    cfg = dict(max_seqs=4, max_running=4, max_len=128, prefill_budget=24, kv_mode=mode, defer_exit_max_batch=None)
+    for rule in (ConfidenceRule(_mixed_threshold(m, prompts, cfg)), Mlp()):
+        ref = _run(Engine(TorchBackend(m), EngineConfig(**cfg), rule), prompts, max_tokens=16)
+        layers = {e for seq in ref for _, e in seq}
+        assert layers & {1, 2, 3, 4} and 6 in layers, f"exits and full depth must both occur ({layers})"
+        # the fused graphs check in the graph; the portable ones (what TensorRT builds) on the host, from the
+        # export's shortlist_rows.npy
+        for name in ("onnxruntime", "onnxruntime_portable"):
+            backend = make_backend(name, graphs_dir=graphs, checkpoint=ckpt, threads=1)
+            assert _run(Engine(backend, EngineConfig(**cfg), rule), prompts, max_tokens=16) == ref, name
+
+
+def test_full_graph_equals_the_segments(exported):
+    m, ckpt, graphs = exported
+    backend = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1)
+    assert backend._full is not None
+    prompts = _prompts(3, seed=9)
+    cfg = EngineConfig(max_seqs=3, max_running=3, max_len=128, kv_mode=KVMode.DEFER, defer_exit_max_batch=1)
+    # all three decode together from the first step: batch 3 > 1, so no row may exit and the full graph runs
+    got = _run(Engine(backend, cfg, ConfidenceRule(-1e9)), prompts, max_tokens=10)
+    ref = _run(Engine(TorchBackend(m), EngineConfig(max_seqs=3, max_running=3, max_len=128)), prompts, max_tokens=10)
+    assert got == ref
+    assert any(key[0] == "full" and key[2] == 3 for key in backend._plans), "the batch-3 steps ran the full graph"
+
+
+def test_generate_stage_holds_a_shortlist_model_to_its_calibrated_table():
+    """A fixed probability threshold means nothing for checks that score raw candidate logits: the generate
+    stage refuses a shortlist model in an uncalibrated run, and keeps the fixed rule for other models."""
+    from types import SimpleNamespace
+
+    from edge.pipeline.generate import GenerateConfig, _early_rule
+
+    uncalibrated = SimpleNamespace(data={"stages": {}})
+    with pytest.raises(ConfigError, match="run `smartexit calibrate` first"):
+        _early_rule(GenerateConfig(), uncalibrated, None, _model())
+    plain = MultiExitModel(_model().backbone, ExitConfig(layers=[2, 6], adapter_rank=0))
+    rule, name = _early_rule(GenerateConfig(threshold=0.8), uncalibrated, None, plain)
+    assert name == "fixed" and isinstance(rule, ConfidenceRule) and rule.threshold == 0.8
+
+
+def test_a_check_is_eleven_graph_nodes():
+    """At batch 1 an ONNX Runtime node costs a few microseconds whatever it computes: the check's price is
+    its node count (docs/runtime.md), so a node added to it should be a decision, not an accident."""
+    from edge.model.segments import segment_layers
+    from exporters.ort_fused import build_fused
+
+    m = _model(layers=(2, 6))
+    plain = MultiExitModel(m.backbone, ExitConfig(layers=[2, 6], adapter_rank=4)).eval()
+    plain.heads.load_state_dict(m.heads.state_dict())
+
+    def nodes(model):
+        g = next(g for g in build_fused(model, segment_layers(model.exit_layers), full=False) if g.name == "segment_0")
+        return len(g.proto.graph.node)
+
+    # the plain model's decision segment ends at its exit hidden and decides in the head graph
+    assert nodes(m) - nodes(plain) == 11
