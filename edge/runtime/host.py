@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import math
 import threading
 import time
 from concurrent.futures import Future
@@ -29,6 +28,7 @@ from typing import Any, Callable
 import numpy as np
 
 from edge.core.errors import ConfigError, RequestError, SmartExitError
+from edge.core.stats import due_time, on_time, p95_ms, sla_met
 from edge.runtime.audit import AuditConfig, AuditEstimate
 from edge.runtime.backend import Backend
 from edge.runtime.engine import NO_TOKEN, Engine, EngineConfig, Mode, Request, TokenEvent
@@ -448,7 +448,7 @@ class EngineHost:
         self._recent_ttft.append(ttft)
         if tpot is not None:
             self._recent_tpot.append(tpot)
-        self.sla_met_total += ttft <= live.sla_ttft_s and (tpot is None or tpot <= live.sla_tpot_s)
+        self.sla_met_total += sla_met(ttft, tpot, live.sla_ttft_s, live.sla_tpot_s)
 
     def _account(self, live: _Live, n: int, now: float) -> None:
         """Count ``n`` tokens handed over at ``now`` on time or late (token i is due at arrival + TTFT
@@ -456,7 +456,7 @@ class EngineHost:
         if n and live.first is None:
             live.first = now
         for i in range(live.n_tokens - n, live.n_tokens):
-            if now <= live.arrival + live.sla_ttft_s + i * live.sla_tpot_s:
+            if on_time(now, live.arrival, live.sla_ttft_s, live.sla_tpot_s, i):
                 self.tokens_on_time_total += 1
             else:
                 self.tokens_late_total += 1
@@ -510,7 +510,7 @@ class EngineHost:
         now = time.monotonic()
         reqs, slacks, preds, recent = [], [], [], []
         for live in self._live.values():
-            due = live.arrival + live.sla_ttft_s + live.n_tokens * live.sla_tpot_s
+            due = due_time(live.arrival, live.sla_ttft_s, live.sla_tpot_s, live.n_tokens)
             slack = (due - now) * 1e3
             slacks.append(slack)
             layers = s.recent_exit_layers.get(live.engine_id, [])
@@ -546,10 +546,3 @@ class EngineHost:
             "chunks_total": self.chunks_total, "audit": audit,
         }
 
-
-def p95_ms(values: collections.deque[float]) -> float | None:
-    """The 95th percentile (nearest rank) in ms; None for none."""
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, math.ceil(0.95 * len(s)) - 1)] * 1e3

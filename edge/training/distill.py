@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -26,43 +26,11 @@ from edge.model.checkpoint import load_decoder
 from edge.model.exits import ExitConfig, MultiExitModel, choose_shortlist, save_multi_exit
 from edge.model.tokenizer import encode_documents, load_tokenizer
 from edge.model.windows import base_model_metrics, exit_metrics, stream_windows
-from edge.training.layerskip import LOSS_PNG, LayerSkipConfig, exit_loss_summary, lr_at, plot_exit_losses, train_layerskip
+from edge.training.config import DistillConfig
+from edge.training.layerskip import LOSS_PNG, exit_loss_summary, lr_at, plot_exit_losses, train_layerskip
 from edge.training.losses import distill_loss
 
 STAGE = "distill"
-
-
-@dataclass
-class DistillConfig:
-    run_dir: str = "artifacts/demo"
-    model: str = "bundled"  # "bundled", "bundled-ee" or a local HF folder
-    exits: ExitConfig = field(default_factory=ExitConfig)
-    steps: int = 200
-    batch_size: int = 8
-    seq_len: int = 256
-    lr: float = 2e-3
-    temperature: float = 2.0
-    kl_weight: float = 0.7
-    freeze_backbone: bool = True
-    seed: int = 0
-    train_tokens: int = 500_000  # tokens of the train split to sample windows from
-    eval_windows: int = 64  # held-out windows of seq_len tokens for the metrics
-    threads: int = 2
-    layerskip: LayerSkipConfig = field(default_factory=LayerSkipConfig)
-    gate_windows: int = 160  # train-split windows of seq_len tokens that fit the exit gates (exits.gate_hidden > 0)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.layerskip, dict):
-            self.layerskip = LayerSkipConfig(**self.layerskip)
-        if self.layerskip.enabled and (self.freeze_backbone or self.exits.adapter_rank):
-            raise ConfigError("distill: layerskip.enabled trains the decoder through its own head at every "
-                              "exit: set freeze_backbone=false and exits.adapter_rank=0")
-        if self.steps < 0 or self.batch_size < 1 or self.seq_len < 2:
-            raise ConfigError("distill: steps >= 0, batch_size >= 1 and seq_len >= 2 are required")
-        if not 0.0 <= self.kl_weight <= 1.0:
-            raise ConfigError(f"distill.kl_weight must be in [0, 1], got {self.kl_weight}")
-        if self.temperature <= 0:
-            raise ConfigError(f"distill.temperature must be > 0, got {self.temperature}")
 
 
 def sample_train_tokens(tok, n_tokens: int, seed: int) -> np.ndarray:

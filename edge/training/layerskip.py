@@ -25,12 +25,10 @@ and picked up when the run restarts.
 """
 from __future__ import annotations
 
-import enum
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,58 +36,16 @@ import torch.nn.functional as F
 
 from edge.core.artifacts import atomic_path, atomic_write_json
 from edge.core.errors import ConfigError
+from edge.training.config import Curriculum, DistillConfig, ExitWeighting, LayerSkipConfig
 from edge.training.losses import distill_loss_to, teacher_targets
 from edge.model.decoder import Decoder, attention_mask
 from edge.model.windows import random_windows
 
-if TYPE_CHECKING:  # edge.training.distill imports this module for LayerSkipConfig
-    from edge.training.distill import DistillConfig
 
 CHECKPOINT = "checkpoint.pt"
 LOG_JSON = "log.json"
 LOSS_PNG = "exit_losses.png"
 WARMUP = 20  # linear warm-up steps, as edge.training.distill has always used
-
-
-class Curriculum(str, enum.Enum):
-    NONE = "none"
-    ROTATIONAL = "rotational"
-    GRADUAL = "gradual"
-
-
-class ExitWeighting(str, enum.Enum):
-    UNIFORM = "uniform"  # every early exit at exit_loss_scale, the final layer at 1 (a plain sum at scale 1)
-    LAYERSKIP = "layerskip"  # the paper's e~_l = scale * sum_{i<=l} i, e~_{L-1} = L - 1, normalised to sum 1
-
-
-@dataclass
-class LayerSkipConfig:
-    """LayerSkip training switches (``distill`` with ``layerskip.enabled=true``)."""
-
-    enabled: bool = False
-    p_max: float = 0.0  # layer-dropout rate of the deepest layer
-    curriculum: Curriculum = Curriculum.NONE
-    rotation_groups: int = 2  # rotational: R interleaved groups of early exits, one group on per period
-    rotation_period: int = 1  # rotational: C steps before the next group takes over
-    gradual_frac: float = 0.5  # gradual: fraction of training after which every exit is on
-    exit_loss_scale: float = 1.0  # weight of the early exits' losses relative to the final layer's
-    exit_weighting: ExitWeighting = ExitWeighting.UNIFORM
-    # LayerSkip trains the shared head from every exit; false keeps the final norm and the (tied) LM
-    # head for the final layer's loss alone, which protects full depth and saves their weight gradients.
-    head_grad_from_exits: bool = True
-    ckpt_every: int = 25
-
-    def __post_init__(self) -> None:
-        self.curriculum = Curriculum(self.curriculum)
-        self.exit_weighting = ExitWeighting(self.exit_weighting)
-        if not 0.0 <= self.p_max < 1.0:
-            raise ConfigError(f"layerskip.p_max must be in [0, 1), got {self.p_max}")
-        if self.rotation_groups < 1 or self.rotation_period < 1 or self.ckpt_every < 1:
-            raise ConfigError("layerskip.rotation_groups, rotation_period and ckpt_every must be >= 1")
-        if not 0.0 <= self.gradual_frac <= 1.0:
-            raise ConfigError(f"layerskip.gradual_frac must be in [0, 1], got {self.gradual_frac}")
-        if self.exit_loss_scale < 0:
-            raise ConfigError(f"layerskip.exit_loss_scale must be >= 0, got {self.exit_loss_scale}")
 
 
 # ---- pure schedule functions ------------------------------------------------------------------

@@ -1,18 +1,63 @@
 """The engine as the simulator sees it, read from a run: the latency model (``smartexit profile``) and
 the exit model (the threshold table's exit fractions, the profile's per-request exit traces).
 
+It also holds :class:`ServingPath`, the serving path's own cost that ``smartexit profile serving=true``
+fits (scheduler/loadtest/serving_path.py) and the simulator reads (``SimConfig`` fields).
+
 One place for both, so training (scheduler/control/train.py) and evaluation (scheduler/loadtest/bench_scheduler.py)
 simulate the same engine.
 """
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from edge.core.errors import ConfigError
 from scheduler.control.latency import LatencyModel
 from scheduler.control.sim import ExitModel
+
+SERVING_JSON = "serving.json"
+
+
+@dataclass
+class ServingPath:
+    ttft_overhead_ms: float = 0.0
+    token_overhead_ms: float = 0.0
+    serve_chunk_ms: float = 0.0
+    serve_chunk_sq_ms: float = 0.0
+    engine_slowdown: float = 1.0
+    prefill_slowdown: float | None = None  # None: engine_slowdown (a serving.json of the one-factor fit)
+    rates: list[float] | None = None       # req/s of the calibration runs
+    requests: int = 0
+    fit: dict[str, Any] | None = None      # per run: measured and simulated percentiles, relative errors
+
+    def sim_fields(self) -> dict[str, float | None]:
+        """The SimConfig fields."""
+        return {k: getattr(self, k) for k in PARAMS}
+
+    def save(self, path: str | Path) -> None:
+        from edge.core.artifacts import atomic_write_json
+
+        atomic_write_json(Path(path), asdict(self))
+
+    @classmethod
+    def load(cls, path: str | Path) -> ServingPath | None:
+        """None without the file. Raises ConfigError: malformed."""
+        path = Path(path)
+        if not path.is_file():
+            return None
+        try:
+            d = json.loads(path.read_text())
+            return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise ConfigError(f"serving path {path}: {exc}") from None
+
+
+STEP_PARAMS = ("engine_slowdown", "prefill_slowdown", "serve_chunk_ms", "serve_chunk_sq_ms")  # from the step log
+OVERHEADS = ("ttft_overhead_ms", "token_overhead_ms")  # from the requests' latencies
+PARAMS = STEP_PARAMS + OVERHEADS
 
 
 def exit_traces(path: str | Path) -> list[dict[str, Any]] | None:
@@ -74,7 +119,6 @@ def serving_fields(run_dir: str | Path) -> dict[str, Any]:
     ``smartexit repo`` wrote (the audit's full-depth re-decodes are engine work too), and the serving
     path ``smartexit profile`` measured (serving.json); what is absent keeps the simulator's default."""
     from edge.runtime.audit import AuditConfig
-    from scheduler.loadtest.serving_path import SERVING_JSON, ServingPath
 
     run = Path(run_dir)
     out: dict[str, Any] = {}

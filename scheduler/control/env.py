@@ -199,7 +199,7 @@ def estimate_capacity(latency: LatencyModel, exits: ExitModel, cfg: EnvConfig, p
     """The highest rate (req/s, bisection on a log scale) at which ``policy`` keeps SLA attainment >=
     ``attainment`` in the simulator, on ``pattern`` arrivals of ``cfg``'s lengths or on
     ``workload_at(rate)`` (a workload family of its own: scheduler/control/evaluate.py)."""
-    from scheduler.loadtest.bench_report import summarize
+    from scheduler.control.outcomes import summarize
 
     def ok(rate: float) -> bool:
         w = workload_at(rate) if workload_at is not None else make_workload(pattern, rate, duration_s, seed, cfg)

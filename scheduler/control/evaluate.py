@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from edge.core.errors import ConfigError
-from scheduler.loadtest.bench_report import summarize
+from scheduler.control.outcomes import summarize
 from scheduler.control.env import EnvConfig, estimate_capacity, make_workload
 from scheduler.control.latency import LatencyModel
 from scheduler.control.sim import ExitModel, SimConfig, simulate

@@ -160,28 +160,3 @@ class MaxDelay:
         release = (obs.prefill_backlog_tokens >= self.preferred_tokens
                    or (waited_ms is not None and waited_ms >= self.max_delay_ms))
         return ControlAction(self.max_budget if release else self.min_budget, min(self.max_running, obs.max_seqs))
-
-
-def _learned(path: str | None = None, deterministic: bool = True) -> Policy:
-    """The learned policy in ``path`` (default: the shipped scheduler/assets/ppo), imported on demand so
-    this module stays free of torch."""
-    from scheduler.control.learned import load_policy
-
-    return load_policy(path, deterministic)
-
-
-POLICIES = {"fixed": FixedBudget, "aimd": AIMD, "maxdelay": MaxDelay, "ppo": _learned}
-
-
-def make_policy(name: str, **kwargs: Any) -> Policy:
-    """The policy registered as ``name`` with its settings.
-
-    Raises:
-        ConfigError: unknown name or setting.
-    """
-    if name not in POLICIES:
-        raise ConfigError(f"unknown policy {name!r}; expected one of {', '.join(POLICIES)}")
-    try:
-        return POLICIES[name](**kwargs)
-    except TypeError as exc:
-        raise ConfigError(f"policy {name!r}: {exc}") from None

@@ -27,9 +27,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from edge.core.errors import ConfigError
-from edge.runtime.host import p95_ms  # the host's own tail statistic: one definition live and simulated
+from edge.core.stats import due_time, on_time, p95_ms, sla_met  # the host's own statistics: one definition live and simulated
 from scheduler.control.latency import LatencyModel
-from scheduler.loadtest.loadgen import RequestResult
+from scheduler.control.outcomes import RequestResult
 from scheduler.control.workload import Workload
 
 EMA = 0.3           # the host's weight of the newest exit layer in a request's predicted depth (edge/runtime/host.py)
@@ -364,11 +364,11 @@ class Simulator:
         if r.audit:  # its token goes to the audit, not to a client
             r.generated += 1
             return
-        due = r.arrival + self._ttft + r.generated * self._tpot
+        index = r.generated
         r.generated += 1
         self.tokens_total += 1
         c = self.counts
-        if t <= due + 1e-12:
+        if on_time(t, r.arrival, self._ttft, self._tpot, index):
             c.tokens_on_time += 1
         else:
             c.tokens_late += 1
@@ -386,7 +386,7 @@ class Simulator:
         self._recent_ttft.append(ttft)
         if tpot is not None:
             self._recent_tpot.append(tpot)
-        met = ttft <= self._ttft and (tpot is None or tpot <= self._tpot)
+        met = sla_met(ttft, tpot, self._ttft, self._tpot)
         self.finished_total += 1
         self.sla_met_total += met
         self.counts.finished += 1
@@ -396,7 +396,7 @@ class Simulator:
     def observe(self) -> dict[str, Any]:
         """The engine host's ``stats`` keys (docs/serving.md) at the current time."""
         now = self.t
-        slacks = [(r.arrival + self._ttft + r.generated * self._tpot - now) * 1e3
+        slacks = [(due_time(r.arrival, self._ttft, self._tpot, r.generated) - now) * 1e3
                   for r in (*self.waiting, *self.prefilling, *self.decoding) if not r.audit]
         preds = [r.predicted for r in self.decoding if r.predicted is not None]
         while self._arrivals and self._arrivals[0] < now - RATE_WINDOW_S:
@@ -425,7 +425,7 @@ class Simulator:
 
     # ---------------------------------------------------------------- results
     def results(self) -> list[RequestResult]:
-        """Every request as a client would have seen it (loadgen's RequestResult: summarize() applies)."""
+        """Every request as a client would have seen it (outcomes.RequestResult: summarize() applies)."""
         out = []
         for r in self._reqs:
             res = RequestResult(f"sim-{r.i}", r.arrival, r.prompt, r.out, t_submit=r.arrival)

@@ -31,7 +31,7 @@ import numpy as np
 
 from edge.core.artifacts import Manifest
 from edge.core.errors import ConfigError
-from scheduler.loadtest.bench_report import summarize
+from scheduler.control.outcomes import summarize
 from scheduler.control.env import (BUDGETS, EnvConfig, RewardConfig, SchedulerEnv, action_of, estimate_capacity, index_of,
                            make_workload, obs_vector, reward_of)
 from scheduler.control.latency import LatencyModel

@@ -1,80 +1,17 @@
 """Serving benchmark arithmetic and presentation: summaries, the served/in-process comparison, Markdown,
-figures. Everything here takes :class:`~scheduler.loadtest.loadgen.RequestResult` lists or the dicts made from
+figures. Everything here takes :class:`~scheduler.control.outcomes.RequestResult` lists or the dicts made from
 them; nothing reads or talks to a server.
 
-Definitions (per run):
-* duration: first submit to last response, seconds;
-* SLA met: the request succeeded, its TTFT is within ``sla_ttft_ms`` and (more than one token) its
-  mean time per later token, (e2e - ttft) / (n - 1), within ``sla_tpot_ms``;
-* sla_attainment: requests meeting the SLA / all requests sent (errors count as misses);
-* goodput_rps: requests meeting the SLA per second of the run (DistServe's goodput, Zhong et al., OSDI
-  2024);
-* tokens_per_s: generated tokens of successful requests per second of the run.
+The numbers themselves (attainment, goodput, percentiles) are :func:`scheduler.control.outcomes.summarize`'s.
 """
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from scheduler.loadtest.loadgen import RequestResult
-
-QUANTILES = (50, 95, 99)
-
-
-def percentiles(values: Sequence[float], qs: Sequence[float] = QUANTILES) -> dict[str, float | None]:
-    """``{"p50": ..., ...}`` by numpy's default (linear) interpolation; None for every q of no values."""
-    arr = np.asarray([v for v in values if v is not None], dtype=np.float64)
-    if arr.size == 0:
-        return {f"p{q:g}": None for q in qs}
-    return {f"p{q:g}": float(v) for q, v in zip(qs, np.percentile(arr, qs))}
-
-
-def run_duration(results: Sequence[RequestResult]) -> float:
-    starts = [r.t_submit for r in results if r.t_submit is not None]
-    ends = [r.t_end for r in results if r.t_end is not None]
-    return max(ends) - min(starts) if starts and ends else 0.0
-
-
-def summarize(results: Sequence[RequestResult], sla_ttft_ms: float, sla_tpot_ms: float) -> dict[str, Any]:
-    """One run's numbers (definitions in the module docstring); latencies in ms."""
-    ok = [r for r in results if r.ok]
-    duration = run_duration(results)
-    met = sum(r.sla_met(sla_ttft_ms, sla_tpot_ms) for r in results)
-    tokens = sum(r.tokens for r in ok)
-    ms = lambda xs: [x * 1e3 for x in xs if x is not None]  # noqa: E731
-    out: dict[str, Any] = {
-        "requests": len(results),
-        "completed": len(ok),
-        "errors": sum(not r.ok for r in results),
-        "errors_by_kind": dict(sorted(Counter(r.error_kind or "unfinished" for r in results if not r.ok).items())),
-        "duration_s": duration,
-        "tokens": tokens,
-        "tokens_per_s": tokens / duration if duration > 0 else 0.0,
-        "sla": {"ttft_ms": sla_ttft_ms, "tpot_ms": sla_tpot_ms},
-        "sla_met": met,
-        "sla_attainment": met / len(results) if results else 0.0,
-        "goodput_rps": met / duration if duration > 0 else 0.0,
-        "offered_rps": _offered_rps(results),
-    }
-    for name, vals in (("ttft", ms(r.ttft_s for r in ok)), ("tpot", ms(r.tpot_s for r in ok)),
-                       ("e2e", ms(r.e2e_s for r in ok))):
-        for k, v in percentiles(vals).items():
-            out[f"{name}_{k}_ms"] = v
-        out[f"{name}_mean_ms"] = float(np.mean(vals)) if vals else None
-    # how late the client fired requests (an overloaded client would understate the server's queue)
-    lag = ms(r.t_submit - r.arrival_s for r in results if r.t_submit is not None)
-    out["send_lag_p99_ms"] = percentiles(lag, (99,))["p99"]
-    layers = [layer for r in ok for layer in r.exit_layers]
-    out["mean_exit_layer"] = float(np.mean(layers)) if layers else None
-    return out
-
-
-def _offered_rps(results: Sequence[RequestResult]) -> float:
-    arr = sorted(r.arrival_s for r in results)
-    return (len(arr) - 1) / (arr[-1] - arr[0]) if len(arr) > 1 and arr[-1] > arr[0] else 0.0
+from scheduler.control.outcomes import RequestResult
 
 
 def compare(served: dict[str, Any], inprocess: dict[str, Any]) -> dict[str, float | None]:

@@ -32,12 +32,13 @@ import numpy as np
 
 from edge.core.artifacts import Manifest, atomic_write_json, atomic_write_text
 from edge.core.errors import ConfigError
-from scheduler.loadtest.bench_report import summarize
+from scheduler.control.outcomes import summarize
 from scheduler.control.env import BUDGETS, EnvConfig, estimate_capacity
 from scheduler.control.evaluate import (FIXED_PREFIX, WorkloadSpec, best_fixed, cell_table, compare, evaluate_grid,
                                 spec_capacity, workload_for)
 from scheduler.control.latency import LatencyModel
-from scheduler.control.policies import FixedBudget, make_policy
+from scheduler.control.policies import FixedBudget
+from scheduler.control.registry import make_policy
 from scheduler.control.sim import ExitModel, SimConfig, simulate
 from scheduler.control.workload import SHARED_TRACE, Workload, read_workload_file
 

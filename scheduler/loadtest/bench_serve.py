@@ -26,9 +26,10 @@ import numpy as np
 
 from edge.core.artifacts import Manifest, atomic_write_json, atomic_write_text
 from edge.core.errors import ConfigError, SmartExitError
-from scheduler.loadtest.bench_report import (compare, plot_latency_cdf, plot_throughput, render_markdown, same_lengths,
-                                    summarize)
-from scheduler.loadtest.loadgen import RequestResult, ScheduledRequest, build_schedule, run_closed_loop, run_open_loop
+from scheduler.loadtest.bench_report import compare, plot_latency_cdf, plot_throughput, render_markdown, same_lengths
+from scheduler.control.outcomes import summarize
+from scheduler.loadtest.loadgen import ScheduledRequest, build_schedule, run_closed_loop, run_open_loop
+from scheduler.control.outcomes import RequestResult
 from scheduler.loadtest.senders import HttpSender, InProcessSender
 from scheduler.control.workload import SHARED_TRACE, Arrivals, Workload, load_workload, synthetic
 

@@ -141,7 +141,7 @@ def tokenizer_folder(bundle: Path, out: Path) -> Path:
 
 
 def _ours(cfg: CrossCheckConfig, url: str) -> tuple[dict[str, Any], str]:
-    from scheduler.loadtest.bench_report import summarize
+    from scheduler.control.outcomes import summarize
     from scheduler.loadtest.bench_serve import BenchServeConfig, _capacity, capacity_requests, make_schedule
     from scheduler.loadtest.loadgen import ScheduledRequest
     from scheduler.loadtest.senders import HttpSender

@@ -36,11 +36,8 @@ from typing import Awaitable, Callable, Sequence
 import numpy as np
 
 from edge.core.errors import ConfigError
+from scheduler.control.outcomes import RequestResult
 from scheduler.control.workload import Workload
-
-# finish reasons that end a request normally; the engine's others (cancelled, deadline) are errors
-NORMAL_FINISH = ("length", "stop")
-
 
 @dataclass(frozen=True)
 class ScheduledRequest:
@@ -48,61 +45,6 @@ class ScheduledRequest:
     prompt_ids: list[int]
     max_tokens: int
     request_id: str = ""
-
-
-@dataclass
-class RequestResult:
-    """One request as the client saw it. Times are seconds after the run started (the driver's t0)."""
-    request_id: str
-    arrival_s: float                     # when it was scheduled
-    prompt_tokens: int
-    max_tokens: int
-    t_submit: float | None = None        # when it was sent
-    t_first_token: float | None = None   # when the first generated token arrived
-    t_end: float | None = None           # when the last response (or the error) arrived
-    tokens: int = 0                      # generated tokens (the server's usage count where it sends one)
-    token_times: list[float] = field(default_factory=list)  # arrival time of each token received
-    exit_layers: list[int] = field(default_factory=list)    # the layer each token left at, where reported
-    finish_reason: str | None = None
-    http_status: int | None = None       # None in process
-    error_kind: str | None = None        # None = success; e.g. http_429, http_503, overloaded, timeout
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error_kind is None and self.t_end is not None
-
-    @property
-    def ttft_s(self) -> float | None:
-        if self.t_first_token is None or self.t_submit is None:
-            return None
-        return self.t_first_token - self.t_submit
-
-    @property
-    def e2e_s(self) -> float | None:
-        if self.t_end is None or self.t_submit is None:
-            return None
-        return self.t_end - self.t_submit
-
-    @property
-    def tpot_s(self) -> float | None:
-        """Mean time per output token after the first: (e2e - ttft) / (n - 1); None for n <= 1."""
-        if not self.ok or self.tokens <= 1 or self.ttft_s is None:
-            return None
-        return (self.e2e_s - self.ttft_s) / (self.tokens - 1)
-
-    def sla_met(self, ttft_ms: float, tpot_ms: float) -> bool:
-        """Succeeded, first token within ``ttft_ms``, and (n > 1) mean later-token time within ``tpot_ms``."""
-        if not self.ok or self.ttft_s is None or self.ttft_s * 1e3 > ttft_ms:
-            return False
-        return self.tpot_s is None or self.tpot_s * 1e3 <= tpot_ms
-
-    def _shift(self, t0: float) -> None:
-        for name in ("t_submit", "t_first_token", "t_end"):
-            v = getattr(self, name)
-            if v is not None:
-                setattr(self, name, v - t0)
-        self.token_times = [t - t0 for t in self.token_times]
 
 
 # --------------------------------------------------------------------------- schedule (pure)

@@ -398,7 +398,8 @@ def main(cfg: ProfileConfig) -> int:
     """
     from scheduler.serving.bundle import open_bundle
     from scheduler.loadtest.profile_report import render_markdown
-    from scheduler.loadtest.serving_path import SERVING_JSON, calibrate
+    from scheduler.control.engine_model import SERVING_JSON
+    from scheduler.loadtest.serving_path import calibrate
 
     t0 = time.perf_counter()
     bundle = bundle_path(cfg)

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from edge.core.errors import SmartExitError
-from scheduler.loadtest.loadgen import NORMAL_FINISH, RequestResult, ScheduledRequest, _result
+from scheduler.loadtest.loadgen import ScheduledRequest, _result
+from scheduler.control.outcomes import NORMAL_FINISH, RequestResult
 
 
 # --------------------------------------------------------------------------- server-sent events (pure)

@@ -28,59 +28,20 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
 from edge.core.errors import ConfigError
+from scheduler.control.engine_model import OVERHEADS, PARAMS, SERVING_JSON, STEP_PARAMS, ServingPath
 from scheduler.control.latency import LatencyModel
 from scheduler.control.policies import FixedBudget
 from scheduler.control.sim import ExitModel, SimConfig, simulate
 from scheduler.control.workload import Workload
 
-SERVING_JSON = "serving.json"
 STEP_LOG = "serving_steps.jsonl"  # the served engine's step log of the calibration runs
 
-
-@dataclass
-class ServingPath:
-    ttft_overhead_ms: float = 0.0
-    token_overhead_ms: float = 0.0
-    serve_chunk_ms: float = 0.0
-    serve_chunk_sq_ms: float = 0.0
-    engine_slowdown: float = 1.0
-    prefill_slowdown: float | None = None  # None: engine_slowdown (a serving.json of the one-factor fit)
-    rates: list[float] | None = None       # req/s of the calibration runs
-    requests: int = 0
-    fit: dict[str, Any] | None = None      # per run: measured and simulated percentiles, relative errors
-
-    def sim_fields(self) -> dict[str, float | None]:
-        """The SimConfig fields."""
-        return {k: getattr(self, k) for k in PARAMS}
-
-    def save(self, path: str | Path) -> None:
-        from edge.core.artifacts import atomic_write_json
-
-        atomic_write_json(Path(path), asdict(self))
-
-    @classmethod
-    def load(cls, path: str | Path) -> ServingPath | None:
-        """None without the file. Raises ConfigError: malformed."""
-        path = Path(path)
-        if not path.is_file():
-            return None
-        try:
-            d = json.loads(path.read_text())
-            return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
-        except (json.JSONDecodeError, TypeError) as exc:
-            raise ConfigError(f"serving path {path}: {exc}") from None
-
-
-STEP_PARAMS = ("engine_slowdown", "prefill_slowdown", "serve_chunk_ms", "serve_chunk_sq_ms")  # from the step log
-OVERHEADS = ("ttft_overhead_ms", "token_overhead_ms")  # from the requests' latencies
-PARAMS = STEP_PARAMS + OVERHEADS
 BOUNDS = ((0.0, 1000.0), (0.0, 100.0))  # the overheads' (ms)
 START = (20.0, 2.0)
 METRICS = ("ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms", "tpot_p95_ms")  # what the evaluation validates

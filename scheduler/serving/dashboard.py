@@ -24,7 +24,7 @@ from typing import Any
 
 from edge.core.errors import ConfigError
 from edge.energy.meter import Measurement, PowerMeter
-from scheduler.loadtest.bench_report import percentiles
+from edge.core.stats import percentiles
 from scheduler.serving.metrics import ServeMetrics
 
 PAGE = "dashboard.html"  # under static/; served at /dashboard (behind the key)
@@ -134,7 +134,7 @@ class Dashboard:
         wall: unix seconds (the x axis; injected by tests).
 
     Per row, over the requests finished in the last ``metrics.window_s``: TTFT and TPOT p50 / p95 /
-    p99 (bench_report.percentiles: the benchmark's definition), SLA attainment (requests meeting
+    p99 (edge.core.stats.percentiles: the benchmark's definition), SLA attainment (requests meeting
     their targets / requests the server served, refused or failed; client errors and disconnects
     left out) and goodput (requests meeting their targets per second, DistServe's, as in
     bench_report); tokens/s is ``metrics.tokens_per_second()``. Summed over replicas: queue,

@@ -60,7 +60,7 @@ def build_policy(cfg: ServeConfig) -> Any:
     Raises:
         ConfigError: unknown settings, or a learned policy that is missing, altered or of another layout.
     """
-    from scheduler.control.policies import make_policy
+    from scheduler.control.registry import make_policy
 
     if cfg.policy.value != "ppo":
         return make_policy(cfg.policy.value, **cfg.policy_kwargs)

@@ -14,15 +14,20 @@ from __future__ import annotations
 import time
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
 from edge.runtime.speculative import Source, SpecConfig, SpecStats, StopRule
 
-if TYPE_CHECKING:
-    from edge.pipeline.bench.decode import Systems
-    from edge.pipeline.bench.engine_run import RunResult
+from edge.pipeline.bench.engine_run import RunResult
+
+
+class Systems(Protocol):
+    """What the sweep needs of the decode benchmark's systems (edge.pipeline.bench.decode.Systems)."""
+
+    def run(self, name: str, prompts: list[list[int]], n: int, group: int | None = None,
+            spec: SpecConfig | None = None) -> RunResult: ...
 
 FIXED_LENGTHS = (1, 2, 3, 4)  # draft tokens per round, rule ``fixed``
 TOP1_THRESHOLDS = (0.3, 0.5, 0.7, 0.9)  # top-1 probability to keep drafting, rule ``top1``

@@ -7,7 +7,8 @@ import torch
 
 from edge.core.artifacts import atomic_dir
 from edge.model.config import preset
-from edge.training.distill import DistillConfig, distill_loss, train_exits
+from edge.training.config import DistillConfig
+from edge.training.distill import distill_loss, train_exits
 from edge.core.errors import CheckpointError, ConfigError, SmartExitError
 from edge.model.exits import ExitConfig, MultiExitModel, load_multi_exit, save_multi_exit
 from edge.model.reference import _decode_step, reference_generate

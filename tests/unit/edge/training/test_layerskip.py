@@ -8,11 +8,13 @@ import torch
 import edge.training.layerskip as ls
 from edge.model.config import preset
 from edge.model.windows import exit_metrics, stream_windows
-from edge.training.distill import DistillConfig, distill_loss
+from edge.training.config import DistillConfig
+from edge.training.distill import distill_loss
 from edge.core.errors import ConfigError
 from edge.model.exits import ExitConfig, MultiExitModel
-from edge.training.layerskip import (Curriculum, ExitWeighting, LayerSkipConfig, active_exits, early_exit_loss, exit_weights,
-                            forward_with_layer_dropout, keep_masks, layer_dropout_rates, train_layerskip)
+from edge.training.config import Curriculum, ExitWeighting, LayerSkipConfig
+from edge.training.layerskip import (active_exits, early_exit_loss, exit_weights, forward_with_layer_dropout, keep_masks,
+                                     layer_dropout_rates, train_layerskip)
 from edge.training.losses import distill_loss_to, teacher_targets
 from edge.model.decoder import Decoder
 

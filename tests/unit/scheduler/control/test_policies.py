@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from edge.core.errors import ConfigError
-from scheduler.control.policies import AIMD, ControlObservation, FixedBudget, make_policy, observation_from_stats
+from scheduler.control.policies import AIMD, ControlObservation, FixedBudget, observation_from_stats
+from scheduler.control.registry import make_policy
 
 STATS = {"waiting": 3, "prefill_backlog_tokens": 200, "running": 4, "free_slots": 12, "prefill_budget": 128,
          "max_running": 8, "max_seqs": 16, "num_layers": 12, "predicted_exit_layer": 9.5, "min_slack_ms": 50.0}

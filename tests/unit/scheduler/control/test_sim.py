@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from edge.core.errors import ConfigError
-from scheduler.loadtest.bench_report import summarize
+from scheduler.control.outcomes import summarize
 from scheduler.control.latency import FEATURES, LatencyModel
 from scheduler.control.policies import FixedBudget, observation_from_stats
 from scheduler.control.sim import ExitModel, SimConfig, Simulator, simulate

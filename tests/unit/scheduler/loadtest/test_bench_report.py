@@ -9,10 +9,11 @@ import pytest
 
 from edge.core.configio import apply, load_yaml
 from scheduler.loadtest import bench_serve
-from scheduler.loadtest.bench_report import (compare, percentiles, same_lengths, plot_latency_cdf, plot_throughput, render_markdown,
-                                    summarize, throughput_series)
+from scheduler.loadtest.bench_report import compare, same_lengths, plot_latency_cdf, plot_throughput, render_markdown, throughput_series
+from scheduler.control.outcomes import summarize
+from edge.core.stats import percentiles
 from scheduler.loadtest.bench_serve import INPROCESS, BenchServeConfig
-from scheduler.loadtest.loadgen import RequestResult
+from scheduler.control.outcomes import RequestResult
 
 PNG = b"\x89PNG\r\n\x1a\n"
 ROOT = __import__("pathlib").Path(__file__).parents[4]

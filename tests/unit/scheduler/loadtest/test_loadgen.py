@@ -10,7 +10,8 @@ import pytest
 
 from edge.core.errors import ConfigError
 from edge.runtime.host import Chunk, HostError
-from scheduler.loadtest.loadgen import RequestResult, ScheduledRequest, build_schedule, map_lengths, run_open_loop, window
+from scheduler.loadtest.loadgen import ScheduledRequest, build_schedule, map_lengths, run_open_loop, window
+from scheduler.control.outcomes import RequestResult
 from scheduler.loadtest.senders import (HttpSender, InProcessSender, SSEDecoder, StreamReader, completion_body, error_from_body,
                                parse_chunk)
 from scheduler.control.workload import SHARED_TRACE, Workload, read_trace, synthetic
@@ -348,7 +349,8 @@ def test_closed_loop_keeps_exactly_concurrency_requests_in_flight():
     every request sent once, results in request order."""
     import asyncio
 
-    from scheduler.loadtest.loadgen import RequestResult, ScheduledRequest, run_closed_loop
+    from scheduler.loadtest.loadgen import ScheduledRequest, run_closed_loop
+    from scheduler.control.outcomes import RequestResult
 
     active, peak, order = [0], [0], []
 

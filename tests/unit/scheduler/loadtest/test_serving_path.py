@@ -11,7 +11,8 @@ from edge.core.errors import ConfigError
 from scheduler.control.latency import FEATURES, LatencyModel
 from scheduler.control.policies import FixedBudget
 from scheduler.loadtest.profile_report import render_serving
-from scheduler.loadtest.serving_path import ServingPath, fit_serving_path, fit_steps, read_step_log
+from scheduler.control.engine_model import ServingPath
+from scheduler.loadtest.serving_path import fit_serving_path, fit_steps, read_step_log
 from scheduler.control.sim import ExitModel, SimConfig, simulate
 from scheduler.control.workload import Arrivals, Workload, synthetic
 
