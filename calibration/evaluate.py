@@ -1,4 +1,4 @@
-"""Evaluating an exit rule teacher-forced on held-out text (free-running: :mod:`edge.pipeline.freerun`).
+"""Evaluating an exit rule teacher-forced on held-out text (free-running: :mod:`calibration.freerun`).
 
 Definitions (issue 3): a *false exit* is a token whose early-exit prediction
 differs from the full model's greedy prediction on the same prefix; *accuracy*

@@ -22,7 +22,7 @@
 Every engine run and every check runs on the engine that will be served
 (``backend``): a compressed model on the ONNX Runtime graphs ``smartexit
 export`` wrote, each generated token judged against those graphs at full depth
-(:class:`edge.pipeline.freerun.Served`); a float model on the torch reference,
+(:class:`calibration.freerun.Served`); a float model on the torch reference,
 which its graphs match within float rounding.
 
 Everything is computed before anything is written; outputs go to
@@ -53,9 +53,9 @@ from edge.core.artifacts import atomic_dir, sha256_path
 from edge.core.errors import ArtifactError, CheckpointError, ConfigError
 from edge.model.exits import read_exits_json
 from edge.model.windows import base_model_metrics
-from edge.pipeline.freerun import FreeRun, Served, free_run, free_run_until
+from calibration.freerun import FreeRun, Served, free_run, free_run_until
 from edge.pipeline.run_checkpoint import open_run
-from edge.pipeline.statement import KVChoice, choose_shipped, statement
+from calibration.statement import KVChoice, choose_shipped, statement
 from edge.runtime.engine import KVMode
 from edge.runtime.rules import NeverExit
 

@@ -42,7 +42,7 @@ from edge.pipeline.bench.decode import false_exits
 from edge.pipeline.bench.engine_run import run_engine
 from edge.pipeline.bench.float_graphs import float_graphs
 from edge.pipeline.bench.llamacpp_gguf import SAME_PRECISION
-from edge.pipeline.freerun import Served
+from calibration.freerun import Served
 from edge.pipeline.compress import CompressConfig, Recipe, compress, fit_windows
 from edge.runtime.backend import make_backend
 from edge.runtime.engine import KVMode

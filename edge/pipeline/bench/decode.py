@@ -25,7 +25,7 @@ order); ratios are computed repeat by repeat and their median reported. Tokens/s
 generated tokens over the whole ``generate`` call (prefill included, the same for all).
 Token latencies are the gaps between generated tokens, each timestamped as it arrives
 (LayerSkip's tokens of one verification step arrive together). False exits are checked as
-calibration checks them (:func:`edge.pipeline.freerun.check_continuations`).
+calibration checks them (:func:`calibration.freerun.check_continuations`).
 Peak resident memory is measured per system in a fresh subprocess.
 
 Also measured: what segmenting costs by itself (k chained layer-span calls against one call,
@@ -69,7 +69,7 @@ from edge.pipeline.bench.engine_run import RunResult, run_engine
 from edge.pipeline.bench.speculation import (calibrated_vs_best_other, distinct, divergences, pool_stats,
                                              speculative_sweep, verify_cost_ratios,
                                              sweep_variants, token_mismatches)
-from edge.pipeline.freerun import Served, check_continuations
+from calibration.freerun import Served, check_continuations
 
 STAGE = "bench_decode"
 def exit_system(mode: KVMode | str) -> str:
@@ -273,7 +273,7 @@ def applicable(name: str, batch: int) -> bool:
 # ------------------------------------------------------------------ measurement
 def false_exits(served: Served, prompts: list[list[int]], res: RunResult, mode: KVMode) -> tuple[int, int]:
     """(wrong tokens, judged tokens) of an engine run: the tokens that differ from the full model's greedy
-    choice on the same prefix, by calibration's check (:func:`edge.pipeline.freerun.check_continuations`);
+    choice on the same prefix, by calibration's check (:func:`calibration.freerun.check_continuations`);
     ``Served(backend)``: the full model is that backend at full depth (what calibration certifies)."""
     r = check_continuations(served, np.asarray(prompts), np.asarray(res.tokens), np.asarray(res.exit_layers),
                             mode).summary()

@@ -159,7 +159,7 @@ def main(cfg: EnergyBenchConfig) -> int:
     from edge.model.tokenizer import load_tokenizer
     from edge.pipeline.bench.engine_run import run_engine
     from edge.pipeline.bench.float_graphs import float_graphs
-    from edge.pipeline.freerun import Served, check_continuations
+    from calibration.freerun import Served, check_continuations
     from edge.runtime.backend import make_backend
     from edge.runtime.engine import KVMode
     from edge.runtime.rules import NeverExit

@@ -150,7 +150,7 @@ def test_in_defer_mode_the_engine_decides_as_the_teacher_forced_cascade(micro_ru
     a few ulps (~1e-7 relative), which the linear score scales by |w| |x|; 1e-4 (1 + |t|) bounds that
     generously."""
     from calibration.cascade import cascade
-    from edge.pipeline.freerun import Served, free_run
+    from calibration.freerun import Served, free_run
     from calibration.table import TableRule, ThresholdTable
     from edge.core.data import Split, TokenCorpus, load_split
     from edge.runtime.engine import KVMode

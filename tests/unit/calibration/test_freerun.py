@@ -13,7 +13,7 @@ from edge.model.config import ModelConfig
 from edge.model.decoder import Decoder
 from edge.model.exits import ExitConfig, MultiExitModel
 from edge.model.reference import reference_generate
-from edge.pipeline.freerun import FreeRun, Served, check_continuations, free_run
+from calibration.freerun import FreeRun, Served, check_continuations, free_run
 from edge.runtime.engine import KVMode
 from edge.runtime.rules import NeverExit
 
