@@ -70,7 +70,7 @@ $(ART)/bench/energy.json: $(ART)/bench/compress.json configs/bench_energy.yaml
 $(ART)/bench/decode.json: $(ART)/onnx/graphs.json $(ART)/calibration/thresholds.json
 	$(SE) bench decode --config configs/bench_decode.yaml run_dir=$(ART)
 
-$(ART)/triton/smartexit/config.pbtxt: $(ART)/onnx/graphs.json $(ART)/calibration/thresholds.json exporters/triton_model/model.py
+$(ART)/triton/smartexit/config.pbtxt: $(ART)/onnx/graphs.json $(ART)/calibration/thresholds.json exporters/triton.py
 	$(SE) repo run_dir=$(ART)
 
 $(ART)/bench/serve.json: $(ART)/triton/smartexit/config.pbtxt configs/bench_serve.yaml

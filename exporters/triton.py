@@ -4,7 +4,8 @@ Layout (``<run>/triton/`` by default)::
 
     smartexit/config.pbtxt       python backend, decoupled (one response per engine step), inputs and
                                  outputs of docs/serving.md
-    smartexit/1/model.py         a thin adapter over edge.runtime.host.EngineHost (exporters/triton_model/model.py)
+    smartexit/1/model.py         the environment set-up, then scheduler.serving.triton_model's TritonPythonModel
+                                 (a thin adapter over edge.runtime.host.EngineHost)
     smartexit/1/bundle/          what the engine needs and nothing else: the ONNX export (graphs.json,
                                  the fused graphs), tokenizer.json, thresholds.json, and bundle.json
                                  with every file's sha256 and the host's settings
@@ -33,7 +34,24 @@ from edge.runtime.host import HostConfig
 STAGE = "repo"
 MODEL_NAME = "smartexit"
 BUNDLE_FORMAT = 1
-MODEL_PY = Path(__file__).parent / "triton_model" / "model.py"  # a file to copy, not a module of the package
+# The repository's model.py. Triton's python stub runs it in its own interpreter, which ignores PYTHONPATH:
+# the launcher (scheduler/serving/tritonserver.py; edge/jetson/units.py on a Jetson) names the environment
+# that holds this package in SMARTEXIT_PYTHONPATH. The model itself is scheduler.serving.triton_model.
+MODEL_PY = '''"""Triton python-backend model ``smartexit``, written by ``smartexit repo``: the model is
+scheduler.serving.triton_model; this file only makes the environment that holds it importable."""
+import os
+import site
+import sys
+
+# SMARTEXIT_PYTHONPATH first, with its .pth files read (an editable install of SmartExit is one)
+for _p in reversed([p for p in os.environ.get("SMARTEXIT_PYTHONPATH", "").split(os.pathsep) if p]):
+    if _p in sys.path:
+        sys.path.remove(_p)
+    sys.path.insert(0, _p)
+    site.addsitedir(_p)
+
+from scheduler.serving.triton_model import TritonPythonModel  # noqa: E402,F401 - after the set-up above
+'''
 
 _INPUTS = [("input_ids", "TYPE_INT64", -1), ("max_tokens", "TYPE_INT32", 1), ("temperature", "TYPE_FP32", 1),
            ("top_p", "TYPE_FP32", 1), ("seed", "TYPE_INT64", 1), ("stop_ids", "TYPE_INT64", -1),
@@ -128,7 +146,7 @@ def write_repository(cfg: RepoConfig) -> Path:
             "epsilon": table.get("epsilon"), "host": asdict(cfg), "written": time.strftime("%Y-%m-%dT%H:%M:%SZ"),
         })
         (model / "config.pbtxt").write_text(config_pbtxt())
-        shutil.copy2(MODEL_PY, model / "1" / "model.py")
+        (model / "1" / "model.py").write_text(MODEL_PY)
     return out
 
 

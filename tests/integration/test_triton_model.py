@@ -1,6 +1,6 @@
 """The Triton model ``smartexit`` on a real tritonserver, over tritonclient's gRPC stream.
 
-The adapter (exporters/triton_model/model.py) is thin (STYLE.md point 9); these tests hold it to the
+The adapter (scheduler/serving/triton_model.py) is thin (STYLE.md point 9); these tests hold it to the
 wire protocol of docs/serving.md against a real server: one response per engine step with the
 final flag on the last, the same tokens as the engine run in process on the same bundle, the
 control ops, JSON errors naming the field at fault, a bundle that refuses to load when a file

@@ -1,4 +1,8 @@
-"""Triton python-backend model ``smartexit`` (copied as ``model.py`` by ``smartexit repo``).
+"""Triton python-backend model ``smartexit``: what tritonserver runs for every served request.
+
+The repository's ``smartexit/1/model.py`` (written by ``smartexit repo``, exporters/triton.py ``MODEL_PY``)
+makes the environment that holds this package importable inside the stub, then imports
+:class:`TritonPythonModel` from here; so this is a module like any other, under the layer contract.
 
 A thin adapter: it unpacks a request, calls :class:`edge.runtime.host.EngineHost`, packs its chunks
 into responses. Decoupled: ``execute`` returns at once, and the engine thread sends one response per
@@ -8,24 +12,13 @@ docs/serving.md. Runs only inside tritonserver (``triton_python_backend_utils`` 
 import collections
 import json
 import os
-import site
-import sys
 import threading
 import time
 import uuid
 from pathlib import Path
 
-# The stub's embedded interpreter ignores PYTHONPATH; the launcher (scheduler/serving/tritonserver.py) names
-# the environment that holds edge, onnxruntime, numpy here. Put it first, and read its .pth files
-# (an editable install of this package is one).
-for _p in reversed([p for p in os.environ.get("SMARTEXIT_PYTHONPATH", "").split(os.pathsep) if p]):
-    if _p in sys.path:
-        sys.path.remove(_p)
-    sys.path.insert(0, _p)
-    site.addsitedir(_p)
-
-import numpy as np  # noqa: E402 - after the path set-up above
-import triton_python_backend_utils as pb_utils  # noqa: E402
+import numpy as np
+import triton_python_backend_utils as pb_utils  # only inside tritonserver's python stub
 
 from edge.runtime.host import Chunk, GenRequest, HostError, merge_chunks
 from scheduler.serving.bundle import open_bundle
