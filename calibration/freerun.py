@@ -44,7 +44,8 @@ from tqdm import tqdm
 from calibration.collect import Collected, collect_engine, collect_units
 from edge.runtime.backend import Backend
 from edge.runtime.torch_backend import TorchBackend
-from edge.runtime.engine import KVMode, generate_batch
+from edge.runtime.batch import run_batch
+from edge.runtime.engine import KVMode
 from edge.core.errors import ConfigError
 from edge.model.exits import MultiExitModel
 
@@ -203,7 +204,9 @@ def free_run(served: Served, prompts: np.ndarray, new_tokens: int, rule, kv_mode
     with _progress(prompts.shape[0], desc) as bar:
         for a in range(0, prompts.shape[0], batch):
             chunk = [p.tolist() for p in prompts[a:a + batch]]
-            for toks, exits in generate_batch(served.backend, rule, chunk, new_tokens, KVMode(kv_mode)):
+            # rows exit at any batch size: with deferral each row's tokens are those it would get alone
+            run = run_batch(served.backend, rule, chunk, new_tokens, KVMode(kv_mode), defer_exit_max_batch=None)
+            for toks, exits in zip(run.tokens, run.exit_layers):
                 if len(toks) != new_tokens:
                     raise ConfigError(f"engine returned {len(toks)} tokens for a prompt, {new_tokens} were asked for")
                 gen.append(toks)

@@ -54,7 +54,7 @@ from edge.core.errors import ArtifactError, CheckpointError, ConfigError
 from edge.model.exits import read_exits_json
 from edge.model.windows import base_model_metrics
 from calibration.freerun import FreeRun, Served, free_run, free_run_until
-from edge.pipeline.run_checkpoint import open_run
+from edge.pipeline.run import open_run
 from calibration.statement import KVChoice, choose_shipped, statement
 from edge.runtime.engine import KVMode
 from edge.runtime.rules import NeverExit

@@ -19,7 +19,7 @@ from pathlib import Path
 from edge.core.artifacts import sha256_path
 from edge.core.data import Split, heldout_prompts, load_split
 from edge.model.exits import ExitConfig, MultiExitModel
-from edge.pipeline.run_checkpoint import open_run
+from edge.pipeline.run import open_run
 from exporters.onnx_export import ExportConfig, export_onnx
 from edge.compress.apply import quant_linears
 from exporters.parity import (FUSED_RTOL, PARITY_ATOL, PARITY_RTOL, QUANT_RTOL, check_fused_parity, check_parity,

@@ -24,7 +24,7 @@ import torch
 
 from edge.core.data import Split, heldout_prompts, load_split
 from edge.core.errors import ConfigError
-from edge.pipeline.run_checkpoint import open_run
+from edge.pipeline.run import open_run
 from edge.model.reference import reference_generate
 from edge.runtime.rules import ConfidenceRule
 

@@ -25,7 +25,7 @@ import pytest
 
 from calibration.table import TableRule, load_table
 from edge.core.data import Split, heldout_prompts, load_split
-from edge.pipeline.run_checkpoint import open_run
+from edge.pipeline.run import open_run
 from edge.pipeline.cli import main as cli
 from edge.runtime.audit import AuditConfig
 from edge.runtime.engine import EngineConfig

@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from calibration.table import TableRule, load_table
-from edge.compress.apply import model_bytes, precision_of, quant_linears
+from calibration.table import TableRule
+from edge.compress.apply import model_bytes, precision_of
 from edge.compress.checkpoint import load_served, read_compress_json
 from edge.compress.quality import Reference, evaluate
 from edge.core.artifacts import Manifest, atomic_write_json, atomic_write_text
@@ -39,13 +39,13 @@ from edge.core.errors import ConfigError
 from edge.model.exits import MultiExitModel, load_multi_exit
 from edge.model.tokenizer import load_tokenizer
 from edge.pipeline.bench.decode import false_exits
-from edge.pipeline.bench.engine_run import run_engine
+from edge.runtime.batch import run_batch
 from edge.pipeline.bench.float_graphs import float_graphs
 from edge.pipeline.bench.llamacpp_gguf import SAME_PRECISION
 from calibration.freerun import Served
 from edge.pipeline.compress import CompressConfig, Recipe, compress, fit_windows
+from edge.pipeline.run import open_run
 from edge.runtime.backend import make_backend
-from edge.runtime.engine import KVMode
 from edge.runtime.rules import NeverExit
 from exporters.onnx_export import ExportConfig, export_onnx
 from exporters.parity import QUANT_RTOL, FUSED_RTOL, check_fused_parity
@@ -120,13 +120,9 @@ def build_models(cfg: CompressBenchConfig, manifest: Manifest, t0: float) -> tup
 
 def main(cfg: CompressBenchConfig) -> int:
     t0 = time.time()
-    torch.set_num_threads(cfg.threads)
-    manifest = Manifest(cfg.run_dir)
-    served = manifest.served_checkpoint()
-    thresholds = manifest.verified_output("calibrate", "thresholds")
-    table = load_table(thresholds, served)
-    kv_mode = KVMode(table.kv_mode)
-    tok = load_tokenizer(served)
+    run = open_run(cfg.run_dir, cfg.threads)
+    manifest, served, thresholds, table, kv_mode, tok = (run.manifest, run.path, run.thresholds, run.table,
+                                                         run.kv_mode, run.tokenizer)
     models, info = build_models(cfg, manifest, t0)
     test = load_split(Split.TEST)
     ref = Reference(models.get(NONE) or load_multi_exit(manifest.verified_output("distill", "checkpoint")),
@@ -167,12 +163,12 @@ def main(cfg: CompressBenchConfig) -> int:
         prompts = heldout_prompts(tok, test, n_prompts, cfg.prompt_tokens, cfg.seed)
         groups = [prompts[i:i + b] for i in range(0, len(prompts), b)]
         for name in models:  # warm-up
-            run_engine(backends[name], rule, groups[0], 4, kv_mode)
+            run_batch(backends[name], rule, groups[0], 4, kv_mode)
         for _ in range(cfg.repeats):
             for name in models:
                 secs = 0.0
                 for g in groups:
-                    res = run_engine(backends[name], rule, g, cfg.new_tokens, kv_mode)
+                    res = run_batch(backends[name], rule, g, cfg.new_tokens, kv_mode)
                     secs += res.seconds
                     if b == 1:
                         exits_seen[name] += [e for seq in res.exit_layers for e in seq]
@@ -197,11 +193,11 @@ def main(cfg: CompressBenchConfig) -> int:
         # the served engine at full depth against the torch model it was exported from: tokens where they differ
         # without any exit (for a quantized model: near ties rounded apart; 0 for float graphs). Diagnostic only:
         # calibration certifies, and the rows below judge, the engine against its own full depth
-        full = run_engine(backends[name], NeverExit(), judged, cfg.new_tokens, kv_mode)
+        full = run_batch(backends[name], NeverExit(), judged, cfg.new_tokens, kv_mode)
         gap, gap_total = false_exits(Served.torch(m), judged, full, kv_mode)
         rows[name]["full_depth_mismatch_vs_torch"] = gap / max(gap_total, 1)
         # exits judged as calibration judges them: against the served engine itself at full depth
-        res = run_engine(backends[name], rule, judged, cfg.new_tokens, kv_mode)
+        res = run_batch(backends[name], rule, judged, cfg.new_tokens, kv_mode)
         wrong, total = false_exits(Served(backends[name]), judged, res, kv_mode)
         nl = m.num_layers
         rows[name].update({

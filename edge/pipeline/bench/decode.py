@@ -49,7 +49,6 @@ from tqdm import tqdm
 from calibration.table import TableRule, load_table
 from edge.core.artifacts import Manifest, atomic_write_json, publish_files
 from edge.pipeline.bench.summary import SYSTEMS, goals, headline, plot, render_markdown, summary_lines
-from edge.core.data import Split, heldout_prompts, load_split
 from edge.runtime.backend import make_backend
 from edge.runtime.engine import KVMode, Mode
 from edge.runtime.profile import ProfiledBackend, ProfiledRule
@@ -59,13 +58,13 @@ from edge.core.errors import ConfigError
 from edge.compress.apply import precision_of
 from edge.compress.checkpoint import load_served
 from edge.model.exits import MultiExitModel
-from edge.model.tokenizer import load_tokenizer
 from edge.pipeline.bench.decision import decision_cost
 from edge.pipeline.bench.segments import segment_call_overhead
 from edge.runtime.graphs import FUSED_DIR
 from edge.pipeline.bench.spec_ceiling import agreement_trace, ceiling as spec_ceiling, measure_costs
 from edge.pipeline.bench.engine_memory import vm_kib
-from edge.pipeline.bench.engine_run import RunResult, run_engine
+from edge.runtime.batch import RunResult, run_batch
+from edge.pipeline.run import open_run
 from edge.pipeline.bench.speculation import (calibrated_vs_best_other, distinct, divergences, pool_stats,
                                              speculative_sweep, verify_cost_ratios,
                                              sweep_variants, token_mismatches)
@@ -254,15 +253,15 @@ class Systems:
         if name == "hf_lookup":
             return run_hf(self.hf, prompts, n, prompt_lookup=HF_LOOKUP_TOKENS)
         if name == "engine_full":
-            return run_engine(self.full_backend, NeverExit(), prompts, n, KVMode.PROPAGATE)
+            return run_batch(self.full_backend, NeverExit(), prompts, n, KVMode.PROPAGATE)
         if name in ("llamacpp", "llamacpp_lookup"):
             t = (self.peer if name == "llamacpp" else self.peer_lookup).generate_timed(prompts[0], n)
             return RunResult([list(t.tokens)], None, t.prefill_seconds + t.decode_seconds, list(t.token_latencies))
         if name == "engine_speculative":  # the engine's K/V mode is unused: exact requests never exit early
-            return run_engine(backend or self.backend, rule or self.table_rule, prompts, n, KVMode.PROPAGATE,
-                              spec or self.spec, self.cfg.speculate_max_batch)
+            return run_batch(backend or self.backend, rule or self.table_rule, prompts, n, KVMode.PROPAGATE,
+                             spec=spec or self.spec, speculate_max_batch=self.cfg.speculate_max_batch)
         mode = KVMode(name.removeprefix("engine_exit_"))
-        return run_engine(backend or self.backend, rule or self.table_rule, prompts, n, mode)
+        return run_batch(backend or self.backend, rule or self.table_rule, prompts, n, mode)
 
 
 def applicable(name: str, batch: int) -> bool:
@@ -333,11 +332,6 @@ def peak_rss_mib(system: str, run_dir: str, batch: int, cfg: DecodeBenchConfig) 
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def _paths(run_dir: str) -> tuple[Path, Path, Path, Path]:
-    m = Manifest(run_dir)
-    return (m.served_checkpoint(), m.verified_output("export", "graphs"),
-            m.verified_output("export", "graphs_full"), m.verified_output("calibrate", "thresholds"))
-
 
 def _memory_probe(argv: list[str]) -> None:
     system, run_dir, batch, prompt_tokens, new_tokens, threads = argv
@@ -350,14 +344,15 @@ def _memory_probe(argv: list[str]) -> None:
     if system == "baseline":  # the interpreter with every library imported, nothing loaded
         print(vm_kib("VmRSS") / 1024)
         return
-    ckpt, graphs, graphs_full, thresholds = _paths(run_dir)
+    run = open_run(run_dir, cfg.threads)
+    ckpt, graphs, graphs_full, thresholds = run.path, run.graphs(), run.graphs(full=True), run.thresholds
     # llama.cpp's GGUF type follows the served model's precision: read it before the peak is reset
     precision = precision_of(load_served(ckpt)) if system == "llamacpp" else None
     before = vm_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # Linux: reset the peak RSS (VmHWM) to the current RSS
     model = load_served(ckpt) if system.startswith("engine") else None
     systems = Systems(cfg, ckpt, graphs, graphs_full, thresholds, model, only=(system,), precision=precision)
-    prompts = heldout_prompts(load_tokenizer(ckpt), load_split(Split.TEST), int(batch), cfg.prompt_tokens, cfg.seed)
+    prompts = run.prompts(int(batch), cfg.prompt_tokens, cfg.seed)
     systems.run(system, prompts, cfg.new_tokens)
     print((vm_kib("VmHWM") - before) / 1024)  # MiB the system added at its peak
 
@@ -415,7 +410,7 @@ def engine_check_point_cost(systems: Systems, prompts: list[list[int]], n: int, 
     n_checks = len(systems.backend.exit_layers) - 1
     never, full = [], []
     for rep in range(repeats + 1):  # the first pair warms up
-        pair = (("never", lambda g, k: run_engine(systems.backend, NeverExit(), g, k, KVMode.DEFER)),
+        pair = (("never", lambda g, k: run_batch(systems.backend, NeverExit(), g, k, KVMode.DEFER)),
                 ("full", lambda g, k: systems.run("engine_full", g, k)))
         for name, fn in (pair if rep % 2 == 0 else pair[::-1]):
             r = run_groups(fn, [[p] for p in prompts], n)
@@ -438,65 +433,88 @@ def profile_step(systems: Systems, prompts: list[list[int]], n: int, system: str
     return {k: round(v, 3) for k, v in parts.items()}
 
 
-def main(cfg: DecodeBenchConfig) -> int:
-    t0 = time.time()
-    torch.set_num_threads(cfg.threads)
-    ckpt, graphs, graphs_full, thresholds = _paths(cfg.run_dir)
-    model = load_served(ckpt)
-    if not 1 <= cfg.layerskip_exit < model.num_layers:
-        raise ConfigError(f"bench.layerskip_exit must be in [1, {model.num_layers - 1}], got {cfg.layerskip_exit}")
-    tok = load_tokenizer(ckpt)
-    systems = Systems(cfg, ckpt, graphs, graphs_full, thresholds, model)
-    decision_exits = list(systems.backend.exit_layers[:-1])
-    if cfg.draft_exit is not None and cfg.draft_exit not in decision_exits:
-        raise ConfigError(f"bench.draft_exit must be a decision exit of this model {decision_exits} or null, "
-                          f"got {cfg.draft_exit}")
-    if not decision_exits:
-        raise ConfigError("bench: the exits export has no decision exit, so (e) has no layer to draft from")
-    spec = SpecConfig(draft_exit=cfg.draft_exit or decision_exits[0], stop=cfg.spec_stop)
-    systems.spec = spec
-    d_mode = KVMode(systems.table_rule.table.kv_mode if cfg.kv_mode == "table" else cfg.kv_mode)
-    results: dict[str, Any] = {"config": asdict(cfg), "batches": {}, "kv_mode": d_mode.value,
-                               "kv_mode_certified": d_mode.value == systems.table_rule.table.kv_mode,
-                               "ort_pool_threads": systems.backend.pool_threads,
-                               "llamacpp_skipped": systems.llamacpp_skipped,
-                               "speculative_config": {"draft_exit": spec.draft_exit, "stop": spec.stop.value,
-                                                      "max_draft": spec.max_draft}}
-    kv_frac = kv_fraction(model)
-    results["segment_call_overhead"] = {str(b): segment_call_overhead(model, cfg.overhead_spans, b,
-                                                                      cfg.prompt_tokens + cfg.new_tokens).to_dict()
-                                        for b in (1, max(cfg.batch_sizes))}
-    print("segment calls vs one call: " + ", ".join(f"batch {b} {r['ratio']:.3f}x"
-                                                     for b, r in results["segment_call_overhead"].items()), flush=True)
-    if model.has_shortlist:  # what a candidate check costs, in layers (edge/pipeline/bench/decision.py)
-        results["decision_cost"] = {str(b): decision_cost(model, graphs / FUSED_DIR, b, cfg.prompt_tokens + cfg.new_tokens // 2,
-                                                          cfg.threads).to_dict() for b in (1, max(cfg.batch_sizes))}
-        results["decision_cost"]["engine_b1"] = engine_check_point_cost(
-            systems, heldout_prompts(tok, load_split(Split.TEST), cfg.batch1_prompts, cfg.prompt_tokens, cfg.seed),
-            cfg.new_tokens, results["decision_cost"]["1"]["layer_ms"], max(cfg.repeats, 3))
-        print("decision cost (layers per check): " + ", ".join(
-            f"batch {b} check {r['check_layers']:.3f}, boundary {r['boundary_layers']:.3f}"
-            for b, r in results["decision_cost"].items() if b != "engine_b1")
-            + f"; a check point in the engine at batch 1 {results['decision_cost']['engine_b1']['layers']:.3f}",
-            flush=True)
-    d_sys = exit_system(d_mode)
-    exit_systems = [exit_system(m) for m in KVMode]
-    wrong = {s: [0, 0] for s in exit_systems}  # system -> [mismatches, tokens]
-    match_c = 0
-    spec_bad = [0, 0]  # (e) against (c): [differing tokens, tokens compared]
-    same_total = [0, 0]  # (e) against mode full on (e)'s own graphs
-    sweep = cfg.spec_sweep and 1 in cfg.batch_sizes
-    n_variants = len(distinct(sweep_variants(spec, decision_exits)))
-    names_at = {b: [s for s in SYSTEMS if applicable(s, b) and s in systems.loaded] for b in cfg.batch_sizes}
-    # the prompt-lookup peers load what hf and llamacpp load: their memory is those rows'
-    memory = [s for s in ("baseline", *SYSTEMS) if s == "baseline" or (s in systems.loaded and not s.endswith("_lookup"))
-              ] if cfg.memory else []
-    bar = tqdm(total=sum((cfg.warmup + cfg.repeats) * len(v) + len(exit_systems) for v in names_at.values())
-               + 1 + len(memory) + (cfg.warmup + cfg.spec_sweep_repeats) * n_variants * sweep,
-               desc="bench decode", unit="run", disable=None)
-    for b in cfg.batch_sizes:
+class _DecodeBench:
+    """One run of ``smartexit bench decode``, as the steps ``main`` takes in order."""
+
+    def __init__(self, cfg: DecodeBenchConfig) -> None:
+        """Open the run and load every system; check the settings against the model."""
+        self.cfg = cfg
+        run = open_run(cfg.run_dir, cfg.threads)
+        graphs = run.graphs()
+        model = run.model
+        if not 1 <= cfg.layerskip_exit < model.num_layers:
+            raise ConfigError(f"bench.layerskip_exit must be in [1, {model.num_layers - 1}], got {cfg.layerskip_exit}")
+        systems = Systems(cfg, run.path, graphs, run.graphs(full=True), run.thresholds, model)
+        decision_exits = list(systems.backend.exit_layers[:-1])
+        if cfg.draft_exit is not None and cfg.draft_exit not in decision_exits:
+            raise ConfigError(f"bench.draft_exit must be a decision exit of this model {decision_exits} or null, "
+                              f"got {cfg.draft_exit}")
+        if not decision_exits:
+            raise ConfigError("bench: the exits export has no decision exit, so (e) has no layer to draft from")
+        spec = SpecConfig(draft_exit=cfg.draft_exit or decision_exits[0], stop=cfg.spec_stop)
+        systems.spec = spec
+        d_mode = KVMode(systems.table_rule.table.kv_mode if cfg.kv_mode == "table" else cfg.kv_mode)
+        results: dict[str, Any] = {"config": asdict(cfg), "batches": {}, "kv_mode": d_mode.value,
+                                   "kv_mode_certified": d_mode.value == systems.table_rule.table.kv_mode,
+                                   "ort_pool_threads": systems.backend.pool_threads,
+                                   "llamacpp_skipped": systems.llamacpp_skipped,
+                                   "speculative_config": {"draft_exit": spec.draft_exit, "stop": spec.stop.value,
+                                                          "max_draft": spec.max_draft}}
+        self.run, self.graphs, self.model, self.systems = run, graphs, model, systems
+        self.decision_exits, self.spec, self.d_mode, self.results = decision_exits, spec, d_mode, results
+
+    def call_costs(self) -> None:
+        """What cutting the decoder into segments costs, and (a shortlist model) what a check costs, in layers."""
+        cfg, run, model, graphs, systems, results = (self.cfg, self.run, self.model, self.graphs, self.systems,
+                                                     self.results)
+        kv_frac = kv_fraction(model)
+        results["segment_call_overhead"] = {str(b): segment_call_overhead(model, cfg.overhead_spans, b,
+                                                                          cfg.prompt_tokens + cfg.new_tokens).to_dict()
+                                            for b in (1, max(cfg.batch_sizes))}
+        print("segment calls vs one call: " + ", ".join(f"batch {b} {r['ratio']:.3f}x"
+                                                         for b, r in results["segment_call_overhead"].items()), flush=True)
+        if model.has_shortlist:  # what a candidate check costs, in layers (edge/pipeline/bench/decision.py)
+            results["decision_cost"] = {str(b): decision_cost(model, graphs / FUSED_DIR, b, cfg.prompt_tokens + cfg.new_tokens // 2,
+                                                              cfg.threads).to_dict() for b in (1, max(cfg.batch_sizes))}
+            results["decision_cost"]["engine_b1"] = engine_check_point_cost(
+                systems, run.prompts(cfg.batch1_prompts, cfg.prompt_tokens, cfg.seed),
+                cfg.new_tokens, results["decision_cost"]["1"]["layer_ms"], max(cfg.repeats, 3))
+            print("decision cost (layers per check): " + ", ".join(
+                f"batch {b} check {r['check_layers']:.3f}, boundary {r['boundary_layers']:.3f}"
+                for b, r in results["decision_cost"].items() if b != "engine_b1")
+                + f"; a check point in the engine at batch 1 {results['decision_cost']['engine_b1']['layers']:.3f}",
+                flush=True)
+        self.kv_frac = kv_frac
+
+    def start(self) -> None:
+        """The counters over every batch size and the progress bar."""
+        cfg, systems, spec, decision_exits, d_mode = self.cfg, self.systems, self.spec, self.decision_exits, self.d_mode
+        d_sys = exit_system(d_mode)
+        exit_systems = [exit_system(m) for m in KVMode]
+        wrong = {s: [0, 0] for s in exit_systems}  # system -> [mismatches, tokens]
+        match_c = 0
+        spec_bad = [0, 0]  # (e) against (c): [differing tokens, tokens compared]
+        same_total = [0, 0]  # (e) against mode full on (e)'s own graphs
+        sweep = cfg.spec_sweep and 1 in cfg.batch_sizes
+        n_variants = len(distinct(sweep_variants(spec, decision_exits)))
+        names_at = {b: [s for s in SYSTEMS if applicable(s, b) and s in systems.loaded] for b in cfg.batch_sizes}
+        # the prompt-lookup peers load what hf and llamacpp load: their memory is those rows'
+        memory = [s for s in ("baseline", *SYSTEMS) if s == "baseline" or (s in systems.loaded and not s.endswith("_lookup"))
+                  ] if cfg.memory else []
+        bar = tqdm(total=sum((cfg.warmup + cfg.repeats) * len(v) + len(exit_systems) for v in names_at.values())
+                   + 1 + len(memory) + (cfg.warmup + cfg.spec_sweep_repeats) * n_variants * sweep,
+                   desc="bench decode", unit="run", disable=None)
+        self.d_sys, self.exit_systems, self.wrong, self.match_c = d_sys, exit_systems, wrong, match_c
+        self.spec_bad, self.same_total, self.sweep, self.names_at = spec_bad, same_total, sweep, names_at
+        self.memory, self.bar = memory, bar
+
+    def batch(self, b: int) -> None:
+        """Every system at batch ``b``, interleaved; its row of the results."""
+        cfg, run, model, systems, results, bar = self.cfg, self.run, self.model, self.systems, self.results, self.bar
+        d_sys, d_mode, kv_frac, wrong, names_at = self.d_sys, self.d_mode, self.kv_frac, self.wrong, self.names_at
+        exit_systems, spec_bad, same_total = self.exit_systems, self.spec_bad, self.same_total
         n_prompts = cfg.batch1_prompts if b == 1 else b
-        prompts = heldout_prompts(tok, load_split(Split.TEST), n_prompts, cfg.prompt_tokens, cfg.seed)
+        prompts = run.prompts(n_prompts, cfg.prompt_tokens, cfg.seed)
         names = names_at[b]
         runs: dict[str, list[RunResult]] = {s: [] for s in names}
         bench_rows = []  # llama-bench at batch 1, one measurement per repeat (interleaved with the others)
@@ -521,13 +539,13 @@ def main(cfg: DecodeBenchConfig) -> int:
             wrong[s][1] += total
             row_fe[s] = bad / max(1, total)
         full, ex = runs["engine_full"][0].tokens, runs[d_sys][0].tokens
-        match_c += sum(a == b_ for x, y in zip(full, ex) for a, b_ in zip(x, y))
+        self.match_c += sum(a == b_ for x, y in zip(full, ex) for a, b_ in zip(x, y))
         bad_e = [token_mismatches(e.tokens, c.tokens) for e, c in zip(runs["engine_speculative"], runs["engine_full"])]
         spec_bad[0] += sum(m for m, _ in bad_e)
         spec_bad[1] += sum(t for _, t in bad_e)
         bar.set_postfix_str(f"batch {b}, (e) against mode full on the same graphs")
         # at (e)'s batch size (b prompts at a time), so each reference step has (e)'s plain steps' shapes
-        ref = [t for i in range(0, len(prompts), b) for t in run_engine(
+        ref = [t for i in range(0, len(prompts), b) for t in run_batch(
             systems.backend, systems.table_rule, prompts[i:i + b], cfg.new_tokens, KVMode.PROPAGATE,
             mode=Mode.FULL).tokens]
         exact_tokens = runs["engine_speculative"][0].tokens
@@ -598,84 +616,115 @@ def main(cfg: DecodeBenchConfig) -> int:
         }
         tqdm.write(f"batch {b}: " + ", ".join(f"{s} {v['tokens_per_s']:.1f} tok/s"
                                               for s, v in results["batches"][str(b)]["systems"].items()))
-    rates = {s: bad / max(1, total) for s, (bad, total) in wrong.items()}
-    results["false_exit_rate"] = rates[d_sys]
-    results["false_exit_rate_by_mode"] = {m.value: rates[exit_system(m)] for m in KVMode}
-    results["false_exit_tokens"] = wrong[d_sys][1]
-    results["token_match_vs_full_engine"] = match_c / sum(
-        (cfg.batch1_prompts if b == 1 else b) * cfg.new_tokens for b in cfg.batch_sizes)
-    results["speculative_stop_rules"] = results["speculative_by_draft_exit"] = None
-    if sweep:
-        prompts = heldout_prompts(tok, load_split(Split.TEST), cfg.batch1_prompts, cfg.prompt_tokens, cfg.seed)
 
-        def tick(what: str) -> None:
-            bar.set_postfix_str(f"(e) sweep at batch 1, {what}")
-            bar.update()
+    def exact_and_totals(self) -> None:
+        """False exits and token match over every batch; (e)'s stop-rule sweep and ceiling at batch 1; (e)'s
+        mismatches over every exact run."""
+        cfg, run, systems, results, bar, spec = self.cfg, self.run, self.systems, self.results, self.bar, self.spec
+        d_sys, wrong, match_c, decision_exits = self.d_sys, self.wrong, self.match_c, self.decision_exits
+        spec_bad, same_total, sweep = self.spec_bad, self.same_total, self.sweep
+        rates = {s: bad / max(1, total) for s, (bad, total) in wrong.items()}
+        results["false_exit_rate"] = rates[d_sys]
+        results["false_exit_rate_by_mode"] = {m.value: rates[exit_system(m)] for m in KVMode}
+        results["false_exit_tokens"] = wrong[d_sys][1]
+        results["token_match_vs_full_engine"] = match_c / sum(
+            (cfg.batch1_prompts if b == 1 else b) * cfg.new_tokens for b in cfg.batch_sizes)
+        results["speculative_stop_rules"] = results["speculative_by_draft_exit"] = None
+        if sweep:
+            prompts = run.prompts(cfg.batch1_prompts, cfg.prompt_tokens, cfg.seed)
 
-        stops, by_exit, bad = speculative_sweep(systems, prompts, cfg.new_tokens, cfg.warmup,
-                                                cfg.spec_sweep_repeats, spec, decision_exits, tick)
-        results["speculative_stop_rules"], results["speculative_by_draft_exit"] = stops, by_exit
-        spec_bad = [spec_bad[0] + bad[0], spec_bad[1] + bad[1]]  # every exact run counts against losslessness
-        results["speculative_calibrated_vs_best_other_b1"] = calibrated_vs_best_other(stops)
-    results["speculative_ceiling"] = None
-    # the ceiling records the draft exit's host-side decision inputs along full-depth decoding; a shortlist
-    # model decides in its graphs and has none (its replay is not ported: the closing note of issue 27)
-    skip_ceiling = cfg.spec_ceiling and systems.backend.spec.candidates
-    results["speculative_ceiling_skipped"] = (
-        "the model decides over a candidate shortlist in its graphs: the ceiling's host-side recording does not "
-        "apply" if skip_ceiling else None)
-    if cfg.spec_ceiling and decision_exits and not skip_ceiling:
-        bar.set_postfix_str("(e) the self-speculation ceiling at batch 1")
-        draft = spec.draft_exit if spec.draft_exit is not None else decision_exits[0]
-        prompts = heldout_prompts(tok, load_split(Split.TEST), cfg.batch1_prompts, cfg.prompt_tokens, cfg.seed)
-        trace = agreement_trace(systems.backend, systems.table_rule, prompts, cfg.new_tokens, draft)
-        costs = measure_costs(systems.backend, systems.full_backend, draft, spec.max_draft + 1,
-                              past=cfg.prompt_tokens + cfg.new_tokens // 2)
-        results["speculative_ceiling"] = {"draft_exit": draft, **spec_ceiling(trace, costs, spec)}
-    results["speculative_mismatches"], results["speculative_tokens_compared"] = spec_bad
-    results["speculative_mismatches_same_graph"], results["speculative_tokens_compared_same_graph"] = same_total
-    bar.set_postfix_str("rho(k): verification calls of k rows at batch 1")
-    results["verify_cost_ratio_b1"] = verify_cost_ratios(systems.backend, cfg.prompt_tokens + cfg.new_tokens // 2)
-    bar.set_postfix_str("profiling a decode step of (d)")
-    results["profile_b1"] = profile_step(systems, heldout_prompts(tok, load_split(Split.TEST), cfg.batch1_prompts,
-                                                                  cfg.prompt_tokens, cfg.seed), cfg.new_tokens, d_sys)
-    bar.update()
-    if cfg.memory:
-        b = max(cfg.batch_sizes)
-        results["peak_rss_mib"] = {}
-        for s in memory:
-            bar.set_postfix_str(f"peak memory of {s}, a fresh process")
-            results["peak_rss_mib"][s] = peak_rss_mib(s, cfg.run_dir, b if applicable(s, b) else 1, cfg)
-            bar.update()
-    bar.close()
-    cal = Manifest(cfg.run_dir).stage("calibrate")["metrics"]  # quality is measured there, on more tokens
-    results["calibration"] = {k: cal.get(k) for k in ("layers_skipped_frac", "accuracy_loss_rel",
-                                                       "free_run_false_exit_rate_test", "kv_mode")}
-    # the false-exit goal is the tolerance the table was certified for
-    results["calibration"]["epsilon"] = systems.table_rule.table.certificate.get("epsilon")
-    summary = headline(results)
-    summary["goals"] = goals(summary, results["calibration"]["epsilon"], cfg.batch_sizes)
-    out = Path(cfg.run_dir) / "bench"
-    # bench/ holds the other benches' outputs (compress, energy, serve, projection): a re-run of this one
-    # replaces its own files only
-    publish_files(out, {"decode.json": lambda p: atomic_write_json(p, {**results, "summary": summary}),
-                        "decode.md": lambda p: p.write_text(render_markdown(results, summary)),
-                        "decode.png": lambda p: plot(results, p)})
-    Manifest(cfg.run_dir).record(STAGE, inputs={"checkpoint": ckpt, "graphs": graphs, "graphs_full": graphs_full,
-                                                "thresholds": thresholds},
-                                 config=results["config"], outputs={"json": out / "decode.json",
-                                                                    "png": out / "decode.png"},
-                                 metrics={**summary, "batches": results["batches"],
-                                          "profile_b1": results["profile_b1"],
-                                          "speculative_config": results["speculative_config"],
-                                          "speculative_stop_rules": results["speculative_stop_rules"],
-                                          "speculative_by_draft_exit": results["speculative_by_draft_exit"],
-                                          "peak_rss_mib": results.get("peak_rss_mib")},
-                                 seconds=time.time() - t0)
-    for line in summary_lines(results, summary, out / "decode.md", time.time() - t0):
-        print(line)
+            def tick(what: str) -> None:
+                bar.set_postfix_str(f"(e) sweep at batch 1, {what}")
+                bar.update()
+
+            stops, by_exit, bad = speculative_sweep(systems, prompts, cfg.new_tokens, cfg.warmup,
+                                                    cfg.spec_sweep_repeats, spec, decision_exits, tick)
+            results["speculative_stop_rules"], results["speculative_by_draft_exit"] = stops, by_exit
+            spec_bad = [spec_bad[0] + bad[0], spec_bad[1] + bad[1]]  # every exact run counts against losslessness
+            results["speculative_calibrated_vs_best_other_b1"] = calibrated_vs_best_other(stops)
+        results["speculative_ceiling"] = None
+        # the ceiling records the draft exit's host-side decision inputs along full-depth decoding; a shortlist
+        # model decides in its graphs and has none (its replay is not ported: the closing note of issue 27)
+        skip_ceiling = cfg.spec_ceiling and systems.backend.spec.candidates
+        results["speculative_ceiling_skipped"] = (
+            "the model decides over a candidate shortlist in its graphs: the ceiling's host-side recording does not "
+            "apply" if skip_ceiling else None)
+        if cfg.spec_ceiling and decision_exits and not skip_ceiling:
+            bar.set_postfix_str("(e) the self-speculation ceiling at batch 1")
+            draft = spec.draft_exit if spec.draft_exit is not None else decision_exits[0]
+            prompts = run.prompts(cfg.batch1_prompts, cfg.prompt_tokens, cfg.seed)
+            trace = agreement_trace(systems.backend, systems.table_rule, prompts, cfg.new_tokens, draft)
+            costs = measure_costs(systems.backend, systems.full_backend, draft, spec.max_draft + 1,
+                                  past=cfg.prompt_tokens + cfg.new_tokens // 2)
+            results["speculative_ceiling"] = {"draft_exit": draft, **spec_ceiling(trace, costs, spec)}
+        results["speculative_mismatches"], results["speculative_tokens_compared"] = spec_bad
+        results["speculative_mismatches_same_graph"], results["speculative_tokens_compared_same_graph"] = same_total
+
+    def verification_and_profile(self) -> None:
+        """rho(k) at batch 1, and a profiled decode step of (d)."""
+        cfg, run, systems, results, bar, d_sys = self.cfg, self.run, self.systems, self.results, self.bar, self.d_sys
+        bar.set_postfix_str("rho(k): verification calls of k rows at batch 1")
+        results["verify_cost_ratio_b1"] = verify_cost_ratios(systems.backend, cfg.prompt_tokens + cfg.new_tokens // 2)
+        bar.set_postfix_str("profiling a decode step of (d)")
+        results["profile_b1"] = profile_step(systems, run.prompts(cfg.batch1_prompts,
+                                                                      cfg.prompt_tokens, cfg.seed), cfg.new_tokens, d_sys)
+        bar.update()
+
+    def peak_memory(self) -> None:
+        """Each system's peak resident memory, each in a fresh process."""
+        cfg, results, bar, memory = self.cfg, self.results, self.bar, self.memory
+        if cfg.memory:
+            b = max(cfg.batch_sizes)
+            results["peak_rss_mib"] = {}
+            for s in memory:
+                bar.set_postfix_str(f"peak memory of {s}, a fresh process")
+                results["peak_rss_mib"][s] = peak_rss_mib(s, cfg.run_dir, b if applicable(s, b) else 1, cfg)
+                bar.update()
+
+    def publish(self, t0: float) -> None:
+        """bench/decode.{json,md,png}, the manifest's record, the summary lines."""
+        cfg, run, systems, results, bar, graphs = self.cfg, self.run, self.systems, self.results, self.bar, self.graphs
+        bar.close()
+        cal = Manifest(cfg.run_dir).stage("calibrate")["metrics"]  # quality is measured there, on more tokens
+        results["calibration"] = {k: cal.get(k) for k in ("layers_skipped_frac", "accuracy_loss_rel",
+                                                           "free_run_false_exit_rate_test", "kv_mode")}
+        # the false-exit goal is the tolerance the table was certified for
+        results["calibration"]["epsilon"] = systems.table_rule.table.certificate.get("epsilon")
+        summary = headline(results)
+        summary["goals"] = goals(summary, results["calibration"]["epsilon"], cfg.batch_sizes)
+        out = Path(cfg.run_dir) / "bench"
+        # bench/ holds the other benches' outputs (compress, energy, serve, projection): a re-run of this one
+        # replaces its own files only
+        publish_files(out, {"decode.json": lambda p: atomic_write_json(p, {**results, "summary": summary}),
+                            "decode.md": lambda p: p.write_text(render_markdown(results, summary)),
+                            "decode.png": lambda p: plot(results, p)})
+        run.manifest.record(STAGE, inputs={"checkpoint": run.path, "graphs": graphs, "graphs_full": run.graphs(full=True),
+                                           "thresholds": run.thresholds},
+                                     config=results["config"], outputs={"json": out / "decode.json",
+                                                                        "png": out / "decode.png"},
+                                     metrics={**summary, "batches": results["batches"],
+                                              "profile_b1": results["profile_b1"],
+                                              "speculative_config": results["speculative_config"],
+                                              "speculative_stop_rules": results["speculative_stop_rules"],
+                                              "speculative_by_draft_exit": results["speculative_by_draft_exit"],
+                                              "peak_rss_mib": results.get("peak_rss_mib")},
+                                     seconds=time.time() - t0)
+        for line in summary_lines(results, summary, out / "decode.md", time.time() - t0):
+            print(line)
+
+
+def main(cfg: DecodeBenchConfig) -> int:
+    t0 = time.time()
+    bench = _DecodeBench(cfg)
+    bench.call_costs()
+    bench.start()
+    for b in cfg.batch_sizes:
+        bench.batch(b)
+    bench.exact_and_totals()
+    bench.verification_and_profile()
+    bench.peak_memory()
+    bench.publish(t0)
     return 0
-
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--memory":
     _memory_probe(sys.argv[2:])

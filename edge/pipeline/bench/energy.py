@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from edge.core.artifacts import Manifest, atomic_write_json, atomic_write_text, sha256_path
+from edge.core.artifacts import atomic_write_json, atomic_write_text, sha256_path
 from edge.core.errors import ConfigError
 
 STAGE = "bench_energy"
@@ -151,32 +151,22 @@ def backend_choice(cfg: EnergyBenchConfig, served: Path) -> dict[str, Any]:
 
 
 def main(cfg: EnergyBenchConfig) -> int:
-    import torch
-
-    from calibration.table import TableRule, load_table
-    from edge.core.data import Split, heldout_prompts, load_split
-    from edge.energy.detect import open_meter
-    from edge.model.tokenizer import load_tokenizer
-    from edge.pipeline.bench.engine_run import run_engine
-    from edge.pipeline.bench.float_graphs import float_graphs
     from calibration.freerun import Served, check_continuations
+    from edge.energy.detect import open_meter
+    from edge.pipeline.bench.float_graphs import float_graphs
+    from edge.pipeline.run import open_run
     from edge.runtime.backend import make_backend
-    from edge.runtime.engine import KVMode
+    from edge.runtime.batch import run_batch
     from edge.runtime.rules import NeverExit
     from edge.runtime.served import open_backend
 
     t0 = time.time()
-    torch.set_num_threads(cfg.threads)
-    manifest = Manifest(cfg.run_dir)
-    served = manifest.served_checkpoint()
-    thresholds = manifest.verified_output("calibrate", "thresholds")
-    table = load_table(thresholds, served)
-    rule, kv_mode = TableRule(table), KVMode(table.kv_mode)
-    tok = load_tokenizer(served)
-    test = load_split(Split.TEST)
-    prompts = heldout_prompts(tok, test, cfg.prompts, cfg.prompt_tokens, cfg.seed)
+    run = open_run(cfg.run_dir, cfg.threads)
+    manifest, served = run.manifest, run.path
+    rule, kv_mode = run.rule, run.kv_mode
+    prompts = run.prompts(cfg.prompts, cfg.prompt_tokens, cfg.seed)
     if cfg.backend == "onnxruntime":
-        graphs = float_graphs(manifest, heldout_prompts(tok, test, 3, 32, cfg.seed + 7))
+        graphs = float_graphs(manifest, run.prompts(3, 32, cfg.seed + 7))
         systems = {FULL: (graphs["full"], NeverExit()), EXITS: (graphs["exits"], rule)}
         if served != manifest.verified_output("distill", "checkpoint"):  # a compressed run
             systems[C_FULL] = (manifest.verified_output("export", "graphs_full"), NeverExit())
@@ -196,7 +186,7 @@ def main(cfg: EnergyBenchConfig) -> int:
 
     def decode(name: str, n: int) -> int:
         """One window's work: every group of prompts, ``n`` new tokens each; returns the tokens made."""
-        made[name] = [run_engine(backends[name], systems[name][1], g, n, kv_mode) for g in groups]
+        made[name] = [run_batch(backends[name], systems[name][1], g, n, kv_mode) for g in groups]
         return sum(len(t) for r in made[name] for t in r.tokens)
 
     meter = open_meter(cfg.meter, cfg.interval_s)
@@ -270,7 +260,7 @@ def main(cfg: EnergyBenchConfig) -> int:
     atomic_write_json(out / "energy.json", result)
     atomic_write_text(out / "energy.md", render_markdown(result))
     plot(result, out / "energy.png")
-    manifest.record(STAGE, inputs={"checkpoint": served, "thresholds": thresholds}, config=asdict(cfg),
+    manifest.record(STAGE, inputs={"checkpoint": served, "thresholds": run.thresholds}, config=asdict(cfg),
                     outputs={"json": out / "energy.json", "markdown": out / "energy.md", "png": out / "energy.png"},
                     metrics=summary, seconds=time.time() - t0)
     fig = "J/token" if meter.available else "CPU-s/token (no sensor: proxy, not energy)"

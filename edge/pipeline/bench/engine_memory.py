@@ -33,7 +33,7 @@ def vm_kib(field_name: str) -> int:
 
 def _probe(arg: str) -> None:
     from calibration.table import TableRule, load_table
-    from edge.pipeline.bench.engine_run import run_engine
+    from edge.runtime.batch import run_batch
     from edge.runtime.backend import make_backend
     from edge.runtime.engine import KVMode
 
@@ -44,7 +44,7 @@ def _probe(arg: str) -> None:
     Path("/proc/self/clear_refs").write_text("5")  # Linux: reset the peak (VmHWM) to the current RSS
     table = load_table(Path(a["thresholds"]), Path(a["checkpoint"]))
     backend = make_backend("onnxruntime", graphs_dir=Path(a["graphs"]), threads=a["threads"])
-    run_engine(backend, TableRule(table), a["prompts"], a["new_tokens"], KVMode(table.kv_mode))
+    run_batch(backend, TableRule(table), a["prompts"], a["new_tokens"], KVMode(table.kv_mode))
     print((vm_kib("VmHWM") - before) / 1024)
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from edge.runtime.speculative import Source, SpecConfig, SpecStats, StopRule
 
-from edge.pipeline.bench.engine_run import RunResult
+from edge.runtime.batch import RunResult
 
 
 class Systems(Protocol):

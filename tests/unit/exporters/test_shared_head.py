@@ -132,7 +132,7 @@ def anon():
 
 import onnxruntime as ort
 from edge.runtime.backend import make_backend
-from edge.runtime.engine import generate_batch
+from edge.runtime.batch import run_batch
 from edge.runtime.ortsession import session_options
 graphs = Path(sys.argv[1])
 # ONNX Runtime's own start-up (environment, kernel registry, thread pool) is not the model's
@@ -140,7 +140,7 @@ ort.InferenceSession(str(graphs / "fused" / "kvfill_3.onnx"), session_options(or
 before = anon()
 backend = make_backend("onnxruntime", graphs_dir=graphs, threads=1)
 loaded = anon()
-generate_batch(backend, None, [[1, 2, 3], [4, 5]], 3)
+run_batch(backend, None, [[1, 2, 3], [4, 5]], 3)
 print(json.dumps({"load": loaded - before, "run": anon() - before}))
 """
 

@@ -85,13 +85,13 @@ def test_provider_choice():
 POOL = """
 import json, os, sys
 from edge.runtime.backend import make_backend
-from edge.runtime.engine import generate_batch
+from edge.runtime.batch import run_batch
 threads = lambda: len(os.listdir("/proc/self/task"))  # this process's OS threads
 counts = [threads()]
 first = make_backend("onnxruntime", graphs_dir=sys.argv[1], threads=3)
 counts.append(threads())
 others = [make_backend("onnxruntime", graphs_dir=sys.argv[1], threads=t) for t in (2, 4)]
-tokens = [generate_batch(b, None, [[1, 2, 3], [4, 5]], 4) for b in [first] + others]
+tokens = [run_batch(b, None, [[1, 2, 3], [4, 5]], 4).tokens for b in [first] + others]
 counts.append(threads())
 print(json.dumps({"counts": counts, "pool": [b.pool_threads for b in [first] + others], "tokens": tokens}))
 """
@@ -180,11 +180,11 @@ def test_one_sequence_with_exits_same_as_torch(exported, mode):
 SERVE = """
 import json, resource, sys
 from edge.runtime.backend import make_backend
-from edge.runtime.engine import generate_batch
+from edge.runtime.batch import run_batch
 from edge.runtime.rules import ConfidenceRule
 backend = make_backend("onnxruntime", graphs_dir=sys.argv[1])
-out = generate_batch(backend, ConfidenceRule(0.3), [[1, 2, 3, 4], [5, 6, 7]], 8)
-print(json.dumps({"tokens": [t for t, _ in out], "modules": sorted({m.split(".")[0] for m in sys.modules}),
+out = run_batch(backend, ConfidenceRule(0.3), [[1, 2, 3, 4], [5, 6, 7]], 8)
+print(json.dumps({"tokens": out.tokens, "modules": sorted({m.split(".")[0] for m in sys.modules}),
                   "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
 """
 

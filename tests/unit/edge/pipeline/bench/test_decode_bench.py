@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from edge.pipeline.bench.decode import DecodeBenchConfig, applicable, paired_ratio, summarise
-from edge.pipeline.bench.engine_run import RunResult
+from edge.runtime.batch import RunResult
 from edge.core.errors import ConfigError
 
 

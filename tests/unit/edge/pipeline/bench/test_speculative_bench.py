@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from edge.pipeline.bench.engine_run import RunResult
+from edge.runtime.batch import RunResult
 from edge.pipeline.bench.speculation import (calibrated_vs_best_other, distinct, pool_stats, run_paired,
                                              speculative_sweep, stop_rule_variants, sweep_variants, token_mismatches,
                                              variant_row)
