@@ -150,21 +150,18 @@ def backend_choice(cfg: EnergyBenchConfig, served: Path) -> dict[str, Any]:
     return {"name": cfg.backend}
 
 
-def main(cfg: EnergyBenchConfig) -> int:
-    from calibration.freerun import Served, check_continuations
-    from edge.energy.detect import open_meter
+def energy_systems(cfg: EnergyBenchConfig, run: Any) -> tuple[dict[str, tuple[Path, Any]], dict[str, Any], str]:
+    """The systems measured (name -> (graphs, rule)), their backends, and what "full" is.
+
+    With ``backend: onnxruntime``: the distilled float model without and with exits (and a compressed run's
+    own graphs beside them); otherwise the served model on the device's backend, without and with the rule.
+    """
     from edge.pipeline.bench.float_graphs import float_graphs
-    from edge.pipeline.run import open_run
     from edge.runtime.backend import make_backend
-    from edge.runtime.batch import run_batch
     from edge.runtime.rules import NeverExit
     from edge.runtime.served import open_backend
 
-    t0 = time.time()
-    run = open_run(cfg.run_dir, cfg.threads)
-    manifest, served = run.manifest, run.path
-    rule, kv_mode = run.rule, run.kv_mode
-    prompts = run.prompts(cfg.prompts, cfg.prompt_tokens, cfg.seed)
+    manifest, served, rule = run.manifest, run.path, run.rule
     if cfg.backend == "onnxruntime":
         graphs = float_graphs(manifest, run.prompts(3, 32, cfg.seed + 7))
         systems = {FULL: (graphs["full"], NeverExit()), EXITS: (graphs["exits"], rule)}
@@ -180,21 +177,16 @@ def main(cfg: EnergyBenchConfig) -> int:
         systems = {FULL: (graphs_dir, NeverExit()), EXITS: (graphs_dir, rule)}
         backends = {FULL: backend, EXITS: backend}
         full_is = f"the served model on {choice['name']} without an exit rule"
-    groups = [prompts[i:i + cfg.batch] for i in range(0, len(prompts), cfg.batch)]
+    return systems, backends, full_is
 
-    made: dict[str, list] = {}  # each system's last window's results (the false-exit check reads them)
 
-    def decode(name: str, n: int) -> int:
-        """One window's work: every group of prompts, ``n`` new tokens each; returns the tokens made."""
-        made[name] = [run_batch(backends[name], systems[name][1], g, n, kv_mode) for g in groups]
-        return sum(len(t) for r in made[name] for t in r.tokens)
-
-    meter = open_meter(cfg.meter, cfg.interval_s)
-    _log(t0, f"meter: {meter.name}" + ("" if meter.available else f" (no sensor: {meter.reason})"))
-    windows: dict[str, list[Window]] = {n: [] for n in systems}
-    traces: dict[str, list[tuple[float, float]]] = {n: [] for n in systems}  # the first repeat's power samples
+def measure_windows(cfg: EnergyBenchConfig, meter: Any, names: list[str], decode: Any, t0: float
+                    ) -> tuple[dict[str, list[Window]], dict[str, list[tuple[float, float]]], list[Any]]:
+    """Warm-up, then ``cfg.repeats`` rounds: an idle window, then every system's decode window (rotated);
+    returns the windows, the first round's power traces and the idle windows."""
+    windows: dict[str, list[Window]] = {n: [] for n in names}
+    traces: dict[str, list[tuple[float, float]]] = {n: [] for n in names}  # the first repeat's power samples
     idle_trace: list[Any] = []
-    names = list(systems)
     try:
         for name in names:  # warm-up: sessions, plans, caches
             decode(name, 4)
@@ -217,17 +209,13 @@ def main(cfg: EnergyBenchConfig) -> int:
                 f"{n} {windows[n][-1].tokens / windows[n][-1].seconds:.0f} tok/s" for n in names))
     finally:
         meter.close()
-    rows = {n: per_token(w) for n, w in windows.items()}
-    rel = ratios(rows)
-    exit_name = C_EXITS if C_EXITS in rows else EXITS
-    # the shipped system's exits on this backend, judged against the same backend at full depth on the same
-    # prefixes (the certificate was computed on the ONNX Runtime engine; a device's engine may differ)
-    res = made[exit_name]  # its last timed window
-    check = check_continuations(Served(backends[exit_name]), np.asarray(prompts),
-                                np.asarray([t for r in res for t in r.tokens]),
-                                np.asarray([e for r in res for e in r.exit_layers]), kv_mode).summary()
-    _log(t0, f"{exit_name} on {backends[exit_name].name}: false exits {check.false_exits + check.full_depth_mismatches}"
-             f"/{check.tokens} against its own full depth")
+    return windows, traces, idle_trace
+
+
+def summarise(cfg: EnergyBenchConfig, meter: Any, rows: dict[str, Any], rel: dict[str, Any], backends: dict[str, Any],
+              full_is: str, exit_name: str, windows: dict[str, list[Window]], names: list[str], check: Any
+              ) -> dict[str, Any]:
+    """The manifest's metrics of the run."""
     summary = {
         "backend": backends[FULL].name, "full_is": full_is,
         "meter": meter.name, "meter_available": meter.available, "meter_reason": meter.reason,
@@ -253,6 +241,43 @@ def main(cfg: EnergyBenchConfig) -> int:
         "false_exit_interval_95": clopper_pearson(check.false_exits + check.full_depth_mismatches, check.tokens),
         "false_exits_judged_against": f"{backends[exit_name].name}, full-depth decode",
     }
+    return summary
+
+
+def main(cfg: EnergyBenchConfig) -> int:
+    from calibration.freerun import Served, check_continuations
+    from edge.energy.detect import open_meter
+    from edge.pipeline.run import open_run
+    from edge.runtime.batch import run_batch
+
+    t0 = time.time()
+    run = open_run(cfg.run_dir, cfg.threads)
+    prompts = run.prompts(cfg.prompts, cfg.prompt_tokens, cfg.seed)
+    systems, backends, full_is = energy_systems(cfg, run)
+    groups = [prompts[i:i + cfg.batch] for i in range(0, len(prompts), cfg.batch)]
+    made: dict[str, list] = {}  # each system's last window's results (the false-exit check reads them)
+
+    def decode(name: str, n: int) -> int:
+        """One window's work: every group of prompts, ``n`` new tokens each; returns the tokens made."""
+        made[name] = [run_batch(backends[name], systems[name][1], g, n, run.kv_mode) for g in groups]
+        return sum(len(t) for r in made[name] for t in r.tokens)
+
+    meter = open_meter(cfg.meter, cfg.interval_s)
+    _log(t0, f"meter: {meter.name}" + ("" if meter.available else f" (no sensor: {meter.reason})"))
+    names = list(systems)
+    windows, traces, idle_trace = measure_windows(cfg, meter, names, decode, t0)
+    rows = {n: per_token(w) for n, w in windows.items()}
+    rel = ratios(rows)
+    exit_name = C_EXITS if C_EXITS in rows else EXITS
+    # the shipped system's exits on this backend, judged against the same backend at full depth on the same
+    # prefixes (the certificate was computed on the ONNX Runtime engine; a device's engine may differ)
+    res = made[exit_name]  # its last timed window
+    check = check_continuations(Served(backends[exit_name]), np.asarray(prompts),
+                                np.asarray([t for r in res for t in r.tokens]),
+                                np.asarray([e for r in res for e in r.exit_layers]), run.kv_mode).summary()
+    _log(t0, f"{exit_name} on {backends[exit_name].name}: false exits {check.false_exits + check.full_depth_mismatches}"
+             f"/{check.tokens} against its own full depth")
+    summary = summarise(cfg, meter, rows, rel, backends, full_is, exit_name, windows, names, check)
     result = {"config": asdict(cfg), "rows": rows, "ratios_vs_full": rel, "summary": summary,
               "windows": {n: [asdict(w) for w in ws] for n, ws in windows.items()}, "idle": idle_trace,
               "power_trace_first_repeat": traces}
@@ -260,7 +285,7 @@ def main(cfg: EnergyBenchConfig) -> int:
     atomic_write_json(out / "energy.json", result)
     atomic_write_text(out / "energy.md", render_markdown(result))
     plot(result, out / "energy.png")
-    manifest.record(STAGE, inputs={"checkpoint": served, "thresholds": run.thresholds}, config=asdict(cfg),
+    run.manifest.record(STAGE, inputs={"checkpoint": run.path, "thresholds": run.thresholds}, config=asdict(cfg),
                     outputs={"json": out / "energy.json", "markdown": out / "energy.md", "png": out / "energy.png"},
                     metrics=summary, seconds=time.time() - t0)
     fig = "J/token" if meter.available else "CPU-s/token (no sensor: proxy, not energy)"
