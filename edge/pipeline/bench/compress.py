@@ -29,12 +29,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from calibration.table import TableRule
 from edge.compress.apply import model_bytes, precision_of
 from edge.compress.checkpoint import load_served, read_compress_json
 from edge.compress.quality import Reference, evaluate
 from edge.core.artifacts import Manifest, atomic_write_json, atomic_write_text
-from edge.core.data import Split, TokenCorpus, heldout_prompts, load_split
+from edge.core.data import Split, TokenCorpus, load_split
 from edge.core.errors import ConfigError
 from edge.model.exits import MultiExitModel, load_multi_exit
 from edge.model.tokenizer import load_tokenizer
@@ -118,20 +117,12 @@ def build_models(cfg: CompressBenchConfig, manifest: Manifest, t0: float) -> tup
     return models, {"shipped_recipe": shipped_recipe, "fitted": fitted}
 
 
-def main(cfg: CompressBenchConfig) -> int:
-    t0 = time.time()
-    run = open_run(cfg.run_dir, cfg.threads)
-    manifest, served, thresholds, table, kv_mode, tok = (run.manifest, run.path, run.thresholds, run.table,
-                                                         run.kv_mode, run.tokenizer)
-    models, info = build_models(cfg, manifest, t0)
-    test = load_split(Split.TEST)
-    ref = Reference(models.get(NONE) or load_multi_exit(manifest.verified_output("distill", "checkpoint")),
-                    torch.from_numpy(TokenCorpus(tok, test).draw(cfg.eval_windows, 128, cfg.seed).ids))
-    work = Path(cfg.run_dir) / "bench" / "compress_graphs"
-    shutil.rmtree(work, ignore_errors=True)
+def recipe_rows(cfg: CompressBenchConfig, manifest: Manifest, models: dict[str, MultiExitModel], ref: Reference,
+                prompts_parity: list[list[int]], work: Path, t0: float) -> tuple[dict[str, dict[str, Any]], dict, dict]:
+    """Per recipe: bytes, held-out quality, its graphs (exported and parity-gated here unless the run's own or the
+    float model's) and an ONNX Runtime backend over them. Returns (rows, backends, graphs by recipe)."""
     rows: dict[str, dict[str, Any]] = {}
     backends, graphs_of = {}, {}
-    prompts_parity = heldout_prompts(tok, test, 3, 32, cfg.seed + 7)
     for name, m in models.items():
         q = evaluate(m, ref)
         quantized = precision_of(m) != "fp32"
@@ -154,13 +145,19 @@ def main(cfg: CompressBenchConfig) -> int:
         graphs_of[name] = graphs
         _log(t0, f"{name}: {rows[name]['precision']}, {rows[name]['model_bytes'] / 2**20:.1f} MiB, top-1 {q.top1:.4f}, "
                  f"perplexity {q.perplexity:.3f}, parity {'passed' if passed else 'FAILED'}")
-    rule = TableRule(table)
-    peers = _peers(cfg, manifest, tok, ref, rows, t0) if cfg.llamacpp else {}
+    return rows, backends, graphs_of
+
+
+def measure_speed(cfg: CompressBenchConfig, run: Any, models: dict[str, MultiExitModel], peers: dict[str, Any],
+                  backends: dict[str, Any], t0: float) -> tuple[dict[str, dict[str, list[float]]], dict[str, list[int]]]:
+    """Decode tokens/s per recipe and batch size (and the llama.cpp peers at batch 1), recipes interleaved per
+    repeat; the exit layers seen at batch 1."""
+    rule, kv_mode = run.rule, run.kv_mode
     speed: dict[str, dict[str, list[float]]] = {n: {} for n in [*models, *peers]}
     exits_seen: dict[str, list[int]] = {n: [] for n in models}
     for b in cfg.batch_sizes:
         n_prompts = cfg.batch1_prompts if b == 1 else b
-        prompts = heldout_prompts(tok, test, n_prompts, cfg.prompt_tokens, cfg.seed)
+        prompts = run.prompts(n_prompts, cfg.prompt_tokens, cfg.seed)
         groups = [prompts[i:i + b] for i in range(0, len(prompts), b)]
         for name in models:  # warm-up
             run_batch(backends[name], rule, groups[0], 4, kv_mode)
@@ -179,16 +176,15 @@ def main(cfg: CompressBenchConfig) -> int:
                     speed[qt].setdefault("1", []).append(n_prompts * cfg.new_tokens / secs)
         _log(t0, f"batch {b}: " + ", ".join(f"{n} {np.median(v[str(b)]):.0f} tok/s" for n, v in speed.items()
                                             if str(b) in v))
-    if cfg.memory:  # a fresh process per recipe, at the largest batch
-        from edge.pipeline.bench.engine_memory import peak_rss_mib
+    return speed, exits_seen
 
-        b = max(cfg.batch_sizes)
-        prompts = heldout_prompts(tok, test, b, cfg.prompt_tokens, cfg.seed)
-        for name in models:
-            rows[name]["peak_rss_mib"] = peak_rss_mib(graphs_of[name], thresholds, served, prompts, cfg.new_tokens,
-                                                      cfg.threads)
-            rows[name]["peak_rss_batch"] = b
-    judged = heldout_prompts(tok, test, cfg.false_exit_prompts, cfg.prompt_tokens, cfg.seed + 3)
+
+def judge_exits(cfg: CompressBenchConfig, run: Any, models: dict[str, MultiExitModel], backends: dict[str, Any],
+                rows: dict[str, dict[str, Any]], speed: dict[str, dict[str, list[float]]],
+                exits_seen: dict[str, list[int]]) -> None:
+    """Each recipe's engine at full depth against its torch model, and its exits against its own full depth."""
+    rule, kv_mode = run.rule, run.kv_mode
+    judged = run.prompts(cfg.false_exit_prompts, cfg.prompt_tokens, cfg.seed + 3)
     for name, m in models.items():
         # the served engine at full depth against the torch model it was exported from: tokens where they differ
         # without any exit (for a quantized model: near ties rounded apart; 0 for float graphs). Diagnostic only:
@@ -205,6 +201,31 @@ def main(cfg: CompressBenchConfig) -> int:
             "false_exit_rate_heldout": wrong / max(total, 1), "false_exit_tokens": total,
             "layers_skipped_frac": float(np.mean([(nl - e) / nl for e in exits_seen[name]])) if exits_seen[name] else 0.0,
         })
+
+
+def main(cfg: CompressBenchConfig) -> int:
+    t0 = time.time()
+    run = open_run(cfg.run_dir, cfg.threads)
+    manifest, served, thresholds, table, tok = run.manifest, run.path, run.thresholds, run.table, run.tokenizer
+    models, info = build_models(cfg, manifest, t0)
+    test = load_split(Split.TEST)
+    ref = Reference(models.get(NONE) or load_multi_exit(manifest.verified_output("distill", "checkpoint")),
+                    torch.from_numpy(TokenCorpus(tok, test).draw(cfg.eval_windows, 128, cfg.seed).ids))
+    work = Path(cfg.run_dir) / "bench" / "compress_graphs"
+    shutil.rmtree(work, ignore_errors=True)
+    rows, backends, graphs_of = recipe_rows(cfg, manifest, models, ref, run.prompts(3, 32, cfg.seed + 7), work, t0)
+    peers = _peers(cfg, manifest, tok, ref, rows, t0) if cfg.llamacpp else {}
+    speed, exits_seen = measure_speed(cfg, run, models, peers, backends, t0)
+    if cfg.memory:  # a fresh process per recipe, at the largest batch
+        from edge.pipeline.bench.engine_memory import peak_rss_mib
+
+        b = max(cfg.batch_sizes)
+        prompts = run.prompts(b, cfg.prompt_tokens, cfg.seed)
+        for name in models:
+            rows[name]["peak_rss_mib"] = peak_rss_mib(graphs_of[name], thresholds, served, prompts, cfg.new_tokens,
+                                                      cfg.threads)
+            rows[name]["peak_rss_batch"] = b
+    judge_exits(cfg, run, models, backends, rows, speed, exits_seen)
     for qt in peers:
         rows[f"llamacpp_{qt}"].update({"tokens_per_s": {k: float(np.median(v)) for k, v in speed[qt].items()}})
         peers[qt].close()
