@@ -12,12 +12,13 @@ DEMO_CFG := configs/demo.yaml
 MODEL_FILES := $(wildcard edge/assets/tiny/*) $(wildcard edge/assets/tiny-ee/*) $(wildcard edge/assets/data/*)
 SRC := $(shell find edge calibration exporters scheduler -name '*.py' 2>/dev/null)
 
-.PHONY: demo test venv distill compress bench-compress energy compress-study calibrate export bench generate report repo serve bench-serve profile bench-scheduler bench-projection aiperf-check train-tiny train-tiny-ee train-scheduler llamacpp clean help
+.PHONY: demo test test-fast venv distill compress bench-compress energy compress-study calibrate export bench generate report repo serve bench-serve profile bench-scheduler bench-projection aiperf-check train-tiny train-tiny-ee train-scheduler llamacpp clean help
 .DEFAULT_GOAL := help
 
 help:
 	@echo "make demo        run every stage on the bundled tiny model -> $(ART)/report.md"
 	@echo "make test        run the test suite (unit + integration; gpu/jetson tiers skip without hardware)"
+	@echo "make test-fast   the unit tier without tests marked slow or integration: the edit loop (< 5 min on 2 cores, no servers)"
 	@echo "make train-tiny  retrain the bundled tiny model (1-2 h on 2 cores, resumable)"
 	@echo "make train-tiny-ee  LayerSkip-train it into bundled-ee (about an hour on 2 cores; resumable)"
 	@echo "make train-scheduler  retrain the learned scheduler -> scheduler/assets/ppo (~10 min on 2 cores; needs the latency model of smartexit profile)"
@@ -157,6 +158,10 @@ $(LLAMACPP_STAMP): requirements/llamacpp.txt $(STAMP)
 # ---- tests ----
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# the edit loop: tests/unit (CPU only, no tritonserver or Ray) minus tests marked slow; `make test` runs them all
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit -m "not slow and not integration"
 
 clean:
 	rm -rf artifacts

@@ -52,6 +52,7 @@ def _allowance(delta: float, reps: int) -> float:
     return delta + 3 * math.sqrt(delta * (1 - delta) / reps)
 
 
+@pytest.mark.slow  # ~6 s: many seeds
 def test_fitting_on_the_certify_units_breaks_the_guarantee_and_the_split_does_not():
     """Uninformative signals: isotonic regression's top blocks have in-sample accuracy 1 by chance, so
     in-sample fitting certifies thresholds that let tokens exit at the base error rate."""

@@ -129,6 +129,7 @@ MICRO = ["epsilon=0.2", "fit_units=16", "certify_units=32", "propagate_units=32"
          "new_tokens=4", "batch=16", "threads=1"]
 
 
+@pytest.mark.slow  # 4-9 s: the whole calibrate stage on the micro run
 def test_calibrate_writes_a_certificate_for_the_shipped_regime(micro_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(micro_run, run)
@@ -218,6 +219,7 @@ def test_calibrate_refuses_modified_checkpoint(micro_run, tmp_path, capsys):
     assert "changed since stage 'distill'" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # 5-10 s: distils and calibrates a fine-tuned copy
 def test_finetuned_backbone_is_measured_against_its_base_model(micro_run, tmp_path):
     """freeze_backbone=false changes the decoder: distillation records the base model's held-out
     numbers next to the new ones, and calibration reports accuracy loss against the base too."""
@@ -236,6 +238,7 @@ def test_finetuned_backbone_is_measured_against_its_base_model(micro_run, tmp_pa
     assert cal["accuracy_loss_rel_vs_base_model"] == (pytest.approx(1 - cal["accuracy_exit"] / base) if base else 0.0)
 
 
+@pytest.mark.slow  # 4-11 s: distils and calibrates a make-ee folder
 def test_lineage_of_a_finetuned_model_carries_to_frozen_distillation(micro_run, tmp_path):
     """A model folder made by `make-ee` (decoder fine-tuned, lineage.json) distilled with the decoder
     frozen still reports against the model it came from."""

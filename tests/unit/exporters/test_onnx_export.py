@@ -164,6 +164,7 @@ def test_kvfill_equals_kv_only(exported):
         _assert_matches(o, r, 64, 1, "kvfill_1")  # one projection of length hidden_size
 
 
+@pytest.mark.slow  # ~6 s: exports a second checkpoint
 def test_verify_graphs_refuses_other_checkpoint_and_tampered_graph(exported, tmp_path):
     model, out = exported
     assert verify_graphs(out, CKPT)["exit_layers"] == [2, 4]
@@ -184,6 +185,7 @@ def test_verify_graphs_refuses_other_checkpoint_and_tampered_graph(exported, tmp
         verify_graphs(tmp_path, CKPT)
 
 
+@pytest.mark.slow  # ~7 s each: a fresh export per family (the default family's export is the module fixture)
 @pytest.mark.parametrize("overrides", [
     dict(arch=Arch.QWEN2, qkv_bias=True, num_kv_heads=1),
     dict(arch=Arch.MISTRAL, sliding_window=4, tie_word_embeddings=False),
@@ -226,6 +228,7 @@ def test_export_config_validation():
         ExportConfig(trace_batch=3, trace_seq=3)
 
 
+@pytest.mark.slow  # ~6 s: exports again into an existing folder
 def test_failed_export_leaves_previous_folder(exported, tmp_path, monkeypatch):
     model, out = exported
     target = tmp_path / "g"

@@ -177,6 +177,7 @@ def test_build_engines_without_gpu(graphs, tmp_path, monkeypatch):
     assert (tmp_path / "engines" / SCRIPT).is_file()
 
 
+@pytest.mark.slow  # ~6 s
 def test_main_reads_manifest_and_records_nothing_on_failure(graphs, tmp_path, no_tensorrt):
     run = tmp_path / "run"
     ckpt = run / "checkpoint"

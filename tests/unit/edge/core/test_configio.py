@@ -1,6 +1,9 @@
 """Typed configs: key=value overrides, YAML presets, and every shipped YAML validates."""
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import typing
 from pathlib import Path
 
 import pytest
@@ -9,7 +12,7 @@ from edge.pipeline.cli import STAGES, _load
 from edge.pipeline.cli import main as cli
 from edge.model.config import Arch, ModelConfig, preset
 from edge.core.configio import apply, load_yaml, parse_overrides
-from edge.training.distill import DistillConfig
+from edge.training.config import DistillConfig
 from edge.core.errors import CheckpointError, ConfigError
 
 CONFIGS = sorted((Path(__file__).parents[4] / "configs").glob("*.yaml"))
@@ -57,9 +60,14 @@ def test_every_shipped_yaml_validates(path):
 
 
 def test_every_stage_has_a_typed_config():
+    """Each stage's entry is typed ``(cfg: <its config dataclass>) -> int`` (STYLE 3), and the config's
+    defaults pass its own validation unchanged (parse_overrides re-runs ``__post_init__``)."""
     for stage in STAGES:
         cfg_cls, entry = _load(stage)
-        assert callable(entry) and cfg_cls() is not None
+        assert dataclasses.is_dataclass(cfg_cls), stage
+        assert list(inspect.signature(entry).parameters) == ["cfg"], stage
+        assert typing.get_type_hints(entry) == {"cfg": cfg_cls, "return": int}, stage
+        assert parse_overrides(cfg_cls(), []) == cfg_cls(), stage
 
 
 def test_model_config_from_hf_errors():

@@ -8,7 +8,13 @@ from edge.core.data import DATA_DIR, Split, load_split, split_of
 
 
 def test_split_is_deterministic_and_by_path():
-    assert split_of("json/decoder.py") == split_of("json/decoder.py")
+    # known answers at the bucket edges, worked out from the rule (int(sha256(path)[:8], 16) % 100: 0-3
+    # calibration, 4-7 test, the rest train): pkg/mod30.py b71347d4 -> 0, pkg/mod51.py 9383d633 -> 3,
+    # pkg/mod10.py 6ed1ceb8 -> 4, pkg/mod1.py d2e67573 -> 7, pkg/mod174.py 59ba4b58 -> 8,
+    # json/decoder.py 3b2e3cb3 -> 39. A changed hash, digest slice or bucket edge moves one of them.
+    paths = ["pkg/mod30.py", "pkg/mod51.py", "pkg/mod10.py", "pkg/mod1.py", "pkg/mod174.py", "json/decoder.py"]
+    assert [split_of(p) for p in paths] == [Split.CALIBRATION, Split.CALIBRATION, Split.TEST, Split.TEST,
+                                            Split.TRAIN, Split.TRAIN]
     counts = {s: 0 for s in Split}
     for i in range(5000):
         counts[split_of(f"pkg/mod{i}.py")] += 1

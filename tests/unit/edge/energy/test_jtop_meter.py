@@ -1,11 +1,14 @@
-"""jtop: the conversion of ``jtop().power`` on the shared (unsourced, real) Orin Nano dump and on
-SYNTHETIC dicts shaped like jetson-stats 4.x-7.x output (``jtop/core/power.py``: ``total_power``);
+"""jtop: the conversion of ``jtop().power`` on the project's own Orin Nano property dump
+(tests/fixtures/jtop, written by hand in jetson-stats 4.x's shapes; runs on every clone), on the real
+(unsourced) Orin Nano dump in ../shared where it exists (skipped, naming the file, where it does not), and
+on SYNTHETIC dicts shaped like jetson-stats 4.x-7.x output (``jtop/core/power.py``: ``total_power``);
 the meter against a stand-in jtop object (the jtop service cannot run off a Jetson; the live path is
 ``tests/jetson/test_jtop_live.py``)."""
 from __future__ import annotations
 
 import ast
 import time
+from pathlib import Path
 
 import pytest
 
@@ -13,33 +16,50 @@ from edge.core.errors import SmartExitError
 from edge.energy.jtop import JtopMeter, jtop_power, jtop_sample, jtop_temperatures
 from edge.energy.meter import SensorUnavailable
 from edge.energy.rails import AGX_ORIN_SUMMED
-from tests.unit.edge.energy.shared_fixtures import JTOP, skip_without
+from tests.unit.edge.energy.shared_fixtures import JTOP, PROJECT_JTOP, skip_without
 
-DUMP = JTOP / "orin_nano_4gb_super_jp6.2_jtop_properties_unsourced.txt"
+PROJECT_DUMP = PROJECT_JTOP / "orin_nano_jp6_jtop_properties.txt"  # written by this project
+DUMP = JTOP / "orin_nano_4gb_super_jp6.2_jtop_properties_unsourced.txt"  # real, read in place
 
 
-def dump_text(name: str) -> str:
-    """``print(jetson.<name>)`` from the shared dump: the line after the ``jetson.<name>`` header."""
-    skip_without(DUMP)
-    lines = DUMP.read_text().splitlines()
+def dump_text(path: Path, name: str) -> str:
+    """``print(jetson.<name>)`` from a property dump: the line after the ``jetson.<name>`` header."""
+    lines = path.read_text().splitlines()
     return lines[lines.index(f"jetson.{name}") + 1]
 
 
-def dump_property(name: str):
-    return ast.literal_eval(dump_text(name))
+def dump_property(path: Path, name: str):
+    return ast.literal_eval(dump_text(path, name))
+
+
+def test_orin_nano_dump():
+    power = dump_property(PROJECT_DUMP, "power")
+    p = jtop_power(power)
+    # VDD_IN sits in 'tot' with its name: the total is that rail, 7020 mW, not 7020 + 2010 + 1730
+    assert not p.total_is_sum and p.total_rails == ("VDD_IN",) and p.total_w == pytest.approx(7.020)
+    assert p.rails_w == pytest.approx({"VDD_CPU_GPU_CV": 2.010, "VDD_SOC": 1.730, "VDD_IN": 7.020})
+    assert p.describe() == "jtop's total: VDD_IN, the input rail"
+    assert dump_property(PROJECT_DUMP, "stats")["Power TOT"] == 7020  # jtop's own stats name the same total
+    temps = jtop_temperatures(dump_property(PROJECT_DUMP, "temperature"))
+    assert set(temps) == {"cpu", "gpu", "soc0", "soc1", "soc2", "tj"}  # cv0-2 offline (-256, online False)
+    s = jtop_sample(power, 3.25, dump_property(PROJECT_DUMP, "temperature"))
+    assert (s.t, s.watts, s.temperature_c) == (3.25, pytest.approx(7.020), 51.25)
+    # rails= sums the named parts instead (what the meter does when asked for them): 2010 + 1730 mW
+    assert jtop_sample(power, 0.0, rails=["VDD_CPU_GPU_CV", "VDD_SOC"]).watts == pytest.approx(3.740)
 
 
 def test_real_orin_nano_dump():
-    power = dump_property("power")
+    skip_without(DUMP)
+    power = dump_property(DUMP, "power")
     p = jtop_power(power)
     # jtop moved VDD_IN out of 'rail' into 'tot' and named it: the total is that rail, 5133 mW
     assert not p.total_is_sum and p.total_rails == ("VDD_IN",) and p.total_w == pytest.approx(5.133)
     assert p.rails_w == pytest.approx({"VDD_CPU_GPU_CV": 1.064, "VDD_SOC": 1.540, "VDD_IN": 5.133})
     assert "VDD_IN, the input rail" in p.describe()
-    assert "'Power TOT': 5133," in dump_text("stats")  # jtop's own stats agree (a repr with datetimes)
-    temps = jtop_temperatures(dump_property("temperature"))
+    assert "'Power TOT': 5133," in dump_text(DUMP, "stats")  # jtop's own stats agree (a repr with datetimes)
+    temps = jtop_temperatures(dump_property(DUMP, "temperature"))
     assert "cv0" not in temps and temps["tj"] == 47.906  # cv0-2 offline (-256)
-    s = jtop_sample(power, 12.5, dump_property("temperature"))
+    s = jtop_sample(power, 12.5, dump_property(DUMP, "temperature"))
     assert (s.t, s.watts, s.temperature_c) == (12.5, pytest.approx(5.133), 47.906)
 
 

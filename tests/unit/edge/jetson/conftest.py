@@ -1,5 +1,6 @@
 """Fixtures of the Jetson deployment tests: a run folder (a real tiny export, manifest records) and a
-device root file system assembled from real identity strings. These tests run on any CPU machine."""
+device root file system assembled from the project's identity fixtures (tests/fixtures/jetson/identity).
+These tests run on any CPU machine, on every clone."""
 from __future__ import annotations
 
 import json
@@ -74,13 +75,14 @@ def device_root(root: Path, *, release: str = "R36.4.4 | JetPack 6.2.1 | AGX Ori
                 triton: str | None = "2.49.0", trtexec: bool = True) -> Path:
     """A stand-in for a Jetson's file system under ``root``.
 
-    Real: /etc/nv_tegra_release (the sample block named by ``release``) and the device-tree model string.
+    From the project's identity fixtures: /etc/nv_tegra_release (the sample block named by ``release``) and
+    the device-tree model string (the first line of device_tree_model.txt).
     SYNTHETIC (marked, formats from their public sources): /proc/meminfo (proc(5)), empty trtexec and
     tritonserver files where JetPack and the Triton tarball put them, TRITON_VERSION holding ``triton``.
     """
     (root / "etc").mkdir(parents=True)
     (root / "etc" / "nv_tegra_release").write_text(block("nv_tegra_release_samples.txt", release))
-    model = identity_file("device_tree_and_module_strings.txt").read_text().splitlines()
+    model = identity_file("device_tree_model.txt").read_text().splitlines()
     dt = root / "proc" / "device-tree"
     dt.mkdir(parents=True)
     first = next(line for line in model if line and not line.startswith("#"))

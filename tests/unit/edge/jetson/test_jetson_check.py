@@ -1,5 +1,6 @@
-"""`smartexit jetson check`: facts from a device root built of real strings, verdicts for supported, too
-old, missing and newer-than-tested stacks, and what it prints and exits with on and off the device."""
+"""`smartexit jetson check`: facts from a device root built of the project's identity fixtures
+(tests/fixtures/jetson/identity), verdicts for supported, too old, missing and newer-than-tested stacks, and
+what it prints and exits with on and off the device."""
 from __future__ import annotations
 
 import json
@@ -30,7 +31,7 @@ TORCH_JP61 = "torch 2.5.0a0+872d972e41.nv24.08 cuda True\n"
 
 
 def fake_tools(dpkg: str, nvpmodel: str | None, clocks: str | None, torch: str | None = TORCH_JP61):
-    """A runner answering dpkg-query, nvpmodel -q and jetson_clocks --show with the given (real) texts, and
+    """A runner answering dpkg-query, nvpmodel -q and jetson_clocks --show with the given texts, and
     the torch probe; None: the tool fails as on a board where it is missing (run_command raises)."""
     def run(argv):
         text = {"dpkg-query": dpkg, "nvpmodel": nvpmodel, "sudo": clocks}.get(argv[0], torch)
@@ -43,13 +44,13 @@ def fake_tools(dpkg: str, nvpmodel: str | None, clocks: str | None, torch: str |
 
 def jp62_dpkg() -> str:
     """The L4T core line of an AGX Orin 64GB on 36.4.4 and the CUDA / cuDNN / TensorRT lines of a JetPack 6.2.1
-    install (36.4.7): real lines of two boards with the same stack (JetPack 6.2.x)."""
+    install (36.4.7): the project's fixture lines of two boards with the same stack (JetPack 6.2.x)."""
     return block(DPKG, "L4T 36.4.4") + block(DPKG, "L4T 36.4.7 | JetPack 6.2.1 | Orin Nano")
 
 
 def jp5_dpkg() -> str:
-    """JetPack 5.1.4's stack as jetson_release printed it (CUDA 11.4.315, cuDNN 8.6.0.166, TensorRT 8.5.2.2),
-    rewritten as dpkg-query lines (SYNTHETIC layout, real versions; the package names are JetPack 5's)."""
+    """JetPack 5.1.4's stack as jetson_release prints it (CUDA 11.4.315, cuDNN 8.6.0.166, TensorRT 8.5.2.2),
+    rewritten as dpkg-query lines (SYNTHETIC layout, NVIDIA's versions; the package names are JetPack 5's)."""
     rel = block(CLOCKS, "`jetson_release` (jetson-stats 4.2.12)")
     v = dict(line.strip(" -").split(": ", 1) for line in rel.splitlines() if line.startswith(" - ") and ": " in line)
     return (f"ii  nvidia-l4t-core 35.6.0-20240828\nii  cuda-cudart-11-4 {v['CUDA']}-1\n"
@@ -74,7 +75,7 @@ def test_supported_jetpack_6_2(tmp_path):
         ("l4t", "cuda", "tensorrt", "cudnn", "trtexec", "triton", "python"), "ok")
     assert r["jtop"].status == "info" and "jetson-stats" in r["jtop"].install  # optional: said, not judged
     assert r["torch_cuda"].status == "ok" and r["torch_cuda"].found == "torch 2.5.0a0+872d972e41.nv24.08 with CUDA"
-    assert r["clocks"].status == "info" and "sudo jetson_clocks" in r["clocks"].install  # GPU at its minimum
+    assert r["clocks"].status == "info" and "sudo jetson_clocks" in r["clocks"].install  # not locked
     assert verdict(rows) == "supported"
     text = render(f, rows)
     assert "verdict: supported" in text and "36.4.4 (JetPack 6.2.1)" in text

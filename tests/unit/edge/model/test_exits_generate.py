@@ -138,6 +138,7 @@ def test_distill_loss_zero_when_student_equals_teacher_and_kl_only():
     assert distill_loss(t, t, torch.zeros(6, dtype=torch.long), 2.0, 1.0).abs().item() < 1e-6
 
 
+@pytest.mark.slow  # 3-6 s: trains the exit heads
 def test_distillation_improves_agreement_and_keeps_backbone():
     m = _model(seed=5, layers=(1, 4), rank=8)
     before = {k: v.clone() for k, v in m.backbone.state_dict().items()}

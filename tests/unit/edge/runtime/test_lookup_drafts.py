@@ -219,6 +219,7 @@ def exported(tmp_path_factory):
     return _export(tmp_path_factory.mktemp("ort_lookup"), copy.deepcopy(_looping()))
 
 
+@pytest.mark.slow  # ~10 s with the export it alone uses; lookup drafts on torch stay in make test-fast
 @pytest.mark.parametrize("batch", [1, 3])
 def test_lookup_drafts_on_onnx_runtime_equal_its_full_depth(exported, batch):
     """On ONNX Runtime the verification is one call of the graph of every layer with the newest token and
@@ -252,6 +253,7 @@ def _loop_joint(temperature, top_p):
     return _exact_joint(_sampling_model(), temperature, top_p, LOOP_PROMPT)
 
 
+@pytest.mark.slow  # ~7 s each (hundreds of sampled requests); the negative control stays in make test-fast
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.8)], ids=["softmax", "t0.7_top_p0.8"])
 def test_lookup_sampling_is_distributed_as_the_full_model(temperature, top_p):
     """A lookup draft is a point mass (q(x) = 1): accepted with probability p(x), else the token is drawn

@@ -154,6 +154,7 @@ def _sample_joint(backend, temperature, top_p, requests=REQUESTS):
     return _engine_joint(eng, PROMPT, temperature, top_p, requests), eng.spec_stats
 
 
+@pytest.mark.slow  # ~10 s each (640 sampled requests); the ONNX Runtime case below stays in make test-fast
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (1.0, 0.8)], ids=["softmax", "top_p0.8"])
 def test_exact_sampling_is_distributed_as_the_full_model(temperature, top_p):
     """Chi-square of the first three tokens' joint counts against the full model's exact joint. Seeds

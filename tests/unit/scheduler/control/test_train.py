@@ -173,6 +173,7 @@ def test_behaviour_cloning_learns_a_recurrent_expert():
 
 # ------------------------------------------------------------------------------------------- end to end
 
+@pytest.mark.slow  # ~5 s: a whole (tiny) training run
 def test_tiny_run_writes_a_loadable_policy(run_dir, tmp_path):
     out = tmp_path / "ppo"
     assert cli(["train-scheduler", f"run_dir={run_dir}", f"out={out}", "quick=true", "env.episode_s=5",
