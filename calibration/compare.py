@@ -54,7 +54,7 @@ def _single(data: Collected, candidates: bool, route: float) -> dict[int, np.nda
     return cert.unrouted_below(out, data.signals, route)
 
 
-def baselines(fit: Collected, certify: Collected, test: Collected, lams: np.ndarray, eps: float, delta: float,
+def baselines(fit: Collected, certify: Collected, test: Collected, lams: np.ndarray, epsilon: float, delta: float,
               method: PValue, order_seed: int | None, gated: bool = False, candidates: bool = False,
               route: float = 0.0) -> list[System]:
     """(a) hand-tuned max-probability, (b) max-probability + LTT, (c) Platt + LTT, (d) isotonic + LTT,
@@ -65,8 +65,8 @@ def baselines(fit: Collected, certify: Collected, test: Collected, lams: np.ndar
     systems = []
     top1 = _single(certify, candidates, route)
     losses = cert.unit_losses(top1, certify, lams)  # [U, G]
-    ok = losses.mean(axis=0) <= eps
-    idx = int(np.flatnonzero(ok)[-1]) if ok.any() else None  # loosest with empirical rate <= eps
+    ok = losses.mean(axis=0) <= epsilon
+    idx = int(np.flatnonzero(ok)[-1]) if ok.any() else None  # loosest with empirical rate <= epsilon
     lam = float(lams[idx]) if idx is not None else NEVER_EXIT
     rate = float(losses[:, idx].mean()) if idx is not None else 0.0
     single = "gate prob" if gated else ("top candidate logit" if candidates else "max-prob")
@@ -79,7 +79,7 @@ def baselines(fit: Collected, certify: Collected, test: Collected, lams: np.ndar
         kinds.append((CalibratorKind.MLP, "(e) all signals, MLP (its sigmoid) + LTT"))
     for kind, label in kinds:
         cals = cert.fit(fit, kind, route)
-        c = cert.certify(cert.calibrated(cals, certify, route), certify, lams, eps, delta, method, order_seed)
+        c = cert.certify(cert.calibrated(cals, certify, route), certify, lams, epsilon, delta, method, order_seed)
         tp = cert.calibrated(cals, test)  # the calibrators' quality on every token (routing aside)
         tc = exit_targets(test.argmax)
         quality = {str(k): {"ece": expected_calibration_error(tp[k], tc[k]), "brier": brier_score(tp[k], tc[k])}

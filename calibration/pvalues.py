@@ -2,24 +2,24 @@
 
 The certified quantity is the mean R of i.i.d. unit losses X_1..X_n in [0, 1]
 (a unit is one prompt; its loss is its false-exit rate). Every function here
-tests H0: R > eps (rejecting it certifies R <= eps) or inverts that test into
+tests H0: R > epsilon (rejecting it certifies R <= epsilon) or inverts that test into
 an upper confidence bound. All are valid for any distribution on [0, 1]:
 
 - ``betting`` (the default): a capital process that bets against H0
   (Waudby-Smith & Ramdas 2024, "Estimating means of bounded random variables by
   betting", JRSS-B; sec. 3 and the aGRAPA bet of sec. 5):
-  K_t = prod_{i<=t} (1 + b_i (eps - X_i)) with b_i in [0, 1/(1 - eps)) chosen
-  from X_1..X_{i-1} only. Under H0, E[1 + b_i (eps - X_i) | past] <= 1, so K is
+  K_t = prod_{i<=t} (1 + b_i (epsilon - X_i)) with b_i in [0, 1/(1 - epsilon)) chosen
+  from X_1..X_{i-1} only. Under H0, E[1 + b_i (epsilon - X_i) | past] <= 1, so K is
   a non-negative supermartingale and, by Ville's inequality,
   P(max_t K_t >= 1/delta) <= delta: p = min(1, 1 / max_t K_t). It adapts to the
   variance of X, which is small when X is a rate over dozens of tokens; the
   order of the units matters, so they are taken in a seeded random order.
-- ``hoeffding_bentkus``: min(exp(-n h1(min(r, eps), eps)), e P[Bin(n, eps) <= ceil(n r)])
+- ``hoeffding_bentkus``: min(exp(-n h1(min(r, epsilon), epsilon)), e P[Bin(n, epsilon) <= ceil(n r)])
   (Bates, Angelopoulos, Lei, Malik, Jordan 2021, "Distribution-free,
   risk-controlling prediction sets", Prop. 3.2; valid for [0, 1] losses, not
   only 0/1). It treats every unit as if it had Bernoulli variance.
-- ``hoeffding``: exp(-2 n (eps - r)_+^2) (ibid., eq. 7).
-- ``binomial``: P[Bin(n, eps) <= sum X], exact, valid only for 0/1 losses; a
+- ``hoeffding``: exp(-2 n (epsilon - r)_+^2) (ibid., eq. 7).
+- ``binomial``: P[Bin(n, epsilon) <= sum X], exact, valid only for 0/1 losses; a
   ConfigError otherwise.
 
 One method is chosen before the data are seen (the config); taking the
@@ -45,12 +45,12 @@ class PValue(str, enum.Enum):
 
 
 # The betting strategy, fixed a priori. The largest bet that keeps the capital positive for any
-# X in [0, 1] is 1 / (1 - eps); bets are truncated at BET_FRACTION of it (WSR 2024, sec. 5, truncate
+# X in [0, 1] is 1 / (1 - epsilon); bets are truncated at BET_FRACTION of it (WSR 2024, sec. 5, truncate
 # the aGRAPA bet at c < 1), so that a unit whose every token is a false exit costs a factor
 # 1 - BET_FRACTION instead of all the capital. Per-prompt false-exit rates are small, so the
 # growth-optimal bet exceeds the ceiling and the truncation binds: c near 1 loses little growth.
 BET_FRACTION = 0.9
-# Prior of the running mean / variance estimates (weight one unit): a unit of one token at rate eps/2.
+# Prior of the running mean / variance estimates (weight one unit): a unit of one token at rate epsilon/2.
 PRIOR_WEIGHT = 1.0
 
 
@@ -92,49 +92,49 @@ def _h1(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return t1 + t2
 
 
-def _closed_form(mean: np.ndarray, n: int, eps: np.ndarray, method: PValue) -> np.ndarray:
-    """p-values that depend on the losses through their mean only; broadcasts mean and eps."""
+def _closed_form(mean: np.ndarray, n: int, epsilon: np.ndarray, method: PValue) -> np.ndarray:
+    """p-values that depend on the losses through their mean only; broadcasts mean and epsilon."""
     if method is PValue.HOEFFDING:
-        return np.exp(-2.0 * n * np.maximum(eps - mean, 0.0) ** 2)
+        return np.exp(-2.0 * n * np.maximum(epsilon - mean, 0.0) ** 2)
     k = np.ceil(n * mean - 1e-9)  # the 1e-9 absorbs rounding of k / n
-    p_binom = binom.cdf(k, n, eps)
+    p_binom = binom.cdf(k, n, epsilon)
     if method is PValue.BINOMIAL:
         return p_binom
-    p_hoeff = np.exp(-n * _h1(np.minimum(mean, eps), eps))
+    p_hoeff = np.exp(-n * _h1(np.minimum(mean, epsilon), epsilon))
     return np.minimum(np.minimum(p_hoeff, math.e * p_binom), 1.0)
 
 
-def _betting(x: np.ndarray, eps: np.ndarray) -> np.ndarray:
-    """p = min(1, 1 / max_t K_t) per column: x [n, G] in the order given, eps [G] (or broadcastable)."""
+def _betting(x: np.ndarray, epsilon: np.ndarray) -> np.ndarray:
+    """p = min(1, 1 / max_t K_t) per column: x [n, G] in the order given, epsilon [G] (or broadcastable)."""
     n = x.shape[0]
-    eps = np.asarray(eps, dtype=np.float64)
-    eps = np.broadcast_to(eps, np.broadcast_shapes(x.shape[1:], eps.shape)).copy()  # [G]
-    cap = BET_FRACTION / (1.0 - eps)
-    mu0 = eps / 2
+    epsilon = np.asarray(epsilon, dtype=np.float64)
+    epsilon = np.broadcast_to(epsilon, np.broadcast_shapes(x.shape[1:], epsilon.shape)).copy()  # [G]
+    cap = BET_FRACTION / (1.0 - epsilon)
+    mu0 = epsilon / 2
     s_mean = PRIOR_WEIGHT * mu0  # running sums with the prior folded in, [G]
     s_var = PRIOR_WEIGHT * mu0 * (1 - mu0)
-    log_k = np.zeros_like(eps)
-    best = np.zeros_like(eps)
+    log_k = np.zeros_like(epsilon)
+    best = np.zeros_like(epsilon)
     for t in range(n):
         w = PRIOR_WEIGHT + t
         mu, var = s_mean / w, s_var / w  # predictable: from units before t only
-        gap = eps - mu
+        gap = epsilon - mu
         bet = np.minimum(np.maximum(gap / (var + gap * gap), 0.0), cap)  # aGRAPA: argmax of the 2nd-order growth
         xt = x[t]
-        log_k = log_k + np.log1p(bet * (eps - xt))
+        log_k = log_k + np.log1p(bet * (epsilon - xt))
         best = np.maximum(best, log_k)
         s_var = s_var + (xt - mu) ** 2
         s_mean = s_mean + xt
     return np.minimum(1.0, np.exp(-best))
 
 
-def pvalues(losses: np.ndarray, eps: float | np.ndarray, method: PValue | str = PValue.BETTING,
+def pvalues(losses: np.ndarray, epsilon: float | np.ndarray, method: PValue | str = PValue.BETTING,
             seed: int | None = 0) -> np.ndarray:
-    """p-values of H0: mean > eps, one per column of ``losses``.
+    """p-values of H0: mean > epsilon, one per column of ``losses``.
 
     Args:
         losses: unit losses in [0, 1], [n] or [n, G] (G hypotheses on the same n units).
-        eps: the tolerated mean, a scalar in (0, 1) or one per column [G].
+        epsilon: the tolerated mean, a scalar in (0, 1) or one per column [G].
         method: see :class:`PValue`.
         seed: the random order of the units for ``betting`` (the same order for every column); None
             takes them in the order given, which must then be random already (e.g. the order in which
@@ -144,14 +144,14 @@ def pvalues(losses: np.ndarray, eps: float | np.ndarray, method: PValue | str = 
         float64 [G] in [0, 1].
 
     Raises:
-        ConfigError: losses outside [0, 1] or empty, eps outside (0, 1), non-binary losses for
+        ConfigError: losses outside [0, 1] or empty, epsilon outside (0, 1), non-binary losses for
             ``binomial``, an unknown method.
     """
     method = method_of(method)
     x = _losses(losses, method)
-    e = np.asarray(eps, dtype=np.float64)
+    e = np.asarray(epsilon, dtype=np.float64)
     if e.ndim > 1 or not ((e > 0) & (e < 1)).all():
-        raise ConfigError(f"epsilon must be in (0, 1), got {eps!r}")
+        raise ConfigError(f"epsilon must be in (0, 1), got {epsilon!r}")
     if method is PValue.BETTING:
         order = np.arange(x.shape[0]) if seed is None else np.random.default_rng(seed).permutation(x.shape[0])
         return _betting(x[order], e)
@@ -160,10 +160,10 @@ def pvalues(losses: np.ndarray, eps: float | np.ndarray, method: PValue | str = 
 
 def upper_confidence_bound(losses: np.ndarray, delta: float, method: PValue | str = PValue.BETTING,
                            seed: int | None = 0) -> float:
-    """The (1 - delta) upper confidence bound on the mean: the smallest b such that every eps >= b
+    """The (1 - delta) upper confidence bound on the mean: the smallest b such that every epsilon >= b
     is certified (p-value <= delta); 1.0 when none below 1 is.
 
-    Found on a grid of eps values and refined by bisection to 1e-9 (rounded up). The p-values are
+    Found on a grid of epsilon values and refined by bisection to 1e-9 (rounded up). The p-values are
     those of :func:`pvalues` with the same ``method`` and ``seed``.
 
     Raises:
@@ -194,30 +194,30 @@ def upper_confidence_bound(losses: np.ndarray, delta: float, method: PValue | st
     return b
 
 
-def min_units(eps: float, delta: float, method: PValue | str = PValue.BETTING) -> int:
-    """Smallest number of units n at which n zero losses certify eps at level delta.
+def min_units(epsilon: float, delta: float, method: PValue | str = PValue.BETTING) -> int:
+    """Smallest number of units n at which n zero losses certify epsilon at level delta.
 
-    Binomial and Hoeffding-Bentkus: (1 - eps)^n <= delta (at zero losses HB's Hoeffding-KL term is
-    (1 - eps)^n). Hoeffding: exp(-2 n eps^2) <= delta. Betting: the capital after n zero losses,
-    prod (1 + b_i eps), reaches 1/delta. Found by search against :func:`pvalues` itself, so n passes
+    Binomial and Hoeffding-Bentkus: (1 - epsilon)^n <= delta (at zero losses HB's Hoeffding-KL term is
+    (1 - epsilon)^n). Hoeffding: exp(-2 n epsilon^2) <= delta. Betting: the capital after n zero losses,
+    prod (1 + b_i epsilon), reaches 1/delta. Found by search against :func:`pvalues` itself, so n passes
     and n - 1 fails.
 
     Raises:
-        ConfigError: eps or delta outside (0, 1), an unknown method.
+        ConfigError: epsilon or delta outside (0, 1), an unknown method.
     """
-    return _min_units(check_unit_interval(eps, "epsilon"), check_unit_interval(delta, "delta"), method_of(method))
+    return _min_units(check_unit_interval(epsilon, "epsilon"), check_unit_interval(delta, "delta"), method_of(method))
 
 
 @functools.lru_cache(maxsize=64)
-def _min_units(eps: float, delta: float, method: PValue) -> int:
+def _min_units(epsilon: float, delta: float, method: PValue) -> int:
     def passes(n: int) -> bool:
-        return bool(pvalues(np.zeros(n), eps, method)[0] <= delta)
+        return bool(pvalues(np.zeros(n), epsilon, method)[0] <= delta)
 
     hi = 1
     while not passes(hi):
         hi *= 2
         if hi > 1 << 24:
-            raise ConfigError(f"epsilon={eps}, delta={delta} need more than 2^24 units with {method.value}")
+            raise ConfigError(f"epsilon={epsilon}, delta={delta} need more than 2^24 units with {method.value}")
     lo = hi // 2  # fails (or 0)
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -228,10 +228,10 @@ def _min_units(eps: float, delta: float, method: PValue) -> int:
     return hi
 
 
-def exceeds_pvalue(losses: np.ndarray, eps: float, method: PValue | str = PValue.BETTING,
+def exceeds_pvalue(losses: np.ndarray, epsilon: float, method: PValue | str = PValue.BETTING,
                    seed: int | None = 0) -> float:
-    """p-value of the opposite hypothesis, H0': mean <= eps (small when the mean is above eps): the
-    test of :func:`pvalues` on the mirrored losses 1 - X against 1 - eps. Used to stop a test that
+    """p-value of the opposite hypothesis, H0': mean <= epsilon (small when the mean is above epsilon): the
+    test of :func:`pvalues` on the mirrored losses 1 - X against 1 - epsilon. Used to stop a test that
     cannot succeed; stopping for futility never makes a certificate wrong, it only forgoes one."""
     x = np.asarray(losses, dtype=np.float64)
-    return float(pvalues(1.0 - x, 1.0 - check_unit_interval(eps, "epsilon"), method, seed)[0])
+    return float(pvalues(1.0 - x, 1.0 - check_unit_interval(epsilon, "epsilon"), method, seed)[0])

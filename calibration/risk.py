@@ -10,12 +10,12 @@ R is not monotone in lambda (a looser threshold can move a token's exit from a
 wrong to a right layer), so we use Learn then Test (Angelopoulos, Bates,
 Candes, Jordan, Lei 2021, "Learn then Test: Calibrating Predictive Algorithms
 to Achieve Risk Control"): on a grid of thresholds fixed before the certify
-units are seen, test H0: R(lambda) > eps with a valid p-value
+units are seen, test H0: R(lambda) > epsilon with a valid p-value
 (:mod:`calibration.pvalues`), walking from strict to loose (fixed-sequence
 testing) and stopping at the first non-rejection. The family-wise error is
 <= delta with no multiplicity correction, whatever the dependence between the
 tests (LTT Prop. 3; CALM, Schuster et al. 2022, sec. 3), so
-P[R(chosen lambda) > eps] <= delta over the draw of the certify units. The
+P[R(chosen lambda) > epsilon] <= delta over the draw of the certify units. The
 score (the calibrators) must be fixed before those units are drawn: a score
 fitted on the same data certifies nothing (isotonic regression's top blocks
 have in-sample accuracy exactly 1).
@@ -56,7 +56,7 @@ class Walk:
     lam: float
     index: int
     n_units: int
-    eps: float
+    epsilon: float
     delta: float
     method: PValue
     seed: int
@@ -73,20 +73,20 @@ class Walk:
         return self.certified and len(self.tested) == self.index + 1 and self.tested[-1][2] <= self.delta
 
     def to_dict(self) -> dict[str, Any]:
-        return {"lambda": self.lam, "index": self.index, "n_units": self.n_units, "epsilon": self.eps,
+        return {"lambda": self.lam, "index": self.index, "n_units": self.n_units, "epsilon": self.epsilon,
                 "delta": self.delta, "pvalue": self.method.value, "order_seed": self.seed,
                 "certified": self.certified, "completed": self.completed,
                 "tested": [list(t) for t in self.tested]}
 
 
-def learn_then_test(losses: np.ndarray, lams: np.ndarray, eps: float = 0.009, delta: float = 0.05,
+def learn_then_test(losses: np.ndarray, lams: np.ndarray, epsilon: float, delta: float = 0.05,
                     method: PValue | str = PValue.BETTING, seed: int = 0) -> Walk:
-    """Fixed-sequence test of H0: R(lams[j]) > eps for j = 0, 1, ... until the first non-rejection.
+    """Fixed-sequence test of H0: R(lams[j]) > epsilon for j = 0, 1, ... until the first non-rejection.
 
     Args:
         losses: per-unit losses [U, G] in [0, 1]; column j belongs to ``lams[j]``.
         lams: the thresholds [G], strictly decreasing (strict to loose), fixed before the data.
-        eps: tolerated mean per-unit false-exit rate, in (0, 1).
+        epsilon: tolerated mean per-unit false-exit rate, in (0, 1).
         delta: probability that the certificate is wrong, in (0, 1).
         method: p-value, see :class:`calibration.pvalues.PValue`.
         seed: the random order of the units for the betting p-value.
@@ -95,11 +95,11 @@ def learn_then_test(losses: np.ndarray, lams: np.ndarray, eps: float = 0.009, de
         :class:`Walk`.
 
     Raises:
-        ConfigError: eps or delta outside (0, 1); fewer units than
+        ConfigError: epsilon or delta outside (0, 1); fewer units than
             :func:`calibration.pvalues.min_units` (no threshold could ever pass); a grid that is not
             strictly decreasing, empty or non-finite; losses of the wrong shape or outside [0, 1].
     """
-    eps = check_unit_interval(eps, "epsilon")
+    epsilon = check_unit_interval(epsilon, "epsilon")
     delta = check_unit_interval(delta, "delta")
     method = method_of(method)
     lams = np.asarray(lams, dtype=np.float64)
@@ -110,11 +110,11 @@ def learn_then_test(losses: np.ndarray, lams: np.ndarray, eps: float = 0.009, de
     if losses.ndim != 2 or losses.shape[1] != lams.size:
         raise ConfigError(f"learn_then_test: losses must be [U, G={lams.size}], got shape {losses.shape}")
     n = losses.shape[0]
-    need = min_units(eps, delta, method)
+    need = min_units(epsilon, delta, method)
     if n < need:
-        raise ConfigError(f"learn_then_test: {n} units cannot certify epsilon={eps} at delta={delta} with the "
+        raise ConfigError(f"learn_then_test: {n} units cannot certify epsilon={epsilon} at delta={delta} with the "
                           f"{method.value} p-value; need at least {need} units (even with zero false exits)")
-    pv = pvalues(losses, eps, method, seed)  # [G]
+    pv = pvalues(losses, epsilon, method, seed)  # [G]
     passed = pv <= delta
     n_pass = lams.size if passed.all() else int(np.argmin(passed))  # index of the first failure
     n_tested = min(n_pass + 1, lams.size)
@@ -122,4 +122,4 @@ def learn_then_test(losses: np.ndarray, lams: np.ndarray, eps: float = 0.009, de
     tested = [(float(lams[i]), float(mean[i]), float(pv[i])) for i in range(n_tested)]
     index = n_pass - 1
     lam = float(lams[index]) if index >= 0 else NEVER_EXIT
-    return Walk(lam=lam, index=index, n_units=n, eps=eps, delta=delta, method=method, seed=seed, tested=tested)
+    return Walk(lam=lam, index=index, n_units=n, epsilon=epsilon, delta=delta, method=method, seed=seed, tested=tested)

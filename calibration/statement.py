@@ -32,8 +32,8 @@ class Shipped:
     reason: str  # why this K/V mode
 
 
-def statement(s: Shipped, eps: float, delta: float, prompt_tokens: int, new_tokens: int, corpus_name: str, docs: int,
-              lam_provisional: float) -> str:
+def statement(s: Shipped, epsilon: float, delta: float, prompt_tokens: int, new_tokens: int, corpus_name: str,
+              docs: int, lam_provisional: float) -> str:
     """The certificate in words: what it promises, about which distribution."""
     length = prompt_tokens + new_tokens
     dist = (f"prompts drawn i.i.d. from {corpus_name}: a document uniformly at random among the {docs} with at "
@@ -45,7 +45,7 @@ def statement(s: Shipped, eps: float, delta: float, prompt_tokens: int, new_toke
                 f"the false-exit rate is 0. Distribution tested: {dist}.")
     text = (f"With probability at least {1 - delta:g} over the draw of the {s.n_units} certify prompts, the mean "
             f"over prompts of the false-exit rate (the fraction of a prompt's generated tokens, the first excepted, "
-            f"that differ from the full model's greedy token on the same prefix) is at most {eps:g} for "
+            f"that differ from the full model's greedy token on the same prefix) is at most {epsilon:g} for "
             f"{dist}. {s.reason}")
     if not s.exact:
         text += (f" Caveat: the certified threshold {s.lam:.3f} is stricter than the provisional threshold "
@@ -54,7 +54,7 @@ def statement(s: Shipped, eps: float, delta: float, prompt_tokens: int, new_toke
     return text
 
 
-def choose_shipped(choice: KVChoice, mode: KVMode, c: cert.Certificate, prop: cert.DirectTest | None, eps: float,
+def choose_shipped(choice: KVChoice, mode: KVMode, c: cert.Certificate, prop: cert.DirectTest | None, epsilon: float,
             delta: float) -> Shipped:
     """Which K/V mode ships and whose certificate covers it (see :class:`Shipped`)."""
     reason = (f"K/V mode {mode.value}: asked for (kv_mode={choice.value})." if choice is not KVChoice.AUTO
@@ -65,11 +65,11 @@ def choose_shipped(choice: KVChoice, mode: KVMode, c: cert.Certificate, prop: ce
     if prop.passed and c.exact:
         return Shipped(KVMode.PROPAGATE, c.lam, True, True, prop.n_units, prop.mean, prop.bound, prop.p_value,
                        f"kv_mode=auto: the threshold was certified in defer mode on other prompts, then tested "
-                       f"directly in propagate mode (bound {prop.bound:.4f} <= {eps:g}), which ships; "
+                       f"directly in propagate mode (bound {prop.bound:.4f} <= {epsilon:g}), which ships; "
                        f"both tests are one fixed sequence, so both hold together with probability >= "
                        f"{1 - delta:g}.")
     walk.reason = (f"kv_mode=auto: propagate was tested directly on {prop.n_units} other prompts and misses "
-                   f"(false-exit rate {prop.mean:.4f}, bound {prop.bound:.4f} > {eps:g})"
+                   f"(false-exit rate {prop.mean:.4f}, bound {prop.bound:.4f} > {epsilon:g})"
                    + ("" if c.exact else "; it could not ship anyway, the defer walk having stopped before the "
                       "provisional threshold") + ", so defer ships.")
     return walk

@@ -27,6 +27,7 @@ from edge.model.candidates import CANDIDATE_SIGNAL_NAMES, lookup_feature
 from edge.core.artifacts import atomic_write_json, sha256_path
 from edge.core.errors import ArtifactError, ConfigError
 from edge.runtime.rules import ScoreForm
+from edge.runtime.settings import EPSILON
 
 TABLE_VERSION = 2
 
@@ -39,7 +40,7 @@ class ThresholdTable:
     lam: float  # threshold on the calibrated probability (shared by all decision exits)
     score_thresholds: dict[int, float]  # decision exit -> raw-score threshold
     calibrators: dict[int, Calibrator]
-    certificate: dict[str, Any] = field(default_factory=dict)  # eps, delta, n, empirical rate, bound, ...
+    certificate: dict[str, Any] = field(default_factory=dict)  # epsilon, delta, n, empirical rate, bound, ...
     signal_names: tuple[str, ...] = SIGNAL_NAMES
     kv_mode: str = "defer"  # the K/V mode of skipped layers the certificate covers
     # candidate-shortlist models: rows whose context lookup matched fewer than this many tokens run every layer
@@ -49,6 +50,19 @@ class ThresholdTable:
     def __post_init__(self) -> None:
         if self.kv_mode not in ("defer", "propagate"):
             raise ConfigError(f"threshold table kv_mode must be 'defer' or 'propagate', got {self.kv_mode!r}")
+
+    @property
+    def epsilon(self) -> float:
+        """The false-exit rate the certificate was calibrated for (the run's recorded
+        :data:`edge.runtime.settings.EPSILON`): what every reader of a table uses, the online audit included.
+
+        Raises:
+            ConfigError: the certificate records no valid ``epsilon``.
+        """
+        if "epsilon" not in self.certificate:
+            raise ConfigError("threshold table: its certificate records no 'epsilon' (keys: "
+                              f"{sorted(self.certificate)}); re-run `smartexit calibrate`")
+        return EPSILON.check(self.certificate["epsilon"], "threshold table certificate")
 
     def to_dict(self) -> dict[str, Any]:
         return {

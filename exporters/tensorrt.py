@@ -17,7 +17,9 @@ Optimisation profile (one per engine; B batch, T new tokens, P past length):
   docs/runtime.md). (check on device: trtexec accepts ``past_key_0:1x2x0x16`` in --minShapes.)
 - opt: ``opt_batch``, ``opt_seq`` (1: decode-optimised), ``opt_past``.
 - max: ``max_batch``, ``max_seq`` (the prefill chunk), ``max_past`` (the context window).
-  The mask's last axis is P + T for each of min / opt / max.
+  The mask's last axis is P + T for each of min / opt / max. engines.json records every input's
+  shapes; the TensorRT backend reads the largest T from them as its ``max_chunk``
+  (edge/runtime/portable_backend.py ``profile_max_chunk``), and the engine never sends a longer call.
 
 The LM head is one graph, ``head``, and so one engine for every exit: its vocabulary x hidden
 weight is in one plan, loaded once (docs/runtime.md, "One LM head per process"). Its input is a
@@ -70,7 +72,7 @@ class EngineBuildConfig:
     workspace_mib: int = 1024
     max_batch: int = 16
     opt_batch: int = 4
-    max_seq: int = 256  # prefill chunk
+    max_seq: int = 256  # the largest prefill chunk (the backend states it: the host clamps the budget to it)
     opt_seq: int = 1  # decode-optimised
     max_past: int = 512  # the context window
     opt_past: int = 128

@@ -30,6 +30,7 @@ from edge.core.errors import ArtifactError, ConfigError
 from edge.runtime.audit import AuditConfig
 from edge.runtime.engine import EngineConfig
 from edge.runtime.host import HostConfig
+from edge.runtime.settings import MAX_RUNNING, MAX_SEQS, PREFILL_BUDGET, SLA_TPOT_MS, SLA_TTFT_MS
 
 STAGE = "repo"
 MODEL_NAME = "smartexit"
@@ -66,26 +67,29 @@ class RepoConfig:
     run_dir: str = "artifacts/demo"
     out: str | None = None  # default: <run_dir>/triton
     threads: int = 1  # ONNX Runtime intra-op threads of the model instance
-    max_seqs: int = 16  # cache slots
-    max_running: int = 16  # initial admission limit (the control loop moves it)
-    prefill_budget: int = 128  # initial prefill tokens per step (the control loop moves it)
+    max_seqs: int = MAX_SEQS.default  # cache slots
+    max_running: int = MAX_RUNNING.default  # initial admission limit (the control loop moves it)
+    # initial prefill tokens per step (the control loop moves it, within the backend's largest chunk)
+    prefill_budget: int = PREFILL_BUDGET.default
     max_waiting: int = 64  # queued requests before "overloaded"
-    default_sla_ttft_ms: float = 1000.0
-    default_sla_tpot_ms: float = 100.0
+    default_sla_ttft_ms: float = SLA_TTFT_MS.default
+    default_sla_tpot_ms: float = SLA_TPOT_MS.default
+    # the online audit's settings; the bound it tests is the threshold table's epsilon (thresholds.json)
     audit: dict[str, Any] = field(default_factory=lambda: {"fraction": 0.05})
     speculative: dict[str, Any] = field(default_factory=dict)  # SpecConfig fields for mode exact
 
     def __post_init__(self) -> None:
         if self.threads < 1:
             raise ConfigError(f"repo.threads must be >= 1, got {self.threads}")
-        AuditConfig(**self.audit)  # validates
+        AuditConfig.from_dict(self.audit, "repo.audit")  # validates
         self.host_config(512)  # validates the engine and host fields
 
     def host_config(self, max_len: int, kv_mode: str = "propagate") -> HostConfig:
         engine = EngineConfig(max_seqs=self.max_seqs, max_len=max_len, prefill_budget=self.prefill_budget, kv_mode=kv_mode,
                               max_running=min(self.max_running, self.max_seqs), speculative=dict(self.speculative))
         return HostConfig(engine=engine, max_waiting=self.max_waiting, default_sla_ttft_ms=self.default_sla_ttft_ms,
-                          default_sla_tpot_ms=self.default_sla_tpot_ms, audit=AuditConfig(**self.audit))
+                          default_sla_tpot_ms=self.default_sla_tpot_ms,
+                          audit=AuditConfig.from_dict(self.audit, "repo.audit"))
 
 
 def config_pbtxt(name: str = MODEL_NAME) -> str:
@@ -143,7 +147,7 @@ def write_repository(cfg: RepoConfig) -> Path:
             "format": BUNDLE_FORMAT, "checkpoint_sha256": meta["checkpoint_sha256"], "files": files,
             "model": {"num_layers": m["num_layers"], "exit_layers": meta["exit_layers"],
                       "max_positions": m["max_positions"], "vocab_size": m["vocab_size"]},
-            "epsilon": table.get("epsilon"), "host": asdict(cfg), "written": time.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "host": asdict(cfg), "written": time.strftime("%Y-%m-%dT%H:%M:%SZ"),
         })
         (model / "config.pbtxt").write_text(config_pbtxt())
         (model / "1" / "model.py").write_text(MODEL_PY)

@@ -58,6 +58,7 @@ from edge.pipeline.run import open_run
 from calibration.statement import KVChoice, choose_shipped, statement
 from edge.runtime.engine import KVMode
 from edge.runtime.rules import NeverExit
+from edge.runtime.settings import EPSILON
 
 STAGE = "calibrate"
 
@@ -73,7 +74,7 @@ class CalibBackend(str, enum.Enum):
 @dataclass
 class CalibrateConfig:
     run_dir: str = "artifacts/demo"
-    epsilon: float = 0.009  # tolerated mean per-prompt false-exit rate
+    epsilon: float = EPSILON.default  # tolerated mean per-prompt false-exit rate (edge/runtime/settings.py)
     delta: float = 0.05  # probability that the certificate is wrong
     calibrator: CalibratorKind = CalibratorKind.ISOTONIC  # the kind the written table uses
     # candidate-shortlist models: only rows whose context lookup matched at least this many tokens are checked;
@@ -102,10 +103,9 @@ class CalibrateConfig:
     threads: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("epsilon", "delta"):
-            v = getattr(self, name)
-            if not 0.0 < v < 1.0:
-                raise ConfigError(f"calibrate.{name} must be in (0, 1), got {v}")
+        self.epsilon = EPSILON.check(self.epsilon, "calibrate")
+        if not 0.0 < self.delta < 1.0:
+            raise ConfigError(f"calibrate.delta must be in (0, 1), got {self.delta}")
         self.calibrator, self.pvalue, self.kv_mode = (CalibratorKind(self.calibrator), PValue(self.pvalue),
                                                       KVChoice(self.kv_mode))
         self.backend = CalibBackend(self.backend)

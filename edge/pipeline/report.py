@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from edge.core.artifacts import Manifest, atomic_write_json, atomic_write_text
+from edge.core.errors import ArtifactError
 
 
 @dataclass
@@ -73,7 +74,11 @@ def _scheduler(m: Manifest) -> dict[str, Any]:
 
 
 def _audit(m: Manifest) -> dict[str, Any]:
-    return dict(m.stage("bench_audit")["metrics"])
+    out = dict(m.stage("bench_audit")["metrics"])
+    if "epsilon" not in out:
+        raise ArtifactError(f"{m.path}: the bench_audit stage's metrics lack 'epsilon' (recorded before it was the "
+                            f"audit's key); re-run `smartexit bench audit run_dir=...`")
+    return out
 
 
 def _compression(m: Manifest) -> dict[str, Any]:
@@ -206,7 +211,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                   f"Every served token re-decoded at full depth (bench/audit.md): held-out code {a['heldout_code_rate']:.4f} "
                   f"false exits (fallback: {a['false_alarm']}); another domain (its tokens shuffled) "
                   f"{a['word_salad_rate']:.4f}, fallback to full depth after {a['word_salad_fired_after']} audited "
-                  f"tokens: caught {a['caught']} (eps {a['eps']}).", ""]
+                  f"tokens: caught {a['caught']} (eps {a['epsilon']}).", ""]
     return "\n".join(lines)
 
 

@@ -18,11 +18,15 @@ the optimistic end of the interval is above eps, the rate exceeds eps with confi
 a server whose traffic is within its certificate falls back with probability at most delta per test.
 ``trigger="upper"`` (fall back as soon as the upper bound, after ``min_tokens``, is above eps) is the
 cautious alternative. Both bounds are exported.
+
+The bound tested, ``epsilon``, is the threshold table's (:attr:`calibration.table.ThresholdTable.epsilon`,
+handed to :class:`edge.runtime.host.EngineHost`): the audit has no eps of its own.
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from scipy.stats import beta as beta_dist
 
@@ -37,7 +41,6 @@ class Trigger(str, enum.Enum):
 @dataclass
 class AuditConfig:
     fraction: float = 0.0       # of the tokens served in mode bounded (greedy requests), re-decoded at full depth
-    eps: float | None = None    # None: the threshold table's epsilon
     delta: float = 0.05
     trigger: Trigger = Trigger.LOWER
     min_tokens: int = 200       # audited tokens before the trigger may fire
@@ -50,10 +53,23 @@ class AuditConfig:
             raise ConfigError(f"audit.fraction must be in [0, 1], got {self.fraction}")
         if not 0.0 < self.delta < 1.0:
             raise ConfigError(f"audit.delta must be in (0, 1), got {self.delta}")
-        if self.eps is not None and not 0.0 < self.eps < 1.0:
-            raise ConfigError(f"audit.eps must be in (0, 1), got {self.eps}")
         if self.min_tokens < 1 or self.max_pending < 1:
             raise ConfigError("audit.min_tokens and audit.max_pending must be >= 1")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "audit") -> AuditConfig:
+        """The audit settings of a config or a bundle's recorded host settings.
+
+        Raises:
+            ConfigError: an unknown key (a bound of its own among them: the bound is the threshold table's
+                epsilon), a bad value.
+        """
+        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ConfigError(f"{source}: unknown audit setting(s) {unknown}; expected some of "
+                              f"{sorted(cls.__dataclass_fields__)} (the bound the audit tests is the threshold "
+                              f"table's epsilon, not a setting of its own)")
+        return cls(**d)
 
 
 def clopper_pearson(k: int, n: int, delta: float) -> tuple[float, float]:
@@ -73,9 +89,11 @@ class _Count:
 
 @dataclass
 class AuditEstimate:
-    """Verdicts so far, per exit layer and pooled; ``fallback`` once the trigger has fired."""
+    """Verdicts so far, per exit layer and pooled; ``fallback`` once the trigger has fired. ``epsilon``:
+    the certified false-exit rate the trigger tests; None: no bound to test (nothing is audited: a host
+    whose rule has no certificate), the trigger never fires."""
 
-    eps: float
+    epsilon: float | None
     delta: float
     trigger: Trigger = Trigger.LOWER
     min_tokens: int = 200
@@ -114,10 +132,10 @@ class AuditEstimate:
         return clopper_pearson(self.false, self.audited, self.delta)
 
     def _alarm(self) -> bool:
-        if self.audited < self.min_tokens:
+        if self.epsilon is None or self.audited < self.min_tokens:
             return False
         lower, upper = self.bounds()
-        return (lower if self.trigger is Trigger.LOWER else upper) > self.eps
+        return (lower if self.trigger is Trigger.LOWER else upper) > self.epsilon
 
     def as_dict(self) -> dict:
         lower, upper = self.bounds()
@@ -127,6 +145,6 @@ class AuditEstimate:
             lo, up = clopper_pearson(c.false, c.audited, self.delta)
             exits[str(layer)] = {"audited": c.audited, "false": c.false,
                                  "rate": c.false / c.audited if c.audited else 0.0, "upper": up, "lower": lo}
-        return {"eps": self.eps, "delta": self.delta, "trigger": self.trigger.value, "audited": n, "false": k,
+        return {"epsilon": self.epsilon, "delta": self.delta, "trigger": self.trigger.value, "audited": n, "false": k,
                 "rate": k / n if n else 0.0, "upper": upper, "lower": lower, "fallback": self.fallback,
                 "fallback_events": self.fallback_events, "fired_after": self.fired_after, "exits": exits}

@@ -108,6 +108,10 @@ class Backend(abc.ABC):
 
     name = "abstract"
     host_cache = True  # computes on the engine's host KV arrays (False: keeps its own cache on a device)
+    # the most new rows (T) one call may take: a TensorRT engine's optimisation profile bounds it (its
+    # largest prefill chunk); None: no limit (ONNX Runtime, torch). The engine clamps its prefill budget
+    # to it, the host reports it in its stats, and every control policy stays within it
+    max_chunk: int | None = None
 
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
@@ -204,6 +208,9 @@ class Backend(abc.ABC):
         b, t = x.shape[:2]
         if t != 1 and b != 1:
             raise ConfigError(f"a segment call takes one row per sequence or one sequence, got B={b}, T={t}")
+        if self.max_chunk is not None and t > self.max_chunk:
+            raise ConfigError(f"a call of {t} new rows exceeds the {self.name} backend's largest chunk "
+                              f"{self.max_chunk} (the engine clamps its prefill budget to it)")
         if draft and i == len(self.segments) - 1:
             raise ConfigError("the last segment's head is the full model's: it never drafts")
         if not 1 <= rows <= t or (rows > 1 and decide and i < len(self.segments) - 1):

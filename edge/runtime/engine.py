@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -39,10 +40,14 @@ from edge.model.lookup import MAX_N as LOOKUP_MAX_N, Lookup
 from edge.model.ngram import MAX_N as NGRAM_MAX_N
 from edge.runtime.rules import TOP1, BatchExitRule, NeverExit, score_form
 from edge.runtime.sampling import choose_token, token_distribution
+from edge.runtime.settings import MAX_RUNNING, MAX_SEQS, PREFILL_BUDGET, clamp_budget
 from edge.runtime.speculative import (MAX_VERIFY_ROWS, CallCosts, DraftCosts, ExitDraftGate, LookupAcceptance, Source,
                                       SpecConfig, SpecStats, StopRule, accept_greedy, accept_sampled, include_next,
                                       lookup_length)
 from edge.core.errors import ConfigError, RequestError
+
+log = logging.getLogger("smartexit.engine")
+
 
 class Mode(str, enum.Enum):
     """What a request accepts. ``bounded``: calibrated exits, false exits within the certified eps;
@@ -62,10 +67,11 @@ class KVMode(str, enum.Enum):
 
 @dataclass
 class EngineConfig:
-    max_seqs: int = 16  # cache slots
+    max_seqs: int = MAX_SEQS.default  # cache slots
     max_len: int = 512  # tokens per sequence (prompt + output), <= the model's context window
-    prefill_budget: int = 256  # prompt tokens per iteration
-    max_running: int = 16  # admission limit (sequences holding a slot)
+    # prompt tokens per iteration; clamped to the backend's largest chunk (Backend.max_chunk)
+    prefill_budget: int = PREFILL_BUDGET.default
+    max_running: int = MAX_RUNNING.default  # admission limit (sequences holding a slot)
     kv_mode: KVMode = KVMode.PROPAGATE
     # With deferral, rows exit only while the decode batch holds at most this many sequences (None: any
     # batch). At batch 1 a sequence's deferred rows ride along with its next token in one call; at
@@ -86,8 +92,10 @@ class EngineConfig:
             self.speculative = SpecConfig(**self.speculative)
         if self.speculate_max_batch is not None and self.speculate_max_batch < 1:
             raise ConfigError(f"engine.speculate_max_batch must be >= 1 or None, got {self.speculate_max_batch}")
-        if self.max_seqs < 1 or self.max_len < 2 or self.prefill_budget < 1 or self.max_running < 1:
-            raise ConfigError("engine: max_seqs, prefill_budget, max_running >= 1 and max_len >= 2 are required")
+        for setting in (MAX_SEQS, PREFILL_BUDGET, MAX_RUNNING):
+            setting.check(getattr(self, setting.name), "engine")
+        if self.max_len < 2:
+            raise ConfigError(f"engine.max_len must be >= 2, got {self.max_len}")
         if self.defer_exit_max_batch is not None and self.defer_exit_max_batch < 1:
             raise ConfigError(f"engine.defer_exit_max_batch must be >= 1 or None, got {self.defer_exit_max_batch}")
 
@@ -165,6 +173,7 @@ class EngineStats:
     prefill_budget: int
     max_running: int
     free_slots: int
+    max_chunk: int | None  # the backend's largest chunk (None: no limit); the budget never exceeds it
 
 
 class Engine:
@@ -175,6 +184,11 @@ class Engine:
         self.rule = rule or NeverExit()
         if cfg.max_len > backend.spec.max_positions:
             raise ConfigError(f"engine.max_len {cfg.max_len} exceeds the model's {backend.spec.max_positions} positions")
+        self.max_chunk = backend.max_chunk
+        if clamp_budget(cfg.prefill_budget, self.max_chunk) != cfg.prefill_budget:
+            log.warning("engine.prefill_budget %d exceeds the %s backend's largest chunk %d: clamped to it",
+                        cfg.prefill_budget, backend.name, self.max_chunk)
+            cfg.prefill_budget = clamp_budget(cfg.prefill_budget, self.max_chunk)
         # an idle cache of this shape that the backend computes on already (an earlier engine's, every slot
         # free) is taken over with the backend's bindings over it: an engine per request or per run does not
         # rebuild them (on ONNX Runtime, a binding per call shape, ~0.4 ms each and a slower first call)
@@ -297,10 +311,17 @@ class Engine:
                 return True
         return False
 
-    def set_prefill_budget(self, tokens: int) -> None:
+    def set_prefill_budget(self, tokens: int) -> int:
+        """Prompt tokens per step from now on, clamped to the backend's largest chunk; returns the
+        budget applied.
+
+        Raises:
+            ConfigError: ``tokens`` < 1.
+        """
         if tokens < 1:
             raise ConfigError(f"prefill budget must be >= 1 token, got {tokens}")
-        self.cfg.prefill_budget = int(tokens)
+        self.cfg.prefill_budget = clamp_budget(tokens, self.max_chunk)
+        return self.cfg.prefill_budget
 
     def set_admission_limit(self, n: int) -> None:
         if n < 1:
@@ -320,7 +341,7 @@ class Engine:
             recent_exit_layers={s.id: s.exit_layers[-8:] for s in self.decoding},
             deadlines={s.id: s.req.deadline for s in self.waiting + active},
             prefill_budget=self.cfg.prefill_budget, max_running=self.cfg.max_running,
-            free_slots=self.cache.free_slots,
+            free_slots=self.cache.free_slots, max_chunk=self.max_chunk,
         )
 
     def run_until_idle(self) -> None:
@@ -359,12 +380,14 @@ class Engine:
         self.decoding.sort(key=lambda s: s.slot)
 
     def _prefill(self) -> None:
-        """Spend the prefill budget on prompt chunks, one sequence per call, full depth."""
+        """Spend the prefill budget on prompt chunks, one sequence per call, full depth; no call longer
+        than the backend's largest chunk (the budget is clamped to it, and so is each chunk: a caller may
+        have written ``cfg.prefill_budget`` directly)."""
         budget = self.cfg.prefill_budget
         for seq in list(self.prefilling):
             if seq.finished:  # cancelled by a callback earlier in this loop
                 continue
-            n = min(len(seq.req.prompt) - seq.prefilled, budget)
+            n = min(len(seq.req.prompt) - seq.prefilled, budget, self.max_chunk or budget)
             if n <= 0:
                 break
             budget -= n
@@ -766,21 +789,3 @@ class Engine:
 
 def _rows(a: np.ndarray | None, keep: np.ndarray) -> np.ndarray | None:
     return None if a is None else a[keep]
-
-
-def generate_batch(backend: Backend, rule: BatchExitRule | None, prompts: list[list[int]], max_tokens: int,
-                   kv_mode: KVMode = KVMode.PROPAGATE) -> list[tuple[list[int], list[int]]]:
-    """Greedy-generate all prompts together; returns (tokens, exit layers) per prompt, in order. Rows
-    exit at any batch size (``defer_exit_max_batch=None``): with deferral each row's tokens are those
-    it would get alone, which is what free-running calibration and evaluation need."""
-    cfg = EngineConfig(max_seqs=len(prompts), max_running=len(prompts),
-                       max_len=max(len(p) for p in prompts) + max_tokens,
-                       prefill_budget=sum(len(p) for p in prompts), kv_mode=kv_mode, defer_exit_max_batch=None)
-    engine = Engine(backend, cfg, rule)
-    ids = [engine.submit(Request(list(p), max_tokens)) for p in prompts]
-    out: dict[int, tuple[list[int], list[int]]] = {i: ([], []) for i in ids}
-    while engine.has_work:
-        for ev in engine.step():
-            out[ev.request_id][0].append(ev.token)
-            out[ev.request_id][1].append(ev.exit_layer)
-    return [out[i] for i in ids]

@@ -12,7 +12,11 @@ and predicted exit depth, SLA slack: docs/serving.md) and runs the online false-
 (:mod:`edge.runtime.audit`): a sampled token of a greedy ``bounded`` request that exited early is
 re-decoded at full depth as a one-token request over the same prefix, submitted only while the
 engine has spare capacity (nothing waiting, a free slot, one audit at a time), so it never delays a
-request's admission. When the audit's bound crosses eps, later ``bounded`` requests run at full depth.
+request's admission. When the audit's bound crosses the certificate's epsilon (the threshold table's,
+handed to the host), later ``bounded`` requests run at full depth.
+
+The backend's largest chunk (``Backend.max_chunk``: a TensorRT profile's) bounds the prefill budget: a
+``set`` above it is clamped, and ``stats`` reports it as ``max_chunk`` for the control policies.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from edge.runtime.audit import AuditConfig, AuditEstimate
 from edge.runtime.backend import Backend
 from edge.runtime.engine import NO_TOKEN, Engine, EngineConfig, Mode, Request, TokenEvent
 from edge.runtime.rules import BatchExitRule
+from edge.runtime.settings import EPSILON, SLA_TPOT_MS, SLA_TTFT_MS
 
 log = logging.getLogger("smartexit.host")
 EMA = 0.3  # weight of the newest exit layer in a request's predicted exit depth
@@ -44,8 +49,8 @@ RATE_WINDOW_S = 5.0  # arrivals counted for the recent arrival rate
 class HostConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     max_waiting: int = 64  # requests queued for admission; one more is refused as overloaded
-    default_sla_ttft_ms: float = 1000.0
-    default_sla_tpot_ms: float = 100.0
+    default_sla_ttft_ms: float = SLA_TTFT_MS.default  # a request that names no SLA gets these
+    default_sla_tpot_ms: float = SLA_TPOT_MS.default
     audit: AuditConfig = field(default_factory=AuditConfig)
     control_timeout_s: float = 10.0
     # a JSONL file the engine thread appends one line per step to (what the step did and how long it
@@ -57,11 +62,11 @@ class HostConfig:
         if isinstance(self.engine, dict):
             self.engine = EngineConfig(**self.engine)
         if isinstance(self.audit, dict):
-            self.audit = AuditConfig(**self.audit)
+            self.audit = AuditConfig.from_dict(self.audit, "host.audit")
         if self.max_waiting < 1:
             raise ConfigError(f"host.max_waiting must be >= 1, got {self.max_waiting}")
-        if self.default_sla_ttft_ms <= 0 or self.default_sla_tpot_ms <= 0:
-            raise ConfigError("host.default_sla_ttft_ms and default_sla_tpot_ms must be > 0")
+        SLA_TTFT_MS.check(self.default_sla_ttft_ms, "host", "default_sla_ttft_ms")
+        SLA_TPOT_MS.check(self.default_sla_tpot_ms, "host", "default_sla_tpot_ms")
 
 
 @dataclass
@@ -144,17 +149,28 @@ class EngineHost:
     """The engine behind a thread-safe submit / cancel / control interface (module docstring)."""
 
     def __init__(self, backend: Backend, cfg: HostConfig, rule: BatchExitRule | None = None,
-                 eps: float | None = None, expected_exit_layer: float | None = None) -> None:
-        """``eps``: the threshold table's epsilon (the audit's default); ``expected_exit_layer``: the
-        table's mean exit depth, the predicted depth before any token was served."""
+                 epsilon: float | None = None, expected_exit_layer: float | None = None) -> None:
+        """``epsilon``: the certified false-exit rate of ``rule`` (the threshold table's
+        :attr:`~calibration.table.ThresholdTable.epsilon`), the bound the audit tests; None: a rule
+        without a certificate, which cannot be audited. ``expected_exit_layer``: the table's mean exit
+        depth, the predicted depth before any token was served.
+
+        Raises:
+            ConfigError: an audit (``cfg.audit.fraction`` > 0) without ``epsilon``, or ``epsilon`` outside (0, 1).
+        """
+        a = cfg.audit
+        if epsilon is not None:
+            EPSILON.check(epsilon, "host")
+        elif a.fraction > 0:
+            raise ConfigError(f"host.audit.fraction={a.fraction}: the audit tests the certificate's epsilon, and "
+                              f"none was given (EngineHost(epsilon=...): the threshold table's); set "
+                              f"audit.fraction=0 for a rule without a certificate")
         self.cfg = cfg
         self.engine = Engine(backend, cfg.engine, rule)
         self.num_layers = backend.num_layers
         self.exit_layers = list(backend.exit_layers)
         self.expected_exit_layer = expected_exit_layer
-        a = cfg.audit
-        self.audit = AuditEstimate(eps=a.eps if a.eps is not None else (eps if eps is not None else 0.01),
-                                   delta=a.delta, trigger=a.trigger, min_tokens=a.min_tokens)
+        self.audit = AuditEstimate(epsilon=epsilon, delta=a.delta, trigger=a.trigger, min_tokens=a.min_tokens)
         self._rng = np.random.default_rng(a.seed)
         self._audit_queue: collections.deque[_AuditItem] = collections.deque()
         self._audit_inflight = False
@@ -376,7 +392,7 @@ class EngineHost:
             self._flush()
             return ok
         if what == "set":
-            if "prefill_budget" in arg:
+            if "prefill_budget" in arg:  # clamped to the backend's largest chunk; stats say what applies
                 self.engine.set_prefill_budget(arg["prefill_budget"])
             if "max_running" in arg:
                 self.engine.set_admission_limit(arg["max_running"])
@@ -499,8 +515,8 @@ class EngineHost:
             if ev.finished:
                 self._audit_inflight = False
             if ev.token >= 0 and self.audit.record(item.exit_layer, ev.token != item.token):
-                log.warning("false-exit audit: the rate exceeds eps=%.4g (%s); bounded requests now run at "
-                            "full depth", self.audit.eps, self.audit.as_dict())
+                log.warning("false-exit audit: the rate exceeds epsilon=%.4g (%s); bounded requests now run at "
+                            "full depth", self.audit.epsilon, self.audit.as_dict())
 
         e.submit(Request(item.prefix, 1, mode=Mode.FULL, on_token=verdict))
 
@@ -529,7 +545,8 @@ class EngineHost:
         return {
             "time": now, "waiting": s.waiting + self._queued, "prefill_backlog_tokens": s.prefill_backlog_tokens,
             "running": s.running, "free_slots": s.free_slots, "prefill_budget": s.prefill_budget,
-            "max_running": s.max_running, "max_seqs": self.cfg.engine.max_seqs, "max_waiting": self.cfg.max_waiting,
+            "max_chunk": s.max_chunk, "max_running": s.max_running, "max_seqs": self.cfg.engine.max_seqs,
+            "max_waiting": self.cfg.max_waiting,
             "num_layers": self.num_layers, "exit_layers": self.exit_layers, "requests": reqs,
             "mean_recent_exit_layer": float(np.mean(recent)) if recent else None,
             "predicted_exit_layer": float(np.mean(preds)) if preds else fallback_pred,

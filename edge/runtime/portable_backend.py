@@ -12,6 +12,10 @@ sequence's past from the engine's host :class:`KVCache` (a copy), builds the mas
 
 Not supported by these graphs: exit gates (no gate output) and self-speculative verification (one
 exit row per sequence); the fused graphs of the ``onnxruntime`` backend have both.
+
+A TensorRT engine takes shapes within its optimisation profile only: the TensorRT backend states the
+profile's largest T (new rows per call) as its ``max_chunk`` (:func:`profile_max_chunk`, from the
+engines.json its builds recorded), and the engine keeps every prefill chunk within it.
 """
 from __future__ import annotations
 
@@ -185,6 +189,46 @@ def check_engines(graphs_dir: str | Path, engines_dir: str | Path, meta: dict[st
     return table
 
 
+def _max_shapes(entry: dict[str, Any]) -> dict[str, list[int]] | None:
+    """{input: max shape} of one engines.json entry: its ``shapes`` (exporters/tensorrt.py build_engines), else
+    the ``--maxShapes=`` of the trtexec command line that built it (edge/jetson/engines.py); None: neither."""
+    shapes = entry.get("shapes")
+    if isinstance(shapes, dict):
+        return {name: [int(d) for d in s["max"]] for name, s in shapes.items()}
+    for arg in entry.get("argv") or []:
+        if isinstance(arg, str) and arg.startswith("--maxShapes="):
+            pairs = (p.rsplit(":", 1) for p in arg[len("--maxShapes="):].split(",") if p)
+            return {name: [int(d) for d in dims.split("x")] for name, dims in pairs}
+    return None
+
+
+def profile_max_chunk(engines: dict[str, dict[str, Any]], source: str | Path = ENGINES_JSON) -> int:
+    """The most new rows (T) one call may take on these engines: the smallest profile maximum of T over
+    the embedding and segment graphs (``input_ids`` [B, T] and ``hidden`` [B, T, D]; exporters/tensorrt.py
+    ``profile_shapes``), i.e. the largest prefill chunk every graph of a call accepts.
+
+    Args:
+        engines: engines.json's table by graph (:func:`check_engines`).
+        source: the file it came from, for the error message.
+
+    Raises:
+        ArtifactError: an embed or segment engine whose profile is recorded nowhere.
+    """
+    chunks = []
+    for name, entry in engines.items():
+        if name != "embed" and not name.startswith("segment_"):
+            continue
+        shapes = _max_shapes(entry)
+        key = "input_ids" if name == "embed" else "hidden"
+        if shapes is None or key not in shapes or len(shapes[key]) < 2:
+            raise ArtifactError(f"{source}: the engine of graph {name!r} records no optimisation profile for "
+                                f"{key!r} (neither 'shapes' nor a --maxShapes command line); {REBUILD}")
+        chunks.append(shapes[key][1])
+    if not chunks:
+        raise ArtifactError(f"{source}: no embed or segment engine to read the profile's largest chunk from; {REBUILD}")
+    return min(chunks)
+
+
 class PortableBackend(Backend):
     """Segments and K/V fills over the portable graphs, whatever runs them (:class:`GraphRunner`)."""
 
@@ -313,3 +357,5 @@ class TensorRTBackend(PortableBackend):
         engines = check_engines(graphs_dir, engines_dir, meta)
         super().__init__(spec, TrtGraphRunner(engines_dir, engines))
         self.shortlist_rows = shortlist_rows(graphs_dir, meta)
+        # the profile's largest T: a longer call is outside every engine's profile (trt_runner refuses it)
+        self.max_chunk = profile_max_chunk(engines, Path(engines_dir) / ENGINES_JSON)

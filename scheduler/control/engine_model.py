@@ -128,7 +128,7 @@ def serving_fields(run_dir: str | Path) -> dict[str, Any]:
         audit = host.get("audit") or {}
         out["audit_fraction"] = float(audit.get("fraction", AuditConfig().fraction))
         out["audit_max_pending"] = int(audit.get("max_pending", AuditConfig().max_pending))
-        for k in ("max_seqs", "max_waiting"):
+        for k in ("max_seqs", "max_waiting", "prefill_budget", "max_running"):  # the initial knob values too
             if k in host:
                 out[k] = int(host[k])
     sp = ServingPath.load(run / "scheduler" / SERVING_JSON)

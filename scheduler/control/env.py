@@ -28,14 +28,14 @@ from typing import Any
 import numpy as np
 
 from edge.core.errors import ConfigError
+from edge.runtime.settings import MAX_RUNNING_GRID, PREFILL_BUDGETS
 from scheduler.control.latency import LatencyModel
 from scheduler.control.policies import ControlAction, ControlObservation, observation_from_stats
 from scheduler.control.sim import ExitModel, SimConfig, Simulator, simulate
 from scheduler.control.workload import Arrivals, Workload, synthetic
 
-BUDGETS = (16, 32, 64, 128, 256, 512)
-LIMITS = (4, 8, 16)
-ACTIONS = tuple((b, m) for b in BUDGETS for m in LIMITS)
+# the action grid: the settings' budgets x admission limits (part of layout_id: the shipped policy was trained on it)
+ACTIONS = tuple((b, m) for b in PREFILL_BUDGETS for m in MAX_RUNNING_GRID)
 OBS_LAYOUT = ("waiting", "prefill_backlog", "running", "free_slots", "prefill_budget", "max_running",
               "predicted_exit_depth", "min_slack", "oldest_waiting_slack", "recent_ttft_p95", "recent_tpot_p95",
               "arrival_rate")
@@ -60,7 +60,8 @@ def obs_vector(o: ControlObservation) -> np.ndarray:
 
     v = [math.log1p(o.waiting) / math.log1p(64), math.log1p(o.prefill_backlog_tokens) / math.log1p(16384),
          o.running / seqs, o.free_slots / seqs,
-         math.log2(max(o.prefill_budget, BUDGETS[0]) / BUDGETS[0]) / math.log2(BUDGETS[-1] / BUDGETS[0]),
+         math.log2(max(o.prefill_budget, PREFILL_BUDGETS[0]) / PREFILL_BUDGETS[0])
+         / math.log2(PREFILL_BUDGETS[-1] / PREFILL_BUDGETS[0]),
          o.max_running / seqs, o.predicted_exit_layer / max(o.num_layers, 1),
          slack(o.min_slack_ms, 2 * o.sla_tpot_ms), slack(o.oldest_waiting_slack_ms, o.sla_ttft_ms),
          tail(o.recent_ttft_p95_ms, o.sla_ttft_ms), tail(o.recent_tpot_p95_ms, o.sla_tpot_ms),

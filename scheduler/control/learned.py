@@ -31,7 +31,7 @@ import numpy as np
 from edge.core.artifacts import atomic_dir, atomic_write_json, atomic_write_text, sha256_file
 from edge.core.errors import ConfigError
 from scheduler.control.env import ACTIONS, OBS_LAYOUT, action_of, layout_id, obs_vector
-from scheduler.control.policies import ControlAction, ControlObservation
+from scheduler.control.policies import ControlAction, ControlObservation, within_limits
 
 FORMAT = 1
 ZIP, META = "policy.zip", "policy.json"
@@ -125,7 +125,10 @@ class LearnedPolicy:
         self._start = True
 
     def act(self, obs: ControlObservation) -> ControlAction:
-        return action_of(self.act_vector(obs_vector(obs)), obs.max_seqs)
+        """The network's grid action for ``obs``, within the engine's limits: a budget above the backend's
+        largest chunk (``obs.max_chunk``, which the observation vector does not carry: the shipped network's
+        layout predates it) is clamped to it."""
+        return within_limits(action_of(self.act_vector(obs_vector(obs)), obs.max_seqs), obs)
 
     def act_vector(self, v: np.ndarray) -> int:
         """The action index for observation vector ``v`` [len(OBS_LAYOUT)]; remembers the step."""

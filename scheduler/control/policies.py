@@ -13,7 +13,10 @@ token). Sarathi sets it once, offline, from the TPOT SLO; dynamic control is its
 
 - ``maxdelay``: Triton-style dynamic batching of prefill (a queue delay and a preferred size).
 
-The learned policy (recurrent PPO, scheduler/control/learned.py) implements the same ``act``.
+The learned policy (recurrent PPO, scheduler/control/learned.py) implements the same ``act``. Every
+policy's action stays within the engine's limits (:func:`within_limits`): the budget within the
+backend's largest chunk (``max_chunk`` in the host's stats: a TensorRT profile's), the admission limit
+within the cache slots. Defaults and grids are edge/runtime/settings.py's.
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from edge.core.errors import ConfigError
+from edge.runtime.settings import (MAX_RUNNING, PREFILL_BUDGET, PREFILL_BUDGETS, SLA_TPOT_MS, SLA_TTFT_MS,
+                                   clamp_budget)
 
 
 @dataclass(frozen=True)
@@ -38,19 +43,26 @@ class ControlObservation:
     num_layers: int
     predicted_exit_layer: float    # mean predicted exit depth of the running sequences
     min_slack_ms: float | None     # the most-behind request's time to its next token's due time (None: idle)
-    # added with the learned scheduler (a host of the serving issue's version lacks them: defaults)
     oldest_waiting_slack_ms: float | None = None  # the oldest queued request's time to its TTFT due time
     recent_ttft_p95_ms: float | None = None       # over the last finished requests
     recent_tpot_p95_ms: float | None = None
     arrival_rate_rps: float = 0.0                 # over the last few seconds
-    sla_ttft_ms: float = 1000.0                   # the default SLA, for scale
-    sla_tpot_ms: float = 100.0
+    sla_ttft_ms: float = SLA_TTFT_MS.default      # the newest request's SLA, for scale
+    sla_tpot_ms: float = SLA_TPOT_MS.default
+    max_chunk: int | None = None                  # the backend's largest chunk: no budget above it (None: no limit)
 
 
 @dataclass(frozen=True)
 class ControlAction:
     prefill_budget: int
     max_running: int
+
+
+def within_limits(action: ControlAction, obs: ControlObservation) -> ControlAction:
+    """``action`` with its budget within the backend's largest chunk and its admission limit within the
+    cache slots (what the engine would clamp it to anyway: a policy's next step starts from what applies)."""
+    return ControlAction(clamp_budget(action.prefill_budget, obs.max_chunk),
+                         max(1, min(int(action.max_running), obs.max_seqs)))
 
 
 def observation_from_stats(stats: dict[str, Any]) -> ControlObservation:
@@ -71,8 +83,8 @@ def observation_from_stats(stats: dict[str, Any]) -> ControlObservation:
             recent_ttft_p95_ms=_opt(stats.get("recent_ttft_p95_ms")),
             recent_tpot_p95_ms=_opt(stats.get("recent_tpot_p95_ms")),
             arrival_rate_rps=float(stats.get("arrival_rate_rps") or 0.0),
-            sla_ttft_ms=float(stats.get("sla_ttft_ms") or 1000.0),
-            sla_tpot_ms=float(stats.get("sla_tpot_ms") or 100.0))
+            sla_ttft_ms=float(stats["sla_ttft_ms"]), sla_tpot_ms=float(stats["sla_tpot_ms"]),
+            max_chunk=None if stats["max_chunk"] is None else int(stats["max_chunk"]))
     except KeyError as exc:
         raise ConfigError(f"engine stats lack {exc.args[0]!r}: the Triton model and the front end are of "
                           "different versions") from None
@@ -90,18 +102,19 @@ class Policy(Protocol):
 
 @dataclass
 class FixedBudget:
-    """A constant prefill budget and admission limit (Sarathi-Serve's offline choice)."""
+    """A constant prefill budget and admission limit (Sarathi-Serve's offline choice), within the
+    engine's limits."""
 
-    prefill_budget: int = 128
-    max_running: int = 16
+    prefill_budget: int = PREFILL_BUDGET.default
+    max_running: int = MAX_RUNNING.default
     name: str = "fixed"
 
     def __post_init__(self) -> None:
-        if self.prefill_budget < 1 or self.max_running < 1:
-            raise ConfigError("fixed policy: prefill_budget and max_running must be >= 1")
+        PREFILL_BUDGET.check(self.prefill_budget, "fixed")
+        MAX_RUNNING.check(self.max_running, "fixed")
 
     def act(self, obs: ControlObservation) -> ControlAction:
-        return ControlAction(self.prefill_budget, min(self.max_running, obs.max_seqs))
+        return within_limits(ControlAction(self.prefill_budget, self.max_running), obs)
 
 
 @dataclass
@@ -111,8 +124,8 @@ class AIMD:
     step_tokens: int = 32          # additive increase of the budget per comfortable tick
     decrease: float = 0.5          # multiplicative decrease when a request is behind its SLA
     margin_ms: float = 20.0        # slack above which the engine counts as comfortable
-    min_budget: int = 16
-    max_budget: int = 512
+    min_budget: int = PREFILL_BUDGETS[0]
+    max_budget: int = PREFILL_BUDGETS[-1]  # and never above the backend's largest chunk
     min_running: int = 1
     name: str = "aimd"
 
@@ -131,7 +144,7 @@ class AIMD:
             if obs.min_slack_ms is None or obs.min_slack_ms > self.margin_ms:
                 budget = min(self.max_budget, budget + self.step_tokens)
                 limit = min(obs.max_seqs, limit + 1)
-        return ControlAction(budget, limit)
+        return within_limits(ControlAction(budget, limit), obs)
 
 
 @dataclass
@@ -143,9 +156,9 @@ class MaxDelay:
 
     max_delay_ms: float = 100.0
     preferred_tokens: int = 256
-    min_budget: int = 16
-    max_budget: int = 512
-    max_running: int = 16
+    min_budget: int = PREFILL_BUDGETS[0]
+    max_budget: int = PREFILL_BUDGETS[-1]  # and never above the backend's largest chunk
+    max_running: int = MAX_RUNNING.default
     name: str = "maxdelay"
 
     def __post_init__(self) -> None:
@@ -159,4 +172,4 @@ class MaxDelay:
                      else obs.sla_ttft_ms - obs.oldest_waiting_slack_ms)  # slack = due - now, due = arrival + ttft
         release = (obs.prefill_backlog_tokens >= self.preferred_tokens
                    or (waited_ms is not None and waited_ms >= self.max_delay_ms))
-        return ControlAction(self.max_budget if release else self.min_budget, min(self.max_running, obs.max_seqs))
+        return within_limits(ControlAction(self.max_budget if release else self.min_budget, self.max_running), obs)

@@ -15,7 +15,8 @@ rarely), which is what makes a per-request predicted exit depth worth having. Th
 fitted from measured per-request exit traces where they exist (``ExitModel.fit``).
 
 ``observe()`` answers with the same keys as the engine host's ``stats`` control op, so one
-``observation_from_stats`` serves the simulator, the gym environment and the live server.
+``observation_from_stats`` serves the simulator, the gym environment and the live server. Like the
+host, the simulator clamps the budget to the backend's largest chunk (``SimConfig.max_chunk``).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import numpy as np
 
 from edge.core.errors import ConfigError
 from edge.core.stats import due_time, on_time, p95_ms, sla_met  # the host's own statistics: one definition live and simulated
+from edge.runtime.settings import MAX_RUNNING, MAX_SEQS, PREFILL_BUDGET, SLA_TPOT_MS, SLA_TTFT_MS, clamp_budget
 from scheduler.control.latency import LatencyModel
 from scheduler.control.outcomes import RequestResult
 from scheduler.control.workload import Workload
@@ -100,12 +102,14 @@ class ExitModel:
 class SimConfig:
     """The simulated server: the engine host's limits, the SLA, the serving path's own latency."""
 
-    max_seqs: int = 16
+    max_seqs: int = MAX_SEQS.default
     max_waiting: int = 64
-    prefill_budget: int = 128       # initial knob values (the bundle's)
-    max_running: int = 16
-    sla_ttft_ms: float = 500.0
-    sla_tpot_ms: float = 50.0
+    prefill_budget: int = PREFILL_BUDGET.default  # initial knob values (the bundle's)
+    max_running: int = MAX_RUNNING.default
+    # the served SLA; a preset that trains or evaluates under tighter targets sets them in its YAML
+    sla_ttft_ms: float = SLA_TTFT_MS.default
+    sla_tpot_ms: float = SLA_TPOT_MS.default
+    max_chunk: int | None = None    # the backend's largest chunk (Backend.max_chunk): the budget never exceeds it
     ttft_overhead_ms: float = 0.0   # the serving path's added latency to the first token (HTTP, Ray, Triton)
     token_overhead_ms: float = 0.0  # and to each later token
     # engine time lost per delivered chunk (one request's tokens of one step) when served, and per
@@ -133,10 +137,14 @@ class SimConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if min(self.max_seqs, self.max_waiting, self.prefill_budget, self.max_running) < 1:
-            raise ConfigError("sim: max_seqs, max_waiting, prefill_budget and max_running must be >= 1")
-        if self.sla_ttft_ms <= 0 or self.sla_tpot_ms <= 0:
-            raise ConfigError("sim: the SLA's ttft_ms and tpot_ms must be > 0")
+        for setting in (MAX_SEQS, PREFILL_BUDGET, MAX_RUNNING):
+            setting.check(getattr(self, setting.name), "sim")
+        if self.max_waiting < 1:
+            raise ConfigError(f"sim.max_waiting must be >= 1, got {self.max_waiting}")
+        if self.max_chunk is not None:
+            PREFILL_BUDGET.check(self.max_chunk, "sim", "max_chunk")
+        SLA_TTFT_MS.check(self.sla_ttft_ms, "sim")
+        SLA_TPOT_MS.check(self.sla_tpot_ms, "sim")
         if not self.engine_slowdown > 0 or (self.prefill_slowdown is not None and not self.prefill_slowdown > 0):
             raise ConfigError(f"sim: engine_slowdown and prefill_slowdown must be > 0, got "
                               f"{self.engine_slowdown} and {self.prefill_slowdown}")
@@ -213,7 +221,7 @@ class Simulator:
         self.waiting: collections.deque[_Req] = collections.deque()
         self.prefilling: list[_Req] = []
         self.decoding: list[_Req] = []
-        self.budget, self.limit = self.cfg.prefill_budget, self.cfg.max_running
+        self.budget, self.limit = clamp_budget(self.cfg.prefill_budget, self.cfg.max_chunk), self.cfg.max_running
         self._ttft = self.cfg.sla_ttft_ms / 1e3
         self._tpot = self.cfg.sla_tpot_ms / 1e3
         self._oh_first = self.cfg.ttft_overhead_ms / 1e3
@@ -234,8 +242,8 @@ class Simulator:
 
     # ---------------------------------------------------------------- control
     def set(self, prefill_budget: int | None = None, max_running: int | None = None) -> None:
-        if prefill_budget is not None:
-            self.budget = max(1, int(prefill_budget))
+        if prefill_budget is not None:  # as the engine does: within the backend's largest chunk
+            self.budget = clamp_budget(prefill_budget, self.cfg.max_chunk)
         if max_running is not None:
             self.limit = max(1, min(int(max_running), self.cfg.max_seqs))
 
@@ -409,8 +417,8 @@ class Simulator:
             "audits_total": self.audits_total, "audit_pending": len(self._audits),
             "running": len(self.prefilling) + len(self.decoding),
             "free_slots": self.cfg.max_seqs - len(self.prefilling) - len(self.decoding),
-            "prefill_budget": self.budget, "max_running": self.limit, "max_seqs": self.cfg.max_seqs,
-            "max_waiting": self.cfg.max_waiting, "num_layers": self._L, "exit_layers": list(self._ends),
+            "prefill_budget": self.budget, "max_chunk": self.cfg.max_chunk, "max_running": self.limit,
+            "max_seqs": self.cfg.max_seqs, "max_waiting": self.cfg.max_waiting, "num_layers": self._L, "exit_layers": list(self._ends),
             "predicted_exit_layer": float(np.mean(preds)) if preds else self.exits.mean_layer,
             "min_slack_ms": min(slacks) if slacks else None,
             "oldest_waiting_slack_ms": None if oldest is None else (oldest.arrival + self._ttft - now) * 1e3,

@@ -31,13 +31,14 @@ import numpy as np
 
 from edge.core.artifacts import Manifest
 from edge.core.errors import ConfigError
+from edge.runtime.settings import PREFILL_BUDGET, PREFILL_BUDGETS
 from scheduler.control.outcomes import summarize
-from scheduler.control.env import (BUDGETS, EnvConfig, RewardConfig, SchedulerEnv, action_of, estimate_capacity, index_of,
+from scheduler.control.env import (EnvConfig, RewardConfig, SchedulerEnv, action_of, estimate_capacity, index_of,
                            make_workload, obs_vector, reward_of)
 from scheduler.control.latency import LatencyModel
 from scheduler.control.learned import DEFAULT_DIR, LearnedPolicy, save_artifact, zero_states
 from scheduler.control.policies import AIMD, FixedBudget, MaxDelay, Policy, observation_from_stats
-from scheduler.control.sim import ExitModel, Simulator
+from scheduler.control.sim import ExitModel, SimConfig, Simulator
 from scheduler.control.workload import Workload
 
 STAGE = "train_scheduler"
@@ -54,8 +55,12 @@ class TrainSchedulerConfig:
     out: str | None = None           # None: the shipped scheduler/assets/ppo
     # capacity_rps is replaced by the estimate; rewards / 1000 (not the env's 100): episode returns of
     # about +-10, so the value loss does not swamp the gradient norm sb3 clips actor and critic under together
-    env: EnvConfig = field(default_factory=lambda: EnvConfig(reward=RewardConfig(reward_scale=1000.0)))
-    capacity_budget: int = 128       # the fixed budget whose capacity sets the loads
+    # The SLA: a deliberate override of the server's default (edge/runtime/settings.py, 1000 / 100 ms), half
+    # of it, so the simulated engine is pushed to its knee at the training loads; the shipped policy was
+    # trained for it (scheduler/assets/ppo/policy.json env.sim), and configs/train_scheduler.yaml spells it out
+    env: EnvConfig = field(default_factory=lambda: EnvConfig(sim=SimConfig(sla_ttft_ms=500.0, sla_tpot_ms=50.0),
+                                                             reward=RewardConfig(reward_scale=1000.0)))
+    capacity_budget: int = PREFILL_BUDGET.default  # the fixed budget whose capacity sets the loads
     loads: list[float] = field(default_factory=lambda: [0.5, 0.8, 1.1, 1.4])  # x capacity: selection, validation, test
     select_seeds: int = 1            # episodes per (pattern, load) to pick the heuristic
     val_seeds: int = 1
@@ -132,7 +137,8 @@ def engine_models(cfg: TrainSchedulerConfig) -> tuple[LatencyModel, ExitModel, d
 
 def baselines(env: EnvConfig) -> dict[str, Callable[[], Policy]]:
     """name -> a fresh heuristic: every fixed budget of the grid at the full admission limit, AIMD, max-delay."""
-    out: dict[str, Callable[[], Policy]] = {f"fixed-{b}": partial(FixedBudget, b, env.sim.max_seqs) for b in BUDGETS}
+    out: dict[str, Callable[[], Policy]] = {f"fixed-{b}": partial(FixedBudget, b, env.sim.max_seqs)
+                                         for b in PREFILL_BUDGETS}
     out.update({"aimd": AIMD, "maxdelay": partial(MaxDelay, max_running=env.sim.max_seqs)})
     return out
 

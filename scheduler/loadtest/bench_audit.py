@@ -82,14 +82,15 @@ def main(cfg: BenchAuditConfig) -> int:
     code = heldout_prompts(tok, load_split(Split.TEST), cfg.prompts, cfg.prompt_tokens, cfg.seed)
     runs = {"heldout_code": audit_run(bundle, code, cfg, "code"),
             "word_salad": audit_run(bundle, word_salad(code, cfg.seed), cfg, "salad")}
-    eps = runs["heldout_code"]["eps"]
-    report = {"stage": STAGE, "config": asdict(cfg), "eps": eps, "runs": runs,
+    epsilon = runs["heldout_code"]["epsilon"]  # the threshold table's, as the host audits it
+    report = {"stage": STAGE, "config": asdict(cfg), "epsilon": epsilon, "runs": runs,
               "caught": bool(runs["word_salad"]["fallback"]), "false_alarm": bool(runs["heldout_code"]["fallback"])}
     out = Path(cfg.run_dir) / "bench"
     md = ["# Online false-exit audit: in domain vs another domain", "",
           f"Every token of {cfg.prompts} requests ({cfg.prompt_tokens} prompt tokens, up to {cfg.max_tokens} new, "
-          f"greedy, mode bounded) re-decoded at full depth; eps {eps} (the table's), one-sided Clopper-Pearson "
-          f"bounds at delta {runs['heldout_code']['delta']}, fallback when the lower bound exceeds eps.", "",
+          f"greedy, mode bounded) re-decoded at full depth; epsilon {epsilon} (the table's), one-sided "
+          f"Clopper-Pearson bounds at delta {runs['heldout_code']['delta']}, fallback when the lower bound exceeds "
+          f"epsilon.", "",
           "| traffic | audited tokens | false exits | rate | lower | upper | fallback (after tokens) | per exit (audited / false) |",
           "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for name, r in runs.items():
@@ -99,7 +100,7 @@ def main(cfg: BenchAuditConfig) -> int:
     paths = {"json": out / "audit.json", "md": out / "audit.md"}
     atomic_write_text(paths["md"], "\n".join(md) + "\n")
     atomic_write_json(paths["json"], report)
-    metrics = {"eps": eps, "caught": report["caught"], "false_alarm": report["false_alarm"],
+    metrics = {"epsilon": epsilon, "caught": report["caught"], "false_alarm": report["false_alarm"],
                **{f"{n}_rate": r["rate"] for n, r in runs.items()},
                **{f"{n}_fired_after": r["fired_after"] for n, r in runs.items()}}
     Manifest(cfg.run_dir).record(STAGE, inputs={"bundle": bundle}, config=asdict(cfg), outputs=paths,

@@ -32,8 +32,9 @@ import numpy as np
 
 from edge.core.artifacts import Manifest, atomic_write_json, atomic_write_text
 from edge.core.errors import ConfigError
+from edge.runtime.settings import PREFILL_BUDGETS
 from scheduler.control.outcomes import summarize
-from scheduler.control.env import BUDGETS, EnvConfig, estimate_capacity
+from scheduler.control.env import EnvConfig, estimate_capacity
 from scheduler.control.evaluate import (FIXED_PREFIX, WorkloadSpec, best_fixed, cell_table, compare, evaluate_grid,
                                 spec_capacity, workload_for)
 from scheduler.control.latency import LatencyModel
@@ -58,7 +59,7 @@ class BenchSchedulerConfig:
     sim_seeds: list[int] = field(default_factory=lambda: [0, 1])  # exit-depth draws: the spread is the noise
     loads: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0])
     duration_s: float = 90.0          # simulated seconds of arrivals per run
-    budgets: list[int] = field(default_factory=lambda: list(BUDGETS))
+    budgets: list[int] = field(default_factory=lambda: list(PREFILL_BUDGETS))
     heuristics: list[str] = field(default_factory=lambda: ["aimd", "maxdelay"])
     sla_ttft_ms: float | None = None  # None: the SLA the policy was trained for
     sla_tpot_ms: float | None = None
@@ -120,6 +121,21 @@ def env_config(cfg: BenchSchedulerConfig, info: dict[str, Any]) -> EnvConfig:
     return e
 
 
+def capacity_policy(info: dict[str, Any], env: EnvConfig) -> FixedBudget:
+    """The fixed budget whose capacity set the policy's training loads (policy.json's recorded
+    ``config.capacity_budget``), at the full admission limit.
+
+    Raises:
+        ConfigError: policy.json records no capacity budget.
+    """
+    try:
+        budget = int(info["config"]["capacity_budget"])
+    except (KeyError, TypeError, ValueError):
+        raise ConfigError("learned policy: policy.json records no config.capacity_budget (the fixed budget its "
+                          "loads were scaled by); retrain with `make train-scheduler`") from None
+    return FixedBudget(budget, env.sim.max_seqs)
+
+
 def workload_specs(cfg: BenchSchedulerConfig) -> tuple[list[WorkloadSpec], str]:
     """The held-out families; the trace (``cfg.trace`` must exist; the shared one where present)."""
     specs = [WorkloadSpec(f"{p}-s{s}", p, s) for p in cfg.patterns for s in cfg.seeds]
@@ -133,7 +149,7 @@ def workload_specs(cfg: BenchSchedulerConfig) -> tuple[list[WorkloadSpec], str]:
 
 
 def policy_factories(cfg: BenchSchedulerConfig, learned: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {f"{FIXED_PREFIX}{b}": (lambda b=b: FixedBudget(b, 16)) for b in cfg.budgets}
+    out: dict[str, Any] = {f"{FIXED_PREFIX}{b}": (lambda b=b: FixedBudget(b)) for b in cfg.budgets}
     for h in cfg.heuristics:
         make_policy(h)  # an unknown name fails here, before the grid runs
         out[h] = lambda h=h: make_policy(h)
@@ -200,11 +216,12 @@ def main(cfg: BenchSchedulerConfig) -> int:
     t0 = time.perf_counter()
     latency, exits, learned, info = load_inputs(cfg)
     env = env_config(cfg, info)
-    env.capacity_rps = estimate_capacity(latency, exits, env, FixedBudget(128, 16))
+    reference = capacity_policy(info, env)
+    env.capacity_rps = estimate_capacity(latency, exits, env, reference)
     specs, trace_note = workload_specs(cfg)
-    caps = {s.name: spec_capacity(latency, exits, env, s, FixedBudget(128, 16), cfg.duration_s) for s in specs}
+    caps = {s.name: spec_capacity(latency, exits, env, s, reference, cfg.duration_s) for s in specs}
     policies = policy_factories(cfg, learned)
-    print(f"bench scheduler: capacity (fixed 128, SLA {env.sim.sla_ttft_ms:g} / {env.sim.sla_tpot_ms:g} ms) "
+    print(f"bench scheduler: capacity (fixed {reference.prefill_budget}, SLA {env.sim.sla_ttft_ms:g} / {env.sim.sla_tpot_ms:g} ms) "
           + ", ".join(f"{k} {v:.2f}" for k, v in caps.items()) + f" req/s; {len(specs)} workloads x {len(cfg.loads)} "
           f"loads x {len(policies)} policies x {len(cfg.sim_seeds)} seeds; {trace_note}", flush=True)
     rows = evaluate_grid(latency, exits, env, specs, cfg.loads, policies, cfg.duration_s, cfg.sim_seeds,
@@ -274,11 +291,11 @@ def real_runs(cfg: BenchSchedulerConfig, env: EnvConfig, latency: LatencyModel, 
     below = [(f, real_schedule(cfg, workload_for(spec, f * load * capacity, cfg.validation_duration_s, env)))
              for f in cfg.validation_loads for _ in range(cfg.validation_repeats)]
     [learned_res] = served(cfg, env, LEARNED, {"path": cfg.policy}, [schedule])
-    *below_res, fixed_res = served(cfg, env, "fixed", {"prefill_budget": budget, "max_running": 16},
+    *below_res, fixed_res = served(cfg, env, "fixed", {"prefill_budget": budget, "max_running": env.sim.max_seqs},
                                    [s for _, s in below] + [schedule])
     sla = (env.sim.sla_ttft_ms, env.sim.sla_tpot_ms)
     runs = {name: summarize(fixed_res, *sla), LEARNED: summarize(learned_res, *sla)}
-    fixed = FixedBudget(budget, 16)
+    fixed = FixedBudget(budget, env.sim.max_seqs)
     val = {name: validate(latency, exits, env, fixed_res, fixed, cfg.sim_seeds),
            LEARNED: validate(latency, exits, env, learned_res, learned, cfg.sim_seeds)}
     below_val = [{"share_of_edge": f, "rate_rps": f * load * capacity, "policy": name,

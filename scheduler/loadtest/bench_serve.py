@@ -26,6 +26,7 @@ import numpy as np
 
 from edge.core.artifacts import Manifest, atomic_write_json, atomic_write_text
 from edge.core.errors import ConfigError, SmartExitError
+from edge.runtime.settings import SLA_TPOT_MS, SLA_TTFT_MS
 from scheduler.loadtest.bench_report import compare, plot_latency_cdf, plot_throughput, render_markdown, same_lengths
 from scheduler.control.outcomes import summarize
 from scheduler.loadtest.loadgen import ScheduledRequest, build_schedule, run_closed_loop, run_open_loop
@@ -62,9 +63,10 @@ class BenchServeConfig:
     max_output: int = 64
     prompt_percentile: float = 99.0   # this percentile of the trace's prompts maps to the prompt budget
     seed: int = 0
-    # the SLA every request carries, and that attainment / goodput are counted against
-    sla_ttft_ms: float = 500.0
-    sla_tpot_ms: float = 50.0
+    # the SLA every request carries, and that attainment / goodput are counted against (default: the
+    # server's; configs/bench_serve.yaml tightens it)
+    sla_ttft_ms: float = SLA_TTFT_MS.default
+    sla_tpot_ms: float = SLA_TPOT_MS.default
     mode: str = "bounded"
     policies: list[str] = field(default_factory=lambda: ["fixed", "aimd"])  # one served run each; the first heads the summary
     serve: dict[str, Any] = field(default_factory=dict)  # other keys for the stack's ServeConfig
@@ -104,8 +106,8 @@ class BenchServeConfig:
             raise ConfigError("bench serve: duration_s must be > 0 and max_requests >= 1")
         if self.rate_rps <= 0 or self.time_scale <= 0 or self.start_s < 0:
             raise ConfigError("bench serve: rate_rps > 0, time_scale > 0 and start_s >= 0 are required")
-        if self.sla_ttft_ms <= 0 or self.sla_tpot_ms <= 0:
-            raise ConfigError("bench serve: sla_ttft_ms and sla_tpot_ms must be > 0")
+        SLA_TTFT_MS.check(self.sla_ttft_ms, "bench serve")
+        SLA_TPOT_MS.check(self.sla_tpot_ms, "bench serve")
         if not self.policies and self.url is None:
             raise ConfigError("bench serve: policies is empty; name at least one (fixed, aimd)")
         if (self.threads is not None and self.threads < 1) or self.warmup_requests < 0 or self.request_timeout_s <= 0:

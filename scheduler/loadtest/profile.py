@@ -34,11 +34,11 @@ import numpy as np
 from edge.core.artifacts import Manifest, atomic_path, atomic_write_json, atomic_write_text
 from edge.core.errors import ConfigError
 from edge.runtime.engine import NO_TOKEN, Engine, EngineConfig, KVMode, Mode, Request, TokenEvent
+from edge.runtime.settings import PREFILL_BUDGET, PREFILL_BUDGETS
 from scheduler.control.latency import (FEATURES, LatencyModel, StepFeatures, combine, decode_features, fit_latency,
                                prefill_features)
 
 STAGE = "profile"
-BUDGETS = (16, 32, 64, 128, 256, 512)
 BATCHES = (1, 2, 3, 4, 6, 8, 12, 16)
 FULL_SHARES = (0.0, 0.5, 1.0)
 PROMPT_RANGES = ((8, 64), (16, 384), (128, 448))  # short, mixed, long
@@ -48,7 +48,7 @@ TRACE_HEAD = 64  # prompt ids kept per exit trace
 @dataclass
 class Scenario:
     """One operating point: prefill budget, decode batch (admission limit), prompt lengths, exit mix."""
-    prefill_budget: int = 128
+    prefill_budget: int = PREFILL_BUDGET.default
     batch: int = 8
     prompt_min: int = 16
     prompt_max: int = 256
@@ -81,7 +81,7 @@ class ProfileConfig:
     warmup_steps: int = 10  # unrecorded steps first (ONNX Runtime's first calls allocate)
     trace_steps: int = 400  # last, bounded requests at a batch that may exit: exit traces only, not fitted
     holdout: float = 0.25  # share of scenarios held out to score the fit
-    budgets: list[int] = field(default_factory=lambda: list(BUDGETS))
+    budgets: list[int] = field(default_factory=lambda: list(PREFILL_BUDGETS))
     max_output: int = 64  # generated scenarios: output tokens per request, max_output / 8 .. max_output
     # the serving path (scheduler/loadtest/serving_path.py): start the stack once, one open-loop Poisson run
     # (seed 7 + seed + i) per load (~1 min in all); false: the engine alone (the simulator adds nothing)

@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from edge.runtime.settings import SLA_TPOT_MS, SLA_TTFT_MS
+
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
                503: "service_unavailable"}
@@ -148,8 +150,8 @@ class Limits:
     context_window: int
     vocab_size: int
     default_mode: str = "bounded"
-    default_sla_ttft_ms: float = 1000.0
-    default_sla_tpot_ms: float = 100.0
+    default_sla_ttft_ms: float = SLA_TTFT_MS.default  # the server's (ServeConfig's); these for a bare Limits
+    default_sla_tpot_ms: float = SLA_TPOT_MS.default
 
 
 @dataclass(frozen=True)

@@ -43,5 +43,4 @@ def open_bundle(bundle_dir: str | Path, threads: int | None = None, backend: dic
     host_cfg = cfg.host_config(backend.spec.max_positions, table.kv_mode)
     fractions = table.certificate.get("expected_exit_fraction") or {}
     expected = sum(int(k) * v for k, v in fractions.items()) if fractions else None
-    return EngineHost(backend, host_cfg, TableRule(table), eps=table.certificate.get("epsilon"),
-                      expected_exit_layer=expected)
+    return EngineHost(backend, host_cfg, TableRule(table), epsilon=table.epsilon, expected_exit_layer=expected)

@@ -15,6 +15,7 @@ from typing import Any
 
 from edge.core.errors import ConfigError
 from edge.runtime.engine import Mode  # the request modes (bounded, exact, full): the engine's own
+from edge.runtime.settings import SLA_TPOT_MS, SLA_TTFT_MS
 
 BUNDLE_JSON = "bundle.json"
 DEVICE_RESOURCE = "smartexit_device"  # the Ray custom resource: one unit per device, one worker replica each
@@ -59,8 +60,8 @@ class ServeConfig:
     max_tokens_limit: int = 256             # the largest max_tokens a request may ask for
     context_window: int | None = None       # prompt tokens + max_tokens must fit; from the bundle
     default_mode: Mode = Mode.BOUNDED
-    default_sla_ttft_ms: float = 1000.0
-    default_sla_tpot_ms: float = 100.0
+    default_sla_ttft_ms: float = SLA_TTFT_MS.default  # a request that names no SLA gets these
+    default_sla_tpot_ms: float = SLA_TPOT_MS.default
     replicas: int = 1                       # worker replicas, one per `smartexit_device` resource
     control_tick_s: float = 0.25
     policy: PolicyName = PolicyName.AIMD

@@ -45,15 +45,16 @@ def bundled_run(tmp_path_factory):
     return run
 
 
-def _host(run, eps: float, table=None) -> EngineHost:
+def _host(run, table=None) -> EngineHost:
+    """The host over ``table`` (default: the run's), auditing against its certificate's epsilon."""
     from edge.runtime.torch_backend import TorchBackend
 
     ckpt = open_run(run, threads=2)
     table = table or load_table(run / "calibration" / "thresholds.json", ckpt.path)
     backend = TorchBackend(ckpt.model)
     cfg = HostConfig(engine=EngineConfig(max_seqs=2, max_running=2, max_len=256, kv_mode=table.kv_mode),
-                     audit=AuditConfig(fraction=1.0, eps=eps, min_tokens=100, max_pending=10_000))
-    return EngineHost(backend, cfg, TableRule(table), eps=eps).start()
+                     audit=AuditConfig(fraction=1.0, min_tokens=100, max_pending=10_000))
+    return EngineHost(backend, cfg, TableRule(table), epsilon=table.epsilon).start()
 
 
 def _serve(host: EngineHost, prompts: list[list[int]], tag: str) -> dict:
@@ -74,24 +75,24 @@ def test_audit_quiet_while_certified_and_fires_when_the_rule_errs(bundled_run):
     ckpt = open_run(run, threads=2)
     table = load_table(run / "calibration" / "thresholds.json", ckpt.path)
     assert table.route_min_lookup > 0 and table.certificate["certified"]  # the demo's composite rule
-    eps = table.certificate["epsilon"]
+    epsilon = table.epsilon
     tok = ckpt.tokenizer
     code = heldout_prompts(tok, load_split(Split.TEST), 24, 64, seed=0)
     # every row checked, every check exits: the first exit's agreement with the last layer is about 0.4
     loose = replace(table, score_thresholds={k: float("-inf") for k in table.score_thresholds}, route_min_lookup=0)
 
-    host = _host(run, eps)
+    host = _host(run)
     try:
         st = _serve(host, code, "code")
         assert st["audited"] >= 500 and not st["fallback"], st
     finally:
         host.stop()
 
-    host = _host(run, eps, loose)
+    host = _host(run, loose)  # the same certificate (epsilon), a rule that breaks it
     try:
         st = _serve(host, code, "loose")
         assert st["fallback"] and st["fallback_events"] == 1, st
-        assert st["lower"] > eps and st["rate"] > eps
+        assert st["lower"] > epsilon and st["rate"] > epsilon and st["epsilon"] == epsilon
         after = []
         host.submit(GenRequest("after", code[0], 16), lambda c: after.append(c))
         for _ in range(600):

@@ -28,7 +28,8 @@ pytestmark = pytest.mark.integration
 MODEL = "smartexit"
 BUNDLE = Path("smartexit") / "1" / "bundle"
 # docs/serving.md, "Stats keys"
-STATS_KEYS = {"time", "waiting", "prefill_backlog_tokens", "running", "free_slots", "prefill_budget", "max_running",
+STATS_KEYS = {"time", "waiting", "prefill_backlog_tokens", "running", "free_slots", "prefill_budget", "max_chunk",
+              "max_running",
               "max_seqs", "max_waiting", "num_layers", "exit_layers", "requests", "mean_recent_exit_layer",
               "predicted_exit_layer", "min_slack_ms", "tokens_total", "finished_total", "rejected_total",
               "steps_total", "step_seconds_total", "emit_seconds_total", "chunks_total", "audit",
@@ -36,7 +37,7 @@ STATS_KEYS = {"time", "waiting", "prefill_backlog_tokens", "running", "free_slot
               "oldest_waiting_slack_ms", "recent_ttft_p95_ms", "recent_tpot_p95_ms", "arrival_rate_rps",
               "sla_ttft_ms", "sla_tpot_ms", "sla_met_total", "violations_total", "tokens_on_time_total",
               "tokens_late_total"}
-AUDIT_KEYS = {"fraction", "eps", "delta", "fallback", "fallback_events", "pending", "exits"}
+AUDIT_KEYS = {"fraction", "epsilon", "delta", "fallback", "fallback_events", "pending", "exits"}
 PROMPT_TEXT = "def add(a, b):\n    return a + b\n\ndef"
 
 

@@ -208,11 +208,11 @@ def render_markdown(results: dict[str, Any], summary: dict[str, Any]) -> str:
                      f"{f(row.get('speedup_full_vs_llamacpp'))} | {f(row.get('speedup_exit_vs_llamacpp'))} | "
                      + " | ".join(f"{f(row['speedup_vs_full_by_mode'][m])} | {row['false_exit_rate_by_mode'][m]:.4f}"
                                   for m in modes) + " |")
-    eps = results.get("calibration", {}).get("epsilon")
+    epsilon = results.get("calibration", {}).get("epsilon")
     lines += ["", f"False exits: generated tokens (the first, from the prefill, excepted) that differ from the full "
               f"model's greedy token on the same prefix, checked as calibration checks them, on the first repeat "
               f"({results.get('false_exit_tokens', 'n/a')} tokens of (d)); the threshold table was certified for "
-              f"eps = {f(eps, 'g')}."]
+              f"epsilon = {f(epsilon, 'g')}."]
     if results.get("llamacpp_skipped"):
         lines += ["", f"(f) llama.cpp not measured: {results['llamacpp_skipped']}"]
     lc = results.get("llamacpp")

@@ -131,7 +131,7 @@ def test_walk_fields_and_stops_at_the_first_failure():
     probs, correct = {4: P[0, 0], 8: P[0, 1]}, {4: Y[0, 0], 8: Y[0, 1]}
     grid = default_grid(201)
     losses = unit_false_exit_counts(probs, correct, np.arange(3000) // 3, 1000, grid, 12) / 3
-    w = learn_then_test(losses, grid, eps=0.05, delta=0.1, method="betting", seed=0)
+    w = learn_then_test(losses, grid, epsilon=0.05, delta=0.1, method="betting", seed=0)
     assert w.certified and not w.completed and w.n_units == 1000 and w.method is PValue.BETTING
     assert all(pv <= 0.1 for _, _, pv in w.tested[:-1]) and w.tested[-1][2] > 0.1
     assert w.lam == w.tested[-2][0] == grid[w.index]
@@ -142,7 +142,7 @@ def test_walk_fields_and_stops_at_the_first_failure():
 
 
 def test_learn_then_test_never_exits_when_even_the_strictest_threshold_fails():
-    w = learn_then_test(np.ones((400, 3)), np.array([1.0, 0.5, 0.0]))
+    w = learn_then_test(np.ones((400, 3)), np.array([1.0, 0.5, 0.0]), 0.009)
     assert w.lam == NEVER_EXIT and not w.certified and not w.completed
     assert len(w.tested) == 1 and w.tested[0][0] == 1.0
 
@@ -152,17 +152,17 @@ def test_learn_then_test_errors():
     ok = np.zeros((400, 2))
     for bad in (0.0, 1.0, -0.1, 1.5):
         with pytest.raises(ConfigError, match=rf"epsilon must be in \(0, 1\), got {bad}"):
-            learn_then_test(ok, grid, eps=bad)
+            learn_then_test(ok, grid, epsilon=bad)
         with pytest.raises(ConfigError, match=rf"delta must be in \(0, 1\), got {bad}"):
-            learn_then_test(ok, grid, delta=bad)
+            learn_then_test(ok, grid, 0.009, delta=bad)
     with pytest.raises(ConfigError, match="need at least 369 units.*got|need at least 369 units"):
-        learn_then_test(ok[:300], grid)
+        learn_then_test(ok[:300], grid, 0.009)
     with pytest.raises(ConfigError, match="strictly decreasing"):
-        learn_then_test(ok, grid[::-1])
+        learn_then_test(ok, grid[::-1], 0.009)
     with pytest.raises(ConfigError, match=r"losses must be \[U, G=2\]"):
-        learn_then_test(ok[:, :1], grid)
+        learn_then_test(ok[:, :1], grid, 0.009)
     with pytest.raises(ConfigError, match=r"in \[0, 1\]"):
-        learn_then_test(ok + 2, grid)
+        learn_then_test(ok + 2, grid, 0.009)
 
 
 def test_exit_depth_histogram_draws_its_bars(tmp_path):

@@ -33,9 +33,9 @@ class Sink:
         return [t for c in self.chunks[rid] for t in c.tokens]
 
 
-def _host(rule=None, **kw) -> EngineHost:
+def _host(rule=None, epsilon=None, **kw) -> EngineHost:
     cfg = HostConfig(engine=EngineConfig(max_seqs=4, max_running=4, max_len=128), **kw)
-    return EngineHost(TorchBackend(_model()), cfg, rule).start()
+    return EngineHost(TorchBackend(_model()), cfg, rule, epsilon=epsilon).start()
 
 
 def test_host_streams_what_the_engine_generates():
@@ -136,8 +136,8 @@ def test_stats_report_slack_and_predicted_depth():
 def test_audit_catches_a_rule_that_exits_falsely():
     """A rule that exits every token at the first exit of a random model is wrong most of the time:
     the audit, re-decoding a sample at full depth, finds it and sends later bounded requests to full depth."""
-    audit = AuditConfig(fraction=0.5, eps=0.05, min_tokens=20, seed=1)
-    host = _host(ConfidenceRule(0.0), audit=audit)
+    audit = AuditConfig(fraction=0.5, min_tokens=20, seed=1)
+    host = _host(ConfidenceRule(0.0), epsilon=0.05, audit=audit)
     try:
         sink = Sink(6)
         for i in range(6):
@@ -158,7 +158,7 @@ def test_audit_catches_a_rule_that_exits_falsely():
 
 
 def test_audit_of_the_full_model_finds_nothing():
-    host = _host(ConfidenceRule(1.1), audit=AuditConfig(fraction=1.0, eps=0.05, min_tokens=5))
+    host = _host(ConfidenceRule(1.1), epsilon=0.05, audit=AuditConfig(fraction=1.0, min_tokens=5))
     try:
         sink = Sink(3)
         for i in range(3):
@@ -175,7 +175,7 @@ def test_clopper_pearson_matches_known_values():
     assert lo == 0.0 and up == pytest.approx(1 - 0.05 ** (1 / 333), rel=1e-6)  # zero failures: 1 - delta^(1/n)
     lo, up = clopper_pearson(10, 100, 0.05)
     assert 0.05 < lo < 0.1 < up < 0.17
-    est = AuditEstimate(eps=0.01, delta=0.05, min_tokens=10)
+    est = AuditEstimate(epsilon=0.01, delta=0.05, min_tokens=10)
     assert not any(est.record(3, False) for _ in range(500))
     fired = [est.record(3, True) for _ in range(30)]
     assert fired.count(True) == 1 and est.fallback and np.isclose(est.as_dict()["rate"], 30 / 530)

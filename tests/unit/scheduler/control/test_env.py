@@ -74,12 +74,17 @@ def test_actions_round_trip_and_respect_max_seqs():
     assert index_of(ControlAction(100, 15)) == ACTIONS.index((128, 16))
 
 
-def test_observation_vector_reads_live_host_stats_of_the_older_layout():
-    # a host of the serving issue's version lacks the newer keys: defaults, still in bounds
+def test_observation_vector_reads_live_host_stats_without_the_recent_measurements():
+    # no tail latencies or arrival rate measured yet: the vector is still in bounds. The SLA and the largest
+    # chunk are settings the host always reports; a host without them is refused, not given a made-up value
     stats = {"waiting": 3, "prefill_backlog_tokens": 500, "running": 16, "free_slots": 0, "prefill_budget": 128,
-             "max_running": 16, "max_seqs": 16, "num_layers": 12, "predicted_exit_layer": 10.5, "min_slack_ms": -40.0}
+             "max_running": 16, "max_seqs": 16, "num_layers": 12, "predicted_exit_layer": 10.5, "min_slack_ms": -40.0,
+             "sla_ttft_ms": 1000.0, "sla_tpot_ms": 100.0, "max_chunk": None}
     v = obs_vector(observation_from_stats(stats))
     assert v.shape == (len(env_mod.OBS_LAYOUT),) and (np.abs(v) <= 1).all()
+    for key in ("sla_ttft_ms", "max_chunk"):
+        with pytest.raises(ConfigError, match=f"engine stats lack '{key}'"):
+            observation_from_stats({k: v for k, v in stats.items() if k != key})
 
 
 def test_layout_fingerprint_changes_with_the_layout(monkeypatch):

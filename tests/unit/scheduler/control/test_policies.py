@@ -8,7 +8,8 @@ from scheduler.control.policies import AIMD, ControlObservation, FixedBudget, ob
 from scheduler.control.registry import make_policy
 
 STATS = {"waiting": 3, "prefill_backlog_tokens": 200, "running": 4, "free_slots": 12, "prefill_budget": 128,
-         "max_running": 8, "max_seqs": 16, "num_layers": 12, "predicted_exit_layer": 9.5, "min_slack_ms": 50.0}
+         "max_running": 8, "max_seqs": 16, "num_layers": 12, "predicted_exit_layer": 9.5, "min_slack_ms": 50.0,
+         "sla_ttft_ms": 1000.0, "sla_tpot_ms": 100.0, "max_chunk": None}
 
 
 def _obs(**kw) -> ControlObservation:

@@ -10,7 +10,7 @@ from scheduler.serving.metrics import LATENCY_BUCKETS_S, ServeMetrics
 STATS = {  # EngineHost.stats() keys the metrics read (docs/serving.md)
     "waiting": 3, "running": 5, "prefill_budget": 256, "max_running": 8, "tokens_total": 1000,
     "steps_total": 400, "step_seconds_total": 2.5, "emit_seconds_total": 0.02, "chunks_total": 900,
-    "audit": {"fraction": 0.05, "eps": 0.1, "delta": 0.05, "fallback": False, "fallback_events": 2, "pending": 0,
+    "audit": {"fraction": 0.05, "epsilon": 0.1, "delta": 0.05, "fallback": False, "fallback_events": 2, "pending": 0,
               "exits": {"3": {"audited": 40, "false": 2, "rate": 0.05, "upper": 0.12, "lower": 0.01},
                         "6": {"audited": 10, "false": 0, "rate": 0.0, "upper": 0.26, "lower": 0.0}}},
 }
