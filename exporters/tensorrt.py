@@ -40,7 +40,7 @@ from typing import Any
 
 import onnx
 
-from edge.core.artifacts import Manifest, atomic_path, atomic_write_json, atomic_write_text, sha256_file, sha256_path
+from edge.core.artifacts import atomic_path, atomic_write_json, atomic_write_text, sha256_file
 from edge.core.errors import ArtifactError, ConfigError
 from edge.runtime.graphs import load_graphs_json, verify_graphs
 # running a plan is the runtime's; users import TrtRunner and NoCudaDeviceError from here too
@@ -379,26 +379,3 @@ class EnginesConfig:
 
     run_dir: str = "artifacts/demo"
     build: EngineBuildConfig = field(default_factory=EngineBuildConfig)
-
-
-def main(cfg: EnginesConfig) -> int:
-    """Build the engines of a run folder and record the ``engines`` stage.
-
-    Raises:
-        SmartExitError: any of :func:`build_engines`'s errors, or a missing / changed export or checkpoint.
-    """
-    t0 = time.time()
-    manifest = Manifest(cfg.run_dir)
-    graphs = manifest.verified_output("export", "graphs")
-    ckpt = manifest.served_checkpoint()
-    out = Path(cfg.run_dir) / "engines"
-    result = build_engines(graphs, out, cfg.build, sha256_path(ckpt))
-    manifest.record(STAGE, inputs={"graphs": graphs, "checkpoint": ckpt},
-                    config={"run_dir": cfg.run_dir, "build": result["build"]},
-                    outputs={"engines": out},
-                    metrics={"tensorrt_version": result["tensorrt_version"], "device": result["device"],
-                             "build_seconds": {k: v["build_seconds"] for k, v in result["engines"].items()}},
-                    seconds=time.time() - t0)
-    print(f"engines: {len(result['engines'])} plans in {out} (TensorRT {result['tensorrt_version']}, "
-          f"{result['device']})")
-    return 0

@@ -176,14 +176,3 @@ def read_bundle(bundle_dir: str | Path) -> dict[str, Any]:
         if sha256_file(f) != sha:
             raise ArtifactError(f"{f} changed since `smartexit repo` wrote it (sha256 differs from {path})")
     return info
-
-
-def main(cfg: RepoConfig) -> int:
-    t0 = time.time()
-    out = write_repository(cfg)
-    manifest = Manifest(cfg.run_dir)
-    manifest.record(STAGE, inputs={"graphs": manifest.verified_output("export", "graphs"),
-                                   "thresholds": manifest.verified_output("calibrate", "thresholds")},
-                    config=asdict(cfg), outputs={"repository": out}, metrics={}, seconds=time.time() - t0)
-    print(f"Triton model repository: {out} (serve it with `smartexit serve run_dir={cfg.run_dir}`)")
-    return 0

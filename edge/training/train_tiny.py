@@ -179,16 +179,3 @@ def _plot_loss(log: list[dict], path: Path) -> None:
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
-
-
-def main(cfg: TrainConfig) -> int:
-    train(cfg)
-    return 0
-
-
-if __name__ == "__main__":
-    import sys
-
-    from edge.core.configio import parse_overrides
-
-    raise SystemExit(main(parse_overrides(TrainConfig(), sys.argv[1:])))

@@ -23,20 +23,18 @@ records stage ``bench_scheduler`` in the manifest.
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from edge.core.artifacts import Manifest, atomic_write_json, atomic_write_text
+from edge.core.artifacts import atomic_write_json, atomic_write_text
 from edge.core.errors import ConfigError
 from edge.runtime.settings import PREFILL_BUDGETS
 from scheduler.control.outcomes import summarize
-from scheduler.control.env import EnvConfig, estimate_capacity
-from scheduler.control.evaluate import (FIXED_PREFIX, WorkloadSpec, best_fixed, cell_table, compare, evaluate_grid,
-                                spec_capacity, workload_for)
+from scheduler.control.env import EnvConfig
+from scheduler.control.evaluate import FIXED_PREFIX, WorkloadSpec, best_fixed, workload_for
 from scheduler.control.latency import LatencyModel
 from scheduler.control.policies import FixedBudget
 from scheduler.control.registry import make_policy
@@ -211,43 +209,6 @@ def validate(latency: LatencyModel, exits: ExitModel, env: EnvConfig, results: l
 
 
 # --------------------------------------------------------------------------- main
-
-def main(cfg: BenchSchedulerConfig) -> int:
-    t0 = time.perf_counter()
-    latency, exits, learned, info = load_inputs(cfg)
-    env = env_config(cfg, info)
-    reference = capacity_policy(info, env)
-    env.capacity_rps = estimate_capacity(latency, exits, env, reference)
-    specs, trace_note = workload_specs(cfg)
-    caps = {s.name: spec_capacity(latency, exits, env, s, reference, cfg.duration_s) for s in specs}
-    policies = policy_factories(cfg, learned)
-    print(f"bench scheduler: capacity (fixed {reference.prefill_budget}, SLA {env.sim.sla_ttft_ms:g} / {env.sim.sla_tpot_ms:g} ms) "
-          + ", ".join(f"{k} {v:.2f}" for k, v in caps.items()) + f" req/s; {len(specs)} workloads x {len(cfg.loads)} "
-          f"loads x {len(policies)} policies x {len(cfg.sim_seeds)} seeds; {trace_note}", flush=True)
-    rows = evaluate_grid(latency, exits, env, specs, cfg.loads, policies, cfg.duration_s, cfg.sim_seeds,
-                         progress=lambda s: print(f"  sim {s}", flush=True), capacities=caps)
-    cells = cell_table(rows)
-    names = [s.name for s in specs]
-    offered = {(r["workload"], r["load"]): r["rate_rps"] for r in rows}
-    cmp = compare(cells, names, cfg.loads, LEARNED, offered)
-    report: dict[str, Any] = {"config": asdict(cfg), "capacity_rps": env.capacity_rps, "capacities_rps": caps,
-                              "env": _env_dict(env),
-                              "workloads": trace_note, "policy": {k: info.get(k) for k in ("layout_id", "trained_at",
-                                                                                            "selected", "sha256")},
-                              "latency_fit": latency.fit, "exit_model": asdict(exits), "sim": {"rows": rows, **cmp}}
-    report["predictor"] = predictor_report(Path(cfg.run_dir))
-    real_w = "trace" if cfg.real_workload == "trace" and "trace" in names else \
-        next((n for n in names if n.startswith(cfg.real_workload)), names[0])
-    if cfg.real:
-        report["real"] = real_runs(cfg, env, latency, exits, learned, specs[names.index(real_w)], cells,
-                                   caps[real_w])
-    report["summary"] = summary(report, cells, real_w)
-    paths = write_outputs(cfg, report)
-    print(render_headline(report["summary"]), flush=True)
-    Manifest(cfg.run_dir).record(STAGE, inputs={}, config=report["config"], outputs=paths,
-                                 metrics=report["summary"],
-                                 seconds=time.perf_counter() - t0)
-    return 0
 
 
 def predictor_report(run: Path) -> dict[str, Any] | None:

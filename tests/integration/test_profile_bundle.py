@@ -17,7 +17,8 @@ from edge.core.artifacts import Manifest
 from edge.core.errors import ConfigError
 from scheduler.control.latency import LatencyModel
 from scheduler.control.predictor import read_exit_traces
-from scheduler.loadtest.profile import ProfileConfig, main
+from edge.pipeline.profile import main
+from scheduler.loadtest.profile import ProfileConfig
 
 pytestmark = pytest.mark.integration
 

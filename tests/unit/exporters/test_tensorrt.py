@@ -16,6 +16,7 @@ from onnx import TensorProto, helper
 
 from edge.core.artifacts import Manifest, sha256_path
 from edge.core.errors import ArtifactError, ConfigError, MissingExtraError
+from edge.pipeline import engines as engines_stage
 from exporters import tensorrt as trt_export
 from edge.runtime.graphs import load_graphs_json
 from exporters.onnx_export import ExportConfig, export_onnx
@@ -189,6 +190,6 @@ def test_main_reads_manifest_and_records_nothing_on_failure(graphs, tmp_path, no
     m.record("distill", inputs={}, config={}, outputs={"checkpoint": ckpt}, metrics={}, seconds=0)
     m.record("export", inputs={}, config={}, outputs={"graphs": onnx_dir}, metrics={}, seconds=0)
     with pytest.raises(MissingExtraError, match=str(run / "engines" / SCRIPT)):
-        trt_export.main(EnginesConfig(run_dir=str(run)))
+        engines_stage.main(EnginesConfig(run_dir=str(run)))
     assert (run / "engines" / SCRIPT).is_file()
     assert "engines" not in Manifest(run).data["stages"]

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from edge.core.configio import apply, load_yaml
+from edge.pipeline.bench import serve as serve_stage
 from scheduler.loadtest import bench_serve
 from scheduler.loadtest.bench_report import compare, same_lengths, plot_latency_cdf, plot_throughput, render_markdown, throughput_series
 from scheduler.control.outcomes import summarize
@@ -97,12 +98,12 @@ def test_stage_end_to_end_with_fake_runs(tmp_path, monkeypatch):
         return ({p: _fake_runs(schedule)(2.0 if p == "fixed" else 1.5) for p in c.policies},
                 {k: _fake_runs(cap)(2.0) for k in c.capacity_concurrency}, {"dashboard_skipped": "no browser (fake)"})
 
-    monkeypatch.setattr(bench_serve, "served_runs", served)
-    monkeypatch.setattr(bench_serve, "triton_direct_run", lambda c, cap: {k: _fake_runs(cap)(1.5)
+    monkeypatch.setattr(serve_stage, "served_runs", served)
+    monkeypatch.setattr(serve_stage, "triton_direct_run", lambda c, cap: {k: _fake_runs(cap)(1.5)
                                                                          for k in c.capacity_concurrency})
-    monkeypatch.setattr(bench_serve, "inprocess_run", lambda c, schedule, cap: (
+    monkeypatch.setattr(serve_stage, "inprocess_run", lambda c, schedule, cap: (
         _fake_runs(schedule)(1.0), {k: _fake_runs(cap)(1.0) for k in c.capacity_concurrency}))
-    assert bench_serve.main(cfg) == 0
+    assert serve_stage.main(cfg) == 0
     out = tmp_path / "run" / "bench"
     rep = json.loads((out / "serve.json").read_text())
     head = rep["serve_bench"]

@@ -1,0 +1,49 @@
+"""``smartexit bench audit``: the stage. The work is :mod:`scheduler.loadtest.bench_audit`'s; this module reads the run, calls it and
+records what it made."""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from edge.core.artifacts import Manifest, atomic_write_json, atomic_write_text
+from scheduler.loadtest.bench_audit import BenchAuditConfig, STAGE, audit_run, word_salad
+
+
+def main(cfg: BenchAuditConfig) -> int:
+    from edge.core.data import Split, heldout_prompts, load_split
+    from edge.model.tokenizer import load_tokenizer
+
+    t0 = time.perf_counter()
+    from scheduler.serving.stack import bundle as run_bundle
+
+    bundle = run_bundle(cfg.run_dir)  # ConfigError naming `smartexit repo` when there is none
+    tok = load_tokenizer(bundle / "tokenizer.json")
+    code = heldout_prompts(tok, load_split(Split.TEST), cfg.prompts, cfg.prompt_tokens, cfg.seed)
+    runs = {"heldout_code": audit_run(bundle, code, cfg, "code"),
+            "word_salad": audit_run(bundle, word_salad(code, cfg.seed), cfg, "salad")}
+    epsilon = runs["heldout_code"]["epsilon"]  # the threshold table's, as the host audits it
+    report = {"stage": STAGE, "config": asdict(cfg), "epsilon": epsilon, "runs": runs,
+              "caught": bool(runs["word_salad"]["fallback"]), "false_alarm": bool(runs["heldout_code"]["fallback"])}
+    out = Path(cfg.run_dir) / "bench"
+    md = ["# Online false-exit audit: in domain vs another domain", "",
+          f"Every token of {cfg.prompts} requests ({cfg.prompt_tokens} prompt tokens, up to {cfg.max_tokens} new, "
+          f"greedy, mode bounded) re-decoded at full depth; epsilon {epsilon} (the table's), one-sided "
+          f"Clopper-Pearson bounds at delta {runs['heldout_code']['delta']}, fallback when the lower bound exceeds "
+          f"epsilon.", "",
+          "| traffic | audited tokens | false exits | rate | lower | upper | fallback (after tokens) | per exit (audited / false) |",
+          "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+    for name, r in runs.items():
+        per = ", ".join(f"{k}: {v['audited']} / {v['false']}" for k, v in r["exits"].items())
+        md.append(f"| {name} | {r['audited']} | {r['false']} | {r['rate']:.4f} | {r['lower']:.4f} | {r['upper']:.4f} | "
+                  f"{r['fallback']} ({r['fired_after']}) | {per} |")
+    paths = {"json": out / "audit.json", "md": out / "audit.md"}
+    atomic_write_text(paths["md"], "\n".join(md) + "\n")
+    atomic_write_json(paths["json"], report)
+    metrics = {"epsilon": epsilon, "caught": report["caught"], "false_alarm": report["false_alarm"],
+               **{f"{n}_rate": r["rate"] for n, r in runs.items()},
+               **{f"{n}_fired_after": r["fired_after"] for n, r in runs.items()}}
+    Manifest(cfg.run_dir).record(STAGE, inputs={"bundle": bundle}, config=asdict(cfg), outputs=paths,
+                                 metrics=metrics, seconds=time.perf_counter() - t0)
+    print("\n".join(md[4:]))
+    return 0

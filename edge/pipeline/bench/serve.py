@@ -1,0 +1,48 @@
+"""``smartexit bench serve``: the stage. The work is :mod:`scheduler.loadtest.bench_serve`'s; this module reads the run, calls it and
+records what it made."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from edge.core.artifacts import Manifest
+from scheduler.loadtest.bench_serve import BenchServeConfig, INPROCESS, STAGE, build_report, capacity_report, capacity_requests, context_window, describe_workload, exact_report, inprocess_run, make_schedule, served_runs, triton_direct_run, write_outputs
+
+
+def main(cfg: BenchServeConfig) -> int:
+    """Served run(s), the in-process run, outputs and manifest record; 0 on success.
+
+    Raises:
+        SmartExitError: a bad config, no tokenizer, an unreachable server, or a stack that fails to start.
+    """
+    t0 = time.perf_counter()
+    schedule, w = make_schedule(cfg)
+    workload = describe_workload(cfg, w, schedule, context_window(cfg))
+    print(f"bench serve: {len(schedule)} requests over {workload['span_s']:.1f} s from {w.source}", flush=True)
+    cap_reqs = capacity_requests(cfg, schedule) if cfg.capacity_concurrency else None
+    runs, cap_served, shot = served_runs(cfg, schedule, cap_reqs)
+    cap_local: dict = {}
+    if cfg.inprocess:
+        runs[INPROCESS], cap_local = inprocess_run(cfg, schedule, cap_reqs)
+    report = build_report(cfg, workload, runs)
+    report["serve_bench"].update(shot)
+    cap_triton = triton_direct_run(cfg, cap_reqs) if cap_reqs and cfg.hops and cfg.url is None else {}
+    cap_exact = cap_served.pop("exact", None) if cap_served else None
+    if cap_served and cap_local:
+        report["capacity"] = capacity_report(cfg, cap_served, cap_local, cap_triton)
+        if cap_exact:
+            report["capacity"]["exact"] = exact_report(cfg, cap_exact, cap_served)
+            report["serve_bench"]["exact_vs_bounded_tokens_ratio"] = report["capacity"]["exact"]["headline"]
+        report["serve_bench"].update(report["capacity"]["headline"])
+    paths = write_outputs(cfg, report, runs)
+    if "dashboard_png" in shot:
+        paths["dashboard_png"] = Path(cfg.run_dir) / shot["dashboard_png"]
+    for label, s in report["runs"].items():
+        ttft = "n/a" if s["ttft_p95_ms"] is None else f"{s['ttft_p95_ms']:.1f}"
+        print(f"  {label}: {s['requests']} requests, {s['errors']} errors, TTFT p95 {ttft} ms, "
+              f"SLA attainment {s['sla_attainment']:.3f}, goodput {s['goodput_rps']:.2f} req/s, "
+              f"{s['tokens_per_s']:.1f} tokens/s", flush=True)
+    inputs = {"trace": w.source[len("trace "):]} if not workload["synthetic"] else {}
+    Manifest(cfg.run_dir).record(STAGE, inputs=inputs, config=report["config"], outputs=paths,
+                                 metrics=report["serve_bench"], seconds=time.perf_counter() - t0)
+    return 0
