@@ -171,6 +171,111 @@ def signal_names(model) -> tuple[str, ...]:
     return GATED_SIGNAL_NAMES if model.gated else SIGNAL_NAMES
 
 
+def check_sizes(cfg: CalibrateConfig, data: Any) -> int:
+    """The fewest certify units that can certify ``cfg.epsilon`` at ``cfg.delta``; refuses settings and corpora
+    too small for it.
+
+    Raises:
+        ConfigError: too few certify (or propagate-test) units, or too little text to draw them from.
+    """
+    n_min = min_units(cfg.epsilon, cfg.delta, cfg.pvalue)
+    if cfg.certify_units < n_min:
+        raise ConfigError(f"certify_units={cfg.certify_units} is too few to certify epsilon={cfg.epsilon} at "
+                          f"delta={cfg.delta} with the {cfg.pvalue.value} p-value: at least {n_min} certify units "
+                          f"(prompts) are needed, even with zero false exits")
+    if cfg.kv_mode is KVChoice.AUTO and cfg.propagate_units < n_min:
+        raise ConfigError(f"propagate_units={cfg.propagate_units} is too few for the direct test of propagate "
+                          f"(kv_mode=auto): at least {n_min} units are needed")
+    length = cfg.prompt_tokens + cfg.new_tokens
+    n_draw = cfg.fit_units + cfg.certify_units + (cfg.propagate_units if cfg.kv_mode is KVChoice.AUTO else 0)
+    check_amount(data.calibration, data.calibration_name, length, n_draw, cfg.min_documents,
+                 f"Certifying epsilon={cfg.epsilon} at delta={cfg.delta} ({cfg.pvalue.value}) needs at least "
+                 f"{n_min} certify prompts; this run draws {cfg.fit_units} fit + {cfg.certify_units} certify"
+                 + (f" + {cfg.propagate_units} propagate-test" if cfg.kv_mode is KVChoice.AUTO else ""))
+    check_amount(data.evaluation, data.evaluation_name, length, 1, 1, "Evaluation needs")
+    return n_min
+
+
+def propagate_test(cfg: CalibrateConfig, served: Any, data: Any, s: dict[str, Any], ckpt: Path, model: Any, cals: Any,
+                   c: Any, anytime: bool) -> Any:
+    """With ``kv_mode=auto``, the chosen rule in propagate mode on fresh units: one more hypothesis of the same
+    fixed sequence, tested only if the walk reached the provisional rule (else the sequence stopped). None
+    when not tested."""
+    length, P = cfg.prompt_tokens + cfg.new_tokens, cfg.prompt_tokens
+    if not (cfg.kv_mode is KVChoice.AUTO and c.certified):
+        return None
+    prop_rule = TableRule(_table(ckpt, model, cfg.calibrator, c.lam, cals, KVMode.PROPAGATE,
+                                 route=cfg.route_min_lookup))
+
+    def decided(r: FreeRun) -> bool:
+        x = r.unit_losses()
+        return anytime and (cert.direct_test(x, cfg.epsilon, cfg.delta, cfg.pvalue, None).passed
+                            or exceeds_pvalue(x, cfg.epsilon, cfg.pvalue, None) <= cfg.delta)
+
+    prop_w = data.calibration.draw(cfg.propagate_units, length, s["propagate"])
+    prop_run, _ = free_run_until(served, prop_w.ids[:, :P], cfg.new_tokens, prop_rule, KVMode.PROPAGATE,
+                                 cfg.batch, decided, desc="propagate-test units")
+    return cert.direct_test(prop_run.unit_losses(), cfg.epsilon, cfg.delta, cfg.pvalue,
+                            None if anytime else s["order"])
+
+
+def certificate_of(cfg: CalibrateConfig, ship: Any, c: Any, prop: Any, served: Any, data: Any, text: str, docs: int,
+                   n_min: int) -> dict[str, Any]:
+    """The threshold table's certificate: what was certified, on what, and how."""
+    judged = cfg.new_tokens - 1
+    return {
+        "epsilon": cfg.epsilon, "delta": cfg.delta, "pvalue": cfg.pvalue.value, "statement": text,
+        "unit": "prompt", "n_units": ship.n_units, "n_tokens": ship.n_units * judged, "min_units": n_min,
+        "prompt_tokens": cfg.prompt_tokens, "new_tokens": cfg.new_tokens,
+        "calibration_corpus": data.calibration_name, "calibration_documents": docs,
+        "certified": ship.certified, "exact": ship.exact, "lambda_provisional": c.lam_provisional,
+        "false_exit_rate_calib": ship.empirical_risk, "bound": ship.bound, "p_value": ship.p_value,
+        "kv_mode_reason": ship.reason, "engine": served.backend.name, "reference": served.reference_name,
+        "defer_walk": c.to_dict(),
+        "propagate_test": None if prop is None else prop.to_dict(),
+        "expected_exit_fraction": {str(k): v for k, v in c.exit_fraction.items()},
+        "expected_layers_skipped_frac": c.layers_skipped_frac,
+    }
+
+
+def metrics_of(cfg: CalibrateConfig, ship: Any, c: Any, prop: Any, served: Any, data: Any, text: str, docs: int,
+               n_min: int, fit: Any, test: Any, tf: Any, fr: Any, runs: dict[Any, Any], shipped: KVMode,
+               base: float | None, flt: float | None, chosen: Any, systems: list[Any]) -> dict[str, Any]:
+    """The manifest's metrics of the stage."""
+    judged = cfg.new_tokens - 1
+    length = cfg.prompt_tokens + cfg.new_tokens
+    return {
+        "epsilon": cfg.epsilon, "delta": cfg.delta, "pvalue": cfg.pvalue.value, "calibrator": cfg.calibrator.value,
+        "engine": served.backend.name, "reference": served.reference_name,
+        "certificate_statement": text, "certified": ship.certified, "certificate_exact": ship.exact,
+        "lambda": c.lam, "lambda_provisional": c.lam_provisional, "bound": ship.bound, "p_value": ship.p_value,
+        "n_units": ship.n_units, "n_fit_units": fit.n_units, "n_eval_units": test.n_units, "min_units": n_min,
+        "tokens_per_unit": judged, "prompt_tokens": cfg.prompt_tokens, "new_tokens": cfg.new_tokens,
+        "n_calibration_tokens": ship.n_units * judged, "min_calibration_tokens": n_min * judged,
+        "n_test_tokens": test.n,
+        "calib_data": cfg.calib_data or "shipped calibration split", "calibration_corpus": data.calibration_name,
+        "calibration_documents": docs, "eval_data": data.evaluation_name,
+        "eval_documents": int(data.evaluation.eligible(length).size),
+        "false_exit_rate_calib": ship.empirical_risk, "engine_agreement": c.agreement,
+        "kv_mode_reason": ship.reason,
+        "false_exit_rate_test": tf.false_exit_rate,
+        "free_run_false_exit_rate_test": fr.false_exit_rate, "kv_mode": shipped.value,
+        "kv_mode_choice": cfg.kv_mode.value, "propagate_test": None if prop is None else prop.to_dict(),
+        "free_run": asdict(fr), "free_run_by_kv_mode": {m.value: r.to_dict() for m, r in runs.items()},
+        "accuracy_full": tf.accuracy_full, "accuracy_exit": tf.accuracy_exit, "accuracy_loss_rel": tf.accuracy_loss_rel,
+        "layers_skipped_frac": fr.layers_skipped_frac, "layers_skipped_frac_teacher_forced": tf.layers_skipped_frac,
+        **({"accuracy_base_model": base,
+            "accuracy_loss_rel_vs_base_model": 1.0 - tf.accuracy_exit / base if base > 0 else 0.0}
+           if base is not None else {}),
+        # a compressed model: its exits against the float model it was compressed from, full depth
+        **({"accuracy_float_model": flt,
+            "accuracy_loss_rel_vs_float_model": 1.0 - tf.accuracy_exit / flt if flt > 0 else 0.0}
+           if flt is not None else {}),
+        "exit_fraction": tf.exit_fraction, "calibration_quality": chosen.calibration_quality,
+        "certify_walk": c.to_dict(), "comparison": [x.row() for x in systems],
+    }
+
+
 def main(cfg: CalibrateConfig) -> int:
     t0 = time.time()
     run = open_run(cfg.run_dir, cfg.threads)
@@ -181,22 +286,9 @@ def main(cfg: CalibrateConfig) -> int:
                           "only its graphs compute a non-linear score; use platt or isotonic")
     served = served_engine(cfg.backend, manifest, ckpt, model, cfg.threads)
     _log(t0, f"engine: {served.backend.name}; tokens judged against {served.reference_name}")
-    n_min = min_units(cfg.epsilon, cfg.delta, cfg.pvalue)
-    if cfg.certify_units < n_min:
-        raise ConfigError(f"certify_units={cfg.certify_units} is too few to certify epsilon={cfg.epsilon} at "
-                          f"delta={cfg.delta} with the {cfg.pvalue.value} p-value: at least {n_min} certify units "
-                          f"(prompts) are needed, even with zero false exits")
-    if cfg.kv_mode is KVChoice.AUTO and cfg.propagate_units < n_min:
-        raise ConfigError(f"propagate_units={cfg.propagate_units} is too few for the direct test of propagate "
-                          f"(kv_mode=auto): at least {n_min} units are needed")
-    length = cfg.prompt_tokens + cfg.new_tokens
     data = corpora(tok, cfg.calib_data, cfg.eval_data, cfg.heldout_percent)
-    n_draw = cfg.fit_units + cfg.certify_units + (cfg.propagate_units if cfg.kv_mode is KVChoice.AUTO else 0)
-    check_amount(data.calibration, data.calibration_name, length, n_draw, cfg.min_documents,
-                 f"Certifying epsilon={cfg.epsilon} at delta={cfg.delta} ({cfg.pvalue.value}) needs at least "
-                 f"{n_min} certify prompts; this run draws {cfg.fit_units} fit + {cfg.certify_units} certify"
-                 + (f" + {cfg.propagate_units} propagate-test" if cfg.kv_mode is KVChoice.AUTO else ""))
-    check_amount(data.evaluation, data.evaluation_name, length, 1, 1, "Evaluation needs")
+    n_min = check_sizes(cfg, data)
+    length = cfg.prompt_tokens + cfg.new_tokens
     s = seeds(cfg.seed)
     lams = default_grid()
     mode = KVMode.PROPAGATE if cfg.kv_mode is KVChoice.PROPAGATE else KVMode.DEFER
@@ -235,21 +327,7 @@ def main(cfg: CalibrateConfig) -> int:
 
     # with kv_mode=auto, the chosen rule in propagate mode on fresh units: one more hypothesis of the same
     # fixed sequence, shipped only if the walk reached the provisional rule (else the sequence stopped)
-    prop = None
-    if cfg.kv_mode is KVChoice.AUTO and c.certified:
-        prop_rule = TableRule(_table(ckpt, model, cfg.calibrator, c.lam, cals, KVMode.PROPAGATE,
-                                     route=cfg.route_min_lookup))
-
-        def decided(r: FreeRun) -> bool:
-            x = r.unit_losses()
-            return anytime and (cert.direct_test(x, cfg.epsilon, cfg.delta, cfg.pvalue, None).passed
-                                or exceeds_pvalue(x, cfg.epsilon, cfg.pvalue, None) <= cfg.delta)
-
-        prop_w = data.calibration.draw(cfg.propagate_units, length, s["propagate"])
-        prop_run, _ = free_run_until(served, prop_w.ids[:, :P], cfg.new_tokens, prop_rule, KVMode.PROPAGATE,
-                                     cfg.batch, decided, desc="propagate-test units")
-        prop = cert.direct_test(prop_run.unit_losses(), cfg.epsilon, cfg.delta, cfg.pvalue,
-                                None if anytime else s["order"])
+    prop = propagate_test(cfg, served, data, s, ckpt, model, cals, c, anytime)
     ship = choose_shipped(cfg.kv_mode, mode, c, prop, cfg.epsilon, cfg.delta)
     shipped = ship.kv_mode
     if prop is not None:
@@ -278,54 +356,13 @@ def main(cfg: CalibrateConfig) -> int:
     docs = int(data.calibration.eligible(length).size)
     text = statement(ship, cfg.epsilon, cfg.delta, cfg.prompt_tokens, cfg.new_tokens, data.calibration_name, docs,
                      c.lam_provisional)
-    judged = cfg.new_tokens - 1
-    certificate = {
-        "epsilon": cfg.epsilon, "delta": cfg.delta, "pvalue": cfg.pvalue.value, "statement": text,
-        "unit": "prompt", "n_units": ship.n_units, "n_tokens": ship.n_units * judged, "min_units": n_min,
-        "prompt_tokens": cfg.prompt_tokens, "new_tokens": cfg.new_tokens,
-        "calibration_corpus": data.calibration_name, "calibration_documents": docs,
-        "certified": ship.certified, "exact": ship.exact, "lambda_provisional": c.lam_provisional,
-        "false_exit_rate_calib": ship.empirical_risk, "bound": ship.bound, "p_value": ship.p_value,
-        "kv_mode_reason": ship.reason, "engine": served.backend.name, "reference": served.reference_name,
-        "defer_walk": c.to_dict(),
-        "propagate_test": None if prop is None else prop.to_dict(),
-        "expected_exit_fraction": {str(k): v for k, v in c.exit_fraction.items()},
-        "expected_layers_skipped_frac": c.layers_skipped_frac,
-    }
+    certificate = certificate_of(cfg, ship, c, prop, served, data, text, docs, n_min)
     table = _table(ckpt, model, cfg.calibrator, c.lam, cals, shipped, certificate, cfg.route_min_lookup)
     tc = exit_targets(test.argmax)
     tp = cert.calibrated(cals, test)  # the calibrators' quality on every token (routing aside)
     curves = {f"exit {k}": reliability_curve(tp[k], tc[k]) for k in cals}
-    metrics = {
-        "epsilon": cfg.epsilon, "delta": cfg.delta, "pvalue": cfg.pvalue.value, "calibrator": cfg.calibrator.value,
-        "engine": served.backend.name, "reference": served.reference_name,
-        "certificate_statement": text, "certified": ship.certified, "certificate_exact": ship.exact,
-        "lambda": c.lam, "lambda_provisional": c.lam_provisional, "bound": ship.bound, "p_value": ship.p_value,
-        "n_units": ship.n_units, "n_fit_units": fit.n_units, "n_eval_units": test.n_units, "min_units": n_min,
-        "tokens_per_unit": judged, "prompt_tokens": cfg.prompt_tokens, "new_tokens": cfg.new_tokens,
-        "n_calibration_tokens": ship.n_units * judged, "min_calibration_tokens": n_min * judged,
-        "n_test_tokens": test.n,
-        "calib_data": cfg.calib_data or "shipped calibration split", "calibration_corpus": data.calibration_name,
-        "calibration_documents": docs, "eval_data": data.evaluation_name,
-        "eval_documents": int(data.evaluation.eligible(length).size),
-        "false_exit_rate_calib": ship.empirical_risk, "engine_agreement": c.agreement,
-        "kv_mode_reason": ship.reason,
-        "false_exit_rate_test": tf.false_exit_rate,
-        "free_run_false_exit_rate_test": fr.false_exit_rate, "kv_mode": shipped.value,
-        "kv_mode_choice": cfg.kv_mode.value, "propagate_test": None if prop is None else prop.to_dict(),
-        "free_run": asdict(fr), "free_run_by_kv_mode": {m.value: r.to_dict() for m, r in runs.items()},
-        "accuracy_full": tf.accuracy_full, "accuracy_exit": tf.accuracy_exit, "accuracy_loss_rel": tf.accuracy_loss_rel,
-        "layers_skipped_frac": fr.layers_skipped_frac, "layers_skipped_frac_teacher_forced": tf.layers_skipped_frac,
-        **({"accuracy_base_model": base,
-            "accuracy_loss_rel_vs_base_model": 1.0 - tf.accuracy_exit / base if base > 0 else 0.0}
-           if base is not None else {}),
-        # a compressed model: its exits against the float model it was compressed from, full depth
-        **({"accuracy_float_model": flt,
-            "accuracy_loss_rel_vs_float_model": 1.0 - tf.accuracy_exit / flt if flt > 0 else 0.0}
-           if flt is not None else {}),
-        "exit_fraction": tf.exit_fraction, "calibration_quality": chosen.calibration_quality,
-        "certify_walk": c.to_dict(), "comparison": [x.row() for x in systems],
-    }
+    metrics = metrics_of(cfg, ship, c, prop, served, data, text, docs, n_min, fit, test, tf, fr, runs, shipped,
+                         base, flt, chosen, systems)
     _check_finite(metrics)
 
     out = Path(cfg.run_dir) / "calibration"
