@@ -339,25 +339,38 @@ def _cosine32(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 ENTRY_POINTS = "smartexit.backends"  # group of the package's entry points (pyproject.toml)
+BUILTIN_BACKENDS = {  # the package's own, as pyproject.toml declares them: found also where its metadata is not
+    # installed (a Triton bundle's copy of the package); tests/unit/test_layers.py holds the two equal
+    "torch": "edge.runtime.torch_backend:TorchBackend",
+    "onnxruntime": "edge.runtime.ort_backend:OrtBackend",
+    "onnxruntime_portable": "edge.runtime.portable_backend:OrtPortableBackend",
+    "tensorrt": "edge.runtime.portable_backend:TensorRTBackend",
+    "torch_static": "edge.runtime.static_backend:StaticTorchBackend",
+}
 
 
 def backend_names() -> list[str]:
-    """The backends installed: each package declares its own under the ``smartexit.backends`` group."""
+    """The backends installed: the package's own and those other packages declare under the
+    ``smartexit.backends`` entry-point group."""
     from importlib.metadata import entry_points
 
-    return sorted(ep.name for ep in entry_points(group=ENTRY_POINTS))
+    return sorted(set(BUILTIN_BACKENDS) | {ep.name for ep in entry_points(group=ENTRY_POINTS)})
 
 
 def make_backend(name: str, **kwargs: Any) -> Backend:
-    """The backend registered as ``name``, called with ``kwargs`` (``model=`` for torch,
-    ``graphs_dir=`` for an export). Its module is imported only now, so the serving path never imports
-    the backends it does not use.
+    """The one backend factory: the backend registered as ``name``, called with ``kwargs`` (``model=`` for
+    torch, ``graphs_dir=`` for an export). Its module is imported only now, so the serving path never imports
+    the backends it does not use (torch for torch_static, TensorRT for tensorrt).
 
     Raises:
         ConfigError: no backend of that name is installed.
     """
+    import importlib
     from importlib.metadata import entry_points
 
+    if name in BUILTIN_BACKENDS:
+        module, attr = BUILTIN_BACKENDS[name].split(":")
+        return getattr(importlib.import_module(module), attr)(**kwargs)
     found = [ep for ep in entry_points(group=ENTRY_POINTS) if ep.name == name]
     if not found:
         raise ConfigError(f"unknown backend {name!r}; installed: {', '.join(backend_names()) or 'none'} "

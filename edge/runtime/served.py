@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from edge.core.errors import ArtifactError, ConfigError
-from edge.runtime.backend import Backend
+from edge.runtime.backend import Backend, make_backend
 
 CHOICE_FILE = Path("jetson") / "units" / "backend.json"  # in a run folder: where `smartexit jetson serve` writes it
 ENGINES_DIR = Path("jetson") / "engines"  # in a run folder: the TensorRT plans of `make jetson-engines`
@@ -45,7 +45,8 @@ def read_backend_choice(path: str | Path | None) -> dict[str, Any]:
 
 def open_backend(choice: dict[str, Any], graphs_dir: Path, checkpoint_sha256: str, threads: int) -> Backend:
     """The backend ``choice`` names over the export in ``graphs_dir`` (a bundle or a run's ``onnx/``,
-    already verified against ``checkpoint_sha256``): torch_static's checkpoint must be that one.
+    already verified against ``checkpoint_sha256``), made by the one factory (edge.runtime.backend.make_backend):
+    this maps a choice file's fields to its arguments, and torch_static's checkpoint must be that one.
 
     Raises:
         ArtifactError: torch_static's checkpoint is another; TensorRT engines of another export.
@@ -53,19 +54,12 @@ def open_backend(choice: dict[str, Any], graphs_dir: Path, checkpoint_sha256: st
     """
     name = choice["name"]
     if name == "onnxruntime":
-        from edge.runtime.ort_backend import OrtBackend  # directly: entry points need the package's metadata
-
-        return OrtBackend(graphs_dir=graphs_dir, checkpoint=None, threads=threads)
+        return make_backend(name, graphs_dir=graphs_dir, checkpoint=None, threads=threads)
     if name == "onnxruntime_portable":  # the CPU reference of what TensorRT runs
-        from edge.runtime.portable_backend import OrtPortableBackend
-
-        return OrtPortableBackend(graphs_dir=graphs_dir, threads=threads)
+        return make_backend(name, graphs_dir=graphs_dir, threads=threads)
     if name == "tensorrt":
-        from edge.runtime.portable_backend import TensorRTBackend
-
-        return TensorRTBackend(graphs_dir=graphs_dir, engines_dir=choice["engines_dir"])
+        return make_backend(name, graphs_dir=graphs_dir, engines_dir=choice["engines_dir"])
     from edge.core.artifacts import sha256_path
-    from edge.runtime.static_backend import StaticTorchBackend  # imports torch: only for this choice
 
     ckpt = Path(choice["checkpoint"])
     actual = sha256_path(ckpt) if ckpt.is_dir() else None
@@ -73,4 +67,4 @@ def open_backend(choice: dict[str, Any], graphs_dir: Path, checkpoint_sha256: st
         raise ArtifactError(f"{ckpt}: {'sha256 ' + actual[:16] + '...' if actual else 'no checkpoint folder'}; the "
                             f"graphs were exported from checkpoint {checkpoint_sha256[:16]}...: torch_static must load "
                             f"that one")
-    return StaticTorchBackend(checkpoint=ckpt, device=choice.get("device"), dtype=choice.get("dtype", "float32"))
+    return make_backend(name, checkpoint=ckpt, device=choice.get("device"), dtype=choice.get("dtype", "float32"))

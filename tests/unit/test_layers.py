@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from edge.core.errors import ConfigError
-from edge.runtime.backend import backend_names, make_backend
+from edge.runtime.backend import BUILTIN_BACKENDS, backend_names, make_backend
 
 ROOT = Path(__file__).parents[2]
 
@@ -31,3 +31,12 @@ def test_backends_register_through_entry_points():
         make_backend("torch")
     with pytest.raises(ConfigError, match="needs graphs_dir"):
         make_backend("onnxruntime")
+
+
+def test_builtin_backends_are_the_declared_entry_points():
+    """The factory finds the package's own backends without its metadata (a Triton bundle's copy); the table
+    it reads must be what pyproject.toml declares, or an installed and a copied package would differ."""
+    import tomllib
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["smartexit.backends"]
+    assert declared == BUILTIN_BACKENDS
