@@ -260,8 +260,46 @@ def _static_dims(name: str, d: int, kv_heads: int, head_dim: int, vocab: int) ->
             "exit_hidden": {**one, 2: d}}.get(name, {2: d})
 
 
+def own_zero_points(graph: onnx.GraphProto) -> int:
+    """Give each Q/DQ pair (a QuantizeLinear and the DequantizeLinears of its output; or a lone
+    DequantizeLinear) a zero-point initializer of its own; returns the copies made.
+
+    The tracer writes one zero-point constant per linear and onnxslim merges the equal ones, so one
+    INT8 zero point ends up shared by several pairs. ONNX Runtime's conversion of INT8 Q/DQ to UINT8
+    (``session.x64quantprecision``, which edge/runtime/ortsession.py sets so that x86 CPUs without
+    VNNI do not saturate: see there) converts a zero point once per pair and fails on a shared one
+    ("Attempt to replace the existing tensor"). Values are unchanged; TensorRT reads the graph as before.
+    """
+    inits = {t.name: t for t in graph.initializer}
+    q_out = {n.output[0]: n for n in graph.node if n.op_type == "QuantizeLinear"}
+    groups: dict[str, list[onnx.NodeProto]] = {}  # a pair's key -> its nodes
+    for n in graph.node:
+        if n.op_type == "QuantizeLinear":
+            groups.setdefault(n.output[0], []).append(n)
+        elif n.op_type == "DequantizeLinear":
+            key = n.input[0] if n.input[0] in q_out else n.output[0]
+            groups.setdefault(key, []).append(n)
+    users: dict[str, list[str]] = {}  # zero point -> the pairs that read it
+    for key, nodes in groups.items():
+        for zp in {n.input[2] for n in nodes if len(n.input) > 2 and n.input[2] in inits}:
+            users.setdefault(zp, []).append(key)
+    copies = 0
+    for zp, keys in users.items():
+        for k, key in enumerate(keys[1:], 1):
+            twin = onnx.TensorProto()
+            twin.CopyFrom(inits[zp])
+            twin.name = f"{zp}.{k}"
+            graph.initializer.append(twin)
+            for n in groups[key]:
+                if len(n.input) > 2 and n.input[2] == zp:
+                    n.input[2] = twin.name
+            copies += 1
+    return copies
+
+
 def _pin_output_dims(path: Path, static: dict[str, dict[int, int]]) -> None:
-    """Write the fixed sizes into the outputs' shapes.
+    """Write the fixed sizes into the outputs' shapes (and give every Q/DQ pair its own zero point:
+    :func:`own_zero_points`).
 
     The tracer leaves some fixed axes symbolic (RoPE's rotate-half concat makes the head dim of
     ``present_key_*`` read 'Addpresent_key_0_dim_3'); engines size their output buffers from these.
@@ -271,6 +309,7 @@ def _pin_output_dims(path: Path, static: dict[str, dict[int, int]]) -> None:
         dims = out.type.tensor_type.shape.dim
         for axis, size in static.get(out.name, {}).items():
             dims[axis].dim_value = size  # clears dim_param (oneof)
+    own_zero_points(proto.graph)
     onnx.save_model(proto, str(path))
 
 

@@ -8,9 +8,11 @@ ONNX Runtime's global pool fixes both, but once it exists every session must
 use it, so all sessions are opened through :func:`session_options`.
 
 ONNX Runtime optimises a graph every time a session opens it. :func:`open_session` keeps the
-optimised graph (at the hardware-independent ``ORT_ENABLE_EXTENDED`` level) in
-``<graphs>/.ort_cache/<onnxruntime version>/`` and opens that, with no optimisation pass, from then
-on; a cached graph is used only if it was made from a source file with the same sha256.
+optimised graph (at the ``ORT_ENABLE_EXTENDED`` level) in
+``<graphs>/.ort_cache/<onnxruntime version>/<int8 kernels>/`` and opens that, with no optimisation
+pass, from then on; a cached graph is used only if it was made from a source file with the same
+sha256. The level is hardware-independent except for INT8 matrix products, hence the kind of
+kernel in the path (:func:`int8_kernels`).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from pathlib import Path
 from edge.core.artifacts import sha256_file
 
 _POOL_THREADS: int | None = None  # size of this process's shared pool, once created
+X64_QUANT_PRECISION = "session.x64quantprecision"  # ONNX Runtime's session config key (see session_options)
 CACHE_DIR = ".ort_cache"  # hidden: not part of the export's hash (edge.core.artifacts.sha256_path)
 
 
@@ -35,7 +38,32 @@ def session_options(ort, threads: int = 0):
     opts = ort.SessionOptions()
     opts.use_per_session_threads = False
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    # INT8 matrix products: on x86 without VNNI (AVX2, AVX-512 before VNNI, SSE4.1) MLAS's U8S8 kernel
+    # sums pairs of products in saturating 16-bit lanes (VPMADDUBSW). On such a CPU (a 2-core AMD EPYC
+    # with AVX2, 2026-12-02) the compressed demo model's graphs then missed torch by up to 7.6% of an
+    # output's scale where 1.5% was measured on VNNI CPUs, and the export's parity gate failed. This
+    # makes ONNX Runtime convert to the exact U8U8 kernel on those CPUs only (its
+    # kOrtSessionOptionsAvx2PrecisionMode); elsewhere nothing changes. Exported graphs give each Q/DQ
+    # pair its own zero point, which the conversion needs (exporters/onnx_export.py own_zero_points).
+    opts.add_session_config_entry(X64_QUANT_PRECISION, "1")
     return opts
+
+
+def int8_kernels() -> str:
+    """Which INT8 matrix product ONNX Runtime runs here: ``x86-vnni`` (U8S8 without saturation),
+    ``x86-u8u8`` (x86 without VNNI: the exact U8U8 kernel, see :func:`session_options`) or the machine
+    name elsewhere (aarch64: the dot-product kernels). The optimised-graph cache is kept per kind: a
+    graph optimised on one kind of CPU may hold the fused kernels of that kind."""
+    import platform
+
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64", "i386", "i686"):
+        return machine or "unknown"
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:  # not Linux: assume the conservative kind
+        return "x86-u8u8"
+    return "x86-vnni" if flags & {"avx512_vnni", "avx_vnni", "avx_vnni_int8"} else "x86-u8u8"
 
 
 def pool_threads() -> int | None:
@@ -61,7 +89,7 @@ def open_session(ort, path: str | Path, threads: int = 0, providers: list[str] |
     opts = session_options(ort, threads)
     if not cache or providers != ["CPUExecutionProvider"]:
         return ort.InferenceSession(str(path), opts, providers=providers)
-    folder = path.parent / CACHE_DIR / ort.__version__
+    folder = path.parent / CACHE_DIR / ort.__version__ / int8_kernels()
     cached, stamp = folder / path.name, folder / f"{path.name}.json"
     # a graph with external weights keeps them external in the cache too (protobuf's 2 GiB limit)
     data = f"{path.name}.data" if (path.parent / f"{path.name}.data").is_file() else None

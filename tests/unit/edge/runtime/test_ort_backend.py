@@ -115,20 +115,21 @@ def test_backends_share_one_thread_pool(exported):
 
 
 def test_optimised_graphs_are_cached_and_rechecked(exported, tmp_path):
-    """The first open writes ONNX Runtime's optimised graph next to the export; later opens use it;
-    a cached graph that no longer matches its stamp is rebuilt, not trusted."""
+    """The first open writes ONNX Runtime's optimised graph next to the export (per ONNX Runtime version
+    and kind of INT8 kernel); later opens use it; a cached graph that no longer matches its stamp is
+    rebuilt, not trusted."""
     import shutil
 
     import onnxruntime as ort
 
-    from edge.runtime.ortsession import CACHE_DIR, open_session
+    from edge.runtime.ortsession import CACHE_DIR, int8_kernels, open_session
 
     m, ckpt, graphs = exported
     src = tmp_path / "g"
     shutil.copytree(graphs, src, ignore=shutil.ignore_patterns(CACHE_DIR))
     path = src / "fused" / "segment_1.onnx"
     open_session(ort, path)
-    cached = src / "fused" / CACHE_DIR / ort.__version__ / path.name
+    cached = src / "fused" / CACHE_DIR / ort.__version__ / int8_kernels() / path.name
     assert cached.is_file() and cached.with_name(path.name + ".json").is_file()
     stamp = cached.stat().st_mtime_ns
     open_session(ort, path)
