@@ -72,6 +72,9 @@ class RepoConfig:
     # initial prefill tokens per step (the control loop moves it, within the backend's largest chunk)
     prefill_budget: int = PREFILL_BUDGET.default
     max_waiting: int = 64  # queued requests before "overloaded"
+    # refuse (429) a request still waiting when its TTFT deadline passes (edge/runtime/host.py); the
+    # serving front end may turn it on or off (serve.shed_late)
+    shed_late: bool = HostConfig.shed_late
     default_sla_ttft_ms: float = SLA_TTFT_MS.default
     default_sla_tpot_ms: float = SLA_TPOT_MS.default
     # the online audit's settings; the bound it tests is the threshold table's epsilon (thresholds.json)
@@ -88,7 +91,7 @@ class RepoConfig:
         engine = EngineConfig(max_seqs=self.max_seqs, max_len=max_len, prefill_budget=self.prefill_budget, kv_mode=kv_mode,
                               max_running=min(self.max_running, self.max_seqs), speculative=dict(self.speculative))
         return HostConfig(engine=engine, max_waiting=self.max_waiting, default_sla_ttft_ms=self.default_sla_ttft_ms,
-                          default_sla_tpot_ms=self.default_sla_tpot_ms,
+                          default_sla_tpot_ms=self.default_sla_tpot_ms, shed_late=self.shed_late,
                           audit=AuditConfig.from_dict(self.audit, "repo.audit"))
 
 

@@ -328,10 +328,20 @@ def _serve_md(b: dict[str, Any]) -> list[str]:
         lines.append(f"| {name} | {r['requests']} | {r['errors']} | {_fmt(r['ttft_p95_ms'], '.1f')} | "
                      f"{_fmt(r['tpot_p95_ms'], '.1f')} | {r['sla_attainment']:.3f} | {r['goodput_rps']:.2f} | "
                      f"{r['tokens_per_s']:.1f} |")
-    lines += ["", f"The price of serving (closed loop, side by side): served / in-process tokens/s "
-              f"{_fmt(b.get('served_vs_inprocess_tokens_ratio'), '.3f')} at concurrency "
+    spread = b.get("spread") or {}
+
+    def rng(key: str, spec: str) -> str:  # median (min-max over the interleaved repeats), where measured
+        r = spread.get(key)
+        return (f"{_fmt(r['median'], spec)} ({_fmt(r['min'], spec)}-{_fmt(r['max'], spec)})" if r
+                else _fmt(b.get(key), spec))
+    lines += ["", f"The price of serving (closed loop, interleaved with the engine in process, "
+              f"{b.get('capacity_repeats', 1)} repeats; median (range)): served / in-process tokens/s "
+              f"{rng('served_vs_inprocess_tokens_ratio_c1', '.3f')} at concurrency "
+              f"{b.get('ttft_overhead_concurrency', 'n/a')} and {rng('served_vs_inprocess_tokens_ratio', '.3f')} at "
               f"{b.get('served_vs_inprocess_concurrency', 'n/a')}; TTFT p50 overhead "
-              f"{_fmt(b.get('ttft_p50_overhead_ms'), '.1f')} ms at concurrency {b.get('ttft_overhead_concurrency', 'n/a')}.",
+              f"{rng('ttft_p50_overhead_ms', '.1f')} ms at concurrency {b.get('ttft_overhead_concurrency', 'n/a')}; "
+              f"machine CPU per token added by serving {rng('serving_cpu_ms_per_token', '.2f')} ms at "
+              f"{b.get('served_vs_inprocess_concurrency', 'n/a')} (bench/serve.md: every system and level).",
               "", "![latency CDFs against the SLA](bench/serve_latency_cdf.png)", "",
               "![served throughput](bench/serve_throughput.png)", ""]
     if b.get("dashboard_png"):
@@ -456,8 +466,10 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         b = report["serve_bench"]
         lines.append(f"served ({b['policy']}): {b['requests']} requests, {b['errors']} errors, TTFT p95 "
                      f"{_fmt(b['ttft_p95_ms'], '.1f')} ms, SLA attainment {b['sla_attainment']:.3f}; served / in "
-                     f"process tokens/s {_fmt(b.get('served_vs_inprocess_tokens_ratio'), '.3f')}, TTFT p50 overhead "
-                     f"{_fmt(b.get('ttft_p50_overhead_ms'), '.1f')} ms")
+                     f"process tokens/s {_fmt(b.get('served_vs_inprocess_tokens_ratio_c1'), '.3f')} / "
+                     f"{_fmt(b.get('served_vs_inprocess_tokens_ratio'), '.3f')} (concurrency "
+                     f"{b.get('ttft_overhead_concurrency', 'n/a')} / {b.get('served_vs_inprocess_concurrency', 'n/a')}), "
+                     f"TTFT p50 overhead {_fmt(b.get('ttft_p50_overhead_ms'), '.1f')} ms")
     if "scheduler" in report:
         s = report["scheduler"]
         lines.append(f"scheduler: learned / best fixed goodput, min over held-out workloads and loads (sim) "

@@ -17,6 +17,12 @@ handed to the host), later ``bounded`` requests run at full depth.
 
 The backend's largest chunk (``Backend.max_chunk``: a TensorRT profile's) bounds the prefill budget: a
 ``set`` above it is clamped, and ``stats`` reports it as ``max_chunk`` for the control policies.
+
+Load shedding (``HostConfig.shed_late``, or ``{"op": "set", "shed_late": true}``): before every step, a
+request still waiting for admission whose TTFT deadline (its arrival plus its TTFT target) has passed
+can no longer meet it; it is refused there and then, its last chunk's finish reason ``shed`` with a
+``retry_after_s`` (the front end answers 429 with Retry-After), counted in ``shed_total`` and as a
+miss of its SLA, never dropped silently. A request already admitted runs to its end.
 """
 from __future__ import annotations
 
@@ -57,6 +63,7 @@ class HostConfig:
     # took under the stack): `smartexit profile` fits the served engine's step time from it
     # (scheduler/loadtest/serving_path.py). None: no log (the default; it costs the engine thread ~20 us a step)
     step_log: str | None = None
+    shed_late: bool = False  # refuse a waiting request once its TTFT deadline has passed (module doc)
 
     def __post_init__(self) -> None:
         if isinstance(self.engine, dict):
@@ -89,6 +96,7 @@ class Chunk:
     tokens: list[int]
     exit_layers: list[int]
     finish_reason: str | None = None  # set on the last chunk of a request
+    retry_after_s: float | None = None  # with finish reason "shed": when to come back
 
 
 def merge_chunks(chunks: list[Chunk]) -> list[Chunk]:
@@ -99,11 +107,12 @@ def merge_chunks(chunks: list[Chunk]) -> list[Chunk]:
     for c in chunks:
         m = merged.get(c.request_id)
         if m is None:
-            merged[c.request_id] = Chunk(c.request_id, list(c.tokens), list(c.exit_layers), c.finish_reason)
+            merged[c.request_id] = Chunk(c.request_id, list(c.tokens), list(c.exit_layers), c.finish_reason,
+                                         c.retry_after_s)
         elif m.finish_reason is None:
             m.tokens += c.tokens
             m.exit_layers += c.exit_layers
-            m.finish_reason = c.finish_reason
+            m.finish_reason, m.retry_after_s = c.finish_reason, c.retry_after_s
     return list(merged.values())
 
 
@@ -136,6 +145,8 @@ class _Live:
     history: list[int] = field(default_factory=list)  # prompt + output, for audit prefixes
     first: float | None = None  # when its first token was handed over
     late: bool = False  # a token was handed over after its due time
+    shed: bool = False  # refused while waiting: its TTFT deadline passed (HostConfig.shed_late)
+    retry_after_s: float | None = None
 
 
 @dataclass
@@ -183,6 +194,8 @@ class EngineHost:
         self._thread: threading.Thread | None = None
         self._queued = 0  # submitted, not yet handed to the engine (read without a lock: an estimate)
         self.tokens_total = self.finished_total = self.rejected_total = self.steps_total = 0
+        self.shed_total = 0
+        self.shed_late = cfg.shed_late
         # where the engine thread's time goes (the serving path's cost, scheduler/loadtest/serving_path.py)
         self.step_seconds_total = self.emit_seconds_total = 0.0
         self.chunks_total = 0
@@ -282,6 +295,11 @@ class EngineHost:
                     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                         raise HostError("invalid_request", f"{key} must be an integer >= 1, got {v!r}", key)
                     values[key] = v
+            if "shed_late" in op:
+                if not isinstance(op["shed_late"], bool):
+                    raise HostError("invalid_request", f"shed_late must be true or false, got {op['shed_late']!r}",
+                                    "shed_late")
+                values["shed_late"] = op["shed_late"]
             return self._call("set", values)
         if name == "cancel":
             rid = op.get("request_id")
@@ -315,6 +333,8 @@ class EngineHost:
         try:
             while not self._stop.is_set():
                 self._drain()
+                if self.shed_late:
+                    self._shed()
                 busy = self.engine.has_work
                 if busy:
                     before = self._before_step() if log_file is not None else None
@@ -347,6 +367,20 @@ class EngineHost:
         finally:
             if log_file is not None:
                 log_file.close()
+
+    def _shed(self) -> None:
+        """Refuse the waiting requests whose TTFT deadline has passed (module doc)."""
+        now = time.monotonic()
+        late = [live for seq in self.engine.waiting if (live := self._by_engine.get(seq.id)) is not None
+                and not live.shed and live.n_tokens == 0 and now >= live.arrival + live.sla_ttft_s]
+        if not late:
+            return
+        retry = self._retry_after(len(self.engine.waiting))
+        for live in late:
+            live.shed, live.retry_after_s = True, retry
+            self.engine.cancel(live.engine_id)
+            self.shed_total += 1
+        self._flush()
 
     def _before_step(self) -> tuple[dict[int, int], list[tuple[Any, int]]]:
         """What the step log needs from before a step: the decoding sequences' cached positions and the
@@ -396,6 +430,8 @@ class EngineHost:
                 self.engine.set_prefill_budget(arg["prefill_budget"])
             if "max_running" in arg:
                 self.engine.set_admission_limit(arg["max_running"])
+            if "shed_late" in arg:
+                self.shed_late = arg["shed_late"]
             return self._stats()
         if what == "stats":
             return self._stats()
@@ -431,14 +467,15 @@ class EngineHost:
             live.predicted = (ev.exit_layer if live.predicted is None
                               else EMA * ev.exit_layer + (1 - EMA) * live.predicted)
         if ev.finished:
-            live.finish = ev.finish_reason
+            live.finish = "shed" if live.shed else ev.finish_reason
 
     def _flush(self) -> int:
         """Hand each request the tokens of this step (and its end); returns the chunks sent."""
         now = time.monotonic()
         ready = [v for v in self._live.values() if v.tokens or v.finish]
         for live in ready:
-            chunk = Chunk(live.req.request_id, live.tokens, live.layers, live.finish)
+            chunk = Chunk(live.req.request_id, live.tokens, live.layers, live.finish,
+                          live.retry_after_s if live.finish == "shed" else None)
             live.tokens, live.layers = [], []
             self.tokens_total += len(chunk.tokens)
             self._account(live, len(chunk.tokens), now)
@@ -559,6 +596,7 @@ class EngineHost:
             "tokens_on_time_total": self.tokens_on_time_total, "tokens_late_total": self.tokens_late_total,
             "tokens_total": self.tokens_total, "finished_total": self.finished_total,
             "rejected_total": self.rejected_total, "steps_total": self.steps_total,
+            "shed_late": self.shed_late, "shed_total": self.shed_total,
             "step_seconds_total": self.step_seconds_total, "emit_seconds_total": self.emit_seconds_total,
             "chunks_total": self.chunks_total, "audit": audit,
         }

@@ -29,6 +29,7 @@ import numpy as np
 
 from edge.core.errors import ConfigError
 from edge.core.stats import due_time, on_time, p95_ms, sla_met  # the host's own statistics: one definition live and simulated
+from edge.runtime.host import HostConfig
 from edge.runtime.settings import MAX_RUNNING, MAX_SEQS, PREFILL_BUDGET, SLA_TPOT_MS, SLA_TTFT_MS, clamp_budget
 from scheduler.control.latency import LatencyModel
 from scheduler.control.outcomes import RequestResult
@@ -134,6 +135,9 @@ class SimConfig:
     # a time, admitted only when nothing waits and a slot is free; at most audit_max_pending queued
     audit_fraction: float = 0.0
     audit_max_pending: int = 64
+    # the host's load shedding (edge/runtime/host.py HostConfig.shed_late): a request still waiting when
+    # its TTFT deadline passes is refused then (a 429: a miss, never dropped silently)
+    shed_late: bool = HostConfig.shed_late
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -172,6 +176,7 @@ class _Req:
     predicted: float | None = None
     late: bool = False          # a token was delivered after its due time
     rejected: bool = False
+    shed: bool = False          # refused while waiting: its TTFT deadline passed (SimConfig.shed_late)
     audit: bool = False         # the host's own audit request: no client, no SLA
 
 
@@ -237,7 +242,7 @@ class Simulator:
         self._ends = list(self.latency.exit_layers)
         self._L = self.latency.num_layers
         self.tokens_total = self.finished_total = self.rejected_total = self.steps_total = 0
-        self.sla_met_total = self.chunks_total = 0
+        self.sla_met_total = self.chunks_total = self.shed_total = 0
         self.step_seconds_total = self.emit_seconds_total = 0.0
 
     # ---------------------------------------------------------------- control
@@ -296,8 +301,20 @@ class Simulator:
             self._audit_inflight = True
             self.audits_total += 1
 
+    def _shed(self) -> None:
+        """As the host: refuse the waiting requests whose TTFT deadline has passed."""
+        late = [r for r in self.waiting if self.t >= r.arrival + self._ttft]
+        for r in late:
+            self.waiting.remove(r)
+            r.shed, r.end = True, self.t
+            self.shed_total += 1
+            self.counts.rejected += 1
+            self.counts.violations += 1
+
     def _step(self) -> None:
         w, ends, L = self._w, self._ends, self._L
+        if self.cfg.shed_late:
+            self._shed()
         while self.waiting and len(self.prefilling) + len(self.decoding) < min(self.limit, self.cfg.max_seqs):
             self.prefilling.append(self.waiting.popleft())
         if self.cfg.audit_fraction > 0:
@@ -427,6 +444,7 @@ class Simulator:
             "sla_ttft_ms": self.cfg.sla_ttft_ms, "sla_tpot_ms": self.cfg.sla_tpot_ms,
             "tokens_total": self.tokens_total, "finished_total": self.finished_total,
             "sla_met_total": self.sla_met_total, "rejected_total": self.rejected_total,
+            "shed_late": self.cfg.shed_late, "shed_total": self.shed_total,
             "steps_total": self.steps_total, "step_seconds_total": self.step_seconds_total,
             "emit_seconds_total": self.emit_seconds_total, "chunks_total": self.chunks_total,
         }
@@ -439,6 +457,8 @@ class Simulator:
             res = RequestResult(f"sim-{r.i}", r.arrival, r.prompt, r.out, t_submit=r.arrival)
             if r.rejected:
                 res.t_end, res.error_kind, res.error = r.arrival, "overloaded", "refused: queue full"
+            elif r.shed:
+                res.t_end, res.error_kind, res.error = r.end, "shed", "refused: its TTFT deadline passed while it waited"
             elif r.end is not None:
                 res.t_first_token, res.t_end, res.tokens, res.finish_reason = r.first, r.end, r.out, "length"
             else:

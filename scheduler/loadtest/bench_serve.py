@@ -16,6 +16,7 @@ manifest. Definitions of the numbers: :mod:`scheduler.loadtest.bench_report`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,13 +29,18 @@ from edge.core.errors import ConfigError, SmartExitError
 from edge.runtime.settings import SLA_TPOT_MS, SLA_TTFT_MS
 from scheduler.loadtest.bench_report import compare, plot_latency_cdf, plot_throughput, render_markdown, same_lengths
 from scheduler.control.outcomes import summarize
-from scheduler.loadtest.loadgen import ScheduledRequest, build_schedule, run_closed_loop, run_open_loop
+from scheduler.loadtest.capacity import INPROCESS as INPROCESS_SYSTEM
+from scheduler.loadtest.capacity import SERVED as SERVED_SYSTEM
+from scheduler.loadtest.capacity import TRITON as TRITON_SYSTEM
+from scheduler.loadtest.capacity import Run, capacity_markdown, capacity_report, interleaved
+from scheduler.loadtest.loadgen import ScheduledRequest, build_schedule, run_open_loop
 from scheduler.control.outcomes import RequestResult
-from scheduler.loadtest.senders import HttpSender, InProcessSender
+from scheduler.loadtest.senders import HttpSender, InProcessSender, TritonSender
 from scheduler.control.workload import SHARED_TRACE, Arrivals, Workload, load_workload, synthetic
 
 STAGE = "bench_serve"
 INPROCESS = "in-process"
+EXACT_SYSTEM = "served_exact"  # the capacity runs' name for the stack in mode exact
 ARRIVALS = ("trace", "poisson", "bursty")
 MAX_TRACE_ROWS = 10_000_000  # read a whole trace; the window is cut afterwards
 
@@ -74,8 +80,10 @@ class BenchServeConfig:
     host: dict[str, Any] = field(default_factory=dict)  # bundle host overrides (RepoConfig fields), in process
     warmup_requests: int = 2          # sent one by one before each run, not measured
     # the price of serving: closed-loop runs at these concurrencies (same requests, fixed lengths) on the
-    # first policy's stack and in process; tokens/s ratio at the highest, TTFT overhead at the lowest
+    # first policy's stack, straight to a tritonserver (hops) and in process, interleaved, capacity_repeats
+    # times (scheduler/loadtest/capacity.py); tokens/s ratio at the highest and lowest, TTFT overhead at the lowest
     capacity_concurrency: list[int] = field(default_factory=lambda: [1, 8])
+    capacity_repeats: int = 3
     capacity_requests: int = 16       # per concurrency level
     capacity_prompt_tokens: int = 64
     capacity_max_tokens: int = 32
@@ -112,9 +120,9 @@ class BenchServeConfig:
         if (self.threads is not None and self.threads < 1) or self.warmup_requests < 0 or self.request_timeout_s <= 0:
             raise ConfigError("bench serve: threads >= 1, warmup_requests >= 0 and request_timeout_s > 0")
         if any(c < 1 for c in self.capacity_concurrency) or self.capacity_requests < 1 \
-                or self.capacity_prompt_tokens < 1 or self.capacity_max_tokens < 1:
-            raise ConfigError("bench serve: capacity_concurrency values, capacity_requests, capacity_prompt_tokens "
-                              "and capacity_max_tokens must be >= 1")
+                or self.capacity_prompt_tokens < 1 or self.capacity_max_tokens < 1 or self.capacity_repeats < 1:
+            raise ConfigError("bench serve: capacity_concurrency values, capacity_requests, capacity_prompt_tokens, "
+                              "capacity_max_tokens and capacity_repeats must be >= 1")
         if self.context_window is not None and self.context_window < 2:
             raise ConfigError(f"bench serve: context_window must be >= 2, got {self.context_window}")
 
@@ -210,37 +218,77 @@ def capacity_requests(cfg: BenchServeConfig, schedule: list[ScheduledRequest]) -
     return out
 
 
-async def _capacity(send: Any, cfg: BenchServeConfig, reqs: list[ScheduledRequest]) -> dict[int, list[RequestResult]]:
-    return {c: await run_closed_loop([ScheduledRequest(0.0, r.prompt_ids, r.max_tokens, f"{r.request_id}-c{c}")
-                                      for r in reqs], send, c) for c in cfg.capacity_concurrency}
+async def _served_sender(url: str, cfg: BenchServeConfig, mode: str | None = None) -> HttpSender:
+    """An entered :class:`HttpSender` for ``url`` in ``mode`` (default: the bench's), its model resolved
+    from ``/v1/models`` unless configured. The caller exits it."""
+    send = HttpSender(url, cfg.model or "", mode or cfg.mode, cfg.sla_ttft_ms, cfg.sla_tpot_ms, cfg.api_key,
+                      cfg.request_timeout_s)
+    await send.__aenter__()
+    if cfg.model is None:
+        models = await send.models()
+        if not models:
+            await send.__aexit__(None, None, None)
+            raise SmartExitError(f"bench serve: {url}/v1/models lists no model")
+        send.model = models[0]
+    return send
 
 
-async def http_run(url: str, schedule: list[ScheduledRequest], cfg: BenchServeConfig,
-                capacity: list[ScheduledRequest] | None = None) -> tuple[list[RequestResult], dict]:
-    async with HttpSender(url, cfg.model or "", cfg.mode, cfg.sla_ttft_ms, cfg.sla_tpot_ms, cfg.api_key,
-                          cfg.request_timeout_s) as send:
-        if cfg.model is None:
-            models = await send.models()
-            if not models:
-                raise SmartExitError(f"bench serve: {url}/v1/models lists no model")
-            send.model = models[0]
-        results = await _warm_then_run(send, schedule, cfg.warmup_requests, url)
-        cap = await _capacity(send, cfg, capacity) if capacity else {}
-        if capacity and cfg.capacity_exact and send.mode != "exact":
-            mode, send.mode = send.mode, "exact"
+async def http_run(url: str, schedule: list[ScheduledRequest], cfg: BenchServeConfig) -> list[RequestResult]:
+    send = await _served_sender(url, cfg)
+    try:
+        return await _warm_then_run(send, schedule, cfg.warmup_requests, url)
+    finally:
+        await send.__aexit__(None, None, None)
+
+
+def capacity_runs(cfg: BenchServeConfig, reqs: list[ScheduledRequest], url: str) -> dict[str, dict[int, list[Run]]]:
+    """The closed-loop requests on every system at once, interleaved (:func:`scheduler.loadtest.capacity.interleaved`):
+    the engine in this process (``inprocess``), a tritonserver of its own on the run's repository over
+    gRPC (``triton_direct``, with ``hops`` and a stack of our own), the stack at ``url`` (``served``) and,
+    with ``capacity_exact``, the stack in mode exact (``served_exact``)."""
+    from scheduler.serving.bundle import open_bundle
+    from scheduler.serving.stack import repository
+    from scheduler.serving.tritonserver import TritonProcess
+
+    with contextlib.ExitStack() as stack:
+        host = None
+        if cfg.inprocess:
+            host = open_bundle(bundle_dir(cfg), threads=cfg.threads, **cfg.host)
+            host.start()
+            stack.callback(host.stop)
+        tp = stack.enter_context(TritonProcess(repository(cfg.run_dir))) if cfg.hops and cfg.url is None else None
+
+        async def run() -> dict[str, dict[int, list[Run]]]:
+            senders: dict[str, Any] = {}
+            if host is not None:
+                senders[INPROCESS_SYSTEM] = InProcessSender(host, cfg.mode, cfg.sla_ttft_ms, cfg.sla_tpot_ms,
+                                                            cfg.request_timeout_s, stop_ids(cfg))
+            if tp is not None:
+                senders[TRITON_SYSTEM] = TritonSender(tp.grpc_url, cfg.mode, cfg.sla_ttft_ms, cfg.sla_tpot_ms,
+                                                      stop_ids(cfg))
+            senders[SERVED_SYSTEM] = await _served_sender(url, cfg)
+            if cfg.capacity_exact and cfg.mode != "exact":
+                senders[EXACT_SYSTEM] = await _served_sender(url, cfg, "exact")
             try:
-                cap["exact"] = await _capacity(send, cfg, capacity)
+                return await interleaved(senders, reqs, cfg.capacity_concurrency, cfg.capacity_repeats,
+                                         cfg.warmup_requests)
             finally:
-                send.mode = mode
-        return results, cap
+                for name, send in senders.items():
+                    if name == TRITON_SYSTEM:
+                        await send.close()
+                    elif name in (SERVED_SYSTEM, EXACT_SYSTEM):
+                        await send.__aexit__(None, None, None)
+        return asyncio.run(run())
 
 
 def served_runs(cfg: BenchServeConfig, schedule: list[ScheduledRequest],
-                capacity: list[ScheduledRequest] | None = None) -> tuple[dict[str, list[RequestResult]], dict, dict]:
+                capacity: list[ScheduledRequest] | None = None
+                ) -> tuple[dict[str, list[RequestResult]], dict[str, dict[int, list[Run]]], dict]:
     """(label -> results: ``served`` against ``url``, else one run per policy on a stack started for
-    it; concurrency -> closed-loop results on the first of them; the dashboard screenshot's record)."""
+    it; the capacity runs (:func:`capacity_runs`) on the first of them; the dashboard screenshot's record)."""
     if cfg.url is not None:
-        res, cap = asyncio.run(http_run(cfg.url, schedule, cfg, capacity))
+        res = asyncio.run(http_run(cfg.url, schedule, cfg))
+        cap = capacity_runs(cfg, capacity, cfg.url) if capacity else {}
         shot = _screenshot(cfg.url, Path(cfg.run_dir) / "bench" / "dashboard.png", cfg.api_key) if cfg.screenshot else {}
         return {"served": res}, cap, shot
     from edge.core.configio import apply
@@ -254,8 +302,9 @@ def served_runs(cfg: BenchServeConfig, schedule: list[ScheduledRequest],
         bundle = {"bundle_dir": cfg.bundle} if cfg.bundle is not None else {}  # else the stack's own
         serve_cfg = apply(ServeConfig(), {**bundle, **sla, **cfg.serve, "policy": policy})
         with serving_stack(cfg.run_dir, serve_cfg, graceful=False) as url:
-            runs[policy], c = asyncio.run(http_run(url, schedule, cfg, capacity if k == 0 else None))
-            cap = cap or c
+            runs[policy] = asyncio.run(http_run(url, schedule, cfg))
+            if k == 0 and capacity:
+                cap = capacity_runs(cfg, capacity, url)
             if k == 0 and cfg.screenshot:
                 shot = _screenshot(url, Path(cfg.run_dir) / "bench" / "dashboard.png", serve_cfg.api_key)
         print(f"bench serve: policy {policy}: {len(runs[policy])} requests sent", flush=True)
@@ -276,21 +325,15 @@ def _screenshot(url: str, out: Path, api_key: str | None) -> dict[str, str]:
     return {"dashboard_png": f"bench/{out.name}"}
 
 
-def inprocess_run(cfg: BenchServeConfig, schedule: list[ScheduledRequest],
-                  capacity: list[ScheduledRequest] | None = None) -> tuple[list[RequestResult], dict]:
-    """The same schedule (and closed-loop requests) on an EngineHost in this process, opened as the
-    served model opens it."""
+def inprocess_run(cfg: BenchServeConfig, schedule: list[ScheduledRequest]) -> list[RequestResult]:
+    """The same schedule on an EngineHost in this process, opened as the served model opens it."""
     from scheduler.serving.bundle import open_bundle
 
     host = open_bundle(bundle_dir(cfg), threads=cfg.threads, **cfg.host)
     host.start()
     try:
         send = InProcessSender(host, cfg.mode, cfg.sla_ttft_ms, cfg.sla_tpot_ms, cfg.request_timeout_s, stop_ids(cfg))
-
-        async def both():
-            res = await _warm_then_run(send, schedule, cfg.warmup_requests, "the in-process host")
-            return res, (await _capacity(send, cfg, capacity) if capacity else {})
-        return asyncio.run(both())
+        return asyncio.run(_warm_then_run(send, schedule, cfg.warmup_requests, "the in-process host"))
     finally:
         host.stop()
 
@@ -359,103 +402,26 @@ def build_report(cfg: BenchServeConfig, workload: dict[str, Any], runs: dict[str
             "runs": summaries, "comparison": comparison, "serve_bench": headline, "notes": notes, "config": config}
 
 
-def triton_direct_run(cfg: BenchServeConfig, reqs: list[ScheduledRequest]) -> dict[int, list[RequestResult]]:
-    """The closed-loop requests over gRPC to a tritonserver of its own on the run's repository."""
-    from scheduler.serving.tritonserver import TritonProcess
-    from scheduler.loadtest.senders import TritonSender
-    from scheduler.serving.stack import repository
+def capacity_section(cfg: BenchServeConfig, cap: dict[str, dict[int, list[Run]]]) -> dict[str, Any]:
+    """``serve.json``'s ``capacity``: :func:`scheduler.loadtest.capacity.capacity_report` of the runs, with
+    the requests' shape and, with mode exact, the exact / bounded tokens/s ratio at the lowest concurrency
+    (``headline["exact_vs_bounded_tokens_ratio"]``, its spread beside the others)."""
+    from scheduler.serving.config import ServeConfig
 
-    with TritonProcess(repository(cfg.run_dir)) as tp:
-        async def run():
-            send = TritonSender(tp.grpc_url, cfg.mode, cfg.sla_ttft_ms, cfg.sla_tpot_ms, stop_ids(cfg))
-            try:
-                for i, req in enumerate(reqs[:cfg.warmup_requests]):
-                    await send(ScheduledRequest(0.0, req.prompt_ids, req.max_tokens, f"warmup-triton-{i}"))
-                return await _capacity(send, cfg, reqs)
-            finally:
-                await send.close()
-        return asyncio.run(run())
-
-
-def capacity_report(cfg: BenchServeConfig, served: dict[int, list[RequestResult]],
-                    local: dict[int, list[RequestResult]],
-                    triton: dict[int, list[RequestResult]] | None = None) -> dict[str, Any]:
-    """Closed-loop runs side by side: per concurrency, served and in-process tokens/s and TTFT / TPOT
-    p50, their ratio and differences. The headline takes the tokens/s ratio at the highest concurrency
-    (the stack's capacity cost) and the TTFT p50 overhead at the lowest (its latency cost per request)."""
-    levels = {}
-    for c in sorted(served):
-        s, l = (summarize(x[c], cfg.sla_ttft_ms, cfg.sla_tpot_ms) for x in (served, local))
-        keys = ("requests", "errors", "tokens", "tokens_per_s", "ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms",
-                "tpot_p95_ms", "e2e_p50_ms")
-        t = summarize(triton[c], cfg.sla_ttft_ms, cfg.sla_tpot_ms) if triton and c in triton else None
-        levels[str(c)] = {"served": {k: s[k] for k in keys}, "inprocess": {k: l[k] for k in keys},
-                          "triton_direct": {k: t[k] for k in keys} if t else None,
-                          **compare(s, l), "same_output_lengths": same_lengths(served[c], local[c]),
-                          "tpot_p50_overhead_ms": (s["tpot_p50_ms"] - l["tpot_p50_ms"]
-                                                   if s["tpot_p50_ms"] is not None and l["tpot_p50_ms"] is not None
-                                                   else None)}
-    hi, lo = str(max(served)), str(min(served))
-    return {"requests_per_level": cfg.capacity_requests, "prompt_tokens": cfg.capacity_prompt_tokens,
+    via = cfg.serve.get("stream_via", ServeConfig.stream_via) if cfg.url is None else "as the server is configured"
+    meta = {"requests_per_level": cfg.capacity_requests, "prompt_tokens": cfg.capacity_prompt_tokens,
             "max_tokens": cfg.capacity_max_tokens, "policy": cfg.policies[0] if cfg.url is None else "served",
-            "mode": cfg.mode,
-            "levels": levels,
-            "headline": {"served_vs_inprocess_tokens_ratio": levels[hi]["served_vs_inprocess_tokens_ratio"],
-                         "served_vs_inprocess_concurrency": int(hi),
-                         "ttft_p50_overhead_ms": levels[lo]["ttft_p50_overhead_ms"],
-                         "ttft_overhead_concurrency": int(lo),
-                         "tpot_p50_overhead_ms": levels[lo]["tpot_p50_overhead_ms"]}}
-
-
-def exact_report(cfg: BenchServeConfig, exact: dict[int, list[RequestResult]],
-                 bounded: dict[int, list[RequestResult]]) -> dict[str, Any]:
-    """The closed loop in mode exact through the stack beside the same requests in the bench's mode: per
-    concurrency tokens/s, TTFT and TPOT p50, and the tokens/s ratio (headline: at the lowest concurrency)."""
-    levels = {}
-    for c in sorted(exact):
-        e, b = (summarize(x[c], cfg.sla_ttft_ms, cfg.sla_tpot_ms) for x in (exact, bounded))
-        levels[str(c)] = {"exact": {k: e[k] for k in ("requests", "errors", "tokens_per_s", "ttft_p50_ms", "tpot_p50_ms")},
-                          "tokens_ratio": e["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else None}
-    return {"levels": levels, "headline": levels[str(min(exact))]["tokens_ratio"]}
-
-
-def capacity_markdown(cap: dict[str, Any] | None) -> str:
-    if not cap:
-        return ""
-    f = lambda v, spec=".1f": "n/a" if v is None else format(v, spec)  # noqa: E731
-    lines = ["", "## The price of serving (closed loop, side by side)", "",
-             f"{cap['requests_per_level']} requests per concurrency, {cap['prompt_tokens']} prompt tokens, "
-             f"{cap['max_tokens']} new tokens each (greedy, stop at end of text), through the stack (policy "
-             f"{cap['policy']}) and on the engine in process.", "",
-             "| concurrency | served tokens/s | in-process tokens/s | ratio | TTFT p50 served / in-process ms | "
-             "overhead ms | TPOT p50 overhead ms | same lengths |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for c, lv in cap["levels"].items():
-        s, l = lv["served"], lv["inprocess"]
-        lines.append(f"| {c} | {f(s['tokens_per_s'])} | {f(l['tokens_per_s'])} | "
-                     f"{f(lv['served_vs_inprocess_tokens_ratio'], '.3f')} | {f(s['ttft_p50_ms'])} / "
-                     f"{f(l['ttft_p50_ms'])} | {f(lv['ttft_p50_overhead_ms'])} | {f(lv['tpot_p50_overhead_ms'])} | "
-                     f"{f(lv['same_output_lengths'], '.2f')} |")
-    if cap.get("exact"):
-        lines += ["", f"The same closed loop through the stack in mode exact (lossless speculative decoding) against "
-                  f"mode {cap.get('mode', 'bounded')}:", "",
-                  "| concurrency | exact tokens/s | ratio to the served row above | TTFT p50 ms | TPOT p50 ms |",
-                  "| ---: | ---: | ---: | ---: | ---: |"]
-        for c, lv in cap["exact"]["levels"].items():
-            e = lv["exact"]
-            lines.append(f"| {c} | {f(e['tokens_per_s'])} | {f(lv['tokens_ratio'], '.3f')} | {f(e['ttft_p50_ms'])} | "
-                         f"{f(e['tpot_p50_ms'])} |")
-    hops = [(c, lv) for c, lv in cap["levels"].items() if lv.get("triton_direct")]
-    if hops:
-        lines += ["", "Where the time goes: the same requests in process, straight to a tritonserver over gRPC "
-                  "(+ the python backend's IPC), and through Ray Serve (+ HTTP, the ingress, the worker).", "",
-                  "| concurrency | TTFT p50 ms: in process / Triton / stack | TPOT p50 ms: in process / Triton / "
-                  "stack | tokens/s: in process / Triton / stack |", "| ---: | ---: | ---: | ---: |"]
-        for c, lv in hops:
-            t3 = [lv["inprocess"], lv["triton_direct"], lv["served"]]
-            lines.append(f"| {c} | " + " / ".join(f(x["ttft_p50_ms"]) for x in t3) + " | "
-                         + " / ".join(f(x["tpot_p50_ms"]) for x in t3) + " | "
-                         + " / ".join(f(x["tokens_per_s"]) for x in t3) + " |")
-    return "\n".join(lines) + "\n"
+            "mode": cfg.mode, "stream_via": via}
+    rep = capacity_report(cap, cfg.sla_ttft_ms, cfg.sla_tpot_ms, meta)
+    if EXACT_SYSTEM in cap and SERVED_SYSTEM in cap:
+        lo = min(cap[SERVED_SYSTEM])
+        pairs = zip(cap[EXACT_SYSTEM][lo], cap[SERVED_SYSTEM][lo])
+        ratios = [summarize(e.results, cfg.sla_ttft_ms, cfg.sla_tpot_ms)["tokens_per_s"]
+                  / max(summarize(b.results, cfg.sla_ttft_ms, cfg.sla_tpot_ms)["tokens_per_s"], 1e-9) for e, b in pairs]
+        spread = {"median": float(np.median(ratios)), "min": min(ratios), "max": max(ratios)}
+        rep["headline"]["exact_vs_bounded_tokens_ratio"] = spread["median"]
+        rep["headline"]["spread"]["exact_vs_bounded_tokens_ratio"] = spread
+    return rep
 
 
 def write_outputs(cfg: BenchServeConfig, report: dict[str, Any], runs: dict[str, list[RequestResult]]) -> dict[str, Path]:

@@ -4,12 +4,16 @@
   (scheduler/serving/api.py), the front end's in-flight bound, SSE streaming, metrics, the live
   dashboard (its data: scheduler/serving/dashboard.py, sampled every ``dashboard_tick_s``).
 - ``Worker`` and ``Hub``: scheduler/serving/worker.py (the Triton-facing side, the control loop).
+- The tokens: with ``serve.stream_via: triton`` (the default) the ingress streams each request from
+  the picked worker's tritonserver itself (scheduler/serving/routes.py); with ``worker``, through the
+  worker replica.
 
 Cancellation: when an HTTP client disconnects, Ray Serve's proxy cancels the ingress request; the
 ``asyncio.CancelledError`` raised in the ingress's stream lands in ``Generation._chunks``, which
-cancels the worker's ``DeploymentResponseGenerator``; Serve then throws ``CancelledError`` into
-``Worker.generate``, whose ``aclosing`` closes the Triton stream, and ``TritonClient.generate`` sends
-the ``cancel`` control op for the request id.
+cancels its stream: a ``routes.TritonStream`` closes its gRPC stream; a worker's
+``DeploymentResponseGenerator`` makes Serve throw ``CancelledError`` into ``Worker.generate``, whose
+``aclosing`` closes the Triton stream. Either way ``TritonClient.generate`` sends the ``cancel``
+control op for the request id.
 """
 
 import asyncio
@@ -22,6 +26,7 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 from ray import serve
@@ -34,6 +39,7 @@ from scheduler.serving import api
 from scheduler.serving import dashboard
 from scheduler.serving.config import BundleInfo, ServeConfig
 from scheduler.serving.metrics import CONTENT_TYPE, ServeMetrics
+from scheduler.serving.routes import Routes, TritonStream
 from scheduler.serving.worker import DEVICE_RESOURCE, HUB_TIMEOUT_S, Hub, Worker
 
 log = logging.getLogger(__name__)
@@ -199,6 +205,8 @@ class Ingress:
                                      sla_ttft_ms=cfg.default_sla_ttft_ms, sla_tpot_ms=cfg.default_sla_tpot_ms)
         self._worker, self._hub = worker.options(stream=True), hub
         self._inflight, self._capacity = 0, cfg.max_inflight * cfg.replicas
+        self._routes = None if cfg.stream_via != "triton" else \
+            Routes(cfg.triton_timeout_s, cfg.max_inflight, ray.get_runtime_context().get_node_id())
         self._created = int(time.time())
         self._dashboard = dashboard.Dashboard(self._metrics, bundle.exit_layers, bundle.num_layers,
                                               cfg.default_sla_ttft_ms, cfg.default_sla_tpot_ms, cfg.power_meter,
@@ -292,6 +300,43 @@ class Ingress:
             log.warning("metrics without the workers' stats: %r", exc)
             self._metrics.set_replica_stats({})
         self._metrics.inflight.set(self._inflight)
+        await self._refresh_routes()
+
+    async def _refresh_routes(self) -> None:
+        """The ready workers' tritonservers (from the hub), with ``stream_via: triton``."""
+        if self._routes is None:
+            return
+        try:
+            await self._routes.update(await asyncio.wait_for(self._hub.routes.remote(), HUB_TIMEOUT_S))
+        except (RayError, RayServeException, asyncio.TimeoutError) as exc:
+            log.warning("routes not refreshed: %r", exc)
+
+    async def _open_stream(self, payload: dict[str, Any]) -> tuple[Any, Callable[[], None]]:
+        """The request's chunk stream and what releases its slots when it ends.
+
+        With ``stream_via: triton``, a stream from a ready tritonserver on this node, else (none ready
+        here) through a worker.
+
+        Raises:
+            ApiError: 429 when each ready tritonserver here has ``max_inflight`` of our requests.
+        """
+        if self._routes is not None and not self._routes.known:
+            await self._refresh_routes()
+        if self._routes is None or not self._routes.known:
+            self._metrics.streams.labels(via="worker").inc()
+            return self._worker.generate.remote(payload), self._release
+        picked = self._routes.pick()
+        if picked is None:
+            raise api.ApiError(429, f"every worker is at its limit of {self._cfg.max_inflight} requests in "
+                               "flight", code="too_many_requests", retry_after_s=self._cfg.retry_after_s)
+        url, client = picked
+        self._routes.acquire(url)
+        self._metrics.streams.labels(via="triton").inc()
+
+        def release() -> None:
+            self._routes.release(url)
+            self._release()
+        return TritonStream(client, payload), release
 
     async def _sample_dashboard(self) -> None:
         while True:
@@ -344,9 +389,12 @@ class Ingress:
         rid = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         text = api.TextStream(lambda ids: self._tok.decode(ids, skip_special_tokens=True), req.stop,
                               lstrip=req.kind == "chat")
-        stream = self._worker.generate.remote(req.payload(rid, self._stop_ids))
+        try:
+            stream, release = await self._open_stream(req.payload(rid, self._stop_ids))
+        except api.ApiError as err:
+            return self._error(err)
         self._inflight += 1  # released by gen.finish
-        gen = Generation(stream, req, text, self._metrics, t0, self._release)
+        gen = Generation(stream, req, text, self._metrics, t0, release)
         if req.stream:
             events = sse_events(gen, rid)
             try:

@@ -22,6 +22,7 @@ DEVICE_RESOURCE = "smartexit_device"  # the Ray custom resource: one unit per de
 REPO_BUNDLE = Path("smartexit") / "1" / "bundle"  # where `smartexit repo` puts it (exporters/triton.py)
 TOKENIZER_JSON = "tokenizer.json"
 LOOPBACK_NAMES = ("localhost",)
+STREAM_VIA = ("triton", "worker")  # ServeConfig.stream_via
 
 
 class PolicyName(str, enum.Enum):
@@ -90,6 +91,13 @@ class ServeConfig:
     power_meter: str = "none"
     dashboard_tick_s: float = 1.0           # the live dashboard samples its time series this often
     dashboard_points: int = 600             # and keeps this many samples (10 min at 1 s)
+    # how a request's tokens reach the ingress: "triton", its own gRPC stream to the picked worker's
+    # tritonserver on its node (one Ray hop fewer per chunk: scheduler/serving/routes.py; with none ready
+    # there, through a worker); "worker", always through the worker replica
+    stream_via: str = "triton"
+    # load shedding (edge/runtime/host.py): refuse with 429 + Retry-After a request still waiting when its
+    # TTFT deadline passes; None: the bundle's setting (RepoConfig.shed_late, off by default)
+    shed_late: bool | None = None
 
     def __post_init__(self) -> None:
         if self.bundle_dir is not None:
@@ -106,6 +114,10 @@ class ServeConfig:
             raise ConfigError("serve.host must not be empty")
         if not isinstance(self.power_meter, str) or not self.power_meter.strip():
             raise ConfigError(f"serve.power_meter must be a meter kind ('none', 'auto', ...), got {self.power_meter!r}")
+        if self.shed_late is not None and not isinstance(self.shed_late, bool):
+            raise ConfigError(f"serve.shed_late must be true, false or null, got {self.shed_late!r}")
+        if self.stream_via not in STREAM_VIA:
+            raise ConfigError(f"serve.stream_via must be one of {', '.join(STREAM_VIA)}, got {self.stream_via!r}")
         if self.log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"serve.log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         if not is_loopback(self.host) and not self.api_key:

@@ -104,6 +104,9 @@ class ServeMetrics:
                                     buckets=[float(b) for b in buckets], registry=r)
         self.inflight = Gauge("smartexit_inflight_requests", "Generation requests the front end is serving.",
                               registry=r)
+        self.streams = Counter("smartexit_streams", "Generation streams opened, by the way their tokens come: "
+                               "straight from a tritonserver (triton) or through a worker replica (worker).",
+                               ["via"], registry=r)
         for kind, target_ms in (("ttft", sla_ttft_ms), ("tpot", sla_tpot_ms)):
             if target_ms is not None:
                 Gauge(f"smartexit_sla_{kind}_target_seconds", f"The server's default {kind.upper()} target "

@@ -75,6 +75,14 @@ class Responder:
                 return
         if final:
             self.senders.pop(chunk.request_id, None)
+        if chunk.finish_reason == "shed":  # refused while it waited (the host's load shedding): a rejection
+            err = HostError("overloaded", "shed: its TTFT deadline passed while it waited for admission",
+                            retry_after_s=chunk.retry_after_s)
+            try:
+                sender.send(_error(err), flags=FINAL)
+            except Exception:  # noqa: BLE001 - the client went away meanwhile: nothing to tell
+                pass
+            return
         try:
             sender.send(_chunk_response(chunk), flags=FINAL if final else 0)
         except Exception:  # noqa: BLE001 - a vanished client must not stop the others' responses

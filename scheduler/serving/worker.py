@@ -4,7 +4,8 @@
   tritonserver or connects to ``triton_url``; runs the control loop every ``control_tick_s``
   (``scheduler.control.policies``) and pushes the engine's stats (and its device's power, with
   ``serve.power_meter``) to the hub; streams generations.
-- ``Hub``: one replica; the latest stats each worker pushed, for ``/metrics`` and ``/health``.
+- ``Hub``: one replica; the latest stats each worker pushed, for ``/metrics`` and ``/health``, and
+  its tritonserver's gRPC address, the route the ingress streams by (scheduler/serving/routes.py).
 
 No ``from __future__ import annotations`` here or in app.py: Serve rewrites deployment methods and
 needs their annotations evaluated.
@@ -18,6 +19,7 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
+import ray
 from ray import serve
 from ray.exceptions import RayError
 from ray.serve.exceptions import RayServeException
@@ -33,8 +35,11 @@ log = logging.getLogger(__name__)
 HUB_TIMEOUT_S = 5.0
 
 
-async def control_step(client: Any, policy: Any, observe: Callable[[dict], Any]) -> dict[str, Any]:
-    """One control tick: read the engine's stats, ask the policy, apply what changed.
+async def control_step(client: Any, policy: Any, observe: Callable[[dict], Any],
+                       settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One control tick: read the engine's stats, ask the policy, apply what changed, and any of the
+    fixed host ``settings`` (``shed_late``) the engine does not have (a relaunched server starts from
+    its bundle's).
 
     Returns the stats after the change (``set`` answers with them).
     Raises:
@@ -48,6 +53,7 @@ async def control_step(client: Any, policy: Any, observe: Callable[[dict], Any])
     change = {k: int(v) for k, v in (("prefill_budget", action.prefill_budget),
                                      ("max_running", action.max_running))
               if v is not None and v != stats.get(k)}
+    change.update({k: v for k, v in (settings or {}).items() if v is not None and stats.get(k) != v})
     if change:
         stats = await client.control({"op": "set", **change})
     return stats
@@ -82,28 +88,34 @@ def build_policy(cfg: ServeConfig) -> Any:
 
 @serve.deployment(num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
 class Hub:
-    """The latest ``(ready, stats)`` each worker replica pushed; entries older than ``ttl_s`` expire."""
+    """The latest ``(ready, stats, url)`` each worker replica pushed; entries older than ``ttl_s`` expire."""
 
     def __init__(self, ttl_s: float) -> None:
         self._ttl_s = ttl_s
-        self._entries: dict[str, tuple[float, bool, dict | None]] = {}
+        self._entries: dict[str, tuple[float, bool, dict | None, tuple[str, str] | None]] = {}
 
-    async def push(self, replica: str, ready: bool, stats: dict | None) -> None:
-        self._entries[replica] = (time.monotonic(), ready, stats)
+    async def push(self, replica: str, ready: bool, stats: dict | None, route: tuple[str, str] | None = None) -> None:
+        """A worker's state; ``route``: its tritonserver's gRPC address and the Ray node it runs on."""
+        self._entries[replica] = (time.monotonic(), ready, stats, route)
 
-    def _fresh(self) -> dict[str, tuple[float, bool, dict | None]]:
+    def _fresh(self) -> dict[str, tuple[float, bool, dict | None, tuple[str, str] | None]]:
         horizon = time.monotonic() - self._ttl_s
         self._entries = {k: v for k, v in self._entries.items() if v[0] >= horizon}
         return self._entries
 
     async def snapshot(self) -> dict[str, dict]:
         """Replica id -> its latest stats (replicas that pushed stats within ``ttl_s``)."""
-        return {k: stats for k, (_, _, stats) in self._fresh().items() if stats}
+        return {k: stats for k, (_, _, stats, _) in self._fresh().items() if stats}
+
+    async def routes(self) -> dict[str, tuple[str, str]]:
+        """Replica id -> (gRPC address of its tritonserver, its Ray node), for the workers whose server
+        answered their last control tick (the ingress streams from these: scheduler/serving/routes.py)."""
+        return {k: route for k, (_, ready, _, route) in self._fresh().items() if ready and route}
 
     async def health(self) -> dict[str, Any]:
         """``ready`` when at least one worker's Triton answered its last control tick."""
         now, entries = time.monotonic(), self._fresh()
-        replicas = {k: {"ready": ready, "age_s": round(now - t, 3)} for k, (t, ready, _) in entries.items()}
+        replicas = {k: {"ready": ready, "age_s": round(now - t, 3)} for k, (t, ready, _, _) in entries.items()}
         return {"ready": any(r["ready"] for r in replicas.values()), "replicas": replicas}
 
 
@@ -121,6 +133,7 @@ class Worker:
         self._tuning: asyncio.Task | None = None
         self._observe = observation_from_stats
         self._replica = serve.get_replica_context().replica_tag
+        self._node = ray.get_runtime_context().get_node_id()
         self._proc = None
         self._restarting = False
         self._backoff_s = cfg.restart_backoff_s
@@ -194,7 +207,8 @@ class Worker:
                 await self._relaunch()
                 continue
             try:
-                self._stats = await control_step(self._client, self._policy, self._observe)
+                self._stats = await control_step(self._client, self._policy, self._observe,
+                                                 {"shed_late": self._cfg.shed_late})
                 self._stats["scheduler"] = self._scheduler_state()
                 if self._power is not None:
                     self._stats["power"] = self._power.reading()
@@ -267,6 +281,8 @@ class Worker:
 
     async def _push(self) -> None:
         try:
-            await asyncio.wait_for(self._hub.push.remote(self._replica, self._ready, self._stats), HUB_TIMEOUT_S)
+            route = None if self._restarting else (self._client.url, self._node)
+            await asyncio.wait_for(self._hub.push.remote(self._replica, self._ready, self._stats, route),
+                                   HUB_TIMEOUT_S)
         except (RayError, RayServeException, asyncio.TimeoutError) as exc:
             log.warning("worker %s: stats not pushed to the hub: %r", self._replica, exc)

@@ -342,6 +342,48 @@ class TestOneReplica:
         # and the stack is usable right after the burst
         assert completion(stack.url, max_tokens=4, temperature=0)[0] == 200
 
+    def test_tokens_come_straight_from_tritonserver(self, stack):
+        """With the default ``serve.stream_via`` (triton) the ingress streams each request from the
+        worker's tritonserver itself: every stream opened since the stack became ready counts as
+        ``via="triton"``, none through the worker (the two-worker stack below covers ``worker``)."""
+        before = metrics(stack.url)
+        assert completion(stack.url, max_tokens=4, temperature=0)[0] == 200
+        after = metrics(stack.url)
+        grew = {via: sample(after, "smartexit_streams", "smartexit_streams_total", via=via)
+                - sample(before, "smartexit_streams", "smartexit_streams_total", via=via) for via in ("triton", "worker")}
+        assert grew == {"triton": 1, "worker": 0}
+
+    def test_the_price_of_serving_runs_every_system_interleaved(self, stack):
+        """``bench serve``'s capacity runs against this stack: the same closed-loop requests on the
+        engine in process, on a tritonserver of their own over gRPC, through the stack, and through the
+        stack in mode exact, each at every concurrency in every repeat; every request completes, the
+        greedy lengths agree across systems, and the report pairs them per repeat."""
+        from tokenizers import Tokenizer
+
+        from scheduler.loadtest.bench_serve import BenchServeConfig, capacity_runs, capacity_section
+        from scheduler.loadtest.loadgen import ScheduledRequest
+
+        cfg = BenchServeConfig(run_dir=str(stack.run), model=MODEL, capacity_concurrency=[1, 2], capacity_repeats=2,
+                               capacity_requests=3, warmup_requests=1)
+        ids = Tokenizer.from_file(str(stack.repo / "smartexit" / "1" / "bundle" / "tokenizer.json")).encode(PROMPT).ids
+        reqs = [ScheduledRequest(0.0, ids, 8, f"cap-{i}") for i in range(cfg.capacity_requests)]
+        runs = capacity_runs(cfg, reqs, stack.url)
+        assert set(runs) == {"inprocess", "triton_direct", "served", "served_exact"}
+        for name, per in runs.items():
+            assert sorted(per) == [1, 2] and all(len(rs) == 2 for rs in per.values()), name
+            for rs in per.values():
+                for run in rs:
+                    assert [r.ok for r in run.results] == [True] * 3, (name, [r.error for r in run.results])
+                    assert all(0 < r.tokens <= 8 for r in run.results)
+        rep = capacity_section(cfg, runs)
+        head = rep["headline"]
+        assert head["capacity_repeats"] == 2 and head["served_vs_inprocess_concurrency"] == 2
+        assert 0 < head["served_vs_inprocess_tokens_ratio"] and 0 < head["served_vs_inprocess_tokens_ratio_c1"]
+        assert head["ttft_p50_overhead_ms"] is not None and head["exact_vs_bounded_tokens_ratio"] > 0
+        for c in ("1", "2"):
+            assert rep["levels"][c]["served_vs_inprocess_same_output_lengths"]["min"] == 1.0
+            assert rep["levels"][c]["triton_direct_vs_inprocess_same_output_lengths"]["min"] == 1.0
+
     def test_client_disconnect_frees_the_engine_slot(self, stack, find_processes):
         """A client that reads two chunks of a long stream and closes the connection: within a few
         seconds the worker's engine has no running sequence and all its slots free (read over the
@@ -453,12 +495,13 @@ class TestOneReplica:
 # -- two workers ---------------------------------------------------------------------------------------
 @pytest.mark.slow
 class TestTwoReplicas:
-    """A second stack with ``replicas=2`` (two units of ``smartexit_device``): one tritonserver each."""
+    """A second stack with ``replicas=2`` (two units of ``smartexit_device``): one tritonserver each,
+    the tokens through the workers (``stream_via=worker``, the path of a Ray cluster's other devices)."""
 
     @pytest.fixture(scope="class")
     def stack(self, served_run, repository_copy, find_processes, tmp_path_factory, free_port):
         yield from _start(served_run, repository_copy, find_processes, tmp_path_factory, free_port(), "serving2",
-                          replicas=2)
+                          replicas=2, stream_via="worker")
 
     def test_two_workers_two_tritonservers(self, stack, find_processes):
         """Two worker replicas each launch their own tritonserver (two processes on distinct ports,
@@ -499,3 +542,6 @@ class TestTwoReplicas:
         families = metrics(stack.url)
         replicas = {s.labels["replica"] for s in families["smartexit_queue_length"].samples}
         assert len(replicas) == 2
+        # this stack streams through its workers (serve.stream_via=worker): none came straight from Triton
+        assert sample(families, "smartexit_streams", "smartexit_streams_total", via="worker") >= sent
+        assert sample(families, "smartexit_streams", "smartexit_streams_total", via="triton") == 0

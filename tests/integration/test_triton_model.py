@@ -36,7 +36,7 @@ STATS_KEYS = {"time", "waiting", "prefill_backlog_tokens", "running", "free_slot
               # the scheduler's (docs/serving.md, docs/scheduler.md)
               "oldest_waiting_slack_ms", "recent_ttft_p95_ms", "recent_tpot_p95_ms", "arrival_rate_rps",
               "sla_ttft_ms", "sla_tpot_ms", "sla_met_total", "violations_total", "tokens_on_time_total",
-              "tokens_late_total"}
+              "tokens_late_total", "shed_late", "shed_total"}
 AUDIT_KEYS = {"fraction", "epsilon", "delta", "fallback", "fallback_events", "pending", "exits"}
 PROMPT_TEXT = "def add(a, b):\n    return a + b\n\ndef"
 
@@ -262,6 +262,32 @@ def test_control_ops_stats_set_and_cancel(server, prompt, bundle_info):
     finally:
         ctl.close()
         gen.close()
+
+
+def test_a_request_shed_while_waiting_gets_one_overloaded_error_with_retry_after(server, prompt, bundle_info):
+    """Load shedding on (``set`` op), one sequence at a time: a request with a 1 ms TTFT target that
+    waits behind a long one is refused with the model's ``overloaded`` error and a retry_after_s, as its
+    only response; the long one streams to its end; ``shed_total`` counts it. Settings restored."""
+    ctl, gen, shed = Stream(server.grpc_url), Stream(server.grpc_url), Stream(server.grpc_url)
+    try:
+        before = ctl.control({"op": "stats"})
+        ctl.control({"op": "set", "max_running": 1, "shed_late": True})
+        long_tokens = bundle_info["model"]["max_positions"] - len(prompt)
+        gen.send(request_id="long-shed", **gen_tensors(prompt, long_tokens))
+        first, error = gen.next()
+        assert error is None
+        shed.send(request_id="late-1", **gen_tensors(prompt, 4), sla_ttft_ms=np.asarray([1.0], np.float32))
+        body = shed.rejection(timeout=60)
+        assert body["code"] == "overloaded" and "TTFT deadline" in body["message"] and body["retry_after_s"] >= 1
+        with pytest.raises(queue.Empty):  # nothing after the rejection
+            shed.next(timeout=0.5)
+        rest = gen.generation()
+        assert rest[-1]["reason"] == "length"
+        after = ctl.control({"op": "set", "max_running": before["max_running"], "shed_late": False})
+        assert after["shed_total"] - before["shed_total"] == 1 and after["shed_late"] is False
+    finally:
+        for s in (ctl, gen, shed):
+            s.close()
 
 
 @pytest.mark.parametrize("case,field", [

@@ -6,7 +6,9 @@ import time
 from pathlib import Path
 
 from edge.core.artifacts import Manifest
-from scheduler.loadtest.bench_serve import BenchServeConfig, INPROCESS, STAGE, build_report, capacity_report, capacity_requests, context_window, describe_workload, exact_report, inprocess_run, make_schedule, served_runs, triton_direct_run, write_outputs
+from scheduler.loadtest.bench_serve import (BenchServeConfig, INPROCESS, STAGE, build_report, capacity_requests,
+                                            capacity_section, context_window, describe_workload, inprocess_run,
+                                            make_schedule, served_runs, write_outputs)
 
 
 def main(cfg: BenchServeConfig) -> int:
@@ -20,19 +22,13 @@ def main(cfg: BenchServeConfig) -> int:
     workload = describe_workload(cfg, w, schedule, context_window(cfg))
     print(f"bench serve: {len(schedule)} requests over {workload['span_s']:.1f} s from {w.source}", flush=True)
     cap_reqs = capacity_requests(cfg, schedule) if cfg.capacity_concurrency else None
-    runs, cap_served, shot = served_runs(cfg, schedule, cap_reqs)
-    cap_local: dict = {}
+    runs, cap, shot = served_runs(cfg, schedule, cap_reqs)
     if cfg.inprocess:
-        runs[INPROCESS], cap_local = inprocess_run(cfg, schedule, cap_reqs)
+        runs[INPROCESS] = inprocess_run(cfg, schedule)
     report = build_report(cfg, workload, runs)
     report["serve_bench"].update(shot)
-    cap_triton = triton_direct_run(cfg, cap_reqs) if cap_reqs and cfg.hops and cfg.url is None else {}
-    cap_exact = cap_served.pop("exact", None) if cap_served else None
-    if cap_served and cap_local:
-        report["capacity"] = capacity_report(cfg, cap_served, cap_local, cap_triton)
-        if cap_exact:
-            report["capacity"]["exact"] = exact_report(cfg, cap_exact, cap_served)
-            report["serve_bench"]["exact_vs_bounded_tokens_ratio"] = report["capacity"]["exact"]["headline"]
+    if cap:
+        report["capacity"] = capacity_section(cfg, cap)
         report["serve_bench"].update(report["capacity"]["headline"])
     paths = write_outputs(cfg, report, runs)
     if "dashboard_png" in shot:

@@ -99,6 +99,48 @@ def test_overload_is_refused_with_retry_after_and_nothing_is_lost():
     assert host.stats()["rejected_total"] == refused
 
 
+@pytest.mark.parametrize("shed", [True, False])
+def test_a_request_waiting_past_its_ttft_deadline_is_shed_once_not_lost(shed):
+    """One slot runs a long request; four more wait behind it, two with a 1 ms TTFT target that passes
+    while they wait. With shed_late they end at once with finish reason "shed" (no token, a
+    retry_after_s) and count in shed_total; the others, and the long one, run to their end. Without it,
+    every request is served in full (late)."""
+    host = _host(shed_late=shed)
+    host.control({"op": "set", "max_running": 1})
+    sink = Sink(5)
+    try:
+        host.submit(GenRequest("long", [5, 6, 7], 60), sink)
+        for i, ttft in enumerate((1.0, 60_000.0, 1.0, 60_000.0)):
+            host.submit(GenRequest(f"r{i}", [1, 2, 3], 4, sla_ttft_ms=ttft), sink)
+        assert sink.done.wait(60)
+    finally:
+        host.stop()
+    ends = {rid: cs[-1] for rid, cs in sink.chunks.items()}
+    assert all(sum(c.finish_reason is not None for c in cs) == 1 for cs in sink.chunks.values())  # one end each
+    assert ends["long"].finish_reason == "length" and len(sink.tokens("long")) == 60
+    for rid in ("r1", "r3"):
+        assert ends[rid].finish_reason == "length" and len(sink.tokens(rid)) == 4
+    st = host.stats()
+    for rid in ("r0", "r2"):
+        if shed:
+            assert ends[rid].finish_reason == "shed" and sink.tokens(rid) == [] and ends[rid].retry_after_s >= 1
+        else:
+            assert ends[rid].finish_reason == "length" and len(sink.tokens(rid)) == 4
+    assert st["shed_total"] == (2 if shed else 0) and st["shed_late"] is shed
+    assert st["sla_met_total"] <= 3  # a shed request is a miss
+
+
+def test_shedding_is_a_control_setting():
+    host = _host()
+    try:
+        assert host.stats()["shed_late"] is False
+        assert host.control({"op": "set", "shed_late": True})["shed_late"] is True
+        with pytest.raises(HostError, match="shed_late must be true or false"):
+            host.control({"op": "set", "shed_late": 1})
+    finally:
+        host.stop()
+
+
 def test_cancel_and_control():
     host, sink = _host(), Sink(1)
     try:

@@ -80,6 +80,27 @@ def test_admission_limit_holds_and_the_queue_refuses_above_max_waiting():
     assert sim.rejected_total == 16 and all(r.ok for r in res if r.error_kind is None)
 
 
+def test_shedding_refuses_what_waits_past_its_ttft_deadline_as_the_host_does():
+    """Admission limit 1, 10 requests at once, TTFT target 50 ms, each request ~40 ms in the engine:
+    with shed_late the ones still waiting at 50 ms are refused (error "shed", a miss) and the admitted
+    run on; without it all are served, most late. Shedding frees the engine for later arrivals: of a
+    second burst 0.3 s later (when the unshed backlog is still running), more meet the SLA."""
+    lm = _lm(one=1e-3, prefill_tokens=1e-4, decode_rows=1e-3)
+    w = _w([0.0] * 10 + [0.3] * 3, [40] * 13, [20] * 13)
+    shed = simulate(lm, FULL, SimConfig(sla_ttft_ms=50, sla_tpot_ms=1000, shed_late=True), w, FixedBudget(64, 1),
+                    tick_s=0.01)
+    keep = simulate(lm, FULL, SimConfig(sla_ttft_ms=50, sla_tpot_ms=1000), w, FixedBudget(64, 1), tick_s=0.01)
+    rs, rk = shed.results(), keep.results()
+    assert all(r.ok for r in rk) and keep.shed_total == 0
+    shed_ids = [r.request_id for r in rs if r.error_kind == "shed"]
+    assert shed.shed_total == len(shed_ids) >= 7  # the first one or two of the burst get in by 50 ms
+    assert all(r.ok for r in rs if r.error_kind is None) and sum(r.ok for r in rs) == 13 - len(shed_ids)
+    assert all(r.t_end - r.t_submit == pytest.approx(0.05, abs=0.02) for r in rs if r.error_kind == "shed")
+    late_burst = lambda res: sum(r.ok and r.ttft_s <= 0.05 for r in res[10:])  # noqa: E731
+    assert late_burst(rs) > late_burst(rk)
+    assert shed.observe()["shed_total"] == shed.shed_total
+
+
 def test_early_exits_make_decoding_cheaper():
     lm = _lm(one=1e-3, decode_layer_rows=0.2e-3, decode_calls=0.2e-3)
     w = _w([0.0] * 8, [16] * 8, [64] * 8)

@@ -14,6 +14,7 @@ from scheduler.loadtest.bench_report import compare, same_lengths, plot_latency_
 from scheduler.control.outcomes import summarize
 from edge.core.stats import percentiles
 from scheduler.loadtest.bench_serve import INPROCESS, BenchServeConfig
+from scheduler.loadtest.capacity import Run
 from scheduler.control.outcomes import RequestResult
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -95,14 +96,15 @@ def test_stage_end_to_end_with_fake_runs(tmp_path, monkeypatch):
 
     def served(c, schedule, cap):
         seen["schedule"], seen["capacity"] = schedule, cap
-        return ({p: _fake_runs(schedule)(2.0 if p == "fixed" else 1.5) for p in c.policies},
-                {k: _fake_runs(cap)(2.0) for k in c.capacity_concurrency}, {"dashboard_skipped": "no browser (fake)"})
+        # three repeats per system and level; the machine's CPU seconds per run: more through the stack
+        scales = {"inprocess": (1.0, 1.0), "triton_direct": (1.5, 1.2), "served": (2.0, 2.0), "served_exact": (1.0, 2.0)}
+        runs = {name: {k: [Run(_fake_runs(cap)(scale), cpu) for _ in range(3)] for k in c.capacity_concurrency}
+                for name, (scale, cpu) in scales.items()}
+        return ({p: _fake_runs(schedule)(2.0 if p == "fixed" else 1.5) for p in c.policies}, runs,
+                {"dashboard_skipped": "no browser (fake)"})
 
     monkeypatch.setattr(serve_stage, "served_runs", served)
-    monkeypatch.setattr(serve_stage, "triton_direct_run", lambda c, cap: {k: _fake_runs(cap)(1.5)
-                                                                         for k in c.capacity_concurrency})
-    monkeypatch.setattr(serve_stage, "inprocess_run", lambda c, schedule, cap: (
-        _fake_runs(schedule)(1.0), {k: _fake_runs(cap)(1.0) for k in c.capacity_concurrency}))
+    monkeypatch.setattr(serve_stage, "inprocess_run", lambda c, schedule: _fake_runs(schedule)(1.0))
     assert serve_stage.main(cfg) == 0
     out = tmp_path / "run" / "bench"
     rep = json.loads((out / "serve.json").read_text())
@@ -116,14 +118,24 @@ def test_stage_end_to_end_with_fake_runs(tmp_path, monkeypatch):
     assert head["served_vs_inprocess_tokens_ratio"] < 1.0 and head["ttft_p50_overhead_ms"] == pytest.approx(50.0)
     assert set(rep["runs"]) == {"fixed", "aimd", INPROCESS}
     assert rep["comparison"]["fixed"]["same_output_lengths"] == 1.0
-    # the price of serving comes from the closed-loop runs: fixed lengths, both sides, each concurrency
+    # the price of serving comes from the closed-loop runs: fixed lengths, every system, each concurrency,
+    # medians over the repeats, comparisons paired within a repeat
     cap = rep["capacity"]
     assert set(cap["levels"]) == {str(c) for c in cfg.capacity_concurrency}
     assert all(len(r.prompt_ids) == cfg.capacity_prompt_tokens and r.max_tokens == cfg.capacity_max_tokens
                for r in seen["capacity"])
     assert head["served_vs_inprocess_concurrency"] == max(cfg.capacity_concurrency)
-    assert "The price of serving" in (out / "serve.md").read_text() and "Where the time goes" in (out / "serve.md").read_text()
+    assert head["capacity_repeats"] == 3
+    assert head["served_vs_inprocess_tokens_ratio"] == pytest.approx(0.5, rel=0.02)  # twice as long per request
+    assert head["served_vs_inprocess_tokens_ratio_c1"] == pytest.approx(0.5, rel=0.02)
+    assert head["spread"]["ttft_p50_overhead_ms"] == {"median": pytest.approx(50.0), "min": pytest.approx(50.0),
+                                                      "max": pytest.approx(50.0)}
+    tokens = sum(r.tokens for r in _fake_runs(seen["capacity"])(1.0))
+    assert head["serving_cpu_ms_per_token"] == pytest.approx(1e3 * (2.0 - 1.0) / tokens)
+    assert head["exact_vs_bounded_tokens_ratio"] == pytest.approx(2.0, rel=0.02)
     assert cap["levels"]["1"]["triton_direct"]["ttft_p50_ms"] == pytest.approx(75.0)
+    md = (out / "serve.md").read_text()
+    assert "The price of serving" in md and "Paired with the in-process run" in md and "| 1 | triton_direct |" in md
     assert all(len(r.prompt_ids) + r.max_tokens <= 512 for r in seen["schedule"])
     for png in ("serve_latency_cdf.png", "serve_throughput.png"):
         assert (out / png).read_bytes()[:8] == PNG

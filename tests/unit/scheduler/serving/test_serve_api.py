@@ -248,6 +248,7 @@ def test_serve_config_checks_name_the_field(tmp_path):
                       (dict(policy="sarathi"), "serve.policy"), (dict(fallback_policy="ppo"), "serve.fallback_policy"), (dict(default_mode="fast"), "serve.default_mode"),
                       (dict(control_tick_s=0), "serve.control_tick_s"), (dict(max_inflight=True), "serve.max_inflight"),
                       (dict(triton_url="nohost"), "serve.triton_url"),
+                      (dict(stream_via="http"), "serve.stream_via"),
                       (dict(restart_backoff_s=5, restart_backoff_max_s=1), "serve.restart_backoff_max_s")):
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             ServeConfig(**kw)

@@ -285,8 +285,9 @@ class FakeHub:
         self.pushes = []
         self.push = self
 
-    def remote(self, replica, ready, stats):
+    def remote(self, replica, ready, stats, route=None):
         self.pushes.append(ready)
+        self.routes = getattr(self, "routes", []) + [route]
 
         async def done():
             return None
@@ -303,7 +304,7 @@ def worker(proc: FakeProc):
     from scheduler.serving.config import ServeConfig
     w = object.__new__(worker_module.Worker.func_or_class)  # the class Serve runs, without its constructor
     w._cfg = ServeConfig(control_tick_s=0.01, restart_backoff_s=0.01, restart_backoff_max_s=0.04)
-    w._hub, w._policy, w._observe, w._replica = FakeHub(), KeepPolicy(), (lambda s: s), "w0"
+    w._hub, w._policy, w._observe, w._replica, w._node = FakeHub(), KeepPolicy(), (lambda s: s), "w0", "n0"
     w._proc, w._client, w._stats, w._ready, w._restarting, w._backoff_s = proc, StatsClient(), None, True, False, 0.01
     return w
 
@@ -328,6 +329,8 @@ def test_a_dead_tritonserver_is_restarted_with_backoff_and_requests_meanwhile_ge
     assert during[0]["error"]["kind"] == "unavailable" and "restarting" in during[0]["error"]["message"]
     assert proc.restarts == 3 and w._ready and not w._restarting
     assert w._backoff_s == 0.01  # reset by the first good tick
+    # the route the ingress streams by: none while the server restarts, its address once it answers
+    assert None in w._hub.routes and w._hub.routes[-1] == ("127.0.0.1:1", "n0")
     assert w._hub.pushes[0] is False and w._hub.pushes[-1] is True
     assert backend_error(during[0]["error"]).status == 503
     w.__del__()  # Serve's shutdown hook: the tritonserver goes with the replica, once
