@@ -34,6 +34,7 @@ from edge.runtime.settings import MAX_RUNNING, MAX_SEQS, PREFILL_BUDGET, SLA_TPO
 
 STAGE = "repo"
 MODEL_NAME = "smartexit"
+STREAM_INTERVAL_MS = 20.0  # RepoConfig.stream_interval_ms's default (docs/serving.md, "The price of serving")
 BUNDLE_FORMAT = 1
 # The repository's model.py. Triton's python stub runs it in its own interpreter, which ignores PYTHONPATH:
 # the launcher (scheduler/serving/tritonserver.py; edge/jetson/units.py on a Jetson) names the environment
@@ -75,6 +76,10 @@ class RepoConfig:
     # refuse (429) a request still waiting when its TTFT deadline passes (edge/runtime/host.py); the
     # serving front end may turn it on or off (serve.shed_late)
     shed_late: bool = HostConfig.shed_late
+    # the Triton model's shortest gap between two responses of one request (its first token and its end go
+    # at once): later tokens wait up to this long and go together (scheduler/serving/triton_model.py
+    # Responder); 0: a response per engine step. serve.stream_interval_ms overrides it.
+    stream_interval_ms: float = STREAM_INTERVAL_MS
     default_sla_ttft_ms: float = SLA_TTFT_MS.default
     default_sla_tpot_ms: float = SLA_TPOT_MS.default
     # the online audit's settings; the bound it tests is the threshold table's epsilon (thresholds.json)
@@ -84,6 +89,8 @@ class RepoConfig:
     def __post_init__(self) -> None:
         if self.threads < 1:
             raise ConfigError(f"repo.threads must be >= 1, got {self.threads}")
+        if not 0 <= self.stream_interval_ms <= 1000:
+            raise ConfigError(f"repo.stream_interval_ms must be in [0, 1000], got {self.stream_interval_ms}")
         AuditConfig.from_dict(self.audit, "repo.audit")  # validates
         self.host_config(512)  # validates the engine and host fields
 

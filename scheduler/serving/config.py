@@ -98,6 +98,9 @@ class ServeConfig:
     # load shedding (edge/runtime/host.py): refuse with 429 + Retry-After a request still waiting when its
     # TTFT deadline passes; None: the bundle's setting (RepoConfig.shed_late, off by default)
     shed_late: bool | None = None
+    # the Triton model's shortest gap between two responses of one request (RepoConfig.stream_interval_ms),
+    # for the tritonservers this app starts; None: the bundle's
+    stream_interval_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.bundle_dir is not None:
@@ -116,6 +119,10 @@ class ServeConfig:
             raise ConfigError(f"serve.power_meter must be a meter kind ('none', 'auto', ...), got {self.power_meter!r}")
         if self.shed_late is not None and not isinstance(self.shed_late, bool):
             raise ConfigError(f"serve.shed_late must be true, false or null, got {self.shed_late!r}")
+        if self.stream_interval_ms is not None and (isinstance(self.stream_interval_ms, bool) or not isinstance(
+                self.stream_interval_ms, (int, float)) or not 0 <= self.stream_interval_ms <= 1000):
+            raise ConfigError(f"serve.stream_interval_ms must be a number in [0, 1000] or null, got "
+                              f"{self.stream_interval_ms!r}")
         if self.stream_via not in STREAM_VIA:
             raise ConfigError(f"serve.stream_via must be one of {', '.join(STREAM_VIA)}, got {self.stream_via!r}")
         if self.log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):

@@ -25,17 +25,26 @@ from scheduler.serving.bundle import open_bundle
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 CANCEL_CHECK_S = 0.5  # how often a streaming request asks Triton whether its client cancelled (an IPC round trip)
+INTERVAL_ENV = "SMARTEXIT_STREAM_INTERVAL_MS"  # ServeConfig.stream_interval_ms, for the tritonservers a worker starts
 
 
 class Responder:
     """Sends the engine's chunks from a thread of its own, so the engine thread never waits on the
     python backend's IPC: whatever queued while it was sending goes out merged, one response per
     request (``merge_chunks``). The front end cancels with a control op; ``is_cancelled`` (a client
-    that closed its gRPC stream) is asked at most every ``CANCEL_CHECK_S`` per request."""
+    that closed its gRPC stream) is asked at most every ``CANCEL_CHECK_S`` per request.
 
-    def __init__(self, host) -> None:
+    ``interval_s`` (the bundle's ``stream_interval_ms``): a request's later tokens are held until that long
+    after its previous response, then sent together; its first token and its end go at once. Every hop
+    after this one (gRPC, the ingress, Ray Serve's proxy, HTTP, the client) costs CPU per response, not
+    per token, on the cores the engine uses: fewer, larger responses leave it more (docs/serving.md)."""
+
+    def __init__(self, host, interval_s: float = 0.0) -> None:
         self.host, self.queue, self.wake = host, collections.deque(), threading.Event()
         self.senders: dict[str, tuple[object, list[float]]] = {}
+        self.interval_s = interval_s
+        self.held: dict[str, Chunk] = {}      # request id -> its tokens waiting for their response
+        self.last_sent: dict[str, float] = {}  # request id -> when its previous response went out
         self.stopped = False
         self.thread = threading.Thread(target=self._run, name="smartexit-responder", daemon=True)
         self.thread.start()
@@ -53,14 +62,27 @@ class Responder:
         self.thread.join(5)
 
     def _run(self) -> None:
-        while not self.stopped or self.queue:
-            self.wake.wait(0.1)
+        while not self.stopped or self.queue or self.held:
+            due = min(self.last_sent[rid] for rid in self.held) + self.interval_s if self.held else None
+            self.wake.wait(0.1 if due is None else max(0.0, min(0.1, due - time.monotonic())))
             self.wake.clear()
             batch = []
             while self.queue:
                 batch.append(self.queue.popleft())
             for chunk in merge_chunks(batch):
-                self._send(chunk)
+                held = self.held.pop(chunk.request_id, None)
+                self.held[chunk.request_id] = merge_chunks([held, chunk])[0] if held is not None else chunk
+            now = time.monotonic()
+            for rid in list(self.held):
+                chunk, last = self.held[rid], self.last_sent.get(rid)
+                if (chunk.finish_reason is not None or last is None or now - last >= self.interval_s
+                        or self.stopped):
+                    del self.held[rid]
+                    if chunk.finish_reason is None:
+                        self.last_sent[rid] = now
+                    else:
+                        self.last_sent.pop(rid, None)
+                    self._send(chunk)
 
     def _send(self, chunk: Chunk) -> None:
         entry = self.senders.get(chunk.request_id)
@@ -88,6 +110,14 @@ class Responder:
         except Exception:  # noqa: BLE001 - a vanished client must not stop the others' responses
             if not final:
                 self.host.cancel(chunk.request_id, wait=False)
+
+
+def stream_interval_ms(bundle: Path) -> float:
+    """The bundle's ``stream_interval_ms`` (RepoConfig's default where the bundle predates it)."""
+    from exporters.triton import RepoConfig
+
+    host = json.loads((bundle / "bundle.json").read_text()).get("host", {})
+    return float(host.get("stream_interval_ms", RepoConfig.stream_interval_ms))
 
 
 def _scalar(request, name, kind, default=None):
@@ -136,7 +166,8 @@ class TritonPythonModel:
         # environment the worker starts tritonserver with (ServeConfig.step_log)
         self.host.cfg.step_log = os.environ.get("SMARTEXIT_STEP_LOG") or None
         self.host.start()
-        self.responder = Responder(self.host)
+        interval_ms = os.environ.get(INTERVAL_ENV) or stream_interval_ms(bundle)
+        self.responder = Responder(self.host, float(interval_ms) / 1e3)
         # the server's log names the backend (the Jetson's unit may choose TensorRT or torch_static)
         print(f"smartexit: serving {bundle} on the {self.host.engine.backend.name} backend", flush=True)
 

@@ -147,6 +147,8 @@ class Worker:
             if repo_dir is None:
                 raise ConfigError("a worker needs the Triton model repository (repo_dir) or serve.triton_url")
             env = {"SMARTEXIT_STEP_LOG": cfg.step_log} if cfg.step_log else {}
+            if cfg.stream_interval_ms is not None:  # read by the Triton model (triton_model.INTERVAL_ENV)
+                env["SMARTEXIT_STREAM_INTERVAL_MS"] = str(cfg.stream_interval_ms)
             self._proc = TritonProcess(Path(repo_dir), env=env)  # its threads are the repository's (bundle.json)
             try:
                 await asyncio.to_thread(self._proc.start, timeout_s=cfg.triton_start_timeout_s)

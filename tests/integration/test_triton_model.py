@@ -213,6 +213,41 @@ def test_generation_streams_one_response_per_step_and_matches_the_engine_in_proc
     assert layers == [layer for c in ref for layer in c.exit_layers]
 
 
+def test_a_stream_interval_sends_fewer_larger_responses_and_the_same_tokens(repo, prompt, bundle_info):
+    """A tritonserver whose model holds a request's later tokens for 100 ms (SMARTEXIT_STREAM_INTERVAL_MS,
+    what serve.stream_interval_ms sets): the first response carries the first token alone, at once;
+    the later ones arrive at least ~100 ms apart, each with the tokens decided meanwhile; the last
+    carries the end. Together they are the tokens the engine generates in process."""
+    from scheduler.serving.tritonserver import TritonProcess
+
+    max_tokens = min(200, bundle_info["model"]["max_positions"] - len(prompt))
+    tp = TritonProcess(repo, env={"SMARTEXIT_STREAM_INTERVAL_MS": "100"}).start(timeout_s=120)
+    s = Stream(tp.grpc_url)
+    try:
+        s.send(request_id="interval-1", **gen_tensors(prompt, max_tokens, "full"))
+        got = []
+        while True:
+            result, error = s.next(60)
+            assert error is None, error
+            got.append((time.monotonic(), result.as_numpy("token_ids").tolist(),
+                        result.as_numpy("finish_reason")[0].decode()))
+            if got[-1][2]:
+                break
+    finally:
+        s.close()
+        tp.stop()
+    # the first token goes at once, not held (the responder may still merge a token or two that queued
+    # while it woke: what it always did when behind); a held response carries ~100 ms of tokens
+    later = sorted(len(toks) for _, toks, _ in got[1:-1])
+    assert len(got[0][1]) <= 5 and (not later or len(got[0][1]) < later[len(later) // 2]), [len(t) for _, t, _ in got]
+    assert sum(len(toks) for _, toks, _ in got) == max_tokens and got[-1][2] == "length"
+    gaps = [b[0] - a[0] for a, b in zip(got[1:-1], got[2:-1])]  # between later, non-final responses
+    assert all(g >= 0.08 for g in gaps), gaps  # 100 ms, less the gRPC path's jitter
+    assert len(got) < max_tokens / 2  # fewer, larger responses than one per step
+    ref = in_process(repo / BUNDLE, prompt, max_tokens, "full")
+    assert [t for _, toks, _ in got for t in toks] == [t for c in ref for t in c.tokens]
+
+
 def test_control_ops_stats_set_and_cancel(server, prompt, bundle_info):
     """``stats`` answers the documented keys; ``set`` changes prefill_budget and max_running (the
     answer and a later ``stats`` agree); ``cancel`` of a long running request ends it with

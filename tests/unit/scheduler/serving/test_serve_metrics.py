@@ -41,7 +41,7 @@ def test_names_follow_prometheus_conventions():
         "smartexit_time_per_output_token_seconds": "histogram", "smartexit_e2e_latency_seconds": "histogram",
         "smartexit_sla_violations": "counter", "smartexit_generated_tokens": "counter",
         "smartexit_tokens_per_second": "gauge", "smartexit_exit_layer": "histogram",
-        "smartexit_inflight_requests": "gauge", "smartexit_queue_length": "gauge",
+        "smartexit_inflight_requests": "gauge", "smartexit_streams": "counter", "smartexit_queue_length": "gauge",
         "smartexit_running_sequences": "gauge", "smartexit_prefill_budget_tokens": "gauge",
         "smartexit_admission_limit": "gauge", "smartexit_audit_false_exit_rate": "gauge",
         "smartexit_audit_false_exit_upper_bound": "gauge", "smartexit_audit_tokens": "counter",

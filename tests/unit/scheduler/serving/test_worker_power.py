@@ -15,7 +15,7 @@ class Hub:
         self.stats = []
         self.push = self
 
-    def remote(self, replica, ready, stats):
+    def remote(self, replica, ready, stats, route=None):
         self.stats.append(None if stats is None else dict(stats))
 
         async def done():
@@ -35,7 +35,7 @@ def worker(power: LivePower | None):
     from scheduler.serving.config import ServeConfig
     w = object.__new__(worker_module.Worker.func_or_class)  # the class Serve runs, without its constructor
     w._cfg = ServeConfig(control_tick_s=0.01)
-    w._hub, w._policy, w._observe, w._replica = Hub(), KeepPolicy(), (lambda s: s), "w0"
+    w._hub, w._policy, w._observe, w._replica, w._node = Hub(), KeepPolicy(), (lambda s: s), "w0", "n0"
     w._proc, w._client, w._stats, w._ready, w._restarting = None, StatsClient(), None, True, False
     w._backoff_s, w._power = 0.01, power
     return w
