@@ -182,7 +182,7 @@ def served(cfg: BenchSchedulerConfig, env: EnvConfig, policy: str, kwargs: dict[
     bcfg = BenchServeConfig(run_dir=cfg.run_dir, sla_ttft_ms=env.sim.sla_ttft_ms, sla_tpot_ms=env.sim.sla_tpot_ms,
                             warmup_requests=cfg.warmup_requests)
     with serving_stack(cfg.run_dir, scfg, graceful=False) as url:
-        return [asyncio.run(http_run(url, schedule, bcfg))[0] for schedule in schedules]
+        return [asyncio.run(http_run(url, schedule, bcfg)) for schedule in schedules]
 
 
 VALIDATED = ("ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms", "tpot_p95_ms")

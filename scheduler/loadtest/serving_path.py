@@ -226,7 +226,7 @@ def measure(run_dir: str | Path, runs: Sequence[tuple[int, Sequence[Any]]], max_
                            default_sla_ttft_ms=sla[0], default_sla_tpot_ms=sla[1], step_log=str(step_log))
         with serving_stack(run_dir, scfg, graceful=False) as url:
             while i < len(runs) and runs[i][0] == budget:
-                out.append(asyncio.run(http_run(url, list(runs[i][1]), bcfg))[0])
+                out.append(asyncio.run(http_run(url, list(runs[i][1]), bcfg)))
                 i += 1
             time.sleep(0.5)  # the engine, idle, flushes its log
     return out, read_step_log(step_log)
