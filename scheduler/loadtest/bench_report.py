@@ -7,7 +7,7 @@ The numbers themselves (attainment, goodput, percentiles) are :func:`scheduler.c
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -22,11 +22,13 @@ def compare(served: dict[str, Any], inprocess: dict[str, Any]) -> dict[str, floa
             "ttft_p50_overhead_ms": a - b if a is not None and b is not None else None}
 
 
-def same_lengths(a: Sequence[RequestResult], b: Sequence[RequestResult]) -> float | None:
+def same_lengths(a: Sequence[RequestResult], b: Sequence[RequestResult],
+                 key: Callable[[str], str] = lambda rid: rid) -> float | None:
     """Of the requests both runs completed, the fraction that generated as many tokens in each (greedy,
-    one bundle: a check that both ran the same requests, with the same stop tokens); None if none."""
-    done = {r.request_id: r.tokens for r in b if r.ok}
-    pairs = [(r.tokens, done[r.request_id]) for r in a if r.ok and r.request_id in done]
+    one bundle: a check that both ran the same requests, with the same stop tokens); None if none.
+    Requests pair by ``key`` of their ids (by default the id itself)."""
+    done = {key(r.request_id): r.tokens for r in b if r.ok}
+    pairs = [(r.tokens, done[key(r.request_id)]) for r in a if r.ok and key(r.request_id) in done]
     return sum(x == y for x, y in pairs) / len(pairs) if pairs else None
 
 

@@ -32,7 +32,7 @@ from scheduler.control.outcomes import summarize
 from scheduler.loadtest.capacity import INPROCESS as INPROCESS_SYSTEM
 from scheduler.loadtest.capacity import SERVED as SERVED_SYSTEM
 from scheduler.loadtest.capacity import TRITON as TRITON_SYSTEM
-from scheduler.loadtest.capacity import Run, capacity_markdown, capacity_report, interleaved
+from scheduler.loadtest.capacity import Run, capacity_markdown, capacity_report, interleaved, tokens_ratio
 from scheduler.loadtest.loadgen import ScheduledRequest, build_schedule, run_open_loop
 from scheduler.control.outcomes import RequestResult
 from scheduler.loadtest.senders import HttpSender, InProcessSender, TritonSender
@@ -415,10 +415,7 @@ def capacity_section(cfg: BenchServeConfig, cap: dict[str, dict[int, list[Run]]]
     rep = capacity_report(cap, cfg.sla_ttft_ms, cfg.sla_tpot_ms, meta)
     if EXACT_SYSTEM in cap and SERVED_SYSTEM in cap:
         lo = min(cap[SERVED_SYSTEM])
-        pairs = zip(cap[EXACT_SYSTEM][lo], cap[SERVED_SYSTEM][lo])
-        ratios = [summarize(e.results, cfg.sla_ttft_ms, cfg.sla_tpot_ms)["tokens_per_s"]
-                  / max(summarize(b.results, cfg.sla_ttft_ms, cfg.sla_tpot_ms)["tokens_per_s"], 1e-9) for e, b in pairs]
-        spread = {"median": float(np.median(ratios)), "min": min(ratios), "max": max(ratios)}
+        spread = tokens_ratio(cap[EXACT_SYSTEM][lo], cap[SERVED_SYSTEM][lo], cfg.sla_ttft_ms, cfg.sla_tpot_ms)
         rep["headline"]["exact_vs_bounded_tokens_ratio"] = spread["median"]
         rep["headline"]["spread"]["exact_vs_bounded_tokens_ratio"] = spread
     return rep

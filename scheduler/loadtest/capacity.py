@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from scheduler.control.outcomes import RequestResult, summarize
+from scheduler.loadtest.bench_report import same_lengths
 from scheduler.loadtest.loadgen import ScheduledRequest, run_closed_loop
 
 Send = Callable[[ScheduledRequest], Awaitable[RequestResult]]
@@ -85,11 +86,16 @@ async def interleaved(senders: dict[str, Send], requests: Sequence[ScheduledRequ
     return runs
 
 
-def same_lengths(a: Sequence[RequestResult], b: Sequence[RequestResult]) -> float | None:
-    """Of the requests both runs completed, the fraction that generated as many tokens in each; the runs
-    hold the same requests in the same order (their ids name the system and repeat, so they differ)."""
-    pairs = [(x.tokens, y.tokens) for x, y in zip(a, b) if x.ok and y.ok]
-    return sum(x == y for x, y in pairs) / len(pairs) if pairs else None
+def base_id(request_id: str) -> str:
+    """A measured request's id without the system, level and repeat that :func:`interleaved` appends
+    (each system's requests keep ids of their own, so a late cancel cannot reach another's)."""
+    return request_id.rsplit("-", 3)[0]
+
+
+def tokens_ratio(a: Sequence[Run], b: Sequence[Run], sla_ttft_ms: float, sla_tpot_ms: float) -> dict[str, float | None]:
+    """Tokens/s of ``a``'s runs over ``b``'s, paired by repeat: median, min and max of the ratios."""
+    rate = lambda run: summarize(run.results, sla_ttft_ms, sla_tpot_ms)["tokens_per_s"]  # noqa: E731
+    return _spread([_ratio(rate(x), rate(y)) for x, y in zip(a, b)])
 
 
 def _spread(values: Sequence[float | None]) -> dict[str, float | None]:
@@ -135,8 +141,8 @@ def level_report(runs: dict[str, list[Run]], sla_ttft_ms: float, sla_tpot_ms: fl
                                                          for i in range(n)])
         out[f"{prefix}_cpu_ms_per_token"] = _spread([_diff(runs[name][i].cpu_ms_per_token,
                                                            runs[INPROCESS][i].cpu_ms_per_token) for i in range(n)])
-        out[f"{prefix}_same_output_lengths"] = _spread([same_lengths(runs[name][i].results, runs[INPROCESS][i].results)
-                                                         for i in range(n)])
+        out[f"{prefix}_same_output_lengths"] = _spread([same_lengths(runs[name][i].results, runs[INPROCESS][i].results,
+                                                                      key=base_id) for i in range(n)])
     return out
 
 

@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from scheduler.control.outcomes import RequestResult
-from scheduler.loadtest.capacity import INPROCESS, SERVED, Run, busy_cpu_s, interleaved, level_report, order
+from scheduler.loadtest.capacity import (INPROCESS, SERVED, Run, base_id, busy_cpu_s, interleaved, level_report, order,
+                                         tokens_ratio)
 from scheduler.loadtest.loadgen import ScheduledRequest
 
 
@@ -76,3 +77,19 @@ def test_the_machines_busy_cpu_counts_at_least_this_process_work():
     b, used = busy_cpu_s(), time.process_time() - p0
     # the whole machine was busy at least as long as this process (less the clock ticks' granularity)
     assert b - a >= used - 0.05, (b - a, used)
+
+
+def test_runs_of_two_systems_pair_by_the_request_not_by_the_system_or_position():
+    """Each system's ids carry its name, level and repeat; the output-length check pairs the same request
+    across systems whatever order the runs completed in, and a request that differs is counted."""
+    def res(rid: str, tokens: int) -> RequestResult:
+        return RequestResult(rid, 0.0, 8, 8, t_submit=0.0, t_first_token=0.01, t_end=0.02, tokens=tokens,
+                             token_times=[0.01] * tokens, finish_reason="length")
+
+    assert base_id("cap-12-triton_direct-c8-r2") == "cap-12"
+    local = Run([res("cap-0-inprocess-c1-r0", 4), res("cap-1-inprocess-c1-r0", 6)], 1.0)
+    served = Run([res("cap-1-served-c1-r0", 6), res("cap-0-served-c1-r0", 5)], 1.0)  # completed in another order
+    lv = level_report({INPROCESS: [local], SERVED: [served]}, 500.0, 50.0)
+    assert lv["served_vs_inprocess_same_output_lengths"]["median"] == pytest.approx(0.5)
+    assert tokens_ratio([served], [local], 500.0, 50.0)["median"] == pytest.approx(
+        lv["served_vs_inprocess_tokens_ratio"]["median"])
