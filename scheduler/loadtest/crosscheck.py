@@ -139,8 +139,8 @@ def tokenizer_folder(bundle: Path, out: Path) -> Path:
 
 def _ours(cfg: CrossCheckConfig, url: str) -> tuple[dict[str, Any], str]:
     from scheduler.control.outcomes import summarize
-    from scheduler.loadtest.bench_serve import BenchServeConfig, _capacity, capacity_requests, make_schedule
-    from scheduler.loadtest.loadgen import ScheduledRequest
+    from scheduler.loadtest.bench_serve import BenchServeConfig, capacity_requests, make_schedule
+    from scheduler.loadtest.loadgen import ScheduledRequest, run_closed_loop
     from scheduler.loadtest.senders import HttpSender
 
     bcfg = BenchServeConfig(run_dir=cfg.run_dir, url=url, max_requests=cfg.requests, duration_s=None,
@@ -155,7 +155,7 @@ def _ours(cfg: CrossCheckConfig, url: str) -> tuple[dict[str, Any], str]:
             send.model = (await send.models())[0]
             for i, r in enumerate(reqs[:cfg.warmup_requests]):
                 await send(ScheduledRequest(0.0, r.prompt_ids, r.max_tokens, f"warmup-{i}"))
-            return (await _capacity(send, bcfg, reqs))[cfg.concurrency], send.model
+            return await run_closed_loop(reqs, send, cfg.concurrency), send.model
 
     results, model = asyncio.run(run())
     return summarize(results, bcfg.sla_ttft_ms, bcfg.sla_tpot_ms), model
