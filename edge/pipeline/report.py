@@ -311,7 +311,10 @@ def _scheduler_md(s: dict[str, Any]) -> list[str]:
                      f"{_fmt(s['sim_validation_max_rel_err'], '.3f')} on held-out runs below the edge, "
                      f"{_fmt(s.get('sim_validation_at_edge_max_rel_err'), '.3f')} at the edge, where the stack "
                      f"is at its knee; two served runs of one schedule differ by up to "
-                     f"{_fmt(s.get('real_repeat_max_rel_diff'), '.3f')} (bench/scheduler.md).")
+                     f"{_fmt(s.get('real_repeat_max_rel_diff'), '.3f')} (bench/scheduler.md). The simulator's error "
+                     f"over the served runs' own spread, largest over loads and metrics: "
+                     f"{_fmt(s.get('sim_error_vs_repeat_spread_max'), '.2f')} (goal <= 1.5); p95 TTFT and TPOT "
+                     f"within the SLA at 0.8x the edge: {_fmt(s.get('p95_within_sla_at_0_8_edge'), '')}.")
     return lines + [""]
 
 

@@ -16,6 +16,12 @@ on the real served stack, and the simulator against the real stack.
    token, p50 and p95. ``sim_validation_max_rel_err`` is the largest error of the runs below the
    edge; at the edge itself the stack sits at its knee, where on a 2-core machine two runs of one
    schedule differ by up to 2x (docs/scheduler.md), and its errors are reported apart.
+4. The simulator against the stack's own noise: each validation load's schedule is served
+   ``validation_repeats`` times, interleaved with the other loads; per load and metric the
+   simulator's error is divided by the served runs' spread (:func:`noise_check`);
+   ``sim_error_vs_repeat_spread_max`` is the largest ratio (goal <= 1.5). The served runs at
+   ``sla_check_share`` (0.8) of the edge must hold p95 TTFT and TPOT within the SLA
+   (``p95_within_sla_at_0_8_edge``).
 
 Writes ``<run>/bench/scheduler.json`` (the report's ``scheduler`` section) and ``scheduler.md``;
 records stage ``bench_scheduler`` in the manifest.
@@ -65,9 +71,10 @@ class BenchSchedulerConfig:
     real_workload: str = "trace"      # which workload runs on the real stack (trace: poisson where no trace)
     real_duration_s: float = 30.0
     real_load: float | None = None    # None: the best fixed budget's SLA edge on real_workload in the simulator
-    validation_loads: list[float] = field(default_factory=lambda: [0.5, 0.75])  # shares of the edge's rate
+    validation_loads: list[float] = field(default_factory=lambda: [0.5, 0.8])  # shares of the edge's rate
     validation_duration_s: float = 30.0
-    validation_repeats: int = 1       # served runs per validation load (2: the real stack's own repeat spread)
+    validation_repeats: int = 2       # served runs per validation load, interleaved: the real stack's own spread
+    sla_check_share: float = 0.8      # the validation load whose served runs must hold p95 within the SLA
     warmup_requests: int = 2
     seed: int = 0
 
@@ -80,6 +87,9 @@ class BenchSchedulerConfig:
             raise ConfigError("bench scheduler: duration_s, real_duration_s and validation_duration_s must be > 0")
         if self.validation_repeats < 1:
             raise ConfigError(f"bench scheduler: validation_repeats must be >= 1, got {self.validation_repeats}")
+        if self.validation_loads and self.sla_check_share not in self.validation_loads:
+            raise ConfigError(f"bench scheduler: sla_check_share {self.sla_check_share} must be one of the "
+                              f"validation_loads {self.validation_loads} (its served runs are the check)")
         if any(not 0 < x < 1 for x in self.validation_loads):
             raise ConfigError(f"bench scheduler: validation_loads are shares of the edge's rate in (0, 1), got "
                               f"{self.validation_loads}")
@@ -249,8 +259,11 @@ def real_runs(cfg: BenchSchedulerConfig, env: EnvConfig, latency: LatencyModel, 
           flush=True)
     # the learned policy first: on this 2-core VM the second of two stacks started back to back ran
     # slower in both runs where the fixed budget went first (the same actions: 0.86 and 0.78 goodput)
-    below = [(f, real_schedule(cfg, workload_for(spec, f * load * capacity, cfg.validation_duration_s, env)))
-             for f in cfg.validation_loads for _ in range(cfg.validation_repeats)]
+    # one schedule per validation load, served validation_repeats times, interleaved: every repeat runs
+    # every load in turn, so a slow minute of the machine does not land on one load's repeats only
+    schedules = {f: real_schedule(cfg, workload_for(spec, f * load * capacity, cfg.validation_duration_s, env))
+                 for f in cfg.validation_loads}
+    below = [(f, schedules[f]) for _ in range(cfg.validation_repeats) for f in cfg.validation_loads]
     [learned_res] = served(cfg, env, LEARNED, {"path": cfg.policy}, [schedule])
     *below_res, fixed_res = served(cfg, env, "fixed", {"prefill_budget": budget, "max_running": env.sim.max_seqs},
                                    [s for _, s in below] + [schedule])
@@ -262,10 +275,59 @@ def real_runs(cfg: BenchSchedulerConfig, env: EnvConfig, latency: LatencyModel, 
     below_val = [{"share_of_edge": f, "rate_rps": f * load * capacity, "policy": name,
                   **validate(latency, exits, env, res, fixed, cfg.sim_seeds)} for (f, _), res in zip(below, below_res)]
     ratio = runs[LEARNED]["goodput_rps"] / runs[name]["goodput_rps"] if runs[name]["goodput_rps"] else None
+    at_check = [summarize(res, *sla) for (f, _), res in zip(below, below_res) if f == cfg.sla_check_share]
     return {"workload": spec.name, "load": load, "rate_rps": load * capacity, "best_fixed": name,
             "runs": runs, "serving_path": {k: getattr(env.sim, k) for k in SERVING_FIELDS},
             "validation": val, "validation_below_edge": below_val, "repeat_spread": repeat_spread(below_val),
+            "noise_check": noise_check(below_val), "sla_check": sla_check(at_check, cfg.sla_check_share, name),
             "goodput_ratio": ratio}
+
+
+def _rel_diff(a: float | None, b: float | None) -> float | None:
+    """|a - b| / their mean (symmetric: neither side is the truth); None where either is missing."""
+    return None if a is None or b is None or a + b <= 0 else abs(a - b) / ((a + b) / 2)
+
+
+def _median(xs: list[float | None]) -> float | None:
+    v = [x for x in xs if x is not None]
+    return float(np.median(v)) if v else None
+
+
+def noise_check(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The simulator judged against the served stack's own noise, per validation load and metric: the
+    served runs' spread (median over pairs of runs of one schedule of |a - b| / mean(a, b)) and the
+    simulator's error (median over the runs of the same statistic between a run and its replay), and
+    their ratio: 1 means the simulator lands as close to a served run as another served run does.
+    ``max_ratio`` is the largest over loads and metrics (None without two runs at some load, or where a
+    spread is 0). ``runs``: :func:`validate`'s results with ``share_of_edge``."""
+    by_load: dict[float, list[dict[str, Any]]] = {}
+    for v in runs:
+        by_load.setdefault(v["share_of_edge"], []).append(v)
+    levels, ratios = [], []
+    for share, vs in sorted(by_load.items()):
+        spread = {k: _median([_rel_diff(vs[i]["measured"][k], vs[j]["measured"][k])
+                              for i in range(len(vs)) for j in range(i + 1, len(vs))]) for k in VALIDATED}
+        err = {k: _median([_rel_diff(v["simulated"][k], v["measured"][k]) for v in vs]) for k in VALIDATED}
+        ratio = {k: err[k] / spread[k] if err[k] is not None and spread[k] else None for k in VALIDATED}
+        levels.append({"share_of_edge": share, "runs": len(vs), "served_spread": spread, "sim_error": err,
+                       "ratio": ratio, "max_ratio": max((r for r in ratio.values() if r is not None), default=None)})
+        ratios += [ratio[k] for k in VALIDATED if err[k] is not None]
+    if not levels:
+        return None
+    complete = ratios and all(r is not None for r in ratios)
+    return {"levels": levels, "max_ratio": max(ratios) if complete else None}
+
+
+def sla_check(summaries: list[dict[str, Any]], share: float, policy: str) -> dict[str, Any] | None:
+    """Whether every served run at ``share`` of the SLA edge held p95 TTFT and p95 time per output token
+    within the SLA with nothing refused (:func:`scheduler.control.evaluate.holds_sla`), with their p95s."""
+    from scheduler.control.evaluate import holds_sla
+
+    if not summaries:
+        return None
+    return {"share_of_edge": share, "policy": policy, "held": all(holds_sla(s) for s in summaries),
+            "runs": [{k: s[k] for k in ("ttft_p95_ms", "tpot_p95_ms", "errors", "sla_attainment")} for s in summaries],
+            "sla": summaries[0]["sla"]}
 
 
 def repeat_spread(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -316,6 +378,10 @@ def summary(report: dict[str, Any], cells: dict, real_w: str) -> dict[str, Any]:
         out["sim_validation_at_edge_max_rel_err"] = max(edge) if edge else None
         spread = real.get("repeat_spread")
         out["real_repeat_max_rel_diff"] = spread["max_rel_diff"] if spread else None
+        noise = real.get("noise_check")
+        out["sim_error_vs_repeat_spread_max"] = noise["max_ratio"] if noise else None
+        check = real.get("sla_check")
+        out["p95_within_sla_at_0_8_edge"] = check["held"] if check and check["share_of_edge"] == 0.8 else None
     return out
 
 
@@ -324,7 +390,9 @@ def render_headline(s: dict[str, Any]) -> str:
     if "goodput_ratio_vs_best_fixed_at_sla_edge" in s:
         lines.append(f"  real stack at the SLA edge: goodput ratio {s['goodput_ratio_vs_best_fixed_at_sla_edge']}, "
                      f"sim validation max rel err {s['sim_validation_max_rel_err']} below the edge, "
-                     f"{s['sim_validation_at_edge_max_rel_err']} at it")
+                     f"{s['sim_validation_at_edge_max_rel_err']} at it; sim error / served repeat spread, largest "
+                     f"{s.get('sim_error_vs_repeat_spread_max')}; p95 within the SLA at 0.8x the edge: "
+                     f"{s.get('p95_within_sla_at_0_8_edge')}")
     return "\n".join(lines)
 
 

@@ -103,6 +103,25 @@ def _real_tables(real: dict[str, Any], sla: dict[str, Any]) -> list[str]:
         out += ["", "The real stack against itself: two runs of one schedule below the edge differ by "
                 + ", ".join(f"{k} {v:.3f}" for k, v in spread["rel_diff"].items())
                 + " (|a - b| / their mean): no simulator can be closer to one run than the runs are to each other."]
+    noise = real.get("noise_check")
+    if noise:
+        out += ["", "The simulator against the served stack's own noise (each load's schedule served "
+                f"{noise['levels'][0]['runs']} times, interleaved with the other loads): the served runs' spread (median "
+                "over pairs of |a - b| / their mean), the simulator's error (the same between a run and its replay, "
+                "median over the runs) and their ratio (goal <= 1.5: the simulator about as close to a run as another "
+                f"run is). Largest ratio: {_f(noise['max_ratio'], 2)}.", "",
+                "| share of the edge | metric | served spread | sim error | ratio |", "| ---: | --- | ---: | ---: | ---: |"]
+        for lv in noise["levels"]:
+            for k in lv["ratio"]:
+                out.append(f"| x{lv['share_of_edge']:g} | {k} | {_f(lv['served_spread'][k], 3)} | "
+                           f"{_f(lv['sim_error'][k], 3)} | {_f(lv['ratio'][k], 2)} |")
+    check = real.get("sla_check")
+    if check:
+        p95 = "; ".join(f"TTFT {_f(r['ttft_p95_ms'], 1)} ms, TPOT {_f(r['tpot_p95_ms'], 1)} ms, {r['errors']} refused"
+                        for r in check["runs"])
+        out += ["", f"At x{check['share_of_edge']:g} of the SLA edge ({check['policy']}, SLA "
+                f"{check['sla']['ttft_ms']:g} / {check['sla']['tpot_ms']:g} ms), p95 of each served run: {p95}; "
+                f"held in every run: {'yes' if check['held'] else 'no'}."]
     out += ["", "| run | metric | measured (ms) | simulated (ms) | relative error |", "| --- | --- | ---: | ---: | ---: |"]
     runs = [(f"{v['policy']} at {v['rate_rps']:.2f} req/s (x{v['share_of_edge']:g} of the edge)", v)
             for v in real.get("validation_below_edge", [])]

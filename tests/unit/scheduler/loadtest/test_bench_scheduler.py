@@ -1,0 +1,79 @@
+"""The scheduler benchmark's judgement of the simulator and of the SLA (scheduler/loadtest/bench_scheduler.py):
+the simulator's error against the served stack's own repeat spread, per load, and the p95 check at 0.8x
+the SLA edge. The served runs themselves run in `make demo` (they need the stack)."""
+from __future__ import annotations
+
+import pytest
+
+from edge.core.errors import ConfigError
+from scheduler.loadtest.bench_scheduler import VALIDATED, BenchSchedulerConfig, noise_check, sla_check, summary
+from scheduler.loadtest.bench_scheduler_report import _real_tables
+
+
+def _val(share: float, measured: float, simulated: float) -> dict:
+    return {"share_of_edge": share, "rate_rps": share * 4.0, "policy": "fixed-128",
+            "measured": {k: measured for k in VALIDATED}, "simulated": {k: simulated for k in VALIDATED},
+            "rel_err": {k: abs(simulated - measured) / measured for k in VALIDATED}, "max_rel_err": 0.0}
+
+
+def test_the_simulators_error_is_judged_against_the_served_runs_own_spread():
+    # x0.5: two runs at 100 and 120 ms (spread 20 / 110), the simulator at 110 for both (errors 10/105, 10/115);
+    # x0.8: two runs at 200 and 202 (spread 2 / 201), the simulator at 300 (errors 100/250, 98/251)
+    runs = [_val(0.5, 100.0, 110.0), _val(0.8, 200.0, 300.0), _val(0.5, 120.0, 110.0), _val(0.8, 202.0, 300.0)]
+    out = noise_check(runs)
+    lo, hi = out["levels"]
+    assert (lo["share_of_edge"], lo["runs"], hi["share_of_edge"]) == (0.5, 2, 0.8)
+    assert lo["served_spread"]["ttft_p50_ms"] == pytest.approx(20 / 110)
+    assert lo["sim_error"]["ttft_p50_ms"] == pytest.approx((10 / 105 + 10 / 115) / 2)
+    assert lo["max_ratio"] < 1.0  # as close to each run as the runs are to each other
+    assert hi["ratio"]["tpot_p95_ms"] == pytest.approx(((100 / 250 + 98 / 251) / 2) / (2 / 201))
+    assert out["max_ratio"] == pytest.approx(hi["max_ratio"]) and out["max_ratio"] > 1.5  # a far simulator fails
+
+
+def test_without_a_repeat_or_with_a_zero_spread_there_is_no_ratio():
+    assert noise_check([]) is None
+    one = noise_check([_val(0.5, 100.0, 110.0)])
+    assert one["levels"][0]["ratio"]["ttft_p50_ms"] is None and one["max_ratio"] is None
+    same = noise_check([_val(0.5, 100.0, 110.0), _val(0.5, 100.0, 110.0)])
+    assert same["max_ratio"] is None  # identical runs: any error is infinitely many spreads, not a number
+
+
+def _summary(ttft_p95: float, tpot_p95: float, errors: int = 0) -> dict:
+    return {"ttft_p95_ms": ttft_p95, "tpot_p95_ms": tpot_p95, "errors": errors, "sla_attainment": 1.0,
+            "sla": {"ttft_ms": 500.0, "tpot_ms": 50.0}}
+
+
+def test_the_sla_check_needs_every_run_within_the_sla():
+    ok = sla_check([_summary(400.0, 40.0), _summary(480.0, 49.0)], 0.8, "fixed-128")
+    assert ok["held"] and [r["ttft_p95_ms"] for r in ok["runs"]] == [400.0, 480.0]
+    assert not sla_check([_summary(400.0, 40.0), _summary(510.0, 40.0)], 0.8, "fixed-128")["held"]
+    assert not sla_check([_summary(400.0, 51.0)], 0.8, "fixed-128")["held"]
+    assert not sla_check([_summary(400.0, 40.0, errors=1)], 0.8, "fixed-128")["held"]  # a refusal is a miss
+    assert sla_check([], 0.8, "fixed-128") is None
+
+
+def test_the_check_load_must_be_served():
+    with pytest.raises(ConfigError, match="sla_check_share 0.8 must be one of the validation_loads"):
+        BenchSchedulerConfig(validation_loads=[0.5, 0.6])
+    assert BenchSchedulerConfig().sla_check_share in BenchSchedulerConfig().validation_loads
+
+
+def test_the_summary_and_the_report_carry_both_checks():
+    runs = [_val(0.5, 100.0, 110.0), _val(0.8, 200.0, 300.0), _val(0.5, 120.0, 110.0), _val(0.8, 202.0, 300.0)]
+    served = {"sla_attainment": 1.0, "goodput_rps": 2.0, "requests": 10, "errors": 0, "ttft_p50_ms": 1.0,
+              "ttft_p95_ms": 2.0, "tpot_p50_ms": 1.0, "tpot_p95_ms": 2.0}
+    real = {"workload": "poisson-s1001", "load": 1.0, "rate_rps": 4.0, "best_fixed": "fixed-128",
+            "goodput_ratio": 1.0, "runs": {"fixed-128": served, "ppo": served}, "validation": {},
+            "validation_below_edge": runs, "repeat_spread": None, "noise_check": noise_check(runs),
+            "sla_check": sla_check([_summary(400.0, 40.0), _summary(520.0, 40.0)], 0.8, "fixed-128"),
+            "serving_path": {"engine_slowdown": 1.1, "prefill_slowdown": None, "serve_chunk_ms": 0.1,
+                             "serve_chunk_sq_ms": 0.0, "ttft_overhead_ms": 5.0, "token_overhead_ms": 0.5}}
+    report = {"sim": {"goodput_ratio_vs_best_fixed": {}, "goodput_ratio_vs_best_fixed_min": None, "at_sla_edge": {},
+                      "sla_capacity": {}}, "capacity_rps": 4.0, "capacities_rps": {}, "real": real}
+    s = summary(report, {}, "poisson")
+    assert s["sim_error_vs_repeat_spread_max"] == pytest.approx(real["noise_check"]["max_ratio"])
+    assert s["p95_within_sla_at_0_8_edge"] is False
+    md = "\n".join(_real_tables(real, {"sla_ttft_ms": 500.0, "sla_tpot_ms": 50.0}))
+    spread, err = 2 / 201, (100 / 250 + 98 / 251) / 2
+    assert f"| x0.8 | tpot_p95_ms | {spread:.3f} | {err:.3f} | {err / spread:.2f} |" in md
+    assert "TTFT 520.0 ms" in md and "held in every run: no" in md
