@@ -75,6 +75,9 @@ class BenchSchedulerConfig:
     validation_duration_s: float = 30.0
     validation_repeats: int = 2       # served runs per validation load, interleaved: the real stack's own spread
     sla_check_share: float = 0.8      # the validation load whose served runs must hold p95 within the SLA
+    # load shedding (edge/runtime/host.py HostConfig.shed_late): the same rule for every policy, in the
+    # simulator and on every served stack; a shed request is a miss in goodput. None: as the policy trained
+    shed_late: bool | None = None
     warmup_requests: int = 2
     seed: int = 0
 
@@ -87,6 +90,8 @@ class BenchSchedulerConfig:
             raise ConfigError("bench scheduler: duration_s, real_duration_s and validation_duration_s must be > 0")
         if self.validation_repeats < 1:
             raise ConfigError(f"bench scheduler: validation_repeats must be >= 1, got {self.validation_repeats}")
+        if self.shed_late is not None and not isinstance(self.shed_late, bool):
+            raise ConfigError(f"bench scheduler: shed_late must be true, false or null, got {self.shed_late!r}")
         if self.validation_loads and self.sla_check_share not in self.validation_loads:
             raise ConfigError(f"bench scheduler: sla_check_share {self.sla_check_share} must be one of the "
                               f"validation_loads {self.validation_loads} (its served runs are the check)")
@@ -126,6 +131,8 @@ def env_config(cfg: BenchSchedulerConfig, info: dict[str, Any]) -> EnvConfig:
         e.sim.sla_ttft_ms = cfg.sla_ttft_ms
     if cfg.sla_tpot_ms is not None:
         e.sim.sla_tpot_ms = cfg.sla_tpot_ms
+    if cfg.shed_late is not None:
+        e.sim.shed_late = cfg.shed_late
     return e
 
 
@@ -188,7 +195,7 @@ def served(cfg: BenchSchedulerConfig, env: EnvConfig, policy: str, kwargs: dict[
 
     sla = {"default_sla_ttft_ms": env.sim.sla_ttft_ms, "default_sla_tpot_ms": env.sim.sla_tpot_ms}
     alone = {"guard": {"first": "learned", "window_s": 1e9}, "online_finetune": False} if policy == LEARNED else {}
-    scfg = ServeConfig(policy=policy, policy_kwargs=kwargs, **sla, **alone)
+    scfg = ServeConfig(policy=policy, policy_kwargs=kwargs, shed_late=env.sim.shed_late, **sla, **alone)
     bcfg = BenchServeConfig(run_dir=cfg.run_dir, sla_ttft_ms=env.sim.sla_ttft_ms, sla_tpot_ms=env.sim.sla_tpot_ms,
                             warmup_requests=cfg.warmup_requests)
     with serving_stack(cfg.run_dir, scfg, graceful=False) as url:

@@ -27,7 +27,8 @@ def render_markdown(r: dict[str, Any]) -> str:
            "under 10% of the offered requests within the SLA (collapse: two near-zero numbers). Workloads held out from "
            f"training: Poisson and bursty arrivals on other seeds, diurnal arrivals (never used in training), "
            f"{r['workloads']}. Goodput = requests meeting the SLA per second; the best fixed budget is chosen per "
-           "cell in hindsight.", ""]
+           "cell in hindsight. Load shedding (a request still waiting when its TTFT deadline passes is refused, "
+           f"a miss in goodput): {'on, the same rule for every policy' if sla.get('shed_late') else 'off'}.", ""]
     out += _sim_tables(r)
     out += ["## The learned policy against the best fixed budget (simulator)", "",
             "| workload | min goodput ratio over loads | SLA edge load (best fixed) | ratio there | "

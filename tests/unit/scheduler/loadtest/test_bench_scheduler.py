@@ -77,3 +77,14 @@ def test_the_summary_and_the_report_carry_both_checks():
     spread, err = 2 / 201, (100 / 250 + 98 / 251) / 2
     assert f"| x0.8 | tpot_p95_ms | {spread:.3f} | {err:.3f} | {err / spread:.2f} |" in md
     assert "TTFT 520.0 ms" in md and "held in every run: no" in md
+
+
+def test_shedding_is_one_rule_for_every_policy():
+    from scheduler.loadtest.bench_scheduler import env_config
+
+    with pytest.raises(ConfigError, match="shed_late must be true, false or null"):
+        BenchSchedulerConfig(shed_late="yes")
+    info = {"env": {"sim": {"sla_ttft_ms": 500.0, "sla_tpot_ms": 50.0}}}
+    on = env_config(BenchSchedulerConfig(run_dir="/nonexistent", shed_late=True), info)
+    assert on.sim.shed_late is True  # the simulator grid, the replays and both served stacks read env.sim
+    assert env_config(BenchSchedulerConfig(run_dir="/nonexistent"), info).sim.shed_late is False  # as trained
