@@ -25,6 +25,7 @@ SERVING_JSON = "serving.json"
 class ServingPath:
     ttft_overhead_ms: float = 0.0
     token_overhead_ms: float = 0.0
+    ingress_ms: float = 0.0                # the front end's time per request (SimConfig.ingress_ms); 0 in older files
     serve_chunk_ms: float = 0.0
     serve_chunk_sq_ms: float = 0.0
     engine_slowdown: float = 1.0
@@ -56,7 +57,7 @@ class ServingPath:
 
 
 STEP_PARAMS = ("engine_slowdown", "prefill_slowdown", "serve_chunk_ms", "serve_chunk_sq_ms")  # from the step log
-OVERHEADS = ("ttft_overhead_ms", "token_overhead_ms")  # from the requests' latencies
+OVERHEADS = ("ttft_overhead_ms", "token_overhead_ms", "ingress_ms")  # from the requests' latencies
 PARAMS = STEP_PARAMS + OVERHEADS
 
 

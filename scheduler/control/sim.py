@@ -113,6 +113,10 @@ class SimConfig:
     max_chunk: int | None = None    # the backend's largest chunk (Backend.max_chunk): the budget never exceeds it
     ttft_overhead_ms: float = 0.0   # the serving path's added latency to the first token (HTTP, Ray, Triton)
     token_overhead_ms: float = 0.0  # and to each later token
+    # the front end's time per request before the engine sees it (HTTP, Ray Serve's proxy and ingress,
+    # the hop to Triton), one request at a time: a FIFO queue in front of the engine's, whose delay
+    # grows with load (a burst waits there too); fitted with the overheads by `smartexit profile`
+    ingress_ms: float = 0.0
     # engine time lost per delivered chunk (one request's tokens of one step) when served, and per
     # chunk squared: Triton's python backend packs and sends each chunk on a responder thread of the
     # engine's own process, under the GIL the engine thread needs, and the stack's processes (Ray
@@ -152,8 +156,9 @@ class SimConfig:
         if not self.engine_slowdown > 0 or (self.prefill_slowdown is not None and not self.prefill_slowdown > 0):
             raise ConfigError(f"sim: engine_slowdown and prefill_slowdown must be > 0, got "
                               f"{self.engine_slowdown} and {self.prefill_slowdown}")
-        if min(self.ttft_overhead_ms, self.token_overhead_ms, self.serve_chunk_ms, self.serve_chunk_sq_ms) < 0:
-            raise ConfigError("sim: overheads, serve_chunk_ms and serve_chunk_sq_ms must be >= 0")
+        if min(self.ttft_overhead_ms, self.token_overhead_ms, self.ingress_ms, self.serve_chunk_ms,
+               self.serve_chunk_sq_ms) < 0:
+            raise ConfigError("sim: overheads, ingress_ms, serve_chunk_ms and serve_chunk_sq_ms must be >= 0")
         if not 0.0 <= self.audit_fraction <= 1.0 or self.audit_max_pending < 0:
             raise ConfigError(f"sim: audit_fraction must be in [0, 1] and audit_max_pending >= 0, got "
                               f"{self.audit_fraction}, {self.audit_max_pending}")
@@ -168,6 +173,7 @@ class _Req:
     prompt: int
     out: int
     exits: np.ndarray           # [out] the exit layer of each generated token (index 0: prefill, full depth)
+    ready: float = 0.0          # when it leaves the front end's queue and reaches the engine (SimConfig.ingress_ms)
     prefilled: int = 0
     generated: int = 0
     first: float | None = None
@@ -218,6 +224,9 @@ class Simulator:
             ex = rng.choice(layers, size=n, p=self.exits.request_probs(rng))
             ex[0] = layers[-1]
             self._reqs.append(_Req(i, float(w.arrival_s[i]), int(w.prompt_tokens[i]), n, ex))
+        ingress, free = self.cfg.ingress_ms / 1e3, -np.inf
+        for r in self._reqs:  # the front end serves one request at a time, in arrival order
+            r.ready = free = max(r.arrival, free) + ingress
         self._audit_rng = np.random.default_rng([self.cfg.seed, 1])
         self._audits: collections.deque[int] = collections.deque()  # queued audit prefixes' lengths
         self._audit_inflight = False
@@ -269,7 +278,7 @@ class Simulator:
             if self.waiting or self.prefilling or self.decoding:
                 self._step()
             elif self._next < len(self._reqs):
-                self.t = min(until, max(self.t, self._reqs[self._next].arrival))
+                self.t = min(until, max(self.t, self._reqs[self._next].ready))
             else:
                 self.t = until
                 return
@@ -279,7 +288,7 @@ class Simulator:
 
     def _arrive(self) -> None:
         reqs, c = self._reqs, self.counts
-        while self._next < len(reqs) and reqs[self._next].arrival <= self.t:
+        while self._next < len(reqs) and reqs[self._next].ready <= self.t:
             r = reqs[self._next]
             self._next += 1
             self._arrivals.append(r.arrival)

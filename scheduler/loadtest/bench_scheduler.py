@@ -39,6 +39,7 @@ from edge.core.artifacts import atomic_write_json, atomic_write_text
 from edge.core.errors import ConfigError
 from edge.runtime.settings import PREFILL_BUDGETS
 from scheduler.control.outcomes import summarize
+from scheduler.control.engine_model import PARAMS
 from scheduler.control.env import EnvConfig
 from scheduler.control.evaluate import FIXED_PREFIX, WorkloadSpec, best_fixed, workload_for
 from scheduler.control.latency import LatencyModel
@@ -284,7 +285,7 @@ def real_runs(cfg: BenchSchedulerConfig, env: EnvConfig, latency: LatencyModel, 
     ratio = runs[LEARNED]["goodput_rps"] / runs[name]["goodput_rps"] if runs[name]["goodput_rps"] else None
     at_check = [summarize(res, *sla) for (f, _), res in zip(below, below_res) if f == cfg.sla_check_share]
     return {"workload": spec.name, "load": load, "rate_rps": load * capacity, "best_fixed": name,
-            "runs": runs, "serving_path": {k: getattr(env.sim, k) for k in SERVING_FIELDS},
+            "runs": runs, "serving_path": {k: getattr(env.sim, k) for k in PARAMS},
             "validation": val, "validation_below_edge": below_val, "repeat_spread": repeat_spread(below_val),
             "noise_check": noise_check(below_val), "sla_check": sla_check(at_check, cfg.sla_check_share, name),
             "goodput_ratio": ratio}
@@ -354,8 +355,6 @@ def repeat_spread(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
     return {"rel_diff": diffs, "max_rel_diff": max(diffs.values())} if diffs else None
 
 
-SERVING_FIELDS = ("engine_slowdown", "prefill_slowdown", "serve_chunk_ms", "serve_chunk_sq_ms", "ttft_overhead_ms",
-                  "token_overhead_ms")
 
 
 def summary(report: dict[str, Any], cells: dict, real_w: str) -> dict[str, Any]:

@@ -96,7 +96,8 @@ def _real_tables(real: dict[str, Any], sla: dict[str, Any]) -> list[str]:
             f"steps x{o['engine_slowdown']:.2f} and prefill x{o['prefill_slowdown'] or o['engine_slowdown']:.2f} the "
             f"profiled time, {o['serve_chunk_ms']:.2f} ms per chunk sent (+{o.get('serve_chunk_sq_ms') or 0:.3f} ms x "
             f"chunks^2), +{o['ttft_overhead_ms']:.1f} ms to the first "
-            f"token, +{o['token_overhead_ms']:.2f} ms per later token. The runs below the edge (same stack as the fixed "
+            f"token, +{o['token_overhead_ms']:.2f} ms per later token, {o.get('ingress_ms') or 0:.2f} ms per request at the "
+            f"front end (one at a time). The runs below the edge (same stack as the fixed "
             f"budget's run) give `sim_validation_max_rel_err`; at the edge the stack is at its knee and two runs of one "
             f"schedule can differ by up to 2x on 2 cores: those errors are reported apart."]
     spread = real.get("repeat_spread")

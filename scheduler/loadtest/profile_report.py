@@ -53,7 +53,8 @@ def render_serving(sp: dict[str, Any]) -> list[str]:
              f"{sp['serve_chunk_sq_ms']:.4f} ms x chunks^2; the profiled model alone gives "
              f"{st['profiled_total_ratio']:.3f} of the served engine time, the fit {st['total_ratio']:.3f}; step "
              f"error median {st['rel_err_median']:.3f}, p90 {st['rel_err_p90']:.3f}. Overheads: "
-             f"+{sp['ttft_overhead_ms']:.1f} ms to the first token, +{sp['token_overhead_ms']:.2f} ms per later token.",
+             f"+{sp['ttft_overhead_ms']:.1f} ms to the first token, +{sp['token_overhead_ms']:.2f} ms per later token; "
+             f"front end {sp.get('ingress_ms') or 0:.2f} ms per request, one at a time.",
              "", "| decode batch (no prefill) | steps | served ms | fitted ms | profiled ms |", "|---|---|---|---|---|"]
     lines += [f"| {b} | {v['steps']} | {v['measured_ms']:.2f} | {v['fitted_ms']:.2f} | {v['profiled_ms']:.2f} |"
               for b, v in st["decode_batches"].items()]

@@ -3,20 +3,22 @@ serving=true``; ``<run>/scheduler/serving.json``).
 
 The engine's latency model prices engine steps; between the engine and a client sit the Triton
 python backend's IPC and responder thread, the worker, the Ray Serve ingress and proxy, HTTP and SSE.
-On 2 cores they share the CPU, and the stub's threads share the GIL, with the engine thread. Five
+On 2 cores they share the CPU, and the stub's threads share the GIL, with the engine thread. Seven
 numbers describe them for the simulator (scheduler/control/sim.py ``SimConfig``):
 
 - ``engine_slowdown``: the served decode step's time / the profiled one (decode is many short ONNX
   Runtime calls with Python between them: each takes the GIL back from the stack's threads);
 - ``prefill_slowdown``: the same for prefill (a few large calls that hold no GIL: it slows less);
 - ``serve_chunk_ms``: engine time lost per chunk handed to the serving path (the responder's work);
-- ``ttft_overhead_ms`` and ``token_overhead_ms``: latency added to the first and to each later token.
+- ``ttft_overhead_ms`` and ``token_overhead_ms``: latency added to the first and to each later token;
+- ``ingress_ms``: the front end's time per request, one at a time: a queue ahead of the engine's whose
+  delay grows with load (the engine's step log cannot see it; the requests' TTFT at two loads can).
 
-The first three come from the served engine itself: the stack runs with a step log
+The first four (slowdowns and chunk costs) come from the served engine itself: the stack runs with a step log
 (``ServeConfig.step_log``: one line per engine step, what it did and how long it took under the
 stack), and each step's time is regressed (non-negative least squares, weighted by 1/sqrt(time)) on
 the profiled model's decode and prefill parts of that step and the chunks it sent. The two overheads
-are then fitted (Nelder-Mead, bounded) so that the simulator, replaying each calibration run (its
+and the ingress time are then fitted (Nelder-Mead, bounded) so that the simulator, replaying each calibration run (its
 arrivals, prompt and output lengths), gives the measured TTFT and time per output token (p50, p90
 and mean: squared log ratios summed over the runs). The calibration runs are open-loop Poisson runs
 of the profile's own (seeds and rates unlike any evaluation's) at two loads, light and moderate, at
@@ -42,8 +44,8 @@ from scheduler.control.workload import Workload
 
 STEP_LOG = "serving_steps.jsonl"  # the served engine's step log of the calibration runs
 
-BOUNDS = ((0.0, 1000.0), (0.0, 100.0))  # the overheads' (ms)
-START = (20.0, 2.0)
+BOUNDS = ((0.0, 1000.0), (0.0, 100.0), (0.0, 200.0))  # the overheads' (ms): first token, later tokens, ingress
+START = (20.0, 2.0, 2.0)
 METRICS = ("ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms", "tpot_p95_ms")  # what the evaluation validates
 # what the fit matches: the p95 of a 20-second run is its 2nd to 5th largest value, so the fit leans on
 # steadier statistics of the same distributions (the median, p90 and the mean)
@@ -265,6 +267,6 @@ def calibrate(run_dir: str | Path, latency: LatencyModel, pool: list[list[int]],
           f"{sp.prefill_slowdown:.2f}x the profiled time, {sp.serve_chunk_ms:.2f} ms per chunk sent + "
           f"{sp.serve_chunk_sq_ms:.3f} ms x chunks^2 (step error median {st['rel_err_median']:.3f}, mean step "
           f"{st['total_ratio']:.3f} of measured); +{sp.ttft_overhead_ms:.1f} ms to the first token, "
-          f"+{sp.token_overhead_ms:.2f} ms per later token; TTFT / TPOT p50 / p95 max rel err "
+          f"+{sp.token_overhead_ms:.2f} ms per later token, {sp.ingress_ms:.2f} ms per request at the front end; TTFT / TPOT p50 / p95 max rel err "
           f"{sp.fit['max_rel_err']:.3f}", flush=True)
     return sp

@@ -46,6 +46,22 @@ def test_serving_overheads_add_to_first_and_later_tokens():
     assert r.t_end - r.t_first_token == pytest.approx(2e-3 + 0.002 - 0.020)
 
 
+def test_the_front_end_queues_requests_one_at_a_time():
+    """SimConfig.ingress_ms: sparse arrivals each wait exactly the front end's time; a burst queues there,
+    so the delay grows with load (the k-th of a burst waits k times as long) as a constant overhead cannot."""
+    lm = _lm(one=1e-3)
+    base, front = SimConfig(), SimConfig(ingress_ms=50)
+    sparse = _w([0.0, 1.0, 2.0], [8] * 3, [2] * 3)
+    plain = [r.ttft_s for r in simulate(lm, FULL, base, sparse, FixedBudget(128, 16)).results()]
+    queued = [r.ttft_s for r in simulate(lm, FULL, front, sparse, FixedBudget(128, 16)).results()]
+    assert queued == pytest.approx([t + 0.050 for t in plain])
+    burst = _w([0.0] * 4, [8] * 4, [2] * 4)
+    ttft = [r.ttft_s for r in simulate(lm, FULL, front, burst, FixedBudget(128, 16)).results()]
+    assert [round(t, 3) for t in ttft] == pytest.approx([0.051, 0.101, 0.151, 0.201], abs=2e-3)
+    with pytest.raises(ConfigError, match="ingress_ms"):
+        SimConfig(ingress_ms=-1)
+
+
 def _heavy() -> Workload:
     return synthetic(300, 12.0, Arrivals.POISSON, seed=2, prompt_mean=300, output_mean=24)
 

@@ -60,7 +60,7 @@ def test_fit_recovers_the_serving_path(tmp_path):
     """Two calibration runs made by the simulator with known fields, and a step log timed by them:
     the fit gives percentiles that match the runs (its own table) and the fields back."""
     truth = dict(ttft_overhead_ms=20.0, token_overhead_ms=3.0, engine_slowdown=1.6, prefill_slowdown=1.2,
-                 serve_chunk_ms=0.3)
+                 serve_chunk_ms=0.3, ingress_ms=8.0)
     runs = [_results(synthetic(int(rate * 12), rate, Arrivals.POISSON, seed=3 + i, prompt_mean=120, output_mean=24),
                      budget, **truth) for i, (rate, budget) in enumerate(((6.0, 128), (14.0, 64)))]
     sp = fit_serving_path(LM, EX, SimConfig(), runs, [128, 64], _steps(truth), seeds=(0,))
@@ -68,7 +68,9 @@ def test_fit_recovers_the_serving_path(tmp_path):
     assert sp.fit["max_rel_err"] < 0.05 and [r["budget"] for r in sp.fit["runs"]] == [128, 64] and sp.requests == used
     assert sp.engine_slowdown == pytest.approx(1.6, rel=0.05)
     assert sp.prefill_slowdown == pytest.approx(1.2, rel=0.05)
-    assert sp.ttft_overhead_ms == pytest.approx(20.0, abs=3.0)
+    # the front end's 8 ms per request and the 20 ms first-token overhead: at these loads (front-end
+    # utilisation <= 11%) its queue adds under a millisecond, so the runs fix their sum, not the split
+    assert sp.ttft_overhead_ms + sp.ingress_ms == pytest.approx(28.0, abs=3.0)
     assert SimConfig(**sp.sim_fields())  # the fields are the simulator's
     md = render_serving(asdict(sp))  # profile.md's section: one row per decode batch and per run x metric
     assert sum(r.startswith("| ") and "req/s" in r for r in md) == 2 * 4
