@@ -49,6 +49,7 @@ log = logging.getLogger("smartexit.host")
 EMA = 0.3  # weight of the newest exit layer in a request's predicted exit depth
 RECENT = 32  # finished requests behind the recent tail latencies in ``stats``
 RATE_WINDOW_S = 5.0  # arrivals counted for the recent arrival rate
+FRONT_WINDOW_S = 2.0  # the step log's recent arrivals ("a"): the front end's work follows them (docs/scheduler.md)
 
 
 @dataclass
@@ -396,8 +397,14 @@ class EngineHost:
         rows = [[ctx[ev.request_id], ev.exit_layer] for ev in events
                 if ev.request_id in ctx and ev.token != NO_TOKEN]
         pre = [[start, s.prefilled - start] for s, start in pending if s.prefilled > start]
-        f.write(json.dumps({"s": round(step_s, 7), "e": round(emit_s, 7), "c": chunks, "d": rows, "p": pre},
-                           separators=(",", ":")) + "\n")
+        now = time.monotonic()
+        arr = self._arrivals  # other threads append while this one reads: indices below a length read once
+        while arr and arr[0] < now - RATE_WINDOW_S:  # only the engine thread trims
+            arr.popleft()
+        n = len(arr)
+        arrived = next((k for k in range(n) if arr[n - 1 - k] < now - FRONT_WINDOW_S), n)
+        f.write(json.dumps({"s": round(step_s, 7), "e": round(emit_s, 7), "c": chunks, "d": rows, "p": pre,
+                            "n": len(self._live), "a": arrived}, separators=(",", ":")) + "\n")
         if self.steps_total % 64 == 0:
             f.flush()  # a stack stopped without a graceful shutdown loses at most 64 lines
 

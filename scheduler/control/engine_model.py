@@ -30,6 +30,8 @@ class ServingPath:
     serve_chunk_sq_ms: float = 0.0
     engine_slowdown: float = 1.0
     prefill_slowdown: float | None = None  # None: engine_slowdown (a serving.json of the one-factor fit)
+    front_decode_per_arrival: float = 0.0  # SimConfig's; 0 in older files
+    front_prefill_per_arrival: float = 0.0
     rates: list[float] | None = None       # req/s of the calibration runs
     requests: int = 0
     fit: dict[str, Any] | None = None      # per run: measured and simulated percentiles, relative errors
@@ -56,7 +58,8 @@ class ServingPath:
             raise ConfigError(f"serving path {path}: {exc}") from None
 
 
-STEP_PARAMS = ("engine_slowdown", "prefill_slowdown", "serve_chunk_ms", "serve_chunk_sq_ms")  # from the step log
+STEP_PARAMS = ("engine_slowdown", "prefill_slowdown", "serve_chunk_ms", "serve_chunk_sq_ms",  # from the step log
+               "front_decode_per_arrival", "front_prefill_per_arrival")
 OVERHEADS = ("ttft_overhead_ms", "token_overhead_ms", "ingress_ms")  # from the requests' latencies
 PARAMS = STEP_PARAMS + OVERHEADS
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from edge.core.errors import ConfigError
 from edge.core.stats import due_time, on_time, p95_ms, sla_met  # the host's own statistics: one definition live and simulated
-from edge.runtime.host import HostConfig
+from edge.runtime.host import FRONT_WINDOW_S, HostConfig
 from edge.runtime.settings import MAX_RUNNING, MAX_SEQS, PREFILL_BUDGET, SLA_TPOT_MS, SLA_TTFT_MS, clamp_budget
 from scheduler.control.latency import LatencyModel
 from scheduler.control.outcomes import RequestResult
@@ -131,6 +131,12 @@ class SimConfig:
     # prompt chunks are one large ONNX Runtime call that holds no GIL, while decode is many short calls
     # with Python between them, each taking the GIL back from the stack's threads
     prefill_slowdown: float | None = None
+    # added to the decode (prefill) slowdown per request that reached the engine in the last FRONT_WINDOW_S
+    # seconds: the front end's work for each new request (HTTP, Ray Serve's proxy and ingress, the hop to
+    # Triton, the stub's intake) shares the 2 cores with the engine, so the served step slows with the traffic
+    # (measured in the served engine's step log, whose "a" is that count: scheduler/loadtest/serving_path.py)
+    front_decode_per_arrival: float = 0.0
+    front_prefill_per_arrival: float = 0.0
     # rows exit only while the decode batch holds at most this many sequences (None: any batch): the
     # engine's defer_exit_max_batch (edge/runtime/engine.py; 1 in the shipped defer mode on CPU)
     exit_max_batch: int | None = 1
@@ -157,8 +163,9 @@ class SimConfig:
             raise ConfigError(f"sim: engine_slowdown and prefill_slowdown must be > 0, got "
                               f"{self.engine_slowdown} and {self.prefill_slowdown}")
         if min(self.ttft_overhead_ms, self.token_overhead_ms, self.ingress_ms, self.serve_chunk_ms,
-               self.serve_chunk_sq_ms) < 0:
-            raise ConfigError("sim: overheads, ingress_ms, serve_chunk_ms and serve_chunk_sq_ms must be >= 0")
+               self.serve_chunk_sq_ms, self.front_decode_per_arrival, self.front_prefill_per_arrival) < 0:
+            raise ConfigError("sim: overheads, ingress_ms, serve_chunk_ms, serve_chunk_sq_ms and the per-arrival "
+                              "slowdowns must be >= 0")
         if not 0.0 <= self.audit_fraction <= 1.0 or self.audit_max_pending < 0:
             raise ConfigError(f"sim: audit_fraction must be in [0, 1] and audit_max_pending >= 0, got "
                               f"{self.audit_fraction}, {self.audit_max_pending}")
@@ -247,6 +254,8 @@ class Simulator:
         self._recent_ttft: collections.deque[float] = collections.deque(maxlen=RECENT)
         self._recent_tpot: collections.deque[float] = collections.deque(maxlen=RECENT)
         self._arrivals: collections.deque[float] = collections.deque()
+        self._front: collections.deque[float] = collections.deque()  # reached the engine in the last FRONT_WINDOW_S
+        self._fd, self._fp = self.cfg.front_decode_per_arrival, self.cfg.front_prefill_per_arrival
         self._w = {f: self.latency.coef[f] for f in self.latency.coef}
         self._ends = list(self.latency.exit_layers)
         self._L = self.latency.num_layers
@@ -292,6 +301,7 @@ class Simulator:
             r = reqs[self._next]
             self._next += 1
             self._arrivals.append(r.arrival)
+            self._front.append(r.ready)
             if len(self.waiting) >= self.cfg.max_waiting:
                 r.rejected, r.end = True, r.arrival
                 self.rejected_total += 1
@@ -361,7 +371,11 @@ class Simulator:
         if chunks:
             pcost = w["prefill_calls"] * chunks + w["prefill_tokens"] * tokens + w["prefill_attn"] * pattn / 1e3
         sent = len(dec) + sum(not r.audit for r in done_prefill)  # the host emits no chunk for an audit
-        engine = (cost + w["one"]) * self.cfg.engine_slowdown + pcost * self._kp
+        front = self._front
+        while front and front[0] < self.t - FRONT_WINDOW_S:
+            front.popleft()
+        a = len(front)  # as the host's step log counts them, at the step's start
+        engine = (cost + w["one"]) * (self.cfg.engine_slowdown + self._fd * a) + pcost * (self._kp + self._fp * a)
         cost = engine + self._chunk * sent + self._chunk_sq * sent * sent
         self.t += cost
         self.steps_total += 1

@@ -91,10 +91,9 @@ class ProfileConfig:
     # than a 512-only fit predicts, but with them in the fit the per-chunk cost went to 3.3 ms, the
     # simulator then ranked budget 64 far above 512 (the real stack did not) and its validation error
     # grew from 0.22-0.28 to 0.43 (docs/scheduler.md)
-    # Two light runs instead ([0.1, 0.2], tried 2026-12-03 on an Intel 2-core VM) fit the light-load steps well
-    # (step error median 0.19 against 1.78, decode x1.38 against x2.73) but the simulator then put the SLA
-    # edge at 5.8 req/s where the real stack collapsed at 4.6 (TTFT p50 0.8-2.3 s): the heavier run is what
-    # teaches it the front end's CPU load under traffic, which the step model has no term for.
+    # Two light runs instead ([0.1, 0.2], tried 2026-12-03 on an Intel 2-core VM, before the step model had its
+    # per-arrival term) fit the light-load steps well but put the simulator's SLA edge at 5.8 req/s where the
+    # real stack collapsed at 4.6: the heavier run is what shows the front end's CPU load under traffic.
     serving_runs: list[list[float]] = field(default_factory=lambda: [[512, 0.2], [512, 0.4]])
     serving_duration_s: float = 12.0
 

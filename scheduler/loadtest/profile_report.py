@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from edge.runtime.host import FRONT_WINDOW_S
 from scheduler.control.latency import FEATURES
 
 UNITS = {"one": "per busy step", "decode_calls": "per decode segment call", "decode_rows": "per decode row",
@@ -49,7 +50,9 @@ def render_serving(sp: dict[str, Any]) -> list[str]:
     st = sp["fit"]["steps"]
     lines = ["## The serving path", "",
              f"{st['steps']} steps of the served engine (step log): decode x{sp['engine_slowdown']:.3f} and prefill "
-             f"x{sp['prefill_slowdown']:.3f} the profiled time, {sp['serve_chunk_ms']:.3f} ms per chunk sent + "
+             f"x{sp['prefill_slowdown']:.3f} the profiled time, each plus x{sp.get('front_decode_per_arrival') or 0:.3f} "
+             f"and x{sp.get('front_prefill_per_arrival') or 0:.3f} per request that reached the engine in the last "
+             f"{FRONT_WINDOW_S:.0f} s, {sp['serve_chunk_ms']:.3f} ms per chunk sent + "
              f"{sp['serve_chunk_sq_ms']:.4f} ms x chunks^2; the profiled model alone gives "
              f"{st['profiled_total_ratio']:.3f} of the served engine time, the fit {st['total_ratio']:.3f}; step "
              f"error median {st['rel_err_median']:.3f}, p90 {st['rel_err_p90']:.3f}. Overheads: "
@@ -58,6 +61,11 @@ def render_serving(sp: dict[str, Any]) -> list[str]:
              "", "| decode batch (no prefill) | steps | served ms | fitted ms | profiled ms |", "|---|---|---|---|---|"]
     lines += [f"| {b} | {v['steps']} | {v['measured_ms']:.2f} | {v['fitted_ms']:.2f} | {v['profiled_ms']:.2f} |"
               for b, v in st["decode_batches"].items()]
+    if st.get("decode_by_recent_arrivals"):
+        lines += ["", f"| requests reached the engine in the last {FRONT_WINDOW_S:.0f} s (decode only) | steps | served ms "
+                      "| fitted ms | profiled ms |", "|---|---|---|---|---|"]
+        lines += [f"| {a} | {v['steps']} | {v['measured_ms']:.2f} | {v['fitted_ms']:.2f} | {v['profiled_ms']:.2f} |"
+                  for a, v in st["decode_by_recent_arrivals"].items()]
     lines += ["", "| calibration run | requests | metric | measured ms | simulated ms | rel err |",
               "|---|---|---|---|---|---|"]
     for r in sp["fit"]["runs"]:

@@ -91,7 +91,8 @@ def read_step_log(path: str | Path) -> list[dict[str, Any]]:
         try:
             rec = json.loads(line)
             out.append({"s": float(rec["s"]) + float(rec.get("e", 0.0)), "c": int(rec["c"]),
-                        "d": [(int(a), int(b)) for a, b in rec["d"]], "p": [(int(a), int(b)) for a, b in rec["p"]]})
+                        "d": [(int(a), int(b)) for a, b in rec["d"]], "p": [(int(a), int(b)) for a, b in rec["p"]],
+                        "a": int(rec.get("a", 0)), "n": int(rec.get("n", 0))})  # both 0 in logs written before them
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             if i == len(lines):
                 break  # the last line of a stack stopped mid-write
@@ -100,18 +101,20 @@ def read_step_log(path: str | Path) -> list[dict[str, Any]]:
 
 
 def step_terms(latency: LatencyModel, steps: Sequence[dict[str, Any]]) -> np.ndarray:
-    """[N, 4]: each logged step's profiled decode part (with the per-step constant), its profiled
-    prefill part, the chunks it sent (in ms: the coefficients are serve_chunk_ms and _sq_ms) and their
-    square."""
+    """[N, 6]: each logged step's profiled decode part (with the per-step constant), its profiled
+    prefill part, the chunks it sent (in ms: the coefficients are serve_chunk_ms and _sq_ms), their
+    square, and the two profiled parts times the requests that reached the engine in the last
+    FRONT_WINDOW_S seconds (the log's ``a``; 0 in logs written before it), in STEP_PARAMS' order."""
     from scheduler.control.latency import FEATURES, combine, decode_features, prefill_features
 
     w = np.array([latency.coef[f] for f in FEATURES])
     pre = np.array([f.startswith("prefill_") for f in FEATURES])
-    out = np.zeros((len(steps), 4))
+    out = np.zeros((len(steps), 6))
     for i, st in enumerate(steps):
         f = combine(decode_features([e for _, e in st["d"]], [c for c, _ in st["d"]], latency.exit_layers),
                     prefill_features(st["p"], latency.num_layers)).vector()
-        out[i] = (w[~pre] @ f[~pre], w[pre] @ f[pre], st["c"] / 1e3, st["c"] ** 2 / 1e3)
+        d, p, a = w[~pre] @ f[~pre], w[pre] @ f[pre], st.get("a", 0)
+        out[i] = (d, p, st["c"] / 1e3, st["c"] ** 2 / 1e3, d * a, p * a)
     return out
 
 
@@ -119,8 +122,8 @@ MIN_STEPS = 50
 
 
 def fit_steps(latency: LatencyModel, steps: Sequence[dict[str, Any]]) -> tuple[dict[str, float], dict[str, Any]]:
-    """(engine_slowdown, prefill_slowdown, serve_chunk_ms, serve_chunk_sq_ms; the fit's quality) from
-    the served steps: non-negative least squares, unweighted, so that the mean step time (what sets
+    """(STEP_PARAMS' values; the fit's quality) from the served steps: non-negative least squares,
+    unweighted, so that the mean step time (what sets
     the simulator's throughput) comes out right. (Weighted by 1/sqrt(time), as the profile's own fit,
     it followed the typical step and left the mean ~10% short: a simulator optimistic under load.)
 
@@ -135,10 +138,14 @@ def fit_steps(latency: LatencyModel, steps: Sequence[dict[str, Any]]) -> tuple[d
     T, y = T[busy], y[busy]
     if len(y) < MIN_STEPS:
         raise ConfigError(f"serving path: {len(y)} busy steps in the step log, at least {MIN_STEPS} needed")
+    # the served decode step is never faster than the engine alone: fit what it takes beyond the profiled
+    # time (decode factor >= 1). Unbounded, the fit traded the base factor for the per-arrival one (x0.17 +
+    # x0.088 per arrival on a demo's log: step error median 0.31 against 0.38 bounded), which prices a
+    # lightly loaded stack's decode at a fifth of the engine's own time
     scale = np.maximum(T.max(axis=0), 1e-12)
-    coef, _ = nnls(T / scale, y)
+    coef, _ = nnls(T / scale, y - T[:, 0])
     coef = coef / scale
-    coef[0] = max(coef[0], 1e-3)  # the simulator's factors are > 0
+    coef[0] += 1.0
     if coef[1] == 0:  # no prefill in the log: prefill as decode
         coef[1] = coef[0]
     fields = dict(zip(STEP_PARAMS, map(float, coef)))
@@ -153,10 +160,19 @@ def fit_steps(latency: LatencyModel, steps: Sequence[dict[str, Any]]) -> tuple[d
             batches[f"{lo}-{hi - 1}" if hi < 10 ** 6 else f"{lo}+"] = {
                 "steps": int(m.sum()), "measured_ms": float(y[m].mean() * 1e3), "fitted_ms": float(pred[m].mean() * 1e3),
                 "profiled_ms": float(T[m, 0].mean() * 1e3)}
+    arrived = np.array([st.get("a", 0) for st, b in zip(steps, busy) if b])
+    by_arrivals = {}  # decode-only steps by the requests that reached the engine in the last FRONT_WINDOW_S
+    for lo, hi in ((0, 3), (3, 6), (6, 10), (10, 10 ** 6)):
+        m = only_decode & (arrived >= lo) & (arrived < hi)
+        if m.sum():
+            by_arrivals[f"{lo}-{hi - 1}" if hi < 10 ** 6 else f"{lo}+"] = {
+                "steps": int(m.sum()), "measured_ms": float(y[m].mean() * 1e3), "fitted_ms": float(pred[m].mean() * 1e3),
+                "profiled_ms": float(T[m, 0].mean() * 1e3)}
     return fields, {"steps": int(len(y)), "rel_err_median": float(np.median(rel)),
                     "rel_err_p90": float(np.quantile(rel, 0.9)), "total_ratio": float(pred.sum() / y.sum()),
                     "profiled_total_ratio": float((T[:, 0] + T[:, 1]).sum() / y.sum()),
-                    "mean_step_ms": float(y.mean() * 1e3), "decode_batches": batches}
+                    "mean_step_ms": float(y.mean() * 1e3), "decode_batches": batches,
+                    "decode_by_recent_arrivals": by_arrivals}
 
 
 def fit_serving_path(latency: LatencyModel, exits: ExitModel, base: SimConfig, runs: Sequence[Sequence[Any]],
@@ -264,7 +280,8 @@ def calibrate(run_dir: str | Path, latency: LatencyModel, pool: list[list[int]],
     sp.save(run / "scheduler" / SERVING_JSON)
     st = sp.fit["steps"]
     print(f"profile: serving path: {st['steps']} served steps: decode {sp.engine_slowdown:.2f}x and prefill "
-          f"{sp.prefill_slowdown:.2f}x the profiled time, {sp.serve_chunk_ms:.2f} ms per chunk sent + "
+          f"{sp.prefill_slowdown:.2f}x the profiled time, plus {sp.front_decode_per_arrival:.3f}x and "
+          f"{sp.front_prefill_per_arrival:.3f}x per recent arrival, {sp.serve_chunk_ms:.2f} ms per chunk sent + "
           f"{sp.serve_chunk_sq_ms:.3f} ms x chunks^2 (step error median {st['rel_err_median']:.3f}, mean step "
           f"{st['total_ratio']:.3f} of measured); +{sp.ttft_overhead_ms:.1f} ms to the first token, "
           f"+{sp.token_overhead_ms:.2f} ms per later token, {sp.ingress_ms:.2f} ms per request at the front end; TTFT / TPOT p50 / p95 max rel err "

@@ -281,3 +281,7 @@ def test_step_log_records_every_step_as_the_counters_do(tmp_path):
     # each request's first token comes from its prefill; the other 5 are decode rows
     assert sum(len(x["d"]) for x in lines) == 5 * len(prompts)
     assert all(ctx >= 1 and layer >= 1 for x in lines for ctx, layer in x["d"])
+    # the requests live at each step and those that reached the engine in the last FRONT_WINDOW_S seconds
+    # (all five were submitted at once: some step soon after sees all of them, none sees more)
+    assert max(x["a"] for x in lines) == len(prompts) and all(0 <= x["a"] <= len(prompts) for x in lines)
+    assert max(x["n"] for x in lines) == len(prompts) and all(0 <= x["n"] <= len(prompts) for x in lines)

@@ -62,6 +62,27 @@ def test_the_front_end_queues_requests_one_at_a_time():
         SimConfig(ingress_ms=-1)
 
 
+def test_the_front_ends_work_slows_the_engine_while_requests_arrive():
+    """SimConfig.front_decode_per_arrival: each request that reached the engine in the last FRONT_WINDOW_S
+    seconds adds its factor to the decode slowdown: a lone request decodes at the base speed, the same
+    request among a burst of arrivals slower by the burst's size, and a request alone again once the
+    window has passed (the host's step log counts the same arrivals: scheduler/loadtest/serving_path.py)."""
+    from edge.runtime.host import FRONT_WINDOW_S
+
+    lm = _lm(one=1e-3)
+    lone = _w([0.0], [8], [11])
+    base = simulate(lm, FULL, SimConfig(), lone, FixedBudget(128, 16)).results()[0]
+    slowed = simulate(lm, FULL, SimConfig(front_decode_per_arrival=0.5), lone, FixedBudget(128, 16)).results()[0]
+    # one arrival in the window: every step of the lone request at 1 + 0.5 the base time
+    assert slowed.tpot_s == pytest.approx(base.tpot_s * 1.5, rel=1e-6)
+    burst = _w([0.0] * 4 + [FRONT_WINDOW_S + 1.0], [8] * 5, [11] * 5)
+    res = simulate(lm, FULL, SimConfig(front_decode_per_arrival=0.5), burst, FixedBudget(128, 16)).results()
+    assert res[0].tpot_s == pytest.approx(base.tpot_s * 3.0, rel=1e-6)  # 4 arrivals: x(1 + 4 x 0.5)
+    assert res[4].tpot_s == pytest.approx(slowed.tpot_s, rel=1e-6)  # the burst is out of the window
+    with pytest.raises(ConfigError, match="per-arrival"):
+        SimConfig(front_prefill_per_arrival=-0.1)
+
+
 def _heavy() -> Workload:
     return synthetic(300, 12.0, Arrivals.POISSON, seed=2, prompt_mean=300, output_mean=24)
 

@@ -34,23 +34,29 @@ def _steps(truth: dict, n: int = 400, seed: int = 0) -> list[dict]:
     for _ in range(n):
         rows = [(int(rng.integers(10, 300)), int(rng.choice([3, 9, 12]))) for _ in range(int(rng.integers(0, 13)))]
         pre = [(0, int(rng.integers(16, 129)))] if rng.random() < 0.4 or not rows else []
-        steps.append({"s": 0.0, "c": len(rows) + len(pre), "d": rows, "p": pre})
+        steps.append({"s": 0.0, "c": len(rows) + len(pre), "d": rows, "p": pre, "a": int(rng.integers(0, 9))})
     T = step_terms(LM, steps)
     y = T @ np.array([truth["engine_slowdown"], truth["prefill_slowdown"], truth["serve_chunk_ms"],
-                      truth.get("serve_chunk_sq_ms", 0.0)])
+                      truth.get("serve_chunk_sq_ms", 0.0), truth.get("front_decode_per_arrival", 0.0),
+                      truth.get("front_prefill_per_arrival", 0.0)])
     for st, v in zip(steps, y * rng.uniform(0.95, 1.05, n)):
         st["s"] = float(v)
     return steps
 
 
 def test_the_served_steps_give_the_slowdowns_and_the_chunk_cost():
-    truth = dict(engine_slowdown=1.2, prefill_slowdown=0.9, serve_chunk_ms=1.5, serve_chunk_sq_ms=0.1)
-    fields, fit = fit_steps(LM, _steps(truth, n=1000))
+    truth = dict(engine_slowdown=1.2, prefill_slowdown=0.9, serve_chunk_ms=1.5, serve_chunk_sq_ms=0.1,
+                 front_decode_per_arrival=0.25, front_prefill_per_arrival=0.1)
+    fields, fit = fit_steps(LM, _steps(truth, n=4000))  # six terms, two of them near-collinear (rows, chunks)
     assert fields["engine_slowdown"] == pytest.approx(1.2, rel=0.1)
     assert fields["prefill_slowdown"] == pytest.approx(0.9, rel=0.05)
+    # the front end's work per recent arrival, on top of each part's factor
+    assert fields["front_decode_per_arrival"] == pytest.approx(0.25, rel=0.1)
+    assert fields["front_prefill_per_arrival"] == pytest.approx(0.1, rel=0.15)
+    assert set(fit["decode_by_recent_arrivals"]) == {"0-2", "3-5", "6-9"}
     assert fields["serve_chunk_ms"] == pytest.approx(1.5, rel=0.2)
     assert fields["serve_chunk_sq_ms"] == pytest.approx(0.1, rel=0.3)
-    assert fit["rel_err_median"] < 0.05 and fit["steps"] == 1000 and fit["total_ratio"] == pytest.approx(1.0, abs=0.01)
+    assert fit["rel_err_median"] < 0.05 and fit["steps"] == 4000 and fit["total_ratio"] == pytest.approx(1.0, abs=0.01)
     assert set(fit["decode_batches"]) == {"1-1", "2-3", "4-7", "8+"}
     with pytest.raises(ConfigError, match="busy steps"):
         fit_steps(LM, _steps(truth, n=10))
@@ -60,14 +66,15 @@ def test_fit_recovers_the_serving_path(tmp_path):
     """Two calibration runs made by the simulator with known fields, and a step log timed by them:
     the fit gives percentiles that match the runs (its own table) and the fields back."""
     truth = dict(ttft_overhead_ms=20.0, token_overhead_ms=3.0, engine_slowdown=1.6, prefill_slowdown=1.2,
-                 serve_chunk_ms=0.3, ingress_ms=8.0)
+                 serve_chunk_ms=0.3, ingress_ms=8.0, front_decode_per_arrival=0.02, front_prefill_per_arrival=0.01)
     runs = [_results(synthetic(int(rate * 12), rate, Arrivals.POISSON, seed=3 + i, prompt_mean=120, output_mean=24),
                      budget, **truth) for i, (rate, budget) in enumerate(((6.0, 128), (14.0, 64)))]
-    sp = fit_serving_path(LM, EX, SimConfig(), runs, [128, 64], _steps(truth), seeds=(0,))
+    sp = fit_serving_path(LM, EX, SimConfig(), runs, [128, 64], _steps(truth, n=4000), seeds=(0,))
     used = sum(r.ok and r.tokens >= 2 for run in runs for r in run)
     assert sp.fit["max_rel_err"] < 0.05 and [r["budget"] for r in sp.fit["runs"]] == [128, 64] and sp.requests == used
     assert sp.engine_slowdown == pytest.approx(1.6, rel=0.05)
     assert sp.prefill_slowdown == pytest.approx(1.2, rel=0.05)
+    assert sp.front_decode_per_arrival == pytest.approx(0.02, rel=0.2)
     # the front end's 8 ms per request and the 20 ms first-token overhead: at these loads (front-end
     # utilisation <= 11%) its queue adds under a millisecond, so the runs fix their sum, not the split
     assert sp.ttft_overhead_ms + sp.ingress_ms == pytest.approx(28.0, abs=3.0)
@@ -86,6 +93,9 @@ def test_the_step_log_is_read_and_a_broken_line_is_named(tmp_path):
                    '{"s":0.0')  # the last line cut by a stopped stack
     steps = read_step_log(log)
     assert len(steps) == 2 and steps[0]["s"] == pytest.approx(0.011) and steps[1]["p"] == [(0, 64)]
+    assert steps[0]["a"] == 0 and steps[0]["n"] == 0  # a log written before the arrivals were logged
+    log.write_text('{"s":0.01,"e":0,"c":1,"d":[[40,3]],"p":[],"n":5,"a":3}\n')
+    assert read_step_log(log)[0]["a"] == 3 and read_step_log(log)[0]["n"] == 5
     log.write_text('{"s":0.01,"c":2}\n{"s":0.02,"e":0,"c":1,"d":[],"p":[]}\n')
     with pytest.raises(ConfigError, match="line 1"):
         read_step_log(log)
