@@ -80,6 +80,12 @@ class EngineConfig:
     # cache slots, so exits cost more than they skip (measured: 0.47x full depth at batch 16). Above
     # the limit every row runs to full depth: the K/V stays exact and no token exits falsely.
     defer_exit_max_batch: int | None = 1
+    # With deferral, compute a leaving row's skipped layers in the same step instead of with its next token:
+    # the row keeps running through the remaining segments (its later checks ignored) and emits its exit's
+    # token. The K/V and the tokens are deferral's (every layer of every token computed exactly), without
+    # deferral's extra calls over scattered slots at batch > 1; it saves nothing, so it is for free-running
+    # calibration and evaluation only (calibration.freerun), never for serving.
+    defer_inline: bool = False
     speculative: SpecConfig = field(default_factory=SpecConfig)  # mode exact: draft exit, stop rule
     # Requests in mode exact speculate while the decode batch holds at most this many sequences (None: any
     # batch); above it they decode at full depth, which is lossless too. ONNX Runtime's CPU attention
@@ -513,6 +519,7 @@ class Engine:
         hidden: dict[int, np.ndarray] = {}  # [B, D]
         decided: list[tuple[_Seq, int, int]] = []
         deferred = self.cfg.kv_mode is KVMode.DEFER
+        inline = deferred and self.cfg.defer_inline
         limit = self.cfg.defer_exit_max_batch
         # the rows that may leave early (requests in mode full never do; with a candidate shortlist, nor do
         # sampled ones: a check has no distribution over the vocabulary to sample from), compacted with the batch
@@ -527,6 +534,7 @@ class Engine:
             self._step_full(seqs, x, slots, start)  # no row may leave: every layer in one call, no check paid
             return
         gated = backend.spec.gated
+        gone = np.zeros(len(seqs), bool)  # defer_inline: rows whose token is decided, running on for their K/V
         gates: dict[int, np.ndarray] = {}  # [B] gate logits (gated exits)
         prev = None  # the previous decision exit's outputs for the rows still running
         first, fast = 0, None
@@ -547,7 +555,7 @@ class Engine:
             layer = self.backend.exit_layers[i]
             logits, tok = out.logits, out.token
             if i == nseg - 1:
-                stop = np.ones(len(act), bool)
+                stop = ~gone if inline else np.ones(len(act), bool)
             elif not exits:
                 stop = np.zeros(len(act), bool)
             elif self._score_in_graph:
@@ -571,8 +579,14 @@ class Engine:
                     token = (choose_token(logits[r], s.req.temperature, s.req.top_p, s.rng)
                              if s.req.temperature > 0 else int(tok[r]))
                     decided.append((s, token, layer))
-                if i < nseg - 1:
-                    self._fill_skipped([act[r] for r in rows], i, out.hidden[rows, 0], slots[rows], start[rows])
+                if inline and i < nseg - 1:  # every row runs on: the leaving ones for their K/V only
+                    gone |= stop
+                    bounded = bounded & ~stop
+                    x, prev = out.hidden, out
+                    continue
+                if i == nseg - 1:
+                    break  # every row still running has its token (with defer_inline, the rows gone before too)
+                self._fill_skipped([act[r] for r in rows], i, out.hidden[rows, 0], slots[rows], start[rows])
                 keep = ~stop
                 if not keep.any():
                     break

@@ -499,10 +499,11 @@ class _DecodeBench:
         n_variants = len(distinct(sweep_variants(spec, decision_exits)))
         names_at = {b: [s for s in SYSTEMS if applicable(s, b) and s in systems.loaded] for b in cfg.batch_sizes}
         # the prompt-lookup peers load what hf and llamacpp load: their memory is those rows'; of the exit engines
-        # only (d)'s K/V mode is probed (the goals read it; the other mode loads the same graphs, ~7 s a probe)
+        # only (d)'s K/V mode is probed, and neither LayerSkip (hf's weights) nor (e) (the exits' graphs and a
+        # draft head): the goals read (d) against (a) and (c), and a probe costs ~7 s of the demo
         memory = [s for s in ("baseline", *SYSTEMS) if s == "baseline" or (
-            s in systems.loaded and not s.endswith("_lookup") and (s not in exit_systems or s == d_sys))
-                  ] if cfg.memory else []
+            s in systems.loaded and not s.endswith("_lookup") and s not in ("layerskip", "engine_speculative")
+            and (s not in exit_systems or s == d_sys))] if cfg.memory else []
         bar = tqdm(total=sum((cfg.warmup + cfg.repeats) * len(v) + len(exit_systems) for v in names_at.values())
                    + 1 + len(memory) + (cfg.warmup + cfg.spec_sweep_repeats) * n_variants * sweep,
                    desc="bench decode", unit="run", disable=None)

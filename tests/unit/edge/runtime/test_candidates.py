@@ -194,6 +194,32 @@ def test_onnxruntime_decides_as_torch(exported, mode):
             assert _run(Engine(backend, EngineConfig(**cfg), rule), prompts, max_tokens=16) == ref, name
 
 
+def test_inline_deferral_gives_deferrals_tokens_without_its_catch_up(exported):
+    """EngineConfig.defer_inline, free-running calibration's engine: a leaving row's skipped layers computed in
+    the same step give deferral's tokens and exit layers (batch 4, rows leaving at every check, the shortlist
+    checks and an MLP score as calibration ships them), with no catch-up call over scattered slots."""
+    m, ckpt, graphs = exported
+    rng = np.random.default_rng(2)
+    mlp = ScoreForm(rng.standard_normal((NUM_FEATURES, 5)).astype(np.float32), rng.standard_normal(5).astype(np.float32),
+                    rng.standard_normal(5).astype(np.float32), -0.5)
+
+    class Mlp:
+        def score_form(self, layer, f):
+            return mlp
+
+    prompts = [p + p[:6] for p in _prompts(4, seed=8)]
+    cfg = dict(max_seqs=4, max_running=4, max_len=128, prefill_budget=24, kv_mode=KVMode.DEFER,
+               defer_exit_max_batch=None)
+    deferred = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1)
+    ref = _run(Engine(deferred, EngineConfig(**cfg), Mlp()), prompts, max_tokens=16)
+    inline = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1)
+    got = _run(Engine(inline, EngineConfig(**cfg, defer_inline=True), Mlp()), prompts, max_tokens=16)
+    assert got == ref
+    layers = {e for seq in got for _, e in seq}
+    assert layers & {1, 2, 3, 4} and 6 in layers, f"exits and full depth must both occur ({layers})"
+    assert inline.gathered_rows == 0  # every step over the whole block of slots: nothing gathered
+
+
 def test_full_graph_equals_the_segments(exported):
     m, ckpt, graphs = exported
     backend = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1)

@@ -58,6 +58,23 @@ def test_same_tokens_and_exit_layers_as_torch(exported, mode):
             assert_f32_close(got_c, ref_c, CFG.hidden_size, CFG.num_layers, f"cache layer {j}")
 
 
+def test_inline_deferral_gives_deferrals_tokens_and_gathers_nothing(exported):
+    """EngineConfig.defer_inline (free-running calibration's engine): at batch 4, where deferral's owed rows
+    need a pass of their own over scattered slots, computing them in the same step gives deferral's tokens
+    and exit layers and gathers no past."""
+    m, ckpt, graphs = exported
+    prompts = _prompts(4, seed=12)
+    cfg = dict(max_seqs=4, max_running=4, max_len=128, prefill_budget=24, kv_mode=KVMode.DEFER,
+               defer_exit_max_batch=None)
+    deferred = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1)
+    ref = _run(Engine(deferred, EngineConfig(**cfg), ConfidenceRule(0.3)), prompts, max_tokens=16)
+    inline = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1)
+    got = _run(Engine(inline, EngineConfig(**cfg, defer_inline=True), ConfidenceRule(0.3)), prompts, max_tokens=16)
+    assert got == ref
+    assert any(e < 6 for seq in got for _, e in seq), "some tokens must exit early for the test to mean anything"
+    assert deferred.gathered_rows > 0 and inline.gathered_rows == 0
+
+
 def test_decode_over_consecutive_slots_copies_no_past(exported):
     """Without exits every decode batch is one block of the cache: bound in place, nothing gathered."""
     m, ckpt, graphs = exported
