@@ -72,7 +72,7 @@ class ProfileConfig:
     # 24 x 50 steps: ~35 s on 2 cores at 1 thread (steps of 1 to 200 ms); the held-out error is the
     # VM's drift more than the sample size (0.13-0.26 at the median with 100 steps a scenario, 0.09 with 60)
     scenarios: int = 24  # generated from seed; ignored when scenario_list is given
-    steps_per_scenario: int = 40  # steps recorded per scenario (40 for the demo's time; more fit better)
+    steps_per_scenario: int = 30  # steps recorded per scenario (30 for the demo's time; more fit better)
     scenario_list: list[Scenario] = field(default_factory=list)
     seed: int = 0
     warmup_steps: int = 10  # unrecorded steps first (ONNX Runtime's first calls allocate)
