@@ -398,15 +398,19 @@ class EngineHost:
                 if ev.request_id in ctx and ev.token != NO_TOKEN]
         pre = [[start, s.prefilled - start] for s, start in pending if s.prefilled > start]
         now = time.monotonic()
-        arr = self._arrivals  # other threads append while this one reads: indices below a length read once
-        while arr and arr[0] < now - RATE_WINDOW_S:  # only the engine thread trims
-            arr.popleft()
-        n = len(arr)
+        arr = self._recent_arrivals(now)
+        n = len(arr)  # other threads append while this one reads: indices below a length read once
         arrived = next((k for k in range(n) if arr[n - 1 - k] < now - FRONT_WINDOW_S), n)
         f.write(json.dumps({"s": round(step_s, 7), "e": round(emit_s, 7), "c": chunks, "d": rows, "p": pre,
                             "n": len(self._live), "a": arrived}, separators=(",", ":")) + "\n")
         if self.steps_total % 64 == 0:
             f.flush()  # a stack stopped without a graceful shutdown loses at most 64 lines
+
+    def _recent_arrivals(self, now: float) -> collections.deque[float]:
+        """The arrivals of the last RATE_WINDOW_S seconds (older ones dropped: only the engine thread trims)."""
+        while self._arrivals and self._arrivals[0] < now - RATE_WINDOW_S:
+            self._arrivals.popleft()
+        return self._arrivals
 
     def _drain(self) -> None:
         while self._inbox:
@@ -579,8 +583,7 @@ class EngineHost:
                 preds.append(live.predicted)
             reqs.append({"id": live.req.request_id, "tokens": live.n_tokens, "recent_exit_layers": layers,
                          "predicted_exit_layer": live.predicted, "slack_ms": slack})
-        while self._arrivals and self._arrivals[0] < now - RATE_WINDOW_S:
-            self._arrivals.popleft()
+        self._recent_arrivals(now)
         waiting = [v for v in self._live.values() if v.n_tokens == 0]
         oldest = min((v.arrival + v.sla_ttft_s for v in waiting), default=None)
         fallback_pred = self.expected_exit_layer if self.expected_exit_layer is not None else float(self.num_layers)

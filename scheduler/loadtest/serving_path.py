@@ -123,8 +123,7 @@ MIN_STEPS = 50
 
 def fit_steps(latency: LatencyModel, steps: Sequence[dict[str, Any]]) -> tuple[dict[str, float], dict[str, Any]]:
     """(STEP_PARAMS' values; the fit's quality) from the served steps: non-negative least squares,
-    unweighted, so that the mean step time (what sets
-    the simulator's throughput) comes out right. (Weighted by 1/sqrt(time), as the profile's own fit,
+    unweighted, so that the mean step time (what sets the simulator's throughput) comes out right. (Weighted by 1/sqrt(time), as the profile's own fit,
     it followed the typical step and left the mean ~10% short: a simulator optimistic under load.)
 
     Raises:
@@ -151,23 +150,23 @@ def fit_steps(latency: LatencyModel, steps: Sequence[dict[str, Any]]) -> tuple[d
     fields = dict(zip(STEP_PARAMS, map(float, coef)))
     pred = T @ coef
     rel = np.abs(pred - y) / np.maximum(y, 1e-9)
-    rows = np.array([len(st["d"]) for st, b in zip(steps, busy) if b])
+    kept = [st for st, b in zip(steps, busy) if b]
     only_decode = T[:, 1] == 0
-    batches = {}
-    for lo, hi in ((1, 2), (2, 4), (4, 8), (8, 10 ** 6)):
-        m = only_decode & (rows >= lo) & (rows < hi)
-        if m.sum():
-            batches[f"{lo}-{hi - 1}" if hi < 10 ** 6 else f"{lo}+"] = {
-                "steps": int(m.sum()), "measured_ms": float(y[m].mean() * 1e3), "fitted_ms": float(pred[m].mean() * 1e3),
-                "profiled_ms": float(T[m, 0].mean() * 1e3)}
-    arrived = np.array([st.get("a", 0) for st, b in zip(steps, busy) if b])
-    by_arrivals = {}  # decode-only steps by the requests that reached the engine in the last FRONT_WINDOW_S
-    for lo, hi in ((0, 3), (3, 6), (6, 10), (10, 10 ** 6)):
-        m = only_decode & (arrived >= lo) & (arrived < hi)
-        if m.sum():
-            by_arrivals[f"{lo}-{hi - 1}" if hi < 10 ** 6 else f"{lo}+"] = {
-                "steps": int(m.sum()), "measured_ms": float(y[m].mean() * 1e3), "fitted_ms": float(pred[m].mean() * 1e3),
-                "profiled_ms": float(T[m, 0].mean() * 1e3)}
+
+    def buckets(values: np.ndarray, edges: Sequence[int]) -> dict[str, dict[str, float]]:
+        """Decode-only steps by ``values`` in [edges[k], edges[k + 1]) (the last open): served, fitted, profiled."""
+        out = {}
+        for lo, hi in zip(edges, [*edges[1:], None]):
+            m = only_decode & (values >= lo) & (values < (hi if hi is not None else np.inf))
+            if m.sum():
+                out[f"{lo}-{hi - 1}" if hi is not None else f"{lo}+"] = {
+                    "steps": int(m.sum()), "measured_ms": float(y[m].mean() * 1e3),
+                    "fitted_ms": float(pred[m].mean() * 1e3), "profiled_ms": float(T[m, 0].mean() * 1e3)}
+        return out
+
+    batches = buckets(np.array([len(st["d"]) for st in kept]), (1, 2, 4, 8))
+    # by the requests that reached the engine in the last FRONT_WINDOW_S seconds
+    by_arrivals = buckets(np.array([st.get("a", 0) for st in kept]), (0, 3, 6, 10))
     return fields, {"steps": int(len(y)), "rel_err_median": float(np.median(rel)),
                     "rel_err_p90": float(np.quantile(rel, 0.9)), "total_ratio": float(pred.sum() / y.sum()),
                     "profiled_total_ratio": float((T[:, 0] + T[:, 1]).sum() / y.sum()),

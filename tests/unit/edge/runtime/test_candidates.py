@@ -163,6 +163,18 @@ def test_a_rule_without_a_score_is_refused():
         Engine(TorchBackend(_model()), EngineConfig(max_seqs=1, max_len=64), HostOnly())
 
 
+class _MlpRule:
+    """A rule whose checks score a fixed random MLP (seeded): exits at every check and full depth both occur."""
+
+    def __init__(self) -> None:
+        rng = np.random.default_rng(2)
+        self.mlp = ScoreForm(rng.standard_normal((NUM_FEATURES, 5)).astype(np.float32),
+                             rng.standard_normal(5).astype(np.float32), rng.standard_normal(5).astype(np.float32), -0.5)
+
+    def score_form(self, layer, f):
+        return self.mlp
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     return _export(tmp_path_factory.mktemp("cand"), _model(seed=7))
@@ -173,17 +185,9 @@ def test_onnxruntime_decides_as_torch(exported, mode):
     """The fused graphs' checks (candidate logits, features, MLP score in the graph) give the torch
     reference's tokens and exit layers, through scattered slots and both K/V modes."""
     m, ckpt, graphs = exported
-    rng = np.random.default_rng(2)
-    mlp = ScoreForm(rng.standard_normal((NUM_FEATURES, 5)).astype(np.float32), rng.standard_normal(5).astype(np.float32),
-                    rng.standard_normal(5).astype(np.float32), -0.5)
-
-    class Mlp:
-        def score_form(self, layer, f):
-            return mlp
-
     prompts = [p + p[:6] for p in _prompts(4, seed=8)]  # repeats: the lookup finds matches
     cfg = dict(max_seqs=4, max_running=4, max_len=128, prefill_budget=24, kv_mode=mode, defer_exit_max_batch=None)
-    for rule in (ConfidenceRule(_mixed_threshold(m, prompts, cfg)), Mlp()):
+    for rule in (ConfidenceRule(_mixed_threshold(m, prompts, cfg)), _MlpRule()):
         ref = _run(Engine(TorchBackend(m), EngineConfig(**cfg), rule), prompts, max_tokens=16)
         layers = {e for seq in ref for _, e in seq}
         assert layers & {1, 2, 3, 4} and 6 in layers, f"exits and full depth must both occur ({layers})"
@@ -199,21 +203,13 @@ def test_inline_deferral_gives_deferrals_tokens_without_its_catch_up(exported):
     the same step give deferral's tokens and exit layers (batch 4, rows leaving at every check, the shortlist
     checks and an MLP score as calibration ships them), with no catch-up call over scattered slots."""
     m, ckpt, graphs = exported
-    rng = np.random.default_rng(2)
-    mlp = ScoreForm(rng.standard_normal((NUM_FEATURES, 5)).astype(np.float32), rng.standard_normal(5).astype(np.float32),
-                    rng.standard_normal(5).astype(np.float32), -0.5)
-
-    class Mlp:
-        def score_form(self, layer, f):
-            return mlp
-
     prompts = [p + p[:6] for p in _prompts(4, seed=8)]
     cfg = dict(max_seqs=4, max_running=4, max_len=128, prefill_budget=24, kv_mode=KVMode.DEFER,
                defer_exit_max_batch=None)
     deferred = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1)
-    ref = _run(Engine(deferred, EngineConfig(**cfg), Mlp()), prompts, max_tokens=16)
+    ref = _run(Engine(deferred, EngineConfig(**cfg), _MlpRule()), prompts, max_tokens=16)
     inline = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1)
-    got = _run(Engine(inline, EngineConfig(**cfg, defer_inline=True), Mlp()), prompts, max_tokens=16)
+    got = _run(Engine(inline, EngineConfig(**cfg, defer_inline=True), _MlpRule()), prompts, max_tokens=16)
     assert got == ref
     layers = {e for seq in got for _, e in seq}
     assert layers & {1, 2, 3, 4} and 6 in layers, f"exits and full depth must both occur ({layers})"
