@@ -85,6 +85,9 @@ class RepoConfig:
     # the online audit's settings; the bound it tests is the threshold table's epsilon (thresholds.json)
     audit: dict[str, Any] = field(default_factory=lambda: {"fraction": 0.05})
     speculative: dict[str, Any] = field(default_factory=dict)  # SpecConfig fields for mode exact
+    # the served engine runs exit checks only at batch sizes where it measured them cheaper than full depth
+    # (edge/runtime/gate.py); false: every step of a bounded request checks
+    exit_gate: bool = True
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -96,7 +99,8 @@ class RepoConfig:
 
     def host_config(self, max_len: int, kv_mode: str = "propagate") -> HostConfig:
         engine = EngineConfig(max_seqs=self.max_seqs, max_len=max_len, prefill_budget=self.prefill_budget, kv_mode=kv_mode,
-                              max_running=min(self.max_running, self.max_seqs), speculative=dict(self.speculative))
+                              max_running=min(self.max_running, self.max_seqs), speculative=dict(self.speculative),
+                              exit_gate=self.exit_gate)
         return HostConfig(engine=engine, max_waiting=self.max_waiting, default_sla_ttft_ms=self.default_sla_ttft_ms,
                           default_sla_tpot_ms=self.default_sla_tpot_ms, shed_late=self.shed_late,
                           audit=AuditConfig.from_dict(self.audit, "repo.audit"))

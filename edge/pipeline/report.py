@@ -373,12 +373,24 @@ def _bench_md(b: dict[str, Any]) -> list[str]:
               + ", ".join(f"{k} {_fmt(v, '.3f')}" for k, v in scalars.items()),
               "- both K/V modes: " + "; ".join(
                   f"{k} " + ", ".join(f"{m} {_fmt(x, '.3f')}" for m, x in v.items()) for k, v in by_mode.items()),
+              *_gate_md(b),
               "- decode step of (d) at batch 1, ms: " + ", ".join(f"{k} {v:.3f}" for k, v in b["profile_b1"].items()),
               *_decision_md(b),
               "- peak RSS over the libraries-imported baseline (MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in (b.get("peak_rss_mib") or {}).items()),
               *_speculative_md(b),
               "", "Details: `bench/decode.md`.", "", "![decode throughput](bench/decode.png)", ""]
     return lines
+
+
+def _gate_md(b: dict[str, Any]) -> list[str]:
+    """(d) as the served engine runs it: the step gate (edge/runtime/gate.py) checks exits only at batch sizes
+    where checking steps measured cheaper than full depth."""
+    keys = sorted(k.removeprefix("speedup_exit_gated_vs_full_b") for k in b if k.startswith("speedup_exit_gated_vs_full_b"))
+    if not keys or all(b.get(f"speedup_exit_gated_vs_full_b{k}") is None for k in keys):
+        return []
+    return ["- (d) as served (the step gate runs checks only where they measured cheaper than full depth): " + ", ".join(
+        f"batch {k} (d)/(c) {_fmt(b.get(f'speedup_exit_gated_vs_full_b{k}'), '.3f')}, steps checked "
+        f"{_fmt(b.get(f'gate_share_checked_b{k}'), '.2f')}" for k in sorted(keys, key=int))]
 
 
 def _decision_md(b: dict[str, Any]) -> list[str]:

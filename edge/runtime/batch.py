@@ -35,7 +35,8 @@ class RunResult:
 def run_batch(backend: Backend, rule: BatchExitRule | None, prompts: list[list[int]], max_tokens: int,
               kv_mode: KVMode = KVMode.PROPAGATE, *, spec: SpecConfig | None = None,
               speculate_max_batch: int | None = 1, mode: Mode | None = None,
-              defer_exit_max_batch: int | None = _ENGINE_DEFAULT, defer_inline: bool = False) -> RunResult:
+              defer_exit_max_batch: int | None = _ENGINE_DEFAULT, defer_inline: bool = False,
+              exit_gate: bool = False) -> RunResult:
     """Greedy-generate ``max_tokens`` tokens for every prompt with one fresh engine, all prompts admitted
     at once (prompts of any lengths). Results are in prompt order.
 
@@ -48,12 +49,15 @@ def run_batch(backend: Backend, rule: BatchExitRule | None, prompts: list[list[i
             tokens are those it would get alone: what free-running calibration and evaluation need).
         defer_inline: the engine's (with deferral, a leaving row's skipped layers computed in the same step:
             deferral's K/V and tokens without its extra calls; calibration and evaluation only).
+        exit_gate: the engine's step gate (edge/runtime/gate.py), off by default: a batch run measures what
+            the rule does (calibration, the benches' exit systems); on, it runs as the served engine does.
     """
     b = len(prompts)
     cfg = EngineConfig(max_seqs=b, max_running=b, max_len=max(len(p) for p in prompts) + max_tokens,
                        prefill_budget=sum(len(p) for p in prompts), kv_mode=kv_mode,
                        speculative=spec or SpecConfig(), speculate_max_batch=speculate_max_batch,
-                       defer_exit_max_batch=defer_exit_max_batch, defer_inline=defer_inline)
+                       defer_exit_max_batch=defer_exit_max_batch, defer_inline=defer_inline,
+                       exit_gate=exit_gate)
     engine = Engine(backend, cfg, rule)
     if mode is None:
         mode = Mode.BOUNDED if spec is None else Mode.EXACT

@@ -28,6 +28,7 @@ import enum
 import itertools
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -35,6 +36,7 @@ import numpy as np
 
 from edge.runtime.backend import Backend, SegmentOut
 from edge.runtime.cache import KVCache
+from edge.runtime.gate import StepGate
 from edge.model.candidates import lookup_feature
 from edge.model.lookup import MAX_N as LOOKUP_MAX_N, Lookup
 from edge.model.ngram import MAX_N as NGRAM_MAX_N
@@ -86,6 +88,11 @@ class EngineConfig:
     # deferral's extra calls over scattered slots at batch > 1; it saves nothing, so it is for free-running
     # calibration and evaluation only (calibration.freerun), never for serving.
     defer_inline: bool = False
+    # Measure, per batch size, what a decode step that checks exits costs against one call of every layer,
+    # and run the cheaper (edge/runtime/gate.py): exits never make a step dearer than full depth. The served
+    # engine runs with it (exporters/triton.py, repo.exit_gate); off here, so that an engine does what its
+    # rule says (calibration, the benches' exit systems, the tests).
+    exit_gate: bool = False
     speculative: SpecConfig = field(default_factory=SpecConfig)  # mode exact: draft exit, stop rule
     # Requests in mode exact speculate while the decode batch holds at most this many sequences (None: any
     # batch); above it they decode at full depth, which is lossless too. ONNX Runtime's CPU attention
@@ -255,6 +262,7 @@ class Engine:
         # exit drafts need an exit, and the calibrated stop rule its calibrators
         self._exit_drafts = (Source.EXIT in spec.sources and self._draft_seg is not None
                              and not (spec.stop is StopRule.CALIBRATED and self._agreement is None))
+        self.step_gate = self._step_gate() if cfg.exit_gate else None
         self.spec_stats = SpecStats()  # every speculative round
         self.source_stats = {src.value: SpecStats() for src in Source}  # the rounds of each draft source
         self.plain_steps = 0  # decode steps of exact requests that drafted nothing
@@ -263,6 +271,22 @@ class Engine:
         self.decoding: list[_Seq] = []
         self._events: list[TokenEvent] = []  # delivered to callbacks, not yet returned by step()
         self._ids = itertools.count()
+
+    def _step_gate(self) -> StepGate:
+        """The step gate of this backend, K/V mode and rule: kept by the backend like the draft costs, so an
+        engine per request or per benchmark run starts from what earlier ones measured (a checking step's
+        cost depends on the rule and the K/V mode, so each pair has its own)."""
+        gates = self.backend.draft_costs.setdefault("step_gates", {})
+        key = (self.cfg.kv_mode, id(self.rule))
+        held = gates.get(key)
+        if held is not None and held[0]() is self.rule:
+            return held[1]
+        gate = StepGate()
+        try:
+            gates[key] = (weakref.ref(self.rule), gate)
+        except TypeError:  # a rule without weak references: this engine's own gate
+            pass
+        return gate
 
     # ---------------------------------------------------------------- control
     def submit(self, req: Request) -> int:
@@ -508,6 +532,7 @@ class Engine:
     def _step(self, seqs: list[_Seq]) -> None:
         """One token for every sequence: segment by segment, the rule picks the rows that stop after
         each exit, and the batch shrinks to the rows still running."""
+        t_step = time.perf_counter()
         backend, nseg = self.backend, len(self.backend.segments)
         x = np.array([[s.tokens[-1]] for s in seqs], np.int64)  # [B, 1]
         slots = np.array([s.slot for s in seqs])
@@ -526,12 +551,18 @@ class Engine:
         bounded = np.fromiter((s.req.mode is Mode.BOUNDED and not (self._candidates and s.req.temperature > 0)
                                for s in seqs), bool, len(seqs))
         exits = bool(bounded.any()) and not (deferred and limit is not None and len(seqs) > limit)
+        step_gate = None if inline else self.step_gate  # defer_inline steps price nothing a served step does
+        if exits and step_gate is not None and not step_gate.checks(len(seqs)):
+            exits = False  # checking measured dearer than full depth at this batch size
         lookup = self._lookups(seqs) if self._candidates and exits else None
         if lookup is not None and self._route > 0:  # rows the rule does not check run every layer, no check paid
             bounded &= lookup[1] >= self._route - 1e-6
             exits = bool(bounded.any())
         if not exits and not (deferred and any(s.pending for s in seqs)):
+            t0 = time.perf_counter()
             self._step_full(seqs, x, slots, start)  # no row may leave: every layer in one call, no check paid
+            if step_gate is not None:
+                step_gate.observe(len(seqs), False, time.perf_counter() - t0)
             return
         gated = backend.spec.gated
         gone = np.zeros(len(seqs), bool)  # defer_inline: rows whose token is decided, running on for their K/V
@@ -607,6 +638,8 @@ class Engine:
         for s, token, layer in decided:
             if not s.finished:  # else a callback of this step cancelled it: its token is dropped
                 self._emit(s, token, layer)
+        if step_gate is not None:  # checks, or the catch-up of rows that left before: what exits cost
+            step_gate.observe(len(seqs), True, time.perf_counter() - t_step)
 
     def _step_full(self, seqs: list[_Seq], x: np.ndarray, slots: np.ndarray, start: np.ndarray) -> None:
         """One token for every sequence at full depth, through the backend's graph of every layer."""

@@ -99,7 +99,7 @@ class OnlineTuner:
         if learning_rate <= 0 or not 0 < clip_range < 1 or not 0 < gamma <= 1 or not 0 < gae_lambda <= 1:
             raise ConfigError("online tuner: learning_rate > 0, clip_range in (0, 1), gamma and gae_lambda in (0, 1]")
         from sb3_contrib import RecurrentPPO
-        from stable_baselines3.common.logger import configure
+        from stable_baselines3.common.logger import Logger
         from stable_baselines3.common.utils import FloatSchedule
 
         self.policy, self.n_steps, self.gamma, self.gae_lambda = policy, n_steps, gamma, gae_lambda
@@ -113,7 +113,8 @@ class OnlineTuner:
         trainer.clip_range, trainer.clip_range_vf = FloatSchedule(clip_range), None
         trainer.learning_rate = learning_rate
         trainer._setup_lr_schedule()
-        trainer.set_logger(configure(None, []))  # values kept in memory, nothing printed
+        # values kept in memory, nothing printed (configure(None, []) would make an empty /tmp/SB3-<time> per tuner)
+        trainer.set_logger(Logger(None, []))
         self._trainer = trainer
         self._template = copy.deepcopy(trainer.policy)  # never run: each trained network is a copy of it
         self._store: list[_Transition] = []

@@ -288,11 +288,16 @@ def make_model(cfg: TrainSchedulerConfig, latency: LatencyModel, exits: ExitMode
     from sb3_contrib import RecurrentPPO
     from stable_baselines3.common.vec_env import DummyVecEnv, VecMonitor
 
+    from stable_baselines3.common.logger import Logger
+
     venv = VecMonitor(DummyVecEnv([partial(SchedulerEnv, latency, exits, env) for _ in range(cfg.n_envs)]))
-    return RecurrentPPO("MlpLstmPolicy", venv, learning_rate=cfg.learning_rate, n_steps=cfg.n_steps,
+    model = RecurrentPPO("MlpLstmPolicy", venv, learning_rate=cfg.learning_rate, n_steps=cfg.n_steps,
                         batch_size=cfg.batch_size, n_epochs=cfg.n_epochs, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda,
                         clip_range=cfg.clip_range, ent_coef=cfg.ent_coef, seed=cfg.seed, device="cpu",
                         policy_kwargs={"lstm_hidden_size": cfg.lstm_hidden, "net_arch": list(cfg.net_arch)})
+    # learn() would otherwise configure its own logger, which makes an empty /tmp/SB3-<time> per call
+    model.set_logger(Logger(None, []))
+    return model
 
 
 # ------------------------------------------------------------------------------------------- the stage

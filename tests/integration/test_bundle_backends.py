@@ -51,6 +51,42 @@ def test_torch_static_serves_what_onnx_runtime_serves(repo, torch_choice, monkey
         assert got == ort
 
 
+def test_the_bundle_carries_the_step_gate_setting_to_the_served_engine(repo):
+    """`smartexit repo` records repo.exit_gate in the bundle (the tests' bundle turns it off, conftest); the host
+    over it builds its engine with it, and an override turns it back on as a default repository has it."""
+    from scheduler.serving.bundle import open_bundle
+
+    info = json.loads((repo / BUNDLE / "bundle.json").read_text())
+    assert info["host"]["exit_gate"] is False
+    assert open_bundle(repo / BUNDLE).engine.step_gate is None
+    host = open_bundle(repo / BUNDLE, exit_gate=True)
+    assert host.engine.step_gate is not None
+    pairs = [(t, e) for c in _host_generate(host, PROMPTS[0]) for t, e in zip(c.tokens, c.exit_layers)]
+    assert len(pairs) == 10 and {e for _, e in pairs} <= set(info["model"]["exit_layers"]) | {info["model"]["num_layers"]}
+    gate = host.engine.step_gate  # it measured the steps it ran (the first of a kind builds bindings, not counted)
+    assert gate.share_checked(1) is not None
+
+
+def _host_generate(host, prompt: list[int]) -> list:
+    import threading
+
+    from edge.runtime.host import GenRequest
+
+    chunks, done = [], threading.Event()
+
+    def emit(chunk):
+        chunks.append(chunk)
+        if chunk.finish_reason is not None:
+            done.set()
+    host.start()
+    try:
+        host.submit(GenRequest("gated", list(prompt), 10, mode="bounded"), emit)
+        assert done.wait(60), "the gated engine did not finish"
+    finally:
+        host.stop()
+    return chunks
+
+
 @pytest.mark.parametrize("content, error, msg", [
     ("{not json", ConfigError, "not a readable JSON file"),
     ('{"name": "tvm"}', ConfigError, "'name' is one of onnxruntime, onnxruntime_portable, tensorrt, torch_static"),

@@ -43,7 +43,7 @@ def test_export_calibrate_bench_report(run):
     report = json.loads((run / "report.json").read_text())
     bench = report["decode_bench"]
     for key in ("speedup_exit_vs_full_b1", "speedup_exit_vs_hf_b1", "speedup_exit_vs_layerskip_b1",
-                "false_exit_rate"):
+                "speedup_exit_gated_vs_full_b1", "gate_share_checked_b1", "false_exit_rate"):
         assert isinstance(bench[key], float), key
     assert bench["batches"]["1"]["full_engine_equals_hf"] is True
     assert set(bench["goals"]) >= {"speedup_exit_vs_full_b1", "false_exit_rate"}

@@ -204,9 +204,10 @@ class Systems:
         if "engine_full" in only:
             self.full_backend = make_backend("onnxruntime", graphs_dir=graphs_full, checkpoint=ckpt,
                                              threads=cfg.threads)
-        if {"engine_exit_propagate", "engine_exit_defer", "engine_speculative"} & set(only):
+        if {"engine_exit_propagate", "engine_exit_defer", "engine_exit_gated", "engine_speculative"} & set(only):
             self.backend = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=cfg.threads)
             self.table_rule = TableRule(load_table(thresholds, ckpt))
+            self.gated_mode = KVMode(self.table_rule.table.kv_mode)  # (d)-gated's K/V mode: the bench sets (d)'s
         self.spec = SpecConfig(draft_exit=cfg.draft_exit, stop=cfg.spec_stop)  # (e)'s settings
 
     def _load_llamacpp(self, ckpt: Path, precision: str) -> None:
@@ -260,6 +261,9 @@ class Systems:
         if name == "engine_speculative":  # the engine's K/V mode is unused: exact requests never exit early
             return run_batch(backend or self.backend, rule or self.table_rule, prompts, n, KVMode.PROPAGATE,
                              spec=spec or self.spec, speculate_max_batch=self.cfg.speculate_max_batch)
+        if name == "engine_exit_gated":  # (d) as the served engine runs it: checks where they measured cheaper
+            return run_batch(backend or self.backend, rule or self.table_rule, prompts, n, self.gated_mode,
+                             exit_gate=True)
         mode = KVMode(name.removeprefix("engine_exit_"))
         return run_batch(backend or self.backend, rule or self.table_rule, prompts, n, mode)
 
@@ -277,6 +281,15 @@ def false_exits(served: Served, prompts: list[list[int]], res: RunResult, mode: 
     r = check_continuations(served, np.asarray(prompts), np.asarray(res.tokens), np.asarray(res.exit_layers),
                             mode).summary()
     return r.false_exits + r.full_depth_mismatches, r.tokens
+
+
+def gate_share(systems: Systems, b: int) -> float | None:
+    """The share of (d)-gated's decode steps at batch ``b`` that its step gate let check exits (None: the gated
+    system did not run, or no step could check)."""
+    if "engine_exit_gated" not in systems.loaded:
+        return None
+    held = systems.backend.draft_costs.get("step_gates", {}).get((systems.gated_mode, id(systems.table_rule)))
+    return None if held is None else held[1].share_checked(b)
 
 
 def _token_match(a: list[list[int]], b: list[list[int]]) -> float:
@@ -454,6 +467,7 @@ class _DecodeBench:
         spec = SpecConfig(draft_exit=cfg.draft_exit or decision_exits[0], stop=cfg.spec_stop)
         systems.spec = spec
         d_mode = KVMode(systems.table_rule.table.kv_mode if cfg.kv_mode == "table" else cfg.kv_mode)
+        systems.gated_mode = d_mode
         results: dict[str, Any] = {"config": asdict(cfg), "batches": {}, "kv_mode": d_mode.value,
                                    "kv_mode_certified": d_mode.value == systems.table_rule.table.kv_mode,
                                    "ort_pool_threads": systems.backend.pool_threads,
@@ -503,7 +517,7 @@ class _DecodeBench:
         # draft head): the goals read (d) against (a) and (c), and a probe costs ~7 s of the demo
         memory = [s for s in ("baseline", *SYSTEMS) if s == "baseline" or (
             s in systems.loaded and not s.endswith("_lookup") and s not in ("layerskip", "engine_speculative")
-            and (s not in exit_systems or s == d_sys))] if cfg.memory else []
+            and s != "engine_exit_gated" and (s not in exit_systems or s == d_sys))] if cfg.memory else []
         bar = tqdm(total=sum((cfg.warmup + cfg.repeats) * len(v) + len(exit_systems) for v in names_at.values())
                    + 1 + len(memory) + (cfg.warmup + cfg.spec_sweep_repeats) * n_variants * sweep,
                    desc="bench decode", unit="run", disable=None)
@@ -591,6 +605,9 @@ class _DecodeBench:
             "speedup_full_vs_llamacpp": None if peer is None else peer["ratio"](runs["engine_full"]),
             "speedup_exit_vs_llamacpp": None if peer is None else peer["ratio"](runs[d_sys]),
             "speedup_vs_full_by_mode": {m.value: paired_ratio(runs, exit_system(m), "engine_full") for m in KVMode},
+            # (d) with the served engine's step gate (edge/runtime/gate.py), and the share of its steps it let check
+            "speedup_exit_gated_vs_full": paired_ratio(runs, "engine_exit_gated", "engine_full"),
+            "gate_share_checked": gate_share(systems, b),
             # what (d)/(c) would be if time were proportional to the layers a token runs and
             # deciding cost nothing: the bound the exit depth alone sets
             "exit_depth_ceiling": model.num_layers / systems_row[d_sys]["mean_exit_layer"],

@@ -10,12 +10,14 @@ from typing import Any
 
 import numpy as np
 
-SYSTEMS = ("hf", "layerskip", "engine_full", "engine_exit_propagate", "engine_exit_defer", "engine_speculative",
+SYSTEMS = ("hf", "layerskip", "engine_full", "engine_exit_propagate", "engine_exit_defer", "engine_exit_gated",
+           "engine_speculative",
            "llamacpp", "hf_lookup", "llamacpp_lookup")
 LABELS = {"hf": "(a) transformers generate", "layerskip": "(b) transformers LayerSkip self-speculation",
           "engine_full": "(c) SmartExit engine, ORT, full depth",
           "engine_exit_propagate": "SmartExit engine, ORT, exits, K/V by propagation",
           "engine_exit_defer": "SmartExit engine, ORT, exits, K/V by deferred recomputation",
+          "engine_exit_gated": "(d) with the served engine's step gate: exits only where they measured cheaper",
           "engine_speculative": "(e) SmartExit engine, ORT, speculative (exact: lookup and exit drafts)",
           "hf_lookup": "transformers generate, prompt-lookup decoding",
           "llamacpp_lookup": "llama.cpp (llama-cpp-python), prompt-lookup drafts, GGUF at the served model's precision",
@@ -136,6 +138,11 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
         "peak_rss_exit_vs_full": mem_ratio("engine_full"),
         "speedup_exit_vs_full_b1": b1.get("speedup_exit_vs_full"),
         f"speedup_exit_vs_full_b{last}": bs[last]["speedup_exit_vs_full"],
+        # as served: the step gate runs checks only at batch sizes where they measured cheaper than full depth
+        "speedup_exit_gated_vs_full_b1": b1.get("speedup_exit_gated_vs_full"),
+        f"speedup_exit_gated_vs_full_b{last}": bs[last].get("speedup_exit_gated_vs_full"),
+        "gate_share_checked_b1": b1.get("gate_share_checked"),
+        f"gate_share_checked_b{last}": bs[last].get("gate_share_checked"),
         "speedup_exit_vs_hf_b1": b1.get("speedup_exit_vs_hf"),
         "speedup_exit_vs_layerskip_b1": b1.get("speedup_exit_vs_layerskip"),
         "exit_depth_ceiling_b1": b1.get("exit_depth_ceiling"),
