@@ -99,6 +99,21 @@ def test_capacity_estimate_is_where_attainment_drops():
     assert 1.0 < cap < 1e3
 
 
+def test_capacity_judges_every_rate_on_enough_requests(monkeypatch):
+    """A rate is judged on at least CAPACITY_MIN_REQUESTS expected requests however short ``duration_s``: on a
+    few dozen, two overlapping long prompts read as a miss of the 95% and turn the bisection down for good."""
+    judged = []
+    real = env_mod.make_workload
+
+    def spy(pattern, rate, duration_s, seed, cfg):
+        judged.append(rate * duration_s)
+        return real(pattern, rate, duration_s, seed, cfg)
+    monkeypatch.setattr(env_mod, "make_workload", spy)
+    cap = estimate_capacity(LM, EX, EnvConfig(episode_s=20.0), FixedBudget(128, 16), duration_s=20.0)
+    assert judged and min(judged) >= env_mod.CAPACITY_MIN_REQUESTS - 1e-6
+    assert 1.0 < cap < 1e3
+
+
 @pytest.mark.parametrize("kw", [{"patterns": ("weekly",)}, {"load_range": (0.0, 1.0)}, {"tick_s": 0.0}])
 def test_bad_env_config_is_refused(kw):
     with pytest.raises(ConfigError):
