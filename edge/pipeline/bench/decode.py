@@ -92,6 +92,9 @@ class DecodeBenchConfig:
     # certificate covers (calibration chose it); naming a mode measures that one as (d), uncertified
     kv_mode: str = "table"
     overhead_spans: int = 4  # segment-cost row: this many chained layer spans vs one call
+    # what a check costs (edge/pipeline/bench/decision.py): repeats of 50 interleaved calls per chain, the
+    # median of within-repeat differences
+    decision_repeats: int = 15
     # (e) self-speculative decoding: the draft exit (None: the engine's default, the first decision exit),
     # the draft-length rule, and whether to sweep the rules and draft exits at batch 1, with how many
     # paired repeats (after ``warmup``): a run at batch 1 takes ~0.3 s, and single pairs vary by ~15%
@@ -122,6 +125,8 @@ class DecodeBenchConfig:
             raise ConfigError("bench: repeats >= 1, new_tokens >= 2 and prompt_tokens >= 1 are required")
         if self.spec_sweep_repeats < 1:
             raise ConfigError(f"bench.spec_sweep_repeats must be >= 1, got {self.spec_sweep_repeats}")
+        if self.decision_repeats < 1:
+            raise ConfigError(f"bench.decision_repeats must be >= 1, got {self.decision_repeats}")
 
 
 # ------------------------------------------------------------------ systems
@@ -489,7 +494,8 @@ class _DecodeBench:
                                                          for b, r in results["segment_call_overhead"].items()), flush=True)
         if model.has_shortlist:  # what a candidate check costs, in layers (edge/pipeline/bench/decision.py)
             results["decision_cost"] = {str(b): decision_cost(model, graphs / FUSED_DIR, b, cfg.prompt_tokens + cfg.new_tokens // 2,
-                                                              cfg.threads).to_dict() for b in (1, max(cfg.batch_sizes))}
+                                                              cfg.threads, repeats=cfg.decision_repeats).to_dict()
+                                        for b in (1, max(cfg.batch_sizes))}
             results["decision_cost"]["engine_b1"] = engine_check_point_cost(
                 systems, run.prompts(cfg.batch1_prompts, cfg.prompt_tokens, cfg.seed),
                 cfg.new_tokens, results["decision_cost"]["1"]["layer_ms"], max(cfg.repeats, 3))
