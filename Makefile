@@ -25,7 +25,7 @@ help:
 	@echo "make serve       start tritonserver + the Ray Serve OpenAI API on 127.0.0.1:8000 (Ctrl-C stops it)"
 	@echo "make bench-serve the serving load test (trace arrivals, both control policies, vs in process)"
 	@echo "make profile     the engine's step time and the serving path -> the simulator's latency model (~1.5 min)"
-	@echo "make bench-scheduler  the learned scheduler vs fixed budgets and heuristics (simulator + real stack)"
+	@echo "make bench-scheduler  the learned scheduler vs fixed budgets and heuristics, the full sweep (simulator + real stack; the demo runs a reduced form)"
 	@echo "make compress-study  every compression recipe side by side (+ llama.cpp q8_0 / q4_0) -> $(ART)/bench/compress.md (~15 min)"
 	@echo "make energy      energy per token (jtop / tegrastats / NVML / RAPL; CPU-seconds proxy without a sensor): full depth vs exits vs compressed"
 	@echo "make bench-projection  exit decisions at Qwen2.5-0.5B / Llama-3.2-1B shapes, random local weights -> $(ART)/bench/projection.md (~20 min, ~17 GiB)"
@@ -107,7 +107,10 @@ report: $(ART)/report.json
 repo: $(ART)/triton/smartexit/config.pbtxt
 bench-serve: $(ART)/bench/serve.json
 profile: $(ART)/scheduler/latency.json
-bench-scheduler: $(ART)/bench/scheduler.json
+# the full sweep (configs/bench_scheduler_full.yaml); the demo runs the reduced form (configs/bench_scheduler.yaml)
+bench-scheduler: $(ART)/scheduler/latency.json $(POLICY_FILES)
+	$(SE) bench scheduler --config configs/bench_scheduler_full.yaml run_dir=$(ART)
+	@test ! -f $(ART)/report.json || $(SE) report run_dir=$(ART)
 
 # not part of demo: minutes per shape and gigabytes of graphs (configs/bench_projection.yaml)
 bench-projection: $(ART)/calibration/thresholds.json

@@ -19,6 +19,7 @@ CONFIGS = sorted((Path(__file__).parents[4] / "configs").glob("*.yaml"))
 # which stage each preset file configures
 PRESET_STAGE = {"demo.yaml": "distill", "tiny_ee.yaml": "distill", "bench_decode.yaml": "bench decode",
                 "bench_serve.yaml": "bench serve", "bench_scheduler.yaml": "bench scheduler",
+                "bench_scheduler_full.yaml": "bench scheduler",
                 "train_scheduler.yaml": "train-scheduler", "compress.yaml": "compress",
                 "bench_compress.yaml": "bench compress", "compress_study.yaml": "bench compress",
                 "bench_energy.yaml": "bench energy", "calibrate.yaml": "calibrate",
