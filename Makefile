@@ -12,7 +12,7 @@ DEMO_CFG := configs/demo.yaml
 MODEL_FILES := $(wildcard edge/assets/tiny/*) $(wildcard edge/assets/tiny-ee/*) $(wildcard edge/assets/data/*)
 SRC := $(shell find edge calibration exporters scheduler -name '*.py' 2>/dev/null)
 
-.PHONY: demo test test-fast venv distill compress bench-compress energy compress-study calibrate export bench generate report repo serve bench-serve profile bench-scheduler bench-projection aiperf-check train-tiny train-tiny-ee train-scheduler llamacpp clean help
+.PHONY: demo test test-fast venv distill compress bench-compress energy compress-study calibrate export bench generate report repo serve bench-serve profile bench-scheduler bench-projection aiperf-check train-tiny train-tiny-ee train-scheduler train-scheduler-ablation llamacpp clean help
 .DEFAULT_GOAL := help
 
 help:
@@ -22,6 +22,7 @@ help:
 	@echo "make train-tiny  retrain the bundled tiny model (1-2 h on 2 cores, resumable)"
 	@echo "make train-tiny-ee  LayerSkip-train it into bundled-ee (about an hour on 2 cores; resumable)"
 	@echo "make train-scheduler  retrain the learned scheduler -> scheduler/assets/ppo (~10 min on 2 cores; needs the latency model of smartexit profile)"
+	@echo "make train-scheduler-ablation  the same without the exit-depth features -> scheduler/assets/ppo_noexit (bench scheduler's ppo-noexit)"
 	@echo "make serve       start tritonserver + the Ray Serve OpenAI API on 127.0.0.1:8000 (Ctrl-C stops it)"
 	@echo "make bench-serve the serving load test (trace arrivals, both control policies, vs in process)"
 	@echo "make profile     the engine's step time and the serving path -> the simulator's latency model (~1.5 min)"
@@ -83,7 +84,7 @@ $(ART)/bench/audit.json: $(ART)/triton/smartexit/config.pbtxt
 $(ART)/scheduler/latency.json: $(ART)/triton/smartexit/config.pbtxt
 	$(SE) profile run_dir=$(ART)
 
-POLICY_FILES := $(wildcard scheduler/assets/ppo/*)
+POLICY_FILES := $(wildcard scheduler/assets/ppo/* scheduler/assets/ppo_noexit/*)
 $(ART)/bench/scheduler.json: $(ART)/scheduler/latency.json configs/bench_scheduler.yaml $(POLICY_FILES)
 	$(SE) bench scheduler --config configs/bench_scheduler.yaml run_dir=$(ART)
 
@@ -133,6 +134,11 @@ train-tiny-ee: $(STAMP)
 
 train-scheduler: $(ART)/scheduler/latency.json
 	$(SE) train-scheduler --config configs/train_scheduler.yaml run_dir=$(ART)
+
+# the exit-depth ablation: the same training without the predicted exit depth in the observation
+train-scheduler-ablation: $(ART)/scheduler/latency.json
+	$(SE) train-scheduler --config configs/train_scheduler.yaml run_dir=$(ART) env.masked=[predicted_exit_depth] \
+		out=scheduler/assets/ppo_noexit
 
 # ---- load-client cross-check: NVIDIA aiperf in its own venv (it pins other versions), never in demo/test ----
 AIPERF_VENV := .venv-aiperf

@@ -48,8 +48,13 @@ def layout_id() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def obs_vector(o: ControlObservation) -> np.ndarray:
-    """[len(OBS_LAYOUT)] float32 in [-1, 1]."""
+# what the exit-depth ablation holds constant (issue 30): the learned policy trained and run without them shows
+# what predicted exit depth buys (`make train-scheduler-ablation`, bench scheduler's ``ppo-noexit``)
+EXIT_FEATURES = ("predicted_exit_depth",)
+
+
+def obs_vector(o: ControlObservation, masked: tuple[str, ...] = ()) -> np.ndarray:
+    """[len(OBS_LAYOUT)] float32 in [-1, 1]; the features named in ``masked`` held at 0 (an ablation)."""
     seqs = max(o.max_seqs, 1)
 
     def slack(ms: float | None, scale: float) -> float:
@@ -66,6 +71,8 @@ def obs_vector(o: ControlObservation) -> np.ndarray:
          slack(o.min_slack_ms, 2 * o.sla_tpot_ms), slack(o.oldest_waiting_slack_ms, o.sla_ttft_ms),
          tail(o.recent_ttft_p95_ms, o.sla_ttft_ms), tail(o.recent_tpot_p95_ms, o.sla_tpot_ms),
          math.log1p(o.arrival_rate_rps) / math.log1p(100)]
+    for name in masked:
+        v[OBS_LAYOUT.index(name)] = 0.0
     return np.clip(np.asarray(v, np.float32), -1.0, 1.0)
 
 
@@ -110,8 +117,13 @@ class EnvConfig:
     max_prompt: int = 448
     max_output: int = 64
     reward: RewardConfig = field(default_factory=RewardConfig)
+    masked: tuple[str, ...] = ()  # observation features held at 0 (the exit-depth ablation: EXIT_FEATURES)
 
     def __post_init__(self) -> None:
+        self.masked = tuple(self.masked)
+        unknown = [m for m in self.masked if m not in OBS_LAYOUT]
+        if unknown:
+            raise ConfigError(f"env.masked {unknown}: expected observation features, some of {list(OBS_LAYOUT)}")
         if isinstance(self.sim, dict):
             self.sim = SimConfig(**self.sim)
         if isinstance(self.reward, dict):
@@ -178,7 +190,7 @@ class SchedulerEnv(_gym().Env):
         return self._obs(), {"pattern": self.pattern, "rate_rps": self.rate}
 
     def _obs(self) -> np.ndarray:
-        return obs_vector(observation_from_stats(self.sim.observe()))
+        return obs_vector(observation_from_stats(self.sim.observe()), self.cfg.masked)
 
     def step(self, action):
         sim = self.sim

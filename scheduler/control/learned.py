@@ -74,6 +74,8 @@ class LearnedPolicy:
     def __init__(self, model: Any, meta: dict[str, Any] | None = None, deterministic: bool = True) -> None:
         self.model = model
         self.meta = dict(meta or {})
+        # the observation features the policy was trained without (the exit-depth ablation), held at 0 here too
+        self.masked = tuple((self.meta.get("env") or {}).get("masked") or ())
         self.deterministic = deterministic
         self.steps = 0
         self.last_step: Step | None = None
@@ -128,7 +130,7 @@ class LearnedPolicy:
         """The network's grid action for ``obs``, within the engine's limits: a budget above the backend's
         largest chunk (``obs.max_chunk``, which the observation vector does not carry: the shipped network's
         layout predates it) is clamped to it."""
-        return within_limits(action_of(self.act_vector(obs_vector(obs)), obs.max_seqs), obs)
+        return within_limits(action_of(self.act_vector(obs_vector(obs, self.masked)), obs.max_seqs), obs)
 
     def act_vector(self, v: np.ndarray) -> int:
         """The action index for observation vector ``v`` [len(OBS_LAYOUT)]; remembers the step."""

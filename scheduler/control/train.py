@@ -200,7 +200,7 @@ def run_episode(policy: Policy, latency: LatencyModel, exits: ExitModel, env: En
         r = reward_of(sim.take_counts(), env.reward)
         out.reward += r
         if record:
-            out.obs.append(obs_vector(o))
+            out.obs.append(obs_vector(o, env.masked))
             out.actions.append(idx)
             out.rewards.append(r)
     out.attainment = summarize(sim.results(), env.sim.sla_ttft_ms, env.sim.sla_tpot_ms)["sla_attainment"]

@@ -50,6 +50,7 @@ from scheduler.control.workload import SHARED_TRACE, Workload, read_workload_fil
 
 STAGE = "bench_scheduler"
 LEARNED = "ppo"
+ABLATED = "ppo-noexit"  # the learned policy without the exit-depth features
 HELD_OUT_PATTERNS = ("poisson", "bursty", "diurnal")
 
 
@@ -81,6 +82,10 @@ class BenchSchedulerConfig:
     shed_late: bool | None = None
     warmup_requests: int = 2
     seed: int = 0
+    # the exit-depth ablation (issue 30): the learned policy trained and run without the exit-depth features
+    # (`make train-scheduler-ablation`), in the simulator grid beside the shipped one as ``ppo-noexit``.
+    # None: the shipped scheduler/assets/ppo_noexit where it exists; "": none
+    ablation_policy: str | None = None
 
     def __post_init__(self) -> None:
         if not self.loads or any(x <= 0 for x in self.loads):
@@ -164,13 +169,66 @@ def workload_specs(cfg: BenchSchedulerConfig) -> tuple[list[WorkloadSpec], str]:
     return specs, note
 
 
-def policy_factories(cfg: BenchSchedulerConfig, learned: Any) -> dict[str, Any]:
+def policy_factories(cfg: BenchSchedulerConfig, learned: Any, ablated: Any = None) -> dict[str, Any]:
     out: dict[str, Any] = {f"{FIXED_PREFIX}{b}": (lambda b=b: FixedBudget(b)) for b in cfg.budgets}
     for h in cfg.heuristics:
         make_policy(h)  # an unknown name fails here, before the grid runs
         out[h] = lambda h=h: make_policy(h)
     out[LEARNED] = lambda: learned
+    if ablated is not None:
+        out[ABLATED] = lambda: ablated
     return out
+
+
+def load_ablation(cfg: BenchSchedulerConfig, learned: Any) -> Any:
+    """The learned policy trained without the exit-depth features (None where ``cfg.ablation_policy`` is "" or,
+    left at None, nothing is shipped).
+
+    Raises:
+        ConfigError: the folder named does not hold a policy; the policy holds no exit-depth feature at 0;
+            it was trained for another SLA or capacity budget than the shipped one (not the same comparison).
+    """
+    from scheduler.control.env import EXIT_FEATURES
+    from scheduler.control.learned import DEFAULT_DIR, LearnedPolicy
+
+    if cfg.ablation_policy == "":
+        return None
+    path = Path(cfg.ablation_policy) if cfg.ablation_policy else DEFAULT_DIR.parent / "ppo_noexit"
+    if cfg.ablation_policy is None and not (path / "policy.json").is_file():
+        return None
+    ablated = LearnedPolicy.load(path)
+    if not set(EXIT_FEATURES) <= set(ablated.masked):
+        raise ConfigError(f"bench scheduler: the ablation policy {path} sees the exit-depth features "
+                          f"{list(EXIT_FEATURES)}; train it with `make train-scheduler-ablation`")
+    for key in ("sla_ttft_ms", "sla_tpot_ms"):
+        a, b = ((p.meta.get("env") or {}).get("sim", {}).get(key) for p in (ablated, learned))
+        if a != b:
+            raise ConfigError(f"bench scheduler: the ablation policy {path} was trained for {key} {a}, the shipped "
+                              f"policy for {b}: retrain both with `make train-scheduler train-scheduler-ablation`")
+    return ablated
+
+
+def ablation_report(cells: dict, workloads: list[str], loads: list[float],
+                    collapsed: set[tuple[str, float]] = frozenset()) -> dict[str, Any] | None:
+    """The shipped learned policy's goodput over the same policy trained without the exit-depth features, per
+    (workload, load) cell of the grid (left out: cells where either has no goodput, and ``collapsed`` ones,
+    where the best fixed budget no longer serves its share of the offered rate, as the comparison with the
+    fixed budgets leaves them out): the ratios, their median and smallest, and the largest relative spread of
+    either policy's goodput over the exit-depth draws (sim_seeds; 0 with one draw)."""
+    ratios: dict[str, dict[str, float]] = {}
+    spread = []
+    for w in workloads:
+        for load in loads:
+            a, b = cells.get((w, load, LEARNED)), cells.get((w, load, ABLATED))
+            if (w, load) in collapsed or a is None or b is None or not b["goodput_rps"] or not a["goodput_rps"]:
+                continue
+            ratios.setdefault(w, {})[f"{load:g}"] = a["goodput_rps"] / b["goodput_rps"]
+            spread += [a["goodput_std"] / a["goodput_rps"], b["goodput_std"] / b["goodput_rps"]]
+    flat = [r for v in ratios.values() for r in v.values()]
+    if not flat:
+        return None
+    return {"ratios": ratios, "median": float(np.median(flat)), "min": float(min(flat)),
+            "seed_spread_rel_max": float(max(spread)) if spread else None}
 
 
 # --------------------------------------------------------------------------- the real stack
@@ -370,6 +428,10 @@ def summary(report: dict[str, Any], cells: dict, real_w: str) -> dict[str, Any]:
         "sla_attainment": {p: float(np.mean([x for v in ws.values() for x in v])) for p, ws in attain.items()},
         "capacity_rps": report["capacity_rps"], "capacities_rps": report["capacities_rps"],
     }
+    abl = sim.get("exit_features_ablation")
+    if abl:
+        out["goodput_ratio_exit_features_ablation"] = abl["median"]
+        out["goodput_ratio_exit_features_ablation_min"] = abl["min"]
     pred = report.get("predictor") or {}
     if "token_mae" in pred:
         out["exit_depth_predictor_mae_layers"] = pred["token_mae"]
@@ -393,6 +455,10 @@ def summary(report: dict[str, Any], cells: dict, real_w: str) -> dict[str, Any]:
 
 def render_headline(s: dict[str, Any]) -> str:
     lines = [f"  goodput vs best fixed (sim, min over loads): {s['goodput_ratio_vs_best_fixed']}"]
+    if "goodput_ratio_exit_features_ablation" in s:
+        lines.append(f"  learned / learned without exit-depth features (sim, median over cells): "
+                     f"{s['goodput_ratio_exit_features_ablation']:.3f} (smallest "
+                     f"{s['goodput_ratio_exit_features_ablation_min']:.3f})")
     if "goodput_ratio_vs_best_fixed_at_sla_edge" in s:
         lines.append(f"  real stack at the SLA edge: goodput ratio {s['goodput_ratio_vs_best_fixed_at_sla_edge']}, "
                      f"sim validation max rel err {s['sim_validation_max_rel_err']} below the edge, "

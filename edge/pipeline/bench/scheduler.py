@@ -10,7 +10,7 @@ from typing import Any
 from edge.core.artifacts import Manifest
 from scheduler.control.env import estimate_capacity
 from scheduler.control.evaluate import cell_table, compare, evaluate_grid, spec_capacity
-from scheduler.loadtest.bench_scheduler import BenchSchedulerConfig, LEARNED, STAGE, _env_dict, capacity_policy, env_config, load_inputs, policy_factories, predictor_report, real_runs, render_headline, summary, workload_specs, write_outputs
+from scheduler.loadtest.bench_scheduler import BenchSchedulerConfig, LEARNED, STAGE, _env_dict, ablation_report, capacity_policy, env_config, load_ablation, load_inputs, policy_factories, predictor_report, real_runs, render_headline, summary, workload_specs, write_outputs
 
 
 def main(cfg: BenchSchedulerConfig) -> int:
@@ -21,7 +21,8 @@ def main(cfg: BenchSchedulerConfig) -> int:
     env.capacity_rps = estimate_capacity(latency, exits, env, reference)
     specs, trace_note = workload_specs(cfg)
     caps = {s.name: spec_capacity(latency, exits, env, s, reference, cfg.duration_s) for s in specs}
-    policies = policy_factories(cfg, learned)
+    ablated = load_ablation(cfg, learned)
+    policies = policy_factories(cfg, learned, ablated)
     print(f"bench scheduler: capacity (fixed {reference.prefill_budget}, SLA {env.sim.sla_ttft_ms:g} / {env.sim.sla_tpot_ms:g} ms) "
           + ", ".join(f"{k} {v:.2f}" for k, v in caps.items()) + f" req/s; {len(specs)} workloads x {len(cfg.loads)} "
           f"loads x {len(policies)} policies x {len(cfg.sim_seeds)} seeds; {trace_note}", flush=True)
@@ -36,6 +37,9 @@ def main(cfg: BenchSchedulerConfig) -> int:
                               "workloads": trace_note, "policy": {k: info.get(k) for k in ("layout_id", "trained_at",
                                                                                             "selected", "sha256")},
                               "latency_fit": latency.fit, "exit_model": asdict(exits), "sim": {"rows": rows, **cmp}}
+    collapsed = {(w, load) for w in names for load in cfg.loads if cmp["per_cell"][f"{w}@{load:g}"]["collapsed"]}
+    report["sim"]["exit_features_ablation"] = (ablation_report(cells, names, cfg.loads, collapsed)
+                                               if ablated is not None else None)
     report["predictor"] = predictor_report(Path(cfg.run_dir))
     real_w = "trace" if cfg.real_workload == "trace" and "trace" in names else \
         next((n for n in names if n.startswith(cfg.real_workload)), names[0])

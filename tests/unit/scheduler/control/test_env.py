@@ -7,7 +7,7 @@ import pytest
 
 from edge.core.errors import ConfigError
 from scheduler.control import env as env_mod
-from scheduler.control.env import (ACTIONS, EnvConfig, RewardConfig, SchedulerEnv, action_of, estimate_capacity, index_of,
+from scheduler.control.env import (ACTIONS, OBS_LAYOUT, EnvConfig, RewardConfig, SchedulerEnv, action_of, estimate_capacity, index_of,
                            layout_id, obs_vector, reward_of)
 from scheduler.control.latency import FEATURES, LatencyModel
 from scheduler.control.policies import ControlAction, FixedBudget, observation_from_stats
@@ -118,3 +118,24 @@ def test_capacity_judges_every_rate_on_enough_requests(monkeypatch):
 def test_bad_env_config_is_refused(kw):
     with pytest.raises(ConfigError):
         EnvConfig(**kw)
+
+
+def test_the_exit_depth_ablation_holds_its_features_at_zero():
+    from scheduler.control.env import EXIT_FEATURES
+    from scheduler.control.policies import ControlObservation
+
+    o = ControlObservation(waiting=3, prefill_backlog_tokens=400, running=5, free_slots=11, prefill_budget=128,
+                           max_running=16, max_seqs=16, num_layers=12, predicted_exit_layer=6.0, min_slack_ms=50.0,
+                           oldest_waiting_slack_ms=100.0, recent_ttft_p95_ms=300.0, recent_tpot_p95_ms=20.0,
+                           arrival_rate_rps=4.0, sla_ttft_ms=500.0, sla_tpot_ms=50.0)
+    full, masked = obs_vector(o), obs_vector(o, EXIT_FEATURES)
+    i = OBS_LAYOUT.index("predicted_exit_depth")
+    assert full[i] == pytest.approx(0.5) and masked[i] == 0.0
+    assert np.array_equal(np.delete(full, i), np.delete(masked, i))  # nothing else changes
+    env = SchedulerEnv(LM, EX, EnvConfig(episode_s=5.0, capacity_rps=5.0, masked=EXIT_FEATURES))
+    obs, _ = env.reset(seed=0)
+    for _ in range(5):
+        obs, *_ = env.step(0)
+        assert obs[i] == 0.0  # the training environment holds it at 0 too
+    with pytest.raises(ConfigError, match="env.masked"):
+        EnvConfig(masked=("exit_depth_typo",))

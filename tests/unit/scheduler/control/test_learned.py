@@ -204,3 +204,21 @@ def test_the_shipped_policy_loads_for_this_layout():
     p = make_policy("ppo")
     assert p.meta["layout_id"] == layout_id() and p.meta["training"]["selected"] in ("bc", "ppo")
     assert isinstance(p.act(observations(1)[0]), ControlAction)
+
+
+def test_a_policy_trained_without_the_exit_depth_features_acts_without_them(tmp_path):
+    """policy.json's env.masked (the exit-depth ablation) is applied when it acts: the network never sees the
+    predicted exit depth, so observations that differ only there get the same actions."""
+    from scheduler.control.env import EXIT_FEATURES
+
+    folder = save_artifact(tiny_model(), tmp_path / "ppo_noexit", {"env": {"masked": list(EXIT_FEATURES)}})
+    p = LearnedPolicy.load(folder)
+    assert p.masked == EXIT_FEATURES
+    i = OBS_LAYOUT.index("predicted_exit_depth")
+    acts = {}
+    for depth in (3.0, 12.0):
+        p.reset()
+        obs = [ControlObservation(**{**o.__dict__, "predicted_exit_layer": depth}) for o in observations(6)]
+        acts[depth] = [p.act(o) for o in obs]
+        assert p.last_step.obs[i] == 0.0
+    assert acts[3.0] == acts[12.0]

@@ -88,3 +88,47 @@ def test_shedding_is_one_rule_for_every_policy():
     on = env_config(BenchSchedulerConfig(run_dir="/nonexistent", shed_late=True), info)
     assert on.sim.shed_late is True  # the simulator grid, the replays and both served stacks read env.sim
     assert env_config(BenchSchedulerConfig(run_dir="/nonexistent"), info).sim.shed_late is False  # as trained
+
+
+def _cell(goodput: float, std: float = 0.0) -> dict:
+    return {"goodput_rps": goodput, "goodput_std": std}
+
+
+def test_the_exit_depth_ablation_is_the_goodput_ratio_per_cell_without_collapsed_ones():
+    from scheduler.loadtest.bench_scheduler import ABLATED, LEARNED, ablation_report
+
+    cells = {("poisson", 0.5, LEARNED): _cell(2.0, 0.1), ("poisson", 0.5, ABLATED): _cell(1.6),
+             ("poisson", 1.0, LEARNED): _cell(3.0), ("poisson", 1.0, ABLATED): _cell(3.0, 0.3),
+             ("poisson", 2.0, LEARNED): _cell(0.5), ("poisson", 2.0, ABLATED): _cell(0.1),
+             ("bursty", 0.5, LEARNED): _cell(1.0), ("bursty", 0.5, ABLATED): _cell(0.0)}
+    r = ablation_report(cells, ["poisson", "bursty"], [0.5, 1.0, 2.0], collapsed={("poisson", 2.0)})
+    assert r["ratios"] == {"poisson": {"0.5": pytest.approx(1.25), "1": pytest.approx(1.0)}}
+    assert r["median"] == pytest.approx(1.125) and r["min"] == pytest.approx(1.0)
+    assert r["seed_spread_rel_max"] == pytest.approx(0.1)
+    assert ablation_report(cells, ["bursty"], [0.5]) is None  # no cell with both goodputs
+    s = summary({"sim": {"goodput_ratio_vs_best_fixed": {}, "goodput_ratio_vs_best_fixed_min": None,
+                         "at_sla_edge": {}, "sla_capacity": {}, "exit_features_ablation": r},
+                 "capacity_rps": 4.0, "capacities_rps": {}}, {}, "poisson")
+    assert s["goodput_ratio_exit_features_ablation"] == pytest.approx(1.125)
+
+
+def test_the_ablation_policy_must_lack_the_exit_features_and_share_the_sla(tmp_path):
+    from scheduler.control.env import EXIT_FEATURES
+    from scheduler.control.learned import LearnedPolicy, save_artifact
+    from scheduler.loadtest.bench_scheduler import load_ablation
+    from tests.unit.scheduler.control.test_learned import tiny_model
+
+    sim = {"sla_ttft_ms": 500.0, "sla_tpot_ms": 50.0}
+    shipped = LearnedPolicy.load(save_artifact(tiny_model(), tmp_path / "ppo", {"env": {"sim": sim}}))
+    seeing = save_artifact(tiny_model(), tmp_path / "seeing", {"env": {"sim": sim}})
+    other_sla = save_artifact(tiny_model(), tmp_path / "other", {"env": {"sim": {**sim, "sla_ttft_ms": 1000.0},
+                                                                        "masked": list(EXIT_FEATURES)}})
+    good = save_artifact(tiny_model(), tmp_path / "good", {"env": {"sim": sim, "masked": list(EXIT_FEATURES)}})
+    assert load_ablation(BenchSchedulerConfig(ablation_policy=""), shipped) is None
+    assert load_ablation(BenchSchedulerConfig(ablation_policy=str(good)), shipped).masked == EXIT_FEATURES
+    with pytest.raises(ConfigError, match="sees the exit-depth features"):
+        load_ablation(BenchSchedulerConfig(ablation_policy=str(seeing)), shipped)
+    with pytest.raises(ConfigError, match="sla_ttft_ms 1000.0"):
+        load_ablation(BenchSchedulerConfig(ablation_policy=str(other_sla)), shipped)
+    with pytest.raises(ConfigError, match="missing"):
+        load_ablation(BenchSchedulerConfig(ablation_policy=str(tmp_path / "absent")), shipped)
