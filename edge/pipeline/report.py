@@ -303,6 +303,11 @@ def _scheduler_md(s: dict[str, Any]) -> list[str]:
              f"Simulator, held-out workloads, loads x0.25 to past saturation (capacity {s['capacity_rps']:.2f} req/s): "
              f"goodput of the learned policy / the best fixed budget, the smallest over loads per workload: {ratios} "
              f"(min {_fmt(s['goodput_ratio_vs_best_fixed_min'], '.3f')}). Mean SLA attainment over the grid: {att}."]
+    if s.get("goodput_ratio_exit_features_ablation") is not None:
+        lines.append(f"What predicted exit depth buys (the same training without it, `ppo-noexit`): goodput of the "
+                     f"learned policy / the ablated one, median over the grid's cells "
+                     f"{_fmt(s['goodput_ratio_exit_features_ablation'], '.3f')}, smallest "
+                     f"{_fmt(s.get('goodput_ratio_exit_features_ablation_min'), '.3f')} (goal > 1).")
     if "goodput_ratio_vs_best_fixed_at_sla_edge" in s:
         real = ", ".join(f"{p} {_fmt(v, '.3f')}" for p, v in s["sla_attainment_real"].items())
         lines.append(f"Real served stack at the best fixed budget's SLA edge: goodput ratio "

@@ -40,6 +40,20 @@ def render_markdown(r: dict[str, Any]) -> str:
         out.append(f"| {w} | {_f(ratio, 3)} | {_f(edge.get('load'))} | {_f(edge.get('ratio'), 3)} | "
                    f"{_f(cap['best_fixed_edge_load'])} / {_f(cap['learned_edge_load'])} | {_f(cap['ratio'], 3)} |")
     out.append("")
+    abl = sim.get("exit_features_ablation")
+    if abl:
+        loads = sorted({k for row in abl["ratios"].values() for k in row}, key=float)
+        out += ["## What predicted exit depth buys (simulator)", "",
+                "The learned policy against the same training without the predicted exit depth in its observation "
+                "(`make train-scheduler-ablation`, `ppo-noexit`): goodput ratio per cell (collapsed cells left out). "
+                f"Median {_f(abl['median'], 3)}, smallest {_f(abl['min'], 3)}; the largest relative spread of either "
+                f"policy's goodput over the exit-depth draws {_f(abl['seed_spread_rel_max'], 3)} (0 with one draw). "
+                "Two PPO trainings differ by their runs as well as by the feature: a ratio within that is no effect.", "",
+                "| workload | " + " | ".join(f"x{k}" for k in loads) + " |",
+                "| --- | " + " | ".join("---:" for _ in loads) + " |"]
+        for w, row in abl["ratios"].items():
+            out.append(f"| {w} | " + " | ".join(_f(row.get(k), 3) if k in row else "collapsed" for k in loads) + " |")
+        out.append("")
     pred = r.get("predictor")
     if pred and "token_mae" in pred:
         out += ["## Exit-depth predictor (held-out requests of the profile's exit traces)", "",

@@ -139,3 +139,26 @@ def test_the_exit_depth_ablation_holds_its_features_at_zero():
         assert obs[i] == 0.0  # the training environment holds it at 0 too
     with pytest.raises(ConfigError, match="env.masked"):
         EnvConfig(masked=("exit_depth_typo",))
+
+
+def test_a_workload_familys_capacity_judges_every_rate_on_enough_requests(monkeypatch):
+    """bench scheduler's per-workload capacity (evaluate.spec_capacity) too: its cells may be short."""
+    from scheduler.control import evaluate as ev
+
+    judged, windows = [], []
+    real = ev.workload_for
+
+    def spy(spec, rate, duration_s, cfg):
+        judged.append(rate * duration_s)
+        windows.append(duration_s)
+        return real(spec, rate, duration_s, cfg)
+    monkeypatch.setattr(ev, "workload_for", spy)
+    cap = ev.spec_capacity(LM, EX, EnvConfig(episode_s=20.0), ev.WorkloadSpec("poisson-s1", "poisson", 1),
+                           FixedBudget(128, 16), duration_s=20.0)
+    assert judged and min(judged) >= env_mod.CAPACITY_MIN_REQUESTS - 1e-6
+    assert 1.0 < cap < 1e3
+    # a diurnal cycle keeps its window: a longer one would be another workload
+    windows.clear()
+    ev.spec_capacity(LM, EX, EnvConfig(episode_s=20.0), ev.WorkloadSpec("diurnal-s1", "diurnal", 1),
+                     FixedBudget(128, 16), duration_s=20.0)
+    assert windows and set(windows) == {20.0}
