@@ -295,12 +295,24 @@ def _jetson_md(j: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _loads(loads: list[float] | None) -> str:
+    return "n/a" if not loads else ", ".join(f"x{x:g}" for x in loads)
+
+
+def _sweep(s: dict[str, Any]) -> str:
+    """Which form of the benchmark ran: the demo's reduced grid or `make bench-scheduler`'s full one."""
+    full = len(s.get("loads") or []) >= 5 and (s.get("validation_repeats") or 0) >= 3
+    return ("the full sweep of `make bench-scheduler`" if full else
+            "the demo's reduced form; `make bench-scheduler` runs the full sweep")
+
+
 def _scheduler_md(s: dict[str, Any]) -> list[str]:
     """The learned scheduler against the heuristics (bench/scheduler.md has every table)."""
     ratios = ", ".join(f"{w} {_fmt(v, '.3f')}" for w, v in s["goodput_ratio_vs_best_fixed"].items())
     att = ", ".join(f"{p} {_fmt(v, '.3f')}" for p, v in sorted(s["sla_attainment"].items()))
     lines = ["## SLA scheduler (learned vs fixed budgets and heuristics)", "",
-             f"Simulator, held-out workloads, loads x0.25 to past saturation (capacity {s['capacity_rps']:.2f} req/s): "
+             f"Simulator, held-out workloads, loads {_loads(s.get('loads'))} of each workload's capacity "
+             f"({_sweep(s)}; reference capacity {s['capacity_rps']:.2f} req/s): "
              f"goodput of the learned policy / the best fixed budget, the smallest over loads per workload: {ratios} "
              f"(min {_fmt(s['goodput_ratio_vs_best_fixed_min'], '.3f')}). Mean SLA attainment over the grid: {att}."]
     if s.get("goodput_ratio_exit_features_ablation") is not None:

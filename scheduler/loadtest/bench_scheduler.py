@@ -427,6 +427,9 @@ def summary(report: dict[str, Any], cells: dict, real_w: str) -> dict[str, Any]:
         "sla_capacity_ratio_sim": {w: v["ratio"] for w, v in sim["sla_capacity"].items()},
         "sla_attainment": {p: float(np.mean([x for v in ws.values() for x in v])) for p, ws in attain.items()},
         "capacity_rps": report["capacity_rps"], "capacities_rps": report["capacities_rps"],
+        # the grid and the served repeats this run had (the demo's reduced form or make bench-scheduler's full one)
+        "loads": (report.get("config") or {}).get("loads"),
+        "validation_repeats": (report.get("config") or {}).get("validation_repeats"),
     }
     abl = sim.get("exit_features_ablation")
     if abl:
