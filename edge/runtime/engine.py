@@ -276,11 +276,11 @@ class Engine:
         """The step gate of this backend, K/V mode and rule: kept by the backend like the draft costs, so an
         engine per request or per benchmark run starts from what earlier ones measured (a checking step's
         cost depends on the rule and the K/V mode, so each pair has its own)."""
+        held = held_step_gate(self.backend, self.cfg.kv_mode, self.rule)
+        if held is not None:
+            return held
         gates = self.backend.draft_costs.setdefault("step_gates", {})
         key = (self.cfg.kv_mode, id(self.rule))
-        held = gates.get(key)
-        if held is not None and held[0]() is self.rule:
-            return held[1]
         gate = StepGate()
         try:
             gates[key] = (weakref.ref(self.rule), gate)
@@ -832,6 +832,12 @@ class Engine:
             seq.slot = -1
         seq.pending.clear()
         seq.finished = reason
+
+
+def held_step_gate(backend: Backend, kv_mode: KVMode, rule: object) -> StepGate | None:
+    """The step gate ``backend`` keeps for engines in ``kv_mode`` with ``rule`` (None: none made yet)."""
+    held = backend.draft_costs.get("step_gates", {}).get((KVMode(kv_mode), id(rule)))
+    return held[1] if held is not None and held[0]() is rule else None
 
 
 def _rows(a: np.ndarray | None, keep: np.ndarray) -> np.ndarray | None:

@@ -50,7 +50,7 @@ from calibration.table import TableRule, load_table
 from edge.core.artifacts import Manifest, atomic_write_json, publish_files
 from edge.pipeline.bench.summary import SYSTEMS, goals, headline, plot, render_markdown, summary_lines
 from edge.runtime.backend import make_backend
-from edge.runtime.engine import KVMode, Mode
+from edge.runtime.engine import KVMode, Mode, held_step_gate
 from edge.runtime.profile import ProfiledBackend, ProfiledRule
 from edge.runtime.rules import NeverExit
 from edge.runtime.speculative import Source, SpecConfig, StopRule
@@ -293,8 +293,8 @@ def gate_share(systems: Systems, b: int) -> float | None:
     system did not run, or no step could check)."""
     if "engine_exit_gated" not in systems.loaded:
         return None
-    held = systems.backend.draft_costs.get("step_gates", {}).get((systems.gated_mode, id(systems.table_rule)))
-    return None if held is None else held[1].share_checked(b)
+    gate = held_step_gate(systems.backend, systems.gated_mode, systems.table_rule)
+    return None if gate is None else gate.share_checked(b)
 
 
 def _token_match(a: list[list[int]], b: list[list[int]]) -> float:

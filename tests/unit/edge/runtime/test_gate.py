@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from edge.runtime.batch import run_batch
-from edge.runtime.engine import Engine, EngineConfig, KVMode
+from edge.runtime.engine import Engine, EngineConfig, KVMode, held_step_gate
 from edge.runtime.gate import StepGate
 from edge.runtime.rules import ConfidenceRule
 from edge.runtime.torch_backend import TorchBackend
@@ -75,7 +75,9 @@ def test_gates_are_kept_by_the_backend_per_rule_and_kv_mode_and_off_in_batch_run
     backend = TorchBackend(m)
     rule, other = ConfidenceRule(0.0), ConfidenceRule(0.5)
     cfg = dict(max_seqs=1, max_len=128, exit_gate=True)
+    assert held_step_gate(backend, KVMode.DEFER, rule) is None
     a = Engine(backend, EngineConfig(kv_mode=KVMode.DEFER, **cfg), rule).step_gate
+    assert held_step_gate(backend, KVMode.DEFER, rule) is a  # what the benches read its shares from
     assert Engine(backend, EngineConfig(kv_mode=KVMode.DEFER, **cfg), rule).step_gate is a  # what it measured
     assert Engine(backend, EngineConfig(kv_mode=KVMode.PROPAGATE, **cfg), rule).step_gate is not a
     assert Engine(backend, EngineConfig(kv_mode=KVMode.DEFER, **cfg), other).step_gate is not a
