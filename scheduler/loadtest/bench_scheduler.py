@@ -186,7 +186,7 @@ def load_ablation(cfg: BenchSchedulerConfig, learned: Any) -> Any:
 
     Raises:
         ConfigError: the folder named does not hold a policy; the policy holds no exit-depth feature at 0;
-            it was trained for another SLA or capacity budget than the shipped one (not the same comparison).
+            it was trained for another SLA than the shipped one (not the same comparison).
     """
     from scheduler.control.env import EXIT_FEATURES
     from scheduler.control.learned import DEFAULT_DIR, LearnedPolicy
