@@ -34,7 +34,7 @@ softmax statistic or argmax exists at decision time. Its signals are
 
 A model with a candidate shortlist decides each check over K rows of the LM
 head (:mod:`edge.model.candidates`): its signals are
-:data:`edge.model.candidates.CANDIDATE_SIGNAL_NAMES`, computed by that module's
+:func:`edge.model.candidates.signal_names` (nine named features and the exit hidden), computed by that module's
 :func:`~edge.model.candidates.check` (:func:`candidate_signals_all_exits`), and
 a decision exit's token is the best candidate, not the vocabulary's argmax.
 
@@ -45,7 +45,7 @@ from __future__ import annotations
 import numpy as np
 
 from edge.core.errors import ConfigError
-from edge.model.candidates import CANDIDATE_SIGNAL_NAMES, check, shortlist_logits
+from edge.model.candidates import check, num_features, shortlist_logits
 
 SIGNAL_NAMES: tuple[str, ...] = ("top1_prob", "margin", "entropy", "agree_prev", "agree_run", "cos_prev")
 GATED_SIGNAL_NAMES: tuple[str, ...] = ("gate_prob", "gate_prob_prev", "cos_prev")
@@ -159,7 +159,7 @@ def gated_signals_all_exits(gates: dict[int, np.ndarray], hidden: dict[int, np.n
 def candidate_signals_all_exits(hidden: dict[int, np.ndarray], final_tokens: np.ndarray, rows: np.ndarray,
                                 shortlist: np.ndarray, lookup_token: np.ndarray, lookup_len: np.ndarray
                                 ) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
-    """Signals [N, F] (:data:`CANDIDATE_SIGNAL_NAMES`) and token [N] at every exit of a shortlist model, as
+    """Signals [N, F] (:func:`edge.model.candidates.signal_names`) and token [N] at every exit of a shortlist model, as
     its checks compute them in the engine, one check after another (each reads the previous one).
 
     Args:
@@ -178,8 +178,8 @@ def candidate_signals_all_exits(hidden: dict[int, np.ndarray], final_tokens: np.
     prev = None
     for k in layers[:-1]:
         c = check(shortlist_logits(hidden[k], rows), shortlist, lookup_token, lookup_len,
-                  None if prev is None else prev.tokens, None if prev is None else prev.logits)
+                  None if prev is None else prev.tokens, None if prev is None else prev.logits, hidden[k])
         sig[k], tok[k], prev = c.features.astype(np.float64), c.token, c
     n = len(final_tokens)
-    sig[layers[-1]], tok[layers[-1]] = np.zeros((n, len(CANDIDATE_SIGNAL_NAMES))), np.asarray(final_tokens)
+    sig[layers[-1]], tok[layers[-1]] = np.zeros((n, num_features(rows.shape[1]))), np.asarray(final_tokens)
     return sig, tok

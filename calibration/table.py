@@ -23,7 +23,7 @@ import numpy as np
 
 from calibration.calibrators import Calibrator, CalibratorKind
 from calibration.signals import GATED_SIGNAL_NAMES, SIGNAL_NAMES, gated_signals, signals_from_stats
-from edge.model.candidates import CANDIDATE_SIGNAL_NAMES, lookup_feature
+from edge.model.candidates import CANDIDATE_SIGNAL_NAMES, is_signal_names, lookup_feature
 from edge.core.artifacts import atomic_write_json, sha256_path
 from edge.core.errors import ArtifactError, ConfigError
 from edge.runtime.rules import ScoreForm
@@ -156,14 +156,15 @@ class TableRule:
 
     def __init__(self, table: ThresholdTable) -> None:
         names = tuple(table.signal_names)
-        if names not in (SIGNAL_NAMES, GATED_SIGNAL_NAMES, CANDIDATE_SIGNAL_NAMES):
-            raise ConfigError(f"threshold table signals {list(names)} are not this version's {list(SIGNAL_NAMES)} "
+        self.candidates = is_signal_names(names)
+        if names not in (SIGNAL_NAMES, GATED_SIGNAL_NAMES) and not self.candidates:
+            shown = list(names) if len(names) <= 12 else list(names[:12]) + [f"... ({len(names)} in all)"]
+            raise ConfigError(f"threshold table signals {shown} are not this version's {list(SIGNAL_NAMES)} "
                               f"(or {list(GATED_SIGNAL_NAMES)} for a model with exit gates, "
-                              f"{list(CANDIDATE_SIGNAL_NAMES)} for one with a candidate shortlist); re-run "
-                              f"`smartexit calibrate`")
+                              f"{list(CANDIDATE_SIGNAL_NAMES)} and exit_hidden_0 .. exit_hidden_<D-1> for one "
+                              f"with a candidate shortlist); re-run `smartexit calibrate`")
         self.table = table
         self.gated = names == GATED_SIGNAL_NAMES
-        self.candidates = names == CANDIDATE_SIGNAL_NAMES
         # the engine checks only rows whose context lookup feature reaches this (edge.runtime.engine)
         self.route_min_lookup = float(lookup_feature(np.array(table.route_min_lookup))) if self.candidates else 0.0
         self._m = len(table.exit_layers)
@@ -214,8 +215,10 @@ class TableRule:
     def _interface(self, num_features: int) -> None:
         if num_features != len(self.table.signal_names):
             self._expect(not self.gated)  # the message says which interface the table was calibrated on
-            raise ConfigError(f"this threshold table was calibrated on {len(self.table.signal_names)} signals "
-                              f"({', '.join(self.table.signal_names)}); the model's exits give {num_features}: "
+            names = self.table.signal_names
+            shown = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
+            raise ConfigError(f"this threshold table was calibrated on {len(names)} signals "
+                              f"({shown}); the model's exits give {num_features}: "
                               f"re-run `smartexit calibrate` for this checkpoint")
 
     def linear(self, layer: int, num_features: int) -> tuple[np.ndarray, float]:

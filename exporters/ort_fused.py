@@ -283,9 +283,9 @@ class _Builder:
     def decision_shortlist(self, eh: str) -> None:
         """The candidate-set check (:mod:`edge.model.candidates`, same formulas in float32) in a decision
         segment: candidate logits against the shortlist's LM-head rows, the two best candidates' tokens and
-        logits, the features [B, F] (columns ``CANDIDATE_SIGNAL_NAMES``) and the rule's score,
-        an MLP of them whose weights are inputs (``rule_w1`` [F, H], ``rule_b1`` [H], ``rule_w2`` [H, 1],
-        ``rule_b2`` [1]).
+        logits, the features [B, F] (columns ``edge.model.candidates.signal_names(D)``: nine named ones, then
+        the exit hidden ``eh`` itself) and the rule's score, an MLP of them whose weights are inputs
+        (``rule_w1`` [F, H], ``rule_b1`` [H], ``rule_w2`` [H, 1], ``rule_b2`` [1]).
 
         Inputs ``lookup_token`` int64 [B, 1] and ``lookup_len`` [B, 1] (the context lookup's token and match
         length / MAX_N), ``prev_tokens`` int64 [B, 2] and ``prev_logits`` [B, 2] (the previous check's; -1
@@ -293,10 +293,10 @@ class _Builder:
         [B, F], ``exit_score`` [B, 1]. Eleven nodes after the exit norm, every one on the rows' own shapes
         (no reshape, slice or first-check variant): at batch 1 a node costs a few microseconds whatever
         it computes, so the node count is the check's price."""
-        from edge.model.candidates import NUM_FEATURES
+        from edge.model.candidates import num_features
 
         model = self.model
-        f = NUM_FEATURES
+        f = num_features(self.cfg.hidden_size)
         rows = model.shortlist_rows()  # [K, D]
         z = self.node("MatMul", [eh, self.weight("sl.rows_t", rows.T.contiguous())], ["sl.z"])[0]  # [B, K]
         vals, idx = self.node("TopK", [z, self.const("c.k2", [2])], ["exit_logits", "sl.idx"], axis=-1, largest=1,
@@ -310,7 +310,7 @@ class _Builder:
         la = self.node("Cast", [self.node("Equal", [tokens, ltok], ["sl.leq"])[0]], ["sl.la"], to=TensorProto.FLOAT)[0]
         agree = self.node("Cast", [self.node("Equal", [tokens, ptok], ["sl.peq"])[0]], ["sl.agree"],
                           to=TensorProto.FLOAT)[0]
-        feats = self.node("Concat", [vals, la, llen, agree, plog], ["exit_features"], axis=1)[0]  # [B, F]
+        feats = self.node("Concat", [vals, la, llen, agree, plog, eh], ["exit_features"], axis=1)[0]  # [B, F]
         w1 = self.input("rule_w1", TensorProto.FLOAT, [f, "hidden"])
         b1 = self.input("rule_b1", TensorProto.FLOAT, ["hidden"])
         w2 = self.input("rule_w2", TensorProto.FLOAT, ["hidden", 1])

@@ -165,7 +165,8 @@ class _Checks:
     def __call__(self, layer: int, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(exit here [1] bool, the check's token [1]) at decision exit ``layer``."""
         c = check(shortlist_logits(hidden, self.rows), self.model.shortlist.numpy(), *self.lookup,
-                  None if self.prev is None else self.prev.tokens, None if self.prev is None else self.prev.logits)
+                  None if self.prev is None else self.prev.tokens, None if self.prev is None else self.prev.logits,
+                  hidden)
         self.prev = c
         f = c.features.shape[1]
         if hasattr(self.rule, "score_form"):

@@ -45,7 +45,7 @@ from calibration.evaluate import evaluate_cascade
 from calibration.pvalues import PValue, exceeds_pvalue, min_units
 from calibration.risk import default_grid
 from calibration.signals import GATED_SIGNAL_NAMES, SIGNAL_NAMES, exit_targets
-from edge.model.candidates import CANDIDATE_SIGNAL_NAMES, lookup_feature
+from edge.model.candidates import lookup_feature, signal_names as candidate_signal_names
 from edge.model.lookup import MAX_N
 from calibration.table import ThresholdTable, TableRule
 from calibration.units import check_amount, corpora, seeds
@@ -167,7 +167,7 @@ def _table(ckpt: Path, model, kind: CalibratorKind, lam: float, cals: dict[int, 
 def signal_names(model) -> tuple[str, ...]:
     """The signals the model's decision exits give: softmax, gate or candidate-check ones."""
     if model.has_shortlist:
-        return CANDIDATE_SIGNAL_NAMES
+        return candidate_signal_names(model.backbone.cfg.hidden_size)
     return GATED_SIGNAL_NAMES if model.gated else SIGNAL_NAMES
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from edge.model.segments import segment_layers
 from edge.runtime.cache import KVCache
-from edge.model.candidates import NUM_FEATURES, check, shortlist_logits
+from edge.model.candidates import check, num_features, shortlist_logits
 from edge.runtime.rules import ScoreForm
 from edge.core.errors import ConfigError
 
@@ -61,8 +61,8 @@ class ModelSpec:
     @property
     def num_features(self) -> int:
         """Columns of a decision exit's features: calibration.signals' SIGNAL_NAMES (6), with gates
-        GATED_SIGNAL_NAMES (3), with a shortlist edge.model.candidates.CANDIDATE_SIGNAL_NAMES (9)."""
-        return NUM_FEATURES if self.candidates else (3 if self.gated else 6)
+        GATED_SIGNAL_NAMES (3), with a shortlist edge.model.candidates.signal_names(hidden_size) (9 + D)."""
+        return num_features(self.hidden_size) if self.candidates else (3 if self.gated else 6)
 
     @property
     def segments(self) -> list[list[int]]:
@@ -325,7 +325,7 @@ def host_candidates(backend: Backend, i: int, out: SegmentOut, prev: SegmentOut 
     the LM head's rows of the shortlist [K, D]. Fills the output's token, features, candidates and score."""
     first = i == 0 or prev is None
     c = check(shortlist_logits(out.exit_hidden, rows), backend.shortlist_ids, lookup[0], lookup[1],
-              None if first else prev.cand_tokens, None if first else prev.cand_logits)
+              None if first else prev.cand_tokens, None if first else prev.cand_logits, out.exit_hidden)
     out.token, out.features, out.cand_tokens, out.cand_logits = c.token, c.features, c.tokens, c.logits
     out.score = backend.rule_score(i)(c.features)
     return out

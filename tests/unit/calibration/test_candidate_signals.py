@@ -11,7 +11,7 @@ from calibration.collect import collect_engine, collect_units
 from calibration.signals import exit_targets
 from calibration.table import TableRule, ThresholdTable
 from edge.runtime.backend import make_backend
-from edge.model.candidates import CANDIDATE_SIGNAL_NAMES, NUM_FEATURES
+from edge.model.candidates import CANDIDATE_SIGNAL_NAMES, NUM_NAMED, num_features, signal_names
 from edge.runtime.engine import Engine, EngineConfig, Request
 from edge.model.lookup import Lookup
 from edge.runtime.torch_backend import TorchBackend
@@ -44,7 +44,7 @@ def test_teacher_forced_signals_are_the_engines(exported):
     for k in m.exit_layers:
         assert np.array_equal(tf.argmax[k], eng.argmax[k]), f"exit {k}"
     for k in m.exit_layers[:-1]:
-        assert tf.signals[k].shape == (tf.n, NUM_FEATURES)
+        assert tf.signals[k].shape == (tf.n, num_features(CFG.hidden_size))
         assert set(tf.argmax[k]) <= set(m.shortlist.tolist())
         # the top logit's scale: layers of dot products of length hidden
         tol = f32_rtol(CFG.hidden_size, CFG.num_layers) * max(1.0, float(np.abs(tf.signals[k]).max()))
@@ -54,7 +54,7 @@ def test_teacher_forced_signals_are_the_engines(exported):
 
 def test_mlp_calibrator_score_form_and_round_trip():
     rng = np.random.default_rng(0)
-    X = rng.standard_normal((3000, NUM_FEATURES)) * np.arange(1, NUM_FEATURES + 1)
+    X = rng.standard_normal((3000, NUM_NAMED)) * np.arange(1, NUM_NAMED + 1)
     y = ((X[:, 0] > 0) != (X[:, 3] > 0)).astype(int)  # an interaction (xor) a linear score cannot rank
     mlp = Calibrator(kind=CalibratorKind.MLP).fit(X, y)
     iso = Calibrator(kind=CalibratorKind.ISOTONIC).fit(X, y)
@@ -79,13 +79,13 @@ def test_mlp_table_drives_the_engine():
     low = float(np.quantile(cals[first].predict(data.signals[first]), 0.7))  # about 30% of tokens reach it there
     for lam, some in ((low, True), (1.01, False)):
         table = ThresholdTable("x", m.exit_layers, "mlp", lam, {k: c.score_threshold(lam) for k, c in cals.items()},
-                               cals, signal_names=CANDIDATE_SIGNAL_NAMES)
+                               cals, signal_names=signal_names(CFG.hidden_size))
         rule = TableRule(table)
         out = _run(Engine(TorchBackend(m), EngineConfig(max_seqs=4, max_running=4, max_len=64), rule), prompts, 10)
         early = sum(e < m.num_layers for seq in out for _, e in seq)
         assert (early > 0) == some, (lam, early)
     with pytest.raises(Exception, match="not a linear score"):
-        rule.linear(m.exit_layers[0], NUM_FEATURES)
+        rule.linear(m.exit_layers[0], num_features(CFG.hidden_size))
 
 
 def test_routing_checks_only_rows_with_a_lookup_match():
@@ -105,7 +105,7 @@ def test_routing_checks_only_rows_with_a_lookup_match():
         assert short.any() and (~short).any()
         assert np.all(p[short] == -1.0) and np.all(p[~short] >= 0.0)
     table = ThresholdTable("x", m.exit_layers, "isotonic", 0.0, {k: -np.inf for k in cals}, cals,
-                           signal_names=CANDIDATE_SIGNAL_NAMES, route_min_lookup=2)
+                           signal_names=signal_names(CFG.hidden_size), route_min_lookup=2)
     back = ThresholdTable.from_dict(table.to_dict())
     assert back.route_min_lookup == 2
     rule = TableRule(back)  # lambda 0: every checked row leaves at the first exit

@@ -10,7 +10,8 @@ from edge.core.errors import ConfigError
 from edge.model.exits import ExitConfig, MultiExitModel, choose_shortlist
 from edge.model.reference import reference_generate
 from edge.runtime.backend import make_backend
-from edge.model.candidates import CANDIDATE_SIGNAL_NAMES, NUM_FEATURES, check, lookup_feature, shortlist_logits
+from edge.model.candidates import (CANDIDATE_SIGNAL_NAMES, NUM_NAMED, check, is_signal_names, lookup_feature,
+                                   num_features, shortlist_logits, signal_names)
 from edge.runtime.engine import Engine, EngineConfig, KVMode, Request
 from edge.model.lookup import MAX_N, NONE, Lookup, lookup_along
 from edge.runtime.rules import ConfidenceRule, NeverExit, ScoreForm
@@ -72,26 +73,35 @@ def test_lookup_examples():
 def test_check_features_by_hand():
     z = np.array([[2.0, 1.0, 0.0], [0.0, 0.0, 5.0]], np.float32)
     ids = np.array([7, 8, 9])
-    c = check(z, ids, np.array([8, 3]), lookup_feature(np.array([2, 0])), None, None)
+    hidden = np.array([[0.5, -1.0, 2.0, 0.0], [1.5, 0.25, -3.0, 1.0]], np.float32)  # D = 4
+    c = check(z, ids, np.array([8, 3]), lookup_feature(np.array([2, 0])), None, None, hidden)
     assert c.tokens.tolist() == [[7, 8], [9, 7]] and c.token.tolist() == [7, 9]  # ties: the lower index first
-    assert c.features.shape == (2, NUM_FEATURES) == (2, len(CANDIDATE_SIGNAL_NAMES))
+    assert c.features.shape == (2, num_features(4)) == (2, len(signal_names(4))) == (2, len(CANDIDATE_SIGNAL_NAMES) + 4)
+    assert np.array_equal(c.features[:, NUM_NAMED:], hidden), "the exit hidden follows the named features"
     assert c.features[:, :2].tolist() == [[2.0, 1.0], [5.0, 0.0]] and np.array_equal(c.logits, c.features[:, :2])
     assert c.features[:, 2:4].tolist() == [[0.0, 1.0], [0.0, 0.0]]  # the lookup is row 0's second candidate
     assert c.features[:, 4].tolist() == [2 / MAX_N, 0.0]
-    assert not c.features[:, 5:].any()  # first check: no previous
+    assert not c.features[:, 5:NUM_NAMED].any()  # first check: no previous
     z2 = np.array([[2.0, 0.0, 1.0], [0.0, 0.0, 5.0]], np.float32)  # row 0's second candidate changed
-    nxt = check(z2, ids, np.array([-1, -1]), np.zeros(2), c.tokens, c.logits)
+    nxt = check(z2, ids, np.array([-1, -1]), np.zeros(2), c.tokens, c.logits, hidden)
     assert nxt.tokens.tolist() == [[7, 9], [9, 7]]
     assert nxt.features[:, 5:7].tolist() == [[1.0, 0.0], [1.0, 1.0]]  # agreement with the previous check, per rank
-    assert np.array_equal(nxt.features[:, 7:], c.logits)
+    assert np.array_equal(nxt.features[:, 7:NUM_NAMED], c.logits)
+
+
+def test_signal_names_carry_the_hidden_size():
+    assert signal_names(3) == CANDIDATE_SIGNAL_NAMES + ("exit_hidden_0", "exit_hidden_1", "exit_hidden_2")
+    assert is_signal_names(signal_names(64)) and not is_signal_names(CANDIDATE_SIGNAL_NAMES)
+    assert not is_signal_names(signal_names(3)[:-2] + ("exit_hidden_2",))
 
 
 def test_score_form_of_a_linear_score_is_that_score():
     """relu(a) - relu(-a) = a: the two-unit MLP is the linear score up to the product's summation order."""
     rng = np.random.default_rng(1)
-    w, b = rng.standard_normal(NUM_FEATURES).astype(np.float32), 0.3
-    f = rng.standard_normal((50, NUM_FEATURES)).astype(np.float32)
-    assert_f32_close(ScoreForm.linear(w, b)(f), f @ w + np.float32(b), NUM_FEATURES, 1, "linear score")
+    n = num_features(CFG.hidden_size)
+    w, b = rng.standard_normal(n).astype(np.float32), 0.3
+    f = rng.standard_normal((50, n)).astype(np.float32)
+    assert_f32_close(ScoreForm.linear(w, b)(f), f @ w + np.float32(b), n, 1, "linear score")
 
 
 def test_choose_shortlist_is_by_frequency():
@@ -168,7 +178,7 @@ class _MlpRule:
 
     def __init__(self) -> None:
         rng = np.random.default_rng(2)
-        self.mlp = ScoreForm(rng.standard_normal((NUM_FEATURES, 5)).astype(np.float32),
+        self.mlp = ScoreForm(rng.standard_normal((num_features(CFG.hidden_size), 5)).astype(np.float32),
                              rng.standard_normal(5).astype(np.float32), rng.standard_normal(5).astype(np.float32), -0.5)
 
     def score_form(self, layer, f):
