@@ -311,7 +311,7 @@ def check_fused_parity(model: MultiExitModel, graphs_dir: str | Path, prompts: l
     failures: list[str] = []
     agree = total = ties = 0
 
-    def compare(name: str, phase: str, o, r) -> None:
+    def compare(name: str, phase: str, o, r, form=None) -> None:
         nonlocal agree, total, ties
         for field_name in ("hidden", "exit_hidden", "logits", "stats", "gate", "features", "score", "run"):
             a, e = getattr(o, field_name, None), getattr(r, field_name, None)
@@ -330,6 +330,11 @@ def check_fused_parity(model: MultiExitModel, graphs_dir: str | Path, prompts: l
                                     f"{int((flip & ~near).sum())} rows beyond a near tie")
                 continue
             scale = float(np.abs(e).max()) or 1.0
+            if field_name == "score" and form is not None and r.features is not None:
+                # a dot product's rounding grows with its terms, not with its sum: over a check's 9 + D
+                # features the terms cancel to a score far smaller than themselves, so the terms' size is the scale
+                w, b0 = form
+                scale = max(scale, float((np.abs(r.features) @ np.abs(np.asarray(w, np.float64))).max() + abs(b0)))
             if not d <= rtol * scale:
                 failures.append(f"{name}/{field_name} ({phase}): max abs diff {d:.3g} > {rtol:g} x scale {scale:.3g}")
         if r.token is None:
@@ -350,7 +355,7 @@ def check_fused_parity(model: MultiExitModel, graphs_dir: str | Path, prompts: l
             r = ref.segment(i, x, slots, start, prev)
             o = got.segment(i, x, slots, start, prev)
             prev = r
-            compare(f"segment_{i}", phase, o, r)  # with its exit's head (the head graph), gates aside
+            compare(f"segment_{i}", phase, o, r, forms.get(ref.exit_layers[i]))  # with its exit's head, gates aside
             if r.gate is not None:  # a gated exit: the head graph on its own, on the same rows
                 compare("head", f"{phase}, exit {i}", got.head(i, r.exit_hidden), ref.head(i, r.exit_hidden))
             if i + 1 < len(ref.segments):
