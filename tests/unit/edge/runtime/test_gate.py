@@ -29,13 +29,35 @@ def test_the_gate_tries_both_kinds_then_keeps_the_cheaper_and_retries_the_other(
     assert not g.checks(1)  # full depth untried: tried next
     g.observe(1, False, 9.0)
     g.observe(1, False, 1.0)
-    picks = [g.checks(1) for _ in range(2 * StepGate.RETRY)]
-    # full depth measured cheaper: it runs, and checking is tried once every RETRY steps
-    assert picks.count(True) == 2 and picks[StepGate.RETRY - 1] and picks[-1]
+    period = StepGate.RETRY + StepGate.BURST - 1
+    picks = [g.checks(1) for _ in range(2 * period)]
+    # full depth measured cheaper: it runs, and checking is tried BURST steps in a row every RETRY steps
+    first = StepGate.RETRY - 1
+    assert picks.count(True) == 2 * StepGate.BURST
+    assert all(picks[first:first + StepGate.BURST]) and all(picks[first + period:first + period + StepGate.BURST])
     # each batch size has its own measurements: batch 4 is untried
     assert g.checks(4) and g.estimate(4, False) is None
-    assert g.share_checked(1) == pytest.approx(4 / (2 * StepGate.RETRY + 3))
+    assert g.share_checked(1) == pytest.approx((2 + 2 * StepGate.BURST) / (2 * period + 3))
     assert g.share_checked(7) is None
+
+
+def test_a_retry_does_not_count_the_cold_first_step_of_either_kind():
+    """After the other kind ran, a kind's first step pays for caches the other evicted: neither the first step
+    of a retry burst nor the first step back counts."""
+    g = _measured(StepGate(), 1, 2.0, 1.0)  # checking dearer
+    picks = [g.checks(1) for _ in range(StepGate.RETRY - 1)]
+    assert not any(picks) and g.checks(1)  # the retry burst starts
+    g.observe(1, True, 50.0)  # cold: not counted
+    assert g.estimate(1, True) == 2.0
+    for _ in range(StepGate.BURST - 1):
+        g.observe(1, True, 0.5)
+        g.checks(1)
+    assert g.estimate(1, True) < 2.0
+    # the burst over, the next pick is the kind now cheaper, and its first step is not counted
+    assert g.checks(1) is (g.estimate(1, True) <= g.estimate(1, False))
+    before = g.estimate(1, False)
+    g.observe(1, False, 50.0)
+    assert g.estimate(1, False) == before
 
 
 def test_an_outlier_moves_the_estimate_by_at_most_its_capped_share():
