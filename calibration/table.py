@@ -143,6 +143,12 @@ def load_table(path: str | Path, checkpoint: str | Path) -> ThresholdTable:
     return table
 
 
+def _shown(names, most: int = 12) -> str:
+    """Signal names for an error message: the first ``most`` and how many there are (a candidate check's
+    table has 9 + D, its exit hidden's columns among them)."""
+    return ", ".join(names[:most]) + (f", ... ({len(names)} in all)" if len(names) > most else "")
+
+
 class TableRule:
     """Exit rule that applies a threshold table (the engine's and the reference generator's rule).
 
@@ -158,8 +164,7 @@ class TableRule:
         names = tuple(table.signal_names)
         self.candidates = is_signal_names(names)
         if names not in (SIGNAL_NAMES, GATED_SIGNAL_NAMES) and not self.candidates:
-            shown = list(names) if len(names) <= 12 else list(names[:12]) + [f"... ({len(names)} in all)"]
-            raise ConfigError(f"threshold table signals {shown} are not this version's {list(SIGNAL_NAMES)} "
+            raise ConfigError(f"threshold table signals [{_shown(names)}] are not this version's {list(SIGNAL_NAMES)} "
                               f"(or {list(GATED_SIGNAL_NAMES)} for a model with exit gates, "
                               f"{list(CANDIDATE_SIGNAL_NAMES)} and exit_hidden_0 .. exit_hidden_<D-1> for one "
                               f"with a candidate shortlist); re-run `smartexit calibrate`")
@@ -216,9 +221,8 @@ class TableRule:
         if num_features != len(self.table.signal_names):
             self._expect(not self.gated)  # the message says which interface the table was calibrated on
             names = self.table.signal_names
-            shown = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
             raise ConfigError(f"this threshold table was calibrated on {len(names)} signals "
-                              f"({shown}); the model's exits give {num_features}: "
+                              f"({_shown(names)}); the model's exits give {num_features}: "
                               f"re-run `smartexit calibrate` for this checkpoint")
 
     def linear(self, layer: int, num_features: int) -> tuple[np.ndarray, float]:

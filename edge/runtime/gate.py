@@ -52,22 +52,19 @@ class StepGate:
             if (b, kind) not in self._est:
                 return kind
         kind, left = self._burst.get(b, (False, 0))
-        if left > 0:
-            self._burst[b] = (kind, left - 1)
-            if left == 1:  # the burst's last step: the kind that runs next starts cold
-                self._cold.add((b, not kind))
-            return kind
-        cheaper = self._est[(b, True)] <= self._est[(b, False)]
-        n = self._since.get(b, 0) + 1
-        if n >= self.RETRY:
-            self._since[b] = 0
-            self._burst[b] = (not cheaper, self.BURST - 1)
-            self._cold.add((b, not cheaper))
-            if self.BURST == 1:
-                self._cold.add((b, cheaper))
-            return not cheaper
-        self._since[b] = n
-        return cheaper
+        if left == 0:
+            cheaper = self._est[(b, True)] <= self._est[(b, False)]
+            n = self._since.get(b, 0) + 1
+            if n < self.RETRY:
+                self._since[b] = n
+                return cheaper
+            self._since[b] = 0  # a retry burst of the dearer kind starts, cold
+            kind, left = not cheaper, self.BURST
+            self._cold.add((b, kind))
+        self._burst[b] = (kind, left - 1)
+        if left == 1:  # the burst's last step: the kind that runs next starts cold
+            self._cold.add((b, not kind))
+        return kind
 
     def observe(self, b: int, checks: bool, seconds: float) -> None:
         """A decode step at batch ``b`` took ``seconds``: one that ran the checks (``checks``; the deferred
