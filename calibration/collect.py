@@ -147,7 +147,8 @@ def _signals(layers: list[int], gated: bool, stats: dict[int, np.ndarray], token
     return signals_all_exits(stats, tokens, hidden)
 
 
-def collect_engine(backend: Backend, seqs: np.ndarray, first: int, batch: int = 128) -> Collected:
+def collect_engine(backend: Backend, seqs: np.ndarray, first: int, batch: int = 128,
+                   slots: np.ndarray | None = None) -> Collected:
     """:func:`collect_units` read from an engine backend instead of the torch model: each row's first
     ``first`` tokens are prefilled (one call per row, as the engine prefills a prompt), then the rest
     of the row is fed one token per decode step, every segment run, every exit read. This is the
@@ -160,12 +161,19 @@ def collect_engine(backend: Backend, seqs: np.ndarray, first: int, batch: int = 
         seqs: int token ids [U, L], one unit per row.
         first: positions first..L-2 are judged (first >= 1: the prompt is prefilled).
         batch: rows per decode batch.
+        slots: the backend's attached cache already holds row u's first ``first`` tokens, at full depth,
+            in slot ``slots[u]``: the engine that generated the rows prefilled them there (a prefill is
+            always full depth), so they are not run again and row u decodes in that slot. Positions from
+            ``first`` on are written by this reading before any later position attends to them, so what
+            the engine left there (its continuation's K/V, approximate in propagate mode) is never read.
+            None: a cache of its own, every prompt prefilled.
 
     Returns:
         :class:`Collected` with ``unit`` set; tokens are in row order, positions ascending.
 
     Raises:
-        ConfigError: no rows, nothing to judge, or no prompt (first < 1).
+        ConfigError: no rows, nothing to judge, or no prompt (first < 1); with ``slots``, not one distinct
+            slot of the attached cache per row, or a cache too short for the rows.
     """
     from edge.runtime.cache import KVCache
 
@@ -176,16 +184,28 @@ def collect_engine(backend: Backend, seqs: np.ndarray, first: int, batch: int = 
     sig: dict[int, list[np.ndarray]] = {k: [] for k in layers}
     arg: dict[int, list[np.ndarray]] = {k: [] for k in layers}
     lookups = lookups_along(seqs, first) if cand else None
+    if slots is not None:
+        slots, cache = np.asarray(slots, dtype=np.int64), backend.cache
+        shape = None if cache is None else (cache.slots, cache.capacity)
+        if (cache is None or slots.shape != (u,) or np.unique(slots).size != u or slots.min() < 0
+                or slots.max() >= cache.slots or cache.capacity < length):
+            raise ConfigError(f"collect_engine: prefilled rows need one distinct slot each of the backend's cache "
+                              f"and {length} positions; got slots of shape {slots.shape} for {u} rows, cache "
+                              f"(slots, positions) {shape}")
+    prefilled = slots
     for a in range(0, u, batch):
         rows = seqs[a:a + batch]
         b = rows.shape[0]
-        backend.attach(KVCache(backend.num_layers, backend.num_kv_heads, backend.head_dim, b, length,
-                               allocate=backend.host_cache))
-        for r in range(b):  # the prompt, full depth, one call per sequence
-            x = rows[r:r + 1, :first]
-            for i in range(nseg):
-                x = backend.segment(i, x, np.array([r]), np.zeros(1, np.int64), decide=False).hidden
-        slots = np.arange(b)
+        if prefilled is not None:
+            slots = prefilled[a:a + b]
+        else:
+            backend.attach(KVCache(backend.num_layers, backend.num_kv_heads, backend.head_dim, b, length,
+                                   allocate=backend.host_cache))
+            for r in range(b):  # the prompt, full depth, one call per sequence
+                x = rows[r:r + 1, :first]
+                for i in range(nseg):
+                    x = backend.segment(i, x, np.array([r]), np.zeros(1, np.int64), decide=False).hidden
+            slots = np.arange(b)
         steps: list[dict[int, np.ndarray]] = []  # per position: exit -> signals [b, F]
         tokens: list[dict[int, np.ndarray]] = []
         for pos in range(first, length - 1):

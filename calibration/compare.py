@@ -56,12 +56,13 @@ def _single(data: Collected, candidates: bool, route: float) -> dict[int, np.nda
 
 def baselines(fit: Collected, certify: Collected, test: Collected, lams: np.ndarray, epsilon: float, delta: float,
               method: PValue, order_seed: int | None, gated: bool = False, candidates: bool = False,
-              route: float = 0.0) -> list[System]:
+              route: float = 0.0, fitted: dict[CalibratorKind, dict] | None = None) -> list[System]:
     """(a) hand-tuned max-probability, (b) max-probability + LTT, (c) Platt + LTT, (d) isotonic + LTT,
     all walked over the whole grid on the certify units' teacher-forced signals (the continuations were
     generated with the shipped kind's provisional rule: for the other kinds these are comparisons,
     not certificates of their own regime). For a model with exit gates, column 0 of the signals is the
-    gate's probability, so (a) and (b) threshold the gate (CALM's learned classifier) instead."""
+    gate's probability, so (a) and (b) threshold the gate (CALM's learned classifier) instead.
+    ``fitted``: calibrators already fitted on ``fit`` by kind (the shipped rule's), used instead of a refit."""
     systems = []
     top1 = _single(certify, candidates, route)
     losses = cert.unit_losses(top1, certify, lams)  # [U, G]
@@ -78,7 +79,7 @@ def baselines(fit: Collected, certify: Collected, test: Collected, lams: np.ndar
     if candidates:  # the score the candidate graphs can compute beyond a linear one
         kinds.append((CalibratorKind.MLP, "(e) all signals, MLP (its sigmoid) + LTT"))
     for kind, label in kinds:
-        cals = cert.fit(fit, kind, route)
+        cals = (fitted or {}).get(kind) or cert.fit(fit, kind, route)
         c = cert.certify(cert.calibrated(cals, certify, route), certify, lams, epsilon, delta, method, order_seed)
         tp = cert.calibrated(cals, test)  # the calibrators' quality on every token (routing aside)
         tc = exit_targets(test.argmax)

@@ -71,11 +71,13 @@ class Served:
     def reference_name(self) -> str:
         return "torch, teacher-forced" if self.model is not None else f"{self.backend.name}, full-depth decode"
 
-    def reference(self, seqs: np.ndarray, first: int) -> Collected:
-        """Full-depth exit signals and tokens on every prefix of ``seqs`` from position ``first``."""
+    def reference(self, seqs: np.ndarray, first: int, slots: np.ndarray | None = None) -> Collected:
+        """Full-depth exit signals and tokens on every prefix of ``seqs`` from position ``first``.
+        ``slots``: the backend's cache holds row u's prompt in slot ``slots[u]``, as the engine that generated
+        the rows left it (:func:`calibration.collect.collect_engine`; the torch reference reads every row)."""
         if self.model is not None:
             return collect_units(self.model, seqs, first)
-        return collect_engine(self.backend, seqs, first)
+        return collect_engine(self.backend, seqs, first, slots=slots)
 
 
 @dataclass
@@ -146,7 +148,7 @@ class FreeRun:
 
 
 def check_continuations(served: Served, prompts: np.ndarray, generated: np.ndarray, exit_layers: np.ndarray,
-                        kv_mode: KVMode) -> FreeRun:
+                        kv_mode: KVMode, slots: np.ndarray | None = None) -> FreeRun:
     """Check every generated token against the full model on the same prefix (module docstring).
 
     Args:
@@ -155,6 +157,9 @@ def check_continuations(served: Served, prompts: np.ndarray, generated: np.ndarr
         generated: the engine's tokens [U, T], T >= 2 (the first, from the prefill, is not judged).
         exit_layers: the layer each generated token was decided at [U, T].
         kv_mode: the K/V mode the engine ran in.
+        slots: the engine that generated has just run these prompts, and its cache, still attached to the
+            backend, holds prompt u in slot ``slots[u]`` (:meth:`Served.reference`): the reference does not
+            prefill them again. None: it does.
 
     Raises:
         ConfigError: shapes that disagree, or fewer than 2 generated tokens.
@@ -169,7 +174,8 @@ def check_continuations(served: Served, prompts: np.ndarray, generated: np.ndarr
         raise ConfigError(f"check_continuations: at least 2 new tokens are needed (the first is not judged), "
                           f"got {generated.shape[1]}")
     seqs = np.concatenate([prompts, generated], axis=1)
-    return FreeRun(KVMode(kv_mode), served.num_layers, seqs, exit_layers, served.reference(seqs, prompts.shape[1]))
+    return FreeRun(KVMode(kv_mode), served.num_layers, seqs, exit_layers,
+                   served.reference(seqs, prompts.shape[1], slots))
 
 
 def _progress(total: int, desc: str | None) -> tqdm:
@@ -200,22 +206,23 @@ def free_run(served: Served, prompts: np.ndarray, new_tokens: int, rule, kv_mode
         raise ConfigError(f"free_run: expected prompts [U >= 1, P], got shape {prompts.shape}")
     if new_tokens < 2:
         raise ConfigError(f"free_run: at least 2 new tokens are needed (the first is not judged), got {new_tokens}")
-    gen, layers = [], []
+    runs = []
     with _progress(prompts.shape[0], desc) as bar:
         for a in range(0, prompts.shape[0], batch):
-            chunk = [p.tolist() for p in prompts[a:a + batch]]
+            chunk = prompts[a:a + batch]
             # rows exit at any batch size: with deferral each row's tokens are those it would get alone, and a
             # leaving row's skipped layers are computed in the same step (deferral's K/V and tokens, without its
             # extra calls over scattered slots: the demo's certify walk 155 -> ~90 s)
-            run = run_batch(served.backend, rule, chunk, new_tokens, KVMode(kv_mode), defer_exit_max_batch=None,
-                            defer_inline=True)
-            for toks, exits in zip(run.tokens, run.exit_layers):
+            run = run_batch(served.backend, rule, [p.tolist() for p in chunk], new_tokens, KVMode(kv_mode),
+                            defer_exit_max_batch=None, defer_inline=True)
+            for toks in run.tokens:
                 if len(toks) != new_tokens:
                     raise ConfigError(f"engine returned {len(toks)} tokens for a prompt, {new_tokens} were asked for")
-                gen.append(toks)
-                layers.append(exits)
+            # judged chunk by chunk, while the engine's cache still holds these prompts: no second prefill
+            runs.append(check_continuations(served, chunk, np.asarray(run.tokens), np.asarray(run.exit_layers),
+                                            kv_mode, np.asarray(run.slots)))
             bar.update(len(chunk))
-    return check_continuations(served, prompts, np.asarray(gen), np.asarray(layers), kv_mode)
+    return FreeRun.concat(runs)
 
 
 def free_run_until(served: Served, prompts: np.ndarray, new_tokens: int, rule, kv_mode: KVMode,

@@ -346,7 +346,8 @@ def main(cfg: CalibrateConfig) -> int:
 
     # 5. comparison
     systems = baselines(fit, cert_run.data, test, lams, cfg.epsilon, cfg.delta, cfg.pvalue,
-                        None if anytime else s["order"], gated=model.gated, candidates=model.has_shortlist, route=route)
+                        None if anytime else s["order"], gated=model.gated, candidates=model.has_shortlist, route=route,
+                        fitted={cfg.calibrator: cals})
     chosen = next(x for x in systems if x.name.startswith(
         {CalibratorKind.ISOTONIC: "(d)", CalibratorKind.MLP: "(e)"}.get(cfg.calibrator, "(c)")))
     tf = evaluate_cascade(test, cert.calibrated(cals, test, route), c.lam)

@@ -30,6 +30,9 @@ class RunResult:
     spec_stats: list[dict[str, Any]] = field(default_factory=list)  # mode exact: SpecStats of each engine
     # mode exact, by draft source ("lookup", "exit"): SpecStats of each engine; "plain": its plain steps
     source_stats: list[dict[str, Any]] = field(default_factory=list)
+    # the cache slot each prompt ran in: the engine's cache (left attached to the backend) still holds its
+    # K/V there, the prompt's at full depth (calibration's reference reads them instead of prefilling again)
+    slots: list[int] = field(default_factory=list)
 
 
 def run_batch(backend: Backend, rule: BatchExitRule | None, prompts: list[list[int]], max_tokens: int,
@@ -70,6 +73,7 @@ def run_batch(backend: Backend, rule: BatchExitRule | None, prompts: list[list[i
 
     t0 = time.perf_counter()
     ids = [engine.submit(Request(list(p), max_tokens, on_token=on_token, mode=mode)) for p in prompts]
+    seqs = list(engine.waiting)  # in prompt order; each gets its slot when admitted
     engine.run_until_idle()
     seconds = time.perf_counter() - t0
     gaps = [g for i in ids for g in np.diff(stamps.get(i, [])).tolist()]
@@ -77,4 +81,5 @@ def run_batch(backend: Backend, rule: BatchExitRule | None, prompts: list[list[i
                      seconds, gaps,
                      [] if spec is None else [engine.spec_stats.as_dict()],
                      [] if spec is None else [{**{k: v.as_dict() for k, v in engine.source_stats.items()},
-                                               "plain_steps": engine.plain_steps}])
+                                               "plain_steps": engine.plain_steps}],
+                     [s.admitted_slot for s in seqs])

@@ -161,6 +161,7 @@ class _Seq:
     id: int
     req: Request
     slot: int = -1
+    admitted_slot: int = -1  # the slot it held, kept after release (a batch run reads what it left there)
     prefilled: int = 0  # prompt tokens in the cache
     tokens: list[int] = field(default_factory=list)
     exit_layers: list[int] = field(default_factory=list)
@@ -404,7 +405,7 @@ class Engine:
         while (self.waiting and self.cache.free_slots
                and len(self.prefilling) + len(self.decoding) < self.cfg.max_running):
             seq = self.waiting.pop(0)
-            seq.slot = self.cache.alloc()
+            seq.slot = seq.admitted_slot = self.cache.alloc()
             self.prefilling.append(seq)
         # a decode batch in slot order is one block of the cache when its slots are consecutive
         self.decoding.sort(key=lambda s: s.slot)

@@ -102,6 +102,9 @@ class DecodeBenchConfig:
     spec_stop: str = "calibrated"
     spec_sweep: bool = True
     spec_sweep_repeats: int = 5
+    # warm-up rounds of the sweep before its repeats (None: ``warmup``). The sweep runs after the batch
+    # comparisons, on backends every system has already run on (call shapes bound, caches warm)
+    spec_sweep_warmup: int | None = None
     # (e) speculates while the decode batch holds at most this many sequences, as the engine's
     # EngineConfig.speculate_max_batch (its default, 1: a larger batch decodes exact requests at full
     # depth); null measures speculation at every batch size
@@ -125,6 +128,8 @@ class DecodeBenchConfig:
             raise ConfigError("bench: repeats >= 1, new_tokens >= 2 and prompt_tokens >= 1 are required")
         if self.spec_sweep_repeats < 1:
             raise ConfigError(f"bench.spec_sweep_repeats must be >= 1, got {self.spec_sweep_repeats}")
+        if self.spec_sweep_warmup is not None and self.spec_sweep_warmup < 0:
+            raise ConfigError(f"bench.spec_sweep_warmup must be >= 0 or null, got {self.spec_sweep_warmup}")
         if self.decision_repeats < 1:
             raise ConfigError(f"bench.decision_repeats must be >= 1, got {self.decision_repeats}")
 
@@ -457,6 +462,7 @@ class _DecodeBench:
     def __init__(self, cfg: DecodeBenchConfig) -> None:
         """Open the run and load every system; check the settings against the model."""
         self.cfg = cfg
+        self.sweep_warmup = cfg.warmup if cfg.spec_sweep_warmup is None else cfg.spec_sweep_warmup
         run = open_run(cfg.run_dir, cfg.threads)
         graphs = run.graphs()
         model = run.model
@@ -525,7 +531,7 @@ class _DecodeBench:
             s in systems.loaded and not s.endswith("_lookup") and s not in ("layerskip", "engine_speculative")
             and s != "engine_exit_gated" and (s not in exit_systems or s == d_sys))] if cfg.memory else []
         bar = tqdm(total=sum((cfg.warmup + cfg.repeats) * len(v) + len(exit_systems) for v in names_at.values())
-                   + 1 + len(memory) + (cfg.warmup + cfg.spec_sweep_repeats) * n_variants * sweep,
+                   + 1 + len(memory) + (self.sweep_warmup + cfg.spec_sweep_repeats) * n_variants * sweep,
                    desc="bench decode", unit="run", disable=None)
         self.d_sys, self.exit_systems, self.wrong, self.match_c = d_sys, exit_systems, wrong, match_c
         self.spec_bad, self.same_total, self.sweep, self.names_at = spec_bad, same_total, sweep, names_at
@@ -663,7 +669,7 @@ class _DecodeBench:
                 bar.set_postfix_str(f"(e) sweep at batch 1, {what}")
                 bar.update()
 
-            stops, by_exit, bad = speculative_sweep(systems, prompts, cfg.new_tokens, cfg.warmup,
+            stops, by_exit, bad = speculative_sweep(systems, prompts, cfg.new_tokens, self.sweep_warmup,
                                                     cfg.spec_sweep_repeats, spec, decision_exits, tick)
             results["speculative_stop_rules"], results["speculative_by_draft_exit"] = stops, by_exit
             spec_bad = [spec_bad[0] + bad[0], spec_bad[1] + bad[1]]  # every exact run counts against losslessness

@@ -178,3 +178,27 @@ def test_an_exiting_engine_is_judged_against_its_own_full_depth(quantized_ort):
     assert (emitted == ref.argmax[first].reshape(fe.shape)).all()
     assert fe.tolist() == differ.tolist() and not mm.any()
     assert fe.any(), "an untrained model's first exit must disagree somewhere for this test to mean anything"
+
+
+def test_the_reference_reads_the_engines_prompts_where_they_lie(quantized_ort):
+    """The free run judges each chunk from the prompts' K/V the engine's prefill left in its cache (no second
+    prefill); that reference equals one that prefills every prompt itself: the same token at every exit, the
+    same check features up to float32 rounding (the prefill ran as one full-depth call there, segment by
+    segment here). A slot list that does not fit the cache is refused."""
+    from calibration.collect import collect_engine
+    from edge.runtime.rules import ConfidenceRule
+
+    m, backend = quantized_ort
+    prompts = np.random.default_rng(5).integers(0, 300, (5, 6))
+    for rule in (NeverExit(), ConfidenceRule(0.0)):  # full depth, and every decode token leaving early
+        run = free_run(Served(backend), prompts, 7, rule, KVMode.DEFER, batch=3)  # two chunks, the second partial
+        again = Served(backend).reference(run.seqs, prompts.shape[1])  # a cache of its own, every prompt prefilled
+        assert again.unit.tolist() == run.data.unit.tolist()
+        for k in m.exit_layers:
+            assert again.argmax[k].tolist() == run.data.argmax[k].tolist()
+            scale = np.abs(again.signals[k]).max() + 1.0
+            np.testing.assert_allclose(run.data.signals[k], again.signals[k], rtol=0, atol=1e-5 * scale)
+    with pytest.raises(ConfigError, match="one distinct slot each"):
+        collect_engine(backend, run.seqs, prompts.shape[1], slots=np.array([0, 0, 1, 2, 3]))
+    with pytest.raises(ConfigError, match="one distinct slot each"):
+        collect_engine(backend, run.seqs, prompts.shape[1], slots=np.arange(99, 104))
