@@ -41,13 +41,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from calibration.collect import Collected, collect_engine, collect_units
+from calibration.collect import Collected, collect_engine, collect_units, generate_engine
 from edge.runtime.backend import Backend
 from edge.runtime.torch_backend import TorchBackend
 from edge.runtime.batch import run_batch
 from edge.runtime.engine import KVMode
 from edge.core.errors import ConfigError
 from edge.model.exits import MultiExitModel
+from edge.runtime.rules import NeverExit
 
 
 @dataclass
@@ -222,6 +223,31 @@ def free_run(served: Served, prompts: np.ndarray, new_tokens: int, rule, kv_mode
             runs.append(check_continuations(served, chunk, np.asarray(run.tokens), np.asarray(run.exit_layers),
                                             kv_mode, np.asarray(run.slots)))
             bar.update(len(chunk))
+    return FreeRun.concat(runs)
+
+
+def full_depth_run(served: Served, prompts: np.ndarray, new_tokens: int, batch: int = 128,
+                   desc: str | None = None) -> FreeRun:
+    """:func:`free_run` at full depth (no exit rule), for a backend in one pass: the reference generates the
+    continuation it reads (:func:`calibration.collect.generate_engine`) instead of reading one an engine
+    generated first, so nothing is computed twice. Every token is the backend's own full-depth token, so
+    none is wrong; the torch reference runs :func:`free_run` as before.
+
+    Raises:
+        ConfigError: fewer than 2 new tokens or no prompts.
+    """
+    if served.model is not None:
+        return free_run(served, prompts, new_tokens, NeverExit(), KVMode.DEFER, batch, desc)
+    runs = []
+    prompts = np.asarray(prompts, dtype=np.int64)
+    if prompts.ndim != 2 or prompts.shape[0] == 0:
+        raise ConfigError(f"full_depth_run: expected prompts [U >= 1, P], got shape {prompts.shape}")
+    with _progress(prompts.shape[0], desc) as bar:
+        for a in range(0, prompts.shape[0], batch):
+            seqs, data = generate_engine(served.backend, prompts[a:a + batch], new_tokens, batch)
+            layers = np.full((seqs.shape[0], new_tokens), served.num_layers, np.int64)
+            runs.append(FreeRun(KVMode.DEFER, served.num_layers, seqs, layers, data))
+            bar.update(seqs.shape[0])
     return FreeRun.concat(runs)
 
 

@@ -53,11 +53,10 @@ from edge.core.artifacts import atomic_dir, sha256_path
 from edge.core.errors import ArtifactError, CheckpointError, ConfigError
 from edge.model.exits import read_exits_json
 from edge.model.windows import base_model_metrics
-from calibration.freerun import FreeRun, Served, free_run, free_run_until
+from calibration.freerun import FreeRun, Served, free_run, free_run_until, full_depth_run
 from edge.pipeline.run import open_run
 from calibration.statement import KVChoice, choose_shipped, statement
 from edge.runtime.engine import KVMode
-from edge.runtime.rules import NeverExit
 from edge.runtime.settings import EPSILON
 
 STAGE = "calibrate"
@@ -296,8 +295,7 @@ def main(cfg: CalibrateConfig) -> int:
 
     # 1-2. fit units: full-depth continuations, calibrators, provisional threshold
     fit_w = data.calibration.draw(cfg.fit_units, length, s["fit"])
-    fit_run = free_run(served, fit_w.ids[:, :P], cfg.new_tokens, NeverExit(), KVMode.DEFER, cfg.batch,
-                       desc="fit units, full depth")
+    fit_run = full_depth_run(served, fit_w.ids[:, :P], cfg.new_tokens, cfg.batch, desc="fit units, full depth")
     fit = fit_run.data
     cals = cert.fit(fit, cfg.calibrator, route)
     lam_p = cert.provisional_lambda(fit, cfg.calibrator, lams, cfg.epsilon, cfg.delta, cfg.pvalue,

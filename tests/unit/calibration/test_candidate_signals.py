@@ -52,6 +52,33 @@ def test_teacher_forced_signals_are_the_engines(exported):
     assert tf.signals[1][:, CANDIDATE_SIGNAL_NAMES.index("lookup_len")].max() > 0, "the repeats must match"
 
 
+def test_generated_continuations_read_their_lookup_as_the_engine_does(exported):
+    """generate_engine (calibration's fit units in one pass) keeps the context lookup step by step as it
+    generates; the features it records are the ones collect_engine reads from the finished rows (the lookup
+    over the whole row, lookup_along), and its tokens are the full-depth engine's."""
+    from calibration.collect import generate_engine
+    from calibration.freerun import Served, free_run
+    from edge.runtime.engine import KVMode
+    from edge.runtime.rules import NeverExit
+
+    m, ckpt, graphs = exported
+    backend = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1)
+    prompts = _seqs(3, 16, seed=7)  # repeats in the prompt: the lookup matches from the first step
+    seqs, gen = generate_engine(backend, prompts, 9, batch=2)
+    assert seqs[:, :16].tolist() == prompts.tolist()
+    engine = free_run(Served(backend), prompts, 9, NeverExit(), KVMode.DEFER, batch=2)
+    assert seqs.tolist() == engine.seqs.tolist()
+    read = collect_engine(backend, seqs, first=16)
+    for k in m.exit_layers:
+        assert np.array_equal(gen.argmax[k], read.argmax[k]), f"exit {k}"
+    for k in m.exit_layers[:-1]:
+        tol = f32_rtol(CFG.hidden_size, CFG.num_layers) * max(1.0, float(np.abs(read.signals[k]).max()))
+        np.testing.assert_allclose(gen.signals[k], read.signals[k], atol=tol, err_msg=f"exit {k}")
+    lk = CANDIDATE_SIGNAL_NAMES.index("lookup_len")
+    assert gen.signals[m.exit_layers[0]][:, lk].max() > 0, "the prompts' repeats must match"
+    np.testing.assert_array_equal(gen.signals[m.exit_layers[0]][:, lk], read.signals[m.exit_layers[0]][:, lk])
+
+
 def test_mlp_calibrator_score_form_and_round_trip():
     rng = np.random.default_rng(0)
     X = rng.standard_normal((3000, NUM_NAMED)) * np.arange(1, NUM_NAMED + 1)

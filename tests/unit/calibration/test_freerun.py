@@ -202,3 +202,27 @@ def test_the_reference_reads_the_engines_prompts_where_they_lie(quantized_ort):
         collect_engine(backend, run.seqs, prompts.shape[1], slots=np.array([0, 0, 1, 2, 3]))
     with pytest.raises(ConfigError, match="one distinct slot each"):
         collect_engine(backend, run.seqs, prompts.shape[1], slots=np.arange(99, 104))
+
+
+def test_a_full_depth_run_reads_what_it_generates(quantized_ort):
+    """Calibration's fit units in one pass (the reference generates the continuation it reads): the same
+    tokens as a full-depth engine run, the same data as reading that run's tokens, none of them wrong."""
+    from calibration.collect import generate_engine
+    from calibration.freerun import full_depth_run
+
+    m, backend = quantized_ort
+    prompts = np.random.default_rng(6).integers(0, 300, (5, 6))
+    engine = free_run(Served(backend), prompts, 7, NeverExit(), KVMode.DEFER, batch=3)
+    one = full_depth_run(Served(backend), prompts, 7, batch=3)  # two chunks, the second partial
+    assert one.seqs.tolist() == engine.seqs.tolist()
+    assert (one.judged == m.num_layers).all() and one.data.unit.tolist() == engine.data.unit.tolist()
+    s = one.summary()
+    assert (s.tokens, s.false_exits, s.full_depth_mismatches) == (5 * 6, 0, 0)
+    for k in m.exit_layers:
+        assert one.data.argmax[k].tolist() == engine.data.argmax[k].tolist()
+        scale = np.abs(engine.data.signals[k]).max() + 1.0
+        np.testing.assert_allclose(one.data.signals[k], engine.data.signals[k], rtol=0, atol=1e-5 * scale)
+    with pytest.raises(ConfigError, match="at least 2 new tokens"):
+        generate_engine(backend, prompts, 1)
+    with pytest.raises(ConfigError, match="expected prompts"):
+        generate_engine(backend, prompts[:0], 4)
