@@ -169,6 +169,32 @@ class Calibrator:
             self.iso_y = np.asarray(iso.y_thresholds_, dtype=np.float64)
         return self
 
+    def isotonic_over(self, X: np.ndarray, y: np.ndarray) -> "Calibrator":
+        """The isotonic calibrator :meth:`fit` would give on (X, y), from this Platt calibrator fitted on the
+        same (X, y): the same standardisation and logistic regression, isotonic regression on its score. One
+        logistic fit for both kinds (the report compares them side by side).
+
+        Raises:
+            ConfigError: this is not a fitted Platt calibrator of X's width.
+        """
+        if self.kind is not CalibratorKind.PLATT or not self.fitted:
+            raise ConfigError(f"isotonic_over needs a fitted platt calibrator, this is a "
+                              f"{'fitted' if self.fitted else 'unfitted'} {self.kind.value} one")
+        X, y = _check_xy(X, y, "isotonic calibrator fit")
+        if X.shape[1] != self.n_features:
+            raise ConfigError(f"platt calibrator was fitted on F={self.n_features} signals, got F={X.shape[1]}")
+        out = Calibrator(kind=CalibratorKind.ISOTONIC, C=self.C, n_features=self.n_features, mean=self.mean.copy(),
+                         std=self.std.copy(), coef=self.coef.copy(), intercept=self.intercept, constant=self.constant,
+                         fitted=True, seed=self.seed)
+        if out.constant is None:
+            from sklearn.isotonic import IsotonicRegression
+
+            iso = IsotonicRegression(out_of_bounds="clip", y_min=0.0, y_max=1.0, increasing=True)
+            iso.fit(out.score(X), y)
+            out.iso_x = np.asarray(iso.X_thresholds_, dtype=np.float64)
+            out.iso_y = np.asarray(iso.y_thresholds_, dtype=np.float64)
+        return out
+
     # ------------------------------------------------------------- predict
     def _check_fitted(self, X: np.ndarray) -> np.ndarray:
         if not self.fitted:

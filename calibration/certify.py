@@ -59,6 +59,16 @@ def fit(data: Collected, kind: CalibratorKind, route: float = 0.0) -> dict[int, 
                            {k: t[ok[k]] for k, t in targets.items()}, kind)
 
 
+def isotonic_over(platt: dict[int, Calibrator], data: Collected, route: float = 0.0) -> dict[int, Calibrator]:
+    """What ``fit(data, ISOTONIC, route)`` gives, from ``platt = fit(data, PLATT, route)`` without a second
+    logistic fit (:meth:`Calibrator.isotonic_over`, on the same tokens :func:`fit` selects)."""
+    targets = exit_targets(data.argmax)
+    ok = routed(data.signals, route)
+    if ok is None or not all(ok[k].any() for k in targets):
+        return {k: c.isotonic_over(data.signals[k], targets[k]) for k, c in platt.items()}
+    return {k: c.isotonic_over(data.signals[k][ok[k]], targets[k][ok[k]]) for k, c in platt.items()}
+
+
 def calibrated(cals: dict[int, Calibrator], data: Collected, route: float = 0.0) -> dict[int, np.ndarray]:
     """Calibrated probability [N] per decision exit; with ``route`` > 0 (a candidate-shortlist model's
     routing, :func:`routed`), -1 for the tokens the engine sends to full depth without a check (no

@@ -78,8 +78,12 @@ def baselines(fit: Collected, certify: Collected, test: Collected, lams: np.ndar
              (CalibratorKind.ISOTONIC, "(d) all signals, isotonic + LTT")]
     if candidates:  # the score the candidate graphs can compute beyond a linear one
         kinds.append((CalibratorKind.MLP, "(e) all signals, MLP (its sigmoid) + LTT"))
+    fitted = dict(fitted or {})
     for kind, label in kinds:
-        cals = (fitted or {}).get(kind) or cert.fit(fit, kind, route)
+        cals = fitted.get(kind)
+        if cals is None and kind is CalibratorKind.ISOTONIC and CalibratorKind.PLATT in fitted:
+            cals = cert.isotonic_over(fitted[CalibratorKind.PLATT], fit, route)  # one logistic fit for (c) and (d)
+        cals = fitted[kind] = cals or cert.fit(fit, kind, route)
         c = cert.certify(cert.calibrated(cals, certify, route), certify, lams, epsilon, delta, method, order_seed)
         tp = cert.calibrated(cals, test)  # the calibrators' quality on every token (routing aside)
         tc = exit_targets(test.argmax)

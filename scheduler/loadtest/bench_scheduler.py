@@ -241,24 +241,38 @@ def real_schedule(cfg: BenchSchedulerConfig, w: Workload) -> list:
     return requests_of(w, prompt_pool(BenchServeConfig(run_dir=cfg.run_dir)), cfg.seed)
 
 
-def served(cfg: BenchSchedulerConfig, env: EnvConfig, policy: str, kwargs: dict[str, Any],
-           schedules: list[list]) -> list[list]:
-    """Served runs of ``schedules``, one after another, on a stack started with ``policy``.
+def _policy_settings(policy: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The serving settings of ``policy``. The learned policy runs alone: in control from the first tick
+    (the guard's first window is otherwise the heuristic's probe), no fallback, no online updates: what
+    is measured is the shipped policy."""
+    alone = {"guard": {"first": "learned", "window_s": 1e9}, "online_finetune": False} if policy == LEARNED else {}
+    return {"policy": policy, "policy_kwargs": kwargs, **alone}
 
-    The learned policy runs alone: in control from the first tick (the guard's first window is
-    otherwise the heuristic's probe), no fallback, no online updates: what is measured is the
-    shipped policy."""
+
+def served(cfg: BenchSchedulerConfig, env: EnvConfig, runs: list[tuple[str, dict[str, Any], list]]) -> list[list]:
+    """Served runs, one after another on one stack: ``runs`` = (policy, its kwargs, schedule) each, the
+    worker's policy switched between runs where it changes (:func:`scheduler.serving.stack.set_policy`).
+    One stack for every policy: no stack start between them (~15-25 s each on 2 cores), and no policy is
+    measured on a second stack started right after the first (on this 2-core VM that one ran slower)."""
     from scheduler.loadtest.bench_serve import BenchServeConfig, http_run
     from scheduler.serving.config import ServeConfig
-    from scheduler.serving.stack import serving_stack
+    from scheduler.serving.stack import serving_stack, set_policy
 
     sla = {"default_sla_ttft_ms": env.sim.sla_ttft_ms, "default_sla_tpot_ms": env.sim.sla_tpot_ms}
-    alone = {"guard": {"first": "learned", "window_s": 1e9}, "online_finetune": False} if policy == LEARNED else {}
-    scfg = ServeConfig(policy=policy, policy_kwargs=kwargs, shed_late=env.sim.shed_late, **sla, **alone)
+    first = _policy_settings(*runs[0][:2])
+    scfg = ServeConfig(shed_late=env.sim.shed_late, **sla, **first)
     bcfg = BenchServeConfig(run_dir=cfg.run_dir, sla_ttft_ms=env.sim.sla_ttft_ms, sla_tpot_ms=env.sim.sla_tpot_ms,
                             warmup_requests=cfg.warmup_requests)
+    out, current = [], first
     with serving_stack(cfg.run_dir, scfg, graceful=False) as url:
-        return [asyncio.run(http_run(url, schedule, bcfg)) for schedule in schedules]
+        for policy, kwargs, schedule in runs:
+            wanted = _policy_settings(policy, kwargs)
+            if wanted != current:  # every field the previous policy set goes back to the defaults or this one's
+                defaults = ServeConfig()
+                set_policy({**{k: getattr(defaults, k) for k in current if k not in wanted}, **wanted})
+                current = wanted
+            out.append(asyncio.run(http_run(url, schedule, bcfg)))
+    return out
 
 
 VALIDATED = ("ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms", "tpot_p95_ms")
@@ -323,16 +337,18 @@ def real_runs(cfg: BenchSchedulerConfig, env: EnvConfig, latency: LatencyModel, 
     schedule = real_schedule(cfg, w)
     print(f"bench scheduler: real stack, {spec.name} at x{load:g} ({len(schedule)} requests): {LEARNED} then {name}",
           flush=True)
-    # the learned policy first: on this 2-core VM the second of two stacks started back to back ran
-    # slower in both runs where the fixed budget went first (the same actions: 0.86 and 0.78 goodput)
-    # one schedule per validation load, served validation_repeats times, interleaved: every repeat runs
+    # one stack, the learned policy and the best fixed budget back to back on the same schedule, then the
+    # validation runs (the fixed budget). With a stack per policy, the second, started right after the
+    # first, ran slower on this 2-core VM (the same actions: 0.86 and 0.78 goodput), biasing the ratio.
+    # One schedule per validation load, served validation_repeats times, interleaved: every repeat runs
     # every load in turn, so a slow minute of the machine does not land on one load's repeats only
     schedules = {f: real_schedule(cfg, workload_for(spec, f * load * capacity, cfg.validation_duration_s, env))
                  for f in cfg.validation_loads}
     below = [(f, schedules[f]) for _ in range(cfg.validation_repeats) for f in cfg.validation_loads]
-    [learned_res] = served(cfg, env, LEARNED, {"path": cfg.policy}, [schedule])
-    *below_res, fixed_res = served(cfg, env, "fixed", {"prefill_budget": budget, "max_running": env.sim.max_seqs},
-                                   [s for _, s in below] + [schedule])
+    fixed_kw = {"prefill_budget": budget, "max_running": env.sim.max_seqs}
+    learned_res, fixed_res, *below_res = served(
+        cfg, env, [(LEARNED, {"path": cfg.policy}, schedule), ("fixed", fixed_kw, schedule)]
+        + [("fixed", fixed_kw, s) for _, s in below])
     sla = (env.sim.sla_ttft_ms, env.sim.sla_tpot_ms)
     runs = {name: summarize(fixed_res, *sla), LEARNED: summarize(learned_res, *sla)}
     fixed = FixedBudget(budget, env.sim.max_seqs)

@@ -19,7 +19,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from edge.core.errors import ConfigError, SmartExitError
 from scheduler.serving.config import DEVICE_RESOURCE, REPO_BUNDLE, ServeConfig
@@ -70,6 +70,26 @@ def wait_healthy(base_url: str, timeout_s: float) -> dict:
         time.sleep(0.5)
     raise SmartExitError(f"the serving stack at {base_url} was not healthy after {timeout_s:.0f} s "
                          f"(last /health: {last[0]} {last[1]})")
+
+
+def set_policy(changes: dict[str, Any], app: str = "smartexit") -> dict[str, Any]:
+    """Switch the control policy of the running stack's worker (this process started it with
+    :func:`serving_stack`, one replica): :meth:`scheduler.serving.worker.Worker.set_policy`. Returns the
+    worker's scheduler state.
+
+    Raises:
+        ConfigError: more than one worker replica (a handle call reaches one of them), or changes the
+            worker refuses.
+    """
+    from ray import serve
+
+    status = serve.status().applications.get(app)
+    replicas = None if status is None else status.deployments.get("Worker")
+    running = None if replicas is None else sum(
+        n for state, n in replicas.replica_states.items() if getattr(state, "value", state) == "RUNNING")
+    if running != 1:
+        raise ConfigError(f"set_policy switches a stack of one worker replica; {app!r} has {running}")
+    return serve.get_deployment_handle("Worker", app_name=app).set_policy.remote(changes).result()
 
 
 @contextlib.contextmanager

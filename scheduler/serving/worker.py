@@ -31,6 +31,9 @@ from scheduler.serving.dashboard import open_power
 from scheduler.serving.triton_client import TritonClient, TritonError, TritonUnavailable, error_to_dict
 
 log = logging.getLogger(__name__)
+# the serving settings a running worker's policy can be switched to (Worker.set_policy)
+POLICY_FIELDS = ("policy", "policy_kwargs", "fallback_policy", "fallback_kwargs", "guard", "online_finetune",
+                 "tuner")
 
 HUB_TIMEOUT_S = 5.0
 
@@ -180,6 +183,27 @@ class Worker:
     async def stats(self) -> dict | None:
         """The engine's stats at the last control tick."""
         return self._stats
+
+    async def set_policy(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """Run another control policy from the next tick on, on this running stack (a benchmark compares
+        policies on one stack instead of one stack each). ``changes``: values of :data:`POLICY_FIELDS` for
+        the serving config. An online update in flight finishes on the old policy's tuner. Returns the new
+        scheduler state.
+
+        Raises:
+            ConfigError: a field outside :data:`POLICY_FIELDS`, or settings the policy refuses (a missing or
+                mismatched learned policy); the running policy is kept.
+        """
+        from dataclasses import replace
+
+        unknown = sorted(set(changes) - set(POLICY_FIELDS))
+        if unknown:
+            raise ConfigError(f"set_policy changes only {', '.join(POLICY_FIELDS)}; got {', '.join(unknown)}")
+        cfg = replace(self._cfg, **changes)  # validated again (ServeConfig.__post_init__)
+        policy = await asyncio.to_thread(build_policy, cfg)
+        self._cfg, self._policy = cfg, policy  # between two ticks: the loop reads both once per tick
+        log.info("worker %s: control policy now %s", self._replica, cfg.policy.value)
+        return self._scheduler_state()
 
     async def ready(self) -> bool:
         return self._ready

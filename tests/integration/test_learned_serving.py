@@ -49,3 +49,26 @@ def test_learned_policy_serves_hands_over_from_its_probe_and_tunes_online(stack)
     # the policy still sets the knobs: the engine's budget is one of the learned action grid's or AIMD's
     assert sample(metrics(stack.url), "smartexit_prefill_budget_tokens", "smartexit_prefill_budget_tokens",
                   replica=replica) >= 1
+
+
+def test_a_running_stack_switches_to_another_policy(stack):
+    """The scheduler bench compares policies on one stack: the worker's policy is switched in place, the next
+    ticks are the new policy's (here a fixed budget the learned grid does not use), and settings outside the
+    policy's, or a policy that cannot be built, are refused with the running one kept."""
+    from edge.core.errors import ConfigError
+    from scheduler.serving.stack import set_policy
+
+    status, state = health(stack.url)
+    replica = next(iter(state["replicas"]))
+    with pytest.raises(ConfigError, match="set_policy changes only"):
+        set_policy({"port": 9})
+    with pytest.raises(ConfigError):
+        set_policy({"policy": "ppo", "policy_kwargs": {"path": "/nonexistent/policy"}})
+    assert set_policy({"policy": "fixed", "policy_kwargs": {"prefill_budget": 40, "max_running": 3}, "guard": {},
+                       "tuner": {}})["policy"] == "fixed"
+    assert completion(stack.url, max_tokens=4, temperature=0)[0] == 200
+    wait_for(lambda: sample(metrics(stack.url), "smartexit_prefill_budget_tokens", "smartexit_prefill_budget_tokens",
+                            replica=replica) == 40, timeout=15, what="the fixed budget in force")
+    fams = metrics(stack.url)
+    assert sample(fams, "smartexit_scheduler_active_policy", "smartexit_scheduler_active_policy", replica=replica,
+                  policy="fixed") == 1.0

@@ -77,6 +77,23 @@ def test_isotonic_matches_sklearn_and_is_monotone_in_score(train, fresh):
     assert (np.diff(cal.predict(fresh[0])[order]) >= 0).all()
 
 
+def test_isotonic_over_a_platt_fit_is_the_isotonic_fit(train, fresh):
+    """The comparison's (d) from (c)'s logistic fit: exactly what fitting isotonic anew gives (the same
+    logistic regression on the same standardised data), constant targets and bad input included."""
+    X, y = train
+    platt = Calibrator(CalibratorKind.PLATT).fit(X, y)
+    iso, again = platt.isotonic_over(X, y), Calibrator(CalibratorKind.ISOTONIC).fit(X, y)
+    assert iso.kind is CalibratorKind.ISOTONIC
+    np.testing.assert_array_equal(iso.predict(fresh[0]), again.predict(fresh[0]))
+    assert iso.to_dict() == again.to_dict()
+    flat = np.zeros_like(y)
+    assert Calibrator(CalibratorKind.PLATT).fit(X, flat).isotonic_over(X, flat).predict(X[:3]).tolist() == [0.0] * 3
+    with pytest.raises(ConfigError, match="needs a fitted platt"):
+        again.isotonic_over(X, y)
+    with pytest.raises(ConfigError, match="F=.* signals"):
+        platt.isotonic_over(X[:, :3], y)
+
+
 def test_maxprob_uses_only_top1_prob(train):
     cal = Calibrator(CalibratorKind.MAXPROB).fit(*train)
     X = train[0].copy()

@@ -179,3 +179,18 @@ def test_in_defer_mode_the_engine_decides_as_the_teacher_forced_cascade(micro_ru
         s, t = cals[k].score(run.data.signals[k][i:i + 1])[0], table.score_thresholds[k]
         assert abs(s - t) <= 1e-4 * (1 + abs(t)), (i, s, t)
     assert run.unit_losses().shape == (24,) and ((run.unit_losses() >= 0) & (run.unit_losses() <= 1)).all()
+
+
+@pytest.mark.parametrize("route", [0.0, 0.5])
+def test_isotonic_over_platt_is_the_isotonic_fit_on_the_routed_tokens(route):
+    """The comparison's (d) from (c)'s calibrators: the isotonic calibrators ``fit`` gives, with and without
+    routing (only the tokens the routing checks are fitted on)."""
+    from edge.model.candidates import LOOKUP_LEN
+
+    data = _units(np.random.default_rng(3), 200, 10, 0.7, informative=True)
+    for s in data.signals.values():  # a lookup_len column: half the tokens matched 2+ of 4
+        s[:, LOOKUP_LEN] = np.random.default_rng(4).integers(0, 5, s.shape[0]) / 4
+    platt = cert.fit(data, CalibratorKind.PLATT, route)
+    iso, again = cert.isotonic_over(platt, data, route), cert.fit(data, CalibratorKind.ISOTONIC, route)
+    assert iso.keys() == again.keys() == {1}
+    assert iso[1].to_dict() == again[1].to_dict()
