@@ -11,8 +11,8 @@ from edge.model.exits import ExitConfig, MultiExitModel, choose_shortlist
 from edge.model.reference import reference_generate
 from edge.runtime.backend import make_backend
 from edge.model.candidates import (CANDIDATE_SIGNAL_NAMES, NUM_NAMED, check, is_signal_names, lookup_feature,
-                                   num_features, shortlist_logits, signal_names)
-from edge.runtime.engine import Engine, EngineConfig, KVMode, Request
+                                   num_features, signal_names)
+from edge.runtime.engine import Engine, EngineConfig, KVMode
 from edge.model.lookup import MAX_N, NONE, Lookup, lookup_along
 from edge.runtime.rules import ConfidenceRule, NeverExit, ScoreForm
 from edge.runtime.torch_backend import TorchBackend
