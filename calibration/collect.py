@@ -150,8 +150,8 @@ def _signals(layers: list[int], gated: bool, stats: dict[int, np.ndarray], token
 def collect_engine(backend: Backend, seqs: np.ndarray, first: int, batch: int = 128,
                    slots: np.ndarray | None = None) -> Collected:
     """:func:`collect_units` read from an engine backend instead of the torch model: each row's first
-    ``first`` tokens are prefilled (one call per row, as the engine prefills a prompt), then the rest
-    of the row is fed one token per decode step, every segment run, every exit read. This is the
+    ``first`` tokens are prefilled (one full-depth call per row, as the engine prefills a prompt), then
+    the rest of the row is fed one token per decode step, every segment run, every exit read. This is the
     served engine itself at full depth on the same prefixes, in the kernels a decode step uses: the
     reference a quantized engine's tokens are judged against, where the torch model's fake
     quantization and the runtime's integer kernels may round an activation to adjacent codes.
@@ -240,14 +240,10 @@ def _read_engine(backend: Backend, seqs: np.ndarray, first: int, batch: int, pre
         else:
             backend.attach(KVCache(backend.num_layers, backend.num_kv_heads, backend.head_dim, b, length,
                                    allocate=backend.host_cache))
-            for r in range(b):  # the prompt, full depth, one call per sequence
-                if generate:  # the engine's prefill: one full-depth call, the first token from its logits
-                    rows[r, first] = int(np.argmax(backend.full(rows[r:r + 1, :first], np.array([r]),
-                                                                np.zeros(1, np.int64)).logits[0]))
-                    continue
-                x = rows[r:r + 1, :first]
-                for i in range(nseg):
-                    x = backend.segment(i, x, np.array([r]), np.zeros(1, np.int64), decide=False).hidden
+            for r in range(b):  # each prompt as the engine prefills it: one full-depth call
+                out = backend.full(rows[r:r + 1, :first], np.array([r]), np.zeros(1, np.int64))
+                if generate:  # the first token, from that call's logits
+                    rows[r, first] = int(np.argmax(out.logits[0]))
             slots = np.arange(b)
         index = [Lookup(row[:first + 1].tolist()) for row in rows] if cand and generate else None
         steps: list[dict[int, np.ndarray]] = []  # per position: exit -> signals [b, F]
@@ -277,128 +273,6 @@ def _read_engine(backend: Backend, seqs: np.ndarray, first: int, batch: int, pre
                 if index is not None:
                     for ix, t in zip(index, rows[:, pos + 1]):
                         ix.push(int(t))
-            if cand:
-                ft[layers[-1]] = np.zeros((b, backend.spec.num_features))
-                steps.append(ft)
-            else:
-                steps.append(_signals(layers, gated, st, tk, hd, gt))
-            tokens.append(tk)
-        for k in layers:  # [T, b, ...] -> unit-major rows
-            sig[k].append(np.stack([s[k] for s in steps], axis=1).reshape(b * len(steps), -1))
-            arg[k].append(np.stack([t[k] for t in tokens], axis=1).reshape(-1))
-    per = length - 1 - first
-    return Collected(layers, {k: np.concatenate(v) for k, v in sig.items()},
-                     {k: np.concatenate(v) for k, v in arg.items()}, seqs[:, first + 1:].reshape(-1),
-                     np.repeat(np.arange(u), per), u)
-
-
-def lookups_along(seqs: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray]:
-    """The context lookup's token and ``lookup_len`` feature (match length / MAX_N) [U, L - 1 - first] at
-    every judged position of every row (:func:`edge.model.lookup.lookup_along`: what the engine's lookup
-    gives after feeding those tokens)."""
-    from edge.model.candidates import lookup_feature
-    from edge.model.lookup import lookup_along
-
-    parts = [lookup_along(row, first, seqs.shape[1] - 1) for row in seqs]
-    return np.stack([p[0] for p in parts]), lookup_feature(np.stack([p[1] for p in parts]))
-
-
-def _units(seqs: np.ndarray, first: int, lowest: int, who: str) -> np.ndarray:
-    """``seqs`` as int64 [U >= 1, L], with ``lowest <= first < L - 1``; a clear error otherwise."""
-    seqs = np.asarray(seqs, dtype=np.int64)
-    if seqs.ndim != 2 or seqs.shape[0] == 0:
-        raise ConfigError(f"{who}: expected token ids [U >= 1, L], got shape {seqs.shape}")
-    if not lowest <= first < seqs.shape[1] - 1:
-        raise ConfigError(f"{who}: first judged position {first} must be in [{lowest}, {seqs.shape[1] - 1})")
-    return seqs
-
-
-def _signals(layers: list[int], gated: bool, stats: dict[int, np.ndarray], tokens: dict[int, np.ndarray],
-             hidden: dict[int, np.ndarray], gates: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
-    """Signals [N, F] at every exit, as the engine decides from them."""
-    if gated:  # what the engine decides from: gates (the last layer is never a decision point)
-        s = gated_signals_all_exits(gates, hidden)
-        s[layers[-1]] = np.zeros((len(tokens[layers[-1]]), len(GATED_SIGNAL_NAMES)))
-        return s
-    return signals_all_exits(stats, tokens, hidden)
-
-
-def collect_engine(backend: Backend, seqs: np.ndarray, first: int, batch: int = 128,
-                   slots: np.ndarray | None = None) -> Collected:
-    """:func:`collect_units` read from an engine backend instead of the torch model: each row's first
-    ``first`` tokens are prefilled (one call per row, as the engine prefills a prompt), then the rest
-    of the row is fed one token per decode step, every segment run, every exit read. This is the
-    served engine itself at full depth on the same prefixes, in the kernels a decode step uses: the
-    reference a quantized engine's tokens are judged against, where the torch model's fake
-    quantization and the runtime's integer kernels may round an activation to adjacent codes.
-
-    Args:
-        backend: the engine's backend (its cache is replaced: attach yours again afterwards).
-        seqs: int token ids [U, L], one unit per row.
-        first: positions first..L-2 are judged (first >= 1: the prompt is prefilled).
-        batch: rows per decode batch.
-        slots: the backend's attached cache already holds row u's first ``first`` tokens, at full depth,
-            in slot ``slots[u]``: the engine that generated the rows prefilled them there (a prefill is
-            always full depth), so they are not run again and row u decodes in that slot. Positions from
-            ``first`` on are written by this reading before any later position attends to them, so what
-            the engine left there (its continuation's K/V, approximate in propagate mode) is never read.
-            None: a cache of its own, every prompt prefilled.
-
-    Returns:
-        :class:`Collected` with ``unit`` set; tokens are in row order, positions ascending.
-
-    Raises:
-        ConfigError: no rows, nothing to judge, or no prompt (first < 1); with ``slots``, not one distinct
-            slot of the attached cache per row, or a cache too short for the rows.
-    """
-    from edge.runtime.cache import KVCache
-
-    seqs = _units(seqs, first, 1, "collect_engine")
-    u, length = seqs.shape
-    layers, nseg, gated = backend.exit_layers, len(backend.segments), backend.spec.gated
-    cand = backend.spec.candidates
-    sig: dict[int, list[np.ndarray]] = {k: [] for k in layers}
-    arg: dict[int, list[np.ndarray]] = {k: [] for k in layers}
-    lookups = lookups_along(seqs, first) if cand else None
-    if slots is not None:
-        slots, cache = np.asarray(slots, dtype=np.int64), backend.cache
-        shape = None if cache is None else (cache.slots, cache.capacity)
-        if (cache is None or slots.shape != (u,) or np.unique(slots).size != u or slots.min() < 0
-                or slots.max() >= cache.slots or cache.capacity < length):
-            raise ConfigError(f"collect_engine: prefilled rows need one distinct slot each of the backend's cache "
-                              f"and {length} positions; got slots of shape {slots.shape} for {u} rows, cache "
-                              f"(slots, positions) {shape}")
-    prefilled = slots
-    for a in range(0, u, batch):
-        rows = seqs[a:a + batch]
-        b = rows.shape[0]
-        if prefilled is not None:
-            slots = prefilled[a:a + b]
-        else:
-            backend.attach(KVCache(backend.num_layers, backend.num_kv_heads, backend.head_dim, b, length,
-                                   allocate=backend.host_cache))
-            for r in range(b):  # the prompt, full depth, one call per sequence
-                x = rows[r:r + 1, :first]
-                for i in range(nseg):
-                    x = backend.segment(i, x, np.array([r]), np.zeros(1, np.int64), decide=False).hidden
-            slots = np.arange(b)
-        steps: list[dict[int, np.ndarray]] = []  # per position: exit -> signals [b, F]
-        tokens: list[dict[int, np.ndarray]] = []
-        for pos in range(first, length - 1):
-            x, prev = rows[:, pos:pos + 1], None
-            st, tk, hd, gt, ft = {}, {}, {}, {}, {}
-            lk = None if lookups is None else (lookups[0][a:a + b, pos - first], lookups[1][a:a + b, pos - first])
-            for i, k in enumerate(layers):
-                out = backend.segment(i, x, slots, np.full(b, pos, np.int64), prev, decide=True, lookup=lk)
-                hd[k] = out.exit_hidden.copy()  # [b, D]; the backend's buffers are reused by the next call
-                if out.gate is not None:  # a gated decision exit: the head runs apart
-                    gt[k] = out.gate.copy()
-                    tk[k] = backend.head(i, hd[k]).token.copy()
-                elif cand and i < nseg - 1:  # a candidate check: its features as the engine computed them
-                    ft[k], tk[k] = out.features.astype(np.float64), out.token.copy()
-                else:
-                    st[k], tk[k] = out.stats.copy(), out.token.copy()
-                x, prev = out.hidden, out
             if cand:
                 ft[layers[-1]] = np.zeros((b, backend.spec.num_features))
                 steps.append(ft)

@@ -267,9 +267,8 @@ def served(cfg: BenchSchedulerConfig, env: EnvConfig, runs: list[tuple[str, dict
     with serving_stack(cfg.run_dir, scfg, graceful=False) as url:
         for policy, kwargs, schedule in runs:
             wanted = _policy_settings(policy, kwargs)
-            if wanted != current:  # every field the previous policy set goes back to the defaults or this one's
-                defaults = ServeConfig()
-                set_policy({**{k: getattr(defaults, k) for k in current if k not in wanted}, **wanted})
+            if wanted != current:
+                set_policy(wanted)
                 current = wanted
             out.append(asyncio.run(http_run(url, schedule, bcfg)))
     return out

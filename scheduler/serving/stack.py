@@ -74,8 +74,8 @@ def wait_healthy(base_url: str, timeout_s: float) -> dict:
 
 def set_policy(changes: dict[str, Any], app: str = "smartexit") -> dict[str, Any]:
     """Switch the control policy of the running stack's worker (this process started it with
-    :func:`serving_stack`, one replica): :meth:`scheduler.serving.worker.Worker.set_policy`. Returns the
-    worker's scheduler state.
+    :func:`serving_stack`, one replica) to the one ``changes`` names, its other policy fields at their
+    defaults: :meth:`scheduler.serving.worker.Worker.set_policy`. Returns the worker's scheduler state.
 
     Raises:
         ConfigError: more than one worker replica (a handle call reaches one of them), or changes the

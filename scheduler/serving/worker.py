@@ -187,8 +187,9 @@ class Worker:
     async def set_policy(self, changes: dict[str, Any]) -> dict[str, Any]:
         """Run another control policy from the next tick on, on this running stack (a benchmark compares
         policies on one stack instead of one stack each). ``changes``: values of :data:`POLICY_FIELDS` for
-        the serving config. An online update in flight finishes on the old policy's tuner. Returns the new
-        scheduler state.
+        the serving config; the policy fields it leaves out take their defaults (a switch names a whole
+        policy, nothing of the previous one's carries over). An online update in flight finishes on the
+        old policy's tuner. Returns the new scheduler state.
 
         Raises:
             ConfigError: a field outside :data:`POLICY_FIELDS`, or settings the policy refuses (a missing or
@@ -199,7 +200,9 @@ class Worker:
         unknown = sorted(set(changes) - set(POLICY_FIELDS))
         if unknown:
             raise ConfigError(f"set_policy changes only {', '.join(POLICY_FIELDS)}; got {', '.join(unknown)}")
-        cfg = replace(self._cfg, **changes)  # validated again (ServeConfig.__post_init__)
+        defaults = ServeConfig()
+        # validated again (ServeConfig.__post_init__)
+        cfg = replace(self._cfg, **{**{k: getattr(defaults, k) for k in POLICY_FIELDS}, **changes})
         policy = await asyncio.to_thread(build_policy, cfg)
         self._cfg, self._policy = cfg, policy  # between two ticks: the loop reads both once per tick
         log.info("worker %s: control policy now %s", self._replica, cfg.policy.value)
