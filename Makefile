@@ -20,7 +20,7 @@ help:
 	@echo "make test        run the test suite (unit + integration; gpu/jetson tiers skip without hardware)"
 	@echo "make test-fast   the unit tier without tests marked slow or integration: the edit loop (< 5 min on 2 cores, no servers)"
 	@echo "make train-tiny  retrain the bundled tiny model (1-2 h on 2 cores, resumable)"
-	@echo "make train-tiny-ee  LayerSkip-train it into bundled-ee (about an hour on 2 cores; resumable)"
+	@echo "make train-tiny-ee  LayerSkip-train it into bundled-ee (40 min to 2 h on 2 cores; resumable)"
 	@echo "make train-scheduler  retrain the learned scheduler -> scheduler/assets/ppo (~10 min on 2 cores; needs the latency model of smartexit profile)"
 	@echo "make train-scheduler-ablation  the same without the exit-depth features -> scheduler/assets/ppo_noexit (bench scheduler's ppo-noexit)"
 	@echo "make serve       start tritonserver + the Ray Serve OpenAI API on 127.0.0.1:8000 (Ctrl-C stops it)"
