@@ -73,6 +73,7 @@ from exporters.ort_fused import DRAFT_HEAD, build_fused, fused_supported, save_d
 SUPPORTED_OPSETS = (17, 18)
 # Protobuf's hard limit: one ModelProto cannot exceed 2 GiB, larger weights go to external data.
 PROTOBUF_LIMIT = 2**31
+MAX_VERIFY_BATCH = 64  # largest batch a verify graph is written for (each sequence is an attention node per layer)
 
 
 @dataclass
@@ -91,6 +92,10 @@ class ExportConfig:
     # batches above the exit limit), one call instead of one per segment and no check. It holds a second
     # copy of the layers and the embedding table: off for a model whose weights the device cannot hold twice
     full_graph: bool = True
+    # batch sizes that get a graph of every layer verifying several sequences' drafts in one call
+    # (exporters/ort_fused.py ``verify_{B}``: mode exact speculates at those batch sizes, where the cost model
+    # says it pays). Each holds another copy of the layers, loaded only when used: [] for none
+    verify_batches: list[int] = field(default_factory=lambda: [2, 4, 8])
 
     def __post_init__(self) -> None:
         if self.opset not in SUPPORTED_OPSETS:
@@ -100,6 +105,12 @@ class ExportConfig:
                 raise ConfigError(f"export.{name} must be >= 2 so the axis stays dynamic, got {getattr(self, name)}")
         if len({self.trace_batch, self.trace_seq, self.trace_past}) != 3:
             raise ConfigError("export.trace_batch, trace_seq and trace_past must differ (else the tracer may tie them)")
+        if (not isinstance(self.verify_batches, (list, tuple))
+                or not all(isinstance(b, int) and not isinstance(b, bool) and 2 <= b <= MAX_VERIFY_BATCH
+                           for b in self.verify_batches) or len(set(self.verify_batches)) != len(self.verify_batches)):
+            raise ConfigError(f"export.verify_batches must be a list of distinct batch sizes in 2..{MAX_VERIFY_BATCH}, "
+                              f"got {self.verify_batches!r}")
+        self.verify_batches = sorted(self.verify_batches)
 
 
 @dataclass
@@ -437,7 +448,7 @@ def export_onnx(model: MultiExitModel, out_dir: str | Path, cfg: ExportConfig,
             manifest.model["shortlist_rows"] = {"file": SHORTLIST_ROWS, "sha256": sha256_file(tmp / SHORTLIST_ROWS)}
         manifest.fused_skipped = fused_supported(model)
         if manifest.fused_skipped is None:
-            fused = save_fused(build_fused(model, seg_layers, cfg.full_graph), tmp / FUSED_DIR,
+            fused = save_fused(build_fused(model, seg_layers, cfg.full_graph, tuple(cfg.verify_batches)), tmp / FUSED_DIR,
                                cfg.external_data_threshold)
             if len(model.exit_layers) > 1:  # a draft exit exists: self-speculative decoding drafts with it
                 fused[DRAFT_HEAD] = save_draft_head(tmp / FUSED_DIR / fused["head"][0], tmp / FUSED_DIR,

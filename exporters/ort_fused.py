@@ -21,7 +21,8 @@ fine in graphs meant only for ONNX Runtime; docs/runtime.md says why both famili
 Graphs (``j`` = 0-based decoder layer; B batch, T new rows, C cache capacity, D hidden, KV
 key/value heads, hd head dim, V vocabulary). A call has T == 1 (a decode step, any B; each row
 has its own cache length) or B == 1 (a prompt chunk or a sequence's deferred rows with the
-new token): ONNX Runtime's GroupQueryAttention takes several rows per sequence only at batch 1.
+new token): ONNX Runtime's GroupQueryAttention takes several rows per sequence only at batch 1
+(``verify_{B}`` below splits the attention by sequence to verify several sequences in one call).
 
 ``segment_{i}`` (one per exit; the segments end at the exit's normalised hidden state: the LM head
 is not in them)
@@ -52,6 +53,16 @@ is not in them)
 activations quantized per call: ONNX Runtime's dynamic quantization; same inputs and outputs)
     What self-speculative decoding drafts with: a draft only proposes a token that the full model
     then verifies in float32, so the output stays exact, and a draft step's head costs about half.
+``verify_{B}`` (every layer, B a static batch: mode exact's verification of several sequences' drafts)
+    in:  ``input_ids`` int64 [B, T], ``seqlens_k`` int32 [B] (as above), ``past_key_{j}_{q}``,
+         ``past_value_{j}_{q}`` float32 [1, KV, C, hd] (sequence q's cache slot: bind views of the
+         engine's cache, any slots)
+    out: ``exit_hidden`` [B * T, D] (the last exit's, every row), ``present_key_{j}_{q}``,
+         ``present_value_{j}_{q}`` (bound to the past's buffers)
+    The matrix products run on all B * T rows at once; attention runs one GroupQueryAttention per
+    sequence (batch 1, T rows), the only form ONNX Runtime's CPU kernel takes several rows with a
+    past in. Each graph holds another copy of the layers (loaded only when a batch of that size
+    verifies).
 ``kvfill_{i}`` (segments i..last, for rows that exited after segment i-1: CALM's propagation)
     in:  ``hidden`` [B, T, D] (the residual at the exit), ``positions`` int64 [B, T]
     out: ``key_{j}``, ``value_{j}`` float32 [B, T, KV * hd] (rotated keys; the caller writes them)
@@ -78,6 +89,7 @@ from exporters.ort_quant import matmul
 
 MS = "com.microsoft"
 FULL = "full"  # the graph of every layer, first to last (a segment graph without decision exits)
+VERIFY = "verify_"  # + B: the graph of every layer for B sequences of several new rows each
 FUSED_OPSET = 17
 GQA_HEAD_MULTIPLE = 16  # ONNX Runtime's CPU GroupQueryAttention needs head_size % 16 == 0
 
@@ -142,9 +154,45 @@ class _Builder:
         return (self.weight("rope.cos", np.cos(freqs).astype(np.float32)),
                 self.weight("rope.sin", np.sin(freqs).astype(np.float32)))
 
-    def layer(self, j: int, resid: str, pending: str | None, cos: str, sin: str) -> tuple[str, str]:
+    def per_sequence_lengths(self, b: int) -> list[tuple[str, str]]:
+        """(seqlens_k [1] int32, total length [] int32) of each of ``b`` sequences, from ``seqlens_k`` [b]:
+        what a GroupQueryAttention of one sequence reads (its total is its own last index + 1)."""
+        names = [f"vf.seqlen{q}" for q in range(b)]
+        self.node("Split", ["seqlens_k", self.const(f"c.ones{b}", [1] * b)], names, axis=0)
+        one = self.weight("c.int32_one", np.array(1, np.int32))
+        out = []
+        for q, name in enumerate(names):
+            sq = self.node("Squeeze", [name, self.const("c.axis0", [0])], [f"vf.seqlen{q}_s"])[0]
+            out.append((name, self.node("Add", [sq, one], [f"vf.total{q}"])[0]))
+        return out
+
+    def attention(self, j: int, qkv: str, cos: str, sin: str, per_seq: list[tuple[str, str]] | None) -> str:
+        """Layer j's GroupQueryAttention over the in-place cache. ``per_seq`` None: one operator for the
+        batch (``past_key_{j}`` [B, ...]); else one per sequence (``past_key_{j}_{q}`` [1, ...], the
+        (seqlens, total) of :meth:`per_sequence_lengths`), so that several new rows of several
+        sequences are one call: ONNX Runtime's CPU GroupQueryAttention takes several rows with a past
+        only at batch 1."""
+        a, cfg = self.model.backbone.layers[j].self_attn, self.cfg
+        window = cfg.sliding_window if cfg.sliding_window is not None else -1
+        attrs = dict(domain=MS, num_heads=a.num_heads, kv_num_heads=a.num_kv_heads, do_rotary=1,
+                     local_window_size=int(window))
+        if per_seq is None:
+            return self.node("GroupQueryAttention",
+                             [qkv, "", "", f"past_key_{j}", f"past_value_{j}", "seqlens_k", "total_len", cos, sin],
+                             [f"l{j}.att", f"present_key_{j}", f"present_value_{j}"], **attrs)[0]
+        b = len(per_seq)
+        parts = self.node("Split", [qkv, self.const(f"c.ones{b}", [1] * b)], [f"l{j}.qkv{q}" for q in range(b)], axis=0)
+        atts = [self.node("GroupQueryAttention",
+                          [part, "", "", f"past_key_{j}_{q}", f"past_value_{j}_{q}", seqlen, total, cos, sin],
+                          [f"l{j}.att{q}", f"present_key_{j}_{q}", f"present_value_{j}_{q}"], **attrs)[0]
+                for q, (part, (seqlen, total)) in enumerate(zip(parts, per_seq))]
+        return self.node("Concat", atts, [f"l{j}.att"], axis=0)[0]
+
+    def layer(self, j: int, resid: str, pending: str | None, cos: str, sin: str,
+              per_seq: list[tuple[str, str]] | None = None) -> tuple[str, str]:
         """One decoder layer. The residual stream is ``resid`` + ``pending`` (pending None: resid
-        alone). Returns (residual after attention, MLP output): their sum is the layer's output."""
+        alone). Returns (residual after attention, MLP output): their sum is the layer's output.
+        ``per_seq``: attention sequence by sequence (:meth:`attention`)."""
         cfg, layer = self.cfg, self.model.backbone.layers[j]
         eps = float(cfg.rms_norm_eps)
         w1 = self.weight(f"l{j}.ln1", layer.input_layernorm.weight)
@@ -155,12 +203,7 @@ class _Builder:
                                        [f"l{j}.n1", "", "", f"l{j}.r1"], domain=MS, epsilon=eps)
         a = layer.self_attn
         qkv = self.linear(x, [a.q_proj, a.k_proj, a.v_proj], f"l{j}.qkv")
-        window = cfg.sliding_window if cfg.sliding_window is not None else -1
-        att = self.node("GroupQueryAttention",
-                        [qkv, "", "", f"past_key_{j}", f"past_value_{j}", "seqlens_k", "total_len", cos, sin],
-                        [f"l{j}.att", f"present_key_{j}", f"present_value_{j}"], domain=MS,
-                        num_heads=a.num_heads, kv_num_heads=a.num_kv_heads, do_rotary=1,
-                        local_window_size=int(window))[0]
+        att = self.attention(j, qkv, cos, sin, per_seq)
         o = self.linear(att, a.o_proj, f"l{j}.o")
         w2 = self.weight(f"l{j}.ln2", layer.post_attention_layernorm.weight)
         x2, _, _, resid = self.node("SkipSimplifiedLayerNormalization", [o, resid, w2],
@@ -395,6 +438,35 @@ def _segment_proto(model: MultiExitModel, layers: list[int], exit_layer: int | N
     return b.model_proto(name)
 
 
+def _verify_proto(model: MultiExitModel, b: int) -> onnx.ModelProto:
+    """``verify_{b}``: every layer for ``b`` sequences of T new rows each, attention sequence by sequence,
+    the last exit's hidden state at every row (:data:`VERIFY` in the module docstring)."""
+    g = _Builder(model)
+    cfg = g.cfg
+    d, kv, hd = cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
+    ids = g.input("input_ids", TensorProto.INT64, [b, "seq"])
+    h = g.node("Gather", [g.weight("embed", model.backbone.embed_tokens.weight), ids], ["embedded"])[0]
+    g.input("seqlens_k", TensorProto.INT32, [b])
+    layers = range(cfg.num_layers)
+    for j in layers:
+        for q in range(b):
+            for kind in ("key", "value"):
+                g.input(f"past_{kind}_{j}_{q}", TensorProto.FLOAT, [1, kv, "capacity", hd])
+    cos, sin = g.rope_tables()
+    per_seq = g.per_sequence_lengths(b)
+    resid, pending = h, None
+    for j in layers:
+        resid, pending = g.layer(j, resid, pending, cos, sin, per_seq)
+    out = g.node("Add", [resid, pending], ["hidden_out"])[0]
+    rows = g.node("Reshape", [out, g.const("c.rows_d", [-1, d])], ["exit_rows"])[0]  # [b * T, D]
+    g.exit_norm(model.num_layers, rows)
+    for j in layers:
+        for q in range(b):
+            for kind in ("key", "value"):
+                g.output(f"present_{kind}_{j}_{q}", TensorProto.FLOAT, [1, kv, "capacity", hd])
+    return g.model_proto(f"{VERIFY}{b}")
+
+
 def head_decides(model: MultiExitModel) -> bool:
     """Whether the ``head`` graph computes the exit rule's score: decision exits without gates or a
     candidate shortlist (those decide in the segment graph)."""
@@ -438,10 +510,11 @@ class FusedGraph:
     proto: onnx.ModelProto
 
 
-def build_fused(model: MultiExitModel, segments: list[list[int]], full: bool = True) -> list[FusedGraph]:
+def build_fused(model: MultiExitModel, segments: list[list[int]], full: bool = True,
+                verify_batches: tuple[int, ...] = ()) -> list[FusedGraph]:
     """The fused ``segment_{i}``, ``kvfill_{i}`` and ``head`` graphs of ``model`` cut at ``segments``
-    (0-based layers per segment; exits after each), and with ``full`` (and more than one segment) the
-    graph of every layer, :data:`FULL`.
+    (0-based layers per segment; exits after each), with ``full`` (and more than one segment) the
+    graph of every layer, :data:`FULL`, and a ``verify_{B}`` graph for each B of ``verify_batches``.
 
     Raises:
         ConfigError: the model has a shape the fused operators do not support (see
@@ -464,6 +537,8 @@ def build_fused(model: MultiExitModel, segments: list[list[int]], full: bool = T
         if full and n > 1:  # every layer in one call, for calls in which no row may leave early
             out.append(FusedGraph(FULL, _segment_proto(model, [j for seg in segments for j in seg], model.num_layers,
                                                        True, True, FULL)))
+        for b in verify_batches:
+            out.append(FusedGraph(f"{VERIFY}{b}", _verify_proto(model, b)))
     return out
 
 

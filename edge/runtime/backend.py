@@ -112,6 +112,8 @@ class Backend(abc.ABC):
     # largest prefill chunk); None: no limit (ONNX Runtime, torch). The engine clamps its prefill budget
     # to it, the host reports it in its stats, and every control policy stays within it
     max_chunk: int | None = None
+    # batch sizes whose sequences' drafts :meth:`verify` takes in one call (mode exact above batch 1)
+    verify_batches: tuple[int, ...] = ()
 
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
@@ -253,6 +255,28 @@ class Backend(abc.ABC):
             out = self.segment(i, x, slots, start, decide=False, rows=rows if i == len(self.segments) - 1 else 1)
             x = out.hidden
         return out
+
+    def verify(self, x: np.ndarray, slots: np.ndarray, start: np.ndarray) -> SegmentOut:
+        """Every layer for B sequences of T new rows each (x [B, T], B one of :attr:`verify_batches`, row
+        t of sequence b at position ``start[b] + t`` of slot ``slots[b]``), no decision exit: the full
+        model's logits and token at every row, sequence-major ([B * T]). What mode exact verifies
+        several sequences' drafts with, in one call."""
+        b, t = x.shape[:2]
+        if b not in self.verify_batches:
+            raise ConfigError(f"the {self.name} backend verifies batches of {list(self.verify_batches)} sequences, "
+                              f"not {b}")
+        if self.cache is None or int(start.max()) + t > self.cache.capacity:
+            raise ConfigError(f"positions up to {int(start.max()) + t} exceed the cache capacity "
+                              f"{None if self.cache is None else self.cache.capacity}")
+        return self._verify(x, slots, start)
+
+    def _verify(self, x, slots, start) -> SegmentOut:
+        """This default calls :meth:`full` sequence by sequence (the same tokens, none of the savings): a backend
+        lists a batch size in :attr:`verify_batches` only where it verifies it in one call."""
+        t = x.shape[1]
+        outs = [self.full(x[q:q + 1], slots[q:q + 1], start[q:q + 1], rows=t) for q in range(x.shape[0])]
+        cat = lambda name: None if getattr(outs[0], name) is None else np.concatenate([getattr(o, name) for o in outs])  # noqa: E731
+        return SegmentOut(None, cat("exit_hidden"), cat("logits"), cat("stats"), cat("token"))
 
     def head(self, i: int, exit_hidden: np.ndarray) -> HeadOut:
         """The LM head of decision exit i on normalised exit hidden rows [B, D], for decision exits that

@@ -442,6 +442,8 @@ class Engine:
         if not exact:
             self._step(seqs)
             return
+        if len(exact) == len(seqs) and self._verify_together(seqs):
+            return
         spec, b = self.cfg.speculative, len(seqs)
         per_token = self.call_costs.cost(b, 1) / b  # a row's seconds per token on a plain batched step
         plain = 1.0 / per_token
@@ -476,6 +478,80 @@ class Engine:
             t0 = time.perf_counter()
             self._speculate(drafting)
             self._exit_gate.observe(time.perf_counter() - t0, sum(len(s.tokens) for s in drafting) - emitted)
+
+    def _verify_together(self, seqs: list[_Seq]) -> bool:
+        """Mode exact at a batch size the backend verifies in one call (``Backend.verify_batches``): each
+        sequence's best lookup or corpus drafts, all padded to one length T, go to one call of the graph of
+        every layer, when that is expected to return more tokens per second than a plain batched step
+        (E = sum over rows of 1 + the drafts' expected accepted run, against C(B, T) measured as the engine
+        runs); a row without drafts gets its plain step's token from its first row. False: nothing was
+        done (no drafts, or none expected to pay), the caller steps."""
+        b, spec = len(seqs), self.cfg.speculative
+        if b not in self.backend.verify_batches or spec.exit_only:
+            return False
+        # the padded rows of every sequence are written to its cache slot: all of them must fit
+        most = min([spec.fixed if spec.stop is StopRule.FIXED else spec.max_draft]
+                   + [self.cfg.max_len - s.length - 1 for s in seqs])
+        if most < 1:
+            return False
+        rows: list[tuple[list[int], int, np.ndarray, Source] | None] = []
+        for s in seqs:
+            cap, best = min(most, self._draft_cap(s)), None
+            for src in spec.sources if cap >= 1 else ():
+                if src is Source.LOOKUP:
+                    drafts, n = s.lookup.draft(cap)
+                elif src is Source.CORPUS and self._ngram is not None:
+                    drafts, n = self._ngram.draft(s.tokens, cap)
+                else:
+                    continue
+                if drafts:
+                    probs = self._acceptance[src].probs(n, len(drafts))
+                    if best is None or np.cumprod(probs).sum() > np.cumprod(best[2]).sum():
+                        best = (drafts, n, probs, src)
+            rows.append(best)
+        drafted = [np.cumprod(r[2]) for r in rows if r is not None]
+        if not drafted:
+            return False
+        t, value = 1, b / self.call_costs.cost(b, 1)  # a plain step: b tokens
+        for k in range(1, max(map(len, drafted)) + 1):
+            v = (b + sum(float(p[:k].sum()) for p in drafted)) / self.call_costs.cost(b, k + 1)
+            if v > value:
+                t, value = k + 1, v
+        if t == 1:
+            return False
+        x = np.empty((b, t), np.int64)
+        for q, (s, r) in enumerate(zip(seqs, rows)):
+            x[q] = s.tokens[-1]  # a row's padding: its outputs are never read, its cache rows are overwritten later
+            if r is not None:
+                d = r[0][:t - 1]
+                x[q, 1:len(d) + 1] = d
+        t0 = time.perf_counter()
+        out = self.backend.verify(x, np.array([s.slot for s in seqs]), np.array([s.length for s in seqs]))
+        self.call_costs.observe(b, t, time.perf_counter() - t0)
+        for q, (s, r) in enumerate(zip(seqs, rows)):
+            if s.finished:  # a callback of this round cancelled it
+                continue
+            drafts = [] if r is None else r[0][:t - 1]
+            at = q * t
+            if s.req.temperature > 0:  # a lookup draft is a point mass: q(x) = 1
+                full = [token_distribution(out.logits[at + j], s.req.temperature, s.req.top_p)
+                        for j in range(len(drafts) + 1)]
+                point = [np.eye(1, full[0].shape[0], d, dtype=np.float64)[0] for d in drafts]
+                accepted, token = accept_sampled(drafts, point, full, s.rng)
+            else:
+                accepted, token = accept_greedy(drafts, out.token[at:at + len(drafts) + 1])
+            if r is None:
+                self.plain_steps += 1
+            else:
+                _, n, probs, src = r
+                self._acceptance[src].record(n, len(drafts), accepted)
+                for stats in (self.spec_stats, self.source_stats[src.value]):
+                    stats.record(len(drafts), accepted, float(probs[:len(drafts)].sum()))
+            for tok in drafts[:accepted] + [token]:
+                if s.finished:  # a stop id, max_tokens, or a callback's cancel ended it: the rest is dropped
+                    break
+                self._emit(s, tok, self.backend.num_layers)
+        return True
 
     def _best_draft(self, s: _Seq, plain: float) -> tuple[list[int], int, float, Source] | None:
         """Sequence ``s``'s lookup or corpus drafts whose round is expected to return the most tokens per

@@ -33,11 +33,13 @@ from edge.core.errors import ConfigError, require
 from edge.runtime.ortsession import open_session, pool_threads
 
 FULL = "full"  # the fused graph of every layer (exporters/ort_fused.py)
+VERIFY = "verify_"  # + B: the fused graph of every layer for B sequences of several rows (exporters/ort_fused.py)
 
 PREFERRED_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
 _PREV_FIELD = {"prev_exit_hidden": "exit_hidden", "prev_token": "token", "prev_run": "run", "prev_gate": "gate",
                "prev_tokens": "cand_tokens", "prev_logits": "cand_logits"}
 MAX_PLAN_ROWS = 8  # calls of up to this many rows per sequence keep their binding (a prompt chunk does not)
+MAX_VERIFY_PLANS = 64  # verify bindings kept (per rows and slots); more are dropped and rebuilt as needed
 
 
 def _col(a: np.ndarray) -> np.ndarray:
@@ -106,6 +108,9 @@ class OrtBackend(Backend):
         self._session = session
         # K/V fill graphs (state propagation) are opened on first use: deferral never loads their weights
         self._fill: list = [None] * len(self.segments)
+        # graphs that verify several sequences' drafts in one call (mode exact above batch 1), opened on first use
+        self.verify_batches = tuple(sorted(int(n[len(VERIFY):]) for n in fused["graphs"] if n.startswith(VERIFY)))
+        self._verify_sess: dict[int, object] = {}
         self._head_sess = session("head")  # one LM head for every exit
         # self-speculative drafts' head (int8 weights), opened on first use; the exact head if not exported
         self._draft_head_sess = None if "draft_head" in fused["graphs"] else self._head_sess
@@ -123,6 +128,7 @@ class OrtBackend(Backend):
 
     def _attached(self) -> None:
         self._plans.clear()
+        self._verify_plans: dict[tuple, _Plan] = {}
         self._bufs.clear()
         self._step_plans: dict[tuple[int, int], list[_Plan]] = {}
         self._views: dict[tuple[int, int, int], tuple] = {}
@@ -322,6 +328,53 @@ class OrtBackend(Backend):
             if i == last or ((score[0] >= 0.0 and allowed[0]) if b == 1 else bool(((score >= 0.0) & allowed).any())):
                 return i, plan.out
         raise AssertionError("unreachable")
+
+    def _verify(self, x, slots, start):
+        """One call of the ``verify_{B}`` graph (the layers; attention per sequence, so any slots) and the LM
+        head on its B * T rows. Bindings are kept per (T, slots): a batch keeps its slots while it decodes."""
+        b, t = x.shape[:2]
+        key = (t, *map(int, slots))
+        plan = self._verify_plans.get(key)
+        if plan is None:
+            if len(self._verify_plans) >= MAX_VERIFY_PLANS:  # batches come and go in serving: bound the bindings
+                self._verify_plans.clear()
+            plan = self._verify_plans[key] = self._make_verify_plan(b, t, slots)
+        np.copyto(plan.x, x)
+        np.add(start, t - 1, out=plan.seqlens, casting="unsafe")
+        self._verify_sess[b].run_with_iobinding(plan.io)
+        plan.head_sess.run_with_iobinding(plan.head_io)
+        return plan.out
+
+    def _make_verify_plan(self, b: int, t: int, slots: np.ndarray) -> _Plan:
+        if b not in self._verify_sess:
+            self._verify_sess[b] = self._session(f"{VERIFY}{b}")
+        ov = self.ort.OrtValue.ortvalue_from_numpy
+        d, v, f32, r = self.spec.hidden_size, self.vocab_size, np.float32, b * t
+        last = len(self.segments) - 1
+        out = SegmentOut(hidden=None, exit_hidden=np.zeros((r, d), f32), logits=np.zeros((r, v), f32),
+                         stats=np.zeros((r, 3), f32), token=np.zeros(r, np.int64))
+        io = self._verify_sess[b].io_binding()
+        plan = _Plan(io, self._head_sess.io_binding(), self._head_sess, np.zeros((b, t), np.int64),
+                     np.zeros(b, np.int32), np.zeros((), np.int32), np.zeros((), np.int64), out, {})
+        io.bind_ortvalue_input("input_ids", ov(plan.x))
+        io.bind_ortvalue_input("seqlens_k", ov(plan.seqlens))
+        io.bind_ortvalue_output("exit_hidden", ov(out.exit_hidden))
+        for j in range(self.num_layers):
+            for q, slot in enumerate(map(int, slots)):
+                for kind, value in zip(("key", "value"), self._cache_values(j, slot, 1)):
+                    io.bind_ortvalue_input(f"past_{kind}_{j}_{q}", value)
+                    io.bind_ortvalue_output(f"present_{kind}_{j}_{q}", value)
+        head_outs = {"logits": out.logits, "exit_stats": out.stats, "exit_token": out.token}
+        head_in = {}
+        if self._head_decides:  # the last exit's score: nobody reads it (a rule of zeros, no previous exit)
+            out.features, out.score, out.run = np.zeros((r, self.spec.num_features), f32), np.zeros(r, f32), np.zeros(r, f32)
+            head_outs.update(exit_features=out.features, exit_score=out.score, exit_run=out.run)
+            head_in = {"prev_exit_hidden": np.zeros((r, d), f32), "prev_token": np.zeros(r, np.int64),
+                       "prev_run": np.zeros(r, f32)}
+            plan.head_io.bind_ortvalue_input("has_prev", self._has_prev[0])
+        plan.head_io.bind_ortvalue_input("exit_hidden", ov(out.exit_hidden))
+        self._bind(plan.head_io, head_in, head_outs, last if self._head_decides else None)
+        return plan
 
     def _draft_head(self):
         if self._draft_head_sess is None:

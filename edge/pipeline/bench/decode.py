@@ -110,6 +110,10 @@ class DecodeBenchConfig:
     # depth); null measures speculation at every batch size
     speculate_max_batch: int | None = 1
     spec_ceiling: bool = True  # the self-speculation ceiling at batch 1 (edge/pipeline/bench/spec_ceiling.py)
+    # (e) against (c) at these batch sizes besides ``batch_sizes`` (the two systems only, paired): sizes the
+    # export verifies several sequences at in one call (export.verify_batches). None: each such size not
+    # in batch_sizes; [] none
+    spec_verify_batches: list[int] | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -132,6 +136,11 @@ class DecodeBenchConfig:
             raise ConfigError(f"bench.spec_sweep_warmup must be >= 0 or null, got {self.spec_sweep_warmup}")
         if self.decision_repeats < 1:
             raise ConfigError(f"bench.decision_repeats must be >= 1, got {self.decision_repeats}")
+        if self.spec_verify_batches is not None and (
+                not isinstance(self.spec_verify_batches, list)
+                or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 2 for b in self.spec_verify_batches)):
+            raise ConfigError(f"bench.spec_verify_batches must be null or a list of batch sizes >= 2, "
+                              f"got {self.spec_verify_batches!r}")
 
 
 # ------------------------------------------------------------------ systems
@@ -692,11 +701,48 @@ class _DecodeBench:
         results["speculative_mismatches"], results["speculative_tokens_compared"] = spec_bad
         results["speculative_mismatches_same_graph"], results["speculative_tokens_compared_same_graph"] = same_total
 
+    def exact_at_verify_batches(self) -> None:
+        """(e) against (c) at the batch sizes the export verifies several sequences at in one call
+        (``Backend.verify_batches``) and the batch rows do not run: warm-up + repeats, interleaved and
+        paired; their mismatches count with every other exact run's."""
+        cfg, run, systems, results, bar = self.cfg, self.run, self.systems, self.results, self.bar
+        sizes = ([b for b in systems.backend.verify_batches if b not in cfg.batch_sizes]
+                 if cfg.spec_verify_batches is None else cfg.spec_verify_batches)
+        missing = sorted(set(sizes) - set(systems.backend.verify_batches))
+        if missing:
+            raise ConfigError(f"bench.spec_verify_batches {missing}: the export has verify graphs for batches "
+                              f"{list(systems.backend.verify_batches)} only (export.verify_batches)")
+        rows = {}
+        for b in sizes:
+            prompts = run.prompts(b, cfg.prompt_tokens, cfg.seed)
+            runs: dict[str, list[RunResult]] = {"engine_speculative": [], "engine_full": []}
+            for rep in range(cfg.warmup + cfg.repeats):
+                for s in (("engine_speculative", "engine_full") if rep % 2 else ("engine_full", "engine_speculative")):
+                    bar.set_postfix_str(f"(e) at batch {b}, {'warm-up' if rep < cfg.warmup else 'repeat'} {rep + 1}, {s}")
+                    r = systems.run(s, prompts, cfg.new_tokens)
+                    if rep >= cfg.warmup:
+                        runs[s].append(r)
+            bad = [token_mismatches(e.tokens, c.tokens) for e, c in zip(runs["engine_speculative"], runs["engine_full"])]
+            self.spec_bad[0] += sum(m for m, _ in bad)  # every exact run counts against losslessness
+            self.spec_bad[1] += sum(t for _, t in bad)
+            rows[str(b)] = {"speedup_speculative_vs_full": paired_ratio(runs, "engine_speculative", "engine_full"),
+                            "speculative_by_source": source_rows(runs["engine_speculative"]),
+                            "speculative_mismatches": sum(m for m, _ in bad),
+                            "speculative_tokens_compared": sum(t for _, t in bad)}
+            tqdm.write(f"(e) at batch {b}: {rows[str(b)]['speedup_speculative_vs_full']:.2f}x (c), "
+                       f"{rows[str(b)]['speculative_mismatches']} of {rows[str(b)]['speculative_tokens_compared']} "
+                       "tokens differ")
+        results["speculative_by_verify_batch"] = rows
+
     def verification_and_profile(self) -> None:
-        """rho(k) at batch 1, and a profiled decode step of (d)."""
+        """rho(k) at batch 1 and at the batch sizes the export verifies in one call, and a profiled decode
+        step of (d)."""
         cfg, run, systems, results, bar, d_sys = self.cfg, self.run, self.systems, self.results, self.bar, self.d_sys
         bar.set_postfix_str("rho(k): verification calls of k rows at batch 1")
-        results["verify_cost_ratio_b1"] = verify_cost_ratios(systems.backend, cfg.prompt_tokens + cfg.new_tokens // 2)
+        past = cfg.prompt_tokens + cfg.new_tokens // 2
+        results["verify_cost_ratio_b1"] = verify_cost_ratios(systems.backend, past)
+        results["verify_cost_ratio_by_batch"] = {str(b): verify_cost_ratios(systems.backend, past, batch=b)
+                                                 for b in systems.backend.verify_batches}
         bar.set_postfix_str("profiling a decode step of (d)")
         results["profile_b1"] = profile_step(systems, run.prompts(cfg.batch1_prompts,
                                                                       cfg.prompt_tokens, cfg.seed), cfg.new_tokens, d_sys)
@@ -752,6 +798,7 @@ def main(cfg: DecodeBenchConfig) -> int:
     bench.start()
     for b in cfg.batch_sizes:
         bench.batch(b)
+    bench.exact_at_verify_batches()
     bench.exact_and_totals()
     bench.verification_and_profile()
     bench.peak_memory()

@@ -85,22 +85,26 @@ def divergences(backend, prompts: list[list[int]], exact: list[list[int]], refer
     return out
 
 
-def verify_cost_ratios(backend, past: int, rows=(1, 2, 4, 8), repeats: int = 30) -> dict[str, float]:
-    """rho(k): the median time of a call of the graph of every layer carrying k new tokens of one
-    sequence, over the median of a call carrying 1, at batch 1, the shapes called in turn (ONNX
-    Runtime's CPU attention takes several new rows with a past only at batch 1: a batch verifies
-    sequence by sequence)."""
+def verify_cost_ratios(backend, past: int, rows=(1, 2, 4, 8), repeats: int = 30, batch: int = 1) -> dict[str, float]:
+    """rho(k): the median time of a call of the graph of every layer carrying k new tokens of each of
+    ``batch`` sequences, over the median of a call carrying 1 (a plain step), the shapes called in
+    turn. Above batch 1 the k > 1 calls are the backend's ``verify`` (a batch size it has a verify
+    graph for: ONNX Runtime's CPU attention takes several new rows with a past only sequence by
+    sequence), the k = 1 call its graph of every layer, as the engine runs them."""
     from edge.runtime.cache import KVCache
 
-    backend.attach(KVCache(backend.num_layers, backend.num_kv_heads, backend.head_dim, 1, past + max(rows)))
+    backend.attach(KVCache(backend.num_layers, backend.num_kv_heads, backend.head_dim, batch, past + max(rows)))
     rng = np.random.default_rng(0)
-    slots, start = np.array([0]), np.array([past])
+    slots, start = np.arange(batch), np.full(batch, past)
     times: dict[int, list[float]] = {k: [] for k in rows}
     for rep in range(repeats + 2):
         for k in rows:
-            x = rng.integers(0, backend.vocab_size, (1, k))
+            x = rng.integers(0, backend.vocab_size, (batch, k))
             t0 = time.perf_counter()
-            backend.full(x, slots, start, rows=k)
+            if batch == 1 or k == 1:
+                backend.full(x, slots, start, rows=k)
+            else:
+                backend.verify(x, slots, start)
             if rep >= 2:  # the first calls of a shape build its bindings
                 times[k].append(time.perf_counter() - t0)
     one = float(np.median(times[1]))

@@ -160,6 +160,12 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
         "speculative_mismatches_same_graph": results.get("speculative_mismatches_same_graph"),
         "speculative_tokens_compared_same_graph": results.get("speculative_tokens_compared_same_graph"),
         "verify_cost_ratio_k4_b1": (results.get("verify_cost_ratio_b1") or {}).get("4"),
+        # rho(4) where the export verifies several sequences in one call (verify graphs), by batch size
+        "verify_cost_ratio_k4_by_batch": {b: r.get("4") for b, r in (results.get("verify_cost_ratio_by_batch") or {}).items()},
+        # (e)/(c) at every batch measured: the batch rows and the verify-graph batch sizes
+        "speedup_speculative_vs_full_by_batch": {
+            **{b: row.get("speedup_speculative_vs_full") for b, row in bs.items()},
+            **{b: row["speedup_speculative_vs_full"] for b, row in (results.get("speculative_by_verify_batch") or {}).items()}},
         "speedup_speculative_vs_hf_lookup_b1": b1.get("speedup_speculative_vs_hf_lookup"),
         "speedup_speculative_vs_llamacpp_lookup_b1": b1.get("speedup_speculative_vs_llamacpp_lookup"),
         "speedup_speculative_vs_llamacpp_b1": b1.get("speedup_speculative_vs_llamacpp"),
@@ -267,7 +273,17 @@ def speculative_markdown(results: dict[str, Any]) -> list[str]:
              f"**{results.get('speculative_mismatches_same_graph')}** of "
              f"{results.get('speculative_tokens_compared_same_graph')}.", "",
              "rho(k), a call of the graph of every layer with k new rows of one sequence over a call with 1, batch 1: "
-             + ", ".join(f"k={k} {v:.2f}" for k, v in rho.items()) + ".", ""]
+             + ", ".join(f"k={k} {v:.2f}" for k, v in rho.items()) + "."
+             + "".join(f" Batch {b} (k new rows of each of {b} sequences in one call of the verify graph, over a plain "
+                       f"step): " + ", ".join(f"k={k} {v:.2f}" for k, v in r.items()) + "."
+                       for b, r in (results.get("verify_cost_ratio_by_batch") or {}).items()), ""]
+    for b, row in (results.get("speculative_by_verify_batch") or {}).items():
+        src = row.get("speculative_by_source") or {}
+        parts = [f"{k}: {v['rounds']} rounds, {v['tokens_per_round']:.2f} tokens per round, acceptance "
+                 f"{v['acceptance_rate']:.2f}" for k, v in src.items() if k != "plain_steps" and v]
+        lines.append(f"- batch {b} (verify graph; (e) and (c) only): (e)/(c) {f(row['speedup_speculative_vs_full'])}, "
+                     f"{row['speculative_mismatches']} of {row['speculative_tokens_compared']} tokens differ; "
+                     + "; ".join(parts + [f"plain steps {src.get('plain_steps')}"]))
     for b, row in results["batches"].items():
         for d in row.get("speculative_divergences_same_graph") or []:
             lines.append(f"- batch {b}, sequence {d['sequence']}: first differs at output {d['index']} ((e) {d['exact']}, "

@@ -60,9 +60,11 @@ def test_head_weight_stored_once_per_family(exported):
     v, d = TINY["vocab_size"], TINY["hidden_size"]
     for folder, embedding_in in ((out, "embed.onnx"), (out / FUSED_DIR, "segment_0.onnx")):
         held = {p.name: _vocab_sized(p, v, d) for p in sorted(folder.glob("*.onnx"))}
-        # the fused family adds the int8 draft head of self-speculative decoding (a quarter of the bytes) and the
-        # graph of every layer, with its own embedding table (ExportConfig.full_graph: off for a model too big twice)
-        draft = {"draft_head.onnx": 1, "full.onnx": 1} if folder.name == FUSED_DIR else {}
+        # the fused family adds the int8 draft head of self-speculative decoding (a quarter of the bytes), the
+        # graph of every layer and the verify graphs, each with its own embedding table (ExportConfig.full_graph
+        # and verify_batches: off for a model the device cannot hold several times)
+        draft = ({"draft_head.onnx": 1, "full.onnx": 1, **{f"verify_{b}.onnx": 1 for b in ExportConfig().verify_batches}}
+                 if folder.name == FUSED_DIR else {})
         assert {k: len(n) for k, n in held.items() if n} == {embedding_in: 1, "head.onnx": 1, **draft}, held
     proto = onnx.load(str(out / FUSED_DIR / "draft_head.onnx"))
     (w,) = [t for t in proto.graph.initializer if int(np.prod(t.dims)) == v * d]
@@ -76,7 +78,7 @@ def test_graphs_json_lists_one_head(exported):
     g, fused = meta["graphs"], meta["fused"]["graphs"]
     assert sorted(g) == ["embed", "head", "kvfill_1", "kvfill_2", "kvfill_3",
                          "segment_0", "segment_1", "segment_2", "segment_3"]
-    assert sorted(fused) == sorted(set(g) - {"embed"} | {"draft_head", "full"})
+    assert sorted(fused) == sorted(set(g) - {"embed"} | {"draft_head", "full", "verify_2", "verify_4", "verify_8"})
     assert g["head"]["inputs"] == ["exit_hidden"] and g["head"]["outputs"] == ["logits", "exit_stats", "exit_token"]
     assert g["segment_1"]["outputs"] == ["hidden_out", "exit_hidden", "present_key_1", "present_value_1"]
     # the fused head also scores the exit rule; "first exit" is an input (one graph, one copy of the weight)
@@ -159,9 +161,10 @@ def test_backend_holds_one_head_however_many_exits(tmp_path):
     head = vocab * hidden * 4  # float32; the embedding table is the same size
     model = make_model(layers=EXITS, vocab_size=vocab)
     out = tmp_path / "g"
-    # without the graph of every layer, which holds a second copy of the layers and the embedding table on
-    # purpose (ExportConfig.full_graph): what is measured here is that the exits share one head
-    export_onnx(model, out, ExportConfig(slim=False, full_graph=False), CKPT)
+    # without the graph of every layer and the verify graphs, which hold more copies of the layers and the
+    # embedding table on purpose (ExportConfig.full_graph, verify_batches): what is measured here is that the
+    # exits share one head
+    export_onnx(model, out, ExportConfig(slim=False, full_graph=False, verify_batches=[]), CKPT)
     small = _small_weight_bytes(out / FUSED_DIR, vocab, hidden)
     assert small < 0.1 * head
     run = subprocess.run([sys.executable, "-c", RSS, str(out)], cwd=Path(__file__).parents[3],
