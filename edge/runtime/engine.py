@@ -44,8 +44,8 @@ from edge.runtime.rules import TOP1, BatchExitRule, NeverExit, score_form
 from edge.runtime.sampling import choose_token, token_distribution
 from edge.runtime.settings import MAX_RUNNING, MAX_SEQS, PREFILL_BUDGET, clamp_budget
 from edge.runtime.speculative import (MAX_VERIFY_ROWS, CallCosts, DraftCosts, ExitDraftGate, LookupAcceptance, Source,
-                                      SpecConfig, SpecStats, StopRule, accept_greedy, accept_sampled, include_next,
-                                      lookup_length)
+                                      SpecConfig, SpecStats, SpeculationGate, StopRule, accept_greedy, accept_sampled,
+                                      include_next, lookup_length)
 from edge.core.errors import ConfigError, RequestError
 
 log = logging.getLogger("smartexit.engine")
@@ -260,6 +260,8 @@ class Engine:
         if "exit_gate" not in backend.draft_costs:
             backend.draft_costs["exit_gate"] = ExitDraftGate()
         self._exit_gate: ExitDraftGate = backend.draft_costs["exit_gate"]
+        # above batch 1, whether looking for drafts has paid: whole iterations' seconds per token, by batch size
+        self._spec_gate: SpeculationGate = backend.draft_costs.setdefault("speculation_gate", SpeculationGate())
         # exit drafts need an exit, and the calibrated stop rule its calibrators
         self._exit_drafts = (Source.EXIT in spec.sources and self._draft_seg is not None
                              and not (spec.stop is StopRule.CALIBRATED and self._agreement is None))
@@ -435,13 +437,33 @@ class Engine:
 
     def _decode(self, seqs: list[_Seq]) -> None:
         """One decode iteration. Requests in mode exact draft where a draft is expected to pay
-        (edge/runtime/speculative.py): a lookup draft is verified in a call of its own; exit drafts run
-        as a batched round (at batches up to ``speculate_max_batch``, while they measure cheaper per
-        token than plain steps); every other row takes one plain step, batched."""
+        (edge/runtime/speculative.py): at a batch size with a verify graph, the whole batch in one call;
+        else a lookup draft is verified in a call of its own; exit drafts run as a batched round (at
+        batches up to ``speculate_max_batch``, while they measure cheaper per token than plain steps);
+        every other row takes one plain step, batched. Above batch 1 the iteration drafts only while
+        iterations that did have measured cheaper per token than plain ones (SpeculationGate)."""
         exact = [s for s in seqs if s.req.mode is Mode.EXACT]
         if not exact:
             self._step(seqs)
             return
+        b = len(seqs)
+        if b == 1 or self.cfg.speculative.exit_only:
+            # a batch of one: every choice below is priced by the call it makes; exit drafts alone: configured
+            self._speculate_or_step(seqs, exact)
+            return
+        # above batch 1, whether looking for drafts pays is measured on whole iterations (SpeculationGate)
+        speculate = self._spec_gate.speculate(b)
+        t0, before = time.perf_counter(), sum(len(s.tokens) for s in seqs)
+        if speculate:
+            self._speculate_or_step(seqs, exact)
+        else:
+            self.plain_steps += len(exact)
+            self._step(seqs)
+        self._spec_gate.observe(b, speculate, time.perf_counter() - t0, sum(len(s.tokens) for s in seqs) - before)
+
+    def _speculate_or_step(self, seqs: list[_Seq], exact: list[_Seq]) -> None:
+        """The drafting half of :meth:`_decode`: one call for the batch where it verifies together, else
+        each exact row drafts where its round is expected to pay and the rest step together."""
         if len(exact) == len(seqs) and self._verify_together(seqs):
             return
         spec, b = self.cfg.speculative, len(seqs)

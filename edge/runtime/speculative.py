@@ -320,6 +320,50 @@ class ExitDraftGate:
         return False
 
 
+class SpeculationGate:
+    """Whether mode exact's speculation pays at a decode batch size above 1, by the realized seconds per
+    emitted token of whole decode iterations (drafting, verification, padding, host work, new bindings
+    all in): a moving average over iterations that looked for drafts and one over iterations that took
+    plain steps, per batch size. It speculates while the first is below the second; each side is
+    measured at least once (speculation first) and the side not chosen is measured again every
+    ``RETRY`` iterations (costs drift). The per-shape call costs (:class:`CallCosts`) choose the drafts;
+    this gate answers whether choosing them has paid on this machine, which a cost model of calls alone
+    misses where calls of one shape vary by tens of percent (a shared 2-core VM). The first iteration of
+    each (batch, side) is not counted (bindings, a graph opened), and an observation counts at most
+    ``OUTLIER`` times the current average."""
+
+    ALPHA = 0.2
+    RETRY = 32
+    OUTLIER = 3.0
+
+    def __init__(self) -> None:
+        self.per_token: dict[tuple[int, bool], float] = {}  # (batch, speculated) -> seconds per token
+        self._seen: dict[tuple[int, bool], int] = {}
+        self._since: dict[int, int] = {}
+
+    def speculate(self, b: int) -> bool:
+        spec, plain = self.per_token.get((b, True)), self.per_token.get((b, False))
+        if spec is None or plain is None:
+            return spec is None
+        wins = spec < plain
+        self._since[b] = self._since.get(b, 0) + 1
+        if self._since[b] >= self.RETRY:
+            self._since[b] = 0
+            return not wins
+        return wins
+
+    def observe(self, b: int, speculated: bool, seconds: float, tokens: int) -> None:
+        key = (b, speculated)
+        self._seen[key] = self._seen.get(key, 0) + 1
+        if self._seen[key] == 1 or tokens < 1:
+            return
+        v, old = seconds / tokens, self.per_token.get(key)
+        self.per_token[key] = v if old is None else old + self.ALPHA * (min(v, self.OUTLIER * old) - old)
+
+    def as_dict(self) -> dict[str, float]:
+        return {f"{b}{'_spec' if spec else '_plain'}": v for (b, spec), v in sorted(self.per_token.items())}
+
+
 def include_next(rule: SpecConfig, drafts: int, probs: list[float], top1: float, costs: DraftCosts) -> bool:
     """Whether draft token ``drafts + 1`` (just drafted, ``probs`` the calibrated agreement of drafts
     1..drafts+1, ``top1`` its top-1 probability) joins the verification."""

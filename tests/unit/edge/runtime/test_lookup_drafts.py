@@ -21,7 +21,8 @@ from edge.core.errors import ConfigError
 from edge.model.lookup import Lookup
 from edge.runtime.backend import make_backend
 from edge.runtime.engine import Engine, EngineConfig, Mode, Request
-from edge.runtime.speculative import CallCosts, ExitDraftGate, LookupAcceptance, SpecConfig, lookup_length
+from edge.runtime.speculative import (CallCosts, ExitDraftGate, LookupAcceptance, SpecConfig, SpeculationGate,
+                                      lookup_length)
 from edge.runtime.torch_backend import TorchBackend
 from tests.unit.edge.runtime.test_engine import _model, _run
 from tests.unit.edge.runtime.test_speculative import _full
@@ -54,11 +55,19 @@ class _FlatCosts(CallCosts):
         return float(b)
 
 
+class _AlwaysSpeculate(SpeculationGate):
+    """Above batch 1 every iteration looks for drafts, whatever the machine measured."""
+
+    def speculate(self, b):
+        return True
+
+
 def _engine(backend, flat=True, **cfg) -> Engine:
     spec = cfg.pop("speculative", SpecConfig(**LOOKUP))
     eng = Engine(backend, EngineConfig(**{"max_len": 128, **cfg}, speculative=spec))
     if flat:
         eng.call_costs = _FlatCosts()
+        eng._spec_gate = _AlwaysSpeculate()
     return eng
 
 
@@ -176,6 +185,7 @@ def test_mixed_batch_and_both_sources():
     eng = Engine(TorchBackend(m), EngineConfig(max_len=128, speculate_max_batch=None,
                                                speculative=SpecConfig(stop="fixed", fixed=2)), _Agreement())
     eng.call_costs = _FlatCosts()
+    eng._spec_gate = _AlwaysSpeculate()
     modes = [Mode.EXACT, Mode.FULL, Mode.EXACT, Mode.EXACT, Mode.FULL, Mode.EXACT]
     ids = [eng.submit(Request(p, 24, mode=md)) for p, md in zip(prompts, modes)]
     out = {i: [] for i in ids}

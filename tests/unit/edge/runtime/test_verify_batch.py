@@ -12,11 +12,11 @@ from edge.core.errors import ConfigError
 from edge.runtime.backend import make_backend
 from edge.runtime.cache import KVCache
 from edge.runtime.engine import Engine, EngineConfig, Mode
-from edge.runtime.speculative import CallCosts, SpecConfig
+from edge.runtime.speculative import CallCosts, SpecConfig, SpeculationGate
 from edge.runtime.torch_backend import TorchBackend
 from exporters.onnx_export import ExportConfig
 from tests.unit.edge.runtime.test_engine import _run
-from tests.unit.edge.runtime.test_lookup_drafts import LOOKUP, _FlatCosts, _looping, _looping_prompts
+from tests.unit.edge.runtime.test_lookup_drafts import LOOKUP, _AlwaysSpeculate, _FlatCosts, _looping, _looping_prompts
 from tests.unit.edge.runtime.test_speculative import _full
 
 torch.set_num_threads(1)
@@ -54,6 +54,7 @@ def _engine(backend, batch, costs=None, **cfg) -> Engine:
     spec = cfg.pop("speculative", SpecConfig(**LOOKUP))
     eng = Engine(backend, EngineConfig(**{"max_len": 128, **cfg}, max_seqs=batch, max_running=batch, speculative=spec))
     eng.call_costs = costs if costs is not None else _FlatCosts()
+    eng._spec_gate = _AlwaysSpeculate()
     return eng
 
 
@@ -177,6 +178,43 @@ def test_a_round_near_the_end_of_the_cache_pads_within_it(backend):
                mode=Mode.FULL)
     assert [[t for t, _ in r] for r in got] == [[t for t, _ in r] for r in ref]
     assert counted.calls and min(rooms) < max(t for _, t in counted.calls), (rooms, counted.calls)
+
+
+def test_speculation_gate_follows_whole_iterations_and_retries():
+    gate = SpeculationGate()
+    assert gate.speculate(4)  # untried: speculation first
+    for _ in range(3):
+        gate.observe(4, True, 0.010, 4)  # the first is not counted; then 2.5 ms a token
+    assert not gate.speculate(4)  # plain untried: measured next
+    for _ in range(3):
+        gate.observe(4, False, 0.004, 4)  # 1 ms a token: plain wins
+    choices = [gate.speculate(4) for _ in range(64)]
+    assert choices.count(True) == 2 and not any(choices[:30])  # speculation re-measured every RETRY iterations
+    gate.observe(4, True, 100.0, 4)  # an outlier counts at most 3 times the average
+    assert gate.per_token[(4, True)] == pytest.approx(0.0025 + 0.2 * (3 * 0.0025 - 0.0025))
+    for _ in range(40):
+        gate.observe(4, True, 0.002, 4)  # speculation now measures cheaper: it runs
+    assert gate.speculate(4) and gate.speculate(2)  # another batch size is its own
+
+
+def test_a_batch_where_speculation_measured_dearer_takes_plain_steps(backend):
+    """The gate has measured whole iterations with drafts dearer per token than plain ones at batch 2:
+    the engine steps (no verify call, no per-row draft) except for the gate's periodic re-measurement."""
+    prompts = _looping_prompts(2, seed=4)
+    counted = _Counted(backend)
+    eng = _engine(backend, 2)
+    gate = eng._spec_gate = SpeculationGate()
+    gate.per_token = {(2, True): 1.0, (2, False): 0.001}
+    gate._seen = {(2, True): 5, (2, False): 5}
+    gate.RETRY = 10 ** 6
+    try:
+        got = _run(eng, prompts, max_tokens=16, mode=Mode.EXACT)
+    finally:
+        del backend.verify
+    ref = _run(Engine(backend, EngineConfig(max_len=128, max_seqs=2, max_running=2)), prompts, max_tokens=16,
+               mode=Mode.FULL)
+    assert [[t for t, _ in r] for r in got] == [[t for t, _ in r] for r in ref]
+    assert counted.calls == {} and eng.spec_stats.rounds == 0 and eng.plain_steps >= 2 * 14
 
 
 def test_the_generic_verify_is_each_sequence_alone():
