@@ -467,6 +467,16 @@ def _verify_proto(model: MultiExitModel, b: int) -> onnx.ModelProto:
     return g.model_proto(f"{VERIFY}{b}")
 
 
+def build_verify(model: MultiExitModel, b: int) -> FusedGraph:
+    """The ``verify_{b}`` graph of ``model`` alone (what :func:`build_fused` adds per verify batch), for a
+    caller that builds its graphs one at a time to bound memory."""
+    reason = fused_supported(model)
+    if reason:
+        raise ConfigError(f"fused ONNX Runtime graphs: {reason}")
+    with torch.no_grad():
+        return FusedGraph(f"{VERIFY}{b}", _verify_proto(model.eval(), b))
+
+
 def head_decides(model: MultiExitModel) -> bool:
     """Whether the ``head`` graph computes the exit rule's score: decision exits without gates or a
     candidate shortlist (those decide in the segment graph)."""

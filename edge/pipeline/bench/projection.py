@@ -39,6 +39,7 @@ import numpy as np
 from edge.core.artifacts import Manifest, atomic_write_json, atomic_write_text
 from edge.core.errors import ArtifactError, ConfigError
 from edge.model.config import Arch, ModelConfig, RopeConfig, preset
+from edge.pipeline.bench.verify_cost import verify_costs
 
 STAGE = "bench_projection"
 
@@ -89,6 +90,9 @@ class ProjectionBenchConfig:
     repeats: int = 5  # interleaved rounds over the chains; medians and min-max over these
     seed: int = 0  # the random weights'
     keep_graphs: bool = False  # keep <run_dir>/bench/projection_graphs/<shape> (gigabytes) after measuring
+    # rho(k) of mode exact's verification at batch 1 and at these batch sizes (a verify graph each: another
+    # copy of the layers on disk and, while timed, in memory); [] measures none
+    verify_batches: list[int] = field(default_factory=lambda: [4])
 
     def __post_init__(self) -> None:
         if not self.shapes:
@@ -98,6 +102,8 @@ class ProjectionBenchConfig:
             raise ConfigError(f"bench projection: batch_sizes {self.batch_sizes} must be >= 1 and include 1")
         if min(self.threads, self.past, self.calls, self.repeats) < 1:
             raise ConfigError("bench projection: threads, past, calls and repeats must be >= 1")
+        if not all(isinstance(b, int) and 2 <= b <= 64 for b in self.verify_batches):
+            raise ConfigError(f"bench projection: verify_batches {self.verify_batches} must be batch sizes in 2..64")
         for name, c in zip(self.shapes, cfgs):
             if self.past >= c.max_position_embeddings:
                 raise ConfigError(f"bench projection: past {self.past} is beyond shape {name}'s "
@@ -230,18 +236,20 @@ def _peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def export_graphs(cfg: ModelConfig, exit_layers: list[int], shortlist: int, seed: int, out: Path) -> None:
+def export_graphs(cfg: ModelConfig, exit_layers: list[int], shortlist: int, seed: int, out: Path,
+                  verify_batches: tuple[int, ...] = ()) -> None:
     """Random float32 weights of shape ``cfg`` (std 0.02) with exits at ``exit_layers`` and a candidate
     shortlist of ``shortlist`` tokens, exported to ``out``: ``checks/`` (the fused segment graphs with
-    their checks, ``head`` and ``full``) and ``split/`` (the segments without checks). One set of
-    graphs is in memory at a time, and the torch weights are gone when this returns."""
+    their checks, ``head``, ``full`` and a ``verify_{B}`` graph per B of ``verify_batches``) and
+    ``split/`` (the segments without checks). One set of graphs is in memory at a time, and the torch
+    weights are gone when this returns."""
     import torch
 
     from edge.model.decoder import Decoder
     from edge.model.exits import ExitConfig, MultiExitModel
     from edge.model.segments import segment_layers
     from edge.pipeline.bench.decision import split_graphs
-    from exporters.ort_fused import FULL, FusedGraph, build_fused, save_fused
+    from exporters.ort_fused import FULL, FusedGraph, build_fused, build_verify, save_fused
 
     # Every graph's weights go to external data, not only past protobuf's 2 GiB: saving a graph whole
     # serialises it in memory (measured: a 1.98 GB full graph took the export's peak from 6.2 to 10 GiB).
@@ -264,7 +272,10 @@ def export_graphs(cfg: ModelConfig, exit_layers: list[int], shortlist: int, seed
         graph = next(g for g in build_fused(whole, [list(range(cfg.num_layers))], full=False)
                      if g.name == "segment_0")
         save_fused([FusedGraph(FULL, graph.proto)], out / "checks", limit)
-        del graph, whole
+        del graph
+        for b in verify_batches:  # mode exact's several-sequence verification, one graph in memory at a time
+            save_fused([build_verify(whole, b)], out / "checks", limit)
+        del whole
         split_graphs(model, out / "split", limit)
     del model, decoder
     gc.collect()
@@ -338,7 +349,7 @@ def measure_shape(name: str, fraction: dict[int, float], shortlist: int, cfg: Pr
     exits = sorted(fraction)
     _log(t0, f"{name}: {mcfg.num_params() / 1e9:.2f}B parameters, exits {exits}; exporting")
     t_export = time.perf_counter()
-    export_graphs(mcfg, exits, shortlist, cfg.seed, graphs_dir)
+    export_graphs(mcfg, exits, shortlist, cfg.seed, graphs_dir, tuple(b for b in cfg.verify_batches if b > 1))
     export_s = time.perf_counter() - t_export
     nbytes = sum(f.stat().st_size for f in graphs_dir.rglob("*") if f.is_file())
     _log(t0, f"{name}: exported {nbytes / 2**30:.2f} GiB of graphs in {export_s:.0f} s; timing")
@@ -353,6 +364,14 @@ def measure_shape(name: str, fraction: dict[int, float], shortlist: int, cfg: Pr
         chain_ms[str(b)] = chain_times({**base, **(leave if b == 1 else {})}, mcfg, b, cfg.past, cfg.threads,
                                        cfg.calls, cfg.repeats, by_call=True)
         _log(t0, f"{name} batch {b}: " + ", ".join(f"{k} {np.median(v):.1f} ms" for k, v in chain_ms[str(b)].items()))
+    verify = None
+    if cfg.verify_batches:  # rho(k): k new rows per sequence in one call, batch 1 and the verify batches
+        verify = verify_costs(graphs_dir / "checks", mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim,
+                              mcfg.hidden_size, mcfg.vocab_size, cfg.past, sorted({1, *cfg.verify_batches}),
+                              threads=cfg.threads, repeats=cfg.repeats)
+        _log(t0, f"{name} rho(k): " + "; ".join(f"batch {b} " + ", ".join(f"k={k} {v:.2f}" for k, v in r.items()
+                                                                         if k != "step_ms")
+                                                for b, r in verify.items()))
     figures = shape_figures(chain_ms, fraction, mcfg.num_layers, cfg.past)
     sp = figures["spread_b1"]["speedup_exit_vs_full_b1"]
     _log(t0, f"{name}: layer {figures['layer_ms']:.2f} ms, check {figures['decision_cost_layers']:.3f} layers, "
@@ -368,6 +387,11 @@ def measure_shape(name: str, fraction: dict[int, float], shortlist: int, cfg: Pr
         # scale of a check's cost where the measured difference of two chains is within their noise
         "check_bytes_layers": shortlist * mcfg.hidden_size / layer_params(mcfg),
         "chain_ms": chain_ms,
+        # mode exact's verification: a call of k new rows per sequence over a plain step, by batch (batch 1:
+        # the graph of every layer; above: the verify graph), the LM head on every row included
+        "verify_cost_ratio": verify,
+        "verify_cost_ratio_k4_b1": None if verify is None else verify["1"].get("4"),
+        **{f"verify_cost_ratio_k4_b{b}": verify[str(b)].get("4") for b in cfg.verify_batches if b > 1 and verify},
         "export_s": export_s,
         "measure_s": time.perf_counter() - t_measure,
         "graphs_bytes": nbytes,
@@ -477,7 +501,8 @@ def main(cfg: ProjectionBenchConfig) -> int:
     atomic_write_json(out / "projection.json", result)
     atomic_write_text(out / "projection.md", render_markdown(result))
     metrics = {name: {k: s[k] for k in ("layer_ms", "decision_cost_layers", "boundary_layers",
-                                         "speedup_exit_vs_full_b1", "exit_layers")} for name, s in shapes.items()}
+                                         "speedup_exit_vs_full_b1", "exit_layers") + tuple(
+                          k for k in s if k.startswith("verify_cost_ratio_k4_"))} for name, s in shapes.items()}
     inputs = {} if replay.checkpoint is None else {"checkpoint": replay.checkpoint}
     Manifest(run).record(STAGE, inputs=inputs, config=asdict(cfg),
                          outputs={"json": out / "projection.json", "markdown": out / "projection.md"},

@@ -259,3 +259,18 @@ def test_sampled_exact_at_a_verify_batch_is_distributed_as_the_full_model():
     assert st.rounds > 100 and 0 < st.accepted < st.drafted, st.as_dict()
     p = _chisquare(counts, _exact_joint(m, 1.0, 1.0, LOOP_PROMPT))
     assert p > ALPHA, p
+
+
+def test_verify_costs_from_files_name_what_is_missing(exported):
+    """The projection's rho(k) from graph files: a batch without its verify graph, or a head that also decides
+    (it needs the previous exit's inputs), is a clear error before anything is timed."""
+    from edge.pipeline.bench.verify_cost import verify_costs
+    from edge.runtime.graphs import FUSED_DIR
+
+    _, _, graphs = exported
+    cfg = _looping().backbone.cfg
+    args = (graphs / FUSED_DIR, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.vocab_size, 8)
+    with pytest.raises(ConfigError, match=r"no verify graph for batches \[3\]"):
+        verify_costs(*args, batches=[1, 3])
+    with pytest.raises(ConfigError, match="decision head"):
+        verify_costs(*args, batches=[1, 2], repeats=1)

@@ -155,6 +155,10 @@ def test_the_whole_path_on_the_micro_shape(tmp_path, capsys):
     assert math.isfinite(s["decision_cost_layers"]) and math.isfinite(s["boundary_layers"])
     assert set(s["decision_cost"]) == {"1", "2"} and set(s["exit_ms_b1"]) == {"1", "2", "3", "4"}
     assert all(len(v) == 2 and min(v) > 0 for v in s["chain_ms"]["1"].values())
+    # mode exact's verification: k rows per sequence over one, at batch 1 (graph of every layer) and 4 (verify graph)
+    assert set(s["verify_cost_ratio"]) == {"1", "4"} and s["verify_cost_ratio"]["4"]["1"] == 1.0
+    assert all(math.isfinite(v) and v > 0 for r in s["verify_cost_ratio"].values() for v in r.values())
+    assert s["verify_cost_ratio_k4_b4"] == s["verify_cost_ratio"]["4"]["4"]
     c = out["conditions"]
     assert (c["threads"], c["repeats"], c["calls"], c["past"], c["dtype"]) == (2, 2, 2, 16, "float32")
     md = (run / "bench" / "projection.md").read_text()
@@ -162,6 +166,7 @@ def test_the_whole_path_on_the_micro_shape(tmp_path, capsys):
     assert not (run / "bench" / "projection_graphs").exists()  # keep_graphs false
     rec = Manifest(run).stage(STAGE)
     assert rec["metrics"]["kind"] == "projection" and "checkpoint" in rec["inputs"]
+    assert rec["metrics"]["micro"]["verify_cost_ratio_k4_b4"] == s["verify_cost_ratio_k4_b4"]
     from edge.pipeline.report import SECTIONS, _projection_md  # the run's report carries the projection
     stage, section = SECTIONS["projection"]
     assert stage == STAGE and section(Manifest(run))["micro"]["exit_layers"] == [1, 2, 3, 4]
