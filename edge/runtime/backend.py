@@ -124,6 +124,9 @@ class Backend(abc.ABC):
         self.sliding_window = spec.sliding_window
         self.segments = spec.segments
         self.cache: KVCache | None = None
+        # one-time work done inside calls so far (a graph opened on first use, a binding built for a new call
+        # shape): what a measurement of steady-state cost leaves out (edge.runtime.speculative.SpeculationGate)
+        self.setup_events = 0
         # self-speculative decoding's measured costs per draft exit (edge.runtime.speculative.DraftCosts):
         # a property of this backend on this machine, so every engine over it shares and refines them
         self.draft_costs: dict[int, Any] = {}

@@ -453,13 +453,14 @@ class Engine:
             return
         # above batch 1, whether looking for drafts pays is measured on whole iterations (SpeculationGate)
         speculate = self._spec_gate.speculate(b)
-        t0, before = time.perf_counter(), sum(len(s.tokens) for s in seqs)
+        t0, before, setups = time.perf_counter(), sum(len(s.tokens) for s in seqs), self.backend.setup_events
         if speculate:
             self._speculate_or_step(seqs, exact)
         else:
             self.plain_steps += len(exact)
             self._step(seqs)
-        self._spec_gate.observe(b, speculate, time.perf_counter() - t0, sum(len(s.tokens) for s in seqs) - before)
+        if self.backend.setup_events == setups:  # one-time work (a graph opened, a binding built) is not the cost
+            self._spec_gate.observe(b, speculate, time.perf_counter() - t0, sum(len(s.tokens) for s in seqs) - before)
 
     def _speculate_or_step(self, seqs: list[_Seq], exact: list[_Seq]) -> None:
         """The drafting half of :meth:`_decode`: one call for the batch where it verifies together, else

@@ -105,7 +105,11 @@ class OrtBackend(Backend):
         self._seg = [session(f"segment_{i}") for i in range(len(self.segments))]
         # every layer in one graph (calls in which no row may leave early); absent with one segment
         self._full = session(FULL) if FULL in fused["graphs"] else None
-        self._session = session
+        def opened_later(name: str):  # a graph opened on first use: a one-time cost of the call that needs it
+            self.setup_events += 1
+            return session(name)
+
+        self._session = opened_later
         # K/V fill graphs (state propagation) are opened on first use: deferral never loads their weights
         self._fill: list = [None] * len(self.segments)
         # graphs that verify several sequences' drafts in one call (mode exact above batch 1), opened on first use
@@ -264,6 +268,7 @@ class OrtBackend(Backend):
             plan = self._plans.get(key)
             if plan is None:
                 values = [self._cache_values(j, s0, b) for j in self.segments[i]]
+                self.setup_events += 1
                 plan = self._plans[key] = self._make_plan(i, s0, b, t, values, rows, draft)
             return self._run(i, plan, x, start, t, prev, decide, rows, lookup)
         if s0 is not None:  # a prompt chunk: bind its cache slot, fresh buffers
@@ -287,6 +292,7 @@ class OrtBackend(Backend):
             key = ("full", s0, b, t, rows)
             plan = self._plans.get(key)
             if plan is None:
+                self.setup_events += 1
                 plan = self._plans[key] = self._make_plan(last, s0, b, t, values, rows, full=True)
         else:  # a prompt chunk: fresh buffers
             plan = self._make_plan(last, None, b, t, values, rows, full=True)
@@ -307,6 +313,7 @@ class OrtBackend(Backend):
             for i in range(len(self.segments)):
                 key = (i, s0, b, 1, 1, False)
                 if key not in self._plans:
+                    self.setup_events += 1
                     self._plans[key] = self._make_plan(i, s0, b, 1, [self._cache_values(j, s0, b) for j in self.segments[i]])
                 plans.append(self._plans[key])
             self._step_plans[(s0, b)] = plans
@@ -338,6 +345,7 @@ class OrtBackend(Backend):
         if plan is None:
             if len(self._verify_plans) >= MAX_VERIFY_PLANS:  # batches come and go in serving: bound the bindings
                 self._verify_plans.clear()
+            self.setup_events += 1
             plan = self._verify_plans[key] = self._make_verify_plan(b, t, slots)
         np.copyto(plan.x, x)
         np.add(start, t - 1, out=plan.seqlens, casting="unsafe")

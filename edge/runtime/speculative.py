@@ -322,46 +322,57 @@ class ExitDraftGate:
 
 class SpeculationGate:
     """Whether mode exact's speculation pays at a decode batch size above 1, by the realized seconds per
-    emitted token of whole decode iterations (drafting, verification, padding, host work, new bindings
-    all in): a moving average over iterations that looked for drafts and one over iterations that took
-    plain steps, per batch size. It speculates while the first is below the second; each side is
-    measured at least once (speculation first) and the side not chosen is measured again every
-    ``RETRY`` iterations (costs drift). The per-shape call costs (:class:`CallCosts`) choose the drafts;
-    this gate answers whether choosing them has paid on this machine, which a cost model of calls alone
-    misses where calls of one shape vary by tens of percent (a shared 2-core VM). The first iteration of
-    each (batch, side) is not counted (bindings, a graph opened), and an observation counts at most
-    ``OUTLIER`` times the current average."""
+    emitted token of whole decode iterations (drafting, verification, padding, host work all in): the
+    median of the last ``WINDOW`` iterations that looked for drafts and of the last that took plain
+    steps, per batch size. It speculates while the first is below the second; each side is measured
+    ``MIN_SAMPLES`` times first (speculation first), and the side not chosen is measured again after
+    ``RETRY`` iterations (costs drift), the interval doubling up to ``MAX_RETRY`` while the same side
+    keeps winning (a losing side's re-measurement is what the gate costs) and reset when the winner
+    changes. The caller leaves out iterations that did one-time work (a graph opened, a binding built:
+    ``Backend.setup_events``), and the median ignores the rest of a shared machine's spikes. The
+    per-shape call costs (:class:`CallCosts`) choose the drafts; this gate answers whether choosing
+    them has paid on this machine, which a model of calls alone misses where calls of one shape vary
+    by tens of percent (a shared 2-core VM)."""
 
-    ALPHA = 0.2
+    WINDOW = 9
+    MIN_SAMPLES = 2
     RETRY = 32
-    OUTLIER = 3.0
+    MAX_RETRY = 1024
 
     def __init__(self) -> None:
-        self.per_token: dict[tuple[int, bool], float] = {}  # (batch, speculated) -> seconds per token
-        self._seen: dict[tuple[int, bool], int] = {}
+        self.samples: dict[tuple[int, bool], list[float]] = {}  # (batch, speculated) -> seconds per token
         self._since: dict[int, int] = {}
+        self._interval: dict[int, int] = {}
+        self._winner: dict[int, bool] = {}
+
+    def per_token(self, b: int, speculated: bool) -> float | None:
+        """The side's median seconds per token at batch ``b`` (None: fewer than MIN_SAMPLES yet)."""
+        got = self.samples.get((b, speculated), [])
+        return float(np.median(got)) if len(got) >= self.MIN_SAMPLES else None
 
     def speculate(self, b: int) -> bool:
-        spec, plain = self.per_token.get((b, True)), self.per_token.get((b, False))
+        spec, plain = self.per_token(b, True), self.per_token(b, False)
         if spec is None or plain is None:
             return spec is None
         wins = spec < plain
-        self._since[b] = self._since.get(b, 0) + 1
-        if self._since[b] >= self.RETRY:
+        if self._winner.get(b) != wins:  # a new winner: re-measure the other side soon
+            self._winner[b], self._interval[b], self._since[b] = wins, self.RETRY, 0
+        self._since[b] += 1
+        if self._since[b] >= self._interval[b]:
             self._since[b] = 0
+            self._interval[b] = min(2 * self._interval[b], self.MAX_RETRY)
             return not wins
         return wins
 
     def observe(self, b: int, speculated: bool, seconds: float, tokens: int) -> None:
-        key = (b, speculated)
-        self._seen[key] = self._seen.get(key, 0) + 1
-        if self._seen[key] == 1 or tokens < 1:
+        if tokens < 1:
             return
-        v, old = seconds / tokens, self.per_token.get(key)
-        self.per_token[key] = v if old is None else old + self.ALPHA * (min(v, self.OUTLIER * old) - old)
+        window = self.samples.setdefault((b, speculated), [])
+        window.append(seconds / tokens)
+        del window[:-self.WINDOW]
 
-    def as_dict(self) -> dict[str, float]:
-        return {f"{b}{'_spec' if spec else '_plain'}": v for (b, spec), v in sorted(self.per_token.items())}
+    def as_dict(self) -> dict[str, float | None]:
+        return {f"{b}{'_spec' if spec else '_plain'}": self.per_token(b, spec) for b, spec in sorted(self.samples)}
 
 
 def include_next(rule: SpecConfig, drafts: int, probs: list[float], top1: float, costs: DraftCosts) -> bool:

@@ -183,18 +183,42 @@ def test_a_round_near_the_end_of_the_cache_pads_within_it(backend):
 def test_speculation_gate_follows_whole_iterations_and_retries():
     gate = SpeculationGate()
     assert gate.speculate(4)  # untried: speculation first
-    for _ in range(3):
-        gate.observe(4, True, 0.010, 4)  # the first is not counted; then 2.5 ms a token
+    gate.observe(4, True, 0.010, 4)
+    assert gate.speculate(4)  # MIN_SAMPLES of each side
+    gate.observe(4, True, 0.010, 4)  # 2.5 ms a token
     assert not gate.speculate(4)  # plain untried: measured next
-    for _ in range(3):
+    for _ in range(2):
         gate.observe(4, False, 0.004, 4)  # 1 ms a token: plain wins
-    choices = [gate.speculate(4) for _ in range(64)]
-    assert choices.count(True) == 2 and not any(choices[:30])  # speculation re-measured every RETRY iterations
-    gate.observe(4, True, 100.0, 4)  # an outlier counts at most 3 times the average
-    assert gate.per_token[(4, True)] == pytest.approx(0.0025 + 0.2 * (3 * 0.0025 - 0.0025))
-    for _ in range(40):
+    choices = [gate.speculate(4) for _ in range(32 + 64 + 128)]
+    # speculation re-measured after RETRY iterations, then after twice as many each time plain still wins
+    assert [i for i, c in enumerate(choices) if c] == [31, 31 + 64, 31 + 64 + 128]
+    gate.observe(4, True, 100.0, 4)  # a spike: the median of the window ignores it
+    assert gate.per_token(4, True) == pytest.approx(0.0025)
+    for _ in range(5):
         gate.observe(4, True, 0.002, 4)  # speculation now measures cheaper: it runs
-    assert gate.speculate(4) and gate.speculate(2)  # another batch size is its own
+    assert gate.per_token(4, True) == pytest.approx(0.0005) and gate.speculate(4)
+    assert gate.speculate(2) and gate.per_token(2, True) is None  # another batch size is its own
+    assert set(gate.as_dict()) == {"4_spec", "4_plain"}
+
+
+def test_one_time_work_is_not_measured(exported):
+    """The iterations that open a verify graph or build a binding are left out of the gate (they would count
+    a graph's load as the cost of speculating); steady iterations are counted."""
+    _, ckpt, graphs = exported
+    fresh = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1)
+    eng = _engine(fresh, 2)
+    gate = eng._spec_gate = SpeculationGate()
+    asked, observed = [], []
+    speculate, observe = gate.speculate, gate.observe
+    gate.speculate = lambda b: asked.append(fresh.setup_events) or speculate(b)
+    gate.observe = lambda *a: observed.append(a) or observe(*a)
+    setups = fresh.setup_events
+    _run(eng, _looping_prompts(4, seed=1)[:2], max_tokens=32, mode=Mode.EXACT)
+    assert fresh.setup_events > setups
+    assert 0 < len(observed) < len(asked), (len(observed), len(asked))
+    # what was left out: the iterations during which the backend did one-time work, no others
+    setups_during = sum(1 for a, b in zip(asked, asked[1:] + [fresh.setup_events]) if b > a)
+    assert len(observed) == len(asked) - setups_during
 
 
 def test_a_batch_where_speculation_measured_dearer_takes_plain_steps(backend):
@@ -204,8 +228,7 @@ def test_a_batch_where_speculation_measured_dearer_takes_plain_steps(backend):
     counted = _Counted(backend)
     eng = _engine(backend, 2)
     gate = eng._spec_gate = SpeculationGate()
-    gate.per_token = {(2, True): 1.0, (2, False): 0.001}
-    gate._seen = {(2, True): 5, (2, False): 5}
+    gate.samples = {(2, True): [1.0] * 3, (2, False): [0.001] * 3}
     gate.RETRY = 10 ** 6
     try:
         got = _run(eng, prompts, max_tokens=16, mode=Mode.EXACT)
