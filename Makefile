@@ -29,7 +29,7 @@ help:
 	@echo "make bench-scheduler  the learned scheduler vs fixed budgets and heuristics, the full sweep (simulator + real stack; the demo runs a reduced form)"
 	@echo "make compress-study  every compression recipe side by side (+ llama.cpp q8_0 / q4_0) -> $(ART)/bench/compress.md (~15 min)"
 	@echo "make energy      energy per token (jtop / tegrastats / NVML / RAPL; CPU-seconds proxy without a sensor): full depth vs exits vs compressed"
-	@echo "make bench-projection  exit decisions at Qwen2.5-0.5B / Llama-3.2-1B shapes, random local weights -> $(ART)/bench/projection.md (~20 min, ~17 GiB)"
+	@echo "make bench-projection  exit decisions at Qwen2.5-0.5B / Llama-3.2-1B shapes, random local weights -> $(ART)/bench/projection.md (~20 min, ~20 GiB)"
 	@echo "make llamacpp    build llama-cpp-python and llama-bench from source: adds llama.cpp as system (f) of make bench"
 	@echo "make distill | compress | calibrate | export | bench | generate | report   one stage at a time (RUN=name picks artifacts/<name>)"
 	@echo "make jetson-push DEVICE=user@host, then on the Orin: make jetson-check | jetson-engines | jetson-serve | jetson-status | jetson-stop;"

@@ -446,6 +446,15 @@ def render_markdown(result: dict[str, Any]) -> str:
             f"{s['speedup_layers_only']:.3f}x | "
             f"{s['decision_cost'][b]['check_layers']:.3f} (batch {b}) | {s['export_s']:.0f} | "
             f"{s['peak_rss_gib']:.1f} |")
+    verify = {name: s["verify_cost_ratio"] for name, s in result["shapes"].items() if s.get("verify_cost_ratio")}
+    if verify:
+        lines += ["", "Mode exact's verification, rho(k): a call of k new rows per sequence over a plain step (batch 1: "
+                  "the graph of every layer; above: the verify graph), the LM head on every row included:", ""]
+        for name, by_batch in verify.items():
+            lines.append(f"- {name}: " + "; ".join(
+                f"batch {b} (plain step {r['step_ms']:.1f} ms) " + ", ".join(f"k={k} {v:.2f}" for k, v in r.items()
+                                                                          if k != "step_ms")
+                for b, r in by_batch.items()))
     return "\n".join(lines + [""])
 
 

@@ -163,6 +163,7 @@ def test_the_whole_path_on_the_micro_shape(tmp_path, capsys):
     assert (c["threads"], c["repeats"], c["calls"], c["past"], c["dtype"]) == (2, 2, 2, 16, "float32")
     md = (run / "bench" / "projection.md").read_text()
     assert "a projection" in md and "the run's held-out free run: 0.300 and 9.50" in md
+    assert "- micro: batch 1 (plain step" in md and "batch 4 (plain step" in md
     assert not (run / "bench" / "projection_graphs").exists()  # keep_graphs false
     rec = Manifest(run).stage(STAGE)
     assert rec["metrics"]["kind"] == "projection" and "checkpoint" in rec["inputs"]
