@@ -94,8 +94,10 @@ class ExportConfig:
     full_graph: bool = True
     # batch sizes that get a graph of every layer verifying several sequences' drafts in one call
     # (exporters/ort_fused.py ``verify_{B}``: mode exact speculates at those batch sizes, where the cost model
-    # says it pays). Each holds another copy of the layers, loaded only when used: [] for none
-    verify_batches: list[int] = field(default_factory=lambda: [2, 4, 8])
+    # and the measured iterations say it pays). Each holds another copy of the layers, loaded only when used;
+    # [] for none. 2 by default: on a 2-core CPU batch 4 and 8 measured no gain (docs/runtime.md); where a
+    # decode step is bound by reading the weights (a GPU), larger batches are worth a graph
+    verify_batches: list[int] = field(default_factory=lambda: [2])
 
     def __post_init__(self) -> None:
         if self.opset not in SUPPORTED_OPSETS:

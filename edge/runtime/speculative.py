@@ -322,20 +322,26 @@ class ExitDraftGate:
 
 class SpeculationGate:
     """Whether mode exact's speculation pays at a decode batch size above 1, by the realized seconds per
-    emitted token of whole decode iterations (drafting, verification, padding, host work all in): the
-    median of the last ``WINDOW`` iterations that looked for drafts and of the last that took plain
-    steps, per batch size. It speculates while the first is below the second; each side is measured
+    emitted token of whole decode iterations (drafting, verification, padding, host work all in), over
+    the last ``WINDOW`` iterations that looked for drafts and over the last that took plain steps, per
+    batch size (:meth:`per_token`). It speculates while the first is below ``MARGIN`` times the second; each side is measured
     ``MIN_SAMPLES`` times first (speculation first), and the side not chosen is measured again after
     ``RETRY`` iterations (costs drift), the interval doubling up to ``MAX_RETRY`` while the same side
     keeps winning (a losing side's re-measurement is what the gate costs) and reset when the winner
     changes. The caller leaves out iterations that did one-time work (a graph opened, a binding built:
-    ``Backend.setup_events``), and the median ignores the rest of a shared machine's spikes. The
+    ``Backend.setup_events``), and :meth:`per_token` the rest of a shared machine's spikes. The
     per-shape call costs (:class:`CallCosts`) choose the drafts; this gate answers whether choosing
     them has paid on this machine, which a model of calls alone misses where calls of one shape vary
     by tens of percent (a shared 2-core VM)."""
 
-    WINDOW = 9
+    WINDOW = 16
     MIN_SAMPLES = 2
+    SPIKE = 3.0
+    # speculation must measure this much cheaper per token than plain steps: what it costs beyond its own
+    # iterations is not in them (sequences that speculate finish unevenly, leaving a smaller, dearer-per-token
+    # batch at the end; measured: batch 4 at 0.84-0.93x mode full in three demos while its iterations
+    # measured on par with plain ones)
+    MARGIN = 0.9
     RETRY = 32
     MAX_RETRY = 1024
 
@@ -346,15 +352,21 @@ class SpeculationGate:
         self._winner: dict[int, bool] = {}
 
     def per_token(self, b: int, speculated: bool) -> float | None:
-        """The side's median seconds per token at batch ``b`` (None: fewer than MIN_SAMPLES yet)."""
+        """The side's seconds per token at batch ``b``: its iterations' seconds over their tokens (not a mean
+        or median of per-iteration rates, which an iteration that emitted many tokens would skew), leaving out
+        iterations slower per token than ``SPIKE`` times the window's median; None: fewer than MIN_SAMPLES."""
         got = self.samples.get((b, speculated), [])
-        return float(np.median(got)) if len(got) >= self.MIN_SAMPLES else None
+        if len(got) < self.MIN_SAMPLES:
+            return None
+        secs, toks = np.array(got).T
+        keep = secs / toks <= self.SPIKE * float(np.median(secs / toks))
+        return float(secs[keep].sum() / toks[keep].sum())
 
     def speculate(self, b: int) -> bool:
         spec, plain = self.per_token(b, True), self.per_token(b, False)
         if spec is None or plain is None:
             return spec is None
-        wins = spec < plain
+        wins = spec < self.MARGIN * plain
         if self._winner.get(b) != wins:  # a new winner: re-measure the other side soon
             self._winner[b], self._interval[b], self._since[b] = wins, self.RETRY, 0
         self._since[b] += 1
@@ -368,7 +380,7 @@ class SpeculationGate:
         if tokens < 1:
             return
         window = self.samples.setdefault((b, speculated), [])
-        window.append(seconds / tokens)
+        window.append((seconds, tokens))
         del window[:-self.WINDOW]
 
     def as_dict(self) -> dict[str, float | None]:

@@ -281,7 +281,8 @@ def speculative_markdown(results: dict[str, Any]) -> list[str]:
         src = row.get("speculative_by_source") or {}
         parts = [f"{k}: {v['rounds']} rounds, {v['tokens_per_round']:.2f} tokens per round, acceptance "
                  f"{v['acceptance_rate']:.2f}" for k, v in src.items() if k != "plain_steps" and v]
-        lines.append(f"- batch {b} (verify graph; (e) and (c) only): (e)/(c) {f(row['speedup_speculative_vs_full'])}, "
+        how = "verify graph" if row.get("verify_graph") else "no verify graph: per-row calls"
+        lines.append(f"- batch {b} ({how}; (e) and (c) only): (e)/(c) {f(row['speedup_speculative_vs_full'])}, "
                      f"{row['speculative_mismatches']} of {row['speculative_tokens_compared']} tokens differ; "
                      + "; ".join(parts + [f"plain steps {src.get('plain_steps')}"]))
     for b, row in results["batches"].items():

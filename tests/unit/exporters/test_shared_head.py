@@ -78,7 +78,7 @@ def test_graphs_json_lists_one_head(exported):
     g, fused = meta["graphs"], meta["fused"]["graphs"]
     assert sorted(g) == ["embed", "head", "kvfill_1", "kvfill_2", "kvfill_3",
                          "segment_0", "segment_1", "segment_2", "segment_3"]
-    assert sorted(fused) == sorted(set(g) - {"embed"} | {"draft_head", "full", "verify_2", "verify_4", "verify_8"})
+    assert sorted(fused) == sorted(set(g) - {"embed"} | {"draft_head", "full", "verify_2"})
     assert g["head"]["inputs"] == ["exit_hidden"] and g["head"]["outputs"] == ["logits", "exit_stats", "exit_token"]
     assert g["segment_1"]["outputs"] == ["hidden_out", "exit_hidden", "present_key_1", "present_value_1"]
     # the fused head also scores the exit rule; "first exit" is an input (one graph, one copy of the weight)
