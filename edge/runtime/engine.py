@@ -519,18 +519,10 @@ class Engine:
             return False
         rows: list[tuple[list[int], int, np.ndarray, Source] | None] = []
         for s in seqs:
-            cap, best = min(most, self._draft_cap(s)), None
-            for src in spec.sources if cap >= 1 else ():
-                if src is Source.LOOKUP:
-                    drafts, n = s.lookup.draft(cap)
-                elif src is Source.CORPUS and self._ngram is not None:
-                    drafts, n = self._ngram.draft(s.tokens, cap)
-                else:
-                    continue
-                if drafts:
-                    probs = self._acceptance[src].probs(n, len(drafts))
-                    if best is None or np.cumprod(probs).sum() > np.cumprod(best[2]).sum():
-                        best = (drafts, n, probs, src)
+            best = None
+            for drafts, n, probs, src in self._source_drafts(s, min(most, self._draft_cap(s))):
+                if best is None or np.cumprod(probs).sum() > np.cumprod(best[2]).sum():
+                    best = (drafts, n, probs, src)
             rows.append(best)
         drafted = [np.cumprod(r[2]) for r in rows if r is not None]
         if not drafted:
@@ -580,10 +572,18 @@ class Engine:
         """Sequence ``s``'s lookup or corpus drafts whose round is expected to return the most tokens per
         second, above ``plain`` (a plain step's): (drafts, match length, their summed acceptance, source),
         or None."""
-        cap = self._draft_cap(s)
-        if cap < 1:
-            return None
         best, value = None, plain
+        for drafts, n, probs, src in self._source_drafts(s, self._draft_cap(s)):
+            k, v = lookup_length(probs, self.call_costs, plain)
+            if k and v > value:
+                best, value = (drafts[:k], n, float(probs[:k].sum()), src), v
+        return best
+
+    def _source_drafts(self, s: _Seq, cap: int):
+        """Sequence ``s``'s drafts from each lookup or corpus source that has some, at most ``cap``:
+        (drafts, match length n, their counted acceptance [len(drafts)], source)."""
+        if cap < 1:
+            return
         for src in self.cfg.speculative.sources:
             if src is Source.LOOKUP:
                 drafts, n = s.lookup.draft(cap)
@@ -592,11 +592,7 @@ class Engine:
             else:
                 continue
             if drafts:
-                probs = self._acceptance[src].probs(n, len(drafts))
-                k, v = lookup_length(probs, self.call_costs, plain)
-                if k and v > value:
-                    best, value = (drafts[:k], n, float(probs[:k].sum()), src), v
-        return best
+                yield drafts, n, self._acceptance[src].probs(n, len(drafts)), src
 
     def _draft_cap(self, s: _Seq) -> int:
         """The most drafts a round of ``s`` may verify: it emits drafts + 1 tokens, within max_tokens,

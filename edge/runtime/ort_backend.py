@@ -237,15 +237,20 @@ class OrtBackend(Backend):
             self._bind(io, seg_prev, seg_outs, i)
         else:
             self._bind(io, {}, seg_outs, None)
-            head_outs = {"logits": out.logits, "exit_stats": out.stats, "exit_token": out.token}
-            if self._head_decides:
-                head_outs.update(exit_features=out.features, exit_score=out.score, exit_run=out.run)
-                head_io.bind_ortvalue_input("has_prev", self._has_prev[i])
-            head_io.bind_ortvalue_input("exit_hidden", ov(out.exit_hidden))  # the segment's output buffer
-            self._bind(head_io, head_prev, head_outs, i if self._head_decides else None)
+            self._bind_head(head_io, out, head_prev, i, self._has_prev[i])
         if values is not None:
             self._bind_cache(io, self.suffix_layers(0) if full else self.segments[i], values)
         return plan
+
+    def _bind_head(self, head_io, out: SegmentOut, prev: dict[str, np.ndarray], i: int, has_prev) -> None:
+        """Bind the head graph to ``out``'s exit hidden (input) and logits, statistics and token (and, where the
+        head decides, exit i's rule, ``prev`` and ``has_prev``, and the features, score and run)."""
+        outs = {"logits": out.logits, "exit_stats": out.stats, "exit_token": out.token}
+        if self._head_decides:
+            outs.update(exit_features=out.features, exit_score=out.score, exit_run=out.run)
+            head_io.bind_ortvalue_input("has_prev", has_prev)
+        head_io.bind_ortvalue_input("exit_hidden", self.ort.OrtValue.ortvalue_from_numpy(out.exit_hidden))
+        self._bind(head_io, prev, outs, i if self._head_decides else None)
 
     def _bind(self, io, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray | None], rule: int | None) -> None:
         """Bind ``inputs``, the ``outputs`` that are not None, and exit ``rule``'s weights (None: none)."""
@@ -372,16 +377,12 @@ class OrtBackend(Backend):
                 for kind, value in zip(("key", "value"), self._cache_values(j, slot, 1)):
                     io.bind_ortvalue_input(f"past_{kind}_{j}_{q}", value)
                     io.bind_ortvalue_output(f"present_{kind}_{j}_{q}", value)
-        head_outs = {"logits": out.logits, "exit_stats": out.stats, "exit_token": out.token}
         head_in = {}
         if self._head_decides:  # the last exit's score: nobody reads it (a rule of zeros, no previous exit)
             out.features, out.score, out.run = np.zeros((r, self.spec.num_features), f32), np.zeros(r, f32), np.zeros(r, f32)
-            head_outs.update(exit_features=out.features, exit_score=out.score, exit_run=out.run)
             head_in = {"prev_exit_hidden": np.zeros((r, d), f32), "prev_token": np.zeros(r, np.int64),
                        "prev_run": np.zeros(r, f32)}
-            plan.head_io.bind_ortvalue_input("has_prev", self._has_prev[0])
-        plan.head_io.bind_ortvalue_input("exit_hidden", ov(out.exit_hidden))
-        self._bind(plan.head_io, head_in, head_outs, last if self._head_decides else None)
+        self._bind_head(plan.head_io, out, head_in, last, self._has_prev[0])
         return plan
 
     def _draft_head(self):

@@ -59,6 +59,21 @@ class _Counted:
         backend.verify = verify
 
 
+def _exact_as_full(backend, eng, prompts, max_tokens) -> dict[tuple[int, int], int]:
+    """Run ``prompts`` in mode exact on ``eng``, its verify calls counted, and assert the tokens are mode
+    full's on the same backend at the same batch and max_len; returns the calls by (B, T)."""
+    counted = _Counted(backend)
+    try:
+        got = _run(eng, prompts, max_tokens=max_tokens, mode=Mode.EXACT)
+    finally:
+        del backend.verify
+    c = eng.cfg
+    ref = _run(Engine(backend, EngineConfig(max_len=c.max_len, max_seqs=c.max_seqs, max_running=c.max_running)),
+               prompts, max_tokens=max_tokens, mode=Mode.FULL)
+    assert [[t for t, _ in r] for r in got] == [[t for t, _ in r] for r in ref]
+    return counted.calls
+
+
 def _engine(backend, batch, costs=None, **cfg) -> Engine:
     spec = cfg.pop("speculative", SpecConfig(**LOOKUP))
     eng = Engine(backend, EngineConfig(**{"max_len": 128, **cfg}, max_seqs=batch, max_running=batch, speculative=spec))
@@ -129,37 +144,21 @@ def test_verify_refuses_a_batch_without_a_graph_and_positions_past_the_cache(bac
 def test_greedy_exact_at_a_verify_batch_equals_full_decoding_on_the_same_graphs(backend, batch):
     """Every verification is one call for the whole batch (rows without a lookup match padded: their token
     is their first row's); the tokens are mode full's on the same backend."""
-    prompts = _looping_prompts(3 * batch, seed=1)
-    counted = _Counted(backend)
-    try:
-        eng = _engine(backend, batch)
-        got = _run(eng, prompts, max_tokens=32, mode=Mode.EXACT)
-    finally:
-        del backend.verify
-    ref = _run(Engine(backend, EngineConfig(max_len=128, max_seqs=batch, max_running=batch)), prompts,
-               max_tokens=32, mode=Mode.FULL)
-    assert [[t for t, _ in r] for r in got] == [[t for t, _ in r] for r in ref]
+    eng = _engine(backend, batch)
+    calls = _exact_as_full(backend, eng, _looping_prompts(3 * batch, seed=1), 32)
     st = eng.source_stats["lookup"]
     assert st.rounds > 10 and st.accepted > 0 and st.accepted < st.drafted, st.as_dict()
-    assert sum(n for (b, _), n in counted.calls.items() if b == batch) > 5, counted.calls
-    assert all(t >= 2 for _, t in counted.calls), counted.calls
+    assert sum(n for (b, _), n in calls.items() if b == batch) > 5, calls
+    assert all(t >= 2 for _, t in calls), calls
 
 
 def test_a_verify_batch_the_costs_say_does_not_pay_takes_plain_steps(backend):
     """Measured costs where a call of T rows per sequence costs T plain steps at batch 2: no drafts can
     pay, so no verify call is made; the tokens are the full model's."""
-    prompts = _looping_prompts(2, seed=4)
-    counted = _Counted(backend)
     costs = CallCosts.fixed({(2, t): float(t) for t in range(1, 8)} | {(1, t): float(t) for t in range(1, 8)})
-    try:
-        eng = _engine(backend, 2, costs)
-        got = _run(eng, prompts, max_tokens=16, mode=Mode.EXACT)
-    finally:
-        del backend.verify
-    ref = _run(Engine(backend, EngineConfig(max_len=128, max_seqs=2, max_running=2)), prompts, max_tokens=16,
-               mode=Mode.FULL)
-    assert [[t for t, _ in r] for r in got] == [[t for t, _ in r] for r in ref]
-    assert counted.calls == {} and eng.spec_stats.rounds == 0 and eng.plain_steps > 0
+    eng = _engine(backend, 2, costs)
+    calls = _exact_as_full(backend, eng, _looping_prompts(2, seed=4), 16)
+    assert calls == {} and eng.spec_stats.rounds == 0 and eng.plain_steps > 0
 
 
 def test_a_round_near_the_end_of_the_cache_pads_within_it(backend):
@@ -170,7 +169,6 @@ def test_a_round_near_the_end_of_the_cache_pads_within_it(backend):
     prompts = [prompts[0], prompts[1] + prompts[1]]  # two lengths: the longer one runs out of room first
     max_len = max(map(len, prompts)) + 32
     eng = _engine(backend, 2, max_len=max_len)
-    counted = _Counted(backend)
     rooms = []
     inner = eng._verify_together
 
@@ -179,14 +177,8 @@ def test_a_round_near_the_end_of_the_cache_pads_within_it(backend):
         return inner(seqs)
 
     eng._verify_together = spy
-    try:
-        got = _run(eng, prompts, max_tokens=32, mode=Mode.EXACT)
-    finally:
-        del backend.verify
-    ref = _run(Engine(backend, EngineConfig(max_len=max_len, max_seqs=2, max_running=2)), prompts, max_tokens=32,
-               mode=Mode.FULL)
-    assert [[t for t, _ in r] for r in got] == [[t for t, _ in r] for r in ref]
-    assert counted.calls and min(rooms) < max(t for _, t in counted.calls), (rooms, counted.calls)
+    calls = _exact_as_full(backend, eng, prompts, 32)
+    assert calls and min(rooms) < max(t for _, t in calls), (rooms, calls)
 
 
 def test_speculation_gate_follows_whole_iterations_and_retries():
@@ -238,20 +230,12 @@ def test_one_time_work_is_not_measured(exported):
 def test_a_batch_where_speculation_measured_dearer_takes_plain_steps(backend):
     """The gate has measured whole iterations with drafts dearer per token than plain ones at batch 2:
     the engine steps (no verify call, no per-row draft) except for the gate's periodic re-measurement."""
-    prompts = _looping_prompts(2, seed=4)
-    counted = _Counted(backend)
     eng = _engine(backend, 2)
     gate = eng._spec_gate = SpeculationGate()
     gate.samples = {(2, True): [(1.0, 1)] * 3, (2, False): [(0.001, 1)] * 3}
     gate.RETRY = 10 ** 6
-    try:
-        got = _run(eng, prompts, max_tokens=16, mode=Mode.EXACT)
-    finally:
-        del backend.verify
-    ref = _run(Engine(backend, EngineConfig(max_len=128, max_seqs=2, max_running=2)), prompts, max_tokens=16,
-               mode=Mode.FULL)
-    assert [[t for t, _ in r] for r in got] == [[t for t, _ in r] for r in ref]
-    assert counted.calls == {} and eng.spec_stats.rounds == 0 and eng.plain_steps >= 2 * 14
+    calls = _exact_as_full(backend, eng, _looping_prompts(2, seed=4), 16)
+    assert calls == {} and eng.spec_stats.rounds == 0 and eng.plain_steps >= 2 * 14
 
 
 def test_the_generic_verify_is_each_sequence_alone():
