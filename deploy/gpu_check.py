@@ -17,7 +17,10 @@ bundled model (edge/assets/tiny-ee, float32):
    a random-weight model of Llama-3.1-8B's shape (bf16, exits after 8, 16, 24), with peak memory;
 5. the engine itself over ``torch_static`` on CUDA, graphs vs eager: decode tokens/s at full depth and
    with every token exiting at the first decision exit (the exit-depth ceiling), tokens of the captured
-   run against the eager one, graphs captured, peak memory; on both models.
+   run against the eager one, graphs captured, peak memory; on both models;
+6. what exits cost and save there (:func:`engine_exit_costs`): decision cost in layer-equivalents at
+   each batch, tokens/s and NVML joules per token of full depth, of every check paid and none leaving,
+   of an uncalibrated confidence rule and of every token leaving first, rotated windows; on both models.
 
 Writes ``<out>/gpu_check.json``. Exit codes: 0 done, 2 no CUDA GPU (the JSON says why).
 """
@@ -212,6 +215,147 @@ def engine_runs(model, batches: list[int], prompt: int, steps: int, dtype: str, 
     return out
 
 
+def _replay_ms(plan, sync, n: int = 200) -> float:
+    """Milliseconds per replay of a captured decode plan (its inputs as they are), after 10 warm-ups."""
+    for _ in range(10):
+        plan()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        plan()
+    sync()
+    return 1e3 * (time.perf_counter() - t0) / n
+
+
+def engine_exit_costs(model, batches: list[int], prompt: int, steps: int, dtype: str, window_s: float = 1.5,
+                      rounds: int = 3, device: str = "cuda", meter=None, shortlist: int = 256) -> dict[str, Any]:
+    """What exits cost and save on the GPU, through the engine over ``torch_static`` with CUDA graphs.
+
+    Four rules on the same prompts, rotated for ``rounds`` rounds, each run repeated for ``window_s``
+    seconds (one energy window on ``meter`` when given): ``full`` (no decision anywhere: (c)), ``never``
+    (every check point decides and no token leaves: what a decision costs a token that stays),
+    ``conf_0.9`` (an uncalibrated top-1 >= 0.9 rule, labelled so: no certificate covers it) and
+    ``exit_first`` (every token leaves at the first exit: the exit-depth ceiling). Per rule: decode
+    tokens/s, the mean exit layer and the share of tokens that left early, joules per token (NVML) where
+    there is a meter. Decision cost in layer-equivalents = (never - full seconds per step at this batch,
+    per check point) / one layer's time at this batch, the layer timed as a replay of the second segment's captured
+    graph divided by its layers (GPU work and launch, no host work); the full head's replay in layers too.
+    With ``shortlist`` > 0 a fifth system, ``never_shortlist``: the same weights whose check points decide
+    over a ``shortlist``-token candidate set (as the demo ships: exits.shortlist 256; ids 0..K-1, which
+    is all timing needs) instead of the full head, every check paid and none leaving; on this backend the
+    candidate check runs on the host (edge.runtime.backend.host_candidates).
+    ``device`` "cpu" (tests): eager, no layer timing."""
+    import numpy as np
+    import torch
+
+    from edge.model.exits import ExitConfig, MultiExitModel
+    from edge.runtime.engine import Engine, EngineConfig, Request
+    from edge.runtime.rules import ConfidenceRule, NeverExit
+    from edge.runtime.static_backend import StaticTorchBackend
+
+    cuda = device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    vocab = model.backbone.cfg.vocab_size
+    depth = model.backbone.cfg.num_layers
+    rng = np.random.default_rng(1)
+    backend = StaticTorchBackend(model, device=device, dtype=dtype, graphs=cuda)
+    systems = {"full": (backend, None), "never": (backend, NeverExit()), "conf_0.9": (backend, ConfidenceRule(0.9)),
+               "exit_first": (backend, ConfidenceRule(0.0))}
+    if shortlist:
+        listed = MultiExitModel(model.backbone, ExitConfig(layers=list(model.exit_layers), adapter_rank=0,
+                                                           shortlist=shortlist))
+        listed = listed.to(device=next(model.parameters()).device).eval()
+        systems["never_shortlist"] = (StaticTorchBackend(listed, device=device, dtype=dtype, graphs=cuda), NeverExit())
+    rules = list(systems)
+    out: dict[str, Any] = {"rules": rules, "window_s": window_s, "rounds": rounds, "shortlist": shortlist,
+                           "defer_exit_max_batch": None}  # exits at every batch (deferral), not only at 1
+    checks = len(backend.exit_layers) - 1
+    if meter is not None:
+        from edge.energy.detect import measure_idle
+
+        out["idle_watts"] = measure_idle(meter, 2.0).mean_watts
+    for batch in batches:
+        prompts = [rng.integers(0, vocab, prompt).tolist() for _ in range(batch)]
+        cfg = EngineConfig(max_seqs=batch, max_running=batch, max_len=prompt + steps + 2,
+                           prefill_budget=prompt * batch, defer_exit_max_batch=None)
+
+        def run(name: str) -> tuple[float, int, list[int]]:
+            """One engine run: decode seconds (after every request's first token), decode tokens, exit layers."""
+            sys_backend, rule = systems[name]
+            eng = Engine(sys_backend, cfg, rule)
+            ids = [eng.submit(Request(p, steps)) for p in prompts]
+            seen: dict[int, int] = {i: 0 for i in ids}
+            layers: list[int] = []
+            t_first = None
+            while eng.has_work:
+                for ev in eng.step():
+                    seen[ev.request_id] += 1
+                    if t_first is not None:
+                        layers.append(ev.exit_layer)
+                if t_first is None and all(seen.values()):
+                    sync()
+                    t_first = time.perf_counter()
+            sync()
+            return time.perf_counter() - t_first, len(layers), layers
+
+        for name in rules:  # warm-up: graphs captured, allocator settled
+            run(name)
+        acc = {name: {"seconds": 0.0, "tokens": 0, "layers": [], "joules": []} for name in rules}
+        for rnd in range(rounds):
+            order = list(rules) if rnd % 2 == 0 else list(rules)[::-1]
+            for name in order:
+                a = acc[name]
+                if meter is not None:
+                    meter.start()
+                t0, tokens = time.perf_counter(), 0
+                while True:
+                    sec, n, layers = run(name)
+                    a["seconds"] += sec
+                    a["tokens"] += n
+                    a["layers"] += layers
+                    tokens += n
+                    if time.perf_counter() - t0 >= window_s:
+                        break
+                if meter is not None:
+                    m = meter.stop()
+                    if m.joules is not None:
+                        a["joules"].append(m.joules / tokens)
+        row: dict[str, Any] = {}
+        for name, a in acc.items():
+            layers = np.array(a["layers"])
+            row[name] = {"decode_tokens_per_s": a["tokens"] / a["seconds"], "tokens": a["tokens"],
+                         "mean_exit_layer": float(layers.mean()), "left_early": float((layers < depth).mean()),
+                         "joules_per_token": float(np.median(a["joules"])) if a["joules"] else None}
+        sec_tok = {name: 1.0 / r["decode_tokens_per_s"] for name, r in row.items()}
+        # a step carries ``batch`` tokens; what the check points add to a step, per check point
+        row["extra_ms_per_step_per_check"] = 1e3 * batch * (sec_tok["never"] - sec_tok["full"]) / checks
+        if shortlist:
+            row["extra_ms_per_step_per_check_shortlist"] = 1e3 * batch * (sec_tok["never_shortlist"]
+                                                                          - sec_tok["full"]) / checks
+        row["speedup_vs_full"] = {name: row[name]["decode_tokens_per_s"] / row["full"]["decode_tokens_per_s"]
+                                  for name in rules if name != "full"}
+        if meter is not None and row["full"]["joules_per_token"]:
+            row["energy_ratio_vs_full"] = {name: row[name]["joules_per_token"] / row["full"]["joules_per_token"]
+                                           for name in rules if name != "full" and row[name]["joules_per_token"]}
+        if cuda:
+            bucket = backend._bucket(batch)
+            seg = backend._plans.get(("segment", 1, bucket))
+            head = backend._plans.get(("head", 0, bucket))
+            if seg is not None:
+                layer_ms = _replay_ms(seg, sync) / len(backend.segments[1])
+                row["layer_ms_graph_replay"] = layer_ms
+                row["decision_cost_layers"] = row["extra_ms_per_step_per_check"] / layer_ms
+                if shortlist:
+                    row["decision_cost_layers_shortlist"] = row["extra_ms_per_step_per_check_shortlist"] / layer_ms
+                if head is not None:
+                    row["head_replay_layers"] = _replay_ms(head, sync) / layer_ms
+        out[str(batch)] = row
+        print(f"exit costs batch {batch}: " + json.dumps({k: v for k, v in row.items() if not isinstance(v, dict)}),
+              flush=True)
+    out["captured"] = sum(b.captured for b in {id(b): b for b, _ in systems.values()}.values())
+    return out
+
+
 def llama8b_shape(dev):
     """A random-weight model of Llama-3.1-8B's shape in bf16 with exits after 8, 16, 24 (norm + shared head)."""
     import torch
@@ -229,6 +373,19 @@ def llama8b_shape(dev):
         for p in dec.parameters():
             p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
     return MultiExitModel(dec.eval(), ExitConfig(layers=[8, 16, 24, 32], adapter_rank=0)).to(dev).eval()
+
+
+def _open_nvml():
+    """The NVML meter (started and stopped per window), or None where it cannot open (the reason printed)."""
+    from edge.core.errors import SmartExitError
+
+    try:
+        from edge.energy.detect import open_meter
+
+        return open_meter("nvml", interval_s=0.05)
+    except (ImportError, SmartExitError) as exc:
+        print(f"no NVML meter for the exit-cost windows: {type(exc).__name__}: {exc}", flush=True)
+        return None
 
 
 def _guarded(fn, *args) -> Any:
@@ -250,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--skip-8b", action="store_true", help="skip the Llama-3.1-8B-shaped random model")
+    ap.add_argument("--window", type=float, default=1.5, help="seconds of one rule's energy window (section 6)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -272,41 +430,61 @@ def main(argv: list[str] | None = None) -> int:
     depth = bb.cfg.num_layers
     g = torch.Generator().manual_seed(0)
     sync = torch.cuda.synchronize
-    timings = {}
-    for batch in (int(b) for b in args.batches.split(",")):
-        ids = torch.randint(0, bb.cfg.vocab_size, (batch, args.prompt), generator=g).to(dev)
-        run_decode(bb, ids, 4, depth, sync)  # warm-up: kernels, allocator
-        row = {}
-        for exit_at in sorted({*(int(e) for e in args.exits.split(",")), depth}):
-            seconds, _ = run_decode(bb, ids, args.steps, exit_at, sync)
-            row[str(exit_at)] = {"ms_per_step": 1e3 * seconds / args.steps,
-                                 "tokens_per_s": batch * args.steps / seconds}
-        for k, v in row.items():
-            v["speedup_vs_full"] = row[str(depth)]["ms_per_step"] / v["ms_per_step"]
-        timings[str(batch)] = row
-        print(f"batch {batch}: " + ", ".join(f"exit {k}: {v['ms_per_step']:.2f} ms/step" for k, v in row.items()))
-    result["decode_ms_by_batch_and_exit"] = timings
-    ids = torch.randint(0, bb.cfg.vocab_size, (1, args.prompt), generator=g)
-    _, on_cpu = run_decode(cpu_model, ids, 32, depth, lambda: None)
-    _, on_gpu = run_decode(bb, ids.to(dev), 32, depth, sync)
-    result["greedy_tokens_cuda_vs_cpu"] = {"compared": len(on_cpu[0]),
-                                           "equal": sum(a == b for a, b in zip(on_cpu[0], on_gpu[0]))}
+    batches = [int(b) for b in args.batches.split(",")]
+
+    def save() -> None:  # after every section: what ran is kept if a later one fails or the run is cut
+        (out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+    def decode_by_exit() -> dict[str, Any]:
+        timings = {}
+        for batch in batches:
+            ids = torch.randint(0, bb.cfg.vocab_size, (batch, args.prompt), generator=g).to(dev)
+            run_decode(bb, ids, 4, depth, sync)  # warm-up: kernels, allocator
+            row = {}
+            for exit_at in sorted({*(int(e) for e in args.exits.split(",")), depth}):
+                seconds, _ = run_decode(bb, ids, args.steps, exit_at, sync)
+                row[str(exit_at)] = {"ms_per_step": 1e3 * seconds / args.steps,
+                                     "tokens_per_s": batch * args.steps / seconds}
+            for v in row.values():
+                v["speedup_vs_full"] = row[str(depth)]["ms_per_step"] / v["ms_per_step"]
+            timings[str(batch)] = row
+            print(f"batch {batch}: " + ", ".join(f"exit {k}: {v['ms_per_step']:.2f} ms/step" for k, v in row.items()),
+                  flush=True)
+        return timings
+
+    def greedy_cuda_vs_cpu() -> dict[str, int]:
+        ids = torch.randint(0, bb.cfg.vocab_size, (1, args.prompt), generator=g)
+        _, on_cpu = run_decode(cpu_model, ids, 32, depth, lambda: None)
+        _, on_gpu = run_decode(bb, ids.to(dev), 32, depth, sync)
+        return {"compared": len(on_cpu[0]), "equal": sum(a == b for a, b in zip(on_cpu[0], on_gpu[0]))}
+
+    result["decode_ms_by_batch_and_exit"] = _guarded(decode_by_exit)
+    result["greedy_tokens_cuda_vs_cpu"] = _guarded(greedy_cuda_vs_cpu)
     big = torch.randint(0, bb.cfg.vocab_size, (16, args.prompt), generator=g).to(dev)
-    result["nvml_energy_full_depth_b16"] = nvml_window(bb, big, args.steps, depth, sync)
+    result["nvml_energy_full_depth_b16"] = _guarded(nvml_window, bb, big, args.steps, depth, sync)
+    save()
     from edge.model.exits import ExitConfig, MultiExitModel
 
-    batches = [int(b) for b in args.batches.split(",")]
     exits = sorted({*(int(e) for e in args.exits.split(",") if int(e) < depth), depth})
     tiny = MultiExitModel(bb, ExitConfig(layers=exits, adapter_rank=0)).to(dev).eval()
-    result["static_cache_graphs_bundled"] = static_graphs(tiny, batches, args.prompt, args.steps, sync)
+    result["static_cache_graphs_bundled"] = _guarded(static_graphs, tiny, batches, args.prompt, args.steps, sync)
+    save()
     result["engine_torch_static_bundled"] = _guarded(engine_runs, tiny, batches, args.prompt, args.steps, "float32")
-    (out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")  # partial, kept if 8B fails
+    save()
+    meter = _open_nvml()
+    result["exit_costs_bundled"] = _guarded(engine_exit_costs, tiny, batches, args.prompt, args.steps, "float32",
+                                            args.window, 3, "cuda", meter)
+    save()
     if not args.skip_8b:
         del tiny
         big8 = llama8b_shape(dev)
         result["static_cache_graphs_llama8b_shape"] = _guarded(static_graphs, big8, batches, args.prompt, 32, sync)
+        save()
         result["engine_torch_static_llama8b_shape"] = _guarded(engine_runs, big8, batches, args.prompt, 32, "bfloat16")
-    (out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+        save()
+        result["exit_costs_llama8b_shape"] = _guarded(engine_exit_costs, big8, batches, args.prompt, 32, "bfloat16",
+                                                      args.window, 3, "cuda", meter)
+        save()
     print(f"wrote {out / 'gpu_check.json'}")
     return 0
 

@@ -140,11 +140,11 @@ class MultiExitModel(nn.Module):
         return self.exit_cfg.shortlist > 0 and len(self.exit_layers) > 1
 
     def shortlist_rows(self) -> torch.Tensor:
-        """The LM head's rows of the shortlist tokens [K, D] (float32; a quantized head's values as it
-        computes them)."""
+        """The LM head's rows of the shortlist tokens [K, D] (float32, on the host, where the candidate check
+        of the host-side backends runs, also for a model on a GPU; a quantized head's values as it computes them)."""
         bb = self.backbone
         w = bb.head_weight if bb.head_q is None else bb.head_q.quantized_weight()  # the quantized head's grid values
-        return w.detach().float()[self.shortlist]
+        return w.detach().float()[self.shortlist].cpu()
 
     @property
     def gated(self) -> bool:
