@@ -372,7 +372,8 @@ def llama8b_shape(dev):
     with torch.no_grad():
         for p in dec.parameters():
             p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-    return MultiExitModel(dec.eval(), ExitConfig(layers=[8, 16, 24, 32], adapter_rank=0)).to(dev).eval()
+    model = MultiExitModel(dec.eval(), ExitConfig(layers=[8, 16, 24, 32], adapter_rank=0))
+    return model.to(device=dev, dtype=torch.bfloat16).eval()  # the exit norms too (their weights are float32 when made)
 
 
 def _open_nvml():

@@ -84,7 +84,7 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tens
         allowed = allowed & (k_pos.unsqueeze(1) > q_pos.unsqueeze(2) - window)
     if k_valid is not None:
         allowed = allowed & k_valid.unsqueeze(1)
-    zero = torch.zeros((), dtype=torch.float32)
+    zero = torch.zeros((), dtype=torch.float32, device=allowed.device)  # on the device: capturable in a CUDA graph
     return torch.where(allowed, zero, torch.finfo(torch.float32).min).unsqueeze(1)
 
 
@@ -231,9 +231,9 @@ class Decoder(nn.Module):
         b, t = ids.shape
         p = 0 if past is None else past[0][0].shape[2]
         if positions is None:
-            positions = torch.arange(p, p + t).unsqueeze(0).expand(b, t)
+            positions = torch.arange(p, p + t, device=ids.device).unsqueeze(0).expand(b, t)
         if past_positions is None:
-            past_positions = torch.arange(p).unsqueeze(0).expand(b, p)
+            past_positions = torch.arange(p, device=ids.device).unsqueeze(0).expand(b, p)
         k_pos = torch.cat((past_positions, positions), dim=1)
         mask = attention_mask(positions, k_pos, window=self.cfg.sliding_window)
         if self.training and past is None and self.cfg.sliding_window is None:
