@@ -164,7 +164,7 @@ def engine_runs(model, batches: list[int], prompt: int, steps: int, dtype: str, 
     cuda = device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
-    from edge.runtime.engine import Engine, EngineConfig, Request
+    from edge.runtime.engine import Engine, EngineConfig, Mode, Request
     from edge.runtime.rules import ConfidenceRule
     from edge.runtime.static_backend import StaticTorchBackend
 
@@ -232,7 +232,8 @@ def engine_exit_costs(model, batches: list[int], prompt: int, steps: int, dtype:
     """What exits cost and save on the GPU, through the engine over ``torch_static`` with CUDA graphs.
 
     Four rules on the same prompts, rotated for ``rounds`` rounds, each run repeated for ``window_s``
-    seconds (one energy window on ``meter`` when given): ``full`` (no decision anywhere: (c)), ``never``
+    seconds (one energy window on ``meter`` when given): ``full`` (requests in mode full: no check point
+    decides, the engine's full-depth path; not rule None, which is the never rule), ``never``
     (every check point decides and no token leaves: what a decision costs a token that stays),
     ``conf_0.9`` (an uncalibrated top-1 >= 0.9 rule, labelled so: no certificate covers it) and
     ``exit_first`` (every token leaves at the first exit: the exit-depth ceiling). Per rule: decode
@@ -249,7 +250,7 @@ def engine_exit_costs(model, batches: list[int], prompt: int, steps: int, dtype:
     import torch
 
     from edge.model.exits import ExitConfig, MultiExitModel
-    from edge.runtime.engine import Engine, EngineConfig, Request
+    from edge.runtime.engine import Engine, EngineConfig, Mode, Request
     from edge.runtime.rules import ConfidenceRule, NeverExit
     from edge.runtime.static_backend import StaticTorchBackend
 
@@ -283,7 +284,8 @@ def engine_exit_costs(model, batches: list[int], prompt: int, steps: int, dtype:
             """One engine run: decode seconds (after every request's first token), decode tokens, exit layers."""
             sys_backend, rule = systems[name]
             eng = Engine(sys_backend, cfg, rule)
-            ids = [eng.submit(Request(p, steps)) for p in prompts]
+            mode = Mode.FULL if name == "full" else Mode.BOUNDED
+            ids = [eng.submit(Request(p, steps, mode=mode)) for p in prompts]
             seen: dict[int, int] = {i: 0 for i in ids}
             layers: list[int] = []
             t_first = None
@@ -409,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--skip-8b", action="store_true", help="skip the Llama-3.1-8B-shaped random model")
     ap.add_argument("--window", type=float, default=1.5, help="seconds of one rule's energy window (section 6)")
+    ap.add_argument("--only-exit-costs", action="store_true", help="section 6 alone (both models)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -459,19 +462,23 @@ def main(argv: list[str] | None = None) -> int:
         _, on_gpu = run_decode(bb, ids.to(dev), 32, depth, sync)
         return {"compared": len(on_cpu[0]), "equal": sum(a == b for a, b in zip(on_cpu[0], on_gpu[0]))}
 
-    result["decode_ms_by_batch_and_exit"] = _guarded(decode_by_exit)
-    result["greedy_tokens_cuda_vs_cpu"] = _guarded(greedy_cuda_vs_cpu)
-    big = torch.randint(0, bb.cfg.vocab_size, (16, args.prompt), generator=g).to(dev)
-    result["nvml_energy_full_depth_b16"] = _guarded(nvml_window, bb, big, args.steps, depth, sync)
-    save()
+    every = not args.only_exit_costs
+    if every:
+        result["decode_ms_by_batch_and_exit"] = _guarded(decode_by_exit)
+        result["greedy_tokens_cuda_vs_cpu"] = _guarded(greedy_cuda_vs_cpu)
+        big = torch.randint(0, bb.cfg.vocab_size, (16, args.prompt), generator=g).to(dev)
+        result["nvml_energy_full_depth_b16"] = _guarded(nvml_window, bb, big, args.steps, depth, sync)
+        save()
     from edge.model.exits import ExitConfig, MultiExitModel
 
     exits = sorted({*(int(e) for e in args.exits.split(",") if int(e) < depth), depth})
     tiny = MultiExitModel(bb, ExitConfig(layers=exits, adapter_rank=0)).to(dev).eval()
-    result["static_cache_graphs_bundled"] = _guarded(static_graphs, tiny, batches, args.prompt, args.steps, sync)
-    save()
-    result["engine_torch_static_bundled"] = _guarded(engine_runs, tiny, batches, args.prompt, args.steps, "float32")
-    save()
+    if every:
+        result["static_cache_graphs_bundled"] = _guarded(static_graphs, tiny, batches, args.prompt, args.steps, sync)
+        save()
+        result["engine_torch_static_bundled"] = _guarded(engine_runs, tiny, batches, args.prompt, args.steps,
+                                                         "float32")
+        save()
     meter = _open_nvml()
     result["exit_costs_bundled"] = _guarded(engine_exit_costs, tiny, batches, args.prompt, args.steps, "float32",
                                             args.window, 3, "cuda", meter)
@@ -479,10 +486,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_8b:
         del tiny
         big8 = llama8b_shape(dev)
-        result["static_cache_graphs_llama8b_shape"] = _guarded(static_graphs, big8, batches, args.prompt, 32, sync)
-        save()
-        result["engine_torch_static_llama8b_shape"] = _guarded(engine_runs, big8, batches, args.prompt, 32, "bfloat16")
-        save()
+        if every:
+            result["static_cache_graphs_llama8b_shape"] = _guarded(static_graphs, big8, batches, args.prompt, 32, sync)
+            save()
+            result["engine_torch_static_llama8b_shape"] = _guarded(engine_runs, big8, batches, args.prompt, 32,
+                                                                   "bfloat16")
+            save()
         result["exit_costs_llama8b_shape"] = _guarded(engine_exit_costs, big8, batches, args.prompt, 32, "bfloat16",
                                                       args.window, 3, "cuda", meter)
         save()

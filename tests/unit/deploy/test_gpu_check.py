@@ -82,7 +82,7 @@ def test_exit_cost_section_runs_eagerly_on_the_cpu():
     first, depth = model.exit_layers[0], model.backbone.cfg.num_layers
     for b in ("1", "2"):
         row = out[b]
-        assert row["full"]["left_early"] == 0 and row["never"]["left_early"] == 0
+        assert row["full"]["left_early"] == 0 and row["never"]["left_early"] == 0  # full: requests in mode full
         assert row["never_shortlist"]["left_early"] == 0 and "extra_ms_per_step_per_check_shortlist" in row
         assert row["never"]["mean_exit_layer"] == depth
         assert row["exit_first"]["left_early"] == 1 and row["exit_first"]["mean_exit_layer"] == first
