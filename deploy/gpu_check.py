@@ -241,7 +241,9 @@ def engine_exit_costs(model, batches: list[int], prompt: int, steps: int, dtype:
     there is a meter. Decision cost in layer-equivalents = (never - full seconds per step at this batch,
     per check point) / one layer's time at this batch, the layer timed as a replay of the second segment's captured
     graph divided by its layers (GPU work and launch, no host work); the full head's replay in layers too.
-    With ``shortlist`` > 0 a fifth system, ``never_shortlist``: the same weights whose check points decide
+    ``never_pipelined`` and ``exit_first_pipelined``: the same on a backend that launches each next segment
+    before reading the decision (``pipeline``): what that hides of a check, and what it wastes where every
+    token leaves. With ``shortlist`` > 0, ``never_shortlist`` (and pipelined): the same weights whose check points decide
     over a ``shortlist``-token candidate set (as the demo ships: exits.shortlist 256; ids 0..K-1, which
     is all timing needs) instead of the full head, every check paid and none leaving; on this backend the
     candidate check runs on the host (edge.runtime.backend.host_candidates).
@@ -260,13 +262,17 @@ def engine_exit_costs(model, batches: list[int], prompt: int, steps: int, dtype:
     depth = model.backbone.cfg.num_layers
     rng = np.random.default_rng(1)
     backend = StaticTorchBackend(model, device=device, dtype=dtype, graphs=cuda)
-    systems = {"full": (backend, None), "never": (backend, NeverExit()), "conf_0.9": (backend, ConfidenceRule(0.9)),
-               "exit_first": (backend, ConfidenceRule(0.0))}
+    ahead = StaticTorchBackend(model, device=device, dtype=dtype, graphs=cuda, pipeline=True)
+    systems = {"full": (backend, None), "never": (backend, NeverExit()), "never_pipelined": (ahead, NeverExit()),
+               "conf_0.9": (backend, ConfidenceRule(0.9)), "exit_first": (backend, ConfidenceRule(0.0)),
+               "exit_first_pipelined": (ahead, ConfidenceRule(0.0))}
     if shortlist:
         listed = MultiExitModel(model.backbone, ExitConfig(layers=list(model.exit_layers), adapter_rank=0,
                                                            shortlist=shortlist))
         listed = listed.to(device=next(model.parameters()).device).eval()
         systems["never_shortlist"] = (StaticTorchBackend(listed, device=device, dtype=dtype, graphs=cuda), NeverExit())
+        systems["never_shortlist_pipelined"] = (StaticTorchBackend(listed, device=device, dtype=dtype, graphs=cuda,
+                                                                   pipeline=True), NeverExit())
     rules = list(systems)
     out: dict[str, Any] = {"rules": rules, "window_s": window_s, "rounds": rounds, "shortlist": shortlist,
                            "defer_exit_max_batch": None}  # exits at every batch (deferral), not only at 1
@@ -330,10 +336,9 @@ def engine_exit_costs(model, batches: list[int], prompt: int, steps: int, dtype:
                          "joules_per_token": float(np.median(a["joules"])) if a["joules"] else None}
         sec_tok = {name: 1.0 / r["decode_tokens_per_s"] for name, r in row.items()}
         # a step carries ``batch`` tokens; what the check points add to a step, per check point
-        row["extra_ms_per_step_per_check"] = 1e3 * batch * (sec_tok["never"] - sec_tok["full"]) / checks
-        if shortlist:
-            row["extra_ms_per_step_per_check_shortlist"] = 1e3 * batch * (sec_tok["never_shortlist"]
-                                                                          - sec_tok["full"]) / checks
+        never = [n for n in rules if n.startswith("never")]  # every check paid, none leaving: a check's price
+        for n in never:
+            row[f"extra_ms_per_step_per_check{n[5:]}"] = 1e3 * batch * (sec_tok[n] - sec_tok["full"]) / checks
         row["speedup_vs_full"] = {name: row[name]["decode_tokens_per_s"] / row["full"]["decode_tokens_per_s"]
                                   for name in rules if name != "full"}
         if meter is not None and row["full"]["joules_per_token"]:
@@ -346,15 +351,15 @@ def engine_exit_costs(model, batches: list[int], prompt: int, steps: int, dtype:
             if seg is not None:
                 layer_ms = _replay_ms(seg, sync) / len(backend.segments[1])
                 row["layer_ms_graph_replay"] = layer_ms
-                row["decision_cost_layers"] = row["extra_ms_per_step_per_check"] / layer_ms
-                if shortlist:
-                    row["decision_cost_layers_shortlist"] = row["extra_ms_per_step_per_check_shortlist"] / layer_ms
+                for n in never:
+                    row[f"decision_cost_layers{n[5:]}"] = row[f"extra_ms_per_step_per_check{n[5:]}"] / layer_ms
                 if head is not None:
                     row["head_replay_layers"] = _replay_ms(head, sync) / layer_ms
         out[str(batch)] = row
         print(f"exit costs batch {batch}: " + json.dumps({k: v for k, v in row.items() if not isinstance(v, dict)}),
               flush=True)
     out["captured"] = sum(b.captured for b in {id(b): b for b, _ in systems.values()}.values())
+    out["wasted_segments_pipelined"] = ahead.wasted_segments  # launched ahead of a check where rows left
     return out
 
 

@@ -329,7 +329,7 @@ def host_decision(backend: Backend, i: int, out: SegmentOut, prev: SegmentOut | 
     first = i == 0
     if prev is None:
         prev = SegmentOut(None, np.zeros_like(out.exit_hidden), None, None, np.full(b, -1), zeros, run=zeros)
-    cos = zeros if first else _cosine32(out.exit_hidden, prev.exit_hidden)
+    cos = zeros if first else _cosine32(out.exit_hidden, np.asarray(prev.exit_hidden))  # (a device array's copy)
     if backend.spec.gated:
         g = 1.0 / (1.0 + np.exp(-out.gate))
         pg = zeros if first else 1.0 / (1.0 + np.exp(-prev.gate))
@@ -346,12 +346,16 @@ def host_decision(backend: Backend, i: int, out: SegmentOut, prev: SegmentOut | 
 
 
 def host_candidates(backend: Backend, i: int, out: SegmentOut, prev: SegmentOut | None,
-                    lookup: tuple[np.ndarray, np.ndarray], rows: np.ndarray) -> SegmentOut:
+                    lookup: tuple[np.ndarray, np.ndarray], rows: np.ndarray | None = None,
+                    z: np.ndarray | None = None) -> SegmentOut:
     """Shortlist decision exit i on the host (:mod:`edge.model.candidates`, the fused graphs' formulas):
     for backends whose graphs end at the exit hidden (torch, the portable graphs, torch_static). ``rows``:
-    the LM head's rows of the shortlist [K, D]. Fills the output's token, features, candidates and score."""
+    the LM head's rows of the shortlist [K, D], or ``z``: the candidate logits [B, K] already computed
+    (torch_static computes them on its device). Fills the output's token, features, candidates and score."""
     first = i == 0 or prev is None
-    c = check(shortlist_logits(out.exit_hidden, rows), backend.shortlist_ids, lookup[0], lookup[1],
+    if z is None:
+        z = shortlist_logits(out.exit_hidden, rows)
+    c = check(z, backend.shortlist_ids, lookup[0], lookup[1],
               None if first else prev.cand_tokens, None if first else prev.cand_logits, out.exit_hidden)
     out.token, out.features, out.cand_tokens, out.cand_logits = c.token, c.features, c.tokens, c.logits
     out.score = backend.rule_score(i)(c.features)

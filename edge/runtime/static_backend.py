@@ -15,15 +15,22 @@ allocates slots only), and computes where the weights are:
   position 0, which no sequence reads. Graphs are captured on first use (after one eager warm-up
   run, which computes the same values);
 - a *prompt chunk* (one sequence, T rows) or a verification call runs eagerly, over the past it has;
-- the exit rule's decision is read on the host (:func:`edge.runtime.backend.host_decision`): each
-  segment call copies its exit's hidden, logits, statistics and token to the host (B x V floats for
-  the logits) and the residual to the next segment (B x D).
+- the exit rule's decision is read on the host (:func:`edge.runtime.backend.host_decision`,
+  :func:`edge.runtime.backend.host_candidates`): a decision exit copies its exit hidden (B x D) and
+  its statistics and token, or its candidate logits over the shortlist (B x K, computed on the device
+  in the segment's graph), to the host. The residual and the logits stay on the device
+  (:class:`_OnDevice`): the residual goes into the next segment call as it is, and B x V logits are
+  copied only when the engine reads them (a sampled row, a verification). Measured on an H200 before
+  this (deploy/gpu_check.py, Llama-3.1-8B shape, batch 16): a full-head check cost 21 layers, most of
+  it the B x V logits' copy, and the candidate check 3.2 layers, most of it its B x D x K product on
+  the host.
 
 On a CPU the same code runs eagerly (``graphs`` False), which is how the tests check it against the
 reference. Capture needs CUDA (``graphs`` True refuses otherwise).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -67,6 +74,62 @@ class _Captured:
         return self.out
 
 
+class _OnDevice:
+    """A device tensor that the engine may read as a host array: copied to the host on first read (its
+    shape needs no copy); given back to this backend (the next segment's input), it stays on the device.
+    Like every array of a :class:`SegmentOut`, valid until the backend's next call of the same kind."""
+
+    __slots__ = ("t", "_host")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t, self._host = t, None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.t.shape)
+
+    @property
+    def ndim(self) -> int:
+        return self.t.dim()
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(np.float32) if self.t.is_floating_point() else np.dtype(np.int64)
+
+    def __len__(self) -> int:
+        return self.t.shape[0]
+
+    def host(self) -> np.ndarray:
+        if self._host is None:
+            t = self.t
+            self._host = (t.float() if t.is_floating_point() else t).cpu().numpy()
+        return self._host
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        a = self.host()
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+    def __getitem__(self, key):
+        return self.host()[key]
+
+    def copy(self) -> np.ndarray:
+        return self.host().copy()
+
+
+@dataclass
+class _Launched:
+    """A segment call launched on the device: its residual and exit hidden there, the logits of a full-head
+    exit, the decision arrays on their way to the host (pinned buffers) and the event that says they are."""
+
+    i: int
+    b: int
+    hidden: torch.Tensor | None
+    eh: torch.Tensor
+    logits: torch.Tensor | None = None
+    copies: dict[str, torch.Tensor] = field(default_factory=dict)
+    event: torch.cuda.Event | None = None
+
+
 class StaticTorchBackend(Backend):
     """The multi-exit model on ``device`` with a static device cache; decode calls as CUDA graphs.
 
@@ -76,6 +139,8 @@ class StaticTorchBackend(Backend):
         dtype: "float32", "float16" or "bfloat16" (default float32).
         graphs: capture decode calls as CUDA graphs (default: on CUDA).
         buckets: the batch sizes graphs are captured for (default 1, 2, 4, ... up to the cache's slots).
+        pipeline: launch each decode segment before the previous exit's decision is read
+            (:meth:`decode_until_exit`; off by default: see docs/runtime.md for what it measured).
     """
 
     name = "torch_static"
@@ -83,7 +148,7 @@ class StaticTorchBackend(Backend):
 
     def __init__(self, model: MultiExitModel | None = None, checkpoint: str | Path | None = None,
                  device: str | None = None, dtype: str = "float32", graphs: bool | None = None,
-                 buckets: list[int] | None = None) -> None:
+                 buckets: list[int] | None = None, pipeline: bool = False) -> None:
         if (model is None) == (checkpoint is None):
             raise ConfigError("the torch_static backend needs the model or its checkpoint folder (one of them)")
         if dtype not in DTYPES:
@@ -103,9 +168,16 @@ class StaticTorchBackend(Backend):
         self.shortlist_rows = model.shortlist_rows().numpy() if model.has_shortlist else None  # [K, D], float32
         self.dtype = DTYPES[dtype]
         self.model = model.eval().to(device=self.device, dtype=self.dtype)
+        # the candidate check's product runs on the device, in float32 as on the host and in the fused graphs
+        self._rows_t = (None if self.shortlist_rows is None
+                        else torch.from_numpy(self.shortlist_rows.T.copy()).to(self.device))  # [D, K]
         self.bb = self.model.backbone
         self._buckets_asked = buckets
         self._plans: dict[tuple, _Captured] = {}
+        self._held_index: tuple | None = None  # the last (slots, start) and their device copies
+        self._pinned: dict[tuple, torch.Tensor] = {}  # host buffers of the decision copies, per (array, segment, bucket)
+        self.pipeline = pipeline
+        self.wasted_segments = 0  # segments launched ahead that a leaving row made useless (pipeline)
         self.captured = 0  # graphs captured so far
 
     # ---------------------------------------------------------------- cache
@@ -151,7 +223,8 @@ class StaticTorchBackend(Backend):
     def _head_fn(self, eh: torch.Tensor) -> dict[str, torch.Tensor]:
         logits = self.bb.logits(eh).float()  # the rule's statistics in float32, as calibrated
         stats, token = exit_decision_stats(logits)
-        return {"logits": logits, "stats": stats, "token": token}
+        # statistics and token in one array (one copy to the host; ids < 2^24 are exact in float32)
+        return {"logits": logits, "stats_token": torch.cat((stats, token[:, None].float()), dim=1)}
 
     def _decode_plan(self, kind: str, i: int, bucket: int) -> _Captured:
         key = (kind, i, bucket)
@@ -174,6 +247,9 @@ class StaticTorchBackend(Backend):
                 out = {"hidden": h, "exit_hidden": self._exit(i, h)}
                 if self.spec.gated and i < len(self.segments) - 1:
                     out["gate"] = self.model.exit_gate(self.exit_layers[i], out["exit_hidden"])
+                if self._rows_t is not None and i < len(self.segments) - 1:  # exit hidden and candidate logits,
+                    eh = out["exit_hidden"].float()  # one array: one copy to the host
+                    out["ehz"] = torch.cat((eh, eh @ self._rows_t), dim=1)
                 return out
         elif kind == "head":
             eh = ins["x"] = torch.zeros(bucket, d, device=dev, dtype=self.dtype)
@@ -206,52 +282,141 @@ class StaticTorchBackend(Backend):
         t = t[:b]
         return (t.float() if t.is_floating_point() else t).cpu().numpy()
 
+    def _index(self, slots: np.ndarray, start: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots and start positions on the device; a decode step's segments all take the same, so the last
+        pair is reused while the values are equal (two host-to-device copies fewer per segment call)."""
+        held = self._held_index
+        if held is not None and np.array_equal(held[0], slots) and np.array_equal(held[1], start):
+            return held[2], held[3]
+        slots, start = slots.astype(np.int64), start.astype(np.int64)  # copies: the engine may reuse its arrays
+        self._held_index = (slots, start, self._to(slots), self._to(start))
+        return self._held_index[2], self._held_index[3]
+
+    def _input(self, x) -> torch.Tensor:
+        """A segment's input on the device: a residual this backend returned stays where it is."""
+        if isinstance(x, _OnDevice):
+            return x.t
+        return self._to(x) if x.dtype == np.int64 else self._to(x, self.dtype)
+
+    def _decision_copy(self, t: torch.Tensor, key: tuple) -> torch.Tensor:
+        """Enqueue the copy of a decision's small array (float32) to the host: into a pinned buffer, without
+        waiting, on CUDA (read after the launch's event); the array itself on the CPU."""
+        t = t.float()
+        if self.device.type != "cuda":
+            return t
+        buf = self._pinned.get(key)
+        if buf is None or buf.shape != t.shape:
+            buf = self._pinned[key] = torch.empty(t.shape, dtype=torch.float32, pin_memory=True)
+        buf.copy_(t, non_blocking=True)
+        return buf
+
+    def _launch(self, i: int, x, slots_t: torch.Tensor, start_t: torch.Tensor, b: int, decide: bool) -> _Launched:
+        """Segment i's decode call (one row per sequence) launched: its graph, its exit's head where a
+        decision is read with the full head, and the copies of what the host decides from; nothing waited for."""
+        k, last = self._bucket(b), i == len(self.segments) - 1
+        out = self._decode_plan("segment", i, k)(slots=slots_t, pos=start_t, x=self._input(x))
+        h, eh = out["hidden"], out["exit_hidden"]
+        run = _Launched(i, b, None if last else h[:b], eh[:b])
+        if not decide and not last:
+            return run
+        if self.spec.candidates and not last:
+            run.copies["ehz"] = self._decision_copy(out["ehz"][:b], ("ehz", i, k))
+        elif out.get("gate") is not None and not last:
+            run.copies["eh"] = self._decision_copy(eh[:b], ("eh", i, k))
+            run.copies["gate"] = self._decision_copy(out["gate"][:b], ("gate", i, k))
+        else:
+            ho = self._decode_plan("head", i, k)(x=eh)
+            run.logits = ho["logits"][:b]
+            run.copies["st"] = self._decision_copy(ho["stats_token"][:b], ("st", i, k))
+            if not last:
+                run.copies["eh"] = self._decision_copy(eh[:b], ("eh", i, k))
+        if self.device.type == "cuda":
+            run.event = torch.cuda.Event()
+            run.event.record()
+        return run
+
+    def _collect(self, run: _Launched, prev: SegmentOut | None, lookup) -> SegmentOut:
+        """A launched segment's output once its copies have arrived, with its decision (on the host)."""
+        if run.event is not None:
+            run.event.synchronize()
+        i, last = run.i, run.i == len(self.segments) - 1
+        hidden = None if last else _OnDevice(run.hidden)  # stays on the device for the next segment
+        c = {name: t.numpy().copy() for name, t in run.copies.items()}  # pinned buffers are reused next step
+        if not c:  # nobody reads this exit's decision: its exit hidden is copied only if read
+            return SegmentOut(hidden, _OnDevice(run.eh), None, None, None)
+        if "ehz" in c:  # the candidate check: its product done on the device, the rest on the host
+            d = self.spec.hidden_size
+            return host_candidates(self, i, SegmentOut(hidden, c["ehz"][:, :d], None, None, None), prev, lookup,
+                                   z=c["ehz"][:, d:])
+        if "gate" in c:
+            return host_decision(self, i, SegmentOut(hidden, c["eh"], None, None, None, c["gate"]), prev)
+        st = c["st"]
+        out = SegmentOut(hidden, c["eh"] if "eh" in c else _OnDevice(run.eh), _OnDevice(run.logits), st[:, :3],
+                         st[:, 3].astype(np.int64))
+        return out if last else host_decision(self, i, out, prev)
+
     @torch.no_grad()
     def _segment(self, i, x, slots, start, prev, decide, rows, draft, lookup):
         b, t = x.shape[:2]
         last = i == len(self.segments) - 1
-        slots_t, start_t = self._to(slots.astype(np.int64)), self._to(start.astype(np.int64))
+        slots_t, start_t = self._index(slots, start)
         if t == 1:  # a decode call (B <= slots, the largest bucket): the bucket's graph
-            k = self._bucket(b)
-            out = self._decode_plan("segment", i, k)(slots=slots_t, pos=start_t, x=self._to(x, self.dtype))
-            h, eh = out["hidden"], out["exit_hidden"]
-            gate = out.get("gate")
-            head = (lambda e: self._decode_plan("head", i, k)(x=e)) if decide else None
-        else:  # a prompt chunk or deferred rows (B == 1 or T == 1): eagerly, over the past that exists
-            positions = start_t[:, None] + torch.arange(t, device=self.device)[None, :]
-            p = int(start.max())
-            mask = past_mask(positions, start_t, p, self.sliding_window)
-            h = self.bb.embed(self._to(x)) if i == 0 else self._to(x, self.dtype)
-            h = self._layers(i, h, slots_t, positions, p, mask)
-            eh = self._exit(i, h[:, t - rows:])
-            gate = (self.model.exit_gate(self.exit_layers[i], eh)
-                    if self.spec.gated and not last and decide else None)
-            head = self._head_fn if decide else None
+            return self._collect(self._launch(i, x, slots_t, start_t, b, decide), prev, lookup)
+        # a prompt chunk or deferred rows (B == 1): eagerly, over the past that exists
+        positions = start_t[:, None] + torch.arange(t, device=self.device)[None, :]
+        p = int(start.max())
+        mask = past_mask(positions, start_t, p, self.sliding_window)
+        h = self.bb.embed(self._input(x)) if i == 0 else self._input(x)
+        h = self._layers(i, h, slots_t, positions, p, mask)
+        eh = self._exit(i, h[:, t - rows:])
         r = b * rows
-        hidden = None if last else self._host(h, b)
-        eh_host = self._host(eh, r)
-        if not decide and not last:  # nobody reads this exit's decision
-            return SegmentOut(hidden, eh_host, None, None, None)
-        if self.spec.candidates and not last:  # the candidate check on the host (no LM head)
-            return host_candidates(self, i, SegmentOut(hidden, eh_host, None, None, None), prev, lookup,
-                                   self.shortlist_rows)
-        if gate is not None:
-            out = SegmentOut(hidden, eh_host, None, None, None, self._host(gate, r))
-        else:
-            ho = head(eh)
-            out = SegmentOut(hidden, eh_host, self._host(ho["logits"], r), self._host(ho["stats"], r),
-                             self._host(ho["token"], r))
-        return out if last else host_decision(self, i, out, prev)
+        run = _Launched(i, r, None if last else h[:b], eh)
+        if decide and not last and self._rows_t is not None:
+            run.copies["ehz"] = torch.cat((eh.float(), eh.float() @ self._rows_t), dim=1).cpu()
+        elif decide and not last and self.spec.gated:
+            run.copies["eh"] = eh.float().cpu()
+            run.copies["gate"] = self.model.exit_gate(self.exit_layers[i], eh).float().cpu()
+        elif decide:
+            ho = self._head_fn(eh)
+            run.logits, run.copies["st"] = ho["logits"], ho["stats_token"].cpu()
+            if not last:
+                run.copies["eh"] = eh.float().cpu()
+        return self._collect(run, prev, lookup)
+
+    @torch.no_grad()
+    def decode_until_exit(self, x, slots, start, lookup, allowed):
+        """The segments of a decode step with each next segment launched before the previous decision is read
+        (``pipeline`` on): the device runs segment i + 1 while the host decides at exit i, so a check costs
+        no idle device time; where rows leave at exit i, segment i + 1 was computed for nothing (its K/V
+        rows are exact and are written again, or propagated over, by whatever comes next)."""
+        if not self.pipeline or x.shape[1] != 1:
+            return super().decode_until_exit(x, slots, start, lookup, allowed)
+        if self.cache is None or int(start.max()) + 1 > self.cache.capacity:
+            raise ConfigError("no KV cache attached, or positions past its capacity")
+        b, last = x.shape[0], len(self.segments) - 1
+        if self.spec.candidates and lookup is None:
+            lookup = (np.full(b, -1, np.int64), np.zeros(b, np.float32))
+        slots_t, start_t = self._index(slots, start)
+        run, prev = self._launch(0, x, slots_t, start_t, b, True), None
+        for i in range(len(self.segments)):
+            ahead = self._launch(i + 1, _OnDevice(run.hidden), slots_t, start_t, b, True) if i < last else None
+            out = self._collect(run, prev, lookup)
+            if i == last or bool(((out.score >= 0.0) & allowed).any()):
+                self.wasted_segments += ahead is not None
+                return i, out
+            run, prev = ahead, out
+        raise AssertionError("unreachable")
 
     @torch.no_grad()
     def _head(self, i, exit_hidden):
-        ho = self._head_fn(self._to(exit_hidden, self.dtype))
+        ho = self._head_fn(self._input(exit_hidden))
         b = exit_hidden.shape[0]
-        return HeadOut(self._host(ho["logits"], b), self._host(ho["stats"], b), self._host(ho["token"], b))
+        st = self._host(ho["stats_token"], b)
+        return HeadOut(_OnDevice(ho["logits"][:b]), st[:, :3], st[:, 3].astype(np.int64))
 
     @torch.no_grad()
     def _kvfill(self, i, hidden, slots, positions):
         b = len(slots)
         slots_t, pos_t = self._to(slots.astype(np.int64)), self._to(positions.astype(np.int64))
-        hid = self._to(hidden, self.dtype)[:, None]
+        hid = self._input(hidden)[:, None]
         self._decode_plan("fill", i, self._bucket(b))(slots=slots_t, pos=pos_t, x=hid)

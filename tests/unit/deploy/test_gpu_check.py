@@ -84,8 +84,11 @@ def test_exit_cost_section_runs_eagerly_on_the_cpu():
         row = out[b]
         assert row["full"]["left_early"] == 0 and row["never"]["left_early"] == 0  # full: requests in mode full
         assert row["never_shortlist"]["left_early"] == 0 and "extra_ms_per_step_per_check_shortlist" in row
+        assert row["never_pipelined"]["left_early"] == 0 and "extra_ms_per_step_per_check_shortlist_pipelined" in row
+        assert row["exit_first_pipelined"]["mean_exit_layer"] == first
         assert row["never"]["mean_exit_layer"] == depth
         assert row["exit_first"]["left_early"] == 1 and row["exit_first"]["mean_exit_layer"] == first
         assert row["speedup_vs_full"]["never"] == row["never"]["decode_tokens_per_s"] / row["full"]["decode_tokens_per_s"]
         assert row["full"]["joules_per_token"] is None and "layer_ms_graph_replay" not in row  # no meter, no graphs
     assert out["captured"] == 0
+    assert out["wasted_segments_pipelined"] > 0  # every token left at the first exit with the next segment ahead

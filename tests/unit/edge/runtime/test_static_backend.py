@@ -110,3 +110,77 @@ def test_bad_settings_are_refused(kw, msg):
     args = {"model": _model(), **kw}
     with pytest.raises(ConfigError, match=msg):
         StaticTorchBackend(**args)
+
+
+@pytest.mark.parametrize("mode", list(KVMode))
+def test_shortlist_checks_decide_as_the_reference(mode):
+    """A shortlist model (its candidate logits computed on the backend's device, the rest of the check on
+    the host): the engine over it emits the reference's tokens at the reference's layers, batched, with
+    rows leaving at a threshold where some leave and some run to full depth."""
+    from tests.unit.edge.runtime.test_candidates import _mixed_threshold, _model as _listed
+
+    m = _listed(seed=2)
+    prompts = _prompts(5, seed=8)
+    cfg = dict(max_seqs=3, max_running=3, max_len=128, kv_mode=mode, prefill_budget=16, defer_exit_max_batch=None)
+    thr = _mixed_threshold(m, prompts, cfg)
+    ref = _run(Engine(TorchBackend(m), EngineConfig(**cfg), ConfidenceRule(thr)), prompts, max_tokens=16)
+    backend = StaticTorchBackend(m, device="cpu")
+    got = _run(Engine(backend, EngineConfig(**cfg), ConfidenceRule(thr)), prompts, max_tokens=16)
+    assert got == ref
+    assert backend._rows_t is not None and tuple(backend._rows_t.shape) == (CFG.hidden_size, m.exit_cfg.shortlist)
+
+
+def test_residual_and_logits_stay_on_the_device_until_read(monkeypatch):
+    """Greedy decode steps never copy a residual or a B x V logits array to the host (the next segment takes
+    the residual where it is; a greedy token is the device's argmax): the only logits read are each
+    prompt's last row, once per request (the first token). A sampled request reads its logits and gets
+    the reference's tokens for the same seed."""
+    from edge.runtime import static_backend
+
+    reads = []
+    real = static_backend._OnDevice.host
+    monkeypatch.setattr(static_backend._OnDevice, "host", lambda self: reads.append(self.shape) or real(self))
+    m = _model(seed=3)
+    prompts = _prompts(3, seed=9)
+    cfg = EngineConfig(max_seqs=3, max_running=3, max_len=128, prefill_budget=16)
+    ref = _run(Engine(TorchBackend(m), cfg), prompts)
+    assert _run(Engine(StaticTorchBackend(m, device="cpu"), cfg), prompts) == ref
+    assert reads == [(1, CFG.vocab_size)] * len(prompts), f"greedy decoding copied {reads} to the host"
+    reads.clear()
+    ref = _run(Engine(TorchBackend(m), cfg), prompts, temperature=0.9, seed=5)
+    got = _run(Engine(StaticTorchBackend(m, device="cpu"), cfg), prompts, temperature=0.9, seed=5)
+    assert got == ref
+    assert len(reads) > len(prompts), "sampled decode steps read their logits"
+
+
+def test_exact_requests_decode_what_full_ones_do():
+    """Mode exact (drafts from the first exit, verified at full depth) over this backend: the greedy tokens
+    of mode full, token for token, batched."""
+    from edge.runtime.engine import Mode
+
+    m = _model(seed=5)
+    prompts = [p + p for p in _prompts(3, seed=10)]  # repeats: lookup drafts that hit
+    cfg = EngineConfig(max_seqs=3, max_running=3, max_len=128, prefill_budget=16)
+    backend = StaticTorchBackend(m, device="cpu")
+    full = _run(Engine(backend, cfg, ConfidenceRule(0.3)), prompts, max_tokens=16, mode=Mode.FULL)
+    exact = _run(Engine(backend, cfg, ConfidenceRule(0.3)), prompts, max_tokens=16, mode=Mode.EXACT)
+    assert [[t for t, _ in r] for r in exact] == [[t for t, _ in r] for r in full]
+
+
+@pytest.mark.parametrize("mode", list(KVMode))
+@pytest.mark.parametrize("listed", [False, True], ids=["full_head", "shortlist"])
+def test_pipelined_decode_decides_as_the_reference(mode, listed):
+    """``pipeline``: each next segment launched before the previous decision is read. Where rows leave, the
+    segment launched ahead was computed for nothing (counted) and its K/V rows are written again or
+    propagated over: the tokens and exit layers are the reference's, in both K/V modes, batched."""
+    from tests.unit.edge.runtime.test_candidates import _mixed_threshold, _model as _listed
+
+    m = _listed(seed=2) if listed else _model(seed=1)
+    prompts = _prompts(5, seed=8)
+    cfg = dict(max_seqs=3, max_running=3, max_len=128, kv_mode=mode, prefill_budget=16, defer_exit_max_batch=None)
+    rule = ConfidenceRule(_mixed_threshold(m, prompts, cfg) if listed else 0.3)
+    ref = _run(Engine(TorchBackend(m), EngineConfig(**cfg), rule), prompts, max_tokens=16)
+    backend = StaticTorchBackend(m, device="cpu", pipeline=True)
+    assert _run(Engine(backend, EngineConfig(**cfg), rule), prompts, max_tokens=16) == ref
+    assert any(e < m.num_layers for row in ref for _, e in row)
+    assert backend.wasted_segments > 0, "rows left at a check with the next segment launched ahead"
