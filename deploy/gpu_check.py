@@ -243,10 +243,11 @@ def engine_exit_costs(model, batches: list[int], prompt: int, steps: int, dtype:
     graph divided by its layers (GPU work and launch, no host work); the full head's replay in layers too.
     ``never_pipelined`` and ``exit_first_pipelined``: the same on a backend that launches each next segment
     before reading the decision (``pipeline``): what that hides of a check, and what it wastes where every
-    token leaves. With ``shortlist`` > 0, ``never_shortlist`` (and pipelined): the same weights whose check points decide
-    over a ``shortlist``-token candidate set (as the demo ships: exits.shortlist 256; ids 0..K-1, which
-    is all timing needs) instead of the full head, every check paid and none leaving; on this backend the
-    candidate check runs on the host (edge.runtime.backend.host_candidates).
+    token leaves. With ``shortlist`` > 0, ``never_shortlist`` (and pipelined): the same weights whose check
+    points decide over a ``shortlist``-token candidate set (as the demo ships: exits.shortlist 256; ids
+    0..K-1, which is all timing needs) instead of the full head, every check paid and none leaving; the
+    candidate logits come from the segment's graph, the rest of the check runs on the host
+    (edge.runtime.backend.host_candidates).
     ``device`` "cpu" (tests): eager, no layer timing."""
     import numpy as np
     import torch

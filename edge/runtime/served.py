@@ -23,7 +23,8 @@ def read_backend_choice(path: str | Path | None) -> dict[str, Any]:
     """The serving backend of a bundle: ``{"name": "onnxruntime"}`` (also without a file),
     ``{"name": "tensorrt", "engines_dir": DIR}`` (plans built on this device by ``make jetson-engines``) or
     ``{"name": "torch_static", "checkpoint": DIR, "device": "cuda", "dtype": "float32"}`` (the GPU path
-    without engines: edge/runtime/static_backend.py). ``smartexit jetson serve`` writes it.
+    without engines: edge/runtime/static_backend.py; optional ``"pipeline": true``: each next decode segment
+    launched before the exit's decision is read). ``smartexit jetson serve`` writes it.
 
     Raises:
         ConfigError: unreadable, not a JSON object, an unknown name or a missing field.
@@ -40,6 +41,8 @@ def read_backend_choice(path: str | Path | None) -> dict[str, Any]:
     need = {"tensorrt": "engines_dir", "torch_static": "checkpoint"}.get(choice["name"])
     if need and not isinstance(choice.get(need), str):
         raise ConfigError(f"{path}: backend {choice['name']!r} needs {need!r} (a folder on this machine)")
+    if not isinstance(choice.get("pipeline", False), bool):
+        raise ConfigError(f"{path}: 'pipeline' must be true or false, got {choice['pipeline']!r:.50}")
     return choice
 
 
@@ -67,4 +70,5 @@ def open_backend(choice: dict[str, Any], graphs_dir: Path, checkpoint_sha256: st
         raise ArtifactError(f"{ckpt}: {'sha256 ' + actual[:16] + '...' if actual else 'no checkpoint folder'}; the "
                             f"graphs were exported from checkpoint {checkpoint_sha256[:16]}...: torch_static must load "
                             f"that one")
-    return make_backend(name, checkpoint=ckpt, device=choice.get("device"), dtype=choice.get("dtype", "float32"))
+    return make_backend(name, checkpoint=ckpt, device=choice.get("device"), dtype=choice.get("dtype", "float32"),
+                        pipeline=choice.get("pipeline", False))

@@ -122,7 +122,6 @@ class _Launched:
     exit, the decision arrays on their way to the host (pinned buffers) and the event that says they are."""
 
     i: int
-    b: int
     hidden: torch.Tensor | None
     eh: torch.Tensor
     logits: torch.Tensor | None = None
@@ -175,7 +174,7 @@ class StaticTorchBackend(Backend):
         self._buckets_asked = buckets
         self._plans: dict[tuple, _Captured] = {}
         self._held_index: tuple | None = None  # the last (slots, start) and their device copies
-        self._pinned: dict[tuple, torch.Tensor] = {}  # host buffers of the decision copies, per (array, segment, bucket)
+        self._pinned: dict[tuple, torch.Tensor] = {}  # decision copies' host buffers, per (array, segment, bucket)
         self.pipeline = pipeline
         self.wasted_segments = 0  # segments launched ahead that a leaving row made useless (pipeline)
         self.captured = 0  # graphs captured so far
@@ -316,7 +315,7 @@ class StaticTorchBackend(Backend):
         k, last = self._bucket(b), i == len(self.segments) - 1
         out = self._decode_plan("segment", i, k)(slots=slots_t, pos=start_t, x=self._input(x))
         h, eh = out["hidden"], out["exit_hidden"]
-        run = _Launched(i, b, None if last else h[:b], eh[:b])
+        run = _Launched(i, None if last else h[:b], eh[:b])
         if not decide and not last:
             return run
         if self.spec.candidates and not last:
@@ -369,8 +368,7 @@ class StaticTorchBackend(Backend):
         h = self.bb.embed(self._input(x)) if i == 0 else self._input(x)
         h = self._layers(i, h, slots_t, positions, p, mask)
         eh = self._exit(i, h[:, t - rows:])
-        r = b * rows
-        run = _Launched(i, r, None if last else h[:b], eh)
+        run = _Launched(i, None if last else h[:b], eh)
         if decide and not last and self._rows_t is not None:
             run.copies["ehz"] = torch.cat((eh.float(), eh.float() @ self._rows_t), dim=1).cpu()
         elif decide and not last and self.spec.gated:

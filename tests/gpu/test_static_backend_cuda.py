@@ -38,7 +38,7 @@ def test_captured_shortlist_checks_decide_what_eager_ones_do():
     runs = {}
     for graphs in (False, True):
         backend = StaticTorchBackend(_listed(seed=2), device="cuda", graphs=graphs)
-        runs[graphs] = _run(Engine(backend, cfg, ConfidenceRule(6.75)), prompts)  # a threshold on the top candidate logit
+        runs[graphs] = _run(Engine(backend, cfg, ConfidenceRule(6.75)), prompts)  # on the top candidate logit
     assert runs[True] == runs[False]
     assert any(e < 6 for row in runs[True] for _, e in row), "the rule should make some tokens exit"
 

@@ -25,10 +25,11 @@ def repo(served_run, repository_copy, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def torch_choice(served_run, tmp_path_factory) -> Path:
-    """A backend file: torch_static on the CPU, on the run's served checkpoint."""
+    """A backend file: torch_static on the CPU, on the run's served checkpoint, each next decode segment
+    launched before the decision is read (``pipeline``: the tokens must not change)."""
     path = tmp_path_factory.mktemp("choice") / "backend.json"
     ckpt = Manifest(served_run).served_checkpoint()
-    path.write_text(json.dumps({"name": "torch_static", "checkpoint": str(ckpt), "device": "cpu"}))
+    path.write_text(json.dumps({"name": "torch_static", "checkpoint": str(ckpt), "device": "cpu", "pipeline": True}))
     return path
 
 
@@ -91,6 +92,8 @@ def _host_generate(host, prompt: list[int]) -> list:
     ("{not json", ConfigError, "not a readable JSON file"),
     ('{"name": "tvm"}', ConfigError, "'name' is one of onnxruntime, onnxruntime_portable, tensorrt, torch_static"),
     ('{"name": "tensorrt"}', ConfigError, "needs 'engines_dir'"),
+    ('{"name": "torch_static", "checkpoint": "BUNDLE", "pipeline": "yes"}', ConfigError,
+     "'pipeline' must be true or false"),
     ('{"name": "torch_static", "checkpoint": "BUNDLE"}', ArtifactError, "torch_static must load that one"),
 ])
 def test_bad_backend_choices_are_refused(repo, tmp_path, monkeypatch, content, error, msg):

@@ -74,11 +74,13 @@ def test_engine_section_runs_eagerly_on_the_cpu():
 def test_exit_cost_section_runs_eagerly_on_the_cpu():
     """Section 6 on the CPU (eager, no meter, one short round): every rule decodes; the rule that never
     exits lets nothing leave and pays every check, the first-exit rule makes every token leave at the first
-    exit; the candidate-shortlist twin of the never rule decodes too; the ratios are the rates' quotients. Timing is the GPU run's business."""
+    exit; the candidate-shortlist twin of the never rule decodes too; the ratios are the rates' quotients.
+    Timing is the GPU run's business."""
     from tests.unit.edge.runtime.test_engine import _model
 
     model = _model()
-    out = _module().engine_exit_costs(model, [1, 2], 8, 6, "float32", window_s=0.0, rounds=1, device="cpu", shortlist=16)
+    out = _module().engine_exit_costs(model, [1, 2], 8, 6, "float32", window_s=0.0, rounds=1, device="cpu",
+                                      shortlist=16)
     first, depth = model.exit_layers[0], model.backbone.cfg.num_layers
     for b in ("1", "2"):
         row = out[b]
@@ -88,7 +90,8 @@ def test_exit_cost_section_runs_eagerly_on_the_cpu():
         assert row["exit_first_pipelined"]["mean_exit_layer"] == first
         assert row["never"]["mean_exit_layer"] == depth
         assert row["exit_first"]["left_early"] == 1 and row["exit_first"]["mean_exit_layer"] == first
-        assert row["speedup_vs_full"]["never"] == row["never"]["decode_tokens_per_s"] / row["full"]["decode_tokens_per_s"]
+        rates = row["never"]["decode_tokens_per_s"], row["full"]["decode_tokens_per_s"]
+        assert row["speedup_vs_full"]["never"] == rates[0] / rates[1]
         assert row["full"]["joules_per_token"] is None and "layer_ms_graph_replay" not in row  # no meter, no graphs
     assert out["captured"] == 0
     assert out["wasted_segments_pipelined"] > 0  # every token left at the first exit with the next segment ahead
