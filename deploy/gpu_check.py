@@ -20,7 +20,9 @@ bundled model (edge/assets/tiny-ee, float32):
    run against the eager one, graphs captured, peak memory; on both models;
 6. what exits cost and save there (:func:`engine_exit_costs`): decision cost in layer-equivalents at
    each batch, tokens/s and NVML joules per token of full depth, of every check paid and none leaving,
-   of an uncalibrated confidence rule and of every token leaving first, rotated windows; on both models.
+   of an uncalibrated confidence rule and of every token leaving first, rotated windows; on both models;
+7. exits as they are used (:func:`realistic_exits`): the bundled model with the demo's check points and
+   shortlist on real text, a quarter of the tokens leaving, pipelined or not (the bundled model only).
 
 Writes ``<out>/gpu_check.json``. Exit codes: 0 done, 2 no CUDA GPU (the JSON says why).
 """
@@ -227,6 +229,77 @@ def _replay_ms(plan, sync, n: int = 200) -> float:
     return 1e3 * (time.perf_counter() - t0) / n
 
 
+def _rotate(systems: dict[str, tuple], groups: list[list[list[int]]], steps: int, window_s: float, rounds: int,
+            meter, sync, depth: int) -> dict[str, Any]:
+    """Engine runs of each system (name -> (backend, rule); "full": requests in mode full) on prompt groups
+    (one group per run, cycled; a group is one batch), rotated for ``rounds`` rounds, each system's window
+    repeated for ``window_s`` seconds (one energy window on ``meter``). Per system: decode tokens/s (after
+    every request's first token), tokens, mean exit layer, share of tokens that left early, median
+    joules per token over its windows (None without a meter)."""
+    import numpy as np
+
+    from edge.runtime.engine import Engine, EngineConfig, Mode, Request
+
+    batch = len(groups[0])
+    longest = max(len(p) for g in groups for p in g)
+    cfg = EngineConfig(max_seqs=batch, max_running=batch, max_len=longest + steps + 2,
+                       prefill_budget=longest * batch, defer_exit_max_batch=None)
+    turn = {"n": 0}
+
+    def run(name: str) -> tuple[float, int, list[int]]:
+        """One engine run: decode seconds (after every request's first token), decode tokens, exit layers."""
+        backend, rule = systems[name]
+        eng = Engine(backend, cfg, rule)
+        mode = Mode.FULL if name == "full" else Mode.BOUNDED
+        prompts = groups[turn["n"] % len(groups)]
+        turn["n"] += 1
+        ids = [eng.submit(Request(p, steps, mode=mode)) for p in prompts]
+        seen: dict[int, int] = {i: 0 for i in ids}
+        layers: list[int] = []
+        t_first = None
+        while eng.has_work:
+            for ev in eng.step():
+                seen[ev.request_id] += 1
+                if t_first is not None:
+                    layers.append(ev.exit_layer)
+            if t_first is None and all(seen.values()):
+                sync()
+                t_first = time.perf_counter()
+        sync()
+        return time.perf_counter() - t_first, len(layers), layers
+
+    names = list(systems)
+    for name in names:  # warm-up: graphs captured, allocator settled
+        run(name)
+    acc = {name: {"seconds": 0.0, "tokens": 0, "layers": [], "joules": []} for name in names}
+    for rnd in range(rounds):
+        for name in (names if rnd % 2 == 0 else names[::-1]):
+            a = acc[name]
+            turn["n"] = 0  # every system's window starts at the same group
+            if meter is not None:
+                meter.start()
+            t0, tokens = time.perf_counter(), 0
+            while True:
+                sec, n, layers = run(name)
+                a["seconds"] += sec
+                a["tokens"] += n
+                a["layers"] += layers
+                tokens += n
+                if time.perf_counter() - t0 >= window_s:
+                    break
+            if meter is not None:
+                m = meter.stop()
+                if m.joules is not None:
+                    a["joules"].append(m.joules / tokens)
+    row: dict[str, Any] = {}
+    for name, a in acc.items():
+        layers = np.array(a["layers"])
+        row[name] = {"decode_tokens_per_s": a["tokens"] / a["seconds"], "tokens": a["tokens"],
+                     "mean_exit_layer": float(layers.mean()), "left_early": float((layers < depth).mean()),
+                     "joules_per_token": float(np.median(a["joules"])) if a["joules"] else None}
+    return row
+
+
 def engine_exit_costs(model, batches: list[int], prompt: int, steps: int, dtype: str, window_s: float = 1.5,
                       rounds: int = 3, device: str = "cuda", meter=None, shortlist: int = 256) -> dict[str, Any]:
     """What exits cost and save on the GPU, through the engine over ``torch_static`` with CUDA graphs.
@@ -253,7 +326,6 @@ def engine_exit_costs(model, batches: list[int], prompt: int, steps: int, dtype:
     import torch
 
     from edge.model.exits import ExitConfig, MultiExitModel
-    from edge.runtime.engine import Engine, EngineConfig, Mode, Request
     from edge.runtime.rules import ConfidenceRule, NeverExit
     from edge.runtime.static_backend import StaticTorchBackend
 
@@ -284,57 +356,7 @@ def engine_exit_costs(model, batches: list[int], prompt: int, steps: int, dtype:
         out["idle_watts"] = measure_idle(meter, 2.0).mean_watts
     for batch in batches:
         prompts = [rng.integers(0, vocab, prompt).tolist() for _ in range(batch)]
-        cfg = EngineConfig(max_seqs=batch, max_running=batch, max_len=prompt + steps + 2,
-                           prefill_budget=prompt * batch, defer_exit_max_batch=None)
-
-        def run(name: str) -> tuple[float, int, list[int]]:
-            """One engine run: decode seconds (after every request's first token), decode tokens, exit layers."""
-            sys_backend, rule = systems[name]
-            eng = Engine(sys_backend, cfg, rule)
-            mode = Mode.FULL if name == "full" else Mode.BOUNDED
-            ids = [eng.submit(Request(p, steps, mode=mode)) for p in prompts]
-            seen: dict[int, int] = {i: 0 for i in ids}
-            layers: list[int] = []
-            t_first = None
-            while eng.has_work:
-                for ev in eng.step():
-                    seen[ev.request_id] += 1
-                    if t_first is not None:
-                        layers.append(ev.exit_layer)
-                if t_first is None and all(seen.values()):
-                    sync()
-                    t_first = time.perf_counter()
-            sync()
-            return time.perf_counter() - t_first, len(layers), layers
-
-        for name in rules:  # warm-up: graphs captured, allocator settled
-            run(name)
-        acc = {name: {"seconds": 0.0, "tokens": 0, "layers": [], "joules": []} for name in rules}
-        for rnd in range(rounds):
-            order = list(rules) if rnd % 2 == 0 else list(rules)[::-1]
-            for name in order:
-                a = acc[name]
-                if meter is not None:
-                    meter.start()
-                t0, tokens = time.perf_counter(), 0
-                while True:
-                    sec, n, layers = run(name)
-                    a["seconds"] += sec
-                    a["tokens"] += n
-                    a["layers"] += layers
-                    tokens += n
-                    if time.perf_counter() - t0 >= window_s:
-                        break
-                if meter is not None:
-                    m = meter.stop()
-                    if m.joules is not None:
-                        a["joules"].append(m.joules / tokens)
-        row: dict[str, Any] = {}
-        for name, a in acc.items():
-            layers = np.array(a["layers"])
-            row[name] = {"decode_tokens_per_s": a["tokens"] / a["seconds"], "tokens": a["tokens"],
-                         "mean_exit_layer": float(layers.mean()), "left_early": float((layers < depth).mean()),
-                         "joules_per_token": float(np.median(a["joules"])) if a["joules"] else None}
+        row: dict[str, Any] = _rotate(systems, [prompts], steps, window_s, rounds, meter, sync, depth)
         sec_tok = {name: 1.0 / r["decode_tokens_per_s"] for name, r in row.items()}
         # a step carries ``batch`` tokens; what the check points add to a step, per check point
         never = [n for n in rules if n.startswith("never")]  # every check paid, none leaving: a check's price
@@ -361,6 +383,70 @@ def engine_exit_costs(model, batches: list[int], prompt: int, steps: int, dtype:
               flush=True)
     out["captured"] = sum(b.captured for b in {id(b): b for b, _ in systems.values()}.values())
     out["wasted_segments_pipelined"] = ahead.wasted_segments  # launched ahead of a check where rows left
+    return out
+
+
+def realistic_exits(bb, batches: list[int], steps: int, dtype: str, window_s: float = 1.5, rounds: int = 3,
+                    device: str = "cuda", meter=None, prompts_n: int = 16, prompt_tokens: int = 64,
+                    exits: tuple[int, ...] = (1, 2, 4), shortlist: int = 256, leave: float = 0.25) -> dict[str, Any]:
+    """Exits as they are used, pipelined or not: the bundled model ``bb`` with the demo's check points
+    (after 1, 2 and 4 of 12: configs/demo.yaml) deciding over its shortlist (the ``shortlist`` tokens the
+    shipped calibration split uses most, as distill chooses them), on real text (the first
+    ``prompt_tokens`` tokens of ``prompts_n`` documents of the shipped test split, the bundled tokenizer),
+    with a rule on the top candidate logit whose threshold lets about ``leave`` of the tokens leave (the
+    (1 - leave) quantile, teacher-forced, of each position's best top candidate logit over the check
+    points). Not a certified rule (no certificate covers a threshold picked so); what it measures is the
+    price of checks and what leaving saves under a realistic mix of exits, the measurement the pipeline's
+    default waits for (docs/runtime.md). Systems: ``full`` (mode full), ``rule``, ``rule_pipelined``."""
+    import numpy as np
+    import torch
+
+    from edge.core.data import Split, load_split
+    from edge.model.bundled import BUNDLED_EE_DIR
+    from edge.model.exits import ExitConfig, MultiExitModel, choose_shortlist
+    from edge.model.tokenizer import load_tokenizer
+    from edge.runtime.rules import ConfidenceRule
+    from edge.runtime.static_backend import StaticTorchBackend
+
+    cuda = device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    tok = load_tokenizer(BUNDLED_EE_DIR)
+    depth, vocab = bb.cfg.num_layers, bb.cfg.vocab_size
+    calib = np.concatenate([tok.encode(d.text).ids for d in load_split(Split.CALIBRATION)])
+    docs = [tok.encode(d.text).ids for d in load_split(Split.TEST)]
+    prompts = [ids[:prompt_tokens] for ids in docs if len(ids) >= prompt_tokens + steps][:prompts_n]
+    model = MultiExitModel(bb, ExitConfig(layers=[*exits, depth], adapter_rank=0, shortlist=shortlist)).eval()
+    with torch.no_grad():
+        model.shortlist.copy_(choose_shortlist(calib, shortlist, vocab).to(model.shortlist.device))
+        rows = model.shortlist_rows().to(next(bb.parameters()).device)  # [K, D]
+        ids = torch.tensor(prompts, device=rows.device)
+        hs = bb(ids).hidden_states
+        best = torch.stack([(model.exit_hidden(e, hs[e]).float() @ rows.T).max(-1).values for e in exits]).amax(0)
+    threshold = float(np.quantile(best.cpu().numpy(), 1.0 - leave))
+    rule = ConfidenceRule(threshold)  # for a shortlist model: the top candidate logit against the threshold
+    ahead = StaticTorchBackend(model, device=device, dtype=dtype, graphs=cuda, pipeline=True)
+    systems = {"full": (StaticTorchBackend(model, device=device, dtype=dtype, graphs=cuda), None),
+               "rule": (StaticTorchBackend(model, device=device, dtype=dtype, graphs=cuda), rule),
+               "rule_pipelined": (ahead, rule)}
+    out: dict[str, Any] = {"exit_layers": [*exits, depth], "shortlist": shortlist, "threshold": threshold,
+                           "leave_asked": leave, "prompts": len(prompts), "prompt_tokens": prompt_tokens,
+                           "window_s": window_s, "rounds": rounds}
+    if meter is not None:
+        from edge.energy.detect import measure_idle
+
+        out["idle_watts"] = measure_idle(meter, 2.0).mean_watts
+    for batch in batches:
+        groups = [prompts[j:j + batch] for j in range(0, len(prompts) - batch + 1, batch)]
+        wasted = ahead.wasted_segments
+        row = _rotate(systems, groups, steps, window_s, rounds, meter, sync, depth)
+        row["speedup_vs_full"] = {n: row[n]["decode_tokens_per_s"] / row["full"]["decode_tokens_per_s"]
+                                  for n in ("rule", "rule_pipelined")}
+        if row["full"]["joules_per_token"]:
+            row["energy_ratio_vs_full"] = {n: row[n]["joules_per_token"] / row["full"]["joules_per_token"]
+                                           for n in ("rule", "rule_pipelined") if row[n]["joules_per_token"]}
+        row["wasted_segments_pipelined"] = ahead.wasted_segments - wasted  # its warm-up run included
+        out[str(batch)] = row
+        print(f"realistic exits batch {batch}: " + json.dumps({k: v for k, v in row.items()}), flush=True)
     return out
 
 
@@ -488,6 +574,9 @@ def main(argv: list[str] | None = None) -> int:
     meter = _open_nvml()
     result["exit_costs_bundled"] = _guarded(engine_exit_costs, tiny, batches, args.prompt, args.steps, "float32",
                                             args.window, 3, "cuda", meter)
+    save()
+    result["realistic_exits_bundled"] = _guarded(realistic_exits, bb, batches, args.steps, "float32", args.window,
+                                                 3, "cuda", meter)
     save()
     if not args.skip_8b:
         del tiny

@@ -56,6 +56,9 @@ class JetsonServeConfig:
     power_meter: str = "auto"  # the dashboard's power chart (jtop on a Jetson)
     backend: str = "auto"  # auto | tensorrt | torch_static | onnxruntime (choose_backend)
     torch_dtype: str = "float32"  # torch_static's: the function calibration certified (float16 / bfloat16: faster)
+    # torch_static's: launch each decode segment before the exit's decision is read (docs/runtime.md: pays where
+    # few rows leave at each check; wastes a segment where one does; off until measured with a calibrated rule)
+    torch_pipeline: bool = False
     unit_dir: str = commands.SYSTEMD_DIR
     dry_run: bool = False
 
@@ -133,7 +136,8 @@ def choose_backend(cfg: JetsonServeConfig, run_dir: Path, manifest: Manifest, ru
                                     f"`make jetson-push` (bench=true, the default)") from exc
             runner.note(f"a real run would refuse: {exc}")
             ckpt = run_dir / "<served checkpoint>"
-        return {"name": "torch_static", "checkpoint": str(ckpt), "device": "cuda", "dtype": cfg.torch_dtype}
+        return {"name": "torch_static", "checkpoint": str(ckpt), "device": "cuda", "dtype": cfg.torch_dtype,
+                "pipeline": cfg.torch_pipeline}
     return {"name": "onnxruntime"}
 
 

@@ -95,3 +95,26 @@ def test_exit_cost_section_runs_eagerly_on_the_cpu():
         assert row["full"]["joules_per_token"] is None and "layer_ms_graph_replay" not in row  # no meter, no graphs
     assert out["captured"] == 0
     assert out["wasted_segments_pipelined"] > 0  # every token left at the first exit with the next segment ahead
+
+
+def test_realistic_exit_section_runs_eagerly_on_the_cpu():
+    """Section 7 on the CPU (eager, no meter, one short round, 4 real-text prompts): the threshold lets
+    tokens leave early (and not all of them), pipelined and not the same tokens leave, and the backend
+    launched ahead wasted segments where they did."""
+    from edge.model.bundled import BUNDLED_EE_DIR
+    from edge.model.checkpoint import load_decoder
+
+    if not (BUNDLED_EE_DIR / "model.safetensors").is_file():
+        pytest.skip("the bundled model is not in this checkout")
+    torch.set_num_threads(1)
+    bb = load_decoder(BUNDLED_EE_DIR).eval()
+    out = _module().realistic_exits(bb, [1, 2], 8, "float32", window_s=0.0, rounds=1, device="cpu", prompts_n=4,
+                                    prompt_tokens=32, leave=0.5)
+    assert out["prompts"] == 4 and out["exit_layers"] == [1, 2, 4, bb.cfg.num_layers]
+    for b in ("1", "2"):
+        row = out[b]
+        assert row["full"]["left_early"] == 0
+        assert 0 < row["rule"]["left_early"] < 1
+        assert row["rule_pipelined"]["left_early"] == row["rule"]["left_early"]
+        assert row["rule_pipelined"]["mean_exit_layer"] == row["rule"]["mean_exit_layer"]
+        assert row["wasted_segments_pipelined"] > 0

@@ -135,7 +135,9 @@ def test_serve_on_a_device(run_dir, tmp_path, monkeypatch, capsys):
     assert serve_mod.main(cfg) == 0
     choice = _backend(run_dir)
     assert choice == {"name": "torch_static", "checkpoint": str(Manifest(run_dir).served_checkpoint().resolve()),
-                      "device": "cuda", "dtype": "float32"}
+                      "device": "cuda", "dtype": "float32", "pipeline": False}
+    cfg.torch_pipeline = True
+    assert serve_mod.main(cfg) == 0 and _backend(run_dir)["pipeline"] is True  # the served backend reads it
     tri = (run_dir / "jetson/units" / TRITON_UNIT).read_text()
     assert f"Environment=SMARTEXIT_BACKEND_CONFIG={(run_dir / 'jetson/units/backend.json').resolve()}" in tri
     assert "on torch_static" in capsys.readouterr().out
