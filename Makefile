@@ -12,7 +12,7 @@ DEMO_CFG := configs/demo.yaml
 MODEL_FILES := $(wildcard edge/assets/tiny/*) $(wildcard edge/assets/tiny-ee/*) $(wildcard edge/assets/data/*)
 SRC := $(shell find edge calibration exporters scheduler -name '*.py' 2>/dev/null)
 
-.PHONY: demo test test-fast venv distill compress bench-compress energy compress-study calibrate export bench generate report repo serve bench-serve profile bench-scheduler bench-projection aiperf-check train-tiny train-tiny-ee train-scheduler train-scheduler-ablation llamacpp clean help
+.PHONY: demo test test-fast venv distill compress bench-compress energy compress-study calibrate export bench generate report repo serve bench-serve profile bench-scheduler bench-projection gpu-check aiperf-check train-tiny train-tiny-ee train-scheduler train-scheduler-ablation llamacpp clean help
 .DEFAULT_GOAL := help
 
 help:
@@ -30,6 +30,7 @@ help:
 	@echo "make compress-study  every compression recipe side by side (+ llama.cpp q8_0 / q4_0) -> $(ART)/bench/compress.md (~15 min)"
 	@echo "make energy      energy per token (jtop / tegrastats / NVML / RAPL; CPU-seconds proxy without a sensor): full depth vs exits vs compressed"
 	@echo "make bench-projection  exit decisions at Qwen2.5-0.5B / Llama-3.2-1B shapes, random local weights -> $(ART)/bench/projection.md (~20 min, ~20 GiB)"
+	@echo "make gpu-check   on a CUDA GPU: torch_static's CUDA graphs, what exit checks cost, NVML joules -> $(ART)/gpu_check (< 10 min)"
 	@echo "make llamacpp    build llama-cpp-python and llama-bench from source: adds llama.cpp as system (f) of make bench"
 	@echo "make distill | compress | calibrate | export | bench | generate | report   one stage at a time (RUN=name picks artifacts/<name>)"
 	@echo "make jetson-push DEVICE=user@host, then on the Orin: make jetson-check | jetson-engines | jetson-serve | jetson-status | jetson-stop;"
@@ -117,6 +118,11 @@ bench-scheduler: $(ART)/scheduler/latency.json $(POLICY_FILES)
 bench-projection: $(ART)/calibration/thresholds.json
 	$(SE) bench projection --config configs/bench_projection.yaml run_dir=$(ART)
 	@test ! -f $(ART)/report.json || $(SE) report run_dir=$(ART)
+
+# on a machine with a CUDA GPU: the torch_static engine's CUDA graphs, exit costs, NVML joules -> $(ART)/gpu_check
+# (GPU_PYTHON: an interpreter whose torch has CUDA, if .venv's has not; GPU_CHECK_ARGS: deploy/gpu_check.py's options)
+gpu-check: $(STAMP)
+	OUT=$(ART)/gpu_check PYTHON=$${GPU_PYTHON:-$(BIN)/python} deploy/gpu_check.sh $(GPU_CHECK_ARGS)
 
 # the serving stack on the run's repository until Ctrl-C (serve.host / serve.port / serve.api_key: SERVE_ARGS)
 serve: $(ART)/triton/smartexit/config.pbtxt
