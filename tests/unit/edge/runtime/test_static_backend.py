@@ -5,6 +5,8 @@ its cache on its device. CUDA graph capture needs a GPU: tests/gpu/test_static_b
 the captured graphs there; here ``graphs=True`` must refuse."""
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -154,17 +156,20 @@ def test_residual_and_logits_stay_on_the_device_until_read(monkeypatch):
 
 
 def test_exact_requests_decode_what_full_ones_do():
-    """Mode exact (drafts from the first exit, verified at full depth) over this backend: the greedy tokens
-    of mode full, token for token, batched."""
+    """Mode exact (lookup drafts verified at full depth, speculation forced so that rounds happen) over this
+    backend: the greedy tokens of mode full, token for token, batched; drafts were verified and accepted."""
     from edge.runtime.engine import Mode
+    from tests.unit.edge.runtime.test_lookup_drafts import _engine, _looping, _looping_prompts
 
-    m = _model(seed=5)
-    prompts = [p + p for p in _prompts(3, seed=10)]  # repeats: lookup drafts that hit
-    cfg = EngineConfig(max_seqs=3, max_running=3, max_len=128, prefill_budget=16)
+    m = copy.deepcopy(_looping())  # greedy continuations loop: lookup drafts are accepted there
+    prompts = _looping_prompts(6, seed=10)
     backend = StaticTorchBackend(m, device="cpu")
-    full = _run(Engine(backend, cfg, ConfidenceRule(0.3)), prompts, max_tokens=16, mode=Mode.FULL)
-    exact = _run(Engine(backend, cfg, ConfidenceRule(0.3)), prompts, max_tokens=16, mode=Mode.EXACT)
+    full = _run(_engine(backend, max_seqs=3, max_running=3, prefill_budget=16), prompts, max_tokens=32,
+                mode=Mode.FULL)
+    eng = _engine(backend, max_seqs=3, max_running=3, prefill_budget=16)
+    exact = _run(eng, prompts, max_tokens=32, mode=Mode.EXACT)
     assert [[t for t, _ in r] for r in exact] == [[t for t, _ in r] for r in full]
+    assert eng.spec_stats.rounds > 0 and eng.spec_stats.accepted > 0, "speculative rounds should have run"
 
 
 @pytest.mark.parametrize("mode", list(KVMode))
