@@ -23,6 +23,8 @@ bundled model (edge/assets/tiny-ee, float32):
    of an uncalibrated confidence rule and of every token leaving first, rotated windows; on both models;
 7. exits as they are used (:func:`realistic_exits`): the bundled model with the demo's check points and
    shortlist on real text, a quarter of the tokens leaving, pipelined or not (the bundled model only).
+8. ``bench projection`` on this path (:func:`projection_on_gpu`): Qwen2.5-0.5B and Llama-3.2-1B shapes,
+   the replayed exit distribution forced, projected (d)/(c) at batch 1 and the check's cost in layers.
 
 Writes ``<out>/gpu_check.json``. Exit codes: 0 done, 2 no CUDA GPU (the JSON says why).
 """
@@ -450,24 +452,116 @@ def realistic_exits(bb, batches: list[int], steps: int, dtype: str, window_s: fl
     return out
 
 
-def llama8b_shape(dev):
-    """A random-weight model of Llama-3.1-8B's shape in bf16 with exits after 8, 16, 24 (norm + shared head)."""
+class _LeaveAt:
+    """Every token leaves at exit ``layer`` (a forced exit, as ``bench projection`` replays them): a linear
+    score of 1 there and -1 at every other check point."""
+
+    def __init__(self, layer: int) -> None:
+        self.layer = layer
+
+    def linear(self, layer, num_features):
+        import numpy as np
+
+        return np.zeros(num_features), 1.0 if layer == self.layer else -1.0
+
+    def decide(self, layer, stats, tokens, hidden):
+        import numpy as np
+
+        return np.full(tokens[layer].shape[0], layer == self.layer)
+
+
+def random_model(cfg, exits: list[int], dev, shortlist: int = 0):
+    """A random-weight model of shape ``cfg`` in bf16 on ``dev`` (std 0.02, norms 1), exits after ``exits``
+    (norm + shared head; a ``shortlist`` of candidate ids 0..K-1 where asked: all timing needs)."""
     import torch
 
-    from edge.model.config import ModelConfig
     from edge.model.decoder import Decoder
     from edge.model.exits import ExitConfig, MultiExitModel
 
-    cfg = ModelConfig(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-                      intermediate_size=14336, max_position_embeddings=8192)
     torch.manual_seed(0)
     with torch.device(dev):
         dec = Decoder(cfg).to(torch.bfloat16)
     with torch.no_grad():
         for p in dec.parameters():
             p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-    model = MultiExitModel(dec.eval(), ExitConfig(layers=[8, 16, 24, 32], adapter_rank=0))
+    model = MultiExitModel(dec.eval(), ExitConfig(layers=[*exits, cfg.num_layers], adapter_rank=0, shortlist=shortlist))
     return model.to(device=dev, dtype=torch.bfloat16).eval()  # the exit norms too (their weights are float32 when made)
+
+
+def llama8b_shape(dev):
+    """A random-weight model of Llama-3.1-8B's shape in bf16 with exits after 8, 16, 24 (norm + shared head)."""
+    from edge.model.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                      intermediate_size=14336, max_position_embeddings=8192)
+    return random_model(cfg, [8, 16, 24], dev)
+
+
+def projection_on_gpu(shapes: list[str], steps: int, window_s: float = 0.5, rounds: int = 2, prompt: int = 64,
+                      device: str = "cuda", meter=None) -> dict[str, Any]:
+    """``bench projection`` on the GPU path: at Qwen2.5-0.5B and Llama-3.2-1B shapes (random bf16 weights,
+    edge/pipeline/bench/projection.py's SHAPES), the default replayed exit distribution (a calibrated
+    bundled-ee run's certify walk, moved to each shape's relative depths) with a 256-token shortlist,
+    the engine over ``torch_static`` with CUDA graphs, pipelined or not. At batch 1: decode tokens/s at full
+    depth (mode full), with every token leaving at each exit k (forced, :class:`_LeaveAt`) and with every
+    shortlist check paid and none leaving; projected (d)/(c) = t_full / sum_k f_k t_k (projection.py's
+    formula) and the check's cost in layers. At batch 16: the check's cost only. Forced exits: nothing
+    about quality follows. The skipped layers' K/V are the engine's default's (propagated from the exit's
+    hidden state, a K/V fill per step), which ``bench projection`` does not time; the demo ships deferral."""
+    import numpy as np
+    import torch
+
+    from edge.pipeline.bench.projection import DEFAULT_RUN, projected_speedup, scale_distribution, shape_config
+    from edge.runtime.rules import NeverExit
+    from edge.runtime.static_backend import StaticTorchBackend
+
+    cuda = device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    tokens = sum(DEFAULT_RUN["counts"].values())
+    base = {k: v / tokens for k, v in DEFAULT_RUN["counts"].items()}
+    out: dict[str, Any] = {"replay": "DEFAULT_RUN (a calibrated bundled-ee run's certify walk)", "window_s": window_s,
+                           "rounds": rounds, "shortlist": DEFAULT_RUN["shortlist"]}
+    for shape in shapes:
+        cfg = shape_config(shape)
+        fraction = scale_distribution(base, DEFAULT_RUN["num_layers"], cfg.num_layers)
+        exits = sorted(k for k in fraction if k < cfg.num_layers)
+        model = random_model(cfg, exits, device, DEFAULT_RUN["shortlist"])
+        plain = StaticTorchBackend(model, device=device, dtype="bfloat16", graphs=cuda)
+        ahead = StaticTorchBackend(model, device=device, dtype="bfloat16", graphs=cuda, pipeline=True)
+        rng = np.random.default_rng(2)
+        row: dict[str, Any] = {"exit_fraction": fraction}
+        for batch in (1, 16):
+            prompts = [rng.integers(0, cfg.vocab_size, prompt).tolist() for _ in range(batch)]
+            systems = {"full": (plain, None), "never": (plain, NeverExit()), "never_pipelined": (ahead, NeverExit())}
+            if batch == 1:
+                for k in exits:
+                    systems[f"leave_{k}"] = (plain, _LeaveAt(k))
+                    systems[f"leave_{k}_pipelined"] = (ahead, _LeaveAt(k))
+            r = _rotate(systems, [prompts], steps, window_s, rounds, meter, sync, cfg.num_layers)
+            ms = {n: 1e3 * batch / v["decode_tokens_per_s"] for n, v in r.items()}  # ms per step
+            res: dict[str, Any] = {"ms_per_step": ms,
+                                   "mean_exit_layer": {n: v["mean_exit_layer"] for n, v in r.items()}}
+            for n in ("never", "never_pipelined"):
+                res[f"extra_ms_per_check{n[5:]}"] = (ms[n] - ms["full"]) / len(exits)
+            if cuda:
+                seg = plain._plans.get(("segment", len(exits), plain._bucket(batch)))  # the last segment: whole layers
+                if seg is not None:
+                    layer_ms = _replay_ms(seg, sync) / len(plain.segments[-1])
+                    res["layer_ms_graph_replay"] = layer_ms
+                    for n in ("", "_pipelined"):
+                        res[f"decision_cost_layers{n}"] = res[f"extra_ms_per_check{n}"] / layer_ms
+            if batch == 1:
+                for n in ("", "_pipelined"):
+                    step = {k: ms[f"leave_{k}{n}"] for k in exits} | {cfg.num_layers: ms["never" + n]}
+                    res[f"projected_speedup{n}"] = projected_speedup(ms["full"], step, fraction)
+            row[str(batch)] = res
+            shown = {k: v for k, v in res.items() if k not in ("ms_per_step", "mean_exit_layer")}
+            print(f"projection {shape} batch {batch}: " + json.dumps(shown), flush=True)
+        out[shape] = row
+        del model, plain, ahead
+        if cuda:
+            torch.cuda.empty_cache()
+    return out
 
 
 def _open_nvml():
@@ -503,7 +597,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--skip-8b", action="store_true", help="skip the Llama-3.1-8B-shaped random model")
     ap.add_argument("--window", type=float, default=1.5, help="seconds of one rule's energy window (section 6)")
-    ap.add_argument("--only-exit-costs", action="store_true", help="section 6 alone (both models)")
+    ap.add_argument("--only-exit-costs", action="store_true", help="sections 6-8 alone")
+    ap.add_argument("--projection", default="qwen2_0_5b,llama3_1b",
+                    help="section 8's shapes (edge/pipeline/bench/projection.py's SHAPES; '' skips it)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -578,6 +674,10 @@ def main(argv: list[str] | None = None) -> int:
     result["realistic_exits_bundled"] = _guarded(realistic_exits, bb, batches, args.steps, "float32", args.window,
                                                  3, "cuda", meter)
     save()
+    if args.projection:
+        result["projection"] = _guarded(projection_on_gpu, args.projection.split(","), 32, min(args.window, 0.5), 2,
+                                        args.prompt, "cuda", meter)
+        save()
     if not args.skip_8b:
         del tiny
         big8 = llama8b_shape(dev)

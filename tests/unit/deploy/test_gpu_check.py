@@ -118,3 +118,28 @@ def test_realistic_exit_section_runs_eagerly_on_the_cpu():
         assert row["rule_pipelined"]["left_early"] == row["rule"]["left_early"]
         assert row["rule_pipelined"]["mean_exit_layer"] == row["rule"]["mean_exit_layer"]
         assert row["wasted_segments_pipelined"] > 0
+
+
+def test_projection_section_runs_eagerly_on_the_cpu():
+    """Section 8 on the CPU at the micro shape (eager, bf16, one short round): full depth, every check paid,
+    every token forced out at each exit, pipelined or not; the projected speed-up is projection.py's
+    formula over those step times (recomputed here), and the exits are the replay moved to the shape."""
+    from edge.pipeline.bench.projection import DEFAULT_RUN, projected_speedup, scale_distribution, shape_config
+
+    torch.set_num_threads(1)
+    out = _module().projection_on_gpu(["micro"], 4, window_s=0.0, rounds=1, prompt=8, device="cpu")
+    cfg = shape_config("micro")
+    tokens = sum(DEFAULT_RUN["counts"].values())
+    fraction = scale_distribution({k: v / tokens for k, v in DEFAULT_RUN["counts"].items()},
+                                  DEFAULT_RUN["num_layers"], cfg.num_layers)
+    row = out["micro"]
+    assert row["exit_fraction"] == fraction
+    exits = sorted(k for k in fraction if k < cfg.num_layers)
+    ms = row["1"]["ms_per_step"]
+    forced = {f"leave_{k}{n}" for k in exits for n in ("", "_pipelined")}
+    assert set(ms) == {"full", "never", "never_pipelined", *forced}
+    step = {k: ms[f"leave_{k}"] for k in exits} | {cfg.num_layers: ms["never"]}
+    assert row["1"]["projected_speedup"] == projected_speedup(ms["full"], step, fraction)
+    assert all(row["1"]["mean_exit_layer"][f"leave_{k}{n}"] == k for k in exits for n in ("", "_pipelined"))
+    assert row["1"]["mean_exit_layer"]["never"] == cfg.num_layers
+    assert set(row["16"]["ms_per_step"]) == {"full", "never", "never_pipelined"}
