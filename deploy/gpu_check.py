@@ -417,10 +417,12 @@ def realistic_exits(bb, batches: list[int], steps: int, dtype: str, window_s: fl
     calib = np.concatenate([tok.encode(d.text).ids for d in load_split(Split.CALIBRATION)])
     docs = [tok.encode(d.text).ids for d in load_split(Split.TEST)]
     prompts = [ids[:prompt_tokens] for ids in docs if len(ids) >= prompt_tokens + steps][:prompts_n]
-    model = MultiExitModel(bb, ExitConfig(layers=[*exits, depth], adapter_rank=0, shortlist=shortlist)).eval()
+    dev = next(bb.parameters()).device
+    model = MultiExitModel(bb, ExitConfig(layers=[*exits, depth], adapter_rank=0, shortlist=shortlist))
+    model = model.to(dev).eval()  # its exit norms are made on the host: beside the backbone, on its device
     with torch.no_grad():
-        model.shortlist.copy_(choose_shortlist(calib, shortlist, vocab).to(model.shortlist.device))
-        rows = model.shortlist_rows().to(next(bb.parameters()).device)  # [K, D]
+        model.shortlist.copy_(choose_shortlist(calib, shortlist, vocab).to(dev))
+        rows = model.shortlist_rows().to(dev)  # [K, D]
         ids = torch.tensor(prompts, device=rows.device)
         hs = bb(ids).hidden_states
         best = torch.stack([(model.exit_hidden(e, hs[e]).float() @ rows.T).max(-1).values for e in exits]).amax(0)
