@@ -417,7 +417,10 @@ class TestOneReplica:
             conn.sock.shutdown(socket.SHUT_RDWR)
             resp.close()
             conn.close()
-            assert all(e["choices"][0]["finish_reason"] is None for e in events)
+            # the stream was open when the client began to read; the rest of a 200-token run can reach the
+            # client in one chunk (the stream interval and the proxy coalesce it when the machine is busy),
+            # so the second event may already end it: the request then ended first (200, counted below)
+            assert events[0]["choices"][0]["finish_reason"] is None
 
             freed = wait_for(lambda: (s := stats())["running"] == 0 and s, timeout=5, interval=0.05,
                              what="the engine freeing the disconnected request's slot")
