@@ -97,14 +97,11 @@ def run_decode(bb, ids, steps: int, exit_at: int, sync) -> tuple[float, list[lis
 
 def nvml_window(bb, ids, steps: int, exit_at: int, sync) -> dict[str, Any]:
     """Energy of one full-depth decode window on NVML; the reason instead where it cannot measure."""
-    from edge.core.errors import SmartExitError
+    meter, reason = _open_nvml()
+    if meter is None:  # no meter: the reason is the result
+        return {"available": False, "reason": reason}
+    from edge.energy.detect import measure_idle
 
-    try:  # edge.energy is imported here: its NVML meter needs the 'gpu' extra (nvidia-ml-py)
-        from edge.energy.detect import measure_idle, open_meter
-
-        meter = open_meter("nvml", interval_s=0.05)
-    except (ImportError, SmartExitError) as exc:  # no meter: the reason is the result
-        return {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
     with meter:
         idle = measure_idle(meter, 2.0)
         meter.start()
@@ -158,6 +155,29 @@ def static_graphs(model, batches: list[int], prompt: int, steps: int, sync) -> d
     return out
 
 
+def _engine_run(backend, rule, cfg, prompts: list[list[int]], steps: int, sync, mode=None):
+    """One engine run of ``prompts`` (``steps`` tokens each, ``mode`` default bounded): decode seconds (from
+    the step in which every request has its first token), each request's tokens in submission order, and
+    the exit layers of the tokens emitted after that step."""
+    from edge.runtime.engine import Engine, Mode, Request
+
+    eng = Engine(backend, cfg, rule)
+    ids = [eng.submit(Request(p, steps, mode=mode or Mode.BOUNDED)) for p in prompts]
+    seen: dict[int, list[int]] = {i: [] for i in ids}
+    layers: list[int] = []
+    t_first = None
+    while eng.has_work:
+        for ev in eng.step():
+            seen[ev.request_id].append(ev.token)
+            if t_first is not None:
+                layers.append(ev.exit_layer)
+        if t_first is None and all(seen.values()):
+            sync()
+            t_first = time.perf_counter()
+    sync()
+    return time.perf_counter() - t_first, [seen[i] for i in ids], layers
+
+
 def engine_runs(model, batches: list[int], prompt: int, steps: int, dtype: str, device: str = "cuda") -> dict[str, Any]:
     """The engine over the static-cache backend on CUDA, eager and with CUDA graphs: decode tokens/s
     (after every request's first token) at full depth and exiting everything at the first decision exit.
@@ -168,7 +188,7 @@ def engine_runs(model, batches: list[int], prompt: int, steps: int, dtype: str, 
     cuda = device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
-    from edge.runtime.engine import Engine, EngineConfig, Mode, Request
+    from edge.runtime.engine import EngineConfig
     from edge.runtime.rules import ConfidenceRule
     from edge.runtime.static_backend import StaticTorchBackend
 
@@ -185,23 +205,12 @@ def engine_runs(model, batches: list[int], prompt: int, steps: int, dtype: str, 
                 torch.cuda.reset_peak_memory_stats()
             backend = StaticTorchBackend(model, device=device, dtype=dtype, graphs=graphs)
             for name, rule in (("full", None), ("exit_first", ConfidenceRule(0.0))):
+                cfg = EngineConfig(max_seqs=batch, max_running=batch, max_len=prompt + steps + 2,
+                                   prefill_budget=prompt * batch)
                 for attempt in ("warm", "timed"):  # the first run captures the graphs
-                    eng = Engine(backend, EngineConfig(max_seqs=batch, max_running=batch, max_len=prompt + steps + 2,
-                                                       prefill_budget=prompt * batch), rule)
-                    ids = [eng.submit(Request(p, steps)) for p in prompts]
-                    seen: dict[int, list[int]] = {i: [] for i in ids}
-                    t_first = None
-                    while eng.has_work:
-                        for ev in eng.step():
-                            seen[ev.request_id].append(ev.token)
-                        if t_first is None and all(seen.values()):
-                            sync()
-                            t_first = time.perf_counter()
-                    sync()
-                    elapsed = time.perf_counter() - t_first
-                n = sum(len(v) - 1 for v in seen.values())
-                row[f"{mode}_{name}_decode_tokens_per_s"] = n / elapsed
-                tokens[(mode, name)] = [seen[i] for i in ids]
+                    elapsed, seqs, _ = _engine_run(backend, rule, cfg, prompts, steps, sync)
+                row[f"{mode}_{name}_decode_tokens_per_s"] = sum(len(v) - 1 for v in seqs) / elapsed
+                tokens[(mode, name)] = seqs
             row[f"{mode}_captured"] = backend.captured
             if cuda:
                 row[f"{mode}_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
@@ -240,7 +249,7 @@ def _rotate(systems: dict[str, tuple], groups: list[list[list[int]]], steps: int
     joules per token over its windows (None without a meter)."""
     import numpy as np
 
-    from edge.runtime.engine import Engine, EngineConfig, Mode, Request
+    from edge.runtime.engine import EngineConfig, Mode
 
     batch = len(groups[0])
     longest = max(len(p) for g in groups for p in g)
@@ -251,24 +260,11 @@ def _rotate(systems: dict[str, tuple], groups: list[list[list[int]]], steps: int
     def run(name: str) -> tuple[float, int, list[int]]:
         """One engine run: decode seconds (after every request's first token), decode tokens, exit layers."""
         backend, rule = systems[name]
-        eng = Engine(backend, cfg, rule)
-        mode = Mode.FULL if name == "full" else Mode.BOUNDED
         prompts = groups[turn["n"] % len(groups)]
         turn["n"] += 1
-        ids = [eng.submit(Request(p, steps, mode=mode)) for p in prompts]
-        seen: dict[int, int] = {i: 0 for i in ids}
-        layers: list[int] = []
-        t_first = None
-        while eng.has_work:
-            for ev in eng.step():
-                seen[ev.request_id] += 1
-                if t_first is not None:
-                    layers.append(ev.exit_layer)
-            if t_first is None and all(seen.values()):
-                sync()
-                t_first = time.perf_counter()
-        sync()
-        return time.perf_counter() - t_first, len(layers), layers
+        seconds, _, layers = _engine_run(backend, rule, cfg, prompts, steps, sync,
+                                         Mode.FULL if name == "full" else Mode.BOUNDED)
+        return seconds, len(layers), layers
 
     names = list(systems)
     for name in names:  # warm-up: graphs captured, allocator settled
@@ -567,16 +563,16 @@ def projection_on_gpu(shapes: list[str], steps: int, window_s: float = 0.5, roun
 
 
 def _open_nvml():
-    """The NVML meter (started and stopped per window), or None where it cannot open (the reason printed)."""
+    """(the NVML meter, None), or (None, why it cannot open). edge.energy is imported here: its NVML meter
+    needs the 'gpu' extra (nvidia-ml-py)."""
     from edge.core.errors import SmartExitError
 
     try:
         from edge.energy.detect import open_meter
 
-        return open_meter("nvml", interval_s=0.05)
+        return open_meter("nvml", interval_s=0.05), None
     except (ImportError, SmartExitError) as exc:
-        print(f"no NVML meter for the exit-cost windows: {type(exc).__name__}: {exc}", flush=True)
-        return None
+        return None, f"{type(exc).__name__}: {exc}"
 
 
 def _guarded(fn, *args) -> Any:
@@ -669,7 +665,9 @@ def main(argv: list[str] | None = None) -> int:
         result["engine_torch_static_bundled"] = _guarded(engine_runs, tiny, batches, args.prompt, args.steps,
                                                          "float32")
         save()
-    meter = _open_nvml()
+    meter, reason = _open_nvml()
+    if meter is None:
+        print(f"no NVML meter for the energy windows: {reason}", flush=True)
     result["exit_costs_bundled"] = _guarded(engine_exit_costs, tiny, batches, args.prompt, args.steps, "float32",
                                             args.window, 3, "cuda", meter)
     save()

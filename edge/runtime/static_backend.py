@@ -225,6 +225,12 @@ class StaticTorchBackend(Backend):
         # statistics and token in one array (one copy to the host; ids < 2^24 are exact in float32)
         return {"logits": logits, "stats_token": torch.cat((stats, token[:, None].float()), dim=1)}
 
+    def _ehz(self, eh: torch.Tensor) -> torch.Tensor:
+        """A shortlist check's exit hidden and candidate logits [B, D + K] in float32: one array, one copy to
+        the host."""
+        e = eh.float()
+        return torch.cat((e, e @ self._rows_t), dim=1)
+
     def _decode_plan(self, kind: str, i: int, bucket: int) -> _Captured:
         key = (kind, i, bucket)
         plan = self._plans.get(key)
@@ -246,9 +252,8 @@ class StaticTorchBackend(Backend):
                 out = {"hidden": h, "exit_hidden": self._exit(i, h)}
                 if self.spec.gated and i < len(self.segments) - 1:
                     out["gate"] = self.model.exit_gate(self.exit_layers[i], out["exit_hidden"])
-                if self._rows_t is not None and i < len(self.segments) - 1:  # exit hidden and candidate logits,
-                    eh = out["exit_hidden"].float()  # one array: one copy to the host
-                    out["ehz"] = torch.cat((eh, eh @ self._rows_t), dim=1)
+                if self._rows_t is not None and i < len(self.segments) - 1:
+                    out["ehz"] = self._ehz(out["exit_hidden"])
                 return out
         elif kind == "head":
             eh = ins["x"] = torch.zeros(bucket, d, device=dev, dtype=self.dtype)
@@ -370,7 +375,7 @@ class StaticTorchBackend(Backend):
         eh = self._exit(i, h[:, t - rows:])
         run = _Launched(i, None if last else h[:b], eh)
         if decide and not last and self._rows_t is not None:
-            run.copies["ehz"] = torch.cat((eh.float(), eh.float() @ self._rows_t), dim=1).cpu()
+            run.copies["ehz"] = self._ehz(eh).cpu()
         elif decide and not last and self.spec.gated:
             run.copies["eh"] = eh.float().cpu()
             run.copies["gate"] = self.model.exit_gate(self.exit_layers[i], eh).float().cpu()
