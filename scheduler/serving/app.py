@@ -435,11 +435,13 @@ def build_app(cfg: ServeConfig, repo_dir: Path | None = None) -> serve.Applicati
 
 
 def run(cfg: ServeConfig, repo_dir: Path | None = None, name: str = "smartexit",
-        blocking: bool = False) -> DeploymentHandle:
-    """Start Serve's HTTP proxy on ``cfg.host:cfg.port`` and deploy :func:`build_app` (after the
-    caller's ``ray.init(resources={"smartexit_device": N})``); the ingress's handle."""
+        blocking: bool = False, proxy_port: int | None = None) -> DeploymentHandle:
+    """Start Serve's HTTP proxy on ``cfg.host:cfg.port`` (``proxy_port`` instead where the ingress
+    replica itself serves ``cfg.port``: direct ingress, scheduler/serving/stack.py) and deploy
+    :func:`build_app` (after the caller's ``ray.init(resources={"smartexit_device": N})``); the
+    ingress's handle."""
     app = build_app(cfg, repo_dir)
-    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    serve.start(http_options={"host": cfg.host, "port": cfg.port if proxy_port is None else proxy_port})
     # Serve logs every request and every hub push at INFO; on a 2-core device that costs the engine CPU
     return serve.run(app, name=name, route_prefix="/", blocking=blocking,
                      logging_config={"log_level": cfg.log_level, "enable_access_log": cfg.log_level == "INFO"})

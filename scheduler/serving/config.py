@@ -23,6 +23,7 @@ REPO_BUNDLE = Path("smartexit") / "1" / "bundle"  # where `smartexit repo` puts 
 TOKENIZER_JSON = "tokenizer.json"
 LOOPBACK_NAMES = ("localhost",)
 STREAM_VIA = ("triton", "worker")  # ServeConfig.stream_via
+INGRESS = ("direct", "proxy")  # ServeConfig.ingress
 
 
 class PolicyName(str, enum.Enum):
@@ -95,6 +96,11 @@ class ServeConfig:
     # tritonserver on its node (one Ray hop fewer per chunk: scheduler/serving/routes.py; with none ready
     # there, through a worker); "worker", always through the worker replica
     stream_via: str = "triton"
+    # how HTTP reaches the ingress: "direct", the ingress replica's own HTTP server listens on host:port
+    # (Ray Serve's direct ingress: no proxy process between the client and the ingress; needs the local
+    # Ray that serving_stack starts, so with ray_address the proxy serves); "proxy", Serve's HTTP proxy
+    # on host:port forwards each request to the ingress replica (docs/serving.md, The price of serving)
+    ingress: str = "direct"
     # load shedding (edge/runtime/host.py): refuse with 429 + Retry-After a request still waiting when its
     # TTFT deadline passes; None: the bundle's setting (RepoConfig.shed_late, off by default)
     shed_late: bool | None = None
@@ -125,6 +131,11 @@ class ServeConfig:
                               f"{self.stream_interval_ms!r}")
         if self.stream_via not in STREAM_VIA:
             raise ConfigError(f"serve.stream_via must be one of {', '.join(STREAM_VIA)}, got {self.stream_via!r}")
+        if self.ingress not in INGRESS:
+            raise ConfigError(f"serve.ingress must be one of {', '.join(INGRESS)}, got {self.ingress!r}")
+        if self.ingress == "direct" and self.port == 0:
+            raise ConfigError("serve.port 0 (any free port) needs serve.ingress: proxy; direct ingress binds "
+                              "the port it is given")
         if self.log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"serve.log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         if not is_loopback(self.host) and not self.api_key:

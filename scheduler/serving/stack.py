@@ -6,6 +6,14 @@
 waits until ``/health`` says every worker is ready, yields the base URL, and on exit shuts Serve and
 Ray down, which ends the workers and, with them, their tritonservers.
 
+HTTP reaches the ingress replica directly (``serve.ingress: direct``, the default): Ray Serve's direct
+ingress, where the ingress replica runs its own HTTP server on ``host:port``, so a request and each of
+its chunks skip the proxy process and its hop to the replica (docs/serving.md, The price of serving).
+Ray's processes read that setting from their environment when they start, so it is set for the start
+of the local Ray this function begins, and only then; Serve still starts its proxy on the head node,
+which listens on a free port of the same host, unused. ``serve.ingress: proxy`` (and any stack joining
+a running cluster, whose processes started with their own environment) serves through the proxy.
+
 On several devices (Jetsons) the same application runs on a Ray cluster instead: ``ray start
 --head --resources='{"smartexit_device": 1}'`` on one, ``ray start --address=HEAD:6379
 --resources='{"smartexit_device": 1}'`` on each other, then ``smartexit serve ray_address=auto
@@ -15,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -92,6 +102,47 @@ def set_policy(changes: dict[str, Any], app: str = "smartexit") -> dict[str, Any
     return serve.get_deployment_handle("Worker", app_name=app).set_policy.remote(changes).result()
 
 
+def direct_ingress_env(port: int) -> dict[str, str]:
+    """Ray Serve's settings for direct ingress on ``port``: the ingress replica's HTTP port range is
+    that one port, and a stopping replica does not wait out a drain period for an external load
+    balancer (there is none)."""
+    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
+
+
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``extra`` set, restored afterwards."""
+    old = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _bind(host: str, port: int) -> int:
+    """Bind a TCP socket to ``host:port`` as a server would (SO_REUSEADDR), close it; the port bound.
+
+    Raises:
+        ConfigError: the address is in use or cannot be bound.
+    """
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(addr)
+            return s.getsockname()[1]
+    except OSError as exc:
+        raise ConfigError(f"cannot serve on {host}:{port}: {exc.strerror or exc} (something else listens "
+                          "there? stop it or set serve.port)") from None
+
+
 @contextlib.contextmanager
 def serving_stack(run_dir: str | Path, cfg: ServeConfig, ray_address: str | None = None,
                   start_timeout_s: float = 300.0, graceful: bool = True) -> Iterator[str]:
@@ -112,13 +163,17 @@ def serving_stack(run_dir: str | Path, cfg: ServeConfig, ray_address: str | None
     if cfg.policy.value == "ppo":  # a missing, altered or mismatched policy fails here, not inside a replica
         from scheduler.serving.worker import build_policy
         build_policy(cfg)
+    if cfg.port:  # a port in use fails here, with its name, not as a replica that cannot start
+        _bind(cfg.host, cfg.port)
+    direct = cfg.ingress == "direct" and ray_address is None
     kwargs = dict(include_dashboard=False, configure_logging=True, logging_level="WARNING")
     if ray_address is None:
-        ray.init(resources={DEVICE_RESOURCE: cfg.replicas}, **kwargs)
+        with _environ(direct_ingress_env(cfg.port) if direct else {}):
+            ray.init(resources={DEVICE_RESOURCE: cfg.replicas}, **kwargs)
     else:
         ray.init(address=ray_address, **kwargs)
     try:
-        run_app(cfg, repo)
+        run_app(cfg, repo, proxy_port=_bind(cfg.host, 0) if direct else None)
         host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
         url = f"http://{host}:{cfg.port}"
         wait_healthy(url, start_timeout_s)
