@@ -256,11 +256,11 @@ def served(cfg: BenchSchedulerConfig, env: EnvConfig, runs: list[tuple[str, dict
     measured on a second stack started right after the first (on this 2-core VM that one ran slower)."""
     from scheduler.loadtest.bench_serve import BenchServeConfig, http_run
     from scheduler.serving.config import ServeConfig
-    from scheduler.serving.stack import serving_stack, set_policy
+    from scheduler.serving.stack import free_port, serving_stack, set_policy
 
     sla = {"default_sla_ttft_ms": env.sim.sla_ttft_ms, "default_sla_tpot_ms": env.sim.sla_tpot_ms}
     first = _policy_settings(*runs[0][:2])
-    scfg = ServeConfig(shed_late=env.sim.shed_late, **sla, **first)
+    scfg = ServeConfig(shed_late=env.sim.shed_late, port=free_port(), **sla, **first)
     bcfg = BenchServeConfig(run_dir=cfg.run_dir, sla_ttft_ms=env.sim.sla_ttft_ms, sla_tpot_ms=env.sim.sla_tpot_ms,
                             warmup_requests=cfg.warmup_requests)
     out, current = [], first

@@ -293,14 +293,15 @@ def served_runs(cfg: BenchServeConfig, schedule: list[ScheduledRequest],
         return {"served": res}, cap, shot
     from edge.core.configio import apply
     from scheduler.serving.config import ServeConfig
-    from scheduler.serving.stack import serving_stack
+    from scheduler.serving.stack import free_port, serving_stack
 
     runs, cap, shot = {}, {}, {}
     # the dashboard draws the SLA every request of this run carries
     sla = {"default_sla_ttft_ms": cfg.sla_ttft_ms, "default_sla_tpot_ms": cfg.sla_tpot_ms}
     for k, policy in enumerate(cfg.policies):
         bundle = {"bundle_dir": cfg.bundle} if cfg.bundle is not None else {}  # else the stack's own
-        serve_cfg = apply(ServeConfig(), {**bundle, **sla, **cfg.serve, "policy": policy})
+        # a port of its own unless the config names one (a stack right after another: free_port)
+        serve_cfg = apply(ServeConfig(), {**bundle, **sla, "port": free_port(), **cfg.serve, "policy": policy})
         with serving_stack(cfg.run_dir, serve_cfg, graceful=False) as url:
             runs[policy] = asyncio.run(http_run(url, schedule, cfg))
             if k == 0 and capacity:
@@ -408,10 +409,12 @@ def capacity_section(cfg: BenchServeConfig, cap: dict[str, dict[int, list[Run]]]
     (``headline["exact_vs_bounded_tokens_ratio"]``, its spread beside the others)."""
     from scheduler.serving.config import ServeConfig
 
-    via = cfg.serve.get("stream_via", ServeConfig.stream_via) if cfg.url is None else "as the server is configured"
+    own = cfg.url is None
+    via = cfg.serve.get("stream_via", ServeConfig.stream_via) if own else "as the server is configured"
+    ingress = cfg.serve.get("ingress", ServeConfig.ingress) if own else "as the server is configured"
     meta = {"requests_per_level": cfg.capacity_requests, "prompt_tokens": cfg.capacity_prompt_tokens,
-            "max_tokens": cfg.capacity_max_tokens, "policy": cfg.policies[0] if cfg.url is None else "served",
-            "mode": cfg.mode, "stream_via": via}
+            "max_tokens": cfg.capacity_max_tokens, "policy": cfg.policies[0] if own else "served",
+            "mode": cfg.mode, "stream_via": via, "ingress": ingress}
     rep = capacity_report(cap, cfg.sla_ttft_ms, cfg.sla_tpot_ms, meta)
     if EXACT_SYSTEM in cap and SERVED_SYSTEM in cap:
         lo = min(cap[SERVED_SYSTEM])

@@ -182,7 +182,7 @@ def capacity_markdown(cap: dict[str, Any] | None) -> str:
              f"{cap['requests_per_level']} requests per run, {cap['prompt_tokens']} prompt tokens, {cap['max_tokens']} "
              f"new tokens each (greedy, stop at end of text); {head['capacity_repeats']} repeats, the systems rotated "
              f"within each; medians (min-max over the repeats). Stack policy {cap['policy']}, tokens "
-             f"{cap.get('stream_via', 'n/a')}.", "",
+             f"{cap.get('stream_via', 'n/a')}, HTTP ingress {cap.get('ingress', 'n/a')}.", "",
              "| concurrency | system | tokens/s | TTFT p50 ms | TPOT p50 ms | machine CPU ms / token |",
              "| ---: | --- | ---: | ---: | ---: | ---: |"]
     for c, lv in cap["levels"].items():

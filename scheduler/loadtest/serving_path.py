@@ -230,7 +230,7 @@ def measure(run_dir: str | Path, runs: Sequence[tuple[int, Sequence[Any]]], max_
     for ``run_dir`` per run of equal budgets, its step log at ``step_log`` (replaced)."""
     from scheduler.loadtest.bench_serve import BenchServeConfig, http_run
     from scheduler.serving.config import ServeConfig
-    from scheduler.serving.stack import serving_stack
+    from scheduler.serving.stack import free_port, serving_stack
 
     step_log = Path(step_log).resolve()
     step_log.unlink(missing_ok=True)
@@ -240,7 +240,8 @@ def measure(run_dir: str | Path, runs: Sequence[tuple[int, Sequence[Any]]], max_
     while i < len(runs):
         budget = runs[i][0]
         scfg = ServeConfig(policy="fixed", policy_kwargs={"prefill_budget": budget, "max_running": max_seqs},
-                           default_sla_ttft_ms=sla[0], default_sla_tpot_ms=sla[1], step_log=str(step_log))
+                           default_sla_ttft_ms=sla[0], default_sla_tpot_ms=sla[1], step_log=str(step_log),
+                           port=free_port())
         with serving_stack(run_dir, scfg, graceful=False) as url:
             while i < len(runs) and runs[i][0] == budget:
                 out.append(asyncio.run(http_run(url, list(runs[i][1]), bcfg)))

@@ -126,8 +126,8 @@ def _environ(extra: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _bind(host: str, port: int) -> int:
-    """Bind a TCP socket to ``host:port`` as a server would (SO_REUSEADDR), close it; the port bound.
+def _bind(host: str, port: int, reuse: bool = True) -> int:
+    """Bind a TCP socket to ``host:port`` and close it; the port bound. ``reuse``: with SO_REUSEADDR.
 
     Raises:
         ConfigError: the address is in use or cannot be bound.
@@ -135,12 +135,59 @@ def _bind(host: str, port: int) -> int:
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         with socket.socket(family, kind, proto) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(addr)
             return s.getsockname()[1]
     except OSError as exc:
-        raise ConfigError(f"cannot serve on {host}:{port}: {exc.strerror or exc} (something else listens "
-                          "there? stop it or set serve.port)") from None
+        raise ConfigError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def _listening(host: str, port: int) -> bool:
+    """Whether something accepts TCP connections on ``host:port`` (a wildcard host: on its loopback)."""
+    target = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    try:
+        with socket.create_connection((target, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port of ``host`` nothing uses now, not even a closed connection's TIME_WAIT (the OS picks it):
+    for the stacks a benchmark starts for itself, so that one started right after another does not wait
+    out the last one's connections (:func:`_wait_bindable`)."""
+    return _bind(host, 0, reuse=False)
+
+
+TIME_WAIT_S = 75.0  # Linux keeps a closed connection's local port in TIME_WAIT for 60 s
+
+
+def _wait_bindable(host: str, port: int, timeout_s: float = TIME_WAIT_S) -> None:
+    """Wait until a server can bind ``host:port``. A stack stopped with connections open leaves them in
+    TIME_WAIT on its port for a minute; a server socket without SO_REUSEADDR (direct ingress's replica
+    in Ray 2.60) cannot bind past them, nor can any server past those of a listener that had it unset
+    (direct ingress's own), and Serve then gives the port up for good.
+
+    Raises:
+        ConfigError: something listens there (at once), or the port is still held after ``timeout_s``.
+    """
+    if _listening(host, port):
+        raise ConfigError(f"cannot serve on {host}:{port}: something listens there (stop it or set serve.port)")
+    deadline, told = time.monotonic() + timeout_s, False
+    while True:
+        try:
+            _bind(host, port, reuse=False)
+            return
+        except ConfigError as exc:
+            if time.monotonic() > deadline:
+                raise ConfigError(f"{exc}; still held (closed connections in TIME_WAIT?) after {timeout_s:.0f} s: "
+                                  "set serve.port to another port") from None
+            if not told:
+                print(f"serve: waiting for the closed connections on {host}:{port} to time out (up to "
+                      f"{timeout_s:.0f} s)", flush=True)
+                told = True
+            time.sleep(0.5)
 
 
 @contextlib.contextmanager
@@ -163,9 +210,9 @@ def serving_stack(run_dir: str | Path, cfg: ServeConfig, ray_address: str | None
     if cfg.policy.value == "ppo":  # a missing, altered or mismatched policy fails here, not inside a replica
         from scheduler.serving.worker import build_policy
         build_policy(cfg)
-    if cfg.port:  # a port in use fails here, with its name, not as a replica that cannot start
-        _bind(cfg.host, cfg.port)
     direct = cfg.ingress == "direct" and ray_address is None
+    if cfg.port:  # a port in use fails here, with its name, not as a replica that cannot start
+        _wait_bindable(cfg.host, cfg.port)
     kwargs = dict(include_dashboard=False, configure_logging=True, logging_level="WARNING")
     if ray_address is None:
         with _environ(direct_ingress_env(cfg.port) if direct else {}):

@@ -95,6 +95,32 @@ def serving_processes(repo: Path) -> list[Proc]:
     return found
 
 
+def listener(port: int) -> str | None:
+    """The command line of the process listening on TCP ``port`` on IPv4 (from /proc/net/tcp and the
+    processes' socket descriptors), or None: nothing listens there, or its owner is not ours to read."""
+    inodes = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        f = line.split()
+        if int(f[1].split(":")[1], 16) == port and f[3] == "0A":  # local port, state LISTEN
+            inodes.add(f"socket:[{f[9]}]")
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fds = [os.readlink(os.path.join(entry.path, "fd", fd)) for fd in os.listdir(os.path.join(entry.path, "fd"))]
+        except OSError:
+            continue
+        if inodes & set(fds):
+            return Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    return None
+
+
+@pytest.fixture(scope="session")
+def find_listener() -> Callable[[int], str | None]:
+    """:func:`listener` as a fixture."""
+    return listener
+
+
 @pytest.fixture(scope="session")
 def find_processes() -> Callable[[Path], list[Proc]]:
     """:func:`serving_processes` as a fixture (test modules do not import conftest)."""

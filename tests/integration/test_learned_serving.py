@@ -16,10 +16,18 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def stack(served_run, repository_copy, find_processes, tmp_path_factory, free_port):
     # short windows so that a few seconds of traffic close several: the guard's first window is the
-    # heuristic's probe, the learned policy acts after it; 8 learned ticks make one online update
+    # heuristic's probe, the learned policy acts after it; 8 learned ticks make one online update. This
+    # stack serves through Ray Serve's HTTP proxy (serve.ingress: proxy, what a stack joining a cluster
+    # uses); the other stacks of the suite serve by direct ingress, the default
     yield from _start(served_run, repository_copy, find_processes, tmp_path_factory, free_port(), "learned",
-                      policy="ppo", guard={"window_s": 1.0, "min_requests": 1, "probe_every": 50},
+                      policy="ppo", ingress="proxy", guard={"window_s": 1.0, "min_requests": 1, "probe_every": 50},
                       tuner={"n_steps": 8, "batch_size": 8, "n_epochs": 1})
+
+
+def test_the_proxy_ingress_serves_through_serves_proxy(stack, find_listener):
+    """serve.ingress proxy: the process listening on the stack's port is Serve's HTTP proxy actor."""
+    owner = find_listener(stack.cfg.port)
+    assert owner is not None and "ProxyActor" in owner, owner
 
 
 def test_learned_policy_serves_hands_over_from_its_probe_and_tunes_online(stack):

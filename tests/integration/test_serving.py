@@ -180,6 +180,12 @@ class TestOneReplica:
         yield c
         c.close()
 
+    def test_http_reaches_the_ingress_replica_directly(self, stack, find_listener):
+        """serve.ingress direct (the default): the process listening on the stack's port is the ingress
+        replica itself, not Serve's proxy (which listens elsewhere, unused)."""
+        owner = find_listener(stack.cfg.port)
+        assert owner is not None and "Ingress" in owner and "Proxy" not in owner, owner
+
     def test_openai_client_streams_a_completion_and_a_chat_completion(self, client):
         """The ``openai`` package streams from the server: a completion and a chat completion, each
         with non-empty text, a finish_reason on its last choice chunk, and (stream_options

@@ -43,9 +43,10 @@ def main(cfg: CrossCheckConfig) -> int:
     else:
         from edge.core.configio import apply
         from scheduler.serving.config import ServeConfig
-        from scheduler.serving.stack import serving_stack
+        from scheduler.serving.stack import free_port, serving_stack
 
-        with serving_stack(cfg.run_dir, apply(ServeConfig(), dict(cfg.serve)), graceful=False) as url:
+        scfg = apply(ServeConfig(), {"port": free_port(), **cfg.serve})  # a port of its own unless named
+        with serving_stack(cfg.run_dir, scfg, graceful=False) as url:
             res = both(url)
     ratio = {k: (res["ours"][k] / res["aiperf"][k] if res["ours"][k] and res["aiperf"][k] else None)
              for k, _, _ in METRICS}

@@ -249,6 +249,7 @@ def test_serve_config_checks_name_the_field(tmp_path):
                       (dict(control_tick_s=0), "serve.control_tick_s"), (dict(max_inflight=True), "serve.max_inflight"),
                       (dict(triton_url="nohost"), "serve.triton_url"),
                       (dict(stream_via="http"), "serve.stream_via"),
+                      (dict(ingress="nginx"), "serve.ingress"), (dict(port=0), "serve.port 0"),
                       (dict(restart_backoff_s=5, restart_backoff_max_s=1), "serve.restart_backoff_max_s")):
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             ServeConfig(**kw)
