@@ -126,8 +126,9 @@ def _environ(extra: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _bind(host: str, port: int, reuse: bool = True) -> int:
-    """Bind a TCP socket to ``host:port`` and close it; the port bound. ``reuse``: with SO_REUSEADDR.
+def _bind(host: str, port: int) -> int:
+    """Bind a TCP socket to ``host:port`` as direct ingress's replica binds (no SO_REUSEADDR, so a closed
+    connection's TIME_WAIT stops it too) and close it; the port bound.
 
     Raises:
         ConfigError: the address is in use or cannot be bound.
@@ -135,8 +136,6 @@ def _bind(host: str, port: int, reuse: bool = True) -> int:
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         with socket.socket(family, kind, proto) as s:
-            if reuse:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(addr)
             return s.getsockname()[1]
     except OSError as exc:
@@ -157,7 +156,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A port of ``host`` nothing uses now, not even a closed connection's TIME_WAIT (the OS picks it):
     for the stacks a benchmark starts for itself, so that one started right after another does not wait
     out the last one's connections (:func:`_wait_bindable`)."""
-    return _bind(host, 0, reuse=False)
+    return _bind(host, 0)
 
 
 TIME_WAIT_S = 75.0  # Linux keeps a closed connection's local port in TIME_WAIT for 60 s
@@ -177,7 +176,7 @@ def _wait_bindable(host: str, port: int, timeout_s: float = TIME_WAIT_S) -> None
     deadline, told = time.monotonic() + timeout_s, False
     while True:
         try:
-            _bind(host, port, reuse=False)
+            _bind(host, port)
             return
         except ConfigError as exc:
             if time.monotonic() > deadline:
@@ -220,7 +219,7 @@ def serving_stack(run_dir: str | Path, cfg: ServeConfig, ray_address: str | None
     else:
         ray.init(address=ray_address, **kwargs)
     try:
-        run_app(cfg, repo, proxy_port=_bind(cfg.host, 0) if direct else None)
+        run_app(cfg, repo, proxy_port=free_port(cfg.host) if direct else None)
         host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
         url = f"http://{host}:{cfg.port}"
         wait_healthy(url, start_timeout_s)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -50,11 +49,8 @@ def copy_repository(run: Path, dest: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def free_port() -> Callable[[], int]:
-    """A function returning a TCP port free on 127.0.0.1 now (the OS picks it)."""
-    def pick() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+    """A function returning a TCP port free on 127.0.0.1 now (the OS picks it): the stack's own."""
+    from scheduler.serving.stack import free_port as pick
     return pick
 
 

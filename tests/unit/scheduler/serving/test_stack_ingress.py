@@ -44,7 +44,7 @@ def test_a_port_in_use_is_refused_by_name_and_a_free_one_is_given():
     assert not stack._listening("127.0.0.1", port)
     free = stack.free_port()
     assert 0 < free < 65536
-    assert stack._bind("127.0.0.1", free, reuse=False) == free  # nothing holds it after the probe
+    assert stack._bind("127.0.0.1", free) == free  # nothing holds it after the probe
 
 
 def test_serving_stack_refuses_a_busy_port_before_starting_ray(tmp_path):
@@ -88,10 +88,10 @@ def test_closed_connections_block_a_server_bind_until_they_time_out():
         port = _time_wait_port(reuse)
         assert not stack._listening("127.0.0.1", port)
         with pytest.raises(ConfigError, match="in use"):
-            stack._bind("127.0.0.1", port, reuse=False)
+            stack._bind("127.0.0.1", port)
         with pytest.raises(ConfigError, match="TIME_WAIT"):
             stack._wait_bindable("127.0.0.1", port, timeout_s=0.6)
-    assert stack._bind("127.0.0.1", stack.free_port(), reuse=False)  # a benchmark's own port binds at once
+    assert stack._bind("127.0.0.1", stack.free_port())  # a benchmark's own port binds at once
 
 
 def test_waiting_for_a_port_refuses_a_listener_at_once():
