@@ -295,3 +295,28 @@ def test_verify_costs_from_files_name_what_is_missing(exported):
         verify_costs(*args, batches=[1, 3])
     with pytest.raises(ConfigError, match="decision head"):
         verify_costs(*args, batches=[1, 2], repeats=1)
+
+
+def test_speculation_gate_per_token_is_the_spike_free_ratio():
+    """per_token (plain Python, cached until the next observation) is the seconds over tokens of the window's
+    iterations not slower per token than SPIKE times the median rate, as numpy computes it, for windows of
+    odd and even length, with and without spikes."""
+    rng = np.random.default_rng(0)
+    for n in range(SpeculationGate.MIN_SAMPLES, SpeculationGate.WINDOW + 4):
+        gate = SpeculationGate()
+        got = [(float(rng.uniform(1e-3, 3e-3)) * (10.0 if rng.random() < 0.2 else 1.0), int(rng.integers(1, 9)))
+               for _ in range(n)]
+        for sec, tok in got:
+            gate.observe(4, True, sec, tok)
+            gate.per_token(4, True)  # asked between observations: the cache must follow them
+        secs, toks = np.array(got[-SpeculationGate.WINDOW:]).T
+        keep = secs / toks <= SpeculationGate.SPIKE * np.median(secs / toks)
+        assert gate.per_token(4, True) == pytest.approx(secs[keep].sum() / toks[keep].sum(), rel=1e-12)
+    assert gate.per_token(4, False) is None
+    # an even window's median is the mean of its middle two: 2 ms here keeps the 4 ms iteration (the lower
+    # middle, 1 ms, would drop it); 2.2 ms drops the 6.7 ms one (the upper middle, 2.4 ms, would keep it)
+    for rates, kept in (([1, 1, 3, 4], [1, 1, 3, 4]), ([1, 2, 2.4, 6.7], [1, 2, 2.4])):
+        gate = SpeculationGate()
+        for r in rates:
+            gate.observe(2, False, r * 1e-3, 1)
+        assert gate.per_token(2, False) == pytest.approx(sum(kept) * 1e-3 / len(kept))
