@@ -88,6 +88,9 @@ class RepoConfig:
     # the served engine runs exit checks only at batch sizes where it measured them cheaper than full depth
     # (edge/runtime/gate.py); false: every step of a bounded request checks
     exit_gate: bool = True
+    # requests in mode bounded also take lossless context-lookup and corpus drafts where a round is expected to
+    # pay (EngineConfig.bounded_drafts): never slower than mode exact for want of drafts; false: they only check
+    bounded_drafts: bool = True
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -100,7 +103,7 @@ class RepoConfig:
     def host_config(self, max_len: int, kv_mode: str = "propagate") -> HostConfig:
         engine = EngineConfig(max_seqs=self.max_seqs, max_len=max_len, prefill_budget=self.prefill_budget, kv_mode=kv_mode,
                               max_running=min(self.max_running, self.max_seqs), speculative=dict(self.speculative),
-                              exit_gate=self.exit_gate)
+                              exit_gate=self.exit_gate, bounded_drafts=self.bounded_drafts)
         return HostConfig(engine=engine, max_waiting=self.max_waiting, default_sla_ttft_ms=self.default_sla_ttft_ms,
                           default_sla_tpot_ms=self.default_sla_tpot_ms, shed_late=self.shed_late,
                           audit=AuditConfig.from_dict(self.audit, "repo.audit"))

@@ -401,11 +401,13 @@ def _bench_md(b: dict[str, Any]) -> list[str]:
 
 def _gate_md(b: dict[str, Any]) -> list[str]:
     """(d) as the served engine runs it: the step gate (edge/runtime/gate.py) checks exits only at batch sizes
-    where checking steps measured cheaper than full depth."""
+    where checking steps measured cheaper than full depth, and lossless lookup / corpus drafts run where a round
+    is expected to pay (EngineConfig.bounded_drafts)."""
     keys = sorted(k.removeprefix("speedup_exit_gated_vs_full_b") for k in b if k.startswith("speedup_exit_gated_vs_full_b"))
     if not keys or all(b.get(f"speedup_exit_gated_vs_full_b{k}") is None for k in keys):
         return []
-    return ["- (d) as served (the step gate runs checks only where they measured cheaper than full depth): " + ", ".join(
+    return ["- (d) as served (the step gate runs checks only where they measured cheaper than full depth; lossless "
+            "lookup and corpus drafts where a round pays): " + ", ".join(
         f"batch {k} (d)/(c) {_fmt(b.get(f'speedup_exit_gated_vs_full_b{k}'), '.3f')}, steps checked "
         f"{_fmt(b.get(f'gate_share_checked_b{k}'), '.2f')}" for k in sorted(keys, key=int))]
 

@@ -94,6 +94,13 @@ class EngineConfig:
     # rule says (calibration, the benches' exit systems, the tests).
     exit_gate: bool = False
     speculative: SpecConfig = field(default_factory=SpecConfig)  # mode exact: draft exit, stop rule
+    # Requests in mode bounded also take mode exact's context-lookup and corpus drafts wherever a round is
+    # expected to pay (never exit drafts, never while deferred rows are owed): a verified round emits the
+    # full model's tokens, as a full-depth step does, so what the certificate bounds stays the rule's
+    # decisions on the steps that check (the step gate's argument, edge/runtime/gate.py). A bounded request
+    # is then never slower than an exact one for want of drafts. The served engine runs with it
+    # (exporters/triton.py, repo.bounded_drafts); off here, so that an engine does what its rule says.
+    bounded_drafts: bool = False
     # Requests in mode exact speculate while the decode batch holds at most this many sequences (None: any
     # batch); above it they decode at full depth, which is lossless too. ONNX Runtime's CPU attention
     # verifies several rows of a sequence only at batch 1, so a batch verifies sequence by sequence.
@@ -430,19 +437,20 @@ class Engine:
             if seq.prefilled == len(seq.req.prompt):
                 self.prefilling.remove(seq)
                 self.decoding.append(seq)
-                if self._candidates or seq.req.mode is Mode.EXACT:  # checks and lookup drafts read it
+                if self._candidates or self._drafts(seq):  # checks and lookup drafts read it
                     seq.lookup = Lookup(seq.req.prompt)
                 token = choose_token(out.logits[0], seq.req.temperature, seq.req.top_p, seq.rng)
                 self._emit(seq, token, self.backend.num_layers)
 
     def _decode(self, seqs: list[_Seq]) -> None:
-        """One decode iteration. Requests in mode exact draft where a draft is expected to pay
+        """One decode iteration. Requests in mode exact (and in mode bounded with ``bounded_drafts``, lookup
+        and corpus drafts only) draft where a draft is expected to pay
         (edge/runtime/speculative.py): at a batch size with a verify graph, the whole batch in one call;
         else a lookup draft is verified in a call of its own; exit drafts run as a batched round (at
         batches up to ``speculate_max_batch``, while they measure cheaper per token than plain steps);
         every other row takes one plain step, batched. Above batch 1 the iteration drafts only while
         iterations that did have measured cheaper per token than plain ones (SpeculationGate)."""
-        exact = [s for s in seqs if s.req.mode is Mode.EXACT]
+        exact = [s for s in seqs if self._drafts(s) and not s.pending]  # drafting rows (deferred K/V owed: none)
         if not exact:
             self._step(seqs)
             return
@@ -457,10 +465,18 @@ class Engine:
         if speculate:
             self._speculate_or_step(seqs, exact)
         else:
-            self.plain_steps += len(exact)
+            self.plain_steps += sum(s.req.mode is Mode.EXACT for s in exact)
             self._step(seqs)
         if self.backend.setup_events == setups:  # one-time work (a graph opened, a binding built) is not the cost
             self._spec_gate.observe(b, speculate, time.perf_counter() - t0, sum(len(s.tokens) for s in seqs) - before)
+
+    def _drafts(self, s: _Seq) -> bool:
+        """Whether sequence ``s`` may draft: mode exact, or mode bounded with ``bounded_drafts`` (lookup and
+        corpus drafts only: a configuration of exit drafts alone leaves bounded requests to their checks)."""
+        if s.req.mode is Mode.EXACT:
+            return True
+        return (self.cfg.bounded_drafts and s.req.mode is Mode.BOUNDED
+                and not self.cfg.speculative.exit_only)
 
     def _speculate_or_step(self, seqs: list[_Seq], exact: list[_Seq]) -> None:
         """The drafting half of :meth:`_decode`: one call for the batch where it verifies together, else
@@ -482,7 +498,7 @@ class Engine:
         limit = self.cfg.speculate_max_batch
         drafting: list[_Seq] = []
         if self._exit_drafts and (limit is None or b <= limit):
-            others = [s for s in exact if s not in lookups]
+            others = [s for s in exact if s not in lookups and s.req.mode is Mode.EXACT]  # bounded rows check
             # beside other sources, exit rounds must measure cheaper per token than plain steps; exit drafts
             # alone always draft (the configuration asked for them)
             if others and (spec.exit_only or self._exit_gate.pays(per_token)):

@@ -30,9 +30,9 @@ def served_run(micro_run, tmp_path_factory) -> Path:
     assert cli(["calibrate", f"run_dir={run}", "epsilon=0.2", "fit_units=16", "certify_units=32",
                 "propagate_units=32", "eval_units=4", "prompt_tokens=16", "new_tokens=6", "batch=16",
                 "threads=1"]) == 0
-    # the step gate off (served by default): the tests compare served tokens and exit layers with the engine in
-    # process, which with it would depend on which kind of step each measured cheaper at that moment
-    assert cli(["repo", f"run_dir={run}", "exit_gate=false"]) == 0
+    # the step gate and bounded requests' drafts off (served by default): the tests compare served tokens and exit
+    # layers with the engine in process, which with them would depend on what each measured cheaper at that moment
+    assert cli(["repo", f"run_dir={run}", "exit_gate=false", "bounded_drafts=false"]) == 0
     assert (run / REPO / "smartexit" / "config.pbtxt").is_file()
     return run
 

@@ -68,7 +68,24 @@ def test_the_bundle_carries_the_step_gate_setting_to_the_served_engine(repo):
     assert gate.share_checked(1) is not None
 
 
-def _host_generate(host, prompt: list[int]) -> list:
+def test_the_bundle_carries_bounded_drafts_to_the_served_engine(repo):
+    """`smartexit repo` records repo.bounded_drafts (the tests' bundle turns it off, conftest: their served tokens
+    are compared with the engine's exits); on, as a default repository has it, a bounded request on a prompt that
+    repeats itself drafts from its context on the ONNX Runtime graphs, beside its exit checks."""
+    from scheduler.serving.bundle import open_bundle
+    from tests.unit.edge.runtime.test_lookup_drafts import _FlatCosts
+
+    info = json.loads((repo / BUNDLE / "bundle.json").read_text())
+    assert info["host"]["bounded_drafts"] is False
+    assert open_bundle(repo / BUNDLE).engine.cfg.bounded_drafts is False
+    host = open_bundle(repo / BUNDLE, bounded_drafts=True)
+    host.engine.call_costs = _FlatCosts()  # every draft pays: the regime does not depend on this machine's timing
+    pairs = [(t, e) for c in _host_generate(host, [5, 17, 301, 12] * 4, 16) for t, e in zip(c.tokens, c.exit_layers)]
+    assert len(pairs) == 16 and {e for _, e in pairs} <= set(info["model"]["exit_layers"]) | {info["model"]["num_layers"]}
+    assert host.engine.source_stats["lookup"].rounds > 0, host.engine.source_stats["lookup"].as_dict()
+
+
+def _host_generate(host, prompt: list[int], max_tokens: int = 10) -> list:
     import threading
 
     from edge.runtime.host import GenRequest
@@ -81,7 +98,7 @@ def _host_generate(host, prompt: list[int]) -> list:
             done.set()
     host.start()
     try:
-        host.submit(GenRequest("gated", list(prompt), 10, mode="bounded"), emit)
+        host.submit(GenRequest("gated", list(prompt), max_tokens, mode="bounded"), emit)
         assert done.wait(60), "the gated engine did not finish"
     finally:
         host.stop()

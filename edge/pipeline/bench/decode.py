@@ -280,9 +280,11 @@ class Systems:
         if name == "engine_speculative":  # the engine's K/V mode is unused: exact requests never exit early
             return run_batch(backend or self.backend, rule or self.table_rule, prompts, n, KVMode.PROPAGATE,
                              spec=spec or self.spec, speculate_max_batch=self.cfg.speculate_max_batch)
-        if name == "engine_exit_gated":  # (d) as the served engine runs it: checks where they measured cheaper
+        if name == "engine_exit_gated":  # (d) as the served engine runs it: checks where they measured cheaper,
+            # lookup and corpus drafts where a round pays
             return run_batch(backend or self.backend, rule or self.table_rule, prompts, n, self.gated_mode,
-                             exit_gate=True)
+                             exit_gate=True, spec=spec or self.spec, mode=Mode.BOUNDED, bounded_drafts=True,
+                             speculate_max_batch=self.cfg.speculate_max_batch)
         mode = KVMode(name.removeprefix("engine_exit_"))
         return run_batch(backend or self.backend, rule or self.table_rule, prompts, n, mode)
 

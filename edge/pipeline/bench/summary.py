@@ -17,7 +17,7 @@ LABELS = {"hf": "(a) transformers generate", "layerskip": "(b) transformers Laye
           "engine_full": "(c) SmartExit engine, ORT, full depth",
           "engine_exit_propagate": "SmartExit engine, ORT, exits, K/V by propagation",
           "engine_exit_defer": "SmartExit engine, ORT, exits, K/V by deferred recomputation",
-          "engine_exit_gated": "(d) with the served engine's step gate: exits only where they measured cheaper",
+          "engine_exit_gated": "(d) as served: exits only where they measured cheaper (step gate), lossless drafts where they pay",
           "engine_speculative": "(e) SmartExit engine, ORT, speculative (exact: lookup and exit drafts)",
           "hf_lookup": "transformers generate, prompt-lookup decoding",
           "llamacpp_lookup": "llama.cpp (llama-cpp-python), prompt-lookup drafts, GGUF at the served model's precision",

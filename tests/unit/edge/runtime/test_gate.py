@@ -115,3 +115,6 @@ def test_the_served_engine_config_turns_the_gate_on():
     assert RepoConfig().host_config(512).engine.exit_gate is True
     assert RepoConfig(exit_gate=False).host_config(512).engine.exit_gate is False
     assert EngineConfig().exit_gate is False
+    assert RepoConfig().host_config(512).engine.bounded_drafts is True  # bounded requests draft where it pays
+    assert RepoConfig(bounded_drafts=False).host_config(512).engine.bounded_drafts is False
+    assert EngineConfig().bounded_drafts is False

@@ -196,6 +196,63 @@ def test_mixed_batch_and_both_sources():
     assert eng.source_stats["lookup"].rounds > 0 and eng.source_stats["exit"].rounds > 0
 
 
+@pytest.mark.parametrize("batch", [1, 4])
+def test_bounded_requests_draft_with_bounded_drafts(batch):
+    """With ``bounded_drafts`` a request in mode bounded takes lookup drafts like an exact one: with a rule that
+    never lets a token leave, its tokens are the full model's and lookup rounds ran; without it, none."""
+    from edge.runtime.rules import NeverExit
+
+    m = _looping()
+    prompts = _looping_prompts(8)
+    for on in (True, False):
+        eng = _engine(TorchBackend(m), max_seqs=batch, max_running=batch, bounded_drafts=on)
+        eng.rule = NeverExit()
+        got = _run(eng, prompts, max_tokens=30, mode=Mode.BOUNDED)
+        assert [[t for t, _ in r] for r in got] == [[t for t, _ in r] for r in _full(m, prompts, 30)]
+        rounds = eng.source_stats["lookup"].rounds
+        assert (rounds > 10) if on else (rounds == 0), (on, eng.source_stats["lookup"].as_dict())
+        assert eng.source_stats["exit"].rounds == 0 and eng.plain_steps == 0  # plain_steps: exact requests'
+
+
+def _teacher_forced(m, prompt, tokens):
+    """The full model's greedy token after each prefix prompt + tokens[:i]."""
+    with torch.no_grad():
+        logits = m.backbone(torch.tensor([list(prompt) + list(tokens[:-1])])).logits[0]
+    return logits[len(prompt) - 1:].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_bounded_drafts_beside_exits_owe_nothing(batch):
+    """Bounded requests that exit (deferral: their skipped layers owed) and draft: a round never runs while a
+    sequence owes deferred rows (its verification would read K/V not yet written), so every token that did
+    not leave early is the full model's on its prefix, teacher-forced; and both regimes ran. (Without that guard
+    this test fails: checked when it was written.)"""
+    from edge.runtime.engine import KVMode
+    from edge.runtime.rules import ConfidenceRule
+
+    m = _model(seed=2)  # attention at full strength (the looping model's would hide K/V never written)
+    prompts = _looping_prompts(6, seed=3)
+    eng = Engine(TorchBackend(m), EngineConfig(max_seqs=batch, max_running=batch, max_len=128, kv_mode=KVMode.DEFER,
+                                               defer_exit_max_batch=None, bounded_drafts=True,
+                                               speculative=SpecConfig(**LOOKUP)), ConfidenceRule(0.3))
+    eng.call_costs = _FlatCosts()
+    eng._spec_gate = _AlwaysSpeculate()
+    got = _run(eng, prompts, max_tokens=30, mode=Mode.BOUNDED)
+    last = m.backbone.cfg.num_layers
+    exits = checked = 0
+    for p, seq in zip(prompts, got):
+        tokens = [t for t, _ in seq]
+        ref = _teacher_forced(m, p, tokens)
+        for i, (t, e) in enumerate(seq):
+            if e == last:
+                assert t == ref[i], (p, i, seq)
+                checked += 1
+            else:
+                exits += 1
+    assert exits > 5 and checked > 30 and eng.source_stats["lookup"].rounds > 5, (exits, checked,
+                                                                                 eng.source_stats["lookup"].as_dict())
+
+
 def test_max_tokens_and_stop_ids_inside_an_accepted_run():
     m = _looping()
     prompt = _looping_prompts(1)[0]
