@@ -253,7 +253,10 @@ def _energy_md(e: dict[str, Any]) -> list[str]:
         head = (f"**No power sensor on this machine** ({e['meter_reason']}): no joules. As a proxy, CPU-seconds "
                 "per token (process user + system time; not energy): " + ", ".join(
                     f"{n} {_fmt(1e3 * e['cpu_seconds_per_token'][n], '.3g')} ms" for n in systems)
-                + f"; shipped ({e['shipped_system']}) / full depth x{_fmt(e.get('cpu_ratio_shipped_vs_full'), '.3f')}.")
+                + f"; shipped ({e['shipped_system']}) / full depth x{_fmt(e.get('cpu_ratio_shipped_vs_full'), '.3f')}"
+                + (f"; as served (step gate, lossless drafts) / its own full depth "
+                   f"x{_fmt(e['cpu_ratio_served_vs_full_depth'], '.3f')}" if e.get("cpu_ratio_served_vs_full_depth")
+                   is not None else "") + ".")
     return ["## Energy per token", "", head + " Tokens/s: " + ", ".join(
         f"{n} {_fmt(e['tokens_per_s'][n], '.0f')}" for n in systems) + ".", "", "![energy](bench/energy.png)", ""]
 

@@ -72,7 +72,9 @@ def test_compressed_model_is_what_every_later_stage_serves(run, capsys):
                 "new_tokens=4", "repeats=2", "threads=1"]) == 0
     assert [p.stat().st_mtime_ns for p in float_export] == mtimes
     energy = json.loads((run / "bench" / "energy.json").read_text())
-    assert set(energy["rows"]) == {"full", "exits", "compressed_full", "compressed_exits"}
+    assert set(energy["rows"]) == {"full", "exits", "compressed_full", "compressed_exits", "served"}
+    served = energy["summary"]  # the shipped graphs as served, against their own full depth
+    assert served["served_full_depth"] == "compressed_full" and served["cpu_ratio_served_vs_full_depth"] > 0
     for row in energy["rows"].values():  # no sensor here: no joules, the CPU-time proxy measured
         assert row["joules_per_token"] is None and row["cpu_seconds_per_token"]["median"] > 0
         assert row["tokens"] == 2 * 2 * 4

@@ -6,7 +6,8 @@ compressed run ``compressed_full`` / ``compressed_exits``, the served model with
 With another backend (``served``: the one ``smartexit jetson serve`` chose, jetson/units/backend.json;
 or ``tensorrt``, ``torch_static``, ``onnxruntime_portable``): ``full`` and ``exits`` are the served
 model on that backend without an exit rule and with it (what a device serves, with and without
-early exit). Each repeat
+early exit). Both ways ``served`` is the shipped system as the served engine runs it (the step gate and
+bounded requests' lossless drafts), judged against the shipped model's own full depth. Each repeat
 measures every system once, in a rotated order, each window on the power meter
 (:mod:`edge.energy.detect`: jtop, tegrastats, NVML or RAPL, whichever exists) after an idle window
 of ``idle_seconds`` that gives the idle baseline. Per system: joules per token with and without the
@@ -31,6 +32,9 @@ from edge.core.errors import ConfigError
 
 STAGE = "bench_energy"
 FULL, EXITS, C_FULL, C_EXITS = "full", "exits", "compressed_full", "compressed_exits"
+# the shipped graphs and rule as the served engine runs them: the step gate (exits only where checking steps measured
+# cheaper than full depth) and bounded requests' lossless lookup / corpus drafts (EngineConfig.bounded_drafts)
+SERVED = "served"
 
 
 @dataclass
@@ -169,13 +173,15 @@ def energy_systems(cfg: EnergyBenchConfig, run: Any) -> tuple[dict[str, tuple[Pa
             systems[C_FULL] = (manifest.verified_output("export", "graphs_full"), NeverExit())
             systems[C_EXITS] = (manifest.verified_output("export", "graphs"), rule)
         backends = {n: make_backend("onnxruntime", graphs_dir=g, threads=cfg.threads) for n, (g, _) in systems.items()}
+        shipped = C_EXITS if C_EXITS in systems else EXITS
+        systems[SERVED], backends[SERVED] = systems[shipped], backends[shipped]  # the same graphs, run as served
         full_is = "the distilled float model without exit heads (ONNX Runtime, graphs_full)"
     else:  # the served model on the device's backend, without and with the rule
         choice = backend_choice(cfg, served)
         graphs_dir = manifest.verified_output("export", "graphs")
         backend = open_backend(choice, graphs_dir, sha256_path(served), cfg.threads)
-        systems = {FULL: (graphs_dir, NeverExit()), EXITS: (graphs_dir, rule)}
-        backends = {FULL: backend, EXITS: backend}
+        systems = {FULL: (graphs_dir, NeverExit()), EXITS: (graphs_dir, rule), SERVED: (graphs_dir, rule)}
+        backends = {FULL: backend, EXITS: backend, SERVED: backend}
         full_is = f"the served model on {choice['name']} without an exit rule"
     return systems, backends, full_is
 
@@ -236,6 +242,11 @@ def summarise(cfg: EnergyBenchConfig, meter: Any, rows: dict[str, Any], rel: dic
         "cpu_ratio_compressed_exit_vs_compressed_full": (
             rows[C_EXITS]["cpu_seconds_per_token"]["median"] / rows[C_FULL]["cpu_seconds_per_token"]["median"]
             if C_EXITS in rows and C_FULL in rows else None),
+        # the shipped system as the served engine runs it, against the same model at full depth
+        "served_full_depth": own_full(rows),
+        "ratio_served_vs_full_depth": _ratio(rows, SERVED, own_full(rows), "joules_per_token"),
+        "cpu_ratio_served_vs_full_depth": _ratio(rows, SERVED, own_full(rows), "cpu_seconds_per_token"),
+        "speed_ratio_served_vs_full_depth": _ratio(rows, SERVED, own_full(rows), "tokens_per_s"),
         "false_exit_rate": check.false_exit_rate, "false_exit_tokens": check.tokens,
         # a 95% interval of the rate on these tokens: a few hundred tokens tell little about a rate near 1%
         "false_exit_interval_95": clopper_pearson(check.false_exits + check.full_depth_mismatches, check.tokens),
@@ -244,11 +255,23 @@ def summarise(cfg: EnergyBenchConfig, meter: Any, rows: dict[str, Any], rel: dic
     return summary
 
 
+def own_full(rows: dict[str, Any]) -> str:
+    """The full-depth system of the shipped model: the compressed run's own, else ``full``."""
+    return C_FULL if C_FULL in rows else FULL
+
+
+def _ratio(rows: dict[str, Any], a: str, b: str, key: str) -> float | None:
+    ra, rb = (rows.get(a) or {}).get(key), (rows.get(b) or {}).get(key)
+    return ra["median"] / rb["median"] if ra and rb and rb["median"] else None
+
+
 def main(cfg: EnergyBenchConfig) -> int:
     from calibration.freerun import Served, check_continuations
     from edge.energy.detect import open_meter
     from edge.pipeline.run import open_run
     from edge.runtime.batch import run_batch
+    from edge.runtime.engine import Mode
+    from edge.runtime.speculative import SpecConfig
 
     t0 = time.time()
     run = open_run(cfg.run_dir, cfg.threads)
@@ -259,7 +282,8 @@ def main(cfg: EnergyBenchConfig) -> int:
 
     def decode(name: str, n: int) -> int:
         """One window's work: every group of prompts, ``n`` new tokens each; returns the tokens made."""
-        made[name] = [run_batch(backends[name], systems[name][1], g, n, run.kv_mode) for g in groups]
+        served = dict(exit_gate=True, spec=SpecConfig(), mode=Mode.BOUNDED, bounded_drafts=True) if name == SERVED else {}
+        made[name] = [run_batch(backends[name], systems[name][1], g, n, run.kv_mode, **served) for g in groups]
         return sum(len(t) for r in made[name] for t in r.tokens)
 
     meter = open_meter(cfg.meter, cfg.interval_s)
@@ -323,6 +347,12 @@ def render_markdown(result: dict[str, Any]) -> str:
                      f"{cell(r['cpu_seconds_per_token'])} | {cell(r['tokens_per_s'], '.0f')} | "
                      f"{_fmt(rel[n]['joules_per_token'])} | {_fmt(rel[n]['cpu_seconds_per_token'])} | "
                      f"{_fmt(rel[n]['tokens_per_s'])} |")
+    if s.get("cpu_ratio_served_vs_full_depth") is not None:
+        lines += ["", f"`{SERVED}` is the shipped system as the served engine runs it (exits only where checking steps "
+                      "measured cheaper than full depth; lossless lookup and corpus drafts where a round pays): against "
+                      f"`{s['served_full_depth']}`, J ratio {_fmt(s.get('ratio_served_vs_full_depth'))}, CPU-s ratio "
+                      f"{_fmt(s['cpu_ratio_served_vs_full_depth'])}, speed ratio "
+                      f"{_fmt(s.get('speed_ratio_served_vs_full_depth'))}."]
     if s.get("false_exit_tokens"):
         ci = s.get("false_exit_interval_95") or [float("nan")] * 2
         lines += ["", f"False exits of `{s['shipped_system']}`: {s['false_exit_rate']:.4f} (95% interval "
