@@ -97,7 +97,8 @@ def test_compressed_model_is_what_every_later_stage_serves(run, capsys):
     assert cli(["bench", "energy", f"run_dir={run}", "meter=none", "idle_seconds=0", "prompts=2", "prompt_tokens=12",
                 "new_tokens=4", "repeats=1", "threads=1", "backend=torch_static", "device=cpu"]) == 0
     energy = json.loads((run / "bench" / "energy.json").read_text())
-    assert set(energy["rows"]) == {"full", "exits"} and energy["summary"]["backend"] == "torch_static"
+    assert set(energy["rows"]) == {"full", "exits", "served"} and energy["summary"]["backend"] == "torch_static"
+    assert energy["summary"]["served_full_depth"] == "full"  # the served model's own full depth on that backend
     assert energy["summary"]["full_is"] == "the served model on torch_static without an exit rule"
     assert all(row["tokens"] == 2 * 4 for row in energy["rows"].values())
     assert energy["summary"]["false_exits_judged_against"] == "torch_static, full-depth decode"
