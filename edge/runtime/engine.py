@@ -450,22 +450,22 @@ class Engine:
         batches up to ``speculate_max_batch``, while they measure cheaper per token than plain steps);
         every other row takes one plain step, batched. Above batch 1 the iteration drafts only while
         iterations that did have measured cheaper per token than plain ones (SpeculationGate)."""
-        exact = [s for s in seqs if self._drafts(s) and not s.pending]  # drafting rows (deferred K/V owed: none)
-        if not exact:
+        drafters = [s for s in seqs if self._drafts(s) and not s.pending]  # rows that may draft (none owing K/V)
+        if not drafters:
             self._step(seqs)
             return
         b = len(seqs)
         if b == 1 or self.cfg.speculative.exit_only:
             # a batch of one: every choice below is priced by the call it makes; exit drafts alone: configured
-            self._speculate_or_step(seqs, exact)
+            self._speculate_or_step(seqs, drafters)
             return
         # above batch 1, whether looking for drafts pays is measured on whole iterations (SpeculationGate)
         speculate = self._spec_gate.speculate(b)
         t0, before, setups = time.perf_counter(), sum(len(s.tokens) for s in seqs), self.backend.setup_events
         if speculate:
-            self._speculate_or_step(seqs, exact)
+            self._speculate_or_step(seqs, drafters)
         else:
-            self.plain_steps += sum(s.req.mode is Mode.EXACT for s in exact)
+            self.plain_steps += sum(s.req.mode is Mode.EXACT for s in drafters)
             self._step(seqs)
         if self.backend.setup_events == setups:  # one-time work (a graph opened, a binding built) is not the cost
             self._spec_gate.observe(b, speculate, time.perf_counter() - t0, sum(len(s.tokens) for s in seqs) - before)
@@ -478,10 +478,10 @@ class Engine:
         return (self.cfg.bounded_drafts and s.req.mode is Mode.BOUNDED
                 and not self.cfg.speculative.exit_only)
 
-    def _speculate_or_step(self, seqs: list[_Seq], exact: list[_Seq]) -> None:
+    def _speculate_or_step(self, seqs: list[_Seq], drafters: list[_Seq]) -> None:
         """The drafting half of :meth:`_decode`: one call for the batch where it verifies together, else
-        each exact row drafts where its round is expected to pay and the rest step together."""
-        if len(exact) == len(seqs) and self._verify_together(seqs):
+        each row of ``drafters`` drafts where its round is expected to pay and the rest step together."""
+        if len(drafters) == len(seqs) and self._verify_together(seqs):
             return
         spec, b = self.cfg.speculative, len(seqs)
         per_token = self.call_costs.cost(b, 1) / b  # a row's seconds per token on a plain batched step
@@ -491,14 +491,14 @@ class Engine:
         # way (large batches), no row's drafts are looked at
         ceiling = max((k + 1) / self.call_costs.cost(1, k + 1) for k in range(1, spec.max_draft + 1))
         if not spec.exit_only and ceiling > plain:
-            for s in exact:
+            for s in drafters:
                 best = self._best_draft(s, plain)
                 if best is not None:
                     lookups[s] = best
         limit = self.cfg.speculate_max_batch
         drafting: list[_Seq] = []
         if self._exit_drafts and (limit is None or b <= limit):
-            others = [s for s in exact if s not in lookups and s.req.mode is Mode.EXACT]  # bounded rows check
+            others = [s for s in drafters if s not in lookups and s.req.mode is Mode.EXACT]  # bounded rows check
             # beside other sources, exit rounds must measure cheaper per token than plain steps; exit drafts
             # alone always draft (the configuration asked for them)
             if others and (spec.exit_only or self._exit_gate.pays(per_token)):

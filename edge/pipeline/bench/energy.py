@@ -222,6 +222,8 @@ def summarise(cfg: EnergyBenchConfig, meter: Any, rows: dict[str, Any], rel: dic
               full_is: str, exit_name: str, windows: dict[str, list[Window]], names: list[str], check: Any
               ) -> dict[str, Any]:
     """The manifest's metrics of the run."""
+    own = C_FULL if C_FULL in rows else FULL  # the shipped model's own full depth: what ``served`` is judged against
+    served = ratios(rows, own)[SERVED]
     summary = {
         "backend": backends[FULL].name, "full_is": full_is,
         "meter": meter.name, "meter_available": meter.available, "meter_reason": meter.reason,
@@ -243,26 +245,16 @@ def summarise(cfg: EnergyBenchConfig, meter: Any, rows: dict[str, Any], rel: dic
             rows[C_EXITS]["cpu_seconds_per_token"]["median"] / rows[C_FULL]["cpu_seconds_per_token"]["median"]
             if C_EXITS in rows and C_FULL in rows else None),
         # the shipped system as the served engine runs it, against the same model at full depth
-        "served_full_depth": own_full(rows),
-        "ratio_served_vs_full_depth": _ratio(rows, SERVED, own_full(rows), "joules_per_token"),
-        "cpu_ratio_served_vs_full_depth": _ratio(rows, SERVED, own_full(rows), "cpu_seconds_per_token"),
-        "speed_ratio_served_vs_full_depth": _ratio(rows, SERVED, own_full(rows), "tokens_per_s"),
+        "served_full_depth": own,
+        "ratio_served_vs_full_depth": served["joules_per_token"],
+        "cpu_ratio_served_vs_full_depth": served["cpu_seconds_per_token"],
+        "speed_ratio_served_vs_full_depth": served["tokens_per_s"],
         "false_exit_rate": check.false_exit_rate, "false_exit_tokens": check.tokens,
         # a 95% interval of the rate on these tokens: a few hundred tokens tell little about a rate near 1%
         "false_exit_interval_95": clopper_pearson(check.false_exits + check.full_depth_mismatches, check.tokens),
         "false_exits_judged_against": f"{backends[exit_name].name}, full-depth decode",
     }
     return summary
-
-
-def own_full(rows: dict[str, Any]) -> str:
-    """The full-depth system of the shipped model: the compressed run's own, else ``full``."""
-    return C_FULL if C_FULL in rows else FULL
-
-
-def _ratio(rows: dict[str, Any], a: str, b: str, key: str) -> float | None:
-    ra, rb = (rows.get(a) or {}).get(key), (rows.get(b) or {}).get(key)
-    return ra["median"] / rb["median"] if ra and rb and rb["median"] else None
 
 
 def main(cfg: EnergyBenchConfig) -> int:
@@ -279,11 +271,12 @@ def main(cfg: EnergyBenchConfig) -> int:
     systems, backends, full_is = energy_systems(cfg, run)
     groups = [prompts[i:i + cfg.batch] for i in range(0, len(prompts), cfg.batch)]
     made: dict[str, list] = {}  # each system's last window's results (the false-exit check reads them)
+    as_served = dict(exit_gate=True, spec=SpecConfig(), mode=Mode.BOUNDED, bounded_drafts=True)  # SERVED's engine
 
     def decode(name: str, n: int) -> int:
         """One window's work: every group of prompts, ``n`` new tokens each; returns the tokens made."""
-        served = dict(exit_gate=True, spec=SpecConfig(), mode=Mode.BOUNDED, bounded_drafts=True) if name == SERVED else {}
-        made[name] = [run_batch(backends[name], systems[name][1], g, n, run.kv_mode, **served) for g in groups]
+        kw = as_served if name == SERVED else {}
+        made[name] = [run_batch(backends[name], systems[name][1], g, n, run.kv_mode, **kw) for g in groups]
         return sum(len(t) for r in made[name] for t in r.tokens)
 
     meter = open_meter(cfg.meter, cfg.interval_s)
