@@ -11,6 +11,15 @@ treating audited tokens as independent draws. Tokens of one request are correlat
 fraction across many requests weakens that, but the bound is an estimate of drift, not a new
 certificate.
 
+With deferral (the K/V mode that ships) the engine judges exits itself (:class:`edge.runtime.engine.Verdict`):
+a row that left early has its skipped layers computed with the sequence's next token, and the last layer's
+head on that row gives the full model's token on the exit's own prefix, for one more head row. The host then
+counts every token of every audited request: a token at full depth as correct, an exit by its verdict, and
+an exit the engine could not judge (the request ended before its owed layers ran) by a re-decode, queued
+whatever ``fraction`` says, since those exits are not a random sample (measured on the demo model: 10% of
+them false against 3% of the judged ones). The audit is then complete, not a sample, and costs a re-decode
+only per request that ends on exits.
+
 Trigger. An upper bound starts at 1 (no evidence yet) and needs about ln(1/delta)/eps clean tokens
 to fall under eps (333 at eps 0.009, delta 0.05); with a true rate of half eps it crosses eps again
 every few hundred audited tokens by chance. So the fallback fires on the *lower* bound: when even
@@ -41,6 +50,11 @@ class Trigger(str, enum.Enum):
 @dataclass
 class AuditConfig:
     fraction: float = 0.0       # of the tokens served in mode bounded (greedy requests), re-decoded at full depth
+    # with deferral, take the engine's own verdict on every early exit (edge.runtime.engine.Verdict: the full
+    # model's token, computed with the owed layers at the cost of one head row) and count every token of an
+    # audited request; only the exits the engine could not judge are re-decoded, all of them. Without
+    # deferral (or False), ``fraction`` samples tokens as before.
+    verdicts: bool = True
     delta: float = 0.05
     trigger: Trigger = Trigger.LOWER
     min_tokens: int = 200       # audited tokens before the trigger may fire

@@ -154,6 +154,31 @@ class Request:
     deadline: float | None = None
     on_token: Callable[[TokenEvent], None] | None = None
     mode: Mode = Mode.BOUNDED
+    # with deferral, the full model's verdict on each greedy token this request emitted from an early exit
+    # (:class:`Verdict`), once the exit's skipped layers have been computed (with the next token); the
+    # engine runs the one more head row this takes only for requests that set it
+    on_verdict: Callable[["Verdict"], None] | None = None
+
+
+@dataclass
+class Verdict:
+    """The full model's judgement of a token that left early, free with deferral.
+
+    A row that exits with deferral owes its skipped layers; the engine computes them with the sequence's
+    next token (or the batch's catch-up call) and there runs the last layer's head on that row too: its
+    argmax is the full model's token on exactly the prefix the exit decided on (the row's K/V and every
+    earlier one are exact under deferral). ``full_token`` is None when the request ended (its last token,
+    a stop id, a cancel) before the owed layers ran: that exit is not judged by the engine."""
+
+    request_id: int
+    index: int  # the token's position in the output
+    exit_layer: int
+    token: int  # what the exit emitted
+    full_token: int | None
+
+    @property
+    def false_exit(self) -> bool | None:
+        return None if self.full_token is None else self.full_token != self.token
 
 
 @dataclass
@@ -161,6 +186,11 @@ class _Pending:
     pos: int
     hidden: np.ndarray  # [D] residual at the depth reached so far
     next_seg: int
+    # the token the exit emitted, its output index and layer, for the verdict (token -1: not judged, e.g.
+    # a sampled token, whose exit is not an argmax the full model's argmax can judge)
+    token: int = -1
+    index: int = -1
+    layer: int = -1
 
 
 @dataclass(eq=False)  # identity: lists of sequences are searched by object
@@ -276,6 +306,9 @@ class Engine:
         self.spec_stats = SpecStats()  # every speculative round
         self.source_stats = {src.value: SpecStats() for src in Source}  # the rounds of each draft source
         self.plain_steps = 0  # decode steps of exact requests that drafted nothing
+        # the full model's verdicts on greedy early exits, free with deferral (Verdict), of requests that ask
+        # for them: judged, false among them, and unjudged (the request ended before the exit's layers ran)
+        self.verdict_counts = {"judged": 0, "false": 0, "unjudged": 0}
         self.waiting: list[_Seq] = []
         self.prefilling: list[_Seq] = []
         self.decoding: list[_Seq] = []
@@ -729,7 +762,8 @@ class Engine:
                     continue
                 if i == nseg - 1:
                     break  # every row still running has its token (with defer_inline, the rows gone before too)
-                self._fill_skipped([act[r] for r in rows], i, out.hidden[rows, 0], slots[rows], start[rows])
+                self._fill_skipped([act[r] for r in rows], i, out.hidden[rows, 0], slots[rows], start[rows],
+                                   decided[-len(rows):])
                 keep = ~stop
                 if not keep.any():
                     break
@@ -867,16 +901,25 @@ class Engine:
         if not rows:
             return self.backend.segment(i, x, slots, start, prev, lookup=lookup)
         h = np.concatenate([np.stack([p.hidden for p in rows])[None], x], axis=1)  # [1, k + 1, D]
-        out = self.backend.segment(i, h, slots, start - len(rows), prev, lookup=lookup)
+        last = i == len(self.backend.segments) - 1
+        # at the last segment the head runs on the deferred rows too (their verdicts: one more head row)
+        judge = last and any(p.token >= 0 for p in rows)
+        n = len(rows) + 1 if judge else 1
+        out = self.backend.segment(i, h, slots, start - len(rows), prev, lookup=lookup, rows=n)
         for q, p in enumerate(rows):
             p.next_seg = i + 1
             if out.hidden is not None:
                 p.hidden = out.hidden[0, q].copy()
-        if i == len(self.backend.segments) - 1:
+            if judge:
+                self._judge(s, p, int(out.token[q]))
+        if last:
             s.pending = [p for p in s.pending if p.next_seg < i + 1]
         hidden = None if out.hidden is None else out.hidden[:, -1:]
-        return SegmentOut(hidden, out.exit_hidden, out.logits, out.stats, out.token, out.gate, out.features,
-                          out.score, out.run, out.cand_tokens, out.cand_logits)
+        if n == 1:
+            return SegmentOut(hidden, out.exit_hidden, out.logits, out.stats, out.token, out.gate, out.features,
+                              out.score, out.run, out.cand_tokens, out.cand_logits)
+        return SegmentOut(hidden, out.exit_hidden[-1:], out.logits[-1:], _rows(out.stats, slice(-1, None)),
+                          out.token[-1:])  # the last segment: no decision outputs
 
     def _catch_up(self, i: int, act: list[_Seq], x: np.ndarray, slots: np.ndarray, start: np.ndarray) -> np.ndarray:
         """Deferred rows that segment i must see before the new tokens: run them first, oldest first,
@@ -892,23 +935,42 @@ class Engine:
             sel = [b for b, r in enumerate(rows) if len(r) > k]
             ps = [rows[b][k] for b in sel]
             h = np.stack([p.hidden for p in ps])[:, None]  # [B_k, 1, D]
-            out = self.backend.segment(i, h, slots[sel], np.array([p.pos for p in ps]), decide=False)
-            for q, p in enumerate(ps):
+            # the last segment's head runs where a row is to be judged (its verdict); no decision is read
+            judge = i == nseg - 1 and any(p.token >= 0 for p in ps)
+            out = self.backend.segment(i, h, slots[sel], np.array([p.pos for p in ps]), decide=judge)
+            for q, (b, p) in enumerate(zip(sel, ps)):
                 p.next_seg = i + 1
                 if out.hidden is not None:
                     p.hidden = out.hidden[q, 0].copy()
+                if judge:
+                    self._judge(act[b], p, int(out.token[q]))
         if i == nseg - 1:
             for s in act:
                 s.pending = [p for p in s.pending if p.next_seg < nseg]
         return x
 
-    def _fill_skipped(self, exited: list[_Seq], i: int, h: np.ndarray, slots: np.ndarray, pos: np.ndarray) -> None:
-        """K/V of segments i+1.. for rows that exited after segment i (h [B, D]: their residual)."""
+    def _fill_skipped(self, exited: list[_Seq], i: int, h: np.ndarray, slots: np.ndarray, pos: np.ndarray,
+                      decided: list[tuple[_Seq, int, int]]) -> None:
+        """K/V of segments i+1.. for rows that exited after segment i (h [B, D]: their residual; ``decided``:
+        their (sequence, token, layer), for the verdict deferral gives on greedy tokens)."""
         if self.cfg.kv_mode is KVMode.DEFER:
-            for s, row in zip(exited, h):
-                s.pending.append(_Pending(s.length, row.copy(), i + 1))
+            for s, row, (_, token, layer) in zip(exited, h, decided):
+                judged = s.req.temperature == 0 and s.req.on_verdict is not None  # the head row only if asked
+                s.pending.append(_Pending(s.length, row.copy(), i + 1, token if judged else -1, len(s.tokens), layer))
             return
         self.backend.kvfill(i + 1, h, slots, pos)
+
+    def _judge(self, s: _Seq, p: _Pending, full_token: int | None) -> None:
+        """Deliver the full model's verdict on pending row ``p`` of ``s`` (None: it will never be computed)."""
+        if p.token < 0:
+            return
+        if full_token is None:
+            self.verdict_counts["unjudged"] += 1
+        else:
+            self.verdict_counts["judged"] += 1
+            self.verdict_counts["false"] += int(full_token != p.token)
+        if s.req.on_verdict is not None:
+            s.req.on_verdict(Verdict(s.id, p.index, p.layer, p.token, full_token))
 
     def _emit(self, seq: _Seq, token: int, exit_layer: int) -> None:
         seq.tokens.append(token)
@@ -942,7 +1004,9 @@ class Engine:
         if seq.slot >= 0:
             self.cache.release(seq.slot)
             seq.slot = -1
-        seq.pending.clear()
+        owed, seq.pending = seq.pending, []
+        for p in owed:  # exits whose skipped layers will never run: not judged by the engine
+            self._judge(seq, p, None)
         seq.finished = reason
 
 

@@ -9,10 +9,12 @@ several in mode exact), outside any lock; the last chunk carries the finish reas
 
 The host also keeps what a scheduler reads (queue, prefill backlog, running sequences, their recent
 and predicted exit depth, SLA slack: docs/serving.md) and runs the online false-exit audit
-(:mod:`edge.runtime.audit`): a sampled token of a greedy ``bounded`` request that exited early is
-re-decoded at full depth as a one-token request over the same prefix, submitted only while the
-engine has spare capacity (nothing waiting, a free slot, one audit at a time), so it never delays a
-request's admission. When the audit's bound crosses the certificate's epsilon (the threshold table's,
+(:mod:`edge.runtime.audit`). With deferral the engine judges every early exit of a greedy ``bounded``
+request itself (``Verdict``: the full model's token, from the owed layers it computes anyway) and every
+token of such a request is counted; otherwise a sampled token that exited early is re-decoded at full
+depth as a one-token request over the same prefix (so is an exit the engine could not judge), submitted
+only while the engine has spare capacity (nothing waiting, a free slot, one audit at a time), so it never
+delays a request's admission. When the audit's bound crosses the certificate's epsilon (the threshold table's,
 handed to the host), later ``bounded`` requests run at full depth.
 
 The backend's largest chunk (``Backend.max_chunk``: a TensorRT profile's) bounds the prefill budget: a
@@ -41,7 +43,7 @@ from edge.core.errors import ConfigError, RequestError, SmartExitError
 from edge.core.stats import due_time, on_time, p95_ms, sla_met
 from edge.runtime.audit import AuditConfig, AuditEstimate
 from edge.runtime.backend import Backend
-from edge.runtime.engine import NO_TOKEN, Engine, EngineConfig, Mode, Request, TokenEvent
+from edge.runtime.engine import NO_TOKEN, Engine, EngineConfig, KVMode, Mode, Request, TokenEvent, Verdict
 from edge.runtime.rules import BatchExitRule
 from edge.runtime.settings import EPSILON, SLA_TPOT_MS, SLA_TTFT_MS
 
@@ -183,6 +185,8 @@ class EngineHost:
         self.exit_layers = list(backend.exit_layers)
         self.expected_exit_layer = expected_exit_layer
         self.audit = AuditEstimate(epsilon=epsilon, delta=a.delta, trigger=a.trigger, min_tokens=a.min_tokens)
+        # the engine judges every greedy exit itself (deferral's verdicts): the audit counts every token
+        self._verdicts = a.verdicts and epsilon is not None and cfg.engine.kv_mode is KVMode.DEFER
         self._rng = np.random.default_rng(a.seed)
         self._audit_queue: collections.deque[_AuditItem] = collections.deque()
         self._audit_inflight = False
@@ -459,10 +463,13 @@ class EngineHost:
         live = _Live(req, emit, time.monotonic(),
                      (req.sla_ttft_ms or self.cfg.default_sla_ttft_ms) / 1e3,
                      (req.sla_tpot_ms or self.cfg.default_sla_tpot_ms) / 1e3,
-                     audited=ereq.mode is Mode.BOUNDED and ereq.temperature == 0 and self.cfg.audit.fraction > 0,
+                     audited=(ereq.mode is Mode.BOUNDED and ereq.temperature == 0
+                              and (self.cfg.audit.fraction > 0 or self._verdicts)),
                      history=list(req.prompt))
         self._last_sla = (live.sla_ttft_s * 1e3, live.sla_tpot_s * 1e3)
         ereq.on_token = lambda ev, live=live: self._on_token(live, ev)
+        if live.audited and self._verdicts:
+            ereq.on_verdict = lambda v, live=live: self._on_verdict(live, v)
         live.engine_id = self.engine.submit(ereq)
         self._live[req.request_id] = live
         self._by_engine[live.engine_id] = live
@@ -471,8 +478,12 @@ class EngineHost:
         if ev.token >= 0:
             live.tokens.append(ev.token)
             live.layers.append(ev.exit_layer)
-            if live.audited and self._rng.random() < self.cfg.audit.fraction:
-                self._sample(live, ev)
+            if live.audited:
+                if self._verdicts:  # every token counts: an exit when its verdict comes (_on_verdict)
+                    if ev.exit_layer >= self.num_layers:
+                        self._record(ev.exit_layer, False)
+                elif self._rng.random() < self.cfg.audit.fraction:
+                    self._sample(live, ev)
             live.history.append(ev.token)
             live.n_tokens += 1
             live.predicted = (ev.exit_layer if live.predicted is None
@@ -545,11 +556,27 @@ class EngineHost:
     # ------------------------------------------------------------------ audit
     def _sample(self, live: _Live, ev: TokenEvent) -> None:
         if ev.exit_layer >= self.num_layers:  # reached the last layer: cannot exit falsely
-            self.audit.record(ev.exit_layer, False)
-        elif len(self._audit_queue) < self.cfg.audit.max_pending:
-            self._audit_queue.append(_AuditItem(list(live.history), ev.token, ev.exit_layer))
+            self._record(ev.exit_layer, False)
+        else:
+            self._queue_audit(_AuditItem(list(live.history), ev.token, ev.exit_layer))
+
+    def _on_verdict(self, live: _Live, v: Verdict) -> None:
+        """The engine's verdict on one of ``live``'s exits; one it could not judge is re-decoded."""
+        if v.full_token is not None:
+            self._record(v.exit_layer, v.full_token != v.token)
+        else:  # its prefix: the prompt and the tokens before it (the host has them all by now)
+            self._queue_audit(_AuditItem(live.history[:len(live.req.prompt) + v.index], v.token, v.exit_layer))
+
+    def _queue_audit(self, item: _AuditItem) -> None:
+        if len(self._audit_queue) < self.cfg.audit.max_pending:
+            self._audit_queue.append(item)
         else:
             self.audit_dropped += 1
+
+    def _record(self, exit_layer: int, false_exit: bool) -> None:
+        if self.audit.record(exit_layer, false_exit):
+            log.warning("false-exit audit: the rate exceeds epsilon=%.4g (%s); bounded requests now run at "
+                        "full depth", self.audit.epsilon, self.audit.as_dict())
 
     def _maybe_audit(self) -> None:
         e = self.engine
@@ -562,9 +589,8 @@ class EngineHost:
         def verdict(ev: TokenEvent, item: _AuditItem = item) -> None:
             if ev.finished:
                 self._audit_inflight = False
-            if ev.token >= 0 and self.audit.record(item.exit_layer, ev.token != item.token):
-                log.warning("false-exit audit: the rate exceeds epsilon=%.4g (%s); bounded requests now run at "
-                            "full depth", self.audit.epsilon, self.audit.as_dict())
+            if ev.token >= 0:
+                self._record(item.exit_layer, ev.token != item.token)
 
         e.submit(Request(item.prefix, 1, mode=Mode.FULL, on_token=verdict))
 
@@ -588,7 +614,8 @@ class EngineHost:
         oldest = min((v.arrival + v.sla_ttft_s for v in waiting), default=None)
         fallback_pred = self.expected_exit_layer if self.expected_exit_layer is not None else float(self.num_layers)
         audit = self.audit.as_dict()
-        audit.update(fraction=self.cfg.audit.fraction, pending=len(self._audit_queue), dropped=self.audit_dropped)
+        audit.update(fraction=self.cfg.audit.fraction, pending=len(self._audit_queue), dropped=self.audit_dropped,
+                     engine_verdicts=self._verdicts, verdict_counts=dict(self.engine.verdict_counts))
         return {
             "time": now, "waiting": s.waiting + self._queued, "prefill_backlog_tokens": s.prefill_backlog_tokens,
             "running": s.running, "free_slots": s.free_slots, "prefill_budget": s.prefill_budget,

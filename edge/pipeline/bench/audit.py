@@ -28,21 +28,28 @@ def main(cfg: BenchAuditConfig) -> int:
     out = Path(cfg.run_dir) / "bench"
     md = ["# Online false-exit audit: in domain vs another domain", "",
           f"Every token of {cfg.prompts} requests ({cfg.prompt_tokens} prompt tokens, up to {cfg.max_tokens} new, "
-          f"greedy, mode bounded) re-decoded at full depth; epsilon {epsilon} (the table's), one-sided "
-          f"Clopper-Pearson bounds at delta {runs['heldout_code']['delta']}, fallback when the lower bound exceeds "
-          f"epsilon.", "",
-          "| traffic | audited tokens | false exits | rate | lower | upper | fallback (after tokens) | per exit (audited / false) |",
-          "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+          f"greedy, mode bounded, exits as the rule decides them: the step gate and bounded drafts off) audited: "
+          + ("an early exit by the engine's own verdict (deferral computes its skipped layers with the next token, "
+             "and the last layer's head on that row), one it could not judge (the request ended first) re-decoded "
+             "at full depth" if runs["heldout_code"].get("engine_verdicts") else "re-decoded at full depth")
+          + f"; epsilon {epsilon} (the table's), one-sided Clopper-Pearson bounds at delta "
+          f"{runs['heldout_code']['delta']}, fallback when the lower bound exceeds epsilon.", "",
+          "| traffic | audited tokens | false exits | rate | lower | upper | fallback (after tokens) | per exit (audited / false) "
+          "| exits judged by the engine / re-decoded | seconds |",
+          "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: |"]
     for name, r in runs.items():
         per = ", ".join(f"{k}: {v['audited']} / {v['false']}" for k, v in r["exits"].items())
+        vc = r.get("verdict_counts") or {}
         md.append(f"| {name} | {r['audited']} | {r['false']} | {r['rate']:.4f} | {r['lower']:.4f} | {r['upper']:.4f} | "
-                  f"{r['fallback']} ({r['fired_after']}) | {per} |")
+                  f"{r['fallback']} ({r['fired_after']}) | {per} | {vc.get('judged', 0)} / {vc.get('unjudged', 0)} | "
+                  f"{r['seconds']:.1f} |")
     paths = {"json": out / "audit.json", "md": out / "audit.md"}
     atomic_write_text(paths["md"], "\n".join(md) + "\n")
     atomic_write_json(paths["json"], report)
     metrics = {"epsilon": epsilon, "caught": report["caught"], "false_alarm": report["false_alarm"],
                **{f"{n}_rate": r["rate"] for n, r in runs.items()},
-               **{f"{n}_fired_after": r["fired_after"] for n, r in runs.items()}}
+               **{f"{n}_fired_after": r["fired_after"] for n, r in runs.items()},
+               **{f"{n}_engine_judged": (r.get("verdict_counts") or {}).get("judged", 0) for n, r in runs.items()}}
     Manifest(cfg.run_dir).record(STAGE, inputs={"bundle": bundle}, config=asdict(cfg), outputs=paths,
                                  metrics=metrics, seconds=time.perf_counter() - t0)
     print("\n".join(md[4:]))

@@ -1,0 +1,177 @@
+"""Deferral's free verdicts (edge/runtime/engine.py, ``Verdict``): a row that left early owes its skipped layers,
+the engine computes them with the sequence's next token and runs the last layer's head on that row too, so every
+greedy early exit is judged by the full model one step later. The verdicts must be the full model's tokens on
+the exits' own prefixes (teacher-forced here), every greedy exit gets exactly one, and an exit whose layers never
+run (the request ended first: its last tokens left early, a stop id, a cancel) is reported unjudged rather than
+dropped."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from edge.runtime.engine import Engine, EngineConfig, KVMode, Mode, Request, Verdict
+from edge.runtime.rules import ConfidenceRule
+from edge.runtime.torch_backend import TorchBackend
+from tests.unit.edge.runtime.test_engine import _model, _prompts
+
+torch.set_num_threads(1)
+
+
+def _teacher_forced(m, prompt, tokens):
+    """The full model's greedy token after each prefix prompt + tokens[:i]."""
+    with torch.no_grad():
+        logits = m.backbone(torch.tensor([list(prompt) + list(tokens[:-1])])).logits[0]
+    return logits[len(prompt) - 1:].argmax(-1).tolist()
+
+
+def _serve(eng, prompts, max_tokens, **kw):
+    """Run ``prompts`` to the end; (tokens with exit layers per request, verdicts per request)."""
+    got: dict[int, list[tuple[int, int]]] = {}
+    verdicts: dict[int, list[Verdict]] = {}
+    ids = [eng.submit(Request(p, max_tokens, on_verdict=lambda v: verdicts.setdefault(v.request_id, []).append(v),
+                              **kw)) for p in prompts]
+    while eng.has_work:
+        for e in eng.step():
+            if e.token >= 0:
+                got.setdefault(e.request_id, []).append((e.token, e.exit_layer))
+    return [got[i] for i in ids], [verdicts.get(i, []) for i in ids]
+
+
+@pytest.mark.parametrize("batch,limit", [(1, 1), (3, None)])
+def test_every_greedy_exit_is_judged_by_the_full_model(batch, limit):
+    """Batch 1 (the owed rows ride with the next token) and batch 3 with exits allowed there (the owed rows run
+    in catch-up calls): each early exit gets one verdict, equal to the full model's token on its prefix, and
+    the engine's counts agree with a teacher-forced check of the same output."""
+    m = _model(seed=2)
+    prompts = _prompts(6, seed=5)
+    eng = Engine(TorchBackend(m), EngineConfig(max_seqs=batch, max_running=batch, max_len=96, kv_mode=KVMode.DEFER,
+                                               defer_exit_max_batch=limit), ConfidenceRule(0.3))
+    outs, verdicts = _serve(eng, prompts, 24)
+    last = m.backbone.cfg.num_layers
+    exits = false = judged = 0
+    for p, seq, vs in zip(prompts, outs, verdicts):
+        tokens = [t for t, _ in seq]
+        ref = _teacher_forced(m, p, tokens)
+        by_index = {v.index: v for v in vs}
+        assert len(by_index) == len(vs)  # one verdict per exit
+        for i, (t, e) in enumerate(seq):
+            if e == last:
+                assert i not in by_index  # a token at full depth is not an exit: nothing to judge
+                continue
+            exits += 1
+            v = by_index[i]
+            assert (v.token, v.exit_layer) == (t, e)
+            if v.full_token is None:  # the request ended before its owed layers ran: only exits came after it
+                assert all(e2 < last for _, e2 in seq[i:]), (i, seq)
+                continue
+            judged += 1
+            assert v.full_token == ref[i], (p, i, seq)
+            false += int(v.false_exit)
+    assert exits > 10 and judged > 10 and false > 0, (exits, judged, false)  # the regime ran, errors included
+    assert eng.verdict_counts == {"judged": judged, "false": false, "unjudged": exits - judged}
+
+
+def test_sampled_and_full_requests_get_no_verdicts():
+    """A sampled token's exit is a draw, not an argmax the full model's argmax could judge; mode full never exits."""
+    m = _model(seed=2)
+    prompts = _prompts(3, seed=5)
+    for kw in (dict(temperature=0.8, seed=1), dict(mode=Mode.FULL)):
+        eng = Engine(TorchBackend(m), EngineConfig(max_seqs=1, max_running=1, max_len=96, kv_mode=KVMode.DEFER),
+                     ConfidenceRule(0.3))
+        _, verdicts = _serve(eng, prompts, 16, **kw)
+        assert verdicts == [[], [], []] and eng.verdict_counts == {"judged": 0, "false": 0, "unjudged": 0}
+
+
+def test_a_cancelled_request_reports_its_owed_exits_unjudged():
+    """A request cancelled while it owes an exit's layers: that exit is reported unjudged, and nothing after."""
+    m = _model(seed=2)
+    eng = Engine(TorchBackend(m), EngineConfig(max_seqs=1, max_running=1, max_len=96, kv_mode=KVMode.DEFER),
+                 ConfidenceRule(0.0))  # every token leaves at the first exit
+    seen: list[Verdict] = []
+    rid = eng.submit(Request(_prompts(1, seed=5)[0], 20, on_verdict=seen.append))
+    while not any(e.exit_layer < m.backbone.cfg.num_layers for e in eng.step() if e.token >= 0):
+        pass
+    assert eng.cancel(rid)
+    assert [v.full_token for v in seen][-1] is None and eng.verdict_counts["unjudged"] == 1
+    n = len(seen)
+    while eng.has_work:
+        eng.step()
+    assert len(seen) == n
+
+
+def test_propagate_gives_no_verdicts():
+    """Propagation fills the skipped layers' K/V from the exit state at once: no row runs them later, no verdict."""
+    m = _model(seed=2)
+    eng = Engine(TorchBackend(m), EngineConfig(max_seqs=1, max_running=1, max_len=96, kv_mode=KVMode.PROPAGATE),
+                 ConfidenceRule(0.3))
+    outs, verdicts = _serve(eng, _prompts(3, seed=5), 16)
+    assert any(e < m.backbone.cfg.num_layers for seq in outs for _, e in seq)
+    assert verdicts == [[], [], []]
+
+
+def _audited_host(verdicts: bool, fraction: float = 0.0):
+    from edge.runtime.audit import AuditConfig
+    from edge.runtime.host import EngineHost, HostConfig
+
+    cfg = HostConfig(engine=EngineConfig(max_seqs=2, max_running=1, max_len=96, kv_mode=KVMode.DEFER),
+                     audit=AuditConfig(fraction=fraction, verdicts=verdicts, min_tokens=10_000, max_pending=10_000))
+    return EngineHost(TorchBackend(_model(seed=2)), cfg, ConfidenceRule(0.3), epsilon=0.5).start()
+
+
+def test_the_host_audits_every_token_from_the_engines_verdicts():
+    """Served with deferral, the audit counts every token of every greedy bounded request: its false exits are
+    exactly those a teacher-forced check of the streamed output finds, and only the exits the engine could not
+    judge were re-decoded. With the verdicts off and no sampling, nothing is audited."""
+    from tests.unit.edge.runtime.test_host import Sink
+    from edge.runtime.host import GenRequest
+
+    m = _model(seed=2)
+    prompts = _prompts(6, seed=5)
+    for verdicts in (True, False):
+        host, sink = _audited_host(verdicts), Sink(len(prompts))
+        try:
+            for i, p in enumerate(prompts):
+                host.submit(GenRequest(f"r{i}", p, 24), sink)
+            assert sink.done.wait(60)
+            deadline = time.monotonic() + 60
+            while host.stats()["audit"]["pending"] and time.monotonic() < deadline:  # re-decodes in spare capacity
+                time.sleep(0.02)
+            time.sleep(0.2)
+            st = host.stats()["audit"]
+        finally:
+            host.stop()
+        if not verdicts:
+            assert st["audited"] == 0 and not st["engine_verdicts"] and st["verdict_counts"]["judged"] == 0
+            continue
+        false = exits = 0
+        for i, p in enumerate(prompts):
+            tokens = sink.tokens(f"r{i}")
+            layers = [e for c in sink.chunks[f"r{i}"] for e in c.exit_layers]
+            ref = _teacher_forced(m, p, tokens)
+            false += sum(t != r for t, r, e in zip(tokens, ref, layers) if e < m.backbone.cfg.num_layers)
+            exits += sum(e < m.backbone.cfg.num_layers for e in layers)
+        counts = st["verdict_counts"]
+        assert st["engine_verdicts"] and st["audited"] == 6 * 24 and st["false"] == false > 0, (st, false)
+        assert counts["judged"] + counts["unjudged"] == exits and counts["unjudged"] > 0, counts
+        assert st["dropped"] == 0 and st["pending"] == 0
+
+
+def test_no_head_row_for_requests_that_do_not_ask():
+    """The verdict's head row is paid only for requests with ``on_verdict``: without it, no decode call runs the
+    head on a deferred row (the benches' and calibration's engines judge nothing)."""
+    m = _model(seed=2)
+    eng = Engine(TorchBackend(m), EngineConfig(max_seqs=1, max_running=1, max_len=96, kv_mode=KVMode.DEFER),
+                 ConfidenceRule(0.3))
+    calls = []
+    seg = eng.backend.segment
+    eng.backend.segment = lambda i, x, *a, **kw: calls.append((x.shape[1], kw.get("rows", 1))) or seg(i, x, *a, **kw)
+    eng.submit(Request(_prompts(1, seed=5)[0], 24))
+    exited = 0
+    while eng.has_work:
+        exited += sum(0 <= e.exit_layer < m.backbone.cfg.num_layers for e in eng.step())
+    deferred = [c for c in calls if c[0] > 1]  # decode calls carrying owed rows
+    assert exited > 3 and deferred and all(r == 1 for _, r in deferred), (exited, calls)
+    assert eng.verdict_counts == {"judged": 0, "false": 0, "unjudged": 0}
