@@ -104,28 +104,45 @@ def _closed_form(mean: np.ndarray, n: int, epsilon: np.ndarray, method: PValue) 
     return np.minimum(np.minimum(p_hoeff, math.e * p_binom), 1.0)
 
 
+class Betting:
+    """The betting test of H0: mean > epsilon, one unit at a time (anytime-valid: Ville's inequality bounds the
+    capital's supremum, so the test may be read after every unit, and a server may run it on live traffic).
+    ``epsilon``: a scalar or one per hypothesis [G]; ``p_value`` = min(1, 1 / max_t K_t) per hypothesis."""
+
+    def __init__(self, epsilon: float | np.ndarray) -> None:
+        self.epsilon = np.atleast_1d(np.asarray(epsilon, dtype=np.float64)).copy()  # [G]
+        self._cap = BET_FRACTION / (1.0 - self.epsilon)
+        mu0 = self.epsilon / 2
+        self._s_mean = PRIOR_WEIGHT * mu0  # running sums with the prior folded in, [G]
+        self._s_var = PRIOR_WEIGHT * mu0 * (1 - mu0)
+        self._log_k = np.zeros_like(self.epsilon)
+        self._best = np.zeros_like(self.epsilon)
+        self.n = 0
+
+    def update(self, xt: float | np.ndarray) -> None:
+        """One unit's loss in [0, 1] (a scalar, or one per hypothesis)."""
+        w = PRIOR_WEIGHT + self.n
+        mu, var = self._s_mean / w, self._s_var / w  # predictable: from units before this one only
+        gap = self.epsilon - mu
+        bet = np.minimum(np.maximum(gap / (var + gap * gap), 0.0), self._cap)  # aGRAPA: argmax of the 2nd-order growth
+        self._log_k = self._log_k + np.log1p(bet * (self.epsilon - xt))
+        self._best = np.maximum(self._best, self._log_k)
+        self._s_var = self._s_var + (xt - mu) ** 2
+        self._s_mean = self._s_mean + xt
+        self.n += 1
+
+    @property
+    def p_value(self) -> np.ndarray:
+        return np.minimum(1.0, np.exp(-self._best))
+
+
 def _betting(x: np.ndarray, epsilon: np.ndarray) -> np.ndarray:
     """p = min(1, 1 / max_t K_t) per column: x [n, G] in the order given, epsilon [G] (or broadcastable)."""
-    n = x.shape[0]
     epsilon = np.asarray(epsilon, dtype=np.float64)
-    epsilon = np.broadcast_to(epsilon, np.broadcast_shapes(x.shape[1:], epsilon.shape)).copy()  # [G]
-    cap = BET_FRACTION / (1.0 - epsilon)
-    mu0 = epsilon / 2
-    s_mean = PRIOR_WEIGHT * mu0  # running sums with the prior folded in, [G]
-    s_var = PRIOR_WEIGHT * mu0 * (1 - mu0)
-    log_k = np.zeros_like(epsilon)
-    best = np.zeros_like(epsilon)
-    for t in range(n):
-        w = PRIOR_WEIGHT + t
-        mu, var = s_mean / w, s_var / w  # predictable: from units before t only
-        gap = epsilon - mu
-        bet = np.minimum(np.maximum(gap / (var + gap * gap), 0.0), cap)  # aGRAPA: argmax of the 2nd-order growth
-        xt = x[t]
-        log_k = log_k + np.log1p(bet * (epsilon - xt))
-        best = np.maximum(best, log_k)
-        s_var = s_var + (xt - mu) ** 2
-        s_mean = s_mean + xt
-    return np.minimum(1.0, np.exp(-best))
+    test = Betting(np.broadcast_to(epsilon, np.broadcast_shapes(x.shape[1:], epsilon.shape)))
+    for t in range(x.shape[0]):
+        test.update(x[t])
+    return test.p_value
 
 
 def pvalues(losses: np.ndarray, epsilon: float | np.ndarray, method: PValue | str = PValue.BETTING,

@@ -207,11 +207,21 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += _jetson_md(report["jetson"])
     if "audit_bench" in report:
         a = report["audit_bench"]
+        served = ""
+        if "heldout_code_as_served_request_p_value" in a:
+            served = (f" Requests as units of the certificate's own test (betting p-value of H0: mean per-request "
+                      f"rate > eps): exits as the rule decides p {a['heldout_code_request_p_value']:.3g} (bound "
+                      f"{a['heldout_code_request_bound']:.4f}); the engine as served p "
+                      f"{a['heldout_code_as_served_request_p_value']:.3g} (bound "
+                      f"{a['heldout_code_as_served_request_bound']:.4f}, rate {a['heldout_code_as_served_rate']:.4f}).")
         lines += ["## Online false-exit audit", "",
-                  f"Every served token re-decoded at full depth (bench/audit.md): held-out code {a['heldout_code_rate']:.4f} "
+                  f"Every served token audited (bench/audit.md; with deferral the engine judges its exits itself): "
+                  f"held-out code {a['heldout_code_rate']:.4f} "
                   f"false exits (fallback: {a['false_alarm']}); another domain (its tokens shuffled) "
-                  f"{a['word_salad_rate']:.4f}, fallback to full depth after {a['word_salad_fired_after']} audited "
-                  f"tokens: caught {a['caught']} (eps {a['epsilon']}).", ""]
+                  f"{a['word_salad_rate']:.4f}, "
+                  + ("no fallback" if a['word_salad_fired_after'] is None else
+                     f"fallback to full depth after {a['word_salad_fired_after']} audited tokens")
+                  + f": caught {a['caught']} (eps {a['epsilon']})." + served, ""]
     return "\n".join(lines)
 
 

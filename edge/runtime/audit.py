@@ -20,6 +20,16 @@ whatever ``fraction`` says, since those exits are not a random sample (measured 
 them false against 3% of the judged ones). The audit is then complete, not a sample, and costs a re-decode
 only per request that ends on exits.
 
+Requests as units. With every token of a request judged (the verdicts above, and its unjudged exits
+re-decoded), the request's own false-exit rate is known exactly, and requests are the units the certificate
+is about (a prompt's continuation). The host feeds each completed request's rate to the certificate's own
+test, the betting p-value of H0: mean > epsilon (:class:`calibration.pvalues.Betting`), in completion order:
+anytime-valid, so it may be read after every request. Its p-value at or under delta says that the served
+traffic's mean per-request false-exit rate is within epsilon with confidence 1 - delta, on that traffic,
+which is a certificate for the served composite (gate, drafts and all), not an estimate; it needs on the
+order of ln(1/delta)/epsilon requests (333 at eps 0.009, delta 0.05) before it can say so. It informs; the
+fallback stays on the token trigger below.
+
 Trigger. An upper bound starts at 1 (no evidence yet) and needs about ln(1/delta)/eps clean tokens
 to fall under eps (333 at eps 0.009, delta 0.05); with a true rate of half eps it crosses eps again
 every few hundred audited tokens by chance. So the fallback fires on the *lower* bound: when even
@@ -115,6 +125,11 @@ class AuditEstimate:
     fallback: bool = False
     fallback_events: int = 0
     fired_after: int | None = None  # audited tokens when the trigger last fired
+    # per-request false-exit rates of requests audited whole (every token judged), in completion order, and the
+    # certificate's own test on them (calibration.pvalues.Betting, H0: mean > epsilon; anytime-valid)
+    unit_losses: list[float] = field(default_factory=list)
+    incomplete_units: int = 0  # audited requests one of whose exits could not be judged (a re-decode dropped)
+    _units: Any = None
 
     def record(self, exit_layer: int, false_exit: bool) -> bool:
         """Add one audited token; returns True when this verdict fires the fallback."""
@@ -128,10 +143,30 @@ class AuditEstimate:
             return True
         return False
 
+    def record_unit(self, loss: float) -> None:
+        """One request audited whole: its false exits over its judged tokens (all but the first, the prefill's)."""
+        from calibration.pvalues import Betting
+
+        if self.epsilon is None:
+            return
+        if self._units is None:
+            self._units = Betting(self.epsilon)
+        self.unit_losses.append(float(loss))
+        self._units.update(float(loss))
+
+    def units(self) -> dict[str, Any]:
+        """The served traffic's test: requests, their mean false-exit rate, the p-value of H0: mean > epsilon
+        (the calibration's betting test, in completion order) and whether it is <= delta."""
+        n = len(self.unit_losses)
+        p = 1.0 if self._units is None else float(self._units.p_value[0])
+        return {"requests": n, "mean": sum(self.unit_losses) / n if n else 0.0, "p_value": p,
+                "certified": p <= self.delta, "incomplete": self.incomplete_units}
+
     def reset(self) -> None:
         """Start over (an operator's decision after re-calibrating); the event count stays."""
         self.per_exit.clear()
         self.fallback = False
+        self.unit_losses, self._units, self.incomplete_units = [], None, 0
 
     @property
     def audited(self) -> int:
@@ -161,4 +196,5 @@ class AuditEstimate:
                                  "rate": c.false / c.audited if c.audited else 0.0, "upper": up, "lower": lo}
         return {"epsilon": self.epsilon, "delta": self.delta, "trigger": self.trigger.value, "audited": n, "false": k,
                 "rate": k / n if n else 0.0, "upper": upper, "lower": lower, "fallback": self.fallback,
-                "fallback_events": self.fallback_events, "fired_after": self.fired_after, "exits": exits}
+                "fallback_events": self.fallback_events, "fired_after": self.fired_after, "exits": exits,
+                "requests": self.units()}

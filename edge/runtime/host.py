@@ -139,6 +139,13 @@ class _Live:
     sla_ttft_s: float
     sla_tpot_s: float
     audited: bool  # eligible for the audit (greedy, bounded)
+    # with the engine's verdicts, the request as a unit of the audit's per-request test: its exits, those judged
+    # (by a verdict or a re-decode) or given up on (a re-decode dropped), and the false ones among them
+    exits: int = 0
+    resolved: int = 0
+    false: int = 0
+    incomplete: bool = False
+    counted: bool = False  # its unit recorded
     engine_id: int = -1
     n_tokens: int = 0
     predicted: float | None = None  # EMA of its exit layers
@@ -157,6 +164,7 @@ class _AuditItem:
     prefix: list[int]
     token: int
     exit_layer: int
+    live: _Live | None = None  # the request it belongs to, where the request is a unit of the per-request test
 
 
 class EngineHost:
@@ -482,6 +490,8 @@ class EngineHost:
                 if self._verdicts:  # every token counts: an exit when its verdict comes (_on_verdict)
                     if ev.exit_layer >= self.num_layers:
                         self._record(ev.exit_layer, False)
+                    else:
+                        live.exits += 1
                 elif self._rng.random() < self.cfg.audit.fraction:
                     self._sample(live, ev)
             live.history.append(ev.token)
@@ -490,6 +500,7 @@ class EngineHost:
                               else EMA * ev.exit_layer + (1 - EMA) * live.predicted)
         if ev.finished:
             live.finish = "shed" if live.shed else ev.finish_reason
+            self._maybe_unit(live)
 
     def _flush(self) -> int:
         """Hand each request the tokens of this step (and its end); returns the chunks sent."""
@@ -564,14 +575,36 @@ class EngineHost:
         """The engine's verdict on one of ``live``'s exits; one it could not judge is re-decoded."""
         if v.full_token is not None:
             self._record(v.exit_layer, v.full_token != v.token)
+            self._resolve(live, v.full_token != v.token)
         else:  # its prefix: the prompt and the tokens before it (the host has them all by now)
-            self._queue_audit(_AuditItem(live.history[:len(live.req.prompt) + v.index], v.token, v.exit_layer))
+            self._queue_audit(_AuditItem(live.history[:len(live.req.prompt) + v.index], v.token, v.exit_layer, live))
 
     def _queue_audit(self, item: _AuditItem) -> None:
         if len(self._audit_queue) < self.cfg.audit.max_pending:
             self._audit_queue.append(item)
         else:
             self.audit_dropped += 1
+            if item.live is not None:
+                self._resolve(item.live, None)
+
+    def _resolve(self, live: _Live, false_exit: bool | None) -> None:
+        """One of ``live``'s exits judged (None: given up on, the request is no longer a whole unit)."""
+        live.resolved += 1
+        live.false += bool(false_exit)
+        live.incomplete |= false_exit is None
+        self._maybe_unit(live)
+
+    def _maybe_unit(self, live: _Live) -> None:
+        """A finished request whose every exit is judged: its false-exit rate over its judged tokens (all but
+        the first, which the prefill decides at full depth) is one unit of the audit's per-request test."""
+        if (not (self._verdicts and live.audited and live.finish is not None and live.resolved == live.exits)
+                or live.counted):
+            return
+        live.counted = True
+        if live.incomplete:
+            self.audit.incomplete_units += 1
+        elif live.n_tokens >= 2:
+            self.audit.record_unit(live.false / (live.n_tokens - 1))
 
     def _record(self, exit_layer: int, false_exit: bool) -> None:
         if self.audit.record(exit_layer, false_exit):
@@ -591,6 +624,8 @@ class EngineHost:
                 self._audit_inflight = False
             if ev.token >= 0:
                 self._record(item.exit_layer, ev.token != item.token)
+            if item.live is not None and ev.finished:  # its request's unit: judged, or (no token) given up on
+                self._resolve(item.live, ev.token != item.token if ev.token >= 0 else None)
 
         e.submit(Request(item.prefix, 1, mode=Mode.FULL, on_token=verdict))
 

@@ -4,7 +4,9 @@ The engine host that Triton's model.py runs (opened from the same bundle), with 
 every token (``audit.fraction`` 1; with deferral the engine judges its exits itself, and only those it
 could not judge are re-decoded): first held-out code, the distribution the table was certified
 on; then another domain, a word salad (the same held-out code with its tokens shuffled), on which
-early exits are confidently wrong more often. Requests run one at a time (the deferred-K/V table
+early exits are confidently wrong more often; then the held-out code again with the engine as the bundle
+serves it (step gate and bounded drafts on). With deferral every token of a request is judged, so each
+request is a unit of the per-request test (the certificate's betting test on the served traffic). Requests run one at a time (the deferred-K/V table
 exits only at decode batch 1), with exits as the rule decides them (the step gate and bounded drafts off:
 where checks do not pay, as on a 2-core CPU, the served engine leaves no exit to audit). Reported per run: audited tokens, false exits, rate and bounds per
 exit and pooled, and whether (and after how many audited tokens) the fallback to full depth fired.
@@ -27,7 +29,10 @@ STAGE = "bench_audit"
 @dataclass
 class BenchAuditConfig:
     run_dir: str = "artifacts/demo"
-    prompts: int = 24
+    # held-out requests (windows of the test split drawn i.i.d., as calibration draws its units): enough for the
+    # per-request test to be able to certify (it needs ~ln(1/delta)/epsilon requests, 333 at the demo's eps)
+    prompts: int = 400
+    salad_prompts: int = 48        # requests of word salad (the fallback fires within a few hundred tokens)
     prompt_tokens: int = 64
     max_tokens: int = 48
     min_tokens: int = 100          # audited tokens before the trigger may fire
@@ -35,8 +40,9 @@ class BenchAuditConfig:
     threads: int | None = None     # the bundle's when None
 
     def __post_init__(self) -> None:
-        if min(self.prompts, self.prompt_tokens, self.max_tokens, self.min_tokens) < 1:
-            raise ConfigError("bench audit: prompts, prompt_tokens, max_tokens and min_tokens must be >= 1")
+        if min(self.prompts, self.salad_prompts, self.prompt_tokens, self.max_tokens, self.min_tokens) < 1:
+            raise ConfigError("bench audit: prompts, salad_prompts, prompt_tokens, max_tokens and min_tokens must "
+                              "be >= 1")
 
 
 def word_salad(prompts: list[list[int]], seed: int) -> list[list[int]]:
@@ -45,15 +51,20 @@ def word_salad(prompts: list[list[int]], seed: int) -> list[list[int]]:
     return [[int(t) for t in rng.permutation(p)] for p in prompts]
 
 
-def audit_run(bundle: Path, prompts: list[list[int]], cfg: BenchAuditConfig, tag: str) -> dict[str, Any]:
-    """Serve ``prompts`` one at a time on a fresh host with every token audited; the audit's estimate."""
+def audit_run(bundle: Path, prompts: list[list[int]], cfg: BenchAuditConfig, tag: str,
+              as_served: bool = False) -> dict[str, Any]:
+    """Serve ``prompts`` one at a time on a fresh host with every token audited; the audit's estimate, and the
+    per-request rates of the requests audited whole (``unit_losses``, in completion order).
+
+    ``as_served``: the engine as the bundle serves (step gate and bounded drafts as recorded). Otherwise exits as
+    the rule decides them, the gate and drafts off: as served on a CPU where checks do not pay, the gate keeps
+    bounded requests at full depth and drafts take the tokens the rule would let leave, so there would be little
+    to audit (measured: 5 exits in 1,152 tokens, none on the word salad)."""
     from scheduler.serving.bundle import open_bundle
     from edge.runtime.host import GenRequest
 
-    # exits as the rule decides them: the step gate and bounded drafts off (as served on a CPU where checks do not
-    # pay, the gate keeps bounded requests at full depth and drafts take the tokens the rule would let leave, so
-    # there would be no exit to audit: measured 5 exits in 1,152 tokens, and none on the word salad)
-    host = open_bundle(bundle, threads=cfg.threads, exit_gate=False, bounded_drafts=False,
+    rule_alone = {} if as_served else {"exit_gate": False, "bounded_drafts": False}
+    host = open_bundle(bundle, threads=cfg.threads, **rule_alone,
                        audit={"fraction": 1.0, "min_tokens": cfg.min_tokens, "max_pending": 100_000, "seed": cfg.seed})
     host.start()
     t0 = time.perf_counter()
@@ -71,4 +82,5 @@ def audit_run(bundle: Path, prompts: list[list[int]], cfg: BenchAuditConfig, tag
             time.sleep(0.05)
     finally:
         host.stop()
-    return {**st, "seconds": time.perf_counter() - t0}
+    return {**st, "seconds": time.perf_counter() - t0, "unit_losses": list(host.audit.unit_losses),
+            "exits_as_served": as_served}

@@ -204,6 +204,11 @@ class _ReplicaCollector:
                                       labels=["replica"])
         fallbacks = CounterMetricFamily("smartexit_audit_fallbacks", "Times the audit forced full-depth "
                                         "fallback.", labels=["replica"])
+        units = CounterMetricFamily("smartexit_audit_requests", "Requests audited whole (every token judged): the "
+                                    "units of the per-request test.", labels=["replica"])
+        pvalue = GaugeMetricFamily("smartexit_audit_request_p_value", "p-value of H0: the served requests' mean "
+                                   "false-exit rate exceeds epsilon (the certificate's betting test; <= delta: "
+                                   "certified on this traffic).", labels=["replica"])
         for rid, stats in sorted(replicas.items()):
             audit = stats.get("audit")
             if not isinstance(audit, Mapping):
@@ -221,7 +226,11 @@ class _ReplicaCollector:
             audited.add_metric([rid], total)
             if _number(audit.get("fallback_events")):
                 fallbacks.add_metric([rid], float(audit["fallback_events"]))
-        yield from (rate, upper, audited, fallbacks)
+            req = audit.get("requests")
+            if isinstance(req, Mapping) and _number(req.get("requests")) and _number(req.get("p_value")):
+                units.add_metric([rid], float(req["requests"]))
+                pvalue.add_metric([rid], float(req["p_value"]))
+        yield from (rate, upper, audited, fallbacks, units, pvalue)
         yield from _scheduler_families(replicas)
         yield from _power_families(replicas)
 

@@ -11,45 +11,61 @@ from scheduler.loadtest.bench_audit import BenchAuditConfig, STAGE, audit_run, w
 
 
 def main(cfg: BenchAuditConfig) -> int:
-    from edge.core.data import Split, heldout_prompts, load_split
+    from edge.core.data import Split, TokenCorpus, load_split
     from edge.model.tokenizer import load_tokenizer
+    from calibration.pvalues import PValue, upper_confidence_bound
 
     t0 = time.perf_counter()
     from scheduler.serving.stack import bundle as run_bundle
 
     bundle = run_bundle(cfg.run_dir)  # ConfigError naming `smartexit repo` when there is none
     tok = load_tokenizer(bundle / "tokenizer.json")
-    code = heldout_prompts(tok, load_split(Split.TEST), cfg.prompts, cfg.prompt_tokens, cfg.seed)
+    # i.i.d. windows of the test split (document uniform, offset uniform), as calibration draws its units
+    code = [[int(t) for t in w] for w in TokenCorpus(tok, load_split(Split.TEST)).draw(cfg.prompts, cfg.prompt_tokens,
+                                                                                       cfg.seed).ids]
     runs = {"heldout_code": audit_run(bundle, code, cfg, "code"),
-            "word_salad": audit_run(bundle, word_salad(code, cfg.seed), cfg, "salad")}
+            "word_salad": audit_run(bundle, word_salad(code[:cfg.salad_prompts], cfg.seed), cfg, "salad"),
+            "heldout_code_as_served": audit_run(bundle, code, cfg, "served", as_served=True)}
     epsilon = runs["heldout_code"]["epsilon"]  # the threshold table's, as the host audits it
+    delta = runs["heldout_code"]["delta"]
+    for r in runs.values():  # the per-request test's bound at delta, from the units in completion order
+        losses = r.pop("unit_losses")
+        r["requests"]["bound"] = upper_confidence_bound(losses, delta, PValue.BETTING, seed=None) if losses else 1.0
     report = {"stage": STAGE, "config": asdict(cfg), "epsilon": epsilon, "runs": runs,
               "caught": bool(runs["word_salad"]["fallback"]), "false_alarm": bool(runs["heldout_code"]["fallback"])}
     out = Path(cfg.run_dir) / "bench"
     md = ["# Online false-exit audit: in domain vs another domain", "",
-          f"Every token of {cfg.prompts} requests ({cfg.prompt_tokens} prompt tokens, up to {cfg.max_tokens} new, "
-          f"greedy, mode bounded, exits as the rule decides them: the step gate and bounded drafts off) audited: "
+          f"Every token of {cfg.prompts} held-out requests ({cfg.salad_prompts} of word salad; {cfg.prompt_tokens} "
+          f"prompt tokens, up to {cfg.max_tokens} new, greedy, mode bounded) audited: "
           + ("an early exit by the engine's own verdict (deferral computes its skipped layers with the next token, "
              "and the last layer's head on that row), one it could not judge (the request ended first) re-decoded "
              "at full depth" if runs["heldout_code"].get("engine_verdicts") else "re-decoded at full depth")
           + f"; epsilon {epsilon} (the table's), one-sided Clopper-Pearson bounds at delta "
           f"{runs['heldout_code']['delta']}, fallback when the lower bound exceeds epsilon.", "",
           "| traffic | audited tokens | false exits | rate | lower | upper | fallback (after tokens) | per exit (audited / false) "
-          "| exits judged by the engine / re-decoded | seconds |",
-          "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: |"]
+          "| exits judged by the engine / re-decoded | requests audited whole: n, mean rate, p-value, bound | seconds |",
+          "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | --- | ---: |"]
     for name, r in runs.items():
         per = ", ".join(f"{k}: {v['audited']} / {v['false']}" for k, v in r["exits"].items())
-        vc = r.get("verdict_counts") or {}
+        vc, u = r.get("verdict_counts") or {}, r["requests"]
         md.append(f"| {name} | {r['audited']} | {r['false']} | {r['rate']:.4f} | {r['lower']:.4f} | {r['upper']:.4f} | "
                   f"{r['fallback']} ({r['fired_after']}) | {per} | {vc.get('judged', 0)} / {vc.get('unjudged', 0)} | "
-                  f"{r['seconds']:.1f} |")
+                  f"{u['requests']}, {u['mean']:.4f}, {u['p_value']:.3g}, {u['bound']:.4f}"
+                  f"{' (certified)' if u['certified'] else ''} | {r['seconds']:.1f} |")
+    md += ["", "Requests audited whole are the units of the certificate's own test (betting p-value of H0: mean "
+               "per-request false-exit rate > epsilon, in completion order, anytime-valid); its bound is the (1 - delta) "
+               "upper confidence bound on that mean. `heldout_code` and `word_salad` run exits as the rule decides "
+               "them (step gate and bounded drafts off); `heldout_code_as_served` runs the engine as the bundle "
+               "serves it: the composite the certificate is argued to cover, tested here on held-out traffic."]
     paths = {"json": out / "audit.json", "md": out / "audit.md"}
     atomic_write_text(paths["md"], "\n".join(md) + "\n")
     atomic_write_json(paths["json"], report)
     metrics = {"epsilon": epsilon, "caught": report["caught"], "false_alarm": report["false_alarm"],
                **{f"{n}_rate": r["rate"] for n, r in runs.items()},
                **{f"{n}_fired_after": r["fired_after"] for n, r in runs.items()},
-               **{f"{n}_engine_judged": (r.get("verdict_counts") or {}).get("judged", 0) for n, r in runs.items()}}
+               **{f"{n}_engine_judged": (r.get("verdict_counts") or {}).get("judged", 0) for n, r in runs.items()},
+               **{f"{n}_request_p_value": r["requests"]["p_value"] for n, r in runs.items()},
+               **{f"{n}_request_bound": r["requests"]["bound"] for n, r in runs.items()}}
     Manifest(cfg.run_dir).record(STAGE, inputs={"bundle": bundle}, config=asdict(cfg), outputs=paths,
                                  metrics=metrics, seconds=time.perf_counter() - t0)
     print("\n".join(md[4:]))

@@ -175,3 +175,53 @@ def test_no_head_row_for_requests_that_do_not_ask():
     deferred = [c for c in calls if c[0] > 1]  # decode calls carrying owed rows
     assert exited > 3 and deferred and all(r == 1 for _, r in deferred), (exited, calls)
     assert eng.verdict_counts == {"judged": 0, "false": 0, "unjudged": 0}
+
+
+def test_requests_audited_whole_feed_the_certificates_test():
+    """Each request whose every exit was judged is one unit of the per-request test: its rate is its false exits
+    over its tokens after the first, equal to a teacher-forced check of what was streamed, and the p-value is
+    the certificate's betting test on those rates in completion order."""
+    from calibration.pvalues import PValue, pvalues
+    from edge.runtime.host import GenRequest
+    from tests.unit.edge.runtime.test_host import Sink
+
+    m = _model(seed=2)
+    prompts = _prompts(8, seed=7)
+    host, sink = _audited_host(True), Sink(len(prompts))
+    try:
+        for i, p in enumerate(prompts):
+            host.submit(GenRequest(f"r{i}", p, 20), sink)
+        assert sink.done.wait(60)
+        deadline = time.monotonic() + 60
+        while host.stats()["audit"]["requests"]["requests"] < len(prompts) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        st, losses = host.stats()["audit"], list(host.audit.unit_losses)
+    finally:
+        host.stop()
+    want = []
+    for i, p in enumerate(prompts):
+        tokens = sink.tokens(f"r{i}")
+        layers = [e for c in sink.chunks[f"r{i}"] for e in c.exit_layers]
+        ref = _teacher_forced(m, p, tokens)
+        want.append(sum(t != r for t, r, e in zip(tokens, ref, layers) if e < m.backbone.cfg.num_layers) / 19)
+    assert sorted(losses) == pytest.approx(sorted(want)) and max(want) > 0  # the regime has false exits
+    units = st["requests"]
+    assert units["requests"] == 8 and units["incomplete"] == 0 and units["mean"] == pytest.approx(np.mean(want))
+    assert units["p_value"] == pytest.approx(float(pvalues(np.array(losses), 0.5, PValue.BETTING, seed=None)[0]))
+
+
+def test_the_per_request_test_needs_enough_clean_requests():
+    """At eps 0.009, delta 0.05 the betting test needs a few hundred requests without a false exit before it
+    certifies, and a server whose requests err at twice eps never gets there."""
+    from edge.runtime.audit import AuditEstimate
+
+    clean, bad = AuditEstimate(epsilon=0.009, delta=0.05), AuditEstimate(epsilon=0.009, delta=0.05)
+    for n in range(1, 1001):
+        clean.record_unit(0.0)
+        bad.record_unit(1 / 32 if n % 2 else 0.0)  # a mean of 1.6%
+        if n == 100:
+            assert not clean.units()["certified"]
+    assert clean.units()["certified"] and clean.units()["p_value"] <= 0.05
+    assert not bad.units()["certified"] and bad.units()["mean"] == pytest.approx(1 / 64)
+    clean.reset()
+    assert clean.units() == {"requests": 0, "mean": 0.0, "p_value": 1.0, "certified": False, "incomplete": 0}
