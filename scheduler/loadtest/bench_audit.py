@@ -4,12 +4,14 @@ The engine host that Triton's model.py runs (opened from the same bundle), with 
 every token (``audit.fraction`` 1; with deferral the engine judges its exits itself, and only those it
 could not judge are re-decoded): first held-out code, the distribution the table was certified
 on; then another domain, a word salad (the same held-out code with its tokens shuffled), on which
-early exits are confidently wrong more often; then the held-out code again with the engine as the bundle
-serves it (step gate and bounded drafts on). With deferral every token of a request is judged, so each
-request is a unit of the per-request test (the certificate's betting test on the served traffic). Requests run one at a time (the deferred-K/V table
-exits only at decode batch 1), with exits as the rule decides them (the step gate and bounded drafts off:
-where checks do not pay, as on a 2-core CPU, the served engine leaves no exit to audit). Reported per run: audited tokens, false exits, rate and bounds per
-exit and pooled, and whether (and after how many audited tokens) the fallback to full depth fired.
+early exits are confidently wrong more often; then the held-out code again with the engine as the
+bundle serves it (step gate and bounded drafts on). With deferral every token of a request is judged,
+so each request is a unit of the per-request test (the certificate's betting test on served traffic).
+Requests run one at a time (the deferred-K/V table exits only at decode batch 1), with exits as the rule
+decides them in the first two runs (the step gate and bounded drafts off: where checks do not pay, as
+on a 2-core CPU, the served engine leaves few exits to audit). Reported per run: audited tokens, false
+exits, rate and bounds per exit and pooled, whether (and after how many audited tokens) the fallback to
+full depth fired, and the per-request test.
 """
 from __future__ import annotations
 
@@ -32,9 +34,9 @@ class BenchAuditConfig:
     # held-out requests (windows of the test split drawn i.i.d., as calibration draws its units): enough for the
     # per-request test to be able to certify (it needs ~ln(1/delta)/epsilon requests, 333 at the demo's eps)
     prompts: int = 400
-    salad_prompts: int = 48        # requests of word salad (the fallback fires within a few hundred tokens)
+    salad_prompts: int = 48        # requests of word salad: another domain, its tokens shuffled
     prompt_tokens: int = 64
-    max_tokens: int = 48
+    max_tokens: int = 32            # new tokens per request: the certificate's unit (calibrate.new_tokens)
     min_tokens: int = 100          # audited tokens before the trigger may fire
     seed: int = 0
     threads: int | None = None     # the bundle's when None
