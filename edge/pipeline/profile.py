@@ -70,7 +70,10 @@ def main(cfg: ProfileConfig) -> int:
         sp = calibrate(cfg.run_dir, model, pool, ecfg.max_seqs, cfg.serving_runs, cfg.serving_duration_s, cfg.seed)
         paths["serving"] = out / SERVING_JSON
         report["serving"] = asdict(sp)
-        metrics.update(sp.sim_fields())
+        metrics.update({k: v for k, v in sp.sim_fields().items() if not isinstance(v, dict)})
+        rounds = (sp.decode_tokens or {}).get("1")
+        if rounds:  # the served engine's tokens per step at batch 1 (draft rounds), mean
+            metrics["decode_tokens_b1_mean"] = float(sum((i + 1) * p for i, p in enumerate(rounds)))
         metrics["serving_fit_max_rel_err"] = sp.fit["max_rel_err"]
     atomic_write_text(paths["profile_md"], render_markdown(report))
     atomic_write_json(paths["profile"], report)

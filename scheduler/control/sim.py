@@ -3,7 +3,8 @@ per-sequence exit depths, admission, driven by a fitted latency model (scheduler
 
 It follows ``Engine.step`` (edge/runtime/engine.py): each iteration admits waiting requests FCFS
 while a slot is free and fewer than ``max_running`` hold one, decodes one token for every decoding
-sequence (each leaves at an exit layer drawn from its request's exit distribution), then spends the
+sequence (each leaves at an exit layer drawn from its request's exit distribution), or several at full
+depth where the served engine's draft rounds did at that batch size (``SimConfig.decode_tokens``), then spends the
 prefill budget on prompt chunks FCFS, one sequence per call; a prompt that completes yields its
 first token (full depth). The step lasts what the latency model says for what it did, and its
 tokens are delivered at its end (the host sends a step's tokens after the step). A request that
@@ -38,6 +39,18 @@ from scheduler.control.workload import Workload
 EMA = 0.3           # the host's weight of the newest exit layer in a request's predicted depth (edge/runtime/host.py)
 RECENT = 32         # finished requests behind the recent tail latencies (the host keeps as many)
 RATE_WINDOW_S = 5.0  # arrivals counted for the recent arrival rate
+# decode batch sizes whose tokens per sequence and step are counted apart (SimConfig.decode_tokens): a round of
+# drafts pays by batch size (the engine's cost model and speculation gate decide it per batch)
+BATCH_BUCKETS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, None))
+MAX_ROUND_TOKENS = 8  # the most tokens one sequence emits in a step (a verified round: drafts + 1)
+
+
+def batch_bucket(b: int) -> str:
+    """The BATCH_BUCKETS key of a decode batch of ``b`` sequences ("1", "2", "3-4", "5-8", "9+")."""
+    for lo, hi in BATCH_BUCKETS:
+        if b >= lo and (hi is None or b <= hi):
+            return f"{lo}+" if hi is None else str(lo) if lo == hi else f"{lo}-{hi}"
+    raise ConfigError(f"sim: a decode batch of {b} sequences")
 
 
 @dataclass
@@ -140,6 +153,11 @@ class SimConfig:
     # rows exit only while the decode batch holds at most this many sequences (None: any batch): the
     # engine's defer_exit_max_batch (edge/runtime/engine.py; 1 in the shipped defer mode on CPU)
     exit_max_batch: int | None = 1
+    # tokens a decoding sequence emits per step, by decode batch (batch_bucket): probabilities of 1, 2, ...
+    # MAX_ROUND_TOKENS. The served engine drafts from the context and the corpus where a round pays (mode exact,
+    # and mode bounded with repo.bounded_drafts): an accepted round emits several full-depth tokens in one step.
+    # Measured from the served engine's step log (`smartexit profile`); None: one token per step
+    decode_tokens: dict[str, list[float]] | None = None
     # the host's online false-exit audit (edge/runtime/host.py): each early-exited token is sampled with
     # this probability and re-decoded at full depth as a one-token request over its whole prefix, one at
     # a time, admitted only when nothing waits and a slot is free; at most audit_max_pending queued
@@ -171,6 +189,13 @@ class SimConfig:
                               f"{self.audit_fraction}, {self.audit_max_pending}")
         if self.exit_max_batch is not None and self.exit_max_batch < 1:
             raise ConfigError(f"sim: exit_max_batch must be >= 1 or None, got {self.exit_max_batch}")
+        for key, probs in (self.decode_tokens or {}).items():
+            p = np.asarray(probs, np.float64)
+            if (key not in {batch_bucket(lo) for lo, _ in BATCH_BUCKETS} or p.ndim != 1
+                    or not 1 <= p.size <= MAX_ROUND_TOKENS or (p < 0).any() or abs(p.sum() - 1) > 1e-6):
+                raise ConfigError(f"sim: decode_tokens[{key!r}] must be probabilities of 1..{MAX_ROUND_TOKENS} tokens "
+                                  f"summing to 1, for a batch bucket of {[batch_bucket(lo) for lo, _ in BATCH_BUCKETS]}; "
+                                  f"got {probs!r}")
 
 
 @dataclass(eq=False)
@@ -235,6 +260,8 @@ class Simulator:
         for r in self._reqs:  # the front end serves one request at a time, in arrival order
             r.ready = free = max(r.arrival, free) + ingress
         self._audit_rng = np.random.default_rng([self.cfg.seed, 1])
+        self._round_rng = np.random.default_rng([self.cfg.seed, 2])
+        self._rounds = {k: np.cumsum(v) for k, v in (self.cfg.decode_tokens or {}).items()}
         self._audits: collections.deque[int] = collections.deque()  # queued audit prefixes' lengths
         self._audit_inflight = False
         self.audits_total = 0
@@ -338,21 +365,29 @@ class Simulator:
             self.prefilling.append(self.waiting.popleft())
         if self.cfg.audit_fraction > 0:
             self._maybe_audit()
-        # decode: one token each, at its exit layer
+        # decode: one token each, at its exit layer, or a round of several at full depth (SimConfig.decode_tokens)
         dec = self.decoding
         cost = 0.0
         limit = self.cfg.exit_max_batch
         exits = limit is None or len(dec) <= limit
+        rounds = self._rounds.get(batch_bucket(len(dec))) if dec else None
+        emitted = []
         if dec:
-            deepest, layer_rows, attn = 0, 0, 0.0
+            deepest, layer_rows, attn, rows = 0, 0, 0.0, 0
             for r in dec:
-                e = int(r.exits[r.generated]) if exits else L
-                layer_rows += e
-                attn += (r.prompt + r.generated - 1) * e
+                k = 1
+                if rounds is not None:  # the served engine's tokens per sequence and step at this batch size
+                    k = min(int(np.searchsorted(rounds, self._round_rng.random() * rounds[-1], side="right")) + 1,
+                            r.out - r.generated)
+                e = int(r.exits[r.generated]) if exits and k == 1 else L  # a round's tokens are the full model's
+                emitted.append((k, e))
+                rows += k
+                layer_rows += k * e
+                attn += k * (r.prompt + r.generated - 1) * e  # as the step log counts a round's rows
                 if e > deepest:
                     deepest = e
             calls = next(i for i, e in enumerate(ends) if e >= deepest) + 1
-            cost += (w["decode_calls"] * calls + w["decode_rows"] * len(dec)
+            cost += (w["decode_calls"] * calls + w["decode_rows"] * rows
                      + w["decode_layer_rows"] * layer_rows + w["decode_attn"] * attn / 1e3)
         # prefill: the budget over prompt chunks, FCFS
         budget, done_prefill, chunks, tokens, pattn = self.budget, [], 0, 0, 0.0
@@ -370,7 +405,8 @@ class Simulator:
         pcost = 0.0
         if chunks:
             pcost = w["prefill_calls"] * chunks + w["prefill_tokens"] * tokens + w["prefill_attn"] * pattn / 1e3
-        sent = len(dec) + sum(not r.audit for r in done_prefill)  # the host emits no chunk for an audit
+        # one chunk per sequence (all its tokens of the step); the host emits none for an audit
+        sent = len(dec) + sum(not r.audit for r in done_prefill)
         front = self._front
         while front and front[0] < self.t - FRONT_WINDOW_S:
             front.popleft()
@@ -386,12 +422,12 @@ class Simulator:
         t_deliver = self.t
         finished = []
         af = self.cfg.audit_fraction
-        for r in dec:
-            e = int(r.exits[r.generated]) if exits else L
-            r.predicted = e if r.predicted is None else (1 - EMA) * r.predicted + EMA * e
-            if af > 0 and e < L and self._audit_rng.random() < af and len(self._audits) < self.cfg.audit_max_pending:
-                self._audits.append(r.prompt + r.generated)
-            self._deliver(r, t_deliver + self._oh_tok)
+        for r, (k, e) in zip(dec, emitted):
+            for _ in range(k):
+                r.predicted = e if r.predicted is None else (1 - EMA) * r.predicted + EMA * e
+                if af > 0 and e < L and self._audit_rng.random() < af and len(self._audits) < self.cfg.audit_max_pending:
+                    self._audits.append(r.prompt + r.generated)
+                self._deliver(r, t_deliver + self._oh_tok)
             if r.generated >= r.out:
                 finished.append(r)
         for r in done_prefill:

@@ -90,9 +90,12 @@ def read_step_log(path: str | Path) -> list[dict[str, Any]]:
             continue
         try:
             rec = json.loads(line)
-            out.append({"s": float(rec["s"]) + float(rec.get("e", 0.0)), "c": int(rec["c"]),
-                        "d": [(int(a), int(b)) for a, b in rec["d"]], "p": [(int(a), int(b)) for a, b in rec["p"]],
-                        "a": int(rec.get("a", 0)), "n": int(rec.get("n", 0))})  # both 0 in logs written before them
+            d = [(int(a), int(b)) for a, b in rec["d"]]
+            out.append({"s": float(rec["s"]) + float(rec.get("e", 0.0)), "c": int(rec["c"]), "d": d,
+                        "p": [(int(a), int(b)) for a, b in rec["p"]],
+                        "a": int(rec.get("a", 0)), "n": int(rec.get("n", 0)),  # both 0 in logs written before them
+                        # tokens per decoding sequence (a row each in logs written before drafts were logged)
+                        "k": [int(x) for x in rec["k"]] if "k" in rec else [1] * len(d)})
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             if i == len(lines):
                 break  # the last line of a stack stopped mid-write
@@ -174,6 +177,28 @@ def fit_steps(latency: LatencyModel, steps: Sequence[dict[str, Any]]) -> tuple[d
                     "decode_by_recent_arrivals": by_arrivals}
 
 
+def decode_tokens(steps: Sequence[dict[str, Any]]) -> dict[str, list[float]] | None:
+    """SimConfig.decode_tokens from the served steps: per decode batch bucket, the share of decoding sequences
+    that emitted 1, 2, ... MAX_ROUND_TOKENS tokens in a step (an accepted draft round emits several); None
+    without decode steps."""
+    from scheduler.control.sim import MAX_ROUND_TOKENS, batch_bucket
+
+    counts: dict[str, np.ndarray] = {}
+    for st in steps:
+        ks = st.get("k", [1] * len(st["d"]))
+        if ks:
+            c = counts.setdefault(batch_bucket(len(ks)), np.zeros(MAX_ROUND_TOKENS))
+            for k in ks:
+                c[min(max(k, 1), MAX_ROUND_TOKENS) - 1] += 1
+    if not counts:
+        return None
+    out = {}
+    for key, c in counts.items():
+        p = c[:int(np.flatnonzero(c).max()) + 1] / c.sum()
+        out[key] = [float(x) for x in p / p.sum()]
+    return out
+
+
 def fit_serving_path(latency: LatencyModel, exits: ExitModel, base: SimConfig, runs: Sequence[Sequence[Any]],
                      budgets: int | Sequence[int], steps: Sequence[dict[str, Any]], seeds: Sequence[int] = (0, 1),
                      max_evals: int = 150) -> ServingPath:
@@ -194,6 +219,7 @@ def fit_serving_path(latency: LatencyModel, exits: ExitModel, base: SimConfig, r
     if len(budgets) != len(runs):
         raise ConfigError(f"serving path: {len(budgets)} budgets for {len(runs)} runs")
     engine, step_fit = fit_steps(latency, steps)
+    engine["decode_tokens"] = decode_tokens(steps)
     works = [_workload(r) for r in runs]
     real = [latency_stats(r) for r in runs]
     def cfg_of(x: Sequence[float]) -> SimConfig:

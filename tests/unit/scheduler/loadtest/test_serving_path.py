@@ -120,3 +120,21 @@ def test_too_few_results_are_refused():
     with pytest.raises(ConfigError, match="2 budgets for 1 runs"):
         fit_serving_path(LM, EX, SimConfig(), [_results(Workload(np.arange(10.0), np.full(10, 50), np.full(10, 8), "w"))],
                          [128, 64], [])
+
+
+def test_the_served_draft_rounds_are_counted_by_batch_size(tmp_path):
+    """The step log's ``k`` (tokens each decoding sequence emitted: several where a draft round was accepted)
+    gives, per decode batch bucket, the share of sequences that emitted 1, 2, ... tokens; a log written before
+    ``k`` counts one per row."""
+    from scheduler.loadtest.serving_path import decode_tokens
+
+    log = tmp_path / "steps.jsonl"
+    log.write_text('{"s":0.01,"e":0,"c":1,"d":[[40,12],[40,12],[40,12]],"k":[3],"p":[]}\n'
+                   '{"s":0.01,"e":0,"c":1,"d":[[41,3]],"k":[1],"p":[]}\n'
+                   '{"s":0.01,"e":0,"c":2,"d":[[40,12],[7,12],[7,12]],"k":[1,2],"p":[]}\n'
+                   '{"s":0.02,"e":0,"c":1,"d":[],"p":[[0,64]]}\n'
+                   '{"s":0.01,"e":0,"c":3,"d":[[9,3],[9,12],[9,12]],"p":[]}\n')  # before k: one per row
+    steps = read_step_log(log)
+    assert [st["k"] for st in steps] == [[3], [1], [1, 2], [], [1, 1, 1]]
+    assert decode_tokens(steps) == {"1": [0.5, 0.0, 0.5], "2": [0.5, 0.5], "3-4": [1.0]}
+    assert decode_tokens(steps[3:4]) is None
