@@ -121,38 +121,49 @@ def _audited_host(verdicts: bool, fraction: float = 0.0):
     return EngineHost(TorchBackend(_model(seed=2)), cfg, ConfidenceRule(0.3), epsilon=0.5).start()
 
 
+def _serve_audited(verdicts: bool, prompts, max_tokens: int, settled):
+    """Serve ``prompts`` on an audited host, wait until ``settled(audit stats)`` (the re-decodes run in spare
+    capacity after the requests); (the streamed chunks, the audit's stats, its per-request losses)."""
+    from edge.runtime.host import GenRequest
+    from tests.unit.edge.runtime.test_host import Sink
+
+    host, sink = _audited_host(verdicts), Sink(len(prompts))
+    try:
+        for i, p in enumerate(prompts):
+            host.submit(GenRequest(f"r{i}", p, max_tokens), sink)
+        assert sink.done.wait(60)
+        deadline = time.monotonic() + 60
+        while not settled(host.stats()["audit"]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)  # the last re-decode's verdict
+        return sink, host.stats()["audit"], list(host.audit.unit_losses)
+    finally:
+        host.stop()
+
+
+def _checked(m, prompt, sink, rid: str) -> tuple[int, int, int]:
+    """(false exits, exits, tokens) of what ``rid`` streamed, checked against the full model teacher-forced."""
+    tokens = sink.tokens(rid)
+    layers = [e for c in sink.chunks[rid] for e in c.exit_layers]
+    ref = _teacher_forced(m, prompt, tokens)
+    last = m.backbone.cfg.num_layers
+    return (sum(t != r for t, r, e in zip(tokens, ref, layers) if e < last), sum(e < last for e in layers),
+            len(tokens))
+
+
 def test_the_host_audits_every_token_from_the_engines_verdicts():
     """Served with deferral, the audit counts every token of every greedy bounded request: its false exits are
     exactly those a teacher-forced check of the streamed output finds, and only the exits the engine could not
     judge were re-decoded. With the verdicts off and no sampling, nothing is audited."""
-    from tests.unit.edge.runtime.test_host import Sink
-    from edge.runtime.host import GenRequest
-
     m = _model(seed=2)
     prompts = _prompts(6, seed=5)
     for verdicts in (True, False):
-        host, sink = _audited_host(verdicts), Sink(len(prompts))
-        try:
-            for i, p in enumerate(prompts):
-                host.submit(GenRequest(f"r{i}", p, 24), sink)
-            assert sink.done.wait(60)
-            deadline = time.monotonic() + 60
-            while host.stats()["audit"]["pending"] and time.monotonic() < deadline:  # re-decodes in spare capacity
-                time.sleep(0.02)
-            time.sleep(0.2)
-            st = host.stats()["audit"]
-        finally:
-            host.stop()
+        sink, st, _ = _serve_audited(verdicts, prompts, 24, lambda a: not a["pending"])
         if not verdicts:
             assert st["audited"] == 0 and not st["engine_verdicts"] and st["verdict_counts"]["judged"] == 0
             continue
-        false = exits = 0
-        for i, p in enumerate(prompts):
-            tokens = sink.tokens(f"r{i}")
-            layers = [e for c in sink.chunks[f"r{i}"] for e in c.exit_layers]
-            ref = _teacher_forced(m, p, tokens)
-            false += sum(t != r for t, r, e in zip(tokens, ref, layers) if e < m.backbone.cfg.num_layers)
-            exits += sum(e < m.backbone.cfg.num_layers for e in layers)
+        checked = [_checked(m, p, sink, f"r{i}") for i, p in enumerate(prompts)]
+        false, exits = sum(c[0] for c in checked), sum(c[1] for c in checked)
         counts = st["verdict_counts"]
         assert st["engine_verdicts"] and st["audited"] == 6 * 24 and st["false"] == false > 0, (st, false)
         assert counts["judged"] + counts["unjudged"] == exits and counts["unjudged"] > 0, counts
@@ -182,28 +193,11 @@ def test_requests_audited_whole_feed_the_certificates_test():
     over its tokens after the first, equal to a teacher-forced check of what was streamed, and the p-value is
     the certificate's betting test on those rates in completion order."""
     from calibration.pvalues import PValue, pvalues
-    from edge.runtime.host import GenRequest
-    from tests.unit.edge.runtime.test_host import Sink
 
     m = _model(seed=2)
     prompts = _prompts(8, seed=7)
-    host, sink = _audited_host(True), Sink(len(prompts))
-    try:
-        for i, p in enumerate(prompts):
-            host.submit(GenRequest(f"r{i}", p, 20), sink)
-        assert sink.done.wait(60)
-        deadline = time.monotonic() + 60
-        while host.stats()["audit"]["requests"]["requests"] < len(prompts) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        st, losses = host.stats()["audit"], list(host.audit.unit_losses)
-    finally:
-        host.stop()
-    want = []
-    for i, p in enumerate(prompts):
-        tokens = sink.tokens(f"r{i}")
-        layers = [e for c in sink.chunks[f"r{i}"] for e in c.exit_layers]
-        ref = _teacher_forced(m, p, tokens)
-        want.append(sum(t != r for t, r, e in zip(tokens, ref, layers) if e < m.backbone.cfg.num_layers) / 19)
+    sink, st, losses = _serve_audited(True, prompts, 20, lambda a: a["requests"]["requests"] >= len(prompts))
+    want = [f / (n - 1) for f, _, n in (_checked(m, p, sink, f"r{i}") for i, p in enumerate(prompts))]
     assert sorted(losses) == pytest.approx(sorted(want)) and max(want) > 0  # the regime has false exits
     units = st["requests"]
     assert units["requests"] == 8 and units["incomplete"] == 0 and units["mean"] == pytest.approx(np.mean(want))
