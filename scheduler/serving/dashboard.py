@@ -49,7 +49,8 @@ NO_METER_REASON = "no power meter configured (serve.power_meter is 'none')"
 # the time series, in the order of the page's columns (``t``: unix seconds, the x axis)
 SERIES = ("t", "ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p95_ms", "tpot_p99_ms",
           "requests", "sla_attainment", "goodput_rps", "tokens_per_s", "queue", "running", "prefill_budget",
-          "admission_limit", "fallback", "fallback_events", "watts", "temperature_c", "joules_per_token")
+          "admission_limit", "fallback", "fallback_events", "watts", "temperature_c", "joules_per_token",
+          "false_exit_rate", "false_exit_upper")
 
 
 def static_file(name: str) -> bytes:
@@ -141,7 +142,9 @@ class Dashboard:
     running, prefill budget, admission limit, power; temperature is the hottest device's.
     ``fallback`` is 1 while any replica's learned policy has handed control to its heuristic;
     ``fallback_events`` counts the hand-overs since the previous row. ``joules_per_token``:
-    power / tokens per second.
+    power / tokens per second. ``false_exit_rate`` / ``false_exit_upper``: the replicas' online audits
+    pooled (every token of a greedy bounded request, judged by the engine with deferral), since their start
+    or last reset, against the certificate's epsilon (``data()["audit"]``).
     """
 
     def __init__(self, metrics: ServeMetrics, exit_layers: tuple[int, ...], num_layers: int, sla_ttft_ms: float,
@@ -155,7 +158,7 @@ class Dashboard:
         self._exits: deque[tuple[float, tuple[int, ...]]] = deque(maxlen=points)  # (clock, cumulative counts)
         self._t0 = metrics.clock()
         self._fallbacks_seen: float | None = None
-        self._latest: dict[str, Any] = {"scheduler": {}, "power": self._power_status({})}
+        self._latest: dict[str, Any] = {"scheduler": {}, "power": self._power_status({}), "audit": _audit_status({})}
 
     def sample(self) -> dict[str, Any]:
         """Append one row sampled now (and refresh the policy and power status); the row."""
@@ -193,11 +196,15 @@ class Dashboard:
         row["temperature_c"] = _round(max(temps)) if temps else None
         row["joules_per_token"] = _round(watts / tps, 6) if watts is not None and tps > 0 else None
 
+        audits = {rid: s["audit"] for rid, s in sorted(replicas.items()) if isinstance(s.get("audit"), Mapping)}
+        audit = _audit_status(audits)
+        row["false_exit_rate"], row["false_exit_upper"] = _round(audit["rate"], 6), _round(audit["upper"], 6)
+
         self._rows.append(row)
         self._exits.append((now, tuple(m.exit_counts.get(layer, 0) for layer in self.layers)))
         self._latest = {"scheduler": {rid: {k: s.get(k) for k in ("policy", "active", "fallbacks", "updates")}
                                       for rid, s in sched.items()},
-                        "power": self._power_status(power)}
+                        "power": self._power_status(power), "audit": audit}
         return row
 
     def data(self, since: float | None = None) -> dict[str, Any]:
@@ -231,6 +238,24 @@ class Dashboard:
         reasons = sorted({str(p.get("reason", "")) for p in power.values() if not p.get("available")} - {""})
         return {"available": available, "reason": "; ".join(reasons) or ("" if available else "no reading yet"),
                 "meters": {rid: p.get("meter") for rid, p in power.items()}}
+
+
+def _audit_status(audits: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The replicas' online false-exit audits (edge/runtime/audit.py, the host's ``audit`` stats) pooled: audited
+    tokens, false exits, their rate and one-sided Clopper-Pearson upper bound at the audits' delta, the
+    certificate's epsilon; and per replica the per-request test (requests audited whole, their mean rate, the
+    betting p-value, whether it certifies) and whether the audit has fallen back to full depth."""
+    from edge.runtime.audit import clopper_pearson
+
+    n = int(_total(a.get("audited") for a in audits.values()) or 0)
+    k = int(_total(a.get("false") for a in audits.values()) or 0)
+    deltas = [float(a["delta"]) for a in audits.values() if _number(a.get("delta"))]
+    eps = [float(a["epsilon"]) for a in audits.values() if _number(a.get("epsilon"))]
+    upper = clopper_pearson(k, n, min(deltas))[1] if n and deltas else None
+    return {"audited": n, "false": k, "rate": k / n if n else None, "upper": upper,
+            "epsilon": min(eps) if eps else None,
+            "replicas": {rid: {"requests": a.get("requests"), "fallback": bool(a.get("fallback"))}
+                         for rid, a in audits.items()}}
 
 
 def _number(x: Any) -> bool:

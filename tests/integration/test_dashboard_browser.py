@@ -12,6 +12,7 @@ import concurrent.futures
 import http.client
 import json
 import os
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.integration
 
 KEY = "dashboard-test-key"
 TIME_CHARTS = {"chart-ttft", "chart-tpot", "chart-sla", "chart-tps", "chart-sched", "chart-queue", "chart-power",
-               "chart-energy"}
+               "chart-energy", "chart-audit"}
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +150,7 @@ def test_the_page_fills_and_moves_under_load_in_chromium(stack, browser_ready, t
             assert session.page.url.endswith("/dashboard")  # the key left the address bar
             reason = session.page.inner_text("#power-reason")
             policies = session.page.inner_text("#policies")
+            false_exits = session.page.inner_text("#false-exits")
         # playwright's sync API runs one browser per thread at a time: the screenshot's own comes after
         png = dashboard_screenshot(stack.url, tmp_path / "dashboard.png", seconds=2, api_key=KEY)
     assert session.console_errors == [] and session.failed_requests == []
@@ -160,6 +162,7 @@ def test_the_page_fills_and_moves_under_load_in_chromium(stack, browser_ready, t
     assert second["tokens_per_s"] > 0 and second["ttft_p50_ms"] > 0
     assert "serve.power_meter is 'none'" in reason
     assert "aimd" in policies
+    assert re.fullmatch(r"\d+\.\d\d% \(≤ \d+\.\d\d%\) of \d+ tokens; ε \d+\.\d\d%", false_exits), false_exits
     assert len(load.statuses) >= load.minimum and set(load.statuses) == {200}
 
     assert png.stat().st_size > 20_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -115,6 +115,11 @@
     timeChart("chart-queue", [
       { label: "waiting", key: "queue", color: C.p99, digits: 0 },
       { label: "running", key: "running", color: C.a, digits: 0 }], { y: "requests" });
+    const eps = (cols) => cols.t.map(() => (state.data.audit || {}).epsilon ?? null);
+    timeChart("chart-audit", [
+      { label: "false-exit rate", key: "false_exit_rate", color: C.p50, digits: 5 },
+      { label: "upper bound", key: "false_exit_upper", color: C.p95, digits: 5 },
+      { label: "epsilon", key: eps, color: C.sla, dash: [6, 4], width: 1, digits: 4 }], { y: "rate" });
     timeChart("chart-power", [
       { label: "power (W)", key: "watts", color: C.p95, digits: 2 },
       { label: "temperature (°C)", key: "temperature_c", color: C.p99, scale: "y2" }], { y: "W", y2: "°C" });
@@ -151,6 +156,7 @@
     $("tick").textContent = String(d.tick_s);
     renderPolicies(d.scheduler);
     renderPower(d.power, cols);
+    renderAudit(d.audit);
     const t = last(cols.t);
     $("status").textContent = `${d.replicas} replica${d.replicas === 1 ? "" : "s"}; updated ${
       t == null ? "–" : new Date(1000 * t).toLocaleTimeString()}`;
@@ -174,6 +180,31 @@
       const tr = table.insertRow();
       if (s.active !== s.policy) tr.className = "fallback";
       for (const v of [rid, s.policy, s.active === s.policy ? s.active : `${s.active} (fallback)`, s.fallbacks, s.updates]) {
+        tr.insertCell().textContent = v == null ? "–" : String(v);
+      }
+    }
+  }
+
+  function renderAudit(audit) {
+    const a = audit || {}, pct = (x) => (x == null ? "–" : `${(100 * x).toFixed(2)}%`);
+    const rows = Object.entries(a.replicas || {});
+    const fell = rows.some(([, r]) => r.fallback);
+    $("false-exits").textContent = !a.audited ? "none audited" :
+      `${pct(a.rate)} (≤ ${pct(a.upper)}) of ${a.audited} tokens; ε ${pct(a.epsilon)}${fell ? ", fell back" : ""}`;
+    $("false-exits").className = `value ${!a.audited ? "" : fell || (a.epsilon != null && a.rate > a.epsilon) ? "bad" : "ok"}`;
+    const table = $("audits");
+    table.textContent = "";
+    if (rows.length === 0) return;
+    const head = table.insertRow();
+    for (const h of ["replica", "requests audited whole", "mean rate", "p-value (H0: > ε)", "certified", "fallback"]) {
+      const th = document.createElement("th"); th.textContent = h; head.appendChild(th);
+    }
+    for (const [rid, r] of rows) {
+      const q = r.requests || {};
+      const tr = table.insertRow();
+      if (r.fallback) tr.className = "fallback";
+      for (const v of [rid, q.requests, q.requests ? pct(q.mean) : null, q.requests ? fmt(q.p_value, 3) : null,
+                       q.requests ? (q.certified ? "yes" : "not yet") : null, r.fallback ? "yes" : "no"]) {
         tr.insertCell().textContent = v == null ? "–" : String(v);
       }
     }

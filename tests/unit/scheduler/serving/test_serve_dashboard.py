@@ -134,6 +134,29 @@ def test_replica_sums_policy_fallbacks_and_the_ring_buffer():
     assert row["queue"] is None and row["fallback"] is None and d.data()["replicas"] == 0
 
 
+def test_the_audits_are_pooled_over_replicas_against_epsilon():
+    """False exits: the replicas' audited tokens and false exits summed, their rate and Clopper-Pearson upper bound
+    at the audits' delta, the certificate's epsilon; per replica its per-request test and fallback. No audit: gaps."""
+    from edge.runtime.audit import clopper_pearson
+
+    m, d = make(Clock())
+    test = {"requests": 400, "mean": 0.0, "p_value": 0.04, "certified": True, "incomplete": 0}
+    m.set_replica_stats({"a": stats(audit={"audited": 900, "false": 3, "delta": 0.05, "epsilon": 0.009,
+                                           "fallback": False, "requests": test}),
+                         "b": stats(audit={"audited": 100, "false": 1, "delta": 0.05, "epsilon": 0.009,
+                                           "fallback": True, "requests": None}),
+                         "c": stats()})
+    row = d.sample()
+    assert row["false_exit_rate"] == pytest.approx(0.004)
+    assert row["false_exit_upper"] == pytest.approx(clopper_pearson(4, 1000, 0.05)[1], abs=1e-6)
+    audit = d.data()["audit"]
+    assert (audit["audited"], audit["false"], audit["epsilon"]) == (1000, 4, 0.009)
+    assert audit["replicas"] == {"a": {"requests": test, "fallback": False}, "b": {"requests": None, "fallback": True}}
+    m.set_replica_stats({"c": stats()})
+    row = d.sample()
+    assert row["false_exit_rate"] is None and row["false_exit_upper"] is None and d.data()["audit"]["audited"] == 0
+
+
 def test_exit_layer_histogram_since_the_start_and_over_the_window():
     clock = Clock()
     m, d = make(clock)
