@@ -23,7 +23,7 @@ only per request that ends on exits.
 Requests as units. With every token of a request judged (the verdicts above, and its unjudged exits
 re-decoded), the request's own false-exit rate is known exactly, and requests are the units the certificate
 is about (a prompt's continuation). The host feeds each completed request's rate to the certificate's own
-test, the betting p-value of H0: mean > epsilon (:class:`calibration.pvalues.Betting`), in completion order:
+test, the betting p-value of H0: mean > epsilon (:class:`edge.core.betting.Betting`), in completion order:
 anytime-valid, so it may be read after every request. Its p-value at or under delta says that the served
 traffic's mean per-request false-exit rate is within epsilon with confidence 1 - delta, on that traffic,
 which is a certificate for the served composite (gate, drafts and all), not an estimate; it needs on the
@@ -49,6 +49,7 @@ from typing import Any
 
 from scipy.stats import beta as beta_dist
 
+from edge.core.betting import Betting
 from edge.core.errors import ConfigError
 
 
@@ -126,7 +127,7 @@ class AuditEstimate:
     fallback_events: int = 0
     fired_after: int | None = None  # audited tokens when the trigger last fired
     # per-request false-exit rates of requests audited whole (every token judged), in completion order, and the
-    # certificate's own test on them (calibration.pvalues.Betting, H0: mean > epsilon; anytime-valid)
+    # certificate's own test on them (edge.core.betting.Betting, H0: mean > epsilon; anytime-valid)
     unit_losses: list[float] = field(default_factory=list)
     incomplete_units: int = 0  # audited requests one of whose exits could not be judged (a re-decode dropped)
     _units: Any = None
@@ -145,8 +146,6 @@ class AuditEstimate:
 
     def record_unit(self, loss: float) -> None:
         """One request audited whole: its false exits over its judged tokens (all but the first, the prefill's)."""
-        from calibration.pvalues import Betting
-
         if self.epsilon is None:
             return
         if self._units is None:
