@@ -203,7 +203,8 @@
       const q = r.requests || {};
       const tr = table.insertRow();
       if (r.fallback) tr.className = "fallback";
-      for (const v of [rid, q.requests, q.requests ? pct(q.mean) : null, q.requests && q.p_value != null ? Number(q.p_value).toPrecision(2) : null,
+      const p = q.requests && q.p_value != null ? Number(q.p_value).toPrecision(2) : null;
+      for (const v of [rid, q.requests, q.requests ? pct(q.mean) : null, p,
                        q.requests ? (q.certified ? "yes" : "not yet") : null, r.fallback ? "yes" : "no"]) {
         tr.insertCell().textContent = v == null ? "–" : String(v);
       }
