@@ -191,7 +191,8 @@
     const fell = rows.some(([, r]) => r.fallback);
     $("false-exits").textContent = !a.audited ? "none audited" :
       `${pct(a.rate)} (≤ ${pct(a.upper)}) of ${a.audited} tokens; ε ${pct(a.epsilon)}${fell ? ", fell back" : ""}`;
-    $("false-exits").className = `value ${!a.audited ? "" : fell || (a.epsilon != null && a.rate > a.epsilon) ? "bad" : "ok"}`;
+    const over = fell || (a.epsilon != null && a.rate > a.epsilon);
+    $("false-exits").className = `value ${!a.audited ? "" : over ? "bad" : "ok"}`;
     const table = $("audits");
     table.textContent = "";
     if (rows.length === 0) return;
