@@ -71,9 +71,10 @@ def main(cfg: ProfileConfig) -> int:
         paths["serving"] = out / SERVING_JSON
         report["serving"] = asdict(sp)
         metrics.update({k: v for k, v in sp.sim_fields().items() if not isinstance(v, dict)})
-        rounds = (sp.decode_tokens or {}).get("1")
-        if rounds:  # the served engine's tokens per step at batch 1 (draft rounds), mean
-            metrics["decode_tokens_b1_mean"] = float(sum((i + 1) * p for i, p in enumerate(rounds)))
+        rounds = (sp.decode_rounds or {}).get("1")
+        if rounds:  # at batch 1: the share of a sequence's steps that were draft rounds, and its tokens per step
+            metrics["draft_round_share_b1"] = float(sum(rounds[1:]))
+            metrics["tokens_per_step_b1"] = float(rounds[0] + sum(j * p for j, p in enumerate(rounds) if j))
         metrics["serving_fit_max_rel_err"] = sp.fit["max_rel_err"]
     atomic_write_text(paths["profile_md"], render_markdown(report))
     atomic_write_json(paths["profile"], report)

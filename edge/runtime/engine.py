@@ -309,6 +309,7 @@ class Engine:
         # the full model's verdicts on greedy early exits, free with deferral (Verdict), of requests that ask
         # for them: judged, false among them, and unjudged (the request ended before the exit's layers ran)
         self.verdict_counts = {"judged": 0, "false": 0, "unjudged": 0}
+        self.round_ids: set[int] = set()  # the requests whose tokens of the last step came from a draft round
         self.waiting: list[_Seq] = []
         self.prefilling: list[_Seq] = []
         self.decoding: list[_Seq] = []
@@ -428,6 +429,7 @@ class Engine:
         the callbacks saw them."""
         self._expire()
         self._admit()
+        self.round_ids = set()
         if self.decoding:
             self._decode(list(self.decoding))
         if self.prefilling:
@@ -607,6 +609,7 @@ class Engine:
             if r is None:
                 self.plain_steps += 1
             else:
+                self.round_ids.add(s.id)
                 _, n, probs, src = r
                 self._acceptance[src].record(n, len(drafts), accepted)
                 for stats in (self.spec_stats, self.source_stats[src.value]):
@@ -657,6 +660,7 @@ class Engine:
         later)."""
         rows = len(drafts) + 1
         x = np.array([[s.tokens[-1], *drafts]], np.int64)
+        self.round_ids.add(s.id)
         t0 = time.perf_counter()
         out = self.backend.full(x, np.array([s.slot]), np.array([s.length]), rows=rows)
         self.call_costs.observe(1, rows, time.perf_counter() - t0)
@@ -819,6 +823,7 @@ class Engine:
         backend, spec, d = self.backend, self.cfg.speculative, self._draft_seg
         layer, nseg = backend.exit_layers[d], len(backend.segments)
         calibrated = spec.stop is StopRule.CALIBRATED
+        self.round_ids.update(s.id for s in seqs)
         base = [s.length for s in seqs]  # position of each sequence's newest token (not yet cached)
         # the most drafts a sequence may have verified: a round emits drafts + 1 tokens, within max_tokens,
         # and writes positions base .. base + drafts, within the cache

@@ -403,12 +403,14 @@ class EngineHost:
 
     def _log_step(self, f: Any, before: tuple[dict[int, int], list[tuple[Any, int]]], events: list[TokenEvent],
                   step_s: float, emit_s: float, chunks: int) -> None:
-        """One line: step and emit seconds, chunks sent, decode rows ``[cached positions, exit layer]``, the
-        tokens each decoding sequence emitted (``k``: one, or several where a draft round was accepted),
-        prefill chunks ``[start, tokens]`` (a prefill's first token is not a decode row)."""
+        """One line: step and emit seconds, chunks sent, decode rows ``[cached positions, exit layer]`` of the
+        sequences that took a plain step, and per decoding sequence ``k`` = [tokens emitted, 1 if they came from
+        a draft round (a verification call of its own) else 0], prefill chunks ``[start, tokens]`` (a prefill's
+        first token is not a decode row)."""
         ctx, pending = before
         decoded = [ev for ev in events if ev.request_id in ctx and ev.token != NO_TOKEN]
-        rows = [[ctx[ev.request_id], ev.exit_layer] for ev in decoded]
+        rounds = self.engine.round_ids
+        rows = [[ctx[ev.request_id], ev.exit_layer] for ev in decoded if ev.request_id not in rounds]
         per_seq = collections.Counter(ev.request_id for ev in decoded)
         pre = [[start, s.prefilled - start] for s, start in pending if s.prefilled > start]
         now = time.monotonic()
@@ -416,7 +418,8 @@ class EngineHost:
         n = len(arr)  # other threads append while this one reads: indices below a length read once
         arrived = next((k for k in range(n) if arr[n - 1 - k] < now - FRONT_WINDOW_S), n)
         f.write(json.dumps({"s": round(step_s, 7), "e": round(emit_s, 7), "c": chunks, "d": rows,
-                            "k": sorted(per_seq.values()), "p": pre, "n": len(self._live), "a": arrived},
+                            "k": sorted([n, int(rid in rounds)] for rid, n in per_seq.items()), "p": pre,
+                            "n": len(self._live), "a": arrived},
                            separators=(",", ":")) + "\n")
         if self.steps_total % 64 == 0:
             f.flush()  # a stack stopped without a graceful shutdown loses at most 64 lines

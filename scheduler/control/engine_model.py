@@ -32,9 +32,10 @@ class ServingPath:
     prefill_slowdown: float | None = None  # None: engine_slowdown (a serving.json of the one-factor fit)
     front_decode_per_arrival: float = 0.0  # SimConfig's; 0 in older files
     front_prefill_per_arrival: float = 0.0
-    # tokens per decoding sequence and step by decode batch, as the served engine's draft rounds emitted them
-    # (SimConfig.decode_tokens); None in older files: one per step
-    decode_tokens: dict[str, list[float]] | None = None
+    round_ms: float = 0.0                  # engine time per draft round (SimConfig's); 0 in older files
+    # plain steps and draft rounds per decoding sequence and step by decode batch, as the served engine did them
+    # (SimConfig.decode_rounds); None in older files: plain steps only
+    decode_rounds: dict[str, list[float]] | None = None
     rates: list[float] | None = None       # req/s of the calibration runs
     requests: int = 0
     fit: dict[str, Any] | None = None      # per run: measured and simulated percentiles, relative errors
@@ -62,9 +63,9 @@ class ServingPath:
 
 
 STEP_PARAMS = ("engine_slowdown", "prefill_slowdown", "serve_chunk_ms", "serve_chunk_sq_ms",  # from the step log
-               "front_decode_per_arrival", "front_prefill_per_arrival")
+               "front_decode_per_arrival", "front_prefill_per_arrival", "round_ms")
 OVERHEADS = ("ttft_overhead_ms", "token_overhead_ms", "ingress_ms")  # from the requests' latencies
-PARAMS = STEP_PARAMS + OVERHEADS + ("decode_tokens",)  # the last: counted in the step log, not fitted
+PARAMS = STEP_PARAMS + OVERHEADS + ("decode_rounds",)  # the last: counted in the step log, not fitted
 
 
 def exit_traces(path: str | Path) -> list[dict[str, Any]] | None:

@@ -4,7 +4,7 @@ per-sequence exit depths, admission, driven by a fitted latency model (scheduler
 It follows ``Engine.step`` (edge/runtime/engine.py): each iteration admits waiting requests FCFS
 while a slot is free and fewer than ``max_running`` hold one, decodes one token for every decoding
 sequence (each leaves at an exit layer drawn from its request's exit distribution), or several at full
-depth where the served engine's draft rounds did at that batch size (``SimConfig.decode_tokens``), then spends the
+depth where the served engine's draft rounds did at that batch size (``SimConfig.decode_rounds``), then spends the
 prefill budget on prompt chunks FCFS, one sequence per call; a prompt that completes yields its
 first token (full depth). The step lasts what the latency model says for what it did, and its
 tokens are delivered at its end (the host sends a step's tokens after the step). A request that
@@ -153,11 +153,14 @@ class SimConfig:
     # rows exit only while the decode batch holds at most this many sequences (None: any batch): the
     # engine's defer_exit_max_batch (edge/runtime/engine.py; 1 in the shipped defer mode on CPU)
     exit_max_batch: int | None = 1
-    # tokens a decoding sequence emits per step, by decode batch (batch_bucket): probabilities of 1, 2, ...
-    # MAX_ROUND_TOKENS. The served engine drafts from the context and the corpus where a round pays (mode exact,
-    # and mode bounded with repo.bounded_drafts): an accepted round emits several full-depth tokens in one step.
-    # Measured from the served engine's step log (`smartexit profile`); None: one token per step
-    decode_tokens: dict[str, list[float]] | None = None
+    # what a decoding sequence does in a step, by decode batch (batch_bucket): the probability of a plain step
+    # (one token, at its exit layer) and of a draft round emitting 1, 2, ... MAX_ROUND_TOKENS tokens at full depth
+    # ([plain, round of 1, ..., round of MAX_ROUND_TOKENS]). The served engine drafts from the context and the corpus
+    # where a round pays (mode exact, and mode bounded with repo.bounded_drafts): a round is a verification call
+    # of its own (round_ms), outside the batched step. Counted in the served engine's step log (`smartexit
+    # profile`); None: plain steps only
+    decode_rounds: dict[str, list[float]] | None = None
+    round_ms: float = 0.0  # engine time per draft round (fitted from the step log with the slowdowns)
     # the host's online false-exit audit (edge/runtime/host.py): each early-exited token is sampled with
     # this probability and re-decoded at full depth as a one-token request over its whole prefix, one at
     # a time, admitted only when nothing waits and a slot is free; at most audit_max_pending queued
@@ -189,13 +192,15 @@ class SimConfig:
                               f"{self.audit_fraction}, {self.audit_max_pending}")
         if self.exit_max_batch is not None and self.exit_max_batch < 1:
             raise ConfigError(f"sim: exit_max_batch must be >= 1 or None, got {self.exit_max_batch}")
-        for key, probs in (self.decode_tokens or {}).items():
+        for key, probs in (self.decode_rounds or {}).items():
             p = np.asarray(probs, np.float64)
             if (key not in {batch_bucket(lo) for lo, _ in BATCH_BUCKETS} or p.ndim != 1
-                    or not 1 <= p.size <= MAX_ROUND_TOKENS or (p < 0).any() or abs(p.sum() - 1) > 1e-6):
-                raise ConfigError(f"sim: decode_tokens[{key!r}] must be probabilities of 1..{MAX_ROUND_TOKENS} tokens "
-                                  f"summing to 1, for a batch bucket of {[batch_bucket(lo) for lo, _ in BATCH_BUCKETS]}; "
-                                  f"got {probs!r}")
+                    or not 1 <= p.size <= MAX_ROUND_TOKENS + 1 or (p < 0).any() or abs(p.sum() - 1) > 1e-6):
+                raise ConfigError(f"sim: decode_rounds[{key!r}] must be the probabilities of a plain step and of rounds "
+                                  f"of 1..{MAX_ROUND_TOKENS} tokens, summing to 1, for a batch bucket of "
+                                  f"{[batch_bucket(lo) for lo, _ in BATCH_BUCKETS]}; got {probs!r}")
+        if self.round_ms < 0:
+            raise ConfigError(f"sim: round_ms must be >= 0, got {self.round_ms}")
 
 
 @dataclass(eq=False)
@@ -261,7 +266,8 @@ class Simulator:
             r.ready = free = max(r.arrival, free) + ingress
         self._audit_rng = np.random.default_rng([self.cfg.seed, 1])
         self._round_rng = np.random.default_rng([self.cfg.seed, 2])
-        self._rounds = {k: np.cumsum(v) for k, v in (self.cfg.decode_tokens or {}).items()}
+        self._rounds = {k: np.cumsum(v) for k, v in (self.cfg.decode_rounds or {}).items()}
+        self._round_s = self.cfg.round_ms / 1e3
         self._audits: collections.deque[int] = collections.deque()  # queued audit prefixes' lengths
         self._audit_inflight = False
         self.audits_total = 0
@@ -365,30 +371,36 @@ class Simulator:
             self.prefilling.append(self.waiting.popleft())
         if self.cfg.audit_fraction > 0:
             self._maybe_audit()
-        # decode: one token each, at its exit layer, or a round of several at full depth (SimConfig.decode_tokens)
+        # decode: one token each, at its exit layer, in the batched step; or a draft round, a call of its own,
+        # emitting several tokens at full depth (SimConfig.decode_rounds)
         dec = self.decoding
         cost = 0.0
         limit = self.cfg.exit_max_batch
         exits = limit is None or len(dec) <= limit
         rounds = self._rounds.get(batch_bucket(len(dec))) if dec else None
-        emitted = []
+        emitted, n_rounds = [], 0
         if dec:
             deepest, layer_rows, attn, rows = 0, 0, 0.0, 0
             for r in dec:
-                k = 1
-                if rounds is not None:  # the served engine's tokens per sequence and step at this batch size
-                    k = min(int(np.searchsorted(rounds, self._round_rng.random() * rounds[-1], side="right")) + 1,
+                j = 0  # 0: a plain step; j > 0: a round emitting j tokens
+                if rounds is not None:  # what the served engine's sequences did at this batch size
+                    j = min(int(np.searchsorted(rounds, self._round_rng.random() * rounds[-1], side="right")),
                             r.out - r.generated)
-                e = int(r.exits[r.generated]) if exits and k == 1 else L  # a round's tokens are the full model's
-                emitted.append((k, e))
-                rows += k
-                layer_rows += k * e
-                attn += k * (r.prompt + r.generated - 1) * e  # as the step log counts a round's rows
+                if j:
+                    emitted.append((j, L))  # a round's tokens are the full model's
+                    n_rounds += 1
+                    continue
+                e = int(r.exits[r.generated]) if exits else L
+                emitted.append((1, e))
+                rows += 1
+                layer_rows += e
+                attn += (r.prompt + r.generated - 1) * e
                 if e > deepest:
                     deepest = e
-            calls = next(i for i, e in enumerate(ends) if e >= deepest) + 1
-            cost += (w["decode_calls"] * calls + w["decode_rows"] * rows
-                     + w["decode_layer_rows"] * layer_rows + w["decode_attn"] * attn / 1e3)
+            if rows:
+                calls = next(i for i, e in enumerate(ends) if e >= deepest) + 1
+                cost += (w["decode_calls"] * calls + w["decode_rows"] * rows
+                         + w["decode_layer_rows"] * layer_rows + w["decode_attn"] * attn / 1e3)
         # prefill: the budget over prompt chunks, FCFS
         budget, done_prefill, chunks, tokens, pattn = self.budget, [], 0, 0, 0.0
         for r in self.prefilling:
@@ -411,7 +423,8 @@ class Simulator:
         while front and front[0] < self.t - FRONT_WINDOW_S:
             front.popleft()
         a = len(front)  # as the host's step log counts them, at the step's start
-        engine = (cost + w["one"]) * (self.cfg.engine_slowdown + self._fd * a) + pcost * (self._kp + self._fp * a)
+        engine = ((cost + w["one"]) * (self.cfg.engine_slowdown + self._fd * a) + pcost * (self._kp + self._fp * a)
+                  + self._round_s * n_rounds)
         cost = engine + self._chunk * sent + self._chunk_sq * sent * sent
         self.t += cost
         self.steps_total += 1

@@ -111,10 +111,10 @@ def _real_tables(real: dict[str, Any], sla: dict[str, Any]) -> list[str]:
             f"profiled time, {o['serve_chunk_ms']:.2f} ms per chunk sent (+{o.get('serve_chunk_sq_ms') or 0:.3f} ms x "
             f"chunks^2), +{o['ttft_overhead_ms']:.1f} ms to the first "
             f"token, +{o['token_overhead_ms']:.2f} ms per later token, {o.get('ingress_ms') or 0:.2f} ms per request at the "
-            f"front end (one at a time); tokens per decoding sequence and step by decode batch (the served engine's "
-            f"draft rounds), mean: "
-            + (", ".join(f"{k}: {sum((i + 1) * p for i, p in enumerate(v)):.2f}"
-                         for k, v in (o.get("decode_tokens") or {}).items()) or "1 (not measured)")
+            f"front end (one at a time); draft rounds, {o.get('round_ms') or 0:.2f} ms each: their share of a decoding "
+            f"sequence's steps and its tokens per step, by decode batch: "
+            + (", ".join(f"{k}: {sum(v[1:]):.2f}, {v[0] + sum(j * p for j, p in enumerate(v) if j):.2f}"
+                         for k, v in (o.get("decode_rounds") or {}).items()) or "none measured")
             + f". The runs below the edge (same stack as the fixed "
             f"budget's run) give `sim_validation_max_rel_err`; at the edge the stack is at its knee and two runs of one "
             f"schedule can differ by up to 2x on 2 cores: those errors are reported apart."]

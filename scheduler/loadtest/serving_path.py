@@ -3,13 +3,17 @@ serving=true``; ``<run>/scheduler/serving.json``).
 
 The engine's latency model prices engine steps; between the engine and a client sit the Triton
 python backend's IPC and responder thread, the worker, the Ray Serve ingress and proxy, HTTP and SSE.
-On 2 cores they share the CPU, and the stub's threads share the GIL, with the engine thread. Seven
+On 2 cores they share the CPU, and the stub's threads share the GIL, with the engine thread. These
 numbers describe them for the simulator (scheduler/control/sim.py ``SimConfig``):
 
 - ``engine_slowdown``: the served decode step's time / the profiled one (decode is many short ONNX
   Runtime calls with Python between them: each takes the GIL back from the stack's threads);
 - ``prefill_slowdown``: the same for prefill (a few large calls that hold no GIL: it slows less);
 - ``serve_chunk_ms``: engine time lost per chunk handed to the serving path (the responder's work);
+- ``round_ms`` and ``decode_rounds``: the served engine's draft rounds (mode exact, and bounded requests with
+  ``repo.bounded_drafts``), each a verification call of its own outside the batched step: its cost, and per
+  decode batch how often a decoding sequence took a plain step or verified a round of 1, 2, ... tokens (the
+  step log's ``k``; without them the simulator priced one token per sequence and step);
 - ``ttft_overhead_ms`` and ``token_overhead_ms``: latency added to the first and to each later token;
 - ``ingress_ms``: the front end's time per request, one at a time: a queue ahead of the engine's whose
   delay grows with load (the engine's step log cannot see it; the requests' TTFT at two loads can).
@@ -94,8 +98,9 @@ def read_step_log(path: str | Path) -> list[dict[str, Any]]:
             out.append({"s": float(rec["s"]) + float(rec.get("e", 0.0)), "c": int(rec["c"]), "d": d,
                         "p": [(int(a), int(b)) for a, b in rec["p"]],
                         "a": int(rec.get("a", 0)), "n": int(rec.get("n", 0)),  # both 0 in logs written before them
-                        # tokens per decoding sequence (a row each in logs written before drafts were logged)
-                        "k": [int(x) for x in rec["k"]] if "k" in rec else [1] * len(d)})
+                        # per decoding sequence (tokens, 1 for a draft round): in logs written before rounds were
+                        # logged, a plain step per row
+                        "k": [(int(n), int(r)) for n, r in rec["k"]] if "k" in rec else [(1, 0)] * len(d)})
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             if i == len(lines):
                 break  # the last line of a stack stopped mid-write
@@ -104,20 +109,22 @@ def read_step_log(path: str | Path) -> list[dict[str, Any]]:
 
 
 def step_terms(latency: LatencyModel, steps: Sequence[dict[str, Any]]) -> np.ndarray:
-    """[N, 6]: each logged step's profiled decode part (with the per-step constant), its profiled
-    prefill part, the chunks it sent (in ms: the coefficients are serve_chunk_ms and _sq_ms), their
-    square, and the two profiled parts times the requests that reached the engine in the last
-    FRONT_WINDOW_S seconds (the log's ``a``; 0 in logs written before it), in STEP_PARAMS' order."""
+    """[N, 7]: each logged step's profiled decode part (with the per-step constant; the rows of its plain
+    steps), its profiled prefill part, the chunks it sent (in ms: the coefficients are serve_chunk_ms and
+    _sq_ms), their square, the two profiled parts times the requests that reached the engine in the last
+    FRONT_WINDOW_S seconds (the log's ``a``; 0 in logs written before it), and its draft rounds (in ms: each
+    a verification call of its own, round_ms), in STEP_PARAMS' order."""
     from scheduler.control.latency import FEATURES, combine, decode_features, prefill_features
 
     w = np.array([latency.coef[f] for f in FEATURES])
     pre = np.array([f.startswith("prefill_") for f in FEATURES])
-    out = np.zeros((len(steps), 6))
+    out = np.zeros((len(steps), 7))
     for i, st in enumerate(steps):
         f = combine(decode_features([e for _, e in st["d"]], [c for c, _ in st["d"]], latency.exit_layers),
                     prefill_features(st["p"], latency.num_layers)).vector()
         d, p, a = w[~pre] @ f[~pre], w[pre] @ f[pre], st.get("a", 0)
-        out[i] = (d, p, st["c"] / 1e3, st["c"] ** 2 / 1e3, d * a, p * a)
+        rounds = sum(r for _, r in st.get("k", ()))
+        out[i] = (d, p, st["c"] / 1e3, st["c"] ** 2 / 1e3, d * a, p * a, rounds / 1e3)
     return out
 
 
@@ -177,19 +184,19 @@ def fit_steps(latency: LatencyModel, steps: Sequence[dict[str, Any]]) -> tuple[d
                     "decode_by_recent_arrivals": by_arrivals}
 
 
-def decode_tokens(steps: Sequence[dict[str, Any]]) -> dict[str, list[float]] | None:
-    """SimConfig.decode_tokens from the served steps: per decode batch bucket, the share of decoding sequences
-    that emitted 1, 2, ... MAX_ROUND_TOKENS tokens in a step (an accepted draft round emits several); None
+def decode_rounds(steps: Sequence[dict[str, Any]]) -> dict[str, list[float]] | None:
+    """SimConfig.decode_rounds from the served steps: per decode batch bucket, the share of decoding sequences
+    that took a plain step, and that verified a draft round emitting 1, 2, ... MAX_ROUND_TOKENS tokens; None
     without decode steps."""
     from scheduler.control.sim import MAX_ROUND_TOKENS, batch_bucket
 
     counts: dict[str, np.ndarray] = {}
     for st in steps:
-        ks = st.get("k", [1] * len(st["d"]))
+        ks = st.get("k", [(1, 0)] * len(st["d"]))
         if ks:
-            c = counts.setdefault(batch_bucket(len(ks)), np.zeros(MAX_ROUND_TOKENS))
-            for k in ks:
-                c[min(max(k, 1), MAX_ROUND_TOKENS) - 1] += 1
+            c = counts.setdefault(batch_bucket(len(ks)), np.zeros(MAX_ROUND_TOKENS + 1))
+            for n, r in ks:
+                c[min(max(n, 1), MAX_ROUND_TOKENS) if r else 0] += 1
     if not counts:
         return None
     out = {}
@@ -219,7 +226,7 @@ def fit_serving_path(latency: LatencyModel, exits: ExitModel, base: SimConfig, r
     if len(budgets) != len(runs):
         raise ConfigError(f"serving path: {len(budgets)} budgets for {len(runs)} runs")
     engine, step_fit = fit_steps(latency, steps)
-    engine["decode_tokens"] = decode_tokens(steps)
+    engine["decode_rounds"] = decode_rounds(steps)
     works = [_workload(r) for r in runs]
     real = [latency_stats(r) for r in runs]
     def cfg_of(x: Sequence[float]) -> SimConfig:

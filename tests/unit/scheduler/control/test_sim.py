@@ -208,9 +208,9 @@ def test_the_serving_paths_cost_per_chunk_lengthens_the_step():
 
 
 def test_draft_rounds_emit_several_tokens_in_a_step():
-    """With the served engine's rounds (SimConfig.decode_tokens) a sequence decoding alone emits three tokens a
-    step: every token delivered, in a third of the steps, at full depth, and a shorter time per output token;
-    a batch size without a count decodes one token a step."""
+    """With the served engine's rounds (SimConfig.decode_rounds) a sequence decoding alone verifies a round of
+    three tokens a step: every token delivered, in a third of the steps, each round priced round_ms outside the
+    batched step, and a shorter time per output token; a batch size without a count takes plain steps."""
     from scheduler.control.sim import SimConfig, batch_bucket, simulate
     from scheduler.control.policies import FixedBudget
 
@@ -218,14 +218,16 @@ def test_draft_rounds_emit_several_tokens_in_a_step():
     w = _w([0.0, 10.0], [32, 32], [31, 31])  # one request at a time
     ex = ExitModel([3, 9, 12], [0.5, 0.0, 0.5])
     plain = simulate(lm, ex, SimConfig(), w, FixedBudget(128, 4))
-    rounds = simulate(lm, ex, SimConfig(decode_tokens={"1": [0.0, 0.0, 1.0]}), w, FixedBudget(128, 4))
-    other = simulate(lm, ex, SimConfig(decode_tokens={"2": [0.0, 0.0, 1.0]}), w, FixedBudget(128, 4))
+    rounds = simulate(lm, ex, SimConfig(decode_rounds={"1": [0.0, 0.0, 0.0, 1.0]}, round_ms=0.7), w,
+                      FixedBudget(128, 4))
+    other = simulate(lm, ex, SimConfig(decode_rounds={"2": [0.0, 0.0, 0.0, 1.0]}), w, FixedBudget(128, 4))
     assert plain.tokens_total == rounds.tokens_total == other.tokens_total == 62
     assert rounds.steps_total == 2 * (1 + 10) and plain.steps_total == other.steps_total == 2 * 31
     tpot = lambda run: np.mean([r.tpot_s for r in run.results()])
-    assert tpot(rounds) < 0.6 * tpot(plain) and tpot(other) == pytest.approx(tpot(plain))
+    assert tpot(rounds) == pytest.approx((1e-3 + 0.7e-3) / 3, rel=0.02)  # a round: the step's constant + round_ms
+    assert tpot(other) == pytest.approx(tpot(plain)) and tpot(rounds) < 0.6 * tpot(plain)
     assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 64)] == ["1", "2", "3-4", "3-4", "5-8", "5-8", "9+", "9+"]
-    with pytest.raises(ConfigError, match="decode_tokens"):
-        SimConfig(decode_tokens={"1": [0.5, 0.4]})
-    with pytest.raises(ConfigError, match="decode_tokens"):
-        SimConfig(decode_tokens={"7": [1.0]})
+    with pytest.raises(ConfigError, match="decode_rounds"):
+        SimConfig(decode_rounds={"1": [0.5, 0.4]})
+    with pytest.raises(ConfigError, match="decode_rounds"):
+        SimConfig(decode_rounds={"7": [1.0]})

@@ -38,7 +38,7 @@ def _steps(truth: dict, n: int = 400, seed: int = 0) -> list[dict]:
     T = step_terms(LM, steps)
     y = T @ np.array([truth["engine_slowdown"], truth["prefill_slowdown"], truth["serve_chunk_ms"],
                       truth.get("serve_chunk_sq_ms", 0.0), truth.get("front_decode_per_arrival", 0.0),
-                      truth.get("front_prefill_per_arrival", 0.0)])
+                      truth.get("front_prefill_per_arrival", 0.0), truth.get("round_ms", 0.0)])
     for st, v in zip(steps, y * rng.uniform(0.95, 1.05, n)):
         st["s"] = float(v)
     return steps
@@ -123,18 +123,34 @@ def test_too_few_results_are_refused():
 
 
 def test_the_served_draft_rounds_are_counted_by_batch_size(tmp_path):
-    """The step log's ``k`` (tokens each decoding sequence emitted: several where a draft round was accepted)
-    gives, per decode batch bucket, the share of sequences that emitted 1, 2, ... tokens; a log written before
-    ``k`` counts one per row."""
-    from scheduler.loadtest.serving_path import decode_tokens
+    """The step log's ``k`` (per decoding sequence: tokens emitted, 1 where they came from a draft round) gives, per
+    decode batch bucket, the share of sequences that took a plain step and that verified a round of 1, 2, ...
+    tokens; a log written before ``k`` counts a plain step per row. The rounds' own cost is a step term."""
+    from scheduler.loadtest.serving_path import decode_rounds, step_terms
 
     log = tmp_path / "steps.jsonl"
-    log.write_text('{"s":0.01,"e":0,"c":1,"d":[[40,12],[40,12],[40,12]],"k":[3],"p":[]}\n'
-                   '{"s":0.01,"e":0,"c":1,"d":[[41,3]],"k":[1],"p":[]}\n'
-                   '{"s":0.01,"e":0,"c":2,"d":[[40,12],[7,12],[7,12]],"k":[1,2],"p":[]}\n'
+    log.write_text('{"s":0.01,"e":0,"c":1,"d":[],"k":[[3,1]],"p":[]}\n'
+                   '{"s":0.01,"e":0,"c":1,"d":[[41,3]],"k":[[1,0]],"p":[]}\n'
+                   '{"s":0.01,"e":0,"c":2,"d":[[40,12]],"k":[[1,0],[2,1]],"p":[]}\n'
                    '{"s":0.02,"e":0,"c":1,"d":[],"p":[[0,64]]}\n'
-                   '{"s":0.01,"e":0,"c":3,"d":[[9,3],[9,12],[9,12]],"p":[]}\n')  # before k: one per row
+                   '{"s":0.01,"e":0,"c":3,"d":[[9,3],[9,12],[9,12]],"p":[]}\n')  # before k: a plain step per row
     steps = read_step_log(log)
-    assert [st["k"] for st in steps] == [[3], [1], [1, 2], [], [1, 1, 1]]
-    assert decode_tokens(steps) == {"1": [0.5, 0.0, 0.5], "2": [0.5, 0.5], "3-4": [1.0]}
-    assert decode_tokens(steps[3:4]) is None
+    assert [st["k"] for st in steps] == [[(3, 1)], [(1, 0)], [(1, 0), (2, 1)], [], [(1, 0)] * 3]
+    assert decode_rounds(steps) == {"1": [0.5, 0.0, 0.0, 0.5], "2": [0.5, 0.0, 0.5], "3-4": [1.0]}
+    assert decode_rounds(steps[3:4]) is None
+    assert step_terms(LM, steps)[:, 6].tolist() == [1e-3, 0.0, 1e-3, 0.0, 0.0]  # rounds, in ms
+
+
+def test_the_step_fit_prices_the_draft_rounds():
+    """Steps that verify rounds (a call of their own each) cost round_ms apiece: the fit recovers it beside the
+    slowdowns, and the chunk cost does not absorb it."""
+    rng = np.random.default_rng(3)
+    steps = _steps({"engine_slowdown": 1.2, "prefill_slowdown": 1.0, "serve_chunk_ms": 0.3}, n=600)
+    for st in steps:  # a share of each step's sequences verified rounds instead: 0.8 ms each
+        n = int(rng.integers(0, 4))
+        st["k"] = [(int(rng.integers(1, 5)), 1) for _ in range(n)]
+        st["c"] += n
+        st["s"] += n * (0.8e-3 + 0.3e-3)
+    fields, fit = fit_steps(LM, steps)
+    assert fields["round_ms"] == pytest.approx(0.8, rel=0.1) and fields["serve_chunk_ms"] == pytest.approx(0.3, rel=0.1)
+    assert fields["engine_slowdown"] == pytest.approx(1.2, rel=0.05)
