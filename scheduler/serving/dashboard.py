@@ -250,10 +250,10 @@ def _audit_status(audits: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     n = int(_total(a.get("audited") for a in audits.values()) or 0)
     k = int(_total(a.get("false") for a in audits.values()) or 0)
     deltas = [float(a["delta"]) for a in audits.values() if _number(a.get("delta"))]
-    eps = [float(a["epsilon"]) for a in audits.values() if _number(a.get("epsilon"))]
+    epsilons = [float(a["epsilon"]) for a in audits.values() if _number(a.get("epsilon"))]
     upper = clopper_pearson(k, n, min(deltas))[1] if n and deltas else None
     return {"audited": n, "false": k, "rate": k / n if n else None, "upper": upper,
-            "epsilon": min(eps) if eps else None,
+            "epsilon": min(epsilons) if epsilons else None,
             "replicas": {rid: {"requests": a.get("requests"), "fallback": bool(a.get("fallback"))}
                          for rid, a in audits.items()}}
 
