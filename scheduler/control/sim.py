@@ -39,7 +39,7 @@ from scheduler.control.workload import Workload
 EMA = 0.3           # the host's weight of the newest exit layer in a request's predicted depth (edge/runtime/host.py)
 RECENT = 32         # finished requests behind the recent tail latencies (the host keeps as many)
 RATE_WINDOW_S = 5.0  # arrivals counted for the recent arrival rate
-# decode batch sizes whose tokens per sequence and step are counted apart (SimConfig.decode_tokens): a round of
+# decode batch sizes whose plain steps and draft rounds are counted apart (SimConfig.decode_rounds): a round of
 # drafts pays by batch size (the engine's cost model and speculation gate decide it per batch)
 BATCH_BUCKETS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, None))
 MAX_ROUND_TOKENS = 8  # the most tokens one sequence emits in a step (a verified round: drafts + 1)
