@@ -579,9 +579,9 @@ class EngineHost:
 
     def _on_verdict(self, live: _Live, v: Verdict) -> None:
         """The engine's verdict on one of ``live``'s exits; one it could not judge is re-decoded."""
-        if v.full_token is not None:
-            self._record(v.exit_layer, v.full_token != v.token)
-            self._resolve(live, v.full_token != v.token)
+        if v.false_exit is not None:
+            self._record(v.exit_layer, v.false_exit)
+            self._resolve(live, v.false_exit)
         else:  # its prefix: the prompt and the tokens before it (the host has them all by now)
             self._queue_audit(_AuditItem(live.history[:len(live.req.prompt) + v.index], v.token, v.exit_layer, live))
 

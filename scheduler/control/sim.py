@@ -45,6 +45,11 @@ BATCH_BUCKETS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, None))
 MAX_ROUND_TOKENS = 8  # the most tokens one sequence emits in a step (a verified round: drafts + 1)
 
 
+def round_summary(probs: Sequence[float]) -> tuple[float, float]:
+    """(the share of draft rounds, the mean tokens per step) of one batch bucket's SimConfig.decode_rounds."""
+    return float(sum(probs[1:])), float(probs[0] + sum(j * p for j, p in enumerate(probs) if j))
+
+
 def batch_bucket(b: int) -> str:
     """The BATCH_BUCKETS key of a decode batch of ``b`` sequences ("1", "2", "3-4", "5-8", "9+")."""
     for lo, hi in BATCH_BUCKETS:

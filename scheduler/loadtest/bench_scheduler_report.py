@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from scheduler.control.evaluate import FIXED_PREFIX, cell_table
+from scheduler.control.sim import round_summary
 
 
 def _f(v: Any, d: int = 2) -> str:
@@ -113,7 +114,7 @@ def _real_tables(real: dict[str, Any], sla: dict[str, Any]) -> list[str]:
             f"token, +{o['token_overhead_ms']:.2f} ms per later token, {o.get('ingress_ms') or 0:.2f} ms per request at the "
             f"front end (one at a time); draft rounds, {o.get('round_ms') or 0:.2f} ms each: their share of a decoding "
             f"sequence's steps and its tokens per step, by decode batch: "
-            + (", ".join(f"{k}: {sum(v[1:]):.2f}, {v[0] + sum(j * p for j, p in enumerate(v) if j):.2f}"
+            + (", ".join("{}: {:.2f}, {:.2f}".format(k, *round_summary(v))
                          for k, v in (o.get("decode_rounds") or {}).items()) or "none measured")
             + f". The runs below the edge (same stack as the fixed "
             f"budget's run) give `sim_validation_max_rel_err`; at the edge the stack is at its knee and two runs of one "

@@ -199,11 +199,7 @@ def decode_rounds(steps: Sequence[dict[str, Any]]) -> dict[str, list[float]] | N
                 c[min(max(n, 1), MAX_ROUND_TOKENS) if r else 0] += 1
     if not counts:
         return None
-    out = {}
-    for key, c in counts.items():
-        p = c[:int(np.flatnonzero(c).max()) + 1] / c.sum()
-        out[key] = [float(x) for x in p / p.sum()]
-    return out
+    return {key: [float(x) for x in c[:int(np.flatnonzero(c).max()) + 1] / c.sum()] for key, c in counts.items()}
 
 
 def fit_serving_path(latency: LatencyModel, exits: ExitModel, base: SimConfig, runs: Sequence[Sequence[Any]],
