@@ -67,7 +67,8 @@ def main(cfg: ProfileConfig) -> int:
     if cfg.serving:
         del engine  # its ONNX Runtime sessions: the stack's engine gets the CPU to itself
         gc.collect()
-        sp = calibrate(cfg.run_dir, model, pool, ecfg.max_seqs, cfg.serving_runs, cfg.serving_duration_s, cfg.seed)
+        sp = calibrate(cfg.run_dir, model, pool, ecfg.max_seqs, cfg.serving_runs, cfg.serving_duration_s, cfg.seed,
+                       cfg.serving_warmup_requests)
         paths["serving"] = out / SERVING_JSON
         report["serving"] = asdict(sp)
         metrics.update({k: v for k, v in sp.sim_fields().items() if not isinstance(v, dict)})

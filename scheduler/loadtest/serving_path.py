@@ -82,15 +82,16 @@ def simulated(latency: LatencyModel, exits: ExitModel, cfg: SimConfig, w: Worklo
     return {k: float(np.mean([r[k] for r in runs if r[k] is not None] or [np.nan])) for k in runs[0]}
 
 
-def read_step_log(path: str | Path) -> list[dict[str, Any]]:
-    """The step log's lines (edge/runtime/host.py ``_log_step``). Raises ConfigError: missing or malformed."""
+def read_step_log(path: str | Path, keep: Sequence[tuple[int, int]] | None = None) -> list[dict[str, Any]]:
+    """The step log's lines (edge/runtime/host.py ``_log_step``); with ``keep``, only those whose 0-based
+    line number lies in one of its ranges [start, end). Raises ConfigError: missing or malformed."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"serving path: no step log at {path} (the served engine did not write one)")
     out = []
     lines = path.read_text().splitlines()
     for i, line in enumerate(lines, 1):
-        if not line.strip():
+        if not line.strip() or (keep is not None and not any(a < i <= b for a, b in keep)):
             continue
         try:
             rec = json.loads(line)
@@ -253,10 +254,13 @@ def fit_serving_path(latency: LatencyModel, exits: ExitModel, base: SimConfig, r
 
 
 def measure(run_dir: str | Path, runs: Sequence[tuple[int, Sequence[Any]]], max_seqs: int,
-            sla: tuple[float, float], step_log: str | Path, warmup: int = 2) -> tuple[list[list], list[dict]]:
+            sla: tuple[float, float], step_log: str | Path, warmup: int = 2,
+            warm: Sequence[Any] = ()) -> tuple[list[list], list[dict]]:
     """(the results of each open-loop schedule of ``runs``, one after another, each drained before the
     next; the served engine's steps over all of them): ``(budget, schedule)`` pairs, one stack started
-    for ``run_dir`` per run of equal budgets, its step log at ``step_log`` (replaced)."""
+    for ``run_dir`` per run of equal budgets, its step log at ``step_log`` (replaced). ``warm``: a schedule
+    served first on each stack, neither its results nor its steps kept (a served engine learns its drafts'
+    acceptance and its calls' costs as it runs: what is measured is a server that has run a while)."""
     from scheduler.loadtest.bench_serve import BenchServeConfig, http_run
     from scheduler.serving.config import ServeConfig
     from scheduler.serving.stack import free_port, serving_stack
@@ -265,6 +269,7 @@ def measure(run_dir: str | Path, runs: Sequence[tuple[int, Sequence[Any]]], max_
     step_log.unlink(missing_ok=True)
     bcfg = BenchServeConfig(run_dir=str(run_dir), sla_ttft_ms=sla[0], sla_tpot_ms=sla[1], warmup_requests=warmup)
     out: list[list] = []
+    kept: list[tuple[int, int]] = []  # the step log's lines [start, end) written by the measured runs
     i = 0
     while i < len(runs):
         budget = runs[i][0]
@@ -272,19 +277,29 @@ def measure(run_dir: str | Path, runs: Sequence[tuple[int, Sequence[Any]]], max_
                            default_sla_ttft_ms=sla[0], default_sla_tpot_ms=sla[1], step_log=str(step_log),
                            port=free_port())
         with serving_stack(run_dir, scfg, graceful=False) as url:
+            if warm:
+                asyncio.run(http_run(url, list(warm), bcfg))
+                time.sleep(0.5)  # the engine, idle, flushes its log
+            start = count_lines(step_log)
             while i < len(runs) and runs[i][0] == budget:
                 out.append(asyncio.run(http_run(url, list(runs[i][1]), bcfg)))
                 i += 1
-            time.sleep(0.5)  # the engine, idle, flushes its log
-    return out, read_step_log(step_log)
+            time.sleep(0.5)
+            kept.append((start, count_lines(step_log)))
+    return out, read_step_log(step_log, kept)
+
+
+def count_lines(path: Path) -> int:
+    """The complete lines of a step log written so far (0 before it exists)."""
+    return path.read_text().count("\n") if path.is_file() else 0
 
 
 def calibrate(run_dir: str | Path, latency: LatencyModel, pool: list[list[int]], max_seqs: int,
-              runs: Sequence[tuple[int, float]], duration_s: float, seed: int) -> ServingPath:
+              runs: Sequence[tuple[int, float]], duration_s: float, seed: int, warm_requests: int = 0) -> ServingPath:
     """Measure and fit the serving path for ``run_dir`` (``smartexit profile``): open-loop Poisson runs,
     one per ``(budget, load)`` of ``runs``, at load x the rate the engine alone holds the SLA at with
-    that budget (simulated), prompts from ``pool``; writes ``<run>/scheduler/serving.json`` and the
-    step log beside it."""
+    that budget (simulated), prompts from ``pool``, after ``warm_requests`` served at the last run's rate and
+    not measured; writes ``<run>/scheduler/serving.json`` and the step log beside it."""
     from scheduler.control.engine_model import exit_model, serving_fields
     from scheduler.control.env import EnvConfig, estimate_capacity, make_workload
     from scheduler.loadtest.loadgen import requests_of
@@ -299,12 +314,14 @@ def calibrate(run_dir: str | Path, latency: LatencyModel, pool: list[list[int]],
     rates = [f * capacity[b] for b, f in runs]
     schedules = [(b, requests_of(make_workload("poisson", r, duration_s, 7 + seed + i, env), pool, seed + 2 + i,
                                  prefix=f"cal{i}-")) for i, ((b, _), r) in enumerate(zip(runs, rates))]
+    warm = requests_of(make_workload("poisson", rates[-1], warm_requests / rates[-1], 5 + seed, env), pool,
+                       seed + 1, prefix="warm-") if warm_requests else []
     print("profile: the serving path: open-loop runs at " + ", ".join(
         f"{r:.2f} req/s, budget {b} ({len(s)} requests)" for (b, s), r in zip(schedules, rates))
-        + "; the engine alone holds the SLA to " + ", ".join(f"{v:.2f} (budget {b})" for b, v in capacity.items()),
-        flush=True)
+        + "; the engine alone holds the SLA to " + ", ".join(f"{v:.2f} (budget {b})" for b, v in capacity.items())
+        + (f"; first {len(warm)} requests to warm the stack, not measured" if warm else ""), flush=True)
     results, steps = measure(run, schedules, max_seqs, (base.sla_ttft_ms, base.sla_tpot_ms),
-                             run / "scheduler" / STEP_LOG)
+                             run / "scheduler" / STEP_LOG, warm=warm)
     sp = fit_serving_path(latency, exits, base, results, [b for b, _ in runs], steps)
     sp.save(run / "scheduler" / SERVING_JSON)
     st = sp.fit["steps"]

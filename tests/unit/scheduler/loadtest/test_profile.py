@@ -130,7 +130,8 @@ def test_config_validation_names_the_field():
     for kw, word in [(dict(holdout=1.0), "holdout"), (dict(threads=0), "threads"), (dict(budgets=[]), "budgets"),
                      (dict(warmup_steps=-1), "warmup_steps"), (dict(steps_per_scenario=0), "steps_per_scenario"),
                      (dict(serving_runs=[[512]]), "serving_runs"), (dict(serving_runs=[[512, 3.0]]), "serving_runs"),
-                     (dict(serving_runs=[]), "serving_runs"), (dict(serving_duration_s=0), "serving_duration_s")]:
+                     (dict(serving_runs=[]), "serving_runs"), (dict(serving_duration_s=0), "serving_duration_s"),
+                     (dict(serving_warmup_requests=-1), "serving_warmup_requests")]:
         with pytest.raises(ConfigError, match=word):
             ProfileConfig(**kw)
     with pytest.raises(ConfigError, match="full_share"):

@@ -154,3 +154,16 @@ def test_the_step_fit_prices_the_draft_rounds():
     fields, fit = fit_steps(LM, steps)
     assert fields["round_ms"] == pytest.approx(0.8, rel=0.1) and fields["serve_chunk_ms"] == pytest.approx(0.3, rel=0.1)
     assert fields["engine_slowdown"] == pytest.approx(1.2, rel=0.05)
+
+
+def test_the_step_log_is_read_within_the_runs_kept(tmp_path):
+    """A log that also holds a warm-up's (or other runs') steps: only the lines of the ranges kept are read,
+    [start, end) by 0-based line number, and count_lines counts what a range is made of."""
+    from scheduler.loadtest.serving_path import count_lines
+
+    log = tmp_path / "steps.jsonl"
+    assert count_lines(log) == 0
+    log.write_text("".join(f'{{"s":0.0{i},"e":0,"c":1,"d":[[40,12]],"p":[]}}\n' for i in range(1, 7)))
+    assert count_lines(log) == 6
+    assert [st["s"] for st in read_step_log(log, [(1, 3), (5, 6)])] == pytest.approx([0.02, 0.03, 0.06])
+    assert len(read_step_log(log, [])) == 0 and len(read_step_log(log)) == 6
