@@ -33,6 +33,7 @@ class ServingPath:
     front_decode_per_arrival: float = 0.0  # SimConfig's; 0 in older files
     front_prefill_per_arrival: float = 0.0
     round_ms: float = 0.0                  # engine time per draft round (SimConfig's); 0 in older files
+    round_ms_by_batch: dict[str, float] | None = None  # the same per decode batch bucket (SimConfig's); None: older
     # plain steps and draft rounds per decoding sequence and step by decode batch, as the served engine did them
     # (SimConfig.decode_rounds); None in older files: plain steps only
     decode_rounds: dict[str, list[float]] | None = None
@@ -65,7 +66,8 @@ class ServingPath:
 STEP_PARAMS = ("engine_slowdown", "prefill_slowdown", "serve_chunk_ms", "serve_chunk_sq_ms",  # from the step log
                "front_decode_per_arrival", "front_prefill_per_arrival", "round_ms")
 OVERHEADS = ("ttft_overhead_ms", "token_overhead_ms", "ingress_ms")  # from the requests' latencies
-PARAMS = STEP_PARAMS + OVERHEADS + ("decode_rounds",)  # the last: counted in the step log, not fitted
+# the last two: counted in the step log, and the round price per batch bucket (fitted with STEP_PARAMS)
+PARAMS = STEP_PARAMS + OVERHEADS + ("decode_rounds", "round_ms_by_batch")
 
 
 def exit_traces(path: str | Path) -> list[dict[str, Any]] | None:

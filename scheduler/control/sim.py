@@ -166,6 +166,11 @@ class SimConfig:
     # profile`); None: plain steps only
     decode_rounds: dict[str, list[float]] | None = None
     round_ms: float = 0.0  # engine time per draft round (fitted from the step log with the slowdowns)
+    # the same per decode batch bucket where the step log measured rounds (round_ms elsewhere): at batch 2 the
+    # ONNX backend verifies both sequences' drafts in one call (its verify graph), above it one call per round,
+    # and each call's cost grows with its batch's context; one price for all batches put two rounds at batch 2
+    # at 1.35x the served step (2026-12-05)
+    round_ms_by_batch: dict[str, float] | None = None
     # the host's online false-exit audit (edge/runtime/host.py): each early-exited token is sampled with
     # this probability and re-decoded at full depth as a one-token request over its whole prefix, one at
     # a time, admitted only when nothing waits and a slot is free; at most audit_max_pending queued
@@ -204,8 +209,11 @@ class SimConfig:
                 raise ConfigError(f"sim: decode_rounds[{key!r}] must be the probabilities of a plain step and of rounds "
                                   f"of 1..{MAX_ROUND_TOKENS} tokens, summing to 1, for a batch bucket of "
                                   f"{[batch_bucket(lo) for lo, _ in BATCH_BUCKETS]}; got {probs!r}")
-        if self.round_ms < 0:
-            raise ConfigError(f"sim: round_ms must be >= 0, got {self.round_ms}")
+        by = self.round_ms_by_batch or {}
+        if self.round_ms < 0 or any(v < 0 for v in by.values()) \
+                or not set(by) <= {batch_bucket(lo) for lo, _ in BATCH_BUCKETS}:
+            raise ConfigError(f"sim: round_ms and round_ms_by_batch's values must be >= 0, the latter's keys batch "
+                              f"buckets of {[batch_bucket(lo) for lo, _ in BATCH_BUCKETS]}; got {self.round_ms}, {by}")
 
 
 @dataclass(eq=False)
@@ -273,6 +281,7 @@ class Simulator:
         self._round_rng = np.random.default_rng([self.cfg.seed, 2])
         self._rounds = {k: np.cumsum(v) for k, v in (self.cfg.decode_rounds or {}).items()}
         self._round_s = self.cfg.round_ms / 1e3
+        self._round_s_by = {k: v / 1e3 for k, v in (self.cfg.round_ms_by_batch or {}).items()}
         self._audits: collections.deque[int] = collections.deque()  # queued audit prefixes' lengths
         self._audit_inflight = False
         self.audits_total = 0
@@ -382,7 +391,8 @@ class Simulator:
         cost = 0.0
         limit = self.cfg.exit_max_batch
         exits = limit is None or len(dec) <= limit
-        rounds = self._rounds.get(batch_bucket(len(dec))) if dec else None
+        bucket = batch_bucket(len(dec)) if dec else None
+        rounds = self._rounds.get(bucket) if dec else None
         emitted, n_rounds = [], 0
         if dec:
             deepest, layer_rows, attn, rows = 0, 0, 0.0, 0
@@ -429,7 +439,7 @@ class Simulator:
             front.popleft()
         a = len(front)  # as the host's step log counts them, at the step's start
         engine = ((cost + w["one"]) * (self.cfg.engine_slowdown + self._fd * a) + pcost * (self._kp + self._fp * a)
-                  + self._round_s * n_rounds)
+                  + self._round_s_by.get(bucket, self._round_s) * n_rounds)
         cost = engine + self._chunk * sent + self._chunk_sq * sent * sent
         self.t += cost
         self.steps_total += 1

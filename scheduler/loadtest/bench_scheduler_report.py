@@ -112,7 +112,9 @@ def _real_tables(real: dict[str, Any], sla: dict[str, Any]) -> list[str]:
             f"profiled time, {o['serve_chunk_ms']:.2f} ms per chunk sent (+{o.get('serve_chunk_sq_ms') or 0:.3f} ms x "
             f"chunks^2), +{o['ttft_overhead_ms']:.1f} ms to the first "
             f"token, +{o['token_overhead_ms']:.2f} ms per later token, {o.get('ingress_ms') or 0:.2f} ms per request at the "
-            f"front end (one at a time); draft rounds, {o.get('round_ms') or 0:.2f} ms each: their share of a decoding "
+            f"front end (one at a time); draft rounds, {o.get('round_ms') or 0:.2f} ms each on average ("
+            + (", ".join(f"batch {k}: {v:.2f}" for k, v in (o.get("round_ms_by_batch") or {}).items())
+               or "one price for every batch") + "): their share of a decoding "
             f"sequence's steps and its tokens per step, by decode batch: "
             + (", ".join("{}: {:.2f}, {:.2f}".format(k, *round_summary(v))
                          for k, v in (o.get("decode_rounds") or {}).items()) or "none measured")
@@ -126,16 +128,25 @@ def _real_tables(real: dict[str, Any], sla: dict[str, Any]) -> list[str]:
                 + " (|a - b| / their mean): no simulator can be closer to one run than the runs are to each other."]
     noise = real.get("noise_check")
     if noise:
+        lv0 = noise["levels"][0]
+        starts = lv0.get("starts", 1)
         out += ["", "The simulator against the served stack's own noise (each load's schedule served "
-                f"{noise['levels'][0]['runs']} times, interleaved with the other loads): the served runs' spread (median "
-                "over pairs of |a - b| / their mean), the simulator's error (the same between a run and its replay, "
-                "median over the runs) and their ratio (goal <= 1.5: the simulator about as close to a run as another "
-                f"run is). Largest ratio: {_f(noise['max_ratio'], 2)}.", "",
-                "| share of the edge | metric | served spread | sim error | ratio |", "| ---: | --- | ---: | ---: | ---: |"]
+                f"{lv0['runs']} times, interleaved with the other loads, on {starts} start"
+                f"{'s' if starts > 1 else ''} of the stack): the served runs' spread (median over pairs of |a - b| / "
+                "their mean), the simulator's error (the same between a run and its replay, median over the runs) and "
+                "their ratio (goal <= 1.5: the simulator about as close to a run as another run is). The simulator's "
+                "serving path was fitted on the profile's stack, another start, so the ratio reads the spread between "
+                "runs on different starts where there are such pairs; the spread between runs on one start, and the "
+                f"ratio against it, beside it. Largest ratio: {_f(noise['max_ratio'], 2)} (against runs on one "
+                f"stack: {_f(noise.get('max_ratio_one_stack'), 2)}).", "",
+                "| share of the edge | metric | spread across starts | spread on one stack | sim error | ratio | "
+                "ratio vs one stack |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
         for lv in noise["levels"]:
+            across, one = lv.get("served_spread_across_starts") or {}, lv.get("served_spread_one_stack") or {}
             for k in lv["ratio"]:
-                out.append(f"| x{lv['share_of_edge']:g} | {k} | {_f(lv['served_spread'][k], 3)} | "
-                           f"{_f(lv['sim_error'][k], 3)} | {_f(lv['ratio'][k], 2)} |")
+                out.append(f"| x{lv['share_of_edge']:g} | {k} | {_f(across.get(k), 3)} | {_f(one.get(k), 3)} | "
+                           f"{_f(lv['sim_error'][k], 3)} | {_f(lv['ratio'][k], 2)} | "
+                           f"{_f((lv.get('ratio_one_stack') or {}).get(k), 2)} |")
     check = real.get("sla_check")
     if check:
         p95 = "; ".join(f"TTFT {_f(r['ttft_p95_ms'], 1)} ms, TPOT {_f(r['tpot_p95_ms'], 1)} ms, {r['errors']} refused"

@@ -57,8 +57,10 @@ def render_serving(sp: dict[str, Any]) -> list[str]:
              f"{st['profiled_total_ratio']:.3f} of the served engine time, the fit {st['total_ratio']:.3f}; step "
              f"error median {st['rel_err_median']:.3f}, p90 {st['rel_err_p90']:.3f}. Overheads: "
              f"+{sp['ttft_overhead_ms']:.1f} ms to the first token, +{sp['token_overhead_ms']:.2f} ms per later token; "
-             f"front end {sp.get('ingress_ms') or 0:.2f} ms per request, one at a time.",
-             "", "| decode batch (no prefill) | steps | served ms | fitted ms | profiled ms |", "|---|---|---|---|---|"]
+             f"front end {sp.get('ingress_ms') or 0:.2f} ms per request, one at a time. Draft rounds (verification calls "
+             f"outside the batched step): {sp.get('round_ms') or 0:.2f} ms each on average"
+             + "".join(f"; batch {k}: {v:.2f} ms" for k, v in (sp.get("round_ms_by_batch") or {}).items()) + ".",
+             "", "| decoding sequences (no prefill) | steps | served ms | fitted ms | profiled ms |", "|---|---|---|---|---|"]
     lines += [f"| {b} | {v['steps']} | {v['measured_ms']:.2f} | {v['fitted_ms']:.2f} | {v['profiled_ms']:.2f} |"
               for b, v in st["decode_batches"].items()]
     if st.get("decode_by_recent_arrivals"):

@@ -10,8 +10,9 @@ numbers describe them for the simulator (scheduler/control/sim.py ``SimConfig``)
   Runtime calls with Python between them: each takes the GIL back from the stack's threads);
 - ``prefill_slowdown``: the same for prefill (a few large calls that hold no GIL: it slows less);
 - ``serve_chunk_ms``: engine time lost per chunk handed to the serving path (the responder's work);
-- ``round_ms`` and ``decode_rounds``: the served engine's draft rounds (mode exact, and bounded requests with
-  ``repo.bounded_drafts``), each a verification call of its own outside the batched step: its cost, and per
+- ``round_ms_by_batch`` (``round_ms``: their mean) and ``decode_rounds``: the served engine's draft rounds (mode
+  exact, and bounded requests with ``repo.bounded_drafts``), verification calls outside the batched step: their
+  cost per decode batch bucket, and per
   decode batch how often a decoding sequence took a plain step or verified a round of 1, 2, ... tokens (the
   step log's ``k``; without them the simulator priced one token per sequence and step);
 - ``ttft_overhead_ms`` and ``token_overhead_ms``: latency added to the first and to each later token;
@@ -110,22 +111,27 @@ def read_step_log(path: str | Path, keep: Sequence[tuple[int, int]] | None = Non
 
 
 def step_terms(latency: LatencyModel, steps: Sequence[dict[str, Any]]) -> np.ndarray:
-    """[N, 7]: each logged step's profiled decode part (with the per-step constant; the rows of its plain
-    steps), its profiled prefill part, the chunks it sent (in ms: the coefficients are serve_chunk_ms and
-    _sq_ms), their square, the two profiled parts times the requests that reached the engine in the last
-    FRONT_WINDOW_S seconds (the log's ``a``; 0 in logs written before it), and its draft rounds (in ms: each
-    a verification call of its own, round_ms), in STEP_PARAMS' order."""
+    """[N, 6 + len(BATCH_BUCKETS)]: each logged step's profiled decode part (with the per-step constant; the rows
+    of its plain steps), its profiled prefill part, the chunks it sent (in ms: the coefficients are serve_chunk_ms
+    and _sq_ms), their square, the two profiled parts times the requests that reached the engine in the last
+    FRONT_WINDOW_S seconds (the log's ``a``; 0 in logs written before it), in STEP_PARAMS' order, then its draft
+    rounds (in ms: verification calls outside the batched step) in the column of its decode batch's bucket
+    (scheduler/control/sim.py BATCH_BUCKETS: round_ms_by_batch)."""
     from scheduler.control.latency import FEATURES, combine, decode_features, prefill_features
+    from scheduler.control.sim import BATCH_BUCKETS, batch_bucket
 
     w = np.array([latency.coef[f] for f in FEATURES])
     pre = np.array([f.startswith("prefill_") for f in FEATURES])
-    out = np.zeros((len(steps), 7))
+    keys = [batch_bucket(lo) for lo, _ in BATCH_BUCKETS]
+    out = np.zeros((len(steps), 6 + len(keys)))
     for i, st in enumerate(steps):
         f = combine(decode_features([e for _, e in st["d"]], [c for c, _ in st["d"]], latency.exit_layers),
                     prefill_features(st["p"], latency.num_layers)).vector()
         d, p, a = w[~pre] @ f[~pre], w[pre] @ f[pre], st.get("a", 0)
+        out[i, :6] = (d, p, st["c"] / 1e3, st["c"] ** 2 / 1e3, d * a, p * a)
         rounds = sum(r for _, r in st.get("k", ()))
-        out[i] = (d, p, st["c"] / 1e3, st["c"] ** 2 / 1e3, d * a, p * a, rounds / 1e3)
+        if rounds:
+            out[i, 6 + keys.index(batch_bucket(len(st["k"])))] = rounds / 1e3
     return out
 
 
@@ -142,9 +148,13 @@ def fit_steps(latency: LatencyModel, steps: Sequence[dict[str, Any]]) -> tuple[d
     """
     from scipy.optimize import nnls
 
+    from scheduler.control.sim import BATCH_BUCKETS, batch_bucket
+
     T = step_terms(latency, steps)
     y = np.array([st["s"] for st in steps])
-    busy = (T[:, 0] + T[:, 1]) > 0
+    # a step that only verified rounds has no profiled part but is engine work (before 2026-12-05 such steps,
+    # most of a lone sequence's, were left out, and round_ms came from the steps that mixed both)
+    busy = (T[:, 0] + T[:, 1] + T[:, 6:].sum(axis=1)) > 0
     T, y = T[busy], y[busy]
     if len(y) < MIN_STEPS:
         raise ConfigError(f"serving path: {len(y)} busy steps in the step log, at least {MIN_STEPS} needed")
@@ -158,7 +168,12 @@ def fit_steps(latency: LatencyModel, steps: Sequence[dict[str, Any]]) -> tuple[d
     coef[0] += 1.0
     if coef[1] == 0:  # no prefill in the log: prefill as decode
         coef[1] = coef[0]
-    fields = dict(zip(STEP_PARAMS, map(float, coef)))
+    fields: dict[str, Any] = dict(zip(STEP_PARAMS[:6], map(float, coef[:6])))
+    keys = [batch_bucket(lo) for lo, _ in BATCH_BUCKETS]
+    counts = T[:, 6:].sum(axis=0)  # rounds per bucket (/1e3)
+    fields["round_ms_by_batch"] = {k: float(c) for k, c, n in zip(keys, coef[6:], counts) if n > 0} or None
+    # one price for files and readers that know no buckets: the rounds' mean
+    fields["round_ms"] = float(coef[6:] @ counts / counts.sum()) if counts.sum() > 0 else 0.0
     pred = T @ coef
     rel = np.abs(pred - y) / np.maximum(y, 1e-9)
     kept = [st for st, b in zip(steps, busy) if b]
@@ -175,7 +190,8 @@ def fit_steps(latency: LatencyModel, steps: Sequence[dict[str, Any]]) -> tuple[d
                     "fitted_ms": float(pred[m].mean() * 1e3), "profiled_ms": float(T[m, 0].mean() * 1e3)}
         return out
 
-    batches = buckets(np.array([len(st["d"]) for st in kept]), (1, 2, 4, 8))
+    # by decoding sequences, those that verified rounds too (steps without ``k``: their plain rows)
+    batches = buckets(np.array([len(st.get("k", st["d"])) for st in kept]), (1, 2, 4, 8))
     # by the requests that reached the engine in the last FRONT_WINDOW_S seconds
     by_arrivals = buckets(np.array([st.get("a", 0) for st in kept]), (0, 3, 6, 10))
     return fields, {"steps": int(len(y)), "rel_err_median": float(np.median(rel)),

@@ -225,6 +225,14 @@ def test_draft_rounds_emit_several_tokens_in_a_step():
     assert rounds.steps_total == 2 * (1 + 10) and plain.steps_total == other.steps_total == 2 * 31
     tpot = lambda run: np.mean([r.tpot_s for r in run.results()])
     assert tpot(rounds) == pytest.approx((1e-3 + 0.7e-3) / 3, rel=0.02)  # a round: the step's constant + round_ms
+    # a price for the batch's bucket, where the step log measured one, overrides round_ms; another bucket's does not
+    by = simulate(lm, ex, SimConfig(decode_rounds={"1": [0.0, 0.0, 0.0, 1.0]}, round_ms=0.7,
+                                    round_ms_by_batch={"1": 0.4, "2": 3.0}), w, FixedBudget(128, 4))
+    assert tpot(by) == pytest.approx((1e-3 + 0.4e-3) / 3, rel=0.02)
+    with pytest.raises(ConfigError, match="round_ms_by_batch"):
+        SimConfig(round_ms_by_batch={"7": 1.0})
+    with pytest.raises(ConfigError, match="round_ms_by_batch"):
+        SimConfig(round_ms_by_batch={"1": -1.0})
     assert tpot(other) == pytest.approx(tpot(plain)) and tpot(rounds) < 0.6 * tpot(plain)
     assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 64)] == ["1", "2", "3-4", "3-4", "5-8", "5-8", "9+", "9+"]
     with pytest.raises(ConfigError, match="decode_rounds"):

@@ -3,6 +3,7 @@ the simulator's error against the served stack's own repeat spread, per load, an
 the SLA edge. The served runs themselves run in `make demo` (they need the stack)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from edge.core.errors import ConfigError
@@ -10,8 +11,8 @@ from scheduler.loadtest.bench_scheduler import VALIDATED, BenchSchedulerConfig, 
 from scheduler.loadtest.bench_scheduler_report import _real_tables
 
 
-def _val(share: float, measured: float, simulated: float) -> dict:
-    return {"share_of_edge": share, "rate_rps": share * 4.0, "policy": "fixed-128",
+def _val(share: float, measured: float, simulated: float, stack: int = 0) -> dict:
+    return {"share_of_edge": share, "rate_rps": share * 4.0, "policy": "fixed-128", "stack": stack,
             "measured": {k: measured for k in VALIDATED}, "simulated": {k: simulated for k in VALIDATED},
             "rel_err": {k: abs(simulated - measured) / measured for k in VALIDATED}, "max_rel_err": 0.0}
 
@@ -28,6 +29,27 @@ def test_the_simulators_error_is_judged_against_the_served_runs_own_spread():
     assert lo["max_ratio"] < 1.0  # as close to each run as the runs are to each other
     assert hi["ratio"]["tpot_p95_ms"] == pytest.approx(((100 / 250 + 98 / 251) / 2) / (2 / 201))
     assert out["max_ratio"] == pytest.approx(hi["max_ratio"]) and out["max_ratio"] > 1.5  # a far simulator fails
+
+
+def test_the_spread_is_read_across_stack_starts_where_runs_span_them():
+    """Three runs at one load: two on the first stack (100 and 101 ms: 1% apart) and one on a stack of its own
+    (120 ms). The simulator, fitted on another start, at 110: judged against the runs on different starts (pairs
+    100/120 and 101/120), and against the one-stack pair beside it, which no model fitted elsewhere could meet."""
+    runs = [_val(0.8, 100.0, 110.0, 0), _val(0.8, 101.0, 110.0, 0), _val(0.8, 120.0, 110.0, 1)]
+    out = noise_check(runs)
+    lv = out["levels"][0]
+    across = float(np.median([20 / 110, 19 / 110.5]))
+    assert lv["starts"] == 2 and out["spread"] == "across starts"
+    assert lv["served_spread"]["ttft_p50_ms"] == pytest.approx(across)
+    assert lv["served_spread_across_starts"]["ttft_p50_ms"] == pytest.approx(across)
+    assert lv["served_spread_one_stack"]["ttft_p50_ms"] == pytest.approx(1 / 100.5)
+    err = float(np.median([10 / 105, 9 / 105.5, 10 / 115]))
+    assert lv["ratio"]["ttft_p50_ms"] == pytest.approx(err / across) and out["max_ratio"] < 1.5
+    assert out["max_ratio_one_stack"] == pytest.approx(err / (1 / 100.5)) and out["max_ratio_one_stack"] > 1.5
+    # one stack only: the one-stack spread is the spread, as before
+    one = noise_check([_val(0.8, 100.0, 110.0), _val(0.8, 101.0, 110.0)])
+    assert one["spread"] == "one stack" and one["levels"][0]["served_spread_across_starts"] is None
+    assert one["max_ratio"] == pytest.approx(one["max_ratio_one_stack"])
 
 
 def test_without_a_repeat_or_with_a_zero_spread_there_is_no_ratio():
@@ -55,6 +77,8 @@ def test_the_sla_check_needs_every_run_within_the_sla():
 def test_the_check_load_must_be_served():
     with pytest.raises(ConfigError, match="sla_check_share 0.8 must be one of the validation_loads"):
         BenchSchedulerConfig(validation_loads=[0.5, 0.6])
+    with pytest.raises(ConfigError, match="validation_fresh_stacks"):  # at least one repeat on the edge's stack
+        BenchSchedulerConfig(validation_repeats=2, validation_fresh_stacks=2)
     assert BenchSchedulerConfig().sla_check_share in BenchSchedulerConfig().validation_loads
 
 
@@ -75,7 +99,7 @@ def test_the_summary_and_the_report_carry_both_checks():
     assert s["p95_within_sla_at_0_8_edge"] is False
     md = "\n".join(_real_tables(real, {"sla_ttft_ms": 500.0, "sla_tpot_ms": 50.0}))
     spread, err = 2 / 201, (100 / 250 + 98 / 251) / 2
-    assert f"| x0.8 | tpot_p95_ms | {spread:.3f} | {err:.3f} | {err / spread:.2f} |" in md
+    assert f"| x0.8 | tpot_p95_ms | n/a | {spread:.3f} | {err:.3f} | {err / spread:.2f} | {err / spread:.2f} |" in md
     assert "TTFT 520.0 ms" in md and "held in every run: no" in md
 
 

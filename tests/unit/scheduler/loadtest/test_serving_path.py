@@ -36,9 +36,9 @@ def _steps(truth: dict, n: int = 400, seed: int = 0) -> list[dict]:
         pre = [(0, int(rng.integers(16, 129)))] if rng.random() < 0.4 or not rows else []
         steps.append({"s": 0.0, "c": len(rows) + len(pre), "d": rows, "p": pre, "a": int(rng.integers(0, 9))})
     T = step_terms(LM, steps)
-    y = T @ np.array([truth["engine_slowdown"], truth["prefill_slowdown"], truth["serve_chunk_ms"],
-                      truth.get("serve_chunk_sq_ms", 0.0), truth.get("front_decode_per_arrival", 0.0),
-                      truth.get("front_prefill_per_arrival", 0.0), truth.get("round_ms", 0.0)])
+    y = T[:, :6] @ np.array([truth["engine_slowdown"], truth["prefill_slowdown"], truth["serve_chunk_ms"],
+                             truth.get("serve_chunk_sq_ms", 0.0), truth.get("front_decode_per_arrival", 0.0),
+                             truth.get("front_prefill_per_arrival", 0.0)])
     for st, v in zip(steps, y * rng.uniform(0.95, 1.05, n)):
         st["s"] = float(v)
     return steps
@@ -138,21 +138,43 @@ def test_the_served_draft_rounds_are_counted_by_batch_size(tmp_path):
     assert [st["k"] for st in steps] == [[(3, 1)], [(1, 0)], [(1, 0), (2, 1)], [], [(1, 0)] * 3]
     assert decode_rounds(steps) == {"1": [0.5, 0.0, 0.0, 0.5], "2": [0.5, 0.0, 0.5], "3-4": [1.0]}
     assert decode_rounds(steps[3:4]) is None
-    assert step_terms(LM, steps)[:, 6].tolist() == [1e-3, 0.0, 1e-3, 0.0, 0.0]  # rounds, in ms
+    T = step_terms(LM, steps)  # rounds, in ms, in the column of the step's decode batch: "1", then "2"
+    assert T[0, 6] == T[2, 7] == 1e-3 and T[:, 6:].sum() == pytest.approx(2e-3)
 
 
 def test_the_step_fit_prices_the_draft_rounds():
-    """Steps that verify rounds (a call of their own each) cost round_ms apiece: the fit recovers it beside the
-    slowdowns, and the chunk cost does not absorb it."""
+    """Steps that verify rounds (calls outside the batched step) cost a price per round that depends on the decode
+    batch (0.8 ms at batch 1, 0.5 ms in batches of 3-4 here): the fit recovers both beside the slowdowns, the
+    chunk cost does not absorb them, steps that only verified rounds count (they have no profiled part), and
+    round_ms is the rounds' mean price."""
     rng = np.random.default_rng(3)
     steps = _steps({"engine_slowdown": 1.2, "prefill_slowdown": 1.0, "serve_chunk_ms": 0.3}, n=600)
-    for st in steps:  # a share of each step's sequences verified rounds instead: 0.8 ms each
-        n = int(rng.integers(0, 4))
-        st["k"] = [(int(rng.integers(1, 5)), 1) for _ in range(n)]
+    price = {1: 0.8e-3, 3: 0.5e-3, 4: 0.5e-3}
+    n_rounds = {1: 0, 3: 0, 4: 0}
+    for st in steps:
+        rows = len(st["d"])
+        b = int(rng.choice([1, 3, 4]))
+        if rows > b or st["p"]:
+            st["k"] = [(1, 0)] * rows
+            continue
+        n = b - rows  # the other sequences of a batch of b verified rounds instead
+        st["k"] = [(1, 0)] * rows + [(int(rng.integers(1, 5)), 1) for _ in range(n)]
         st["c"] += n
-        st["s"] += n * (0.8e-3 + 0.3e-3)
+        st["s"] += n * (price[b] + 0.3e-3)
+        n_rounds[b] += n
+    for _ in range(100):  # steps where every sequence verified a round: no profiled part, engine time all the same
+        b = int(rng.choice([1, 3, 4]))
+        steps.append({"s": b * (price[b] + 0.3e-3), "c": b, "d": [], "p": [], "a": 0, "k": [(2, 1)] * b})
+        n_rounds[b] += b
+    only_rounds = sum(not st["d"] and not st["p"] and bool(st["k"]) for st in steps)
     fields, fit = fit_steps(LM, steps)
-    assert fields["round_ms"] == pytest.approx(0.8, rel=0.1) and fields["serve_chunk_ms"] == pytest.approx(0.3, rel=0.1)
+    assert only_rounds > 20 and fit["steps"] == sum(bool(st["d"] or st["p"] or st["k"]) for st in steps)
+    assert fields["round_ms_by_batch"]["1"] == pytest.approx(0.8, rel=0.1)
+    assert fields["round_ms_by_batch"]["3-4"] == pytest.approx(0.5, rel=0.1)
+    assert set(fields["round_ms_by_batch"]) == {"1", "3-4"}  # no rounds measured at 2, 5-8, 9+: no price there
+    mean = (0.8 * n_rounds[1] + 0.5 * (n_rounds[3] + n_rounds[4])) / sum(n_rounds.values())
+    assert fields["round_ms"] == pytest.approx(mean, rel=0.1)
+    assert fields["serve_chunk_ms"] == pytest.approx(0.3, rel=0.1)
     assert fields["engine_slowdown"] == pytest.approx(1.2, rel=0.05)
 
 
