@@ -86,17 +86,22 @@ class ProfileConfig:
     # the runs' rates, as shares of the rate the engine alone holds the SLA at (simulated): light and
     # moderate, below the knee (on 2 cores the stack holds the SLA to ~0.45 of it; past the knee, two
     # runs of one schedule differ by 2x: nothing to fit)
-    # [budget, load] per run: the budget the shipped policy holds (its behaviour-cloned fixed budget)
-    # at two loads. A third run at budget 64 was tried (2026-11-30): budget-64 steps had run 10% slower
+    # [budget, load] per run, on one stack (the budget switched between runs): the budget the shipped policy
+    # holds (its behaviour-cloned fixed budget, 512) light, and 128 (the evaluation's usual best fixed budget at
+    # the edge) moderate. A third run at budget 64 was tried (2026-11-30): budget-64 steps had run 10% slower
     # than a 512-only fit predicts, but with them in the fit the per-chunk cost went to 3.3 ms, the
     # simulator then ranked budget 64 far above 512 (the real stack did not) and its validation error
     # grew from 0.22-0.28 to 0.43 (docs/scheduler.md)
     # Two light runs instead ([0.1, 0.2], tried 2026-12-03 on an Intel 2-core VM, before the step model had its
     # per-arrival term) fit the light-load steps well but put the simulator's SLA edge at 5.8 req/s where the
     # real stack collapsed at 4.6: the heavier run is what shows the front end's CPU load under traffic.
-    serving_runs: list[list[float]] = field(default_factory=lambda: [[512, 0.2], [512, 0.4]])
+    # Both runs at 512 until 2026-12-05: the simulator then priced budget-128 runs (the evaluation's best fixed
+    # budget at the edge) with time per output token p50 6.2-6.4 ms where the served runs measured 3.2-4.9, in
+    # three fresh-clone demos (the overheads fitted at 512 carried a bias of the 128-token prefill steps); with
+    # one run at each, on a demo's artifacts: 4.3 ms against 3.8-5.4 served (docs/scheduler.md)
+    serving_runs: list[list[float]] = field(default_factory=lambda: [[512, 0.2], [128, 0.4]])
     serving_duration_s: float = 12.0
-    # served first on each stack and not measured: a served engine learns its drafts' acceptance and its calls'
+    # served first and not measured: a served engine learns its drafts' acceptance and its calls'
     # costs as it runs (a fresh stack's first 144 requests measured 0.56 of decoding sequences' steps as draft
     # rounds, the next 288 0.68 and 0.73, 2026-12-05), and the evaluation (bench scheduler) serves a warm one
     serving_warmup_requests: int = 192

@@ -271,37 +271,41 @@ def fit_serving_path(latency: LatencyModel, exits: ExitModel, base: SimConfig, r
 
 def measure(run_dir: str | Path, runs: Sequence[tuple[int, Sequence[Any]]], max_seqs: int,
             sla: tuple[float, float], step_log: str | Path, warmup: int = 2,
-            warm: Sequence[Any] = ()) -> tuple[list[list], list[dict]]:
+            warm: Sequence[Any] = (), serve: dict[str, Any] | None = None) -> tuple[list[list], list[dict]]:
     """(the results of each open-loop schedule of ``runs``, one after another, each drained before the
-    next; the served engine's steps over all of them): ``(budget, schedule)`` pairs, one stack started
-    for ``run_dir`` per run of equal budgets, its step log at ``step_log`` (replaced). ``warm``: a schedule
-    served first on each stack, neither its results nor its steps kept (a served engine learns its drafts'
-    acceptance and its calls' costs as it runs: what is measured is a server that has run a while)."""
+    next; the served engine's steps over all of them): ``(budget, schedule)`` pairs, served on one stack started
+    for ``run_dir``, its fixed budget switched between runs where it changes
+    (:func:`scheduler.serving.stack.set_policy`), its step log at ``step_log`` (replaced). ``warm``: a schedule
+    served first at the first run's budget, neither its results nor its steps kept (a served engine learns its
+    drafts' acceptance and its calls' costs as it runs: what is measured is a server that has run a while).
+    ``serve``: other ServeConfig fields of the stack."""
     from scheduler.loadtest.bench_serve import BenchServeConfig, http_run
     from scheduler.serving.config import ServeConfig
-    from scheduler.serving.stack import free_port, serving_stack
+    from scheduler.serving.stack import free_port, serving_stack, set_policy
 
     step_log = Path(step_log).resolve()
     step_log.unlink(missing_ok=True)
     bcfg = BenchServeConfig(run_dir=str(run_dir), sla_ttft_ms=sla[0], sla_tpot_ms=sla[1], warmup_requests=warmup)
+
+    def policy(budget: int) -> dict[str, Any]:
+        return {"policy": "fixed", "policy_kwargs": {"prefill_budget": budget, "max_running": max_seqs}}
+
     out: list[list] = []
-    kept: list[tuple[int, int]] = []  # the step log's lines [start, end) written by the measured runs
-    i = 0
-    while i < len(runs):
-        budget = runs[i][0]
-        scfg = ServeConfig(policy="fixed", policy_kwargs={"prefill_budget": budget, "max_running": max_seqs},
-                           default_sla_ttft_ms=sla[0], default_sla_tpot_ms=sla[1], step_log=str(step_log),
-                           port=free_port())
-        with serving_stack(run_dir, scfg, graceful=False) as url:
-            if warm:
-                asyncio.run(http_run(url, list(warm), bcfg))
-                time.sleep(0.5)  # the engine, idle, flushes its log
-            start = count_lines(step_log)
-            while i < len(runs) and runs[i][0] == budget:
-                out.append(asyncio.run(http_run(url, list(runs[i][1]), bcfg)))
-                i += 1
-            time.sleep(0.5)
-            kept.append((start, count_lines(step_log)))
+    current = runs[0][0]
+    scfg = ServeConfig(**policy(current), default_sla_ttft_ms=sla[0], default_sla_tpot_ms=sla[1],
+                       step_log=str(step_log), port=free_port(), **(serve or {}))
+    with serving_stack(run_dir, scfg, graceful=False) as url:
+        if warm:
+            asyncio.run(http_run(url, list(warm), bcfg))
+            time.sleep(0.5)  # the engine, idle, flushes its log
+        start = count_lines(step_log)
+        for budget, schedule in runs:
+            if budget != current:
+                set_policy(policy(budget))
+                current = budget
+            out.append(asyncio.run(http_run(url, list(schedule), bcfg)))
+        time.sleep(0.5)
+        kept = [(start, count_lines(step_log))]
     return out, read_step_log(step_log, kept)
 
 

@@ -141,6 +141,8 @@ class Worker:
         self._restarting = False
         self._backoff_s = cfg.restart_backoff_s
         self._stats: dict | None = None
+        # the policy's generation (set_policy counts them) and the last one a control tick ran: set_policy waits for it
+        self._generation = self._acted = 0
         # read once a control tick: sampling the meter faster would buy the live view nothing
         self._power = open_power(cfg.power_meter, cfg.control_tick_s)
         if cfg.triton_url is not None:
@@ -186,7 +188,7 @@ class Worker:
 
     async def set_policy(self, changes: dict[str, Any]) -> dict[str, Any]:
         """Run another control policy from the next tick on, on this running stack (a benchmark compares
-        policies on one stack instead of one stack each). ``changes``: values of :data:`POLICY_FIELDS` for
+        policies on one stack instead of one stack each), and return once that tick has run (or a timeout). ``changes``: values of :data:`POLICY_FIELDS` for
         the serving config; the policy fields it leaves out take their defaults (a switch names a whole
         policy, nothing of the previous one's carries over). An online update in flight finishes on the
         old policy's tuner. Returns the new scheduler state.
@@ -205,7 +207,14 @@ class Worker:
         cfg = replace(self._cfg, **{**{k: getattr(defaults, k) for k in POLICY_FIELDS}, **changes})
         policy = await asyncio.to_thread(build_policy, cfg)
         self._cfg, self._policy = cfg, policy  # between two ticks: the loop reads both once per tick
+        self._generation += 1
+        generation = self._generation
         log.info("worker %s: control policy now %s", self._replica, cfg.policy.value)
+        # returns once the new policy has set the engine's budget (its first tick): traffic sent right after the
+        # switch is scheduled by it (a benchmark's next run began at the old budget for up to a tick otherwise)
+        deadline = time.monotonic() + max(2.0, 20 * cfg.control_tick_s)
+        while self._acted < generation and time.monotonic() < deadline and not self._loop.done():
+            await asyncio.sleep(min(0.01, cfg.control_tick_s))
         return self._scheduler_state()
 
     async def ready(self) -> bool:
@@ -236,8 +245,10 @@ class Worker:
                 await self._relaunch()
                 continue
             try:
+                generation = self._generation  # read with the policy: a switch during the tick waits for the next
                 self._stats = await control_step(self._client, self._policy, self._observe,
                                                  {"shed_late": self._cfg.shed_late})
+                self._acted = generation
                 self._stats["scheduler"] = self._scheduler_state()
                 if self._power is not None:
                     self._stats["power"] = self._power.reading()

@@ -306,6 +306,7 @@ def worker(proc: FakeProc):
     w._cfg = ServeConfig(control_tick_s=0.01, restart_backoff_s=0.01, restart_backoff_max_s=0.04)
     w._hub, w._policy, w._observe, w._replica, w._node = FakeHub(), KeepPolicy(), (lambda s: s), "w0", "n0"
     w._proc, w._client, w._stats, w._ready, w._restarting, w._backoff_s = proc, StatsClient(), None, True, False, 0.01
+    w._generation = w._acted = 0
     return w
 
 

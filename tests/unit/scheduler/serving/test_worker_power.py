@@ -37,6 +37,7 @@ def worker(power: LivePower | None):
     w._cfg = ServeConfig(control_tick_s=0.01)
     w._hub, w._policy, w._observe, w._replica, w._node = Hub(), KeepPolicy(), (lambda s: s), "w0", "n0"
     w._proc, w._client, w._stats, w._ready, w._restarting = None, StatsClient(), None, True, False
+    w._generation = w._acted = 0
     w._backoff_s, w._power = 0.01, power
     return w
 
