@@ -356,8 +356,8 @@ def real_runs(cfg: BenchSchedulerConfig, env: EnvConfig, latency: LatencyModel, 
     schedules = {f: real_schedule(cfg, workload_for(spec, f * load * capacity, cfg.validation_duration_s, env))
                  for f in cfg.validation_loads}
     # the repeats on the first stack, then one stack per fresh repeat, warmed by the edge's schedule as the first
-    # was (a fresh stack's engine still learns its drafts' acceptance: its first run measured TPOT p50 4.7-7.2 ms
-    # where the next ones measured 2.8-3.9)
+    # was (on a fresh stack the first run measured TPOT p50 4.7-7.2 ms where the next ones measured 2.8-3.9: the
+    # engine measures per batch size whether drafting pays, and its drafts' acceptance, as it runs)
     fixed_kw = {"prefill_budget": budget, "max_running": env.sim.max_seqs}
     first = cfg.validation_repeats - cfg.validation_fresh_stacks
     below = [(f, schedules[f], 0) for _ in range(first) for f in cfg.validation_loads]

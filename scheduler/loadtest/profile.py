@@ -101,9 +101,10 @@ class ProfileConfig:
     # one run at each, on a demo's artifacts: 4.3 ms against 3.8-5.4 served (docs/scheduler.md)
     serving_runs: list[list[float]] = field(default_factory=lambda: [[512, 0.2], [128, 0.4]])
     serving_duration_s: float = 12.0
-    # served first and not measured: a served engine learns its drafts' acceptance and its calls'
-    # costs as it runs (a fresh stack's first 144 requests measured 0.56 of decoding sequences' steps as draft
-    # rounds, the next 288 0.68 and 0.73, 2026-12-05), and the evaluation (bench scheduler) serves a warm one
+    # served first and not measured: a served engine measures per batch size whether drafting pays, its calls'
+    # costs and its drafts' acceptance as it runs (a fresh stack's first 144 requests measured 0.47-0.56 of
+    # decoding sequences' steps as draft rounds, the next 288 0.67-0.73, 2026-12-05; in process at batch 1, where
+    # no gate decides, a fresh engine was 7% slower per token than a warm one), and bench scheduler serves a warm one
     serving_warmup_requests: int = 192
 
     def __post_init__(self) -> None:

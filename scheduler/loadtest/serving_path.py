@@ -276,8 +276,9 @@ def measure(run_dir: str | Path, runs: Sequence[tuple[int, Sequence[Any]]], max_
     next; the served engine's steps over all of them): ``(budget, schedule)`` pairs, served on one stack started
     for ``run_dir``, its fixed budget switched between runs where it changes
     (:func:`scheduler.serving.stack.set_policy`), its step log at ``step_log`` (replaced). ``warm``: a schedule
-    served first at the first run's budget, neither its results nor its steps kept (a served engine learns its
-    drafts' acceptance and its calls' costs as it runs: what is measured is a server that has run a while).
+    served first at the first run's budget, neither its results nor its steps kept (a served engine measures
+    whether drafting pays, its calls' costs and its drafts' acceptance as it runs: what is measured is a server
+    that has run a while).
     ``serve``: other ServeConfig fields of the stack."""
     from scheduler.loadtest.bench_serve import BenchServeConfig, http_run
     from scheduler.serving.config import ServeConfig
