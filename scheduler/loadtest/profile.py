@@ -83,12 +83,12 @@ class ProfileConfig:
     # the serving path (scheduler/loadtest/serving_path.py): start the stack once, one open-loop Poisson run
     # (seed 7 + seed + i) per load (~1 min in all); false: the engine alone (the simulator adds nothing)
     serving: bool = True
-    # the runs' rates, as shares of the rate the engine alone holds the SLA at (simulated): light and
-    # moderate, below the knee (on 2 cores the stack holds the SLA to ~0.45 of it; past the knee, two
-    # runs of one schedule differ by 2x: nothing to fit)
+    # the runs' rates, as shares of the rate the engine alone holds the SLA at (simulated): light to heavy,
+    # below the knee (past it, two runs of one schedule differ by 2x: nothing to fit; on 2 cores the stack held
+    # the SLA to ~0.45 of it in 2026-11, and beyond 0.6 with the engine of 2026-12-05)
     # [budget, load] per run, on one stack (the budget switched between runs): the budget the shipped policy
     # holds (its behaviour-cloned fixed budget, 512) light, and 128 (the evaluation's usual best fixed budget at
-    # the edge) moderate. A third run at budget 64 was tried (2026-11-30): budget-64 steps had run 10% slower
+    # the edge) moderate and heavy. A run at budget 64 was tried (2026-11-30): budget-64 steps had run 10% slower
     # than a 512-only fit predicts, but with them in the fit the per-chunk cost went to 3.3 ms, the
     # simulator then ranked budget 64 far above 512 (the real stack did not) and its validation error
     # grew from 0.22-0.28 to 0.43 (docs/scheduler.md)
@@ -98,8 +98,11 @@ class ProfileConfig:
     # Both runs at 512 until 2026-12-05: the simulator then priced budget-128 runs (the evaluation's best fixed
     # budget at the edge) with time per output token p50 6.2-6.4 ms where the served runs measured 3.2-4.9, in
     # three fresh-clone demos (the overheads fitted at 512 carried a bias of the 128-token prefill steps); with
-    # one run at each, on a demo's artifacts: 4.3 ms against 3.8-5.4 served (docs/scheduler.md)
-    serving_runs: list[list[float]] = field(default_factory=lambda: [[512, 0.2], [128, 0.4]])
+    # one run at each, on a demo's artifacts: 4.3 ms against 3.8-5.4 served (docs/scheduler.md). A third, heavier
+    # run at 128 (0.6: 15.4 req/s, TTFT p50 68 ms, still within the SLA on this engine): without it the simulator
+    # reached its knee before the stack (at 13.1 req/s TPOT p50 7.7 ms simulated against 3.0-3.3 served), with it
+    # 3.7 against 3.9-4.2 at 13.3 req/s (the same demo's artifacts, 2026-12-05)
+    serving_runs: list[list[float]] = field(default_factory=lambda: [[512, 0.2], [128, 0.4], [128, 0.6]])
     serving_duration_s: float = 12.0
     # served first and not measured: a served engine measures per batch size whether drafting pays, its calls'
     # costs and its drafts' acceptance as it runs (a fresh stack's first 144 requests measured 0.47-0.56 of

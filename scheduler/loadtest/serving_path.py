@@ -17,7 +17,7 @@ numbers describe them for the simulator (scheduler/control/sim.py ``SimConfig``)
   step log's ``k``; without them the simulator priced one token per sequence and step);
 - ``ttft_overhead_ms`` and ``token_overhead_ms``: latency added to the first and to each later token;
 - ``ingress_ms``: the front end's time per request, one at a time: a queue ahead of the engine's whose
-  delay grows with load (the engine's step log cannot see it; the requests' TTFT at two loads can).
+  delay grows with load (the engine's step log cannot see it; the requests' TTFT at several loads can).
 
 The first four (slowdowns and chunk costs) come from the served engine itself: the stack runs with a step log
 (``ServeConfig.step_log``: one line per engine step, what it did and how long it took under the
@@ -26,7 +26,7 @@ the profiled model's decode and prefill parts of that step and the chunks it sen
 and the ingress time are then fitted (Nelder-Mead, bounded) so that the simulator, replaying each calibration run (its
 arrivals, prompt and output lengths), gives the measured TTFT and time per output token (p50, p90
 and mean: squared log ratios summed over the runs). The calibration runs are open-loop Poisson runs
-of the profile's own (seeds and rates unlike any evaluation's) at two loads, light and moderate, at
+of the profile's own (seeds and rates unlike any evaluation's) at loads from light to heavy, at
 one budget or several (``ProfileConfig.serving_runs``); the evaluation's workloads
 (scheduler/loadtest/bench_scheduler.py) never enter the fit.
 """
