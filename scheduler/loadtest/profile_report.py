@@ -71,6 +71,8 @@ def render_serving(sp: dict[str, Any]) -> list[str]:
     lines += ["", "| calibration run | requests | metric | measured ms | simulated ms | rel err |",
               "|---|---|---|---|---|---|"]
     for r in sp["fit"]["runs"]:
-        lines += [f"| {r['rate_rps']:.2f} req/s, budget {r.get('budget')} | {r['requests']} | {k} | {r['measured'][k]:.1f} | "
-                  f"{r['simulated'][k]:.1f} | {r['rel_err'].get(k, float('nan')):.3f} |" for k in r["measured"]]
+        tag = "" if r.get("fitted", True) else " (past the SLA at p95: not fitted)"
+        lines += [f"| {r['rate_rps']:.2f} req/s, budget {r.get('budget')}{tag} | {r['requests']} | {k} | "
+                  f"{r['measured'][k]:.1f} | {r['simulated'][k]:.1f} | {r['rel_err'].get(k, float('nan')):.3f} |"
+                  for k in r["measured"]]
     return lines + [""]

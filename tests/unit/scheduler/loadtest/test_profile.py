@@ -131,11 +131,15 @@ def test_config_validation_names_the_field():
                      (dict(warmup_steps=-1), "warmup_steps"), (dict(steps_per_scenario=0), "steps_per_scenario"),
                      (dict(serving_runs=[[512]]), "serving_runs"), (dict(serving_runs=[[512, 3.0]]), "serving_runs"),
                      (dict(serving_runs=[]), "serving_runs"), (dict(serving_duration_s=0), "serving_duration_s"),
-                     (dict(serving_warmup_requests=-1), "serving_warmup_requests")]:
+                     (dict(serving_warmup_requests=-1), "serving_warmup_requests"),
+                     (dict(serving_edge_run=[128]), "serving_edge_run"), (dict(serving_edge_run=[0, 0.8]), "serving_edge_run"),
+                     (dict(serving_edge_run=[128, 0.0]), "serving_edge_run")]:
         with pytest.raises(ConfigError, match=word):
             ProfileConfig(**kw)
     with pytest.raises(ConfigError, match="full_share"):
         Scenario(full_share=1.5)
+    assert ProfileConfig(serving_edge_run=None).serving_edge_run is None
+    assert ProfileConfig(serving_edge_run=["64", "0.5"]).serving_edge_run == (64, 0.5)
 
 
 def test_scenario_list_from_overrides():

@@ -87,6 +87,31 @@ def test_fit_recovers_the_serving_path(tmp_path):
     assert ServingPath.load(tmp_path / "serving.json") == sp and ServingPath.load(tmp_path / "none.json") is None
 
 
+def test_a_run_past_the_sla_is_replayed_not_fitted():
+    """Three runs of one stack, the third at a rate the stack did not hold within the SLA at p95 (past its knee,
+    where two runs of one schedule differ by 2x): its simulated percentiles are reported and it does not move the
+    fit, which recovers the overheads from the other two as it would without it. If every run is past the SLA,
+    all are fitted (nothing else to fit)."""
+    truth = dict(ttft_overhead_ms=20.0, token_overhead_ms=3.0, engine_slowdown=1.6, prefill_slowdown=1.2,
+                 serve_chunk_ms=0.3, ingress_ms=8.0)
+    steps = _steps(truth, n=4000)
+    light = [_results(synthetic(int(rate * 12), rate, Arrivals.POISSON, seed=3 + i, prompt_mean=120, output_mean=24),
+                      budget, **truth) for i, (rate, budget) in enumerate(((6.0, 128), (14.0, 64)))]
+    # past the knee: a stack far slower than the others' (its latencies from ten times the overheads)
+    heavy = _results(synthetic(int(40 * 12), 40.0, Arrivals.POISSON, seed=9, prompt_mean=120, output_mean=24), 128,
+                     **{**truth, "ttft_overhead_ms": 600.0, "token_overhead_ms": 60.0})
+    cfg = SimConfig(sla_ttft_ms=500.0, sla_tpot_ms=50.0)
+    sp = fit_serving_path(LM, EX, cfg, light + [heavy], [128, 64, 128], steps, seeds=(0,))
+    assert [r["fitted"] for r in sp.fit["runs"]] == [True, True, False] and not sp.fit["runs"][2]["held_sla"]
+    assert sp.fit["runs"][2]["max_rel_err"] > 0.5 and sp.fit["max_rel_err"] < 0.05  # the fitted runs' largest
+    alone = fit_serving_path(LM, EX, cfg, light, [128, 64], steps, seeds=(0,))  # the same loss: the same fields
+    assert sp.sim_fields() == alone.sim_fields()
+    assert sum("not fitted" in r for r in render_serving(asdict(sp))) == 4  # its four metric rows say so
+    everything_late = SimConfig(sla_ttft_ms=1.0, sla_tpot_ms=0.1)
+    sp = fit_serving_path(LM, EX, everything_late, light, [128, 64], steps, seeds=(0,), max_evals=20)
+    assert [r["fitted"] for r in sp.fit["runs"]] == [True, True]
+
+
 def test_the_step_log_is_read_and_a_broken_line_is_named(tmp_path):
     log = tmp_path / "steps.jsonl"
     log.write_text('{"s":0.01,"e":0.001,"c":2,"d":[[40,3],[12,12]],"p":[]}\n{"s":0.02,"e":0,"c":1,"d":[],"p":[[0,64]]}\n'
