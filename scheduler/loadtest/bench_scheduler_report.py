@@ -104,7 +104,13 @@ def _real_tables(real: dict[str, Any], sla: dict[str, Any]) -> list[str]:
                    f"{_f(s['ttft_p50_ms'], 1)} / {_f(s['ttft_p95_ms'], 1)} | {_f(s['tpot_p50_ms'], 1)} / "
                    f"{_f(s['tpot_p95_ms'], 1)} |")
     o = real["serving_path"]
-    out += ["", f"Goodput ratio, learned / best fixed, on the real stack: {_f(real['goodput_ratio'], 3)}.", "",
+    ceiling = real.get("goodput_ceiling")
+    out += ["", f"Goodput ratio, learned / best fixed, on the real stack: {_f(real['goodput_ratio'], 3)}."
+            + (f" The most any policy could reach on this schedule: {_f(ceiling, 3)} (every request within the SLA: "
+               f"1 / the best fixed budget's attainment, the run's length aside). At the SLA edge the best fixed budget "
+               f"holds the SLA for 95% or more by definition, so a goal above ~1.05 there cannot be met by any "
+               f"policy; what a policy can add shows above the edge (the simulator's x2 cells) and in the load it "
+               f"holds." if ceiling else ""), "",
             "### The simulator against the real stack", "",
             f"Each served run replayed in the simulator (same arrivals, prompt lengths and produced output lengths), "
             f"with the serving path `smartexit profile` fitted on its own requests (never on these runs): decode "

@@ -87,7 +87,7 @@ def test_the_summary_and_the_report_carry_both_checks():
     served = {"sla_attainment": 1.0, "goodput_rps": 2.0, "requests": 10, "errors": 0, "ttft_p50_ms": 1.0,
               "ttft_p95_ms": 2.0, "tpot_p50_ms": 1.0, "tpot_p95_ms": 2.0}
     real = {"workload": "poisson-s1001", "load": 1.0, "rate_rps": 4.0, "best_fixed": "fixed-128",
-            "goodput_ratio": 1.0, "runs": {"fixed-128": served, "ppo": served}, "validation": {},
+            "goodput_ratio": 1.0, "goodput_ceiling": 1 / 0.96, "runs": {"fixed-128": served, "ppo": served}, "validation": {},
             "validation_below_edge": runs, "repeat_spread": None, "noise_check": noise_check(runs),
             "sla_check": sla_check([_summary(400.0, 40.0), _summary(520.0, 40.0)], 0.8, "fixed-128"),
             "serving_path": {"engine_slowdown": 1.1, "prefill_slowdown": None, "serve_chunk_ms": 0.1,
@@ -101,6 +101,16 @@ def test_the_summary_and_the_report_carry_both_checks():
     spread, err = 2 / 201, (100 / 250 + 98 / 251) / 2
     assert f"| x0.8 | tpot_p95_ms | n/a | {spread:.3f} | {err:.3f} | {err / spread:.2f} | {err / spread:.2f} |" in md
     assert "TTFT 520.0 ms" in md and "held in every run: no" in md
+    # the most any policy could reach there: the best fixed budget met 96% of requests
+    assert s["goodput_ceiling_vs_best_fixed_at_sla_edge"] == pytest.approx(1.0417, abs=1e-4)
+    assert "The most any policy could reach on this schedule: 1.042" in md
+
+
+def test_the_goodput_ceiling_is_every_request_within_the_sla():
+    from scheduler.loadtest.bench_scheduler import goodput_ceiling
+
+    assert goodput_ceiling({"sla_attainment": 0.95}) == pytest.approx(1 / 0.95)
+    assert goodput_ceiling({"sla_attainment": 1.0}) == 1.0 and goodput_ceiling({"sla_attainment": 0.0}) is None
 
 
 def test_shedding_is_one_rule_for_every_policy():
