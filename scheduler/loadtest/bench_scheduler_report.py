@@ -107,10 +107,11 @@ def _real_tables(real: dict[str, Any], sla: dict[str, Any]) -> list[str]:
     ceiling = real.get("goodput_ceiling")
     out += ["", f"Goodput ratio, learned / best fixed, on the real stack: {_f(real['goodput_ratio'], 3)}."
             + (f" The most any policy could reach on this schedule: {_f(ceiling, 3)} (every request within the SLA: "
-               f"1 / the best fixed budget's attainment, the run's length aside). At the SLA edge the best fixed budget "
-               f"holds the SLA for 95% or more by definition, so a goal above ~1.05 there cannot be met by any "
-               f"policy; what a policy can add shows above the edge (the simulator's x2 cells) and in the load it "
-               f"holds." if ceiling else ""), "",
+               f"1 / the best fixed budget's attainment, the run's length aside). The edge is the load at which the "
+               f"best fixed budget holds the SLA for 95% of requests in the simulator, so there no policy can beat it "
+               f"by more than ~1 / 0.95 = 1.05 plus what the served stack falls short of the simulator; what a policy "
+               f"can add shows past the edge (the simulator's x2 cells) and in the load it holds." if ceiling else ""),
+            "",
             "### The simulator against the real stack", "",
             f"Each served run replayed in the simulator (same arrivals, prompt lengths and produced output lengths), "
             f"with the serving path `smartexit profile` fitted on its own requests (never on these runs): decode "
