@@ -5,6 +5,7 @@ import enum
 from dataclasses import dataclass
 
 from calibration import certify as cert
+from calibration.risk import NEVER_EXIT
 from edge.runtime.engine import KVMode
 
 
@@ -42,7 +43,7 @@ def statement(s: Shipped, epsilon: float, delta: float, prompt_tokens: int, new_
             f"the engine with this table, skipped layers' K/V by {s.kv_mode.value}")
     if not s.certified:
         return (f"No threshold could be certified, so the table never exits: every token is the full model's and "
-                f"the false-exit rate is 0. Distribution tested: {dist}.")
+                f"the false-exit rate is 0. Distribution tested: {dist}. {s.reason}")
     text = (f"With probability at least {1 - delta:g} over the draw of the {s.n_units} certify prompts, the mean "
             f"over prompts of the false-exit rate (the fraction of a prompt's generated tokens, the first excepted, "
             f"that differ from the full model's greedy token on the same prefix) is at most {epsilon:g} for "
@@ -62,6 +63,18 @@ def choose_shipped(choice: KVChoice, mode: KVMode, c: cert.Certificate, prop: ce
     walk = Shipped(mode, c.lam, c.certified, c.exact, c.n_units, c.empirical_risk, c.bound, c.p_value, reason)
     if prop is None:
         return walk
+    if choice is KVChoice.PROPAGATE:  # the walk stopped before the provisional rule: the direct test decides
+        why = (f"kv_mode=propagate: the walk stopped at threshold {c.lam:.3f}, before the provisional rule, so its "
+               f"losses were recomputed along another rule's continuations, which in propagate mode leaves out the "
+               f"full-depth mismatches this rule's own exits cause; tested directly on {prop.n_units} other prompts "
+               f"in propagate mode: false-exit rate {prop.mean:.4f}, bound {prop.bound:.4f}")
+        if prop.passed:
+            return Shipped(KVMode.PROPAGATE, c.lam, True, True, prop.n_units, prop.mean, prop.bound, prop.p_value,
+                           f"{why} <= {epsilon:g}, which certifies it (one test, on prompts independent of those that "
+                           f"chose the threshold).")
+        return Shipped(KVMode.PROPAGATE, NEVER_EXIT, False, True, prop.n_units, prop.mean, prop.bound, prop.p_value,
+                       f"{why} > {epsilon:g}: nothing is certified in propagate mode, so the table never exits "
+                       f"(kv_mode=defer or auto certifies deferral).")
     if prop.passed and c.exact:
         return Shipped(KVMode.PROPAGATE, c.lam, True, True, prop.n_units, prop.mean, prop.bound, prop.p_value,
                        f"kv_mode=auto: the threshold was certified in defer mode on other prompts, then tested "

@@ -156,6 +156,29 @@ def test_calibrate_writes_a_certificate_for_the_shipped_regime(micro_run, tmp_pa
     assert cal["layers_skipped_frac"] == cal["free_run"]["layers_skipped_frac"]
 
 
+@pytest.mark.slow  # ~4 s: the calibrate stage on the micro run
+def test_propagate_after_a_walk_that_stopped_early_is_tested_directly(micro_run, tmp_path, monkeypatch):
+    """kv_mode=propagate with a provisional threshold that lets every token leave (0.0: the walk stops long before
+    it): the walk's certificate is about another rule's continuations, so the certified threshold is tested
+    directly in propagate mode on the propagate-test prompts, and what ships is what that test says."""
+    from calibration import certify
+
+    run = tmp_path / "run"
+    shutil.copytree(micro_run, run)
+    monkeypatch.setattr(certify, "provisional_lambda", lambda *a, **k: 0.0)
+    assert cli(["calibrate", f"run_dir={run}", *MICRO, "kv_mode=propagate", "epsilon=0.25"]) == 0
+    cal = json.loads((run / "manifest.json").read_text())["stages"]["calibrate"]["metrics"]
+    walk, direct = cal["certify_walk"], cal["propagate_test"]
+    assert walk["certified"] and not walk["exact"] and walk["lambda_provisional"] == 0.0
+    assert direct is not None and direct["n_units"] >= 15  # the fresh prompts' own test
+    assert cal["certified"] == direct["certified"] and cal["bound"] == direct["bound"] and cal["certificate_exact"]
+    assert cal["kv_mode"] == "propagate" and "tested directly" in cal["kv_mode_reason"]
+    if cal["certified"]:
+        assert cal["lambda"] == walk["lambda"] and cal["bound"] <= 0.25
+    else:  # the table never exits
+        assert cal["lambda"] == 2.0 and cal["layers_skipped_frac"] == 0.0
+
+
 @pytest.mark.parametrize("args,msg", [
     (["epsilon=1.5"], "epsilon must be in (0, 1)"),
     (["delta=0"], "delta must be in (0, 1)"),
