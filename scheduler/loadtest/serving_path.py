@@ -272,7 +272,8 @@ def fit_serving_path(latency: LatencyModel, exits: ExitModel, base: SimConfig, r
     for run, w, m, budget, f, h in zip(runs, works, real, budgets, fitted, held):
         sim = simulated(latency, exits, cfg, w, budget, seeds)
         rel = {k: abs(sim[k] - m[k]) / m[k] for k in METRICS if m[k]}
-        table.append({"requests": len(run), "budget": budget, "fitted": f, "held_sla": h, "rate_rps": len(run) / max(float(w.arrival_s[-1] - w.arrival_s[0]), 1e-9),
+        span = max(float(w.arrival_s[-1] - w.arrival_s[0]), 1e-9)
+        table.append({"requests": len(run), "budget": budget, "fitted": f, "held_sla": h, "rate_rps": len(run) / span,
                       "measured": {k: m[k] for k in METRICS}, "simulated": {k: sim[k] for k in METRICS}, "rel_err": rel,
                       "max_rel_err": max(rel.values()) if rel else None})
     fields = {k: getattr(cfg, k) for k in PARAMS}
@@ -388,7 +389,8 @@ def calibrate(run_dir: str | Path, latency: LatencyModel, pool: list[list[int]],
         budgets.append(b)
         out = schedule(len(runs), b, share * served)
         print(f"profile: the serving path fitted on those runs holds the SLA to {served:.2f} req/s at budget {b} "
-              f"(simulated); a run at {share:g} x that, {share * served:.2f} req/s ({len(out[1])} requests)", flush=True)
+              f"(simulated); a run at {share:g} x that, {share * served:.2f} req/s ({len(out[1])} requests)",
+              flush=True)
         return [out]
 
     results, steps = measure(run, schedules, max_seqs, (base.sla_ttft_ms, base.sla_tpot_ms),

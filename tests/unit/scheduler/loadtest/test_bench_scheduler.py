@@ -87,7 +87,8 @@ def test_the_summary_and_the_report_carry_both_checks():
     served = {"sla_attainment": 1.0, "goodput_rps": 2.0, "requests": 10, "errors": 0, "ttft_p50_ms": 1.0,
               "ttft_p95_ms": 2.0, "tpot_p50_ms": 1.0, "tpot_p95_ms": 2.0}
     real = {"workload": "poisson-s1001", "load": 1.0, "rate_rps": 4.0, "best_fixed": "fixed-128",
-            "goodput_ratio": 1.0, "goodput_ceiling": 1 / 0.96, "runs": {"fixed-128": served, "ppo": served}, "validation": {},
+            "goodput_ratio": 1.0, "goodput_ceiling": 1 / 0.96, "runs": {"fixed-128": served, "ppo": served},
+            "validation": {},
             "validation_below_edge": runs, "repeat_spread": None, "noise_check": noise_check(runs),
             "sla_check": sla_check([_summary(400.0, 40.0), _summary(520.0, 40.0)], 0.8, "fixed-128"),
             "serving_path": {"engine_slowdown": 1.1, "prefill_slowdown": None, "serve_chunk_ms": 0.1,
