@@ -58,6 +58,9 @@ def batch_bucket(b: int) -> str:
     raise ConfigError(f"sim: a decode batch of {b} sequences")
 
 
+BUCKET_KEYS = tuple(batch_bucket(lo) for lo, _ in BATCH_BUCKETS)  # "1", "2", "3-4", "5-8", "9+"
+
+
 @dataclass
 class ExitModel:
     """Exit layers (ascending, the last = full depth) and their marginal token fractions; per request,
@@ -204,16 +207,16 @@ class SimConfig:
             raise ConfigError(f"sim: exit_max_batch must be >= 1 or None, got {self.exit_max_batch}")
         for key, probs in (self.decode_rounds or {}).items():
             p = np.asarray(probs, np.float64)
-            if (key not in {batch_bucket(lo) for lo, _ in BATCH_BUCKETS} or p.ndim != 1
+            if (key not in BUCKET_KEYS or p.ndim != 1
                     or not 1 <= p.size <= MAX_ROUND_TOKENS + 1 or (p < 0).any() or abs(p.sum() - 1) > 1e-6):
                 raise ConfigError(f"sim: decode_rounds[{key!r}] must be the probabilities of a plain step and of rounds "
                                   f"of 1..{MAX_ROUND_TOKENS} tokens, summing to 1, for a batch bucket of "
-                                  f"{[batch_bucket(lo) for lo, _ in BATCH_BUCKETS]}; got {probs!r}")
+                                  f"{list(BUCKET_KEYS)}; got {probs!r}")
         by = self.round_ms_by_batch or {}
         if self.round_ms < 0 or any(v < 0 for v in by.values()) \
-                or not set(by) <= {batch_bucket(lo) for lo, _ in BATCH_BUCKETS}:
+                or not set(by) <= set(BUCKET_KEYS):
             raise ConfigError(f"sim: round_ms and round_ms_by_batch's values must be >= 0, the latter's keys batch "
-                              f"buckets of {[batch_bucket(lo) for lo, _ in BATCH_BUCKETS]}; got {self.round_ms}, {by}")
+                              f"buckets of {list(BUCKET_KEYS)}; got {self.round_ms}, {by}")
 
 
 @dataclass(eq=False)

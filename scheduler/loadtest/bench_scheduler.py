@@ -389,8 +389,9 @@ def real_runs(cfg: BenchSchedulerConfig, env: EnvConfig, latency: LatencyModel, 
 def goodput_ceiling(best: dict[str, Any]) -> float | None:
     """The most any policy's goodput can be against ``best`` (a run's ``summarize``) on the same schedule: every
     request within the SLA, 1 / its attainment (goodput = requests met / the run's length; the length, first
-    send to last token, moves by the last requests' latencies only). At the SLA edge the best fixed budget meets
-    95% or more by definition, so the ceiling there is ~1.05 at most. None: it met none."""
+    send to last token, moves by the last requests' latencies only). The edge is where the best fixed budget meets
+    95% in the simulator, so there the ceiling is ~1.05 plus what the served stack falls short of the simulator.
+    None: it met none."""
     attained = best["sla_attainment"]
     return 1.0 / attained if attained else None
 

@@ -46,7 +46,7 @@ from edge.core.errors import ConfigError
 from scheduler.control.engine_model import OVERHEADS, PARAMS, SERVING_JSON, STEP_PARAMS, ServingPath
 from scheduler.control.latency import LatencyModel
 from scheduler.control.policies import FixedBudget
-from scheduler.control.sim import ExitModel, SimConfig, simulate
+from scheduler.control.sim import BUCKET_KEYS, MAX_ROUND_TOKENS, ExitModel, SimConfig, batch_bucket, simulate
 from scheduler.control.workload import Workload
 
 STEP_LOG = "serving_steps.jsonl"  # the served engine's step log of the calibration runs
@@ -113,19 +113,17 @@ def read_step_log(path: str | Path, keep: Sequence[tuple[int, int]] | None = Non
 
 
 def step_terms(latency: LatencyModel, steps: Sequence[dict[str, Any]]) -> np.ndarray:
-    """[N, 6 + len(BATCH_BUCKETS)]: each logged step's profiled decode part (with the per-step constant; the rows
+    """[N, 6 + len(BUCKET_KEYS)]: each logged step's profiled decode part (with the per-step constant; the rows
     of its plain steps), its profiled prefill part, the chunks it sent (in ms: the coefficients are serve_chunk_ms
     and _sq_ms), their square, the two profiled parts times the requests that reached the engine in the last
     FRONT_WINDOW_S seconds (the log's ``a``; 0 in logs written before it), in STEP_PARAMS' order, then its draft
     rounds (in ms: verification calls outside the batched step) in the column of its decode batch's bucket
-    (scheduler/control/sim.py BATCH_BUCKETS: round_ms_by_batch)."""
+    (scheduler/control/sim.py BUCKET_KEYS: round_ms_by_batch)."""
     from scheduler.control.latency import FEATURES, combine, decode_features, prefill_features
-    from scheduler.control.sim import BATCH_BUCKETS, batch_bucket
 
     w = np.array([latency.coef[f] for f in FEATURES])
     pre = np.array([f.startswith("prefill_") for f in FEATURES])
-    keys = [batch_bucket(lo) for lo, _ in BATCH_BUCKETS]
-    out = np.zeros((len(steps), 6 + len(keys)))
+    out = np.zeros((len(steps), 6 + len(BUCKET_KEYS)))
     for i, st in enumerate(steps):
         f = combine(decode_features([e for _, e in st["d"]], [c for c, _ in st["d"]], latency.exit_layers),
                     prefill_features(st["p"], latency.num_layers)).vector()
@@ -133,7 +131,7 @@ def step_terms(latency: LatencyModel, steps: Sequence[dict[str, Any]]) -> np.nda
         out[i, :6] = (d, p, st["c"] / 1e3, st["c"] ** 2 / 1e3, d * a, p * a)
         rounds = sum(r for _, r in st.get("k", ()))
         if rounds:
-            out[i, 6 + keys.index(batch_bucket(len(st["k"])))] = rounds / 1e3
+            out[i, 6 + BUCKET_KEYS.index(batch_bucket(len(st["k"])))] = rounds / 1e3
     return out
 
 
@@ -149,8 +147,6 @@ def fit_steps(latency: LatencyModel, steps: Sequence[dict[str, Any]]) -> tuple[d
         ConfigError: fewer than MIN_STEPS busy steps.
     """
     from scipy.optimize import nnls
-
-    from scheduler.control.sim import BATCH_BUCKETS, batch_bucket
 
     T = step_terms(latency, steps)
     y = np.array([st["s"] for st in steps])
@@ -171,9 +167,8 @@ def fit_steps(latency: LatencyModel, steps: Sequence[dict[str, Any]]) -> tuple[d
     if coef[1] == 0:  # no prefill in the log: prefill as decode
         coef[1] = coef[0]
     fields: dict[str, Any] = dict(zip(STEP_PARAMS[:6], map(float, coef[:6])))
-    keys = [batch_bucket(lo) for lo, _ in BATCH_BUCKETS]
     counts = T[:, 6:].sum(axis=0)  # rounds per bucket (/1e3)
-    fields["round_ms_by_batch"] = {k: float(c) for k, c, n in zip(keys, coef[6:], counts) if n > 0} or None
+    fields["round_ms_by_batch"] = {k: float(c) for k, c, n in zip(BUCKET_KEYS, coef[6:], counts) if n > 0} or None
     # one price for files and readers that know no buckets: the rounds' mean
     fields["round_ms"] = float(coef[6:] @ counts / counts.sum()) if counts.sum() > 0 else 0.0
     pred = T @ coef
@@ -207,8 +202,6 @@ def decode_rounds(steps: Sequence[dict[str, Any]]) -> dict[str, list[float]] | N
     """SimConfig.decode_rounds from the served steps: per decode batch bucket, the share of decoding sequences
     that took a plain step, and that verified a draft round emitting 1, 2, ... MAX_ROUND_TOKENS tokens; None
     without decode steps."""
-    from scheduler.control.sim import MAX_ROUND_TOKENS, batch_bucket
-
     counts: dict[str, np.ndarray] = {}
     for st in steps:
         ks = st.get("k", [(1, 0)] * len(st["d"]))
@@ -386,7 +379,6 @@ def calibrate(run_dir: str | Path, latency: LatencyModel, pool: list[list[int]],
         sp = fit_serving_path(latency, exits, base, results, budgets, steps)
         served = estimate_capacity(latency, exits, EnvConfig(sim=SimConfig(**{**base.__dict__, **sp.sim_fields()})),
                                    FixedBudget(b, max_seqs))
-        budgets.append(b)
         out = schedule(len(runs), b, share * served)
         print(f"profile: the serving path fitted on those runs holds the SLA to {served:.2f} req/s at budget {b} "
               f"(simulated); a run at {share:g} x that, {share * served:.2f} req/s ({len(out[1])} requests)",
@@ -395,7 +387,7 @@ def calibrate(run_dir: str | Path, latency: LatencyModel, pool: list[list[int]],
 
     results, steps = measure(run, schedules, max_seqs, (base.sla_ttft_ms, base.sla_tpot_ms),
                              run / "scheduler" / STEP_LOG, warm=warm, more=at_the_edge if edge_run else None)
-    sp = fit_serving_path(latency, exits, base, results, budgets, steps)
+    sp = fit_serving_path(latency, exits, base, results, budgets + ([edge_run[0]] if edge_run else []), steps)
     sp.save(run / "scheduler" / SERVING_JSON)
     st = sp.fit["steps"]
     past = [f"{t['rate_rps']:.2f} req/s" for t in sp.fit["runs"] if not t["fitted"]]
