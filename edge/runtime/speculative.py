@@ -328,7 +328,13 @@ class SpeculationGate:
     ``MIN_SAMPLES`` times first (speculation first), and the side not chosen is measured again after
     ``RETRY`` iterations (costs drift), the interval doubling up to ``MAX_RETRY`` while the same side
     keeps winning (a losing side's re-measurement is what the gate costs) and reset when the winner
-    changes. The caller leaves out iterations that did one-time work (a graph opened, a binding built:
+    changes. A re-measurement starts the losing side's window afresh (``MIN_SAMPLES`` iterations in a row):
+    it is judged on what it costs now, not on samples from when it lost, which may date from the first
+    iterations, while the acceptance tables were still learning; one fresh sample at a time beside them
+    kept a side that lost early lost for hundreds of iterations after it became the cheaper one (at batch
+    3 in a served run: plain steps on 1,100 consecutive log lines, then drafts on 23 of 25 iterations), so
+    that stacks started alike settled differently. The caller leaves out iterations that did one-time work
+    (a graph opened, a binding built:
     ``Backend.setup_events``), and :meth:`per_token` the rest of a shared machine's spikes. The
     per-shape call costs (:class:`CallCosts`) choose the drafts; this gate answers whether choosing
     them has paid on this machine, which a model of calls alone misses where calls of one shape vary
@@ -382,6 +388,8 @@ class SpeculationGate:
         if self._since[b] >= self._interval[b]:
             self._since[b] = 0
             self._interval[b] = min(2 * self._interval[b], self.MAX_RETRY)
+            self.samples[(b, not wins)] = []  # re-measured afresh: MIN_SAMPLES new iterations before it is judged
+            self._per_token.pop((b, not wins), None)
             return not wins
         return wins
 

@@ -190,9 +190,13 @@ def test_speculation_gate_follows_whole_iterations_and_retries():
     assert not gate.speculate(4)  # plain untried: measured next
     for _ in range(2):
         gate.observe(4, False, 0.004, 4)  # 1 ms a token: plain wins
-    choices = [gate.speculate(4) for _ in range(32 + 64 + 128)]
-    # speculation re-measured after RETRY iterations, then after twice as many each time plain still wins
-    assert [i for i, c in enumerate(choices) if c] == [31, 31 + 64, 31 + 64 + 128]
+    choices = []
+    for _ in range(32 + 64 + 128 + 4):
+        choices.append(gate.speculate(4))
+        gate.observe(4, choices[-1], 0.010 if choices[-1] else 0.004, 4)
+    # speculation re-measured after RETRY iterations, then after twice as many each time plain still wins;
+    # each re-measurement afresh, MIN_SAMPLES iterations in a row
+    assert [i for i, c in enumerate(choices) if c] == [31, 32, 33 + 63, 97, 98 + 127, 226]
     gate.observe(4, True, 100.0, 4)  # a spike (over 3x the window's median rate) is left out
     assert gate.per_token(4, True) == pytest.approx(0.0025)
     gate.observe(4, True, 0.012, 8)  # seconds over tokens, not a mean of rates: 0.032 s / 16 tokens
@@ -205,6 +209,23 @@ def test_speculation_gate_follows_whole_iterations_and_retries():
     assert gate.per_token(4, True) == pytest.approx(0.0008) and gate.speculate(4)
     assert gate.speculate(2) and gate.per_token(2, True) is None  # another batch size is its own
     assert set(gate.as_dict()) == {"4_spec", "4_plain"}
+
+
+def test_speculation_gate_judges_a_re_measured_side_on_what_it_costs_now():
+    """A side that lost while it was dear (speculation while the acceptance tables learn) wins at its first
+    re-measurement once it is cheaper: its old samples do not count against it."""
+    gate = SpeculationGate()
+    for _ in range(SpeculationGate.WINDOW):  # speculation measured dear: 2.5 ms a token
+        gate.observe(4, True, 0.010, 4)
+    for _ in range(SpeculationGate.WINDOW):  # plain steps 1 ms a token
+        gate.observe(4, False, 0.004, 4)
+    choices = []
+    for _ in range(SpeculationGate.RETRY + 8):
+        choices.append(gate.speculate(4))
+        gate.observe(4, choices[-1], 0.0024 if choices[-1] else 0.004, 4)  # speculation now 0.6 ms a token
+    first = choices.index(True)
+    assert first == SpeculationGate.RETRY - 1 and all(choices[first:]), choices
+    assert gate.per_token(4, True) == pytest.approx(0.0006)
 
 
 def test_one_time_work_is_not_measured(exported):
