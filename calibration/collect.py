@@ -104,7 +104,8 @@ def collect_units(model: MultiExitModel, seqs: np.ndarray, first: int, batch: in
     for n, r in enumerate(read_exits(model, seqs, first, batch)):
         if lookups is not None:  # the checks over the shortlist, as the engine runs them
             lt, ll = (a[n * batch:(n + 1) * batch].reshape(-1) for a in lookups)
-            s, tokens = candidate_signals_all_exits(r.hidden, r.tokens[layers[-1]], rows, model.shortlist.numpy(), lt, ll)
+            s, tokens = candidate_signals_all_exits(r.hidden, r.tokens[layers[-1]], rows, model.shortlist.numpy(), lt, ll,
+                                                    model.shortlist_act_scale())
         else:
             s, tokens = _signals(layers, model.gated, r.stats, r.tokens, r.hidden, r.gates), r.tokens
         for k in layers:

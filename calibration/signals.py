@@ -157,8 +157,8 @@ def gated_signals_all_exits(gates: dict[int, np.ndarray], hidden: dict[int, np.n
 
 
 def candidate_signals_all_exits(hidden: dict[int, np.ndarray], final_tokens: np.ndarray, rows: np.ndarray,
-                                shortlist: np.ndarray, lookup_token: np.ndarray, lookup_len: np.ndarray
-                                ) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+                                shortlist: np.ndarray, lookup_token: np.ndarray, lookup_len: np.ndarray,
+                                act_scale: float | None = None) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
     """Signals [N, F] (:func:`edge.model.candidates.signal_names`) and token [N] at every exit of a shortlist model, as
     its checks compute them in the engine, one check after another (each reads the previous one).
 
@@ -168,6 +168,7 @@ def candidate_signals_all_exits(hidden: dict[int, np.ndarray], final_tokens: np.
         rows: the LM head's rows of the shortlist [K, D].
         shortlist: their token ids [K].
         lookup_token, lookup_len: the context lookup's token and match length / MAX_N at each position [N].
+        act_scale: a W8A8 head's activation scale (:func:`edge.model.candidates.shortlist_logits`).
 
     Returns:
         (signals, tokens): exit layer -> [N, F] and -> [N]; the last exit's signals are zeros and its token
@@ -177,7 +178,7 @@ def candidate_signals_all_exits(hidden: dict[int, np.ndarray], final_tokens: np.
     sig, tok = {}, {}
     prev = None
     for k in layers[:-1]:
-        c = check(shortlist_logits(hidden[k], rows), shortlist, lookup_token, lookup_len,
+        c = check(shortlist_logits(hidden[k], rows, act_scale), shortlist, lookup_token, lookup_len,
                   None if prev is None else prev.tokens, None if prev is None else prev.logits, hidden[k])
         sig[k], tok[k], prev = c.features.astype(np.float64), c.token, c
     n = len(final_tokens)

@@ -447,7 +447,8 @@ def export_onnx(model: MultiExitModel, out_dir: str | Path, cfg: ExportConfig,
         )
         if model.has_shortlist:  # the shortlist's LM-head rows, for backends that check candidates on the host
             np.save(tmp / SHORTLIST_ROWS, model.shortlist_rows().numpy().astype(np.float32))
-            manifest.model["shortlist_rows"] = {"file": SHORTLIST_ROWS, "sha256": sha256_file(tmp / SHORTLIST_ROWS)}
+            manifest.model["shortlist_rows"] = {"file": SHORTLIST_ROWS, "sha256": sha256_file(tmp / SHORTLIST_ROWS),
+                                                "act_scale": model.shortlist_act_scale()}
         manifest.fused_skipped = fused_supported(model)
         if manifest.fused_skipped is None:
             fused = save_fused(build_fused(model, seg_layers, cfg.full_graph, tuple(cfg.verify_batches)), tmp / FUSED_DIR,

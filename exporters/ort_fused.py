@@ -85,7 +85,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edge.core.errors import ConfigError
 from edge.model.exits import MultiExitModel
-from exporters.ort_quant import matmul
+from exporters.ort_quant import matmul, output_rows
 
 MS = "com.microsoft"
 FULL = "full"  # the graph of every layer, first to last (a segment graph without decision exits)
@@ -333,15 +333,20 @@ class _Builder:
         Inputs ``lookup_token`` int64 [B, 1] and ``lookup_len`` [B, 1] (the context lookup's token and match
         length / MAX_N), ``prev_tokens`` int64 [B, 2] and ``prev_logits`` [B, 2] (the previous check's; -1
         and 0 before the first). Outputs ``exit_tokens`` [B, 2], ``exit_logits`` [B, 2], ``exit_features``
-        [B, F], ``exit_score`` [B, 1]. Eleven nodes after the exit norm, every one on the rows' own shapes
+        [B, F], ``exit_score`` [B, 1]. Eleven nodes after the exit norm (a W8A8 head: its integer product over
+        the shortlist rows instead of the float MatMul, two nodes once ONNX Runtime fuses it), every one on the rows' own shapes
         (no reshape, slice or first-check variant): at batch 1 a node costs a few microseconds whatever
-        it computes, so the node count is the check's price."""
+        it computes, and the candidate rows' bytes the rest of the check's price (docs/runtime.md)."""
         from edge.model.candidates import num_features
 
         model = self.model
         f = num_features(self.cfg.hidden_size)
-        rows = model.shortlist_rows()  # [K, D]
-        z = self.node("MatMul", [eh, self.weight("sl.rows_t", rows.T.contiguous())], ["sl.z"])[0]  # [B, K]
+        if model.shortlist_act_scale() is None:  # a float head (or float activations): its rows, float32
+            rows = model.shortlist_rows()  # [K, D]
+            z = self.node("MatMul", [eh, self.weight("sl.rows_t", rows.T.contiguous())], ["sl.z"])[0]  # [B, K]
+        else:  # a W8A8 head's own integer product over its shortlist rows: int8 rows, a quarter of the float
+            # rows' bytes, which a check on a CPU pays for more than for its arithmetic (docs/runtime.md)
+            z = self.linear(eh, output_rows(model.backbone.head_q, model.shortlist), "sl")
         vals, idx = self.node("TopK", [z, self.const("c.k2", [2])], ["exit_logits", "sl.idx"], axis=-1, largest=1,
                               sorted=1)
         tokens = self.node("Gather", [self.weight("sl.ids", model.shortlist.numpy().astype(np.int64)), idx],

@@ -43,6 +43,26 @@ def _spec_of(lins: list[nn.Linear]) -> tuple[str, float]:
     return kinds.pop(), (scales.pop() if scales else 0.0)
 
 
+def output_rows(lin: QuantLinear, index: torch.Tensor) -> QuantLinear:
+    """A W8A8 linear's outputs ``index`` alone, quantized as ``lin`` quantizes them (per-output-channel
+    scales are each row's own; the same activation scale): :func:`matmul` of it computes ``lin``'s product
+    for those outputs (a candidate check's logits over the LM head's shortlist rows).
+
+    Raises:
+        ConfigError: ``lin`` is not W8A8 with calibrated activations.
+    """
+    if not (isinstance(lin, QuantLinear) and lin.enabled and lin.has_act_quant):
+        raise ConfigError("output rows: only a W8A8 linear with calibrated activations")
+    idx = torch.as_tensor(index, dtype=torch.long)
+    sub = QuantLinear(lin.in_features, len(idx), lin.bias is not None, lin.spec)
+    with torch.no_grad():
+        sub.weight.copy_(lin.weight.detach()[idx])
+        if lin.bias is not None:
+            sub.bias.copy_(lin.bias.detach()[idx])
+        sub.act_scale.copy_(lin.act_scale)
+    return sub.to(lin.weight.device)
+
+
 def pack_nbits(codes: np.ndarray, block: int) -> np.ndarray:
     """INT4 codes [N, K] in [-8, 7] -> MatMulNBits' B [N, K / block, block / 2] uint8."""
     n, k = codes.shape

@@ -84,9 +84,16 @@ class CandidateOut:
         return self.tokens[:, 0]
 
 
-def shortlist_logits(exit_hidden: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Candidate logits [B, K] = exit_hidden [B, D] @ rows[K, D]^T in float32."""
-    return np.asarray(exit_hidden, np.float32) @ np.asarray(rows, np.float32).T
+def shortlist_logits(exit_hidden: np.ndarray, rows: np.ndarray, act_scale: float | None = None) -> np.ndarray:
+    """Candidate logits [B, K] = exit_hidden [B, D] @ rows[K, D]^T in float32; with ``act_scale`` (a W8A8
+    head's activation scale: :meth:`edge.model.exits.MultiExitModel.shortlist_act_scale`) the exit hidden
+    quantized first as that head quantizes its input (x / scale, round half to even, clamp to int8), so the
+    candidates are scored as the head would score them."""
+    x = np.asarray(exit_hidden, np.float32)
+    if act_scale is not None:
+        s = np.float32(act_scale)
+        x = np.clip(np.rint(x / s), -128, 127).astype(np.float32) * s
+    return x @ np.asarray(rows, np.float32).T
 
 
 def check(z: np.ndarray, shortlist: np.ndarray, lookup_token: np.ndarray, lookup_len: np.ndarray,

@@ -146,6 +146,14 @@ class MultiExitModel(nn.Module):
         w = bb.head_weight if bb.head_q is None else bb.head_q.quantized_weight()  # the quantized head's grid values
         return w.detach().float()[self.shortlist].cpu()
 
+    def shortlist_act_scale(self) -> float | None:
+        """The activation scale a W8A8 LM head quantizes its input with (None: a float head, or one whose
+        activations stay float): a check scores its candidates with the head's own product, so the exit
+        hidden is quantized with it too (in the fused graphs an integer product over int8 rows, a quarter of
+        the float rows' bytes: docs/runtime.md)."""
+        head = self.backbone.head_q
+        return float(head.act_scale) if head is not None and getattr(head, "has_act_quant", False) else None
+
     @property
     def gated(self) -> bool:
         """Decision exits carry gates (:class:`ExitGate`)."""

@@ -156,7 +156,7 @@ class _Checks:
 
     def __init__(self, model: MultiExitModel, rule: Any, lookup: Lookup) -> None:
         self.model, self.rule = model, rule
-        self.rows = model.shortlist_rows().numpy()
+        self.rows, self.act_scale = model.shortlist_rows().numpy(), model.shortlist_act_scale()
         token, n = lookup.predict()
         self.lookup = (np.array([token]), lookup_feature(np.array([n])))
         self.checked = float(self.lookup[1][0]) >= float(getattr(rule, "route_min_lookup", 0.0)) - 1e-6
@@ -164,7 +164,7 @@ class _Checks:
 
     def __call__(self, layer: int, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(exit here [1] bool, the check's token [1]) at decision exit ``layer``."""
-        c = check(shortlist_logits(hidden, self.rows), self.model.shortlist.numpy(), *self.lookup,
+        c = check(shortlist_logits(hidden, self.rows, self.act_scale), self.model.shortlist.numpy(), *self.lookup,
                   None if self.prev is None else self.prev.tokens, None if self.prev is None else self.prev.logits,
                   hidden)
         self.prev = c

@@ -139,6 +139,9 @@ class Backend(abc.ABC):
         self.rule_mlp = [(np.zeros((f, MAX_HIDDEN), np.float32), np.zeros(MAX_HIDDEN, np.float32),
                           np.zeros((MAX_HIDDEN, 1), np.float32), np.full(1, -1.0, np.float32)) for _ in self.segments[:-1]]
         self.shortlist_ids = np.asarray(spec.shortlist, np.int64)
+        # a W8A8 head's activation scale: host-side checks quantize the exit hidden with it before the product
+        # (MultiExitModel.shortlist_act_scale; the export records it beside the rows)
+        self.shortlist_act_scale: float | None = None
 
     def set_rule(self, forms: dict[int, tuple[np.ndarray, float] | ScoreForm]) -> None:
         """The exit rule per decision exit layer: a linear score (w, b), exit where features @ w + b >= 0,
@@ -354,7 +357,7 @@ def host_candidates(backend: Backend, i: int, out: SegmentOut, prev: SegmentOut 
     (torch_static computes them on its device). Fills the output's token, features, candidates and score."""
     first = i == 0 or prev is None
     if z is None:
-        z = shortlist_logits(out.exit_hidden, rows)
+        z = shortlist_logits(out.exit_hidden, rows, backend.shortlist_act_scale)
     c = check(z, backend.shortlist_ids, lookup[0], lookup[1],
               None if first else prev.cand_tokens, None if first else prev.cand_logits, out.exit_hidden)
     out.token, out.features, out.cand_tokens, out.cand_logits = c.token, c.features, c.tokens, c.logits

@@ -82,6 +82,13 @@ def verify_graphs(graphs_dir: str | Path, checkpoint_sha256: str) -> dict[str, A
     return meta
 
 
+def shortlist_act_scale(meta: dict[str, Any]) -> float | None:
+    """The activation scale a W8A8 head quantizes the exit hidden with before the candidate product, as the
+    export recorded it beside the shortlist rows (None: float activations, or no shortlist)."""
+    rec = meta.get("model", {}).get("shortlist_rows") or {}
+    return None if rec.get("act_scale") is None else float(rec["act_scale"])
+
+
 def shortlist_rows(graphs_dir: str | Path, meta: dict[str, Any]):
     """The LM head's rows of the export's candidate shortlist, float32 [K, D] (None without a shortlist).
 

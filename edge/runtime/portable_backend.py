@@ -29,7 +29,7 @@ import numpy as np
 from edge.core.artifacts import sha256_file, sha256_path
 from edge.core.errors import ArtifactError, ConfigError, require
 from edge.runtime.backend import Backend, HeadOut, ModelSpec, SegmentOut, build_mask, host_candidates, host_decision
-from edge.runtime.graphs import GRAPHS_JSON, load_graphs_json, shortlist_rows, verify_graphs
+from edge.runtime.graphs import GRAPHS_JSON, load_graphs_json, shortlist_act_scale, shortlist_rows, verify_graphs
 from edge.runtime.ortsession import open_session
 
 ENGINES_JSON = "engines.json"  # what `make jetson-engines` (edge/jetson/engines.py) writes beside the plans
@@ -327,6 +327,7 @@ class OrtPortableBackend(PortableBackend):
         meta = load_meta(graphs_dir, checkpoint, self.name)
         super().__init__(portable_spec(meta, graphs_dir), OrtGraphRunner(graphs_dir, threads, meta))
         self.shortlist_rows = shortlist_rows(graphs_dir, meta)
+        self.shortlist_act_scale = shortlist_act_scale(meta)
 
 
 class TensorRTBackend(PortableBackend):
@@ -357,5 +358,6 @@ class TensorRTBackend(PortableBackend):
         engines = check_engines(graphs_dir, engines_dir, meta)
         super().__init__(spec, TrtGraphRunner(engines_dir, engines))
         self.shortlist_rows = shortlist_rows(graphs_dir, meta)
+        self.shortlist_act_scale = shortlist_act_scale(meta)
         # the profile's largest T: a longer call is outside every engine's profile (trt_runner refuses it)
         self.max_chunk = profile_max_chunk(engines, Path(engines_dir) / ENGINES_JSON)

@@ -165,6 +165,7 @@ class StaticTorchBackend(Backend):
             raise ConfigError(f"CUDA graphs need a CUDA device, not {self.device}")
         super().__init__(ModelSpec.of(model))
         self.shortlist_rows = model.shortlist_rows().numpy() if model.has_shortlist else None  # [K, D], float32
+        self.shortlist_act_scale = model.shortlist_act_scale() if model.has_shortlist else None
         self.dtype = DTYPES[dtype]
         self.model = model.eval().to(device=self.device, dtype=self.dtype)
         # the candidate check's product runs on the device, in float32 as on the host and in the fused graphs
@@ -229,7 +230,9 @@ class StaticTorchBackend(Backend):
         """A shortlist check's exit hidden and candidate logits [B, D + K] in float32: one array, one copy to
         the host."""
         e = eh.float()
-        return torch.cat((e, e @ self._rows_t), dim=1)
+        s = self.shortlist_act_scale
+        x = e if s is None else torch.round(e / s).clamp_(-128, 127).mul_(s)  # a W8A8 head's input quantization
+        return torch.cat((e, x @ self._rows_t), dim=1)
 
     def _decode_plan(self, kind: str, i: int, bucket: int) -> _Captured:
         key = (kind, i, bucket)

@@ -24,6 +24,7 @@ class TorchBackend(Backend):
         super().__init__(ModelSpec.of(model))
         self.model = model.eval()
         self.shortlist_rows = model.shortlist_rows().numpy() if model.has_shortlist else None  # [K, D]
+        self.shortlist_act_scale = model.shortlist_act_scale() if model.has_shortlist else None
 
     def _segment(self, i, x, slots, start, prev, decide, rows, draft, lookup):  # the reference drafts with the exact head
         with torch.no_grad():

@@ -208,6 +208,65 @@ def test_onnxruntime_decides_as_torch(exported, mode):
             assert _run(Engine(backend, EngineConfig(**cfg), rule), prompts, max_tokens=16) == ref, name
 
 
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """A shortlist model with a W8A8 head (and layers), activations calibrated, exported to fused graphs."""
+    from edge.compress.apply import calibrate_activations, observe, quantize_head, quantize_layers
+    from edge.compress.quant import QuantSpec
+
+    m = _model(seed=7)
+    for p in m.backbone.parameters():  # the checkpoint's fp16 values first: _export's rounding then changes
+        p.data = p.data.half().float()  # nothing the quantized linears cached from the weights
+    quantize_layers(m, {j: QuantSpec() for j in range(CFG.num_layers)})
+    quantize_head(m, QuantSpec())
+    observe(m, [torch.randint(0, CFG.vocab_size, (4, 16), generator=torch.Generator().manual_seed(1))])
+    calibrate_activations(m)
+    assert m.shortlist_act_scale() is not None
+    return _export(tmp_path_factory.mktemp("cand_q"), m)
+
+
+def test_a_w8a8_head_scores_its_candidates_with_its_own_product(quantized):
+    """With a W8A8 head the check's candidate logits are that head's logits on the shortlist rows (input
+    quantized with its activation scale): on the host (shortlist_logits) as the torch head computes them, and
+    in the fused graphs as an integer product over int8 rows, no float copy of the rows (a quarter of the
+    bytes: docs/runtime.md). The fused graphs' engine gives the tokens and exit layers of the portable graphs'
+    (the host check, with the scale the export recorded)."""
+    import json
+
+    import onnx
+
+    from edge.model.candidates import shortlist_logits
+
+    m, ckpt, graphs = quantized
+    hidden = torch.randn(5, CFG.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = m.backbone.head_q(hidden)[:, m.shortlist].numpy()
+    got = shortlist_logits(hidden.numpy(), m.shortlist_rows().numpy(), m.shortlist_act_scale())
+    assert_f32_close(got, want, CFG.hidden_size, what="candidate logits vs the torch head")
+    # without the input's quantization the logits differ by more than float rounding: the scale is used
+    assert np.abs(shortlist_logits(hidden.numpy(), m.shortlist_rows().numpy()) - want).max() > 1e-3 * np.abs(want).max()
+    meta = json.loads((graphs / "graphs.json").read_text())
+    assert meta["model"]["shortlist_rows"]["act_scale"] == pytest.approx(m.shortlist_act_scale())
+    g = onnx.load(str(graphs / meta["fused"]["graphs"]["segment_0"]["file"]))
+    inits = {t.name: t for t in g.graph.initializer}
+    assert "sl.rows_t" not in inits and inits["sl.w_i8"].data_type == onnx.TensorProto.INT8
+    assert "sl.a_scale" in inits  # the input quantized as the head quantizes its own
+    prompts = [p + p[:6] for p in _prompts(4, seed=8)]
+    cfg = dict(max_seqs=4, max_running=4, max_len=128, prefill_budget=24, kv_mode=KVMode.DEFER,
+               defer_exit_max_batch=None)
+    rule = _MlpRule()
+    # the integer layers round differently in torch's fake quantization and ONNX Runtime's kernels (near ties
+    # flip a full-depth token: tests/unit/calibration/test_freerun.py judges such an engine against itself), so
+    # the fused graphs' in-graph checks are held to the portable graphs' host checks: the same layers' kernels
+    portable = make_backend("onnxruntime_portable", graphs_dir=graphs, checkpoint=ckpt, threads=1)
+    assert portable.shortlist_act_scale == pytest.approx(m.shortlist_act_scale())  # recorded by the export
+    ref = _run(Engine(portable, EngineConfig(**cfg), rule), prompts, max_tokens=16)
+    layers = {e for seq in ref for _, e in seq}
+    assert layers & {1, 2, 3, 4} and 6 in layers, f"exits and full depth must both occur ({layers})"
+    fused = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1)
+    assert _run(Engine(fused, EngineConfig(**cfg), rule), prompts, max_tokens=16) == ref
+
+
 def test_inline_deferral_gives_deferrals_tokens_without_its_catch_up(exported):
     """EngineConfig.defer_inline, free-running calibration's engine: a leaving row's skipped layers computed in
     the same step give deferral's tokens and exit layers (batch 4, rows leaving at every check, the shortlist
