@@ -169,26 +169,39 @@ def decision_chains(fused_dir: Path, split_dir: Path, segments: int) -> dict[str
 
 
 def chain_times(chains: dict[str, list[Path]], cfg: ModelConfig, batch: int, past: int, threads: int, calls: int,
-                repeats: int, by_call: bool = False) -> dict[str, list[float]]:
+                repeats: int, by_call: bool = False, builds: int = 1) -> dict[str, list[float]]:
     """Milliseconds per call of each chain at ``batch`` rows of ``past`` cached tokens of a model shaped
     ``cfg``, one value per repeat, the chains interleaved (``by_call``: call by call, else ``calls`` at a
     time); chains calling the same graph share its session.
 
+    ``builds`` > 1: the sessions are opened afresh that many times, the chains' order reversed every other
+    time, and the repeats split between them. Where a session sits in memory moves its speed: on a 2-core
+    VM the same chains measured a check at 0.12-0.17 layers (batch 16) with the no-check graphs opened
+    before the checking ones and 0.19-0.46 the other way round, so one order is one draw of that bias.
+
     Raises:
-        ConfigError: ``batch``, ``past``, ``calls`` or ``repeats`` below 1.
+        ConfigError: ``batch``, ``past``, ``calls``, ``repeats`` or ``builds`` below 1.
     """
     import onnxruntime as ort
 
-    if min(batch, past, calls, repeats) < 1:
-        raise ConfigError(f"chain times: batch ({batch}), past ({past}), calls ({calls}) and repeats ({repeats}) "
-                          "must be >= 1")
+    if min(batch, past, calls, repeats, builds) < 1:
+        raise ConfigError(f"chain times: batch ({batch}), past ({past}), calls ({calls}), repeats ({repeats}) and "
+                          f"builds ({builds}) must be >= 1")
     cap = past + 8
     rng = np.random.default_rng(1)
     cache = {f"{kind}_{j}": (0.1 * rng.standard_normal((batch, cfg.num_kv_heads, cap, cfg.head_dim))).astype(np.float32)
              for j in range(cfg.num_layers) for kind in ("key", "value")}
-    sessions: dict[Path, object] = {}
-    built = {name: _Chain(ort, paths, batch, past, cache, threads, sessions) for name, paths in chains.items()}
-    return _times_ms({k: c.run for k, c in built.items()}, calls, repeats, by_call)
+    times: dict[str, list[float]] = {name: [] for name in chains}
+    for k in range(min(builds, repeats)):
+        share = repeats // builds + (k < repeats % builds)  # the repeats, spread over the builds
+        names = list(chains) if k % 2 == 0 else list(chains)[::-1]
+        sessions: dict[Path, object] = {}
+        built = {name: _Chain(ort, chains[name], batch, past, cache, threads, sessions) for name in names}
+        got = _times_ms({name: built[name].run for name in chains}, calls, share, by_call)
+        for name in chains:
+            times[name] += got[name]
+        del built, sessions
+    return times
 
 
 def cost_from_times(ms: dict[str, float], num_layers: int, segments: int, batch: int, past: int) -> DecisionCost:
@@ -201,9 +214,10 @@ def cost_from_times(ms: dict[str, float], num_layers: int, segments: int, batch:
 
 
 def decision_cost(model: MultiExitModel, fused_dir: Path, batch: int, past: int = 96, threads: int = 2,
-                  calls: int = 50, repeats: int = 15) -> DecisionCost:
+                  calls: int = 50, repeats: int = 15, builds: int = 2) -> DecisionCost:
     """The check's price on ``model``'s export (``fused_dir``: its fused graphs, a candidate shortlist
-    model's) at ``batch`` rows of ``past`` cached tokens.
+    model's) at ``batch`` rows of ``past`` cached tokens; the repeats spread over ``builds`` openings of the
+    sessions in alternating orders (:func:`chain_times`).
 
     Raises:
         ConfigError: a model without a candidate shortlist (its checks are LM heads: docs/runtime.md).
@@ -214,8 +228,9 @@ def decision_cost(model: MultiExitModel, fused_dir: Path, batch: int, past: int 
     with tempfile.TemporaryDirectory(prefix="smartexit-decision-") as tmp:
         split_graphs(model, Path(tmp))
         # call by call: the chains differ by a few percent, less than this VM's drift between batches of calls
+        # and over sessions opened in both orders (chain_times: where a session sits moves its speed)
         times = chain_times(decision_chains(fused_dir, Path(tmp), n), model.backbone.cfg, batch, past, threads,
-                            calls, repeats, by_call=True)
+                            calls, repeats, by_call=True, builds=builds)
     # the check and the boundary are differences of chains measured in the same repeat: the median of the
     # paired differences, not the difference of medians (which pairs one repeat's split with another's checks)
     per = [cost_from_times({k: v[r] for k, v in times.items()}, model.num_layers, n, batch, past)

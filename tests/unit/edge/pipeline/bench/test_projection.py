@@ -192,3 +192,30 @@ def test_decision_cost_keeps_its_interface(tmp_path):
     cost = decision_cost(model, tmp_path, 1, 16, 2, calls=2, repeats=2)
     assert isinstance(cost, DecisionCost) and cost.batch == 1 and cost.past == 16
     assert all(math.isfinite(v) for v in cost.to_dict().values()) and cost.layer_ms > 0
+
+
+def test_chain_times_spreads_repeats_over_sessions_opened_in_both_orders(tmp_path, monkeypatch):
+    """builds > 1: the sessions are opened afresh per build, the chains in reversed order every other build
+    (where a session sits moves its speed), and the repeats are split between the builds, none lost."""
+    import torch
+
+    from edge.model.decoder import Decoder
+    from edge.model.exits import ExitConfig, MultiExitModel
+    from edge.model.segments import segment_layers
+    from edge.pipeline.bench import decision
+    from exporters.ort_fused import build_fused, save_fused
+
+    dec = Decoder(shape_config("micro"))
+    dec.init_weights(0)
+    model = MultiExitModel(dec, ExitConfig(layers=[2, 4], adapter_rank=0, shortlist=32)).eval()
+    with torch.no_grad():
+        save_fused(build_fused(model, segment_layers(model.exit_layers)), tmp_path)
+    opened = []
+    real = decision.open_session
+    monkeypatch.setattr(decision, "open_session", lambda ort, path, *a, **k: opened.append(path.name) or real(ort, path, *a, **k))
+    chains = {"full": [tmp_path / "full.onnx", tmp_path / "head.onnx"], "head": [tmp_path / "head.onnx"]}
+    times = decision.chain_times(chains, model.backbone.cfg, 1, 16, 1, calls=2, repeats=5, by_call=True, builds=3)
+    assert {k: len(v) for k, v in times.items()} == {"full": 5, "head": 5}
+    assert opened == ["full.onnx", "head.onnx", "head.onnx", "full.onnx", "full.onnx", "head.onnx"]
+    with pytest.raises(ConfigError, match="builds"):
+        decision.chain_times(chains, model.backbone.cfg, 1, 16, 1, calls=2, repeats=2, builds=0)
