@@ -328,12 +328,16 @@ class SpeculationGate:
     ``MIN_SAMPLES`` times first (speculation first), and the side not chosen is measured again after
     ``RETRY`` iterations (costs drift), the interval doubling up to ``MAX_RETRY`` while the same side
     keeps winning (a losing side's re-measurement is what the gate costs) and reset when the winner
-    changes. A re-measurement starts the losing side's window afresh (``MIN_SAMPLES`` iterations in a row):
-    it is judged on what it costs now, not on samples from when it lost, which may date from the first
-    iterations, while the acceptance tables were still learning; one fresh sample at a time beside them
-    kept a side that lost early lost for hundreds of iterations after it became the cheaper one (at batch
-    3 in a served run: plain steps on 1,100 consecutive log lines, then drafts on 23 of 25 iterations), so
-    that stacks started alike settled differently. The caller leaves out iterations that did one-time work
+    changes. A re-measurement starts the losing side's window afresh and judges it on that one iteration
+    (its window then fills as usual if it wins): on what it costs now, not on samples from when it lost,
+    which may date from the first iterations, while the acceptance tables were still learning; one fresh
+    sample at a time beside them kept a side that lost early lost for hundreds of iterations after it
+    became the cheaper one (at batch 3 in a served run: plain steps on 1,100 consecutive log lines, then
+    drafts on 23 of 25 iterations), so that stacks started alike settled differently. One iteration, not
+    ``MIN_SAMPLES``: where drafting loses by far (rows verified one call each at batch 8) a probe is the
+    gate's whole cost, and a replay of the gate measured two-iteration probes at 3.3% over the cheaper side's
+    cost there against 1.6% with one, and the same 6% where drafting wins by a fifth (docs/scheduler.md).
+    The caller leaves out iterations that did one-time work
     (a graph opened, a binding built:
     ``Backend.setup_events``), and :meth:`per_token` the rest of a shared machine's spikes. The
     per-shape call costs (:class:`CallCosts`) choose the drafts; this gate answers whether choosing
@@ -357,6 +361,7 @@ class SpeculationGate:
         self._interval: dict[int, int] = {}
         self._winner: dict[int, bool] = {}
         self._per_token: dict[tuple[int, bool], float | None] = {}  # per_token's answers until the next observe
+        self._probing: set[tuple[int, bool]] = set()  # re-measured sides, judged on fewer than MIN_SAMPLES
 
     def per_token(self, b: int, speculated: bool) -> float | None:
         """The side's seconds per token at batch ``b``: its iterations' seconds over their tokens (not a mean
@@ -368,7 +373,7 @@ class SpeculationGate:
         key = (b, speculated)
         if key not in self._per_token:
             got = self.samples.get(key, [])
-            if len(got) < self.MIN_SAMPLES:
+            if len(got) < (1 if key in self._probing else self.MIN_SAMPLES):
                 self._per_token[key] = None
             else:  # plain Python on at most WINDOW pairs: numpy's fixed costs were most of it
                 rates = sorted(sec / tok for sec, tok in got)
@@ -388,8 +393,9 @@ class SpeculationGate:
         if self._since[b] >= self._interval[b]:
             self._since[b] = 0
             self._interval[b] = min(2 * self._interval[b], self.MAX_RETRY)
-            self.samples[(b, not wins)] = []  # re-measured afresh: MIN_SAMPLES new iterations before it is judged
+            self.samples[(b, not wins)] = []  # re-measured afresh, judged on this one iteration
             self._per_token.pop((b, not wins), None)
+            self._probing.add((b, not wins))
             return not wins
         return wins
 
@@ -399,6 +405,8 @@ class SpeculationGate:
         window = self.samples.setdefault((b, speculated), [])
         window.append((seconds, tokens))
         del window[:-self.WINDOW]
+        if len(window) >= self.MIN_SAMPLES:
+            self._probing.discard((b, speculated))
         self._per_token.pop((b, speculated), None)
 
     def as_dict(self) -> dict[str, float | None]:

@@ -195,8 +195,10 @@ def test_speculation_gate_follows_whole_iterations_and_retries():
         choices.append(gate.speculate(4))
         gate.observe(4, choices[-1], 0.010 if choices[-1] else 0.004, 4)
     # speculation re-measured after RETRY iterations, then after twice as many each time plain still wins;
-    # each re-measurement afresh, MIN_SAMPLES iterations in a row
-    assert [i for i, c in enumerate(choices) if c] == [31, 32, 33 + 63, 97, 98 + 127, 226]
+    # each re-measurement one iteration, judged alone (its old samples dropped)
+    assert [i for i, c in enumerate(choices) if c] == [31, 31 + 64, 31 + 64 + 128]
+    assert len(gate.samples[(4, True)]) == 1
+    gate.observe(4, True, 0.010, 4)  # a second sample: the window is no longer a probe
     gate.observe(4, True, 100.0, 4)  # a spike (over 3x the window's median rate) is left out
     assert gate.per_token(4, True) == pytest.approx(0.0025)
     gate.observe(4, True, 0.012, 8)  # seconds over tokens, not a mean of rates: 0.032 s / 16 tokens
