@@ -334,9 +334,9 @@ class _Builder:
         length / MAX_N), ``prev_tokens`` int64 [B, 2] and ``prev_logits`` [B, 2] (the previous check's; -1
         and 0 before the first). Outputs ``exit_tokens`` [B, 2], ``exit_logits`` [B, 2], ``exit_features``
         [B, F], ``exit_score`` [B, 1]. Eleven nodes after the exit norm (a W8A8 head: its integer product over
-        the shortlist rows instead of the float MatMul, two nodes once ONNX Runtime fuses it), every one on the rows' own shapes
-        (no reshape, slice or first-check variant): at batch 1 a node costs a few microseconds whatever
-        it computes, and the candidate rows' bytes the rest of the check's price (docs/runtime.md)."""
+        the shortlist rows instead of the float MatMul, two nodes once ONNX Runtime fuses it), every one on the
+        rows' own shapes (no reshape, slice or first-check variant): at batch 1 a node costs a few microseconds
+        whatever it computes (docs/runtime.md)."""
         from edge.model.candidates import num_features
 
         model = self.model
@@ -344,8 +344,8 @@ class _Builder:
         if model.shortlist_act_scale() is None:  # a float head (or float activations): its rows, float32
             rows = model.shortlist_rows()  # [K, D]
             z = self.node("MatMul", [eh, self.weight("sl.rows_t", rows.T.contiguous())], ["sl.z"])[0]  # [B, K]
-        else:  # a W8A8 head's own integer product over its shortlist rows: int8 rows, a quarter of the float
-            # rows' bytes, which a check on a CPU pays for more than for its arithmetic (docs/runtime.md)
+        else:  # a W8A8 head's own integer product over its shortlist rows, as the head scores those tokens
+            # (int8 rows, a quarter of the float rows' bytes; no change in time measurable on a CPU: docs/runtime.md)
             z = self.linear(eh, output_rows(model.backbone.head_q, model.shortlist), "sl")
         vals, idx = self.node("TopK", [z, self.const("c.k2", [2])], ["exit_logits", "sl.idx"], axis=-1, largest=1,
                               sorted=1)

@@ -151,8 +151,10 @@ class MultiExitModel(nn.Module):
         activations stay float): a check scores its candidates with the head's own product, so the exit
         hidden is quantized with it too (in the fused graphs an integer product over int8 rows, a quarter of
         the float rows' bytes: docs/runtime.md)."""
-        head = self.backbone.head_q
-        return float(head.act_scale) if head is not None and getattr(head, "has_act_quant", False) else None
+        head = self.backbone.head_q  # a QuantLinear (edge.compress, a layer above this module) or None
+        if head is None or not head.enabled or not head.has_act_quant:
+            return None
+        return float(head.act_scale)
 
     @property
     def gated(self) -> bool:

@@ -337,8 +337,7 @@ class SpeculationGate:
     ``MIN_SAMPLES``: where drafting loses by far (rows verified one call each at batch 8) a probe is the
     gate's whole cost, and a replay of the gate measured two-iteration probes at 3.3% over the cheaper side's
     cost there against 1.6% with one, and the same 6% where drafting wins by a fifth (docs/scheduler.md).
-    The caller leaves out iterations that did one-time work
-    (a graph opened, a binding built:
+    The caller leaves out iterations that did one-time work (a graph opened, a binding built:
     ``Backend.setup_events``), and :meth:`per_token` the rest of a shared machine's spikes. The
     per-shape call costs (:class:`CallCosts`) choose the drafts; this gate answers whether choosing
     them has paid on this machine, which a model of calls alone misses where calls of one shape vary

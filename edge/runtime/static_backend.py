@@ -37,6 +37,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from edge.compress.quant import fake_quant_act
 from edge.core.errors import ConfigError
 from edge.model.exits import MultiExitModel, exit_decision_stats
 from edge.runtime.backend import Backend, HeadOut, ModelSpec, SegmentOut, host_candidates, host_decision
@@ -171,6 +172,8 @@ class StaticTorchBackend(Backend):
         # the candidate check's product runs on the device, in float32 as on the host and in the fused graphs
         self._rows_t = (None if self.shortlist_rows is None
                         else torch.from_numpy(self.shortlist_rows.T.copy()).to(self.device))  # [D, K]
+        self._act_scale = (None if self.shortlist_act_scale is None  # float32 whatever the model's dtype
+                           else torch.tensor(self.shortlist_act_scale, dtype=torch.float32, device=self.device))
         self.bb = self.model.backbone
         self._buckets_asked = buckets
         self._plans: dict[tuple, _Captured] = {}
@@ -230,8 +233,7 @@ class StaticTorchBackend(Backend):
         """A shortlist check's exit hidden and candidate logits [B, D + K] in float32: one array, one copy to
         the host."""
         e = eh.float()
-        s = self.shortlist_act_scale
-        x = e if s is None else torch.round(e / s).clamp_(-128, 127).mul_(s)  # a W8A8 head's input quantization
+        x = e if self._act_scale is None else fake_quant_act(e, self._act_scale)  # a W8A8 head's input quantization
         return torch.cat((e, x @ self._rows_t), dim=1)
 
     def _decode_plan(self, kind: str, i: int, bucket: int) -> _Captured:

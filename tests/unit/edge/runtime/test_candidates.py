@@ -243,6 +243,17 @@ def test_a_w8a8_head_scores_its_candidates_with_its_own_product(quantized):
         want = m.backbone.head_q(hidden)[:, m.shortlist].numpy()
     got = shortlist_logits(hidden.numpy(), m.shortlist_rows().numpy(), m.shortlist_act_scale())
     assert_f32_close(got, want, CFG.hidden_size, what="candidate logits vs the torch head")
+    m.backbone.head_q.enabled = False  # a head switched to float (sensitivity analysis) computes without it
+    try:
+        assert m.shortlist_act_scale() is None
+    finally:
+        m.backbone.head_q.enabled = True
+    from edge.runtime.static_backend import StaticTorchBackend
+
+    static = StaticTorchBackend(m, device="cpu", graphs=False)  # torch_static: the product on its device
+    with torch.no_grad():
+        on_device = static._ehz(hidden)[:, CFG.hidden_size:].numpy()
+    assert_f32_close(on_device, got, CFG.hidden_size, what="torch_static's candidate logits vs the host's")
     # without the input's quantization the logits differ by more than float rounding: the scale is used
     assert np.abs(shortlist_logits(hidden.numpy(), m.shortlist_rows().numpy()) - want).max() > 1e-3 * np.abs(want).max()
     meta = json.loads((graphs / "graphs.json").read_text())
