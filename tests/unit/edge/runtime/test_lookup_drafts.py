@@ -392,17 +392,19 @@ def test_corpus_drafts_equal_full_decoding_and_are_chosen_when_they_pay():
 
 
 def test_the_export_builds_the_table_from_the_training_split_only(monkeypatch, tmp_path):
-    """Data roles: corpus drafts come from the training split; a table built from the calibration or test
-    split would draft the very text the benchmarks measure on."""
+    """Data roles: corpus drafts come from the training split, the text and the windows the model continues
+    alike; a table built from the calibration or test split would draft the very text the benchmarks
+    measure on. Where the model's continuation and the text disagree, the table drafts the model's."""
     import edge.pipeline.export as export
     from edge.core.data import Document, Split
     from edge.model.ngram import NgramTable
 
     asked = []
+    train_text = "def f(x):\n    return x\n" * 40
 
     def fake_split(split):
         asked.append(Split(split))
-        return [Document("a.py", "def f(x):\n    return x\n" * 4)]
+        return [Document("a.py", train_text)]
 
     class _Tok:
         def encode_batch(self, texts):
@@ -416,5 +418,42 @@ def test_the_export_builds_the_table_from_the_training_split_only(monkeypatch, t
 
     monkeypatch.setattr(export, "load_split", fake_split)
     counts = export.write_ngram_table(_Tok(), tmp_path, 2, 0.5)
-    assert asked == [Split.TRAIN] and counts["keys_3"] > 0
-    assert len(NgramTable.load(tmp_path / "ngram.npz")) == sum(counts.values())
+    assert asked == [Split.TRAIN] and counts["keys_3"] > 0 and "keys_4" not in counts and counts["model_windows"] == 0
+    assert len(NgramTable.load(tmp_path / "ngram.npz")) == sum(v for k, v in counts.items() if k.startswith("keys_"))
+
+    ids = [ord(c) % 50 for c in train_text]
+    given = []
+
+    def continue_with(prompts, n):  # "the model": always writes 49 after whatever it was given
+        given.extend(prompts)
+        return [[49] * n for _ in prompts]
+
+    asked.clear()
+    counts = export.write_ngram_table(_Tok(), tmp_path, 2, 0.5, continue_with, windows=6, window_tokens=16,
+                                      new_tokens=8, seed=0)
+    assert asked == [Split.TRAIN] and counts["model_windows"] == len(given) == 6
+    starts = [next(i for i in range(len(ids)) if ids[i:i + 16] == p) for p in given]
+    assert all(len(p) == 16 for p in given) and len(set(starts)) == 6  # distinct windows of the training text
+    table = NgramTable.load(tmp_path / "ngram.npz")
+    assert table.order == 4
+    assert table.draft([49, 49, 49], 3) == ([49, 49, 49], 3)  # the model's own n-grams
+    tail = ids[starts[0] + 12:starts[0] + 16]  # a window's last tokens: the model wrote 49 after them
+    assert table.draft(tail, 1)[0] == [49]  # over the text's successor there (merge order: the next test)
+
+
+def test_ngram_tables_merge_and_a_large_vocabulary_gets_a_lower_order():
+    from edge.model.ngram import MAX_N, NgramTable, build_table, merge_tables, order_for
+
+    own = build_table([np.array([1, 2, 3, 7, 7])], vocab=10, min_count=1)
+    text = build_table([np.array([1, 2, 3, 4] * 3 + [5, 6, 8] * 3)], vocab=10, min_count=1)
+    merged = NgramTable(merge_tables(own, text), min_n=2)
+    assert merged.draft([1, 2], 2) == ([3, 7], 2)  # "1 2" -> 3 both; "2 3" -> 7 (own) over 4 (text)
+    assert merged.draft([5, 6], 1) == ([8], 2)  # only the text knows "5 6"
+    assert order_for(10) == MAX_N == 4 and order_for(32_000) == 3 and order_for(128_256) == 2
+    big = build_table([np.array([1, 2, 3, 1, 2, 3])], vocab=128_256, min_count=1)
+    assert NgramTable(big).order == 2 and "keys_3" not in big
+    assert NgramTable(big).draft([1, 2], 2) == ([3, 1], 2)
+    old = {k: v for k, v in text.items() if k not in ("keys_4", "next_4")}  # a table written with n <= 3
+    assert NgramTable(old).order == 3 and NgramTable(old).draft([4, 1, 2], 1) == ([3], 3)
+    with pytest.raises(ConfigError, match="vocabularies"):
+        merge_tables(own, big)
