@@ -70,7 +70,7 @@ class Collected:
                          remap[self.unit][idx], int(units.size))
 
 
-def collect_units(model: MultiExitModel, seqs: np.ndarray, first: int, batch: int = 32) -> Collected:
+def collect_units(model: MultiExitModel, seqs: np.ndarray, first: int, batch: int = 32, table=None) -> Collected:
     """Teacher-forced signals of the continuation of every sequence: unit u is row u of ``seqs``.
 
     The signals are computed as the engine computes them: softmax statistics in float32 by
@@ -85,6 +85,7 @@ def collect_units(model: MultiExitModel, seqs: np.ndarray, first: int, batch: in
         first: the first position judged; positions first..L-2 are kept, each predicting the next
             token of its row (L - 1 - first tokens per unit).
         batch: rows per forward pass.
+        table: the corpus n-gram table the context lookup falls back to (the rule's; None: none).
 
     Returns:
         :class:`Collected` with ``unit`` set; tokens are in row order, positions ascending.
@@ -99,7 +100,7 @@ def collect_units(model: MultiExitModel, seqs: np.ndarray, first: int, batch: in
     layers = model.exit_layers
     sig: dict[int, list[np.ndarray]] = {k: [] for k in layers}
     arg: dict[int, list[np.ndarray]] = {k: [] for k in layers}
-    lookups = lookups_along(seqs, first) if model.has_shortlist else None
+    lookups = lookups_along(seqs, first, table) if model.has_shortlist else None
     rows = model.shortlist_rows().numpy() if model.has_shortlist else None
     for n, r in enumerate(read_exits(model, seqs, first, batch)):
         if lookups is not None:  # the checks over the shortlist, as the engine runs them
@@ -117,14 +118,14 @@ def collect_units(model: MultiExitModel, seqs: np.ndarray, first: int, batch: in
                      np.repeat(np.arange(u), per), u)
 
 
-def lookups_along(seqs: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray]:
+def lookups_along(seqs: np.ndarray, first: int, table=None) -> tuple[np.ndarray, np.ndarray]:
     """The context lookup's token and ``lookup_len`` feature (match length / MAX_N) [U, L - 1 - first] at
     every judged position of every row (:func:`edge.model.lookup.lookup_along`: what the engine's lookup
-    gives after feeding those tokens)."""
+    gives after feeding those tokens; ``table``: the corpus table it falls back to, or None)."""
     from edge.model.candidates import lookup_feature
     from edge.model.lookup import lookup_along
 
-    parts = [lookup_along(row, first, seqs.shape[1] - 1) for row in seqs]
+    parts = [lookup_along(row, first, seqs.shape[1] - 1, table) for row in seqs]
     return np.stack([p[0] for p in parts]), lookup_feature(np.stack([p[1] for p in parts]))
 
 
@@ -149,7 +150,7 @@ def _signals(layers: list[int], gated: bool, stats: dict[int, np.ndarray], token
 
 
 def collect_engine(backend: Backend, seqs: np.ndarray, first: int, batch: int = 128,
-                   slots: np.ndarray | None = None) -> Collected:
+                   slots: np.ndarray | None = None, table=None) -> Collected:
     """:func:`collect_units` read from an engine backend instead of the torch model: each row's first
     ``first`` tokens are prefilled (one full-depth call per row, as the engine prefills a prompt), then
     the rest of the row is fed one token per decode step, every segment run, every exit read. This is the
@@ -168,6 +169,7 @@ def collect_engine(backend: Backend, seqs: np.ndarray, first: int, batch: int = 
             ``first`` on are written by this reading before any later position attends to them, so what
             the engine left there (its continuation's K/V, approximate in propagate mode) is never read.
             None: a cache of its own, every prompt prefilled.
+        table: the corpus n-gram table the context lookup falls back to (the rule's; None: none).
 
     Returns:
         :class:`Collected` with ``unit`` set; tokens are in row order, positions ascending.
@@ -186,10 +188,10 @@ def collect_engine(backend: Backend, seqs: np.ndarray, first: int, batch: int = 
             raise ConfigError(f"collect_engine: prefilled rows need one distinct slot each of the backend's cache "
                               f"and {length} positions; got slots of shape {slots.shape} for {u} rows, cache "
                               f"(slots, positions) {shape}")
-    return _read_engine(backend, seqs, first, batch, slots, generate=False)
+    return _read_engine(backend, seqs, first, batch, slots, generate=False, table=table)
 
 
-def generate_engine(backend: Backend, prompts: np.ndarray, new_tokens: int, batch: int = 128
+def generate_engine(backend: Backend, prompts: np.ndarray, new_tokens: int, batch: int = 128, table=None
                     ) -> tuple[np.ndarray, Collected]:
     """Greedy full-depth continuations that read themselves: each prompt prefilled in one full-depth call
     (as the engine prefills), its first token from that call, then every later token from the decode step
@@ -202,6 +204,7 @@ def generate_engine(backend: Backend, prompts: np.ndarray, new_tokens: int, batc
         prompts: int token ids [U, P], P >= 1.
         new_tokens: T >= 2 tokens per prompt (the first, from the prefill, is not judged).
         batch: rows per decode batch.
+        table: the corpus n-gram table the context lookup falls back to (the rule's; None: none).
 
     Returns:
         (prompt + continuation [U, P + T], :class:`Collected` over the judged tokens as :func:`collect_engine`).
@@ -216,11 +219,11 @@ def generate_engine(backend: Backend, prompts: np.ndarray, new_tokens: int, batc
         raise ConfigError(f"generate_engine: at least 2 new tokens are needed (the first is not judged), "
                           f"got {new_tokens}")
     seqs = np.concatenate([prompts, np.zeros((prompts.shape[0], new_tokens), np.int64)], axis=1)
-    return seqs, _read_engine(backend, seqs, prompts.shape[1], batch, None, generate=True)
+    return seqs, _read_engine(backend, seqs, prompts.shape[1], batch, None, generate=True, table=table)
 
 
 def _read_engine(backend: Backend, seqs: np.ndarray, first: int, batch: int, prefilled: np.ndarray | None,
-                 generate: bool) -> Collected:
+                 generate: bool, table=None) -> Collected:
     """:func:`collect_engine`'s reading; with ``generate``, ``seqs`` from ``first`` on is written as it is
     read (the first token from the prompt's full-depth call, each later one the last exit's argmax)."""
     from edge.runtime.cache import KVCache
@@ -232,7 +235,7 @@ def _read_engine(backend: Backend, seqs: np.ndarray, first: int, batch: int, pre
     cand = backend.spec.candidates
     sig: dict[int, list[np.ndarray]] = {k: [] for k in layers}
     arg: dict[int, list[np.ndarray]] = {k: [] for k in layers}
-    lookups = lookups_along(seqs, first) if cand and not generate else None
+    lookups = lookups_along(seqs, first, table) if cand and not generate else None
     for a in range(0, u, batch):
         rows = seqs[a:a + batch]  # a view: generation writes into seqs
         b = rows.shape[0]
@@ -246,7 +249,7 @@ def _read_engine(backend: Backend, seqs: np.ndarray, first: int, batch: int, pre
                 if generate:  # the first token, from that call's logits
                     rows[r, first] = int(np.argmax(out.logits[0]))
             slots = np.arange(b)
-        index = [Lookup(row[:first + 1].tolist()) for row in rows] if cand and generate else None
+        index = [Lookup(row[:first + 1].tolist(), table) for row in rows] if cand and generate else None
         steps: list[dict[int, np.ndarray]] = []  # per position: exit -> signals [b, F]
         tokens: list[dict[int, np.ndarray]] = []
         for pos in range(first, length - 1):

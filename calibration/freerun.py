@@ -58,6 +58,9 @@ class Served:
 
     backend: Backend
     model: MultiExitModel | None = None
+    # the corpus n-gram table the exit rule's context lookup falls back to (the export's; None: the context
+    # alone): the features read here must be the ones the engine computes under the rule calibrated
+    lookup_table: Any = None
 
     @classmethod
     def torch(cls, model: MultiExitModel) -> "Served":
@@ -77,8 +80,8 @@ class Served:
         ``slots``: the backend's cache holds row u's prompt in slot ``slots[u]``, as the engine that generated
         the rows left it (:func:`calibration.collect.collect_engine`; the torch reference reads every row)."""
         if self.model is not None:
-            return collect_units(self.model, seqs, first)
-        return collect_engine(self.backend, seqs, first, slots=slots)
+            return collect_units(self.model, seqs, first, table=self.lookup_table)
+        return collect_engine(self.backend, seqs, first, slots=slots, table=self.lookup_table)
 
 
 @dataclass
@@ -244,7 +247,7 @@ def full_depth_run(served: Served, prompts: np.ndarray, new_tokens: int, batch: 
         raise ConfigError(f"full_depth_run: expected prompts [U >= 1, P], got shape {prompts.shape}")
     with _progress(prompts.shape[0], desc) as bar:
         for a in range(0, prompts.shape[0], batch):
-            seqs, data = generate_engine(served.backend, prompts[a:a + batch], new_tokens, batch)
+            seqs, data = generate_engine(served.backend, prompts[a:a + batch], new_tokens, batch, served.lookup_table)
             layers = np.full((seqs.shape[0], new_tokens), served.num_layers, np.int64)
             runs.append(FreeRun(KVMode.DEFER, served.num_layers, seqs, layers, data))
             bar.update(seqs.shape[0])

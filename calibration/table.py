@@ -46,6 +46,9 @@ class ThresholdTable:
     # candidate-shortlist models: rows whose context lookup matched fewer than this many tokens run every layer
     # with no check (part of the rule the certificate covers; 0: every row is checked)
     route_min_lookup: int = 0
+    # the corpus n-gram table (sha256 of the export's ngram.npz) the context lookup falls back to where the
+    # context's match is short (edge/model/lookup.py); None: the context alone. Part of the certified rule
+    lookup_table_sha256: str | None = None
 
     def __post_init__(self) -> None:
         if self.kv_mode not in ("defer", "propagate"):
@@ -74,6 +77,7 @@ class ThresholdTable:
             "lambda": self.lam,
             "kv_mode": self.kv_mode,
             "route_min_lookup": self.route_min_lookup,
+            "lookup_table_sha256": self.lookup_table_sha256,
             **self.certificate,
             "layers": {
                 str(k): {"score_threshold": _finite_or_str(self.score_thresholds[k]),
@@ -93,7 +97,8 @@ class ThresholdTable:
             layers = [int(k) for k in d["exit_layers"]]
             per = {int(k): v for k, v in d["layers"].items()}
             cert_keys = [k for k in d if k not in ("version", "checkpoint_sha256", "exit_layers", "signal_names",
-                                                   "calibrator_kind", "lambda", "layers", "kv_mode", "route_min_lookup")]
+                                                   "calibrator_kind", "lambda", "layers", "kv_mode", "route_min_lookup",
+                                                   "lookup_table_sha256")]
             return cls(
                 checkpoint_sha256=d["checkpoint_sha256"], exit_layers=layers, calibrator_kind=d["calibrator_kind"],
                 lam=float(d["lambda"]),
@@ -101,6 +106,7 @@ class ThresholdTable:
                 calibrators={k: Calibrator.from_dict(v["calibrator"]) for k, v in per.items()},
                 certificate={k: d[k] for k in cert_keys}, signal_names=tuple(d["signal_names"]),
                 kv_mode=d["kv_mode"], route_min_lookup=int(d.get("route_min_lookup", 0)),
+                lookup_table_sha256=d.get("lookup_table_sha256"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{source}: malformed threshold table ({exc!r})") from exc
@@ -172,6 +178,8 @@ class TableRule:
         self.gated = names == GATED_SIGNAL_NAMES
         # the engine checks only rows whose context lookup feature reaches this (edge.runtime.engine)
         self.route_min_lookup = float(lookup_feature(np.array(table.route_min_lookup))) if self.candidates else 0.0
+        # the corpus table the context lookup falls back to (its sha256; None: the context alone)
+        self.lookup_table_sha256 = table.lookup_table_sha256 if self.candidates else None
         self._m = len(table.exit_layers)
         # per decision exit: the rule as a ScoreForm (the calibrator's score, threshold folded in)
         self._form: dict[int, ScoreForm] = {}

@@ -124,6 +124,23 @@ def training_windows(sequences: list[np.ndarray], count: int, length: int, follo
     return [[int(t) for t in sequences[found[j][0]][found[j][1]:found[j][1] + length]] for j in sorted(pick)]
 
 
+def checked_table(sha256: str | None, table: "NgramTable | None", where: str) -> "NgramTable | None":
+    """The table an exit rule's context lookup falls back to: None where the rule names none (``sha256``
+    None), else ``table`` (what ``where`` loaded) if it is that one.
+
+    Raises:
+        ConfigError: the rule was calibrated with a corpus table that ``where`` lacks or holds another of.
+    """
+    if sha256 is None:
+        return None
+    if table is None or table.sha256 != sha256:
+        got = "none" if table is None else f"{(table.sha256 or 'an unsaved table')[:16]}..."
+        raise ConfigError(f"the exit rule was calibrated with the corpus n-gram table {sha256[:16]}... (the export's "
+                          f"ngram.npz), but {where} has {got}; serve the export the rule was calibrated on, or "
+                          "re-run `smartexit calibrate`")
+    return table
+
+
 def save_table(path: str | Path, arrays: dict[str, np.ndarray]) -> None:
     np.savez_compressed(path, **arrays)
 
@@ -136,6 +153,7 @@ class NgramTable:
             raise ConfigError(f"n-gram table format {int(arrays['format'])}, this code reads {FORMAT}")
         self.vocab = int(arrays["vocab"])
         self.min_n = min_n
+        self.sha256: str | None = None  # the file's, when loaded from one (a rule's lookup names its table by it)
         # the table's order: its keys_<n> for n = 1.. (tables written before MAX_N was 4 stop at 3)
         self.order = next((n - 1 for n in range(1, MAX_N + 2) if f"keys_{n}" not in arrays), MAX_N)
         if self.order < 1:
@@ -154,10 +172,14 @@ class NgramTable:
     @classmethod
     def load(cls, path: str | Path, min_n: int = 2) -> "NgramTable":
         """Raises ConfigError for a file that is not a table of this format."""
+        from edge.core.artifacts import sha256_file
+
         try:
             with np.load(path) as z:
                 arrays = {k: z[k] for k in z.files}
-            return cls(arrays, min_n)
+            table = cls(arrays, min_n)
+            table.sha256 = sha256_file(path)
+            return table
         except (OSError, ValueError, KeyError) as exc:
             raise ConfigError(f"{path} is not an n-gram table of format {FORMAT}: {exc}") from exc
 

@@ -31,6 +31,7 @@ from edge.core.errors import SmartExitError
 from edge.model.candidates import CandidateOut, check, lookup_feature, shortlist_logits
 from edge.model.exits import MultiExitModel, exit_decision_stats
 from edge.model.decoder import attention_mask
+from edge.model.ngram import checked_table
 from edge.model.lookup import Lookup
 
 
@@ -63,7 +64,7 @@ def check_prompt(model: MultiExitModel, prompt: Sequence[int], max_new_tokens: i
 
 @torch.no_grad()
 def reference_generate(model: MultiExitModel, prompt: Sequence[int], max_new_tokens: int,
-                       rule: Any = None, stop_ids: Sequence[int] = ()) -> GenerationResult:
+                       rule: Any = None, stop_ids: Sequence[int] = (), lookup_table: Any = None) -> GenerationResult:
     """Greedy generation with per-token early exit.
 
     Args:
@@ -72,9 +73,12 @@ def reference_generate(model: MultiExitModel, prompt: Sequence[int], max_new_tok
         max_new_tokens: tokens to generate (fewer if a stop id comes first).
         rule: an engine exit rule (module docstring); None runs full depth.
         stop_ids: token ids that end generation (the stop token is kept).
+        lookup_table: the corpus n-gram table the rule's context lookup falls back to (a rule calibrated with
+            one names it: ``lookup_table_sha256``, checked here as the engine checks it).
 
     Raises:
         SmartExitError: an empty prompt, an id outside the vocabulary or a context overflow.
+        ConfigError: the rule names a corpus table and ``lookup_table`` is not that one.
     """
     check_prompt(model, prompt, max_new_tokens)
     bb = model.backbone
@@ -87,7 +91,8 @@ def reference_generate(model: MultiExitModel, prompt: Sequence[int], max_new_tok
     token = int(out.logits[0, -1].argmax())
     exit_layer = depth  # prefill is always full depth
     pos = len(prompt)
-    lookup = Lookup(result.prompt) if model.has_shortlist else None
+    table = checked_table(getattr(rule, "lookup_table_sha256", None), lookup_table, "reference_generate")
+    lookup = Lookup(result.prompt, table) if model.has_shortlist else None
     while True:
         result.tokens.append(token)
         result.exit_layers.append(exit_layer)

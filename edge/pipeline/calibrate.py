@@ -84,6 +84,11 @@ class CalibrateConfig:
     # candidate-shortlist models: only rows whose context lookup matched at least this many tokens are checked;
     # the others run every layer in one call (a part of the rule, fixed before the certify units are drawn)
     route_min_lookup: int = 0
+    # ... and where the context matched fewer than 2 tokens, the lookup falls back to the export's corpus
+    # n-gram table (the model's own continuations of training-split windows; a match of 3 tokens or more:
+    # edge/model/lookup.py), where the run has a current export with one; the table written names it (its
+    # sha256), the engine reads the same
+    lookup_corpus: bool = True
     pvalue: PValue = PValue.BETTING
     kv_mode: KVChoice = KVChoice.AUTO
     backend: CalibBackend = CalibBackend.AUTO  # the engine the certificate is computed on
@@ -159,13 +164,31 @@ def served_engine(choice: CalibBackend, manifest, ckpt: Path, model, threads: in
     return Served(backend)
 
 
+def corpus_table(cfg: CalibrateConfig, manifest, model) -> Any:
+    """The export's corpus n-gram table for the context lookup to fall back to (``lookup_corpus``, a shortlist
+    model, a current export that has one), else None: the rule then reads the context alone, and its table
+    says so (a calibration before any export, on the torch model, is one)."""
+    from edge.model.ngram import NgramTable
+    from edge.runtime.graphs import NGRAM_TABLE
+
+    if not (cfg.lookup_corpus and model.has_shortlist):
+        return None
+    try:
+        path = Path(manifest.verified_output("export", "graphs")) / NGRAM_TABLE
+    except ArtifactError:
+        return None
+    return NgramTable.load(path) if path.is_file() else None
+
+
 def _table(ckpt: Path, model, kind: CalibratorKind, lam: float, cals: dict[int, Calibrator], kv_mode: KVMode,
-           certificate: dict[str, Any] | None = None, route: int = 0) -> ThresholdTable:
+           certificate: dict[str, Any] | None = None, route: int = 0, lookup: Any = None) -> ThresholdTable:
+    """``lookup``: the corpus table the context lookup falls back to (:attr:`Served.lookup_table`), or None."""
     return ThresholdTable(checkpoint_sha256=sha256_path(ckpt), exit_layers=model.exit_layers,
                           calibrator_kind=kind.value, lam=lam,
                           score_thresholds={k: c.score_threshold(lam) for k, c in cals.items()},
                           calibrators=cals, certificate=certificate or {}, kv_mode=kv_mode.value,
-                          signal_names=signal_names(model), route_min_lookup=route if model.has_shortlist else 0)
+                          signal_names=signal_names(model), route_min_lookup=route if model.has_shortlist else 0,
+                          lookup_table_sha256=lookup.sha256 if lookup is not None and model.has_shortlist else None)
 
 
 def signal_names(model) -> tuple[str, ...]:
@@ -213,7 +236,7 @@ def propagate_test(cfg: CalibrateConfig, served: Any, data: Any, s: dict[str, An
     if not c.certified or cfg.kv_mode is KVChoice.DEFER or (cfg.kv_mode is KVChoice.PROPAGATE and c.exact):
         return None
     prop_rule = TableRule(_table(ckpt, model, cfg.calibrator, c.lam, cals, KVMode.PROPAGATE,
-                                 route=cfg.route_min_lookup))
+                                 route=cfg.route_min_lookup, lookup=served.lookup_table))
 
     def decided(r: FreeRun) -> bool:
         x = r.unit_losses()
@@ -268,6 +291,7 @@ def metrics_of(cfg: CalibrateConfig, ship: Any, c: Any, prop: Any, served: Any, 
         "kv_mode_reason": ship.reason,
         "false_exit_rate_test": tf.false_exit_rate,
         "free_run_false_exit_rate_test": fr.false_exit_rate, "kv_mode": shipped.value,
+        "lookup_corpus": served.lookup_table is not None,
         "kv_mode_choice": cfg.kv_mode.value, "propagate_test": None if prop is None else prop.to_dict(),
         "free_run": asdict(fr), "free_run_by_kv_mode": {m.value: r.to_dict() for m, r in runs.items()},
         "accuracy_full": tf.accuracy_full, "accuracy_exit": tf.accuracy_exit, "accuracy_loss_rel": tf.accuracy_loss_rel,
@@ -293,7 +317,11 @@ def main(cfg: CalibrateConfig) -> int:
         raise ConfigError("calibrate.calibrator=mlp needs a model with a candidate shortlist (exits.shortlist > 0): "
                           "only its graphs compute a non-linear score; use platt or isotonic")
     served = served_engine(cfg.backend, manifest, ckpt, model, cfg.threads)
-    _log(t0, f"engine: {served.backend.name}; tokens judged against {served.reference_name}")
+    served.lookup_table = corpus_table(cfg, manifest, model)
+    if served.lookup_table is not None:  # the engine's lookup reads the rule's table from its backend (torch too)
+        served.backend.ngram_table = served.lookup_table
+    _log(t0, f"engine: {served.backend.name}; tokens judged against {served.reference_name}"
+             + ("; the context lookup falls back to the export's corpus table" if served.lookup_table else ""))
     data = corpora(tok, cfg.calib_data, cfg.eval_data, cfg.heldout_percent)
     n_min = check_sizes(cfg, data)
     length = cfg.prompt_tokens + cfg.new_tokens
@@ -314,7 +342,8 @@ def main(cfg: CalibrateConfig) -> int:
     # 3. certify units: the engine with the provisional rule in the mode to certify. With the betting
     # p-value (anytime-valid) the draw stops as soon as the whole walk has passed.
     anytime = cfg.pvalue is PValue.BETTING
-    prov_rule = TableRule(_table(ckpt, model, cfg.calibrator, lam_p, cals, mode, route=cfg.route_min_lookup))
+    prov_rule = TableRule(_table(ckpt, model, cfg.calibrator, lam_p, cals, mode, route=cfg.route_min_lookup,
+                                 lookup=served.lookup_table))
 
     def walk_done(r: FreeRun) -> bool:
         if not anytime or r.data.n_units < n_min:
@@ -344,7 +373,8 @@ def main(cfg: CalibrateConfig) -> int:
     # 4. evaluation units: natural text teacher-forced, and free-running in both modes
     ev_w = data.evaluation.draw(cfg.eval_units, length, s["eval"])
     test = served.reference(ev_w.ids, P)
-    rule = TableRule(_table(ckpt, model, cfg.calibrator, ship.lam, cals, shipped, route=cfg.route_min_lookup))
+    rule = TableRule(_table(ckpt, model, cfg.calibrator, ship.lam, cals, shipped, route=cfg.route_min_lookup,
+                            lookup=served.lookup_table))
     modes = list(KVMode) if cfg.eval_both_kv_modes else [shipped]
     runs = {m: free_run(served, ev_w.ids[:, :P], cfg.new_tokens, rule, m, cfg.batch, desc=f"evaluation units, {m.value}")
             for m in modes}
@@ -365,7 +395,8 @@ def main(cfg: CalibrateConfig) -> int:
     text = statement(ship, cfg.epsilon, cfg.delta, cfg.prompt_tokens, cfg.new_tokens, data.calibration_name, docs,
                      c.lam_provisional)
     certificate = certificate_of(cfg, ship, c, prop, served, data, text, docs, n_min)
-    table = _table(ckpt, model, cfg.calibrator, ship.lam, cals, shipped, certificate, cfg.route_min_lookup)
+    table = _table(ckpt, model, cfg.calibrator, ship.lam, cals, shipped, certificate, cfg.route_min_lookup,
+                   served.lookup_table)
     tc = exit_targets(test.argmax)
     tp = cert.calibrated(cals, test)  # the calibrators' quality on every token (routing aside)
     curves = {f"exit {k}": reliability_curve(tp[k], tc[k]) for k in cals}

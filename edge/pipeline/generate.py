@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -65,6 +66,7 @@ def main(cfg: GenerateConfig) -> int:
     manifest, ckpt, model, tok = run.manifest, run.path, run.model, run.tokenizer
     prompts = heldout_prompts(tok, load_split(Split.TEST), cfg.prompts, cfg.prompt_tokens, cfg.seed)
     rule, rule_name = _early_rule(cfg, manifest, ckpt, model)
+    table = _lookup_table(manifest, rule)
     identical, matched, total, exits = 0, 0, 0, Counter()
     t_full = t_exit = 0.0
     for p in prompts:
@@ -74,7 +76,7 @@ def main(cfg: GenerateConfig) -> int:
         reference = _greedy_no_cache(model, p, cfg.max_new_tokens)
         identical += full.tokens == reference
         s = time.perf_counter()
-        early = reference_generate(model, p, cfg.max_new_tokens, rule=rule)
+        early = reference_generate(model, p, cfg.max_new_tokens, rule=rule, lookup_table=table)
         t_exit += time.perf_counter() - s
         matched += sum(a == b for a, b in zip(early.tokens, full.tokens))
         total += len(full.tokens)
@@ -115,6 +117,17 @@ def _early_rule(cfg: GenerateConfig, manifest, ckpt, model):
     from calibration.table import TableRule, load_table
 
     return TableRule(load_table(manifest.verified_output("calibrate", "thresholds"), ckpt)), "calibrated"
+
+
+def _lookup_table(manifest, rule):
+    """The export's corpus n-gram table where the calibrated rule's context lookup falls back to one, else None
+    (reference_generate checks it is the rule's)."""
+    if getattr(rule, "lookup_table_sha256", None) is None:
+        return None
+    from edge.model.ngram import NgramTable
+    from edge.runtime.graphs import NGRAM_TABLE
+
+    return NgramTable.load(Path(manifest.verified_output("export", "graphs")) / NGRAM_TABLE)
 
 
 @torch.no_grad()

@@ -39,7 +39,7 @@ from edge.runtime.cache import KVCache
 from edge.runtime.gate import StepGate
 from edge.model.candidates import lookup_feature
 from edge.model.lookup import MAX_N as LOOKUP_MAX_N, Lookup
-from edge.model.ngram import MAX_N as NGRAM_MAX_N
+from edge.model.ngram import MAX_N as NGRAM_MAX_N, checked_table
 from edge.runtime.rules import TOP1, BatchExitRule, NeverExit, score_form
 from edge.runtime.sampling import choose_token, token_distribution
 from edge.runtime.settings import MAX_RUNNING, MAX_SEQS, PREFILL_BUDGET, clamp_budget
@@ -267,6 +267,10 @@ class Engine:
         self._score_in_graph = self._candidates or linear is not None
         # a shortlist rule's routing: rows whose lookup feature is below this run every layer with no check
         self._route = float(getattr(self.rule, "route_min_lookup", 0.0)) if self._candidates else 0.0
+        # ... and the corpus table its context lookup falls back to, the one it was calibrated with (or none)
+        self._lookup_table = (checked_table(getattr(self.rule, "lookup_table_sha256", None),
+                                            getattr(backend, "ngram_table", None), f"the {backend.name} backend")
+                              if self._candidates else None)
         # self-speculative decoding (mode exact): the draft exit's segment, its stop rule's inputs
         spec = cfg.speculative
         self._agreement = getattr(self.rule, "agreement", None)
@@ -473,7 +477,7 @@ class Engine:
                 self.prefilling.remove(seq)
                 self.decoding.append(seq)
                 if self._candidates or self._drafts(seq):  # checks and lookup drafts read it
-                    seq.lookup = Lookup(seq.req.prompt)
+                    seq.lookup = Lookup(seq.req.prompt, self._lookup_table)
                 token = choose_token(out.logits[0], seq.req.temperature, seq.req.top_p, seq.rng)
                 self._emit(seq, token, self.backend.num_layers)
 

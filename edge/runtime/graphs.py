@@ -27,6 +27,15 @@ SHORTLIST_ROWS = "shortlist_rows.npy"  # float32 [K, D]: the LM head's rows of a
 NGRAM_TABLE = "ngram.npz"  # == edge.model.ngram.NGRAM_FILE; the corpus n-gram table of mode exact's corpus drafts (edge/model/ngram.py), if built
 
 
+def load_ngram_table(graphs_dir: str | Path):
+    """The export's corpus n-gram table (:class:`edge.model.ngram.NgramTable`: mode exact's corpus drafts, and
+    the table an exit rule's context lookup may fall back to), or None where the export has none."""
+    from edge.model.ngram import NgramTable
+
+    path = Path(graphs_dir) / NGRAM_TABLE
+    return NgramTable.load(path) if path.is_file() else None
+
+
 def load_graphs_json(graphs_dir: str | Path) -> dict[str, Any]:
     """Read ``graphs.json`` of an export folder.
 

@@ -26,8 +26,7 @@ import numpy as np
 
 from edge.core.artifacts import sha256_path
 from edge.runtime.backend import Backend, HeadOut, ModelSpec, SegmentOut
-from edge.runtime.graphs import NGRAM_TABLE, load_graphs_json, verify_graphs
-from edge.model.ngram import NgramTable
+from edge.runtime.graphs import load_graphs_json, load_ngram_table, verify_graphs
 from edge.runtime.cache import contiguous_start
 from edge.core.errors import ConfigError, require
 from edge.runtime.ortsession import open_session, pool_threads
@@ -87,7 +86,7 @@ class OrtBackend(Backend):
                 else load_graphs_json(graphs_dir))
         fused = meta.get("fused")
         # corpus drafts for mode exact: the table the export built from the training split (absent: none)
-        self.ngram_table = NgramTable.load(graphs_dir / NGRAM_TABLE) if (graphs_dir / NGRAM_TABLE).is_file() else None
+        self.ngram_table = load_ngram_table(graphs_dir)
         if not fused:
             raise ConfigError(f"{graphs_dir}: the export has no fused ONNX Runtime graphs "
                               f"({meta.get('fused_skipped', 'not written')}); re-run `smartexit export`")

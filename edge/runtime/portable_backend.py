@@ -29,7 +29,8 @@ import numpy as np
 from edge.core.artifacts import sha256_file, sha256_path
 from edge.core.errors import ArtifactError, ConfigError, require
 from edge.runtime.backend import Backend, HeadOut, ModelSpec, SegmentOut, build_mask, host_candidates, host_decision
-from edge.runtime.graphs import GRAPHS_JSON, load_graphs_json, shortlist_act_scale, shortlist_rows, verify_graphs
+from edge.runtime.graphs import (GRAPHS_JSON, load_graphs_json, load_ngram_table, shortlist_act_scale, shortlist_rows,
+                                 verify_graphs)
 from edge.runtime.ortsession import open_session
 
 ENGINES_JSON = "engines.json"  # what `make jetson-engines` (edge/jetson/engines.py) writes beside the plans
@@ -328,6 +329,7 @@ class OrtPortableBackend(PortableBackend):
         super().__init__(portable_spec(meta, graphs_dir), OrtGraphRunner(graphs_dir, threads, meta))
         self.shortlist_rows = shortlist_rows(graphs_dir, meta)
         self.shortlist_act_scale = shortlist_act_scale(meta)
+        self.ngram_table = load_ngram_table(graphs_dir)  # the exit rule's lookup may fall back to it
 
 
 class TensorRTBackend(PortableBackend):
@@ -359,5 +361,6 @@ class TensorRTBackend(PortableBackend):
         super().__init__(spec, TrtGraphRunner(engines_dir, engines))
         self.shortlist_rows = shortlist_rows(graphs_dir, meta)
         self.shortlist_act_scale = shortlist_act_scale(meta)
+        self.ngram_table = load_ngram_table(graphs_dir)  # the exit rule's lookup may fall back to it
         # the profile's largest T: a longer call is outside every engine's profile (trt_runner refuses it)
         self.max_chunk = profile_max_chunk(engines, Path(engines_dir) / ENGINES_JSON)

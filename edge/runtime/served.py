@@ -12,6 +12,7 @@ from typing import Any
 
 from edge.core.errors import ArtifactError, ConfigError
 from edge.runtime.backend import Backend, make_backend
+from edge.runtime.graphs import load_ngram_table
 
 CHOICE_FILE = Path("jetson") / "units" / "backend.json"  # in a run folder: where `smartexit jetson serve` writes it
 ENGINES_DIR = Path("jetson") / "engines"  # in a run folder: the TensorRT plans of `make jetson-engines`
@@ -70,5 +71,7 @@ def open_backend(choice: dict[str, Any], graphs_dir: Path, checkpoint_sha256: st
         raise ArtifactError(f"{ckpt}: {'sha256 ' + actual[:16] + '...' if actual else 'no checkpoint folder'}; the "
                             f"graphs were exported from checkpoint {checkpoint_sha256[:16]}...: torch_static must load "
                             f"that one")
-    return make_backend(name, checkpoint=ckpt, device=choice.get("device"), dtype=choice.get("dtype", "float32"),
-                        pipeline=choice.get("pipeline", False))
+    backend = make_backend(name, checkpoint=ckpt, device=choice.get("device"), dtype=choice.get("dtype", "float32"),
+                           pipeline=choice.get("pipeline", False))
+    backend.ngram_table = load_ngram_table(graphs_dir)  # the export's: the exit rule's lookup may fall back to it
+    return backend

@@ -45,6 +45,7 @@ from calibration.freerun import Served
 from edge.pipeline.compress import CompressConfig, Recipe, compress, fit_windows
 from edge.pipeline.run import open_run
 from edge.runtime.backend import make_backend
+from edge.runtime.graphs import NGRAM_TABLE, load_ngram_table
 from edge.runtime.rules import NeverExit
 from exporters.onnx_export import ExportConfig, export_onnx
 from exporters.parity import QUANT_RTOL, FUSED_RTOL, check_fused_parity
@@ -214,6 +215,10 @@ def main(cfg: CompressBenchConfig) -> int:
     work = Path(cfg.run_dir) / "bench" / "compress_graphs"
     shutil.rmtree(work, ignore_errors=True)
     rows, backends, graphs_of = recipe_rows(cfg, manifest, models, ref, run.prompts(3, 32, cfg.seed + 7), work, t0)
+    # every recipe runs the run's rule, whose context lookup may fall back to the run's export's corpus table
+    lookup_table = Path(manifest.verified_output("export", "graphs")) / NGRAM_TABLE
+    for backend in backends.values():
+        backend.ngram_table = load_ngram_table(lookup_table.parent)
     peers = _peers(cfg, manifest, tok, ref, rows, t0) if cfg.llamacpp else {}
     speed, exits_seen = measure_speed(cfg, run, models, peers, backends, t0)
     if cfg.memory:  # a fresh process per recipe, at the largest batch
@@ -223,7 +228,7 @@ def main(cfg: CompressBenchConfig) -> int:
         prompts = run.prompts(b, cfg.prompt_tokens, cfg.seed)
         for name in models:
             rows[name]["peak_rss_mib"] = peak_rss_mib(graphs_of[name], thresholds, served, prompts, cfg.new_tokens,
-                                                      cfg.threads)
+                                                      cfg.threads, lookup_table if lookup_table.is_file() else None)
             rows[name]["peak_rss_batch"] = b
     judge_exits(cfg, run, models, backends, rows, speed, exits_seen)
     for qt in peers:

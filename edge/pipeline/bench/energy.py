@@ -162,6 +162,7 @@ def energy_systems(cfg: EnergyBenchConfig, run: Any) -> tuple[dict[str, tuple[Pa
     """
     from edge.pipeline.bench.float_graphs import float_graphs
     from edge.runtime.backend import make_backend
+    from edge.runtime.graphs import load_ngram_table
     from edge.runtime.rules import NeverExit
     from edge.runtime.served import open_backend
 
@@ -173,6 +174,10 @@ def energy_systems(cfg: EnergyBenchConfig, run: Any) -> tuple[dict[str, tuple[Pa
             systems[C_FULL] = (manifest.verified_output("export", "graphs_full"), NeverExit())
             systems[C_EXITS] = (manifest.verified_output("export", "graphs"), rule)
         backends = {n: make_backend("onnxruntime", graphs_dir=g, threads=cfg.threads) for n, (g, _) in systems.items()}
+        # the float graphs run the run's rule, whose context lookup may fall back to the run's export's corpus table
+        table = load_ngram_table(manifest.verified_output("export", "graphs"))
+        for backend in backends.values():
+            backend.ngram_table = table
         shipped = C_EXITS if C_EXITS in systems else EXITS
         systems[SERVED], backends[SERVED] = systems[shipped], backends[shipped]  # the same graphs, run as served
         full_is = "the distilled float model without exit heads (ONNX Runtime, graphs_full)"

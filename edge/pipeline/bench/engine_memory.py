@@ -12,10 +12,12 @@ from edge.core.errors import ConfigError
 
 
 def peak_rss_mib(graphs: Path, thresholds: Path, checkpoint: Path, prompts: list[list[int]], new_tokens: int,
-                 threads: int) -> float:
-    """MiB the process added at its peak (VmHWM minus the resident size after the imports)."""
+                 threads: int, lookup_table: Path | None = None) -> float:
+    """MiB the process added at its peak (VmHWM minus the resident size after the imports). ``lookup_table``:
+    the corpus n-gram table the rule's context lookup falls back to, where it is not ``graphs``' own."""
     arg = json.dumps({"graphs": str(graphs), "thresholds": str(thresholds), "checkpoint": str(checkpoint),
-                      "prompts": prompts, "new_tokens": new_tokens, "threads": threads})
+                      "prompts": prompts, "new_tokens": new_tokens, "threads": threads,
+                      "lookup_table": None if lookup_table is None else str(lookup_table)})
     out = subprocess.run([sys.executable, "-m", "edge.pipeline.bench.engine_memory", arg], capture_output=True,
                          text=True, check=False, timeout=600)
     if out.returncode != 0:
@@ -44,6 +46,10 @@ def _probe(arg: str) -> None:
     Path("/proc/self/clear_refs").write_text("5")  # Linux: reset the peak (VmHWM) to the current RSS
     table = load_table(Path(a["thresholds"]), Path(a["checkpoint"]))
     backend = make_backend("onnxruntime", graphs_dir=Path(a["graphs"]), threads=a["threads"])
+    if a.get("lookup_table"):
+        from edge.model.ngram import NgramTable
+
+        backend.ngram_table = NgramTable.load(a["lookup_table"])
     run_batch(backend, TableRule(table), a["prompts"], a["new_tokens"], KVMode(table.kv_mode))
     print((vm_kib("VmHWM") - before) / 1024)
 

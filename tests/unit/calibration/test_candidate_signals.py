@@ -148,3 +148,55 @@ def test_routing_checks_only_rows_with_a_lookup_match():
         seq.lookup = Lookup(seq.req.prompt + seq.tokens + seq.req.prompt + seq.tokens)
     layers = [ev.exit_layer for ev in eng.step()]
     assert layers == [m.exit_layers[0]] * 3, "rows with a match are checked (and at lambda 0 leave at once)"
+
+
+def test_the_lookup_falls_back_to_the_corpus_table_and_everything_reads_the_same(exported, tmp_path):
+    """Where the context matched fewer than CORPUS_BELOW tokens, the lookup feature is the corpus table's
+    prediction from a match of CORPUS_MIN tokens or more (its match length the feature's); calibration's readings (generated and teacher-forced) record
+    it alike, and an engine under a rule calibrated with a table reads exactly that table: none, or another,
+    is a clear error."""
+    from calibration.collect import generate_engine
+    from edge.core.errors import ConfigError
+    from edge.model.lookup import CORPUS_BELOW, CORPUS_MIN
+    from edge.model.ngram import NgramTable, build_table, save_table
+
+    m, ckpt, graphs = exported
+    backend = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1)
+    corpus = [s for s in np.random.default_rng(11).integers(0, CFG.vocab_size, (64, 40))]
+    prompts = np.stack([row[:16] for row in corpus[:3]])
+    seqs, _ = generate_engine(backend, prompts, 9, batch=2)  # the table knows the model's continuations too
+    save_table(tmp_path / "ngram.npz", build_table(corpus + list(seqs), CFG.vocab_size, min_count=1))
+    table = NgramTable.load(tmp_path / "ngram.npz")
+    row = corpus[0]
+    assert Lookup(row[:6].tolist()).predict()[1] < CORPUS_BELOW  # no repeat in the context ...
+    assert Lookup(row[:6].tolist(), table).predict() == (int(row[6]), 4)  # ... the table's successor there
+    short = next([x, int(row[0]), int(row[1])] for x in range(CFG.vocab_size)
+                 if table.draft([x, int(row[0]), int(row[1])], 1)[1] == 2)  # the table knows 2 of these tokens only
+    assert CORPUS_MIN > 2 and Lookup(short, table).predict() == Lookup(short).predict()  # too short: unused
+    rep = [5, 6, 7, 8, 5, 6, 7]  # a repeat of 3: the context's own
+    assert Lookup(rep, table).predict() == Lookup(rep).predict() == (8, 3)
+
+    again, gen = generate_engine(backend, prompts, 9, batch=2, table=table)
+    assert again.tolist() == seqs.tolist()
+    read = collect_engine(backend, seqs, first=16, table=table)
+    alone = collect_engine(backend, seqs, first=16)
+    lk = CANDIDATE_SIGNAL_NAMES.index("lookup_len")
+    first = m.exit_layers[0]
+    np.testing.assert_array_equal(gen.signals[first][:, lk], read.signals[first][:, lk])
+    assert (read.signals[first][:, lk] > alone.signals[first][:, lk]).any()
+    for k in m.exit_layers:
+        assert np.array_equal(read.argmax[k], alone.argmax[k])  # the feature changes, never the tokens
+
+    data = collect_units(m, _seqs(40, 32, seed=2), first=12)
+    targets = exit_targets(data.argmax)
+    cals = {k: Calibrator(kind=CalibratorKind.MLP).fit(data.signals[k], targets[k]) for k in m.exit_layers[:-1]}
+    rule = TableRule(ThresholdTable("x", m.exit_layers, "mlp", 0.9, {k: c.score_threshold(0.9) for k, c in cals.items()},
+                                    cals, signal_names=signal_names(CFG.hidden_size), lookup_table_sha256=table.sha256))
+    assert TableRule(ThresholdTable.from_dict(rule.table.to_dict())).lookup_table_sha256 == table.sha256
+    cfg = EngineConfig(max_seqs=2, max_running=2, max_len=64)
+    backend.ngram_table = table
+    assert Engine(backend, cfg, rule)._lookup_table is table
+    for other in (None, NgramTable(build_table(corpus[:2], CFG.vocab_size, min_count=1))):
+        backend.ngram_table = other
+        with pytest.raises(ConfigError, match="calibrated with the corpus n-gram table"):
+            Engine(backend, cfg, rule)
