@@ -87,8 +87,9 @@ class CalibrateConfig:
     # ... and where the context matched fewer than 2 tokens, the lookup falls back to the export's corpus
     # n-gram table (the model's own continuations of training-split windows; a match of 3 tokens or more:
     # edge/model/lookup.py), where the run has a current export with one; the table written names it (its
-    # sha256), the engine reads the same
-    lookup_corpus: bool = True
+    # sha256), the engine reads the same. Off by default: more tokens leave, but held out the rule erred near
+    # eps (docs/runtime.md, stop 49)
+    lookup_corpus: bool = False
     pvalue: PValue = PValue.BETTING
     kv_mode: KVChoice = KVChoice.AUTO
     backend: CalibBackend = CalibBackend.AUTO  # the engine the certificate is computed on
