@@ -25,10 +25,12 @@ class Betting:
     capital's supremum, so the test may be read after every unit, and a server may run it on live traffic).
     ``epsilon``: a scalar or one per hypothesis [G]; ``p_value`` = min(1, 1 / max_t K_t) per hypothesis."""
 
-    def __init__(self, epsilon: float | np.ndarray) -> None:
+    def __init__(self, epsilon: float | np.ndarray, prior_mean: float | None = None) -> None:
+        """``prior_mean``: the running mean's prior (weight one unit); None: epsilon / 2, a unit inside H0's
+        complement, so the first bets are small."""
         self.epsilon = np.atleast_1d(np.asarray(epsilon, dtype=np.float64)).copy()  # [G]
         self._cap = BET_FRACTION / (1.0 - self.epsilon)
-        mu0 = self.epsilon / 2
+        mu0 = self.epsilon / 2 if prior_mean is None else np.full_like(self.epsilon, prior_mean)
         self._s_mean = PRIOR_WEIGHT * mu0  # running sums with the prior folded in, [G]
         self._s_var = PRIOR_WEIGHT * mu0 * (1 - mu0)
         self._log_k = np.zeros_like(self.epsilon)

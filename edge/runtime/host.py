@@ -41,7 +41,7 @@ import numpy as np
 
 from edge.core.errors import ConfigError, RequestError, SmartExitError
 from edge.core.stats import due_time, on_time, p95_ms, sla_met
-from edge.runtime.audit import AuditConfig, AuditEstimate
+from edge.runtime.audit import AuditConfig, AuditEstimate, Trigger
 from edge.runtime.backend import Backend
 from edge.runtime.engine import NO_TOKEN, Engine, EngineConfig, KVMode, Mode, Request, TokenEvent, Verdict
 from edge.runtime.rules import BatchExitRule
@@ -192,9 +192,16 @@ class EngineHost:
         self.num_layers = backend.num_layers
         self.exit_layers = list(backend.exit_layers)
         self.expected_exit_layer = expected_exit_layer
-        self.audit = AuditEstimate(epsilon=epsilon, delta=a.delta, trigger=a.trigger, min_tokens=a.min_tokens)
         # the engine judges every greedy exit itself (deferral's verdicts): the audit counts every token
         self._verdicts = a.verdicts and epsilon is not None and cfg.engine.kv_mode is KVMode.DEFER
+        trigger = a.trigger
+        if trigger is Trigger.AUTO:  # requests as the units where requests are audited whole
+            trigger = Trigger.REQUESTS if self._verdicts else Trigger.LOWER
+        elif trigger is Trigger.REQUESTS and not self._verdicts and epsilon is not None:
+            raise ConfigError("host.audit.trigger=requests needs requests audited whole (audit.verdicts with "
+                              f"kv_mode defer; this host: verdicts={a.verdicts}, kv_mode "
+                              f"{cfg.engine.kv_mode.value}): use trigger=lower or auto")
+        self.audit = AuditEstimate(epsilon=epsilon, delta=a.delta, trigger=trigger, min_tokens=a.min_tokens)
         self._rng = np.random.default_rng(a.seed)
         self._audit_queue: collections.deque[_AuditItem] = collections.deque()
         self._audit_inflight = False
@@ -609,13 +616,16 @@ class EngineHost:
         live.counted = True
         if live.incomplete:
             self.audit.incomplete_units += 1
-        elif live.n_tokens >= 2:
-            self.audit.record_unit(live.false / (live.n_tokens - 1))
+        elif live.n_tokens >= 2 and self.audit.record_unit(live.false / (live.n_tokens - 1)):
+            self._fired()
 
     def _record(self, exit_layer: int, false_exit: bool) -> None:
         if self.audit.record(exit_layer, false_exit):
-            log.warning("false-exit audit: the rate exceeds epsilon=%.4g (%s); bounded requests now run at "
-                        "full depth", self.audit.epsilon, self.audit.as_dict())
+            self._fired()
+
+    def _fired(self) -> None:
+        log.warning("false-exit audit: the rate exceeds epsilon=%.4g (%s); bounded requests now run at "
+                    "full depth", self.audit.epsilon, self.audit.as_dict())
 
     def _maybe_audit(self) -> None:
         e = self.engine

@@ -209,6 +209,9 @@ class _ReplicaCollector:
         pvalue = GaugeMetricFamily("smartexit_audit_request_p_value", "p-value of H0: the served requests' mean "
                                    "false-exit rate exceeds epsilon (the certificate's betting test; <= delta: "
                                    "certified on this traffic).", labels=["replica"])
+        exceeds = GaugeMetricFamily("smartexit_audit_request_exceeds_p_value", "p-value of H0: the served requests' "
+                                    "mean false-exit rate is at most epsilon (the fallback's test where requests are "
+                                    "audited whole; <= delta: fallback).", labels=["replica"])
         for rid, stats in sorted(replicas.items()):
             audit = stats.get("audit")
             if not isinstance(audit, Mapping):
@@ -230,7 +233,9 @@ class _ReplicaCollector:
             if isinstance(req, Mapping) and _number(req.get("requests")) and _number(req.get("p_value")):
                 units.add_metric([rid], float(req["requests"]))
                 pvalue.add_metric([rid], float(req["p_value"]))
-        yield from (rate, upper, audited, fallbacks, units, pvalue)
+                if _number(req.get("exceeds_p_value")):
+                    exceeds.add_metric([rid], float(req["exceeds_p_value"]))
+        yield from (rate, upper, audited, fallbacks, units, pvalue, exceeds)
         yield from _scheduler_families(replicas)
         yield from _power_families(replicas)
 

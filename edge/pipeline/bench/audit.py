@@ -41,17 +41,21 @@ def main(cfg: BenchAuditConfig) -> int:
              "and the last layer's head on that row), one it could not judge (the request ended first) re-decoded "
              "at full depth" if runs["heldout_code"].get("engine_verdicts") else "re-decoded at full depth")
           + f"; epsilon {epsilon} (the table's), one-sided Clopper-Pearson bounds at delta "
-          f"{runs['heldout_code']['delta']}, fallback when the lower bound exceeds epsilon.", "",
+          f"{runs['heldout_code']['delta']}; the fallback fires "
+          + ("when the requests' mean rate exceeds epsilon by the anytime-valid betting test (requests as units, "
+             "trigger `requests`)" if runs["heldout_code"]["trigger"] == "requests"
+             else f"on the per-token {runs['heldout_code']['trigger']} bound") + ".", "",
           "| traffic | audited tokens | false exits | rate | lower | upper | fallback (after tokens) | per exit (audited / false) "
-          "| exits judged by the engine / re-decoded | requests audited whole: n, mean rate, p-value, bound | seconds |",
-          "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | --- | ---: |"]
+          "| exits judged by the engine / re-decoded | requests audited whole: n, mean rate, p-value, bound "
+          "| p-value of mean > eps | seconds |",
+          "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | --- | ---: | ---: |"]
     for name, r in runs.items():
         per = ", ".join(f"{k}: {v['audited']} / {v['false']}" for k, v in r["exits"].items())
         vc, u = r.get("verdict_counts") or {}, r["requests"]
         md.append(f"| {name} | {r['audited']} | {r['false']} | {r['rate']:.4f} | {r['lower']:.4f} | {r['upper']:.4f} | "
                   f"{r['fallback']} ({r['fired_after']}) | {per} | {vc.get('judged', 0)} / {vc.get('unjudged', 0)} | "
                   f"{u['requests']}, {u['mean']:.4f}, {u['p_value']:.3g}, {u['bound']:.4f}"
-                  f"{' (certified)' if u['certified'] else ''} | {r['seconds']:.1f} |")
+                  f"{' (certified)' if u['certified'] else ''} | {u['exceeds_p_value']:.3g} | {r['seconds']:.1f} |")
     md += ["", "Requests audited whole are the units of the certificate's own test (betting p-value of H0: mean "
                "per-request false-exit rate > epsilon, in completion order, anytime-valid); its bound is the (1 - delta) "
                "upper confidence bound on that mean. `heldout_code` and `word_salad` run exits as the rule decides "

@@ -113,11 +113,13 @@ def test_propagate_gives_no_verdicts():
 
 
 def _audited_host(verdicts: bool, fraction: float = 0.0):
+    """A host that audits and never falls back (these tests count; the per-token trigger after 10,000 tokens)."""
     from edge.runtime.audit import AuditConfig
     from edge.runtime.host import EngineHost, HostConfig
 
     cfg = HostConfig(engine=EngineConfig(max_seqs=2, max_running=1, max_len=96, kv_mode=KVMode.DEFER),
-                     audit=AuditConfig(fraction=fraction, verdicts=verdicts, min_tokens=10_000, max_pending=10_000))
+                     audit=AuditConfig(fraction=fraction, verdicts=verdicts, min_tokens=10_000, max_pending=10_000,
+                                       trigger="lower"))
     return EngineHost(TorchBackend(_model(seed=2)), cfg, ConfidenceRule(0.3), epsilon=0.5).start()
 
 
@@ -218,4 +220,91 @@ def test_the_per_request_test_needs_enough_clean_requests():
     assert clean.units()["certified"] and clean.units()["p_value"] <= 0.05
     assert not bad.units()["certified"] and bad.units()["mean"] == pytest.approx(1 / 64)
     clean.reset()
-    assert clean.units() == {"requests": 0, "mean": 0.0, "p_value": 1.0, "certified": False, "incomplete": 0}
+    assert clean.units() == {"requests": 0, "mean": 0.0, "p_value": 1.0, "certified": False, "incomplete": 0,
+                             "exceeds_p_value": 1.0}
+
+
+def test_the_requests_trigger_reads_requests_as_units_and_holds_its_level():
+    """The fallback of a host that audits whole requests tests H0: mean per-request rate <= eps by betting,
+    anytime-valid. Errors clustered in a few requests (the fresh-clone demo's case: 16 false exits in the
+    first 31 requests' 977 tokens, mostly in three) fire the per-token lower bound, not it; requests at five
+    times eps fire it within a few dozen; and servers whose requests err at eps on average (clustered) fall
+    back at most delta of the time over 1000 requests each, read after every request."""
+    from edge.core.betting import Betting
+    from edge.core.errors import ConfigError
+    from edge.runtime.audit import AuditEstimate, Trigger
+
+    with pytest.raises(ConfigError, match="resolve trigger=auto"):
+        AuditEstimate(epsilon=0.009, delta=0.05, trigger=Trigger.AUTO)
+    tokens = AuditEstimate(epsilon=0.009, delta=0.05, trigger=Trigger.LOWER, min_tokens=100)
+    units = AuditEstimate(epsilon=0.009, delta=0.05, trigger=Trigger.REQUESTS, min_tokens=100)
+    falses = [6, 5, 3, 1, 1] + [0] * 26  # 16 false exits in 31 requests of 31 judged tokens
+    fired = {"tokens": None, "units": None}
+    for i, f in enumerate(falses):
+        for est, name in ((tokens, "tokens"), (units, "units")):
+            for t in range(31):
+                if est.record(1, t < f) and fired[name] is None:
+                    fired[name] = i
+            if est.record_unit(f / 31) and fired[name] is None:
+                fired[name] = i
+    assert fired["tokens"] is not None and tokens.bounds()[0] > 0.009  # the per-token bound reads a cluster
+    assert fired["units"] is None and not units.fallback and units.exceeds_p_value() > 0.05
+    assert units.units()["mean"] == pytest.approx(16 / 961)
+
+    bad = AuditEstimate(epsilon=0.009, delta=0.05, trigger=Trigger.REQUESTS)
+    rng = np.random.default_rng(0)
+    n = next(i for i in range(1, 201) if bad.record_unit(float(rng.binomial(31, 0.045)) / 31))
+    assert bad.fallback and bad.fallback_events == 1 and 3 <= n <= 60, n
+    assert not bad.record_unit(1.0) and bad.fallback_events == 1  # fired once
+
+    # 400 servers at once (Betting's hypotheses), each request erring at 0.9% on average, clustered: a request
+    # is "bad" (rate 9%) one time in ten, clean otherwise; the mirror test's p-value read after every request
+    servers, eps = 400, 0.009
+    test = Betting(np.full(servers, 1.0 - eps), prior_mean=1.0 - eps / 2)
+    for _ in range(1000):
+        loss = np.where(rng.random(servers) < 0.1, rng.binomial(31, 0.09, servers) / 31, 0.0)
+        test.update(1.0 - loss)
+    assert float(np.mean(test.p_value <= 0.05)) <= 0.05 + 3 * np.sqrt(0.05 * 0.95 / servers)
+
+
+def test_a_host_that_audits_whole_requests_falls_back_on_the_requests_test():
+    """trigger=auto: requests as units where deferral's verdicts audit whole requests, the per-token bound where
+    tokens are sampled; trigger=requests where requests are not audited whole is a clear error. A rule that
+    exits every token at the first exit of a random model errs on most tokens: the requests' test fires after a
+    few requests and later bounded requests run at full depth."""
+    from edge.core.errors import ConfigError
+    from edge.runtime.audit import AuditConfig, Trigger
+    from edge.runtime.host import EngineHost, GenRequest, HostConfig
+    from tests.unit.edge.runtime.test_host import Sink
+
+    def host(kv_mode, **audit):
+        cfg = HostConfig(engine=EngineConfig(max_seqs=2, max_running=1, max_len=96, kv_mode=kv_mode),
+                         audit=AuditConfig(max_pending=10_000, **audit))
+        return EngineHost(TorchBackend(_model(seed=2)), cfg, ConfidenceRule(0.0), epsilon=0.05)
+
+    assert host(KVMode.PROPAGATE, fraction=0.5).audit.trigger is Trigger.LOWER
+    with pytest.raises(ConfigError, match="trigger=requests needs requests audited whole"):
+        host(KVMode.PROPAGATE, fraction=0.5, trigger="requests")
+    h = host(KVMode.DEFER)
+    assert h.audit.trigger is Trigger.REQUESTS
+    h.start()
+    try:
+        sink = Sink(12)
+        for i in range(12):  # one at a time: deferral exits at batch 1
+            h.submit(GenRequest(f"r{i}", _prompts(1, seed=i)[0], 16), sink)
+            deadline = time.monotonic() + 30
+            while f"r{i}" not in sink.chunks or sink.chunks[f"r{i}"][-1].finish_reason is None:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        deadline = time.monotonic() + 30
+        while not h.stats()["audit"]["fallback"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        st = h.stats()["audit"]
+        assert st["fallback"] and st["fallback_events"] == 1 and st["trigger"] == "requests", st
+        assert st["requests"]["exceeds_p_value"] <= 0.05 and st["requests"]["mean"] > 0.05
+        after = Sink(1)
+        h.submit(GenRequest("later", [3, 4, 5], 8), after)
+        assert after.done.wait(30)
+        assert all(layer == h.num_layers for c in after.chunks["later"] for layer in c.exit_layers)
+    finally:
+        h.stop()

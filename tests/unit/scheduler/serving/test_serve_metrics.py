@@ -13,7 +13,8 @@ STATS = {  # EngineHost.stats() keys the metrics read (docs/serving.md)
     "audit": {"fraction": 0.05, "epsilon": 0.1, "delta": 0.05, "fallback": False, "fallback_events": 2, "pending": 0,
               "exits": {"3": {"audited": 40, "false": 2, "rate": 0.05, "upper": 0.12, "lower": 0.01},
                         "6": {"audited": 10, "false": 0, "rate": 0.0, "upper": 0.26, "lower": 0.0}},
-              "requests": {"requests": 12, "mean": 0.004, "p_value": 0.4, "certified": False, "incomplete": 0}},
+              "requests": {"requests": 12, "mean": 0.004, "p_value": 0.4, "certified": False, "incomplete": 0,
+                           "exceeds_p_value": 0.7}},
 }
 
 
@@ -47,7 +48,8 @@ def test_names_follow_prometheus_conventions():
         "smartexit_admission_limit": "gauge", "smartexit_audit_false_exit_rate": "gauge",
         "smartexit_audit_false_exit_upper_bound": "gauge", "smartexit_audit_tokens": "counter",
         "smartexit_audit_fallbacks": "counter", "smartexit_audit_requests": "counter",
-        "smartexit_audit_request_p_value": "gauge", "smartexit_scheduler_active_policy": "gauge",
+        "smartexit_audit_request_p_value": "gauge", "smartexit_audit_request_exceeds_p_value": "gauge",
+        "smartexit_scheduler_active_policy": "gauge",
         "smartexit_scheduler_fallbacks": "counter", "smartexit_scheduler_online_updates": "counter",
         "smartexit_engine_steps": "counter", "smartexit_engine_step_seconds": "counter",
         "smartexit_engine_emit_seconds": "counter", "smartexit_engine_chunks": "counter"}
@@ -116,6 +118,8 @@ def test_replica_gauges_and_audit_come_from_the_workers_stats():
     assert samples(f["smartexit_audit_requests"], "smartexit_audit_requests_total") == {(("replica", "w1"),): 12.0}
     assert samples(f["smartexit_audit_request_p_value"], "smartexit_audit_request_p_value") == {
         (("replica", "w1"),): 0.4}
+    assert samples(f["smartexit_audit_request_exceeds_p_value"], "smartexit_audit_request_exceeds_p_value") == {
+        (("replica", "w1"),): 0.7}
     assert samples(f["smartexit_engine_step_seconds"], "smartexit_engine_step_seconds_total")[(("replica", "w1"),)] == 2.5
     assert samples(f["smartexit_engine_chunks"], "smartexit_engine_chunks_total") == {
         (("replica", "w1"),): 900.0, (("replica", "w2"),): 900.0}
