@@ -214,6 +214,12 @@ def render_markdown(report: dict[str, Any]) -> str:
                       f"{a['heldout_code_request_bound']:.4f}); the engine as served p "
                       f"{a['heldout_code_as_served_request_p_value']:.3g} (bound "
                       f"{a['heldout_code_as_served_request_bound']:.4f}, rate {a['heldout_code_as_served_rate']:.4f}).")
+        broken = ("" if a.get("caught_broken_rule") is None else
+                  f" The rule with its thresholds dropped (every check exiting): false exits "
+                  f"{a['broken_rule_rate']:.4f}, "
+                  + (f"fallback to full depth after {a['broken_rule_fired_after']} audited tokens"
+                     if a.get("broken_rule_fired_after") is not None else "no fallback")
+                  + f": caught {a['caught_broken_rule']}.")
         lines += ["## Online false-exit audit", "",
                   f"Every served token audited (bench/audit.md; with deferral the engine judges its exits itself): "
                   f"held-out code {a['heldout_code_rate']:.4f} "
@@ -221,7 +227,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                   f"{a['word_salad_rate']:.4f}, "
                   + ("no fallback" if a['word_salad_fired_after'] is None else
                      f"fallback to full depth after {a['word_salad_fired_after']} audited tokens")
-                  + f": caught {a['caught']} (eps {a['epsilon']})." + served, ""]
+                  + f": caught {a['caught']} (eps {a['epsilon']})." + served + broken, ""]
     return "\n".join(lines)
 
 

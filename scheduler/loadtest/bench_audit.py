@@ -35,6 +35,9 @@ class BenchAuditConfig:
     # per-request test to be able to certify (it needs ~ln(1/delta)/epsilon requests, 333 at the demo's eps)
     prompts: int = 400
     salad_prompts: int = 48        # requests of word salad: another domain, its tokens shuffled
+    # requests served under the rule with its thresholds dropped (every routed row exits at its first check),
+    # certificate and epsilon kept: a rule that breaks its certificate, which the audit must catch
+    broken_prompts: int = 48
     prompt_tokens: int = 64
     max_tokens: int = 32            # new tokens per request: the certificate's unit (calibrate.new_tokens)
     min_tokens: int = 100          # audited tokens before the trigger may fire
@@ -42,9 +45,10 @@ class BenchAuditConfig:
     threads: int | None = None     # the bundle's when None
 
     def __post_init__(self) -> None:
-        if min(self.prompts, self.salad_prompts, self.prompt_tokens, self.max_tokens, self.min_tokens) < 1:
-            raise ConfigError("bench audit: prompts, salad_prompts, prompt_tokens, max_tokens and min_tokens must "
-                              "be >= 1")
+        if min(self.prompts, self.salad_prompts, self.broken_prompts, self.prompt_tokens, self.max_tokens,
+               self.min_tokens) < 1:
+            raise ConfigError("bench audit: prompts, salad_prompts, broken_prompts, prompt_tokens, max_tokens and "
+                              "min_tokens must be >= 1")
 
 
 def word_salad(prompts: list[list[int]], seed: int) -> list[list[int]]:
@@ -53,8 +57,16 @@ def word_salad(prompts: list[list[int]], seed: int) -> list[list[int]]:
     return [[int(t) for t in rng.permutation(p)] for p in prompts]
 
 
+def broken(table):
+    """The table with its thresholds dropped and routing off: every row checked, every check exiting (the
+    certificate, and so the epsilon the audit tests, kept)."""
+    from dataclasses import replace
+
+    return replace(table, score_thresholds={k: float("-inf") for k in table.score_thresholds}, route_min_lookup=0)
+
+
 def audit_run(bundle: Path, prompts: list[list[int]], cfg: BenchAuditConfig, tag: str,
-              as_served: bool = False) -> dict[str, Any]:
+              as_served: bool = False, rule_edit=None) -> dict[str, Any]:
     """Serve ``prompts`` one at a time on a fresh host with every token audited; the audit's estimate, and the
     per-request rates of the requests audited whole (``unit_losses``, in completion order).
 
@@ -66,7 +78,7 @@ def audit_run(bundle: Path, prompts: list[list[int]], cfg: BenchAuditConfig, tag
     from edge.runtime.host import GenRequest
 
     rule_alone = {} if as_served else {"exit_gate": False, "bounded_drafts": False}
-    host = open_bundle(bundle, threads=cfg.threads, **rule_alone,
+    host = open_bundle(bundle, threads=cfg.threads, rule_edit=rule_edit, **rule_alone,
                        audit={"fraction": 1.0, "min_tokens": cfg.min_tokens, "max_pending": 100_000, "seed": cfg.seed})
     host.start()
     t0 = time.perf_counter()

@@ -163,3 +163,19 @@ def test_tritonserver_serves_the_torch_static_backend(repo, torch_choice):
         tp.stop()
     assert "on the torch_static backend" in log, log[-2000:]
     assert list(zip(tokens, layers)) == ref
+
+
+def test_a_bench_can_serve_the_bundle_under_an_edited_rule(repo):
+    """bench audit's broken rule: `open_bundle(rule_edit=...)` serves the bundle's table as edited (here every
+    threshold dropped and routing off), with the certificate's epsilon kept for the audit to test; without an
+    edit the host serves the calibrated table."""
+    from scheduler.loadtest.bench_audit import broken
+    from scheduler.serving.bundle import open_bundle
+
+    calibrated = open_bundle(repo / BUNDLE)
+    edited = open_bundle(repo / BUNDLE, rule_edit=broken)
+    table, loose = calibrated.engine.rule.table, edited.engine.rule.table
+    assert loose.route_min_lookup == 0 and set(loose.score_thresholds) == set(table.score_thresholds)
+    assert all(v == float("-inf") for v in loose.score_thresholds.values())
+    assert table.score_thresholds != loose.score_thresholds
+    assert edited.audit.epsilon == calibrated.audit.epsilon == table.epsilon

@@ -7,7 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from edge.core.artifacts import Manifest, atomic_write_json, atomic_write_text
-from scheduler.loadtest.bench_audit import BenchAuditConfig, STAGE, audit_run, word_salad
+from scheduler.loadtest.bench_audit import BenchAuditConfig, STAGE, audit_run, broken, word_salad
 
 
 def main(cfg: BenchAuditConfig) -> int:
@@ -25,14 +25,16 @@ def main(cfg: BenchAuditConfig) -> int:
                                                                                        cfg.seed).ids]
     runs = {"heldout_code": audit_run(bundle, code, cfg, "code"),
             "word_salad": audit_run(bundle, word_salad(code[:cfg.salad_prompts], cfg.seed), cfg, "salad"),
-            "heldout_code_as_served": audit_run(bundle, code, cfg, "served", as_served=True)}
+            "heldout_code_as_served": audit_run(bundle, code, cfg, "served", as_served=True),
+            "broken_rule": audit_run(bundle, code[:cfg.broken_prompts], cfg, "broken", rule_edit=broken)}
     epsilon = runs["heldout_code"]["epsilon"]  # the threshold table's, as the host audits it
     delta = runs["heldout_code"]["delta"]
     for r in runs.values():  # the per-request test's bound at delta, from the units in completion order
         losses = r.pop("unit_losses")
         r["requests"]["bound"] = upper_confidence_bound(losses, delta, PValue.BETTING, seed=None) if losses else 1.0
     report = {"stage": STAGE, "config": asdict(cfg), "epsilon": epsilon, "runs": runs,
-              "caught": bool(runs["word_salad"]["fallback"]), "false_alarm": bool(runs["heldout_code"]["fallback"])}
+              "caught": bool(runs["word_salad"]["fallback"]), "false_alarm": bool(runs["heldout_code"]["fallback"]),
+              "caught_broken_rule": bool(runs["broken_rule"]["fallback"])}
     out = Path(cfg.run_dir) / "bench"
     md = ["# Online false-exit audit: in domain vs another domain", "",
           f"Every token of {cfg.prompts} held-out requests ({cfg.salad_prompts} of word salad; {cfg.prompt_tokens} "
@@ -60,11 +62,15 @@ def main(cfg: BenchAuditConfig) -> int:
                "per-request false-exit rate > epsilon, in completion order, anytime-valid); its bound is the (1 - delta) "
                "upper confidence bound on that mean. `heldout_code` and `word_salad` run exits as the rule decides "
                "them (step gate and bounded drafts off); `heldout_code_as_served` runs the engine as the bundle "
-               "serves it: the composite the certificate is argued to cover, tested here on held-out traffic."]
+               "serves it: the composite the certificate is argued to cover, tested here on held-out traffic; "
+               "`broken_rule` serves the first held-out requests under the table with its thresholds dropped and "
+               "routing off (every row checked, every check exiting; the certificate's epsilon kept): a rule that "
+               "breaks its certificate, which the fallback must catch (later requests then run at full depth)."]
     paths = {"json": out / "audit.json", "md": out / "audit.md"}
     atomic_write_text(paths["md"], "\n".join(md) + "\n")
     atomic_write_json(paths["json"], report)
     metrics = {"epsilon": epsilon, "caught": report["caught"], "false_alarm": report["false_alarm"],
+               "caught_broken_rule": report["caught_broken_rule"],
                **{f"{n}_rate": r["rate"] for n, r in runs.items()},
                **{f"{n}_fired_after": r["fired_after"] for n, r in runs.items()},
                **{f"{n}_engine_judged": (r.get("verdict_counts") or {}).get("judged", 0) for n, r in runs.items()},
