@@ -169,16 +169,14 @@ def corpus_table(cfg: CalibrateConfig, manifest, model) -> Any:
     """The export's corpus n-gram table for the context lookup to fall back to (``lookup_corpus``, a shortlist
     model, a current export that has one), else None: the rule then reads the context alone, and its table
     says so (a calibration before any export, on the torch model, is one)."""
-    from edge.model.ngram import NgramTable
-    from edge.runtime.graphs import NGRAM_TABLE
+    from edge.runtime.graphs import load_ngram_table
 
     if not (cfg.lookup_corpus and model.has_shortlist):
         return None
     try:
-        path = Path(manifest.verified_output("export", "graphs")) / NGRAM_TABLE
+        return load_ngram_table(manifest.verified_output("export", "graphs"))
     except ArtifactError:
         return None
-    return NgramTable.load(path) if path.is_file() else None
 
 
 def _table(ckpt: Path, model, kind: CalibratorKind, lam: float, cals: dict[int, Calibrator], kv_mode: KVMode,

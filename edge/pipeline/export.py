@@ -140,7 +140,8 @@ def main(cfg: ExportStageConfig) -> int:
                 require_parity(reports[f"{key}_fused"])
             counts[key] = len(exported.graphs) + len(exported.fused)
         ngram = (write_ngram_table(tok, staging / "onnx", cfg.ngram_min_count, cfg.ngram_min_share,
-                                   greedy_continuations(staging / "onnx_full", full, cfg.threads), cfg.ngram_windows,
+                                   greedy_continuations(staging / "onnx_full", full, cfg.threads)
+                                   if cfg.ngram_windows else None, cfg.ngram_windows,
                                    cfg.ngram_window_tokens, cfg.ngram_new_tokens, cfg.seed)
                  if cfg.ngram_table else None)
         for key, name in (("graphs", "onnx"), ("graphs_full", "onnx_full")):

@@ -18,7 +18,6 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
@@ -124,10 +123,9 @@ def _lookup_table(manifest, rule):
     (reference_generate checks it is the rule's)."""
     if getattr(rule, "lookup_table_sha256", None) is None:
         return None
-    from edge.model.ngram import NgramTable
-    from edge.runtime.graphs import NGRAM_TABLE
+    from edge.runtime.graphs import load_ngram_table
 
-    return NgramTable.load(Path(manifest.verified_output("export", "graphs")) / NGRAM_TABLE)
+    return load_ngram_table(manifest.verified_output("export", "graphs"))
 
 
 @torch.no_grad()

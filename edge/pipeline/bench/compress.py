@@ -216,9 +216,10 @@ def main(cfg: CompressBenchConfig) -> int:
     shutil.rmtree(work, ignore_errors=True)
     rows, backends, graphs_of = recipe_rows(cfg, manifest, models, ref, run.prompts(3, 32, cfg.seed + 7), work, t0)
     # every recipe runs the run's rule, whose context lookup may fall back to the run's export's corpus table
-    lookup_table = Path(manifest.verified_output("export", "graphs")) / NGRAM_TABLE
+    export_dir = Path(manifest.verified_output("export", "graphs"))
+    corpus = load_ngram_table(export_dir)
     for backend in backends.values():
-        backend.ngram_table = load_ngram_table(lookup_table.parent)
+        backend.ngram_table = corpus
     peers = _peers(cfg, manifest, tok, ref, rows, t0) if cfg.llamacpp else {}
     speed, exits_seen = measure_speed(cfg, run, models, peers, backends, t0)
     if cfg.memory:  # a fresh process per recipe, at the largest batch
@@ -228,7 +229,7 @@ def main(cfg: CompressBenchConfig) -> int:
         prompts = run.prompts(b, cfg.prompt_tokens, cfg.seed)
         for name in models:
             rows[name]["peak_rss_mib"] = peak_rss_mib(graphs_of[name], thresholds, served, prompts, cfg.new_tokens,
-                                                      cfg.threads, lookup_table if lookup_table.is_file() else None)
+                                                      cfg.threads, None if corpus is None else export_dir / NGRAM_TABLE)
             rows[name]["peak_rss_batch"] = b
     judge_exits(cfg, run, models, backends, rows, speed, exits_seen)
     for qt in peers:
