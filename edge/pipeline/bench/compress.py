@@ -41,6 +41,7 @@ from edge.pipeline.bench.decode import false_exits
 from edge.runtime.batch import run_batch
 from edge.pipeline.bench.float_graphs import float_graphs
 from edge.pipeline.bench.llamacpp_gguf import SAME_PRECISION
+from edge.pipeline.bench.quiesce import settle
 from calibration.freerun import Served
 from edge.pipeline.compress import CompressConfig, Recipe, compress, fit_windows
 from edge.pipeline.run import open_run
@@ -164,6 +165,7 @@ def measure_speed(cfg: CompressBenchConfig, run: Any, models: dict[str, MultiExi
             run_batch(backends[name], rule, groups[0], 4, kv_mode)
         for _ in range(cfg.repeats):
             for name in models:
+                settle()  # the last system's threads stop spinning first (edge/pipeline/bench/quiesce.py)
                 secs = 0.0
                 for g in groups:
                     res = run_batch(backends[name], rule, g, cfg.new_tokens, kv_mode)
@@ -173,6 +175,7 @@ def measure_speed(cfg: CompressBenchConfig, run: Any, models: dict[str, MultiExi
                 speed[name].setdefault(str(b), []).append(n_prompts * cfg.new_tokens / secs)
             if b == 1:
                 for qt, peer in peers.items():
+                    settle()
                     secs = sum(peer.generate(p, cfg.new_tokens).seconds for p in prompts)
                     speed[qt].setdefault("1", []).append(n_prompts * cfg.new_tokens / secs)
         _log(t0, f"batch {b}: " + ", ".join(f"{n} {np.median(v[str(b)]):.0f} tok/s" for n, v in speed.items()

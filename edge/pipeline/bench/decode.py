@@ -65,6 +65,7 @@ from edge.pipeline.bench.spec_ceiling import agreement_trace, ceiling as spec_ce
 from edge.pipeline.bench.engine_memory import vm_kib
 from edge.runtime.batch import RunResult, run_batch
 from edge.pipeline.run import open_run
+from edge.pipeline.bench.quiesce import settle
 from edge.pipeline.bench.speculation import (calibrated_vs_best_other, distinct, divergences, pool_stats,
                                              speculative_sweep, verify_cost_ratios,
                                              sweep_variants, token_mismatches)
@@ -563,11 +564,13 @@ class _DecodeBench:
             order = names[rep % len(names):] + names[:rep % len(names)]
             for s in order:
                 bar.set_postfix_str(f"batch {b}, {'warm-up' if rep < cfg.warmup else 'repeat'} {rep + 1}, {s}")
+                settle()  # the last system's threads stop spinning first (edge/pipeline/bench/quiesce.py)
                 r = systems.run(s, prompts, cfg.new_tokens, group=b)
                 bar.update()
                 if rep >= cfg.warmup:
                     runs[s].append(r)
             if with_bench and rep >= cfg.warmup:
+                settle()
                 bench_rows.append(systems.llama_bench(cfg.new_tokens))
         row_fe = {}
         for s in exit_systems:

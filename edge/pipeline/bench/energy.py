@@ -29,6 +29,7 @@ import numpy as np
 
 from edge.core.artifacts import atomic_write_json, atomic_write_text, sha256_path
 from edge.core.errors import ConfigError
+from edge.pipeline.bench.quiesce import settle
 
 STAGE = "bench_energy"
 FULL, EXITS, C_FULL, C_EXITS = "full", "exits", "compressed_full", "compressed_exits"
@@ -74,10 +75,11 @@ class Window:
     """One measured decode window of one system."""
 
     tokens: int
-    seconds: float
+    seconds: float  # the whole window: the decode and its threads' spin-down (edge/pipeline/bench/quiesce.py)
     cpu_seconds: float
     joules: float | None
     idle_watts: float | None  # mean power of the idle window before this repeat
+    decode_seconds: float | None = None  # the decode alone (tokens/s); None: the whole window
 
     @property
     def joules_above_idle(self) -> float | None:
@@ -104,7 +106,7 @@ def per_token(windows: list[Window]) -> dict[str, Any]:
         "joules_per_token_above_idle": stat([w.joules_above_idle / w.tokens if w.joules_above_idle is not None
                                              else None for w in windows]),
         "cpu_seconds_per_token": stat([w.cpu_seconds / w.tokens for w in windows]),
-        "tokens_per_s": stat([w.tokens / w.seconds for w in windows]),
+        "tokens_per_s": stat([w.tokens / (w.decode_seconds or w.seconds) for w in windows]),
         "watts": stat([w.joules / w.seconds if w.joules is not None else None for w in windows]),
         "tokens": int(sum(w.tokens for w in windows)),
     }
@@ -210,10 +212,16 @@ def measure_windows(cfg: EnergyBenchConfig, meter: Any, names: list[str], decode
                 idle_w = idle.mean_watts
                 idle_trace.append(idle.to_dict())
             for name in names[rep % len(names):] + names[:rep % len(names)]:
+                # each window starts on quiet cores and ends when its own threads have stopped spinning (ONNX
+                # Runtime's pool ~40 ms of a core after the last call): that CPU is this system's, not the next's
+                settle()
                 meter.start()
+                t_run = time.perf_counter()
                 tokens = decode(name, cfg.new_tokens)
+                t_run = time.perf_counter() - t_run
+                settle()
                 m = meter.stop()
-                windows[name].append(Window(tokens, m.seconds, m.cpu_seconds, m.joules, idle_w))
+                windows[name].append(Window(tokens, m.seconds, m.cpu_seconds, m.joules, idle_w, t_run))
                 if rep == 0 and m.samples:
                     traces[name] = [(s.t - m.samples[0].t, s.watts) for s in m.samples]
             _log(t0, f"repeat {rep + 1}: " + ", ".join(

@@ -70,3 +70,12 @@ def test_served_backend_needs_the_choice_jetson_serve_wrote(tmp_path):
     assert backend_choice(cfg, tmp_path / "ckpt") == {"name": "tensorrt", "engines_dir": "/e"}
     cfg.backend = "torch_static"
     assert backend_choice(cfg, tmp_path / "ckpt")["checkpoint"] == str(tmp_path / "ckpt")
+
+
+def test_tokens_per_s_reads_the_decode_alone_while_cpu_and_joules_read_the_whole_window():
+    # a window of 2 s whose decode took 1.6 s (the rest: its threads spinning down, edge/pipeline/bench/quiesce.py)
+    w = Window(100, 2.0, 0.5, 20.0, 2.0, decode_seconds=1.6)
+    r = per_token([w])
+    assert r["tokens_per_s"]["median"] == pytest.approx(100 / 1.6)
+    assert r["cpu_seconds_per_token"]["median"] == pytest.approx(0.005)
+    assert r["joules_per_token_above_idle"]["median"] == pytest.approx((20.0 - 2.0 * 2.0) / 100)
