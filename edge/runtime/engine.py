@@ -38,7 +38,7 @@ from edge.runtime.backend import Backend, SegmentOut
 from edge.runtime.cache import KVCache
 from edge.runtime.gate import StepGate
 from edge.model.candidates import lookup_feature
-from edge.model.lookup import MAX_N as LOOKUP_MAX_N, Lookup
+from edge.model.lookup import MAX_N as LOOKUP_MAX_N, NONE as LOOKUP_NONE, Lookup
 from edge.model.ngram import MAX_N as NGRAM_MAX_N, checked_table
 from edge.runtime.rules import TOP1, BatchExitRule, NeverExit, score_form
 from edge.runtime.sampling import choose_token, token_distribution
@@ -476,7 +476,9 @@ class Engine:
             if seq.prefilled == len(seq.req.prompt):
                 self.prefilling.remove(seq)
                 self.decoding.append(seq)
-                if self._candidates or self._drafts(seq):  # checks and lookup drafts read it
+                # checks and lookup drafts read it; a request in mode full neither checks nor drafts (its index cost
+                # mode full on the exits graphs 2% at batch 8, and an audit's one-token verdict its whole prefix)
+                if (self._candidates and seq.req.mode is Mode.BOUNDED) or self._drafts(seq):
                     seq.lookup = Lookup(seq.req.prompt, self._lookup_table)
                 token = choose_token(out.logits[0], seq.req.temperature, seq.req.top_p, seq.rng)
                 self._emit(seq, token, self.backend.num_layers)
@@ -815,8 +817,8 @@ class Engine:
         """The context lookup's (token [B], match length [B]) of each sequence (edge/model/lookup.py)."""
         b = len(seqs)
         toks, lens = np.empty(b, np.int64), np.empty(b, np.float32)
-        for r, s in enumerate(seqs):
-            toks[r], lens[r] = s.lookup.predict()
+        for r, s in enumerate(seqs):  # a row in mode full keeps no lookup: it is never checked
+            toks[r], lens[r] = s.lookup.predict() if s.lookup is not None else (LOOKUP_NONE, 0)
         return toks, lookup_feature(lens)
 
     def _speculate(self, seqs: list[_Seq]) -> None:

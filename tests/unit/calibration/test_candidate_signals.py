@@ -115,6 +115,43 @@ def test_mlp_table_drives_the_engine():
         rule.linear(m.exit_layers[0], num_features(CFG.hidden_size))
 
 
+def test_a_request_in_mode_full_keeps_no_lookup_and_changes_nothing_beside_checked_rows():
+    """A mode-full row never checks or drafts, so the engine keeps no context lookup for it (pushing every token
+    into one cost mode full on the exits graphs 2% at batch 8); in a batch with checked rows, its tokens and theirs
+    are what they are when it does keep one."""
+    m = _model(seed=4)
+    data = collect_units(m, _seqs(40, 32, seed=2), first=12)
+    targets = exit_targets(data.argmax)
+    cals = {k: Calibrator(kind=CalibratorKind.MLP).fit(data.signals[k], targets[k]) for k in m.exit_layers[:-1]}
+    lam = float(np.quantile(cals[m.exit_layers[0]].predict(data.signals[m.exit_layers[0]]), 0.7))
+    rule = TableRule(ThresholdTable("x", m.exit_layers, "mlp", lam, {k: c.score_threshold(lam) for k, c in cals.items()},
+                                    cals, signal_names=signal_names(CFG.hidden_size)))
+    prompts = [s[:16].tolist() for s in _seqs(3, 32, seed=5)]
+
+    def run(force_lookup: bool) -> tuple[int, dict[int, list]]:
+        eng = Engine(TorchBackend(m), EngineConfig(max_seqs=3, max_running=3, max_len=64), rule)
+        ids = [eng.submit(Request(prompts[0], 10, mode="full"))] + [eng.submit(Request(p, 10)) for p in prompts[1:]]
+        got: dict[int, list] = {}
+        first = True
+        while eng.has_work:
+            events = eng.step()
+            if first:  # the prompts prefilled: the full row keeps no lookup, the checked rows do
+                full_row = next(s for s in eng.decoding if s.id == ids[0])
+                assert full_row.lookup is None
+                assert all(s.lookup is not None for s in eng.decoding if s.id != ids[0])
+                if force_lookup:  # what the engine kept before: the full row's index over its prompt and token
+                    full_row.lookup = Lookup(full_row.req.prompt + full_row.tokens)
+                first = False
+            for ev in events:
+                got.setdefault(ev.request_id, []).append((ev.token, ev.exit_layer))
+        return ids[0], got
+
+    (full_id, without), (_, with_lookup) = run(False), run(True)
+    assert without == with_lookup
+    assert all(e == m.num_layers for _, e in without[full_id])
+    assert any(e < m.num_layers for rid, seq in without.items() if rid != full_id for _, e in seq), "checked rows exit"
+
+
 def test_routing_checks_only_rows_with_a_lookup_match():
     """route_min_lookup: a row whose context lookup matched fewer tokens runs every layer, no check (the engine),
     and calibration's cascades never let such a token leave either."""
