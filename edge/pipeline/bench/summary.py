@@ -294,14 +294,16 @@ def speculative_markdown(results: dict[str, Any]) -> list[str]:
                  f"{v['acceptance_rate']:.2f}" for k, v in src.items() if k != "plain_steps" and v]
         lines.append(f"- batch {b}: " + "; ".join(parts + [f"plain steps {src.get('plain_steps')}"]))
     lines += ["",
-             "| batch | (e)/(c) | (e)/(b) | acceptance rate | mean accepted length | tokens per round | mismatches |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| batch | (e)/(c) | (e)/(c), decode only | (e)/(b) | acceptance rate | mean accepted length | tokens per round "
+             "| mismatches |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for b, row in results["batches"].items():
         st = row.get("speculative") or {}
         rounds = ((f"{f(st.get('acceptance_rate'), '.3f')} | {f(st.get('mean_accepted_length'))} | "
                    f"{f(st.get('tokens_per_round'))}") if st.get("rounds") else
                   "full depth (batch above speculate_max_batch) | - | -")
         lines.append(f"| {b} | {f(row.get('speedup_speculative_vs_full'))} | "
+                     f"{f(row.get('speedup_speculative_vs_full_decode_only'))} | "
                      f"{f(row.get('speedup_speculative_vs_layerskip'))} | {rounds} | "
                      f"{row.get('speculative_mismatches')} of {row.get('speculative_tokens_compared')} |")
     for title, key, what in (("Stop rules", "speculative_stop_rules", "rule"),

@@ -112,6 +112,7 @@ def _results(batches=(1, 4, 16), mismatches=0, sweep=True):
                 "speedup_vs_full_by_mode": {"defer": 0.9, "propagate": 0.8},
                 "false_exit_rate_by_mode": {"defer": 0.004, "propagate": 0.01},
                 "speedup_speculative_vs_full": {1: 0.85, 4: 0.6, 16: 0.4}[b],
+                "speedup_speculative_vs_full_decode_only": {1: 0.9, 4: 0.55, 16: 0.35}[b],
                 "speedup_speculative_vs_layerskip": 5.5 if b == 1 else None,
                 "speculative": pool_stats([_stats(12, 30, 18)]), "speculative_mismatches": mismatches,
                 "speculative_tokens_compared": 96 * b}
@@ -169,7 +170,7 @@ def test_markdown_and_summary_lines_show_the_speculative_rows(tmp_path):
     summary["goals"] = goals(summary, 0.009, [1, 16])
     md = render_markdown(results, summary)
     assert "| 1 | (e) SmartExit engine, ORT, speculative (exact: lookup and exit drafts) | 9.0 |" in md
-    assert "| 16 | 0.40 | n/a | 0.600 | 1.50 | 2.50 | 0 of 1536 |" in md
+    assert "| 16 | 0.40 | 0.35 | n/a | 0.600 | 1.50 | 2.50 | 0 of 1536 |" in md
     assert "| fixed_2 | 1.00 | 0.600 | 1.50 | 2.50 | 0 |" in md and "| 9 | 0.70 | 0.600 |" in md
     assert "Calibrated rule / best other rule (fixed or top-1): 0.850." in md
     text = "\n".join(summary_lines(results, summary, tmp_path / "decode.md", 1.0))
