@@ -6,8 +6,8 @@ windows after the last call), ONNX Runtime's shared intra-op pool ~40 ms (its wo
 session's ``allow_spinning`` says: the global pool's spin control is not exposed to Python), torch's
 OpenMP pool and llama.cpp's threads ~10 ms. A system timed right after another therefore starts on
 cores the last one's threads still hold. In `bench decode`, llama.cpp ran right after the exits
-engine in every repeat: its decode measured 849 tokens/s there against 1,611 alone on the same
-prompts, so its rows understated it by half. :func:`settle` waits until this process's threads have
+engine in every repeat: paired in one process, it decoded 1,374 tokens/s right after the engine's run
+and 1,780 after a wait (12 interleaved repeats; docs/runtime.md). :func:`settle` waits until this process's threads have
 stopped (CPU time in a short window below a small share of it), so each interleaved system starts on
 quiet cores; what a system's own spinning costs while it runs stays in its time.
 """
