@@ -106,6 +106,8 @@ def per_token(windows: list[Window]) -> dict[str, Any]:
         "joules_per_token_above_idle": stat([w.joules_above_idle / w.tokens if w.joules_above_idle is not None
                                              else None for w in windows]),
         "cpu_seconds_per_token": stat([w.cpu_seconds / w.tokens for w in windows]),
+        # how busy the process's threads were over the window: near the thread count, a spinning pool (docs/energy.md)
+        "cpu_per_second": stat([w.cpu_seconds / w.seconds for w in windows]),
         "tokens_per_s": stat([w.tokens / (w.decode_seconds or w.seconds) for w in windows]),
         "watts": stat([w.joules / w.seconds if w.joules is not None else None for w in windows]),
         "tokens": int(sum(w.tokens for w in windows)),
@@ -353,6 +355,12 @@ def render_markdown(result: dict[str, Any]) -> str:
                      f"{cell(r['cpu_seconds_per_token'])} | {cell(r['tokens_per_s'], '.0f')} | "
                      f"{_fmt(rel[n]['joules_per_token'])} | {_fmt(rel[n]['cpu_seconds_per_token'])} | "
                      f"{_fmt(rel[n]['tokens_per_s'])} |")
+    busy = [r["cpu_per_second"]["median"] for r in rows.values() if r.get("cpu_per_second")]
+    if busy:
+        lines += ["", f"CPU-seconds per second of window: {min(busy):.2f}-{max(busy):.2f} across systems, with "
+                      f"{c['threads']} CPU threads. A thread pool that spins while it waits keeps its cores busy whether "
+                      "or not they compute: where this is near the thread count, CPU-seconds per token follow the time "
+                      "per token more than the work (docs/energy.md)."]
     if s.get("cpu_ratio_served_vs_full_depth") is not None:
         lines += ["", f"`{SERVED}` is the shipped system as the served engine runs it (exits only where checking steps "
                       "measured cheaper than full depth; lossless lookup and corpus drafts where a round pays): against "

@@ -48,6 +48,9 @@ def test_markdown_and_plot_say_what_was_measured(tmp_path):
     md = render_markdown(result)
     assert "**no power sensor** (no sensor here)" in md and "it is not energy" in md
     assert "| exits | - | - | 0.005 (0.005-0.005) |" in md
+    # 0.5 CPU-seconds over each 2 s window
+    assert rows["full"]["cpu_per_second"]["median"] == pytest.approx(0.25)
+    assert "CPU-seconds per second of window: 0.25-0.25 across systems, with 2 CPU threads" in md
     plot(result, tmp_path / "e.png")
     assert (tmp_path / "e.png").stat().st_size > 1000
 
