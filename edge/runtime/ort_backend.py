@@ -286,6 +286,13 @@ class OrtBackend(Backend):
         block of the cache); else the segments one after the other."""
         b, t = x.shape[:2]
         s0 = contiguous_start(slots)
+        if (self._full is None and self.spec.candidates and t == 1 and rows == 1 and s0 is not None
+                and self.cache is not None and x.dtype == np.int64 and int(start.max()) + 1 <= self.cache.capacity):
+            # no graph of every layer (export.full_graph false): a decode step runs the segments back to back
+            # on the step's chained buffers, as a checked step does, no row allowed to leave (the same plans,
+            # so the same tokens; their candidate checks run, no LM head, and are not read): a step 10% cheaper
+            # than segment call by segment call on the 2-core VM (docs/runtime.md, stop 51)
+            return self.decode_until_exit(x, slots, start, None, np.zeros(b, bool))[1]
         if self._full is None or s0 is None or self.cache is None or x.dtype != np.int64 or not 1 <= rows <= t:
             return super().full(x, slots, start, rows)
         if int(start.max()) + t > self.cache.capacity:

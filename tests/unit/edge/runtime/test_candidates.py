@@ -309,6 +309,25 @@ def test_full_graph_equals_the_segments(exported):
     assert any(key[0] == "full" and key[2] == 3 for key in backend._plans), "the batch-3 steps ran the full graph"
 
 
+def test_without_the_full_graph_a_step_runs_the_chained_segments(tmp_path):
+    """``export.full_graph: false``: a decode step in which no row may leave runs the checked segments back to back
+    on the step's chained buffers (``decode_until_exit``, no row allowed), not segment call by segment call, with
+    the tokens of full depth."""
+    m, ckpt, graphs = _export(tmp_path, _model(seed=7), full_graph=False, verify_batches=[])
+    backend = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1)
+    assert backend._full is None
+    one_row_calls = []
+    segment = backend.segment
+    backend.segment = lambda i, x, *a, **k: (one_row_calls.append(i) if x.shape[1] == 1 else None) or segment(i, x, *a, **k)
+    prompts = _prompts(3, seed=9)
+    cfg = dict(max_seqs=3, max_running=3, max_len=128, kv_mode=KVMode.DEFER, defer_exit_max_batch=1)
+    # all three decode together: batch 3 > 1, so no row may exit and each step runs every layer
+    got = _run(Engine(backend, EngineConfig(**cfg), ConfidenceRule(-1e9)), prompts, max_tokens=10)
+    ref = _run(Engine(TorchBackend(m), EngineConfig(max_seqs=3, max_running=3, max_len=128)), prompts, max_tokens=10)
+    assert got == ref
+    assert backend._step_plans and not one_row_calls, "decode steps ran on the chained plans, no segment call alone"
+
+
 def test_generate_stage_holds_a_shortlist_model_to_its_calibrated_table():
     """A fixed probability threshold means nothing for checks that score raw candidate logits: the generate
     stage refuses a shortlist model in an uncalibrated run, and keeps the fixed rule for other models."""

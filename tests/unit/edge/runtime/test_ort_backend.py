@@ -22,14 +22,15 @@ from tests.tolerance import assert_f32_close
 from tests.unit.edge.runtime.test_engine import CFG, _model, _prompts, _run
 
 
-def _export(root, m):
-    """Save ``m`` as a checkpoint and export it; returns (model, checkpoint, graphs)."""
+def _export(root, m, **export):
+    """Save ``m`` as a checkpoint and export it (``export``: ExportConfig's fields); returns (model, checkpoint,
+    graphs)."""
     for p in m.backbone.parameters():  # the checkpoint stores fp16: compare the same weights
         p.data = p.data.half().float()
     ckpt = root / "ckpt"
     with atomic_dir(ckpt) as tmp:
         save_multi_exit(m, tmp, tokenizer=None, metrics={}, source={})
-    export_onnx(m, root / "onnx", ExportConfig(), checkpoint_sha256=sha256_path(ckpt))
+    export_onnx(m, root / "onnx", ExportConfig(**export), checkpoint_sha256=sha256_path(ckpt))
     return m, ckpt, root / "onnx"
 
 
