@@ -283,7 +283,8 @@ class OrtBackend(Backend):
 
     def full(self, x, slots, start, rows=1):
         """Every layer in one call of the ``full`` graph (when the export has one and the slots are one
-        block of the cache); else the segments one after the other."""
+        block of the cache); else the segments one after the other (a decode step of candidate-check graphs:
+        back to back on the step's chained plans)."""
         b, t = x.shape[:2]
         s0 = contiguous_start(slots)
         if (self._full is None and self.spec.candidates and t == 1 and rows == 1 and s0 is not None
