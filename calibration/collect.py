@@ -269,8 +269,9 @@ def _read_engine(backend: Backend, seqs: np.ndarray, first: int, batch: int, pre
                     tk[k] = backend.head(i, hd[k]).token.copy()
                 elif cand and i < nseg - 1:  # a candidate check: its features as the engine computed them
                     ft[k], tk[k] = out.features.astype(np.float64), out.token.copy()
-                else:
-                    st[k], tk[k] = out.stats.copy(), out.token.copy()
+                else:  # softmax exits; and a candidate model's last exit, whose head may compute no statistics
+                    st[k] = None if out.stats is None else out.stats.copy()
+                    tk[k] = out.token.copy()
                 x, prev = out.hidden, out
             if generate:  # the full model's greedy token is the next one fed
                 rows[:, pos + 1] = tk[layers[-1]]

@@ -48,6 +48,7 @@ sha256, the opset and, per graph, what ``onnx.checker`` answered (a rejection st
 """
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 import warnings
@@ -68,7 +69,8 @@ from edge.model.exits import MultiExitModel, exit_decision_stats
 from edge.model.decoder import rope_cos_sin
 from edge.model.segments import segment_layers
 from edge.runtime.graphs import FUSED_DIR, GRAPHS_FORMAT, GRAPHS_JSON, SHORTLIST_ROWS
-from exporters.ort_fused import DRAFT_HEAD, build_fused, fused_supported, save_draft_head, save_fused
+from exporters.ort_fused import (DRAFT_HEAD, build_fused, fused_supported, head_has_stats, save_draft_head, save_fused,
+                                 stats_head)
 
 SUPPORTED_OPSETS = (17, 18)
 # Protobuf's hard limit: one ModelProto cannot exceed 2 GiB, larger weights go to external data.
@@ -454,8 +456,14 @@ def export_onnx(model: MultiExitModel, out_dir: str | Path, cfg: ExportConfig,
             fused = save_fused(build_fused(model, seg_layers, cfg.full_graph, tuple(cfg.verify_batches)), tmp / FUSED_DIR,
                                cfg.external_data_threshold)
             if len(model.exit_layers) > 1:  # a draft exit exists: self-speculative decoding drafts with it
-                fused[DRAFT_HEAD] = save_draft_head(tmp / FUSED_DIR / fused["head"][0], tmp / FUSED_DIR,
+                src = tmp / FUSED_DIR
+                if not head_has_stats(model):  # the draft head keeps the statistics its stop rules read
+                    src = tmp / "draft_src"
+                    save_fused([stats_head(model)], src, cfg.external_data_threshold)
+                fused[DRAFT_HEAD] = save_draft_head(src / fused["head"][0], tmp / FUSED_DIR,
                                                     external_data=fused["head"][3] is not None)
+                if src != tmp / FUSED_DIR:
+                    shutil.rmtree(src)
             for name, (file, ins, outs, data) in fused.items():
                 info = GraphInfo(f"{FUSED_DIR}/{file}", ins, outs, sha256_file(tmp / FUSED_DIR / file))
                 if data:

@@ -43,14 +43,17 @@ is not in them)
     ``exit_score``): a gated decision needs no LM head.
 ``head`` (one for every exit: the LM head's weight is stored, and loaded, once)
     in:  ``exit_hidden`` [B, D]
-    out: ``logits`` [B, V], ``exit_stats`` [B, 3], ``exit_token`` int64 [B]
+    out: ``logits`` [B, V], ``exit_stats`` [B, 3], ``exit_token`` int64 [B]; the head of a model with one
+         exit or a candidate shortlist has no ``exit_stats`` (:func:`head_has_stats`: nothing reads them, and
+         they are not free)
     Without gates (and with more than one exit) it also computes the exit rule's features and
     linear score (:meth:`_Builder.decision`): inputs ``rule_w`` [6], ``rule_b`` [], ``has_prev`` bool []
     (false at the first exit) and the previous exit's ``prev_token`` int64 [B], ``prev_run`` [B],
     ``prev_exit_hidden`` [B, D]; outputs ``exit_features`` [B, 6], ``exit_score`` [B] (exit where >= 0),
     ``exit_run`` [B]. With gates it runs for the rows that exit only.
-``draft_head`` (the ``head`` graph with its LM-head weight quantized to int8, per output channel,
-activations quantized per call: ONNX Runtime's dynamic quantization; same inputs and outputs)
+``draft_head`` (the ``head`` graph, with its statistics in any case (:func:`stats_head`), its LM-head weight
+quantized to int8, per output channel, activations quantized per call: ONNX Runtime's dynamic quantization;
+same inputs, and the outputs with ``exit_stats``)
     What self-speculative decoding drafts with: a draft only proposes a token that the full model
     then verifies in float32, so the output stays exact, and a draft step's head costs about half.
 ``verify_{B}`` (every layer, B a static batch: mode exact's verification of several sequences' drafts)
@@ -236,16 +239,21 @@ class _Builder:
         self.output("exit_hidden", TensorProto.FLOAT, ["rows", cfg.hidden_size])  # B * R
         return eh
 
-    def lm_head(self, eh: str) -> None:
-        """``logits`` [B, V], ``exit_stats`` [B, 3], ``exit_token`` [B] from exit hidden rows [B, D]."""
+    def lm_head(self, eh: str, stats: bool = True) -> None:
+        """``logits`` [B, V], ``exit_stats`` [B, 3] (``stats``) and ``exit_token`` [B] from exit hidden rows
+        [B, D]. Without ``stats`` the token is the first index of the largest logit (ArgMax), which is the
+        statistics' TopK's first index too (ONNX: of equal values the lower index comes first)."""
         bb = self.model.backbone
         if bb.head_q is None:
             logits = self.node("MatMul", [eh, self.weight("lm_head_t", bb.head_weight.T)], ["logits"])[0]
         else:  # the quantized copy of the LM head (edge.compress)
             logits = self.node("Identity", [self.linear(eh, bb.head_q, "lm_head")], ["logits"])[0]
-        self.decision_stats(logits)
         self.output("logits", TensorProto.FLOAT, ["batch", self.cfg.vocab_size])
-        self.output("exit_stats", TensorProto.FLOAT, ["batch", 3])
+        if stats:
+            self.decision_stats(logits)
+            self.output("exit_stats", TensorProto.FLOAT, ["batch", 3])
+        else:
+            self.node("ArgMax", [logits], ["exit_token"], axis=-1, keepdims=0, select_last_index=0)
         self.output("exit_token", TensorProto.INT64, ["batch"])
 
     def gate(self, layer: int, eh: str) -> None:
@@ -488,14 +496,31 @@ def head_decides(model: MultiExitModel) -> bool:
     return not model.gated and not model.has_shortlist and len(model.exit_layers) > 1
 
 
-def _head_proto(model: MultiExitModel) -> onnx.ModelProto:
-    """``head``: the LM head, decision statistics and (softmax rules) the exit rule's score, for every exit."""
+def head_has_stats(model: MultiExitModel) -> bool:
+    """Whether the ``head`` graph outputs the softmax decision statistics: not where its calls never read
+    them, which is a model with one exit (full depth only) and a candidate-shortlist model (its checks decide
+    in the segment graphs; its head serves full-depth calls, which read logits and token, and its draft exits'
+    stop rules read the statistics from ``draft_head``). They cost 9 of the head's 63 us at one row and 119 of
+    307 at sixteen on the demo model (docs/runtime.md)."""
+    return not model.has_shortlist and len(model.exit_layers) > 1
+
+
+def _head_proto(model: MultiExitModel, stats: bool | None = None) -> onnx.ModelProto:
+    """``head``: the LM head, decision statistics (``stats``; None: :func:`head_has_stats`) and (softmax
+    rules) the exit rule's score, for every exit."""
     b = _Builder(model)
     eh = b.input("exit_hidden", TensorProto.FLOAT, ["batch", b.cfg.hidden_size])
-    b.lm_head(eh)
+    b.lm_head(eh, head_has_stats(model) if stats is None else stats)
     if head_decides(model):
         b.decision(eh)
     return b.model_proto("head")
+
+
+def stats_head(model: MultiExitModel) -> FusedGraph:
+    """The ``head`` graph with the decision statistics whatever the model: what ``draft_head`` is made from
+    (:func:`save_draft_head`), so that a draft exit's stop rule reads them where ``head`` has none."""
+    with torch.no_grad():
+        return FusedGraph("head", _head_proto(model.eval(), stats=True))
 
 
 def _kvfill_proto(model: MultiExitModel, layers: list[int], name: str) -> onnx.ModelProto:

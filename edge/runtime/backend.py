@@ -89,7 +89,9 @@ class SegmentOut:
     # major, for a call with rows=R (and likewise for logits, stats, token)
     exit_hidden: np.ndarray
     logits: np.ndarray | None  # [B, V] exit logits there
-    stats: np.ndarray | None  # [B, 3] float32: top-1 probability, top-1 minus top-2, entropy
+    # [B, 3] float32: top-1 probability, top-1 minus top-2, entropy (None where nobody reads them: a candidate-
+    # shortlist model's last exit on ONNX Runtime, whose head graph has none)
+    stats: np.ndarray | None
     token: np.ndarray | None  # [B] int64 argmax of the logits
     gate: np.ndarray | None = None  # [B] float32 gate logit (gated decision exits)
     # decision exits: the exit rule's features [B, F], its linear score [B] (exit where >= 0) and the

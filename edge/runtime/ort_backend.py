@@ -118,6 +118,9 @@ class OrtBackend(Backend):
         # self-speculative drafts' head (int8 weights), opened on first use; the exact head if not exported
         self._draft_head_sess = None if "draft_head" in fused["graphs"] else self._head_sess
         self._head_decides = "rule_w" in {x.name for x in self._head_sess.get_inputs()}
+        # the head of a model with one exit or a candidate shortlist has no decision statistics (nothing reads them:
+        # exporters/ort_fused.py head_has_stats); a candidate model's draft exit reads the draft head's
+        self.head_stats = "exit_stats" in {o.name for o in self._head_sess.get_outputs()}
         self.pool_threads = pool_threads()
         self.gathered_rows = 0  # past rows copied for batches over scattered slots
         self._plans: dict[tuple, _Plan] = {}  # (segment, first slot, B, T, rows, draft)
@@ -184,7 +187,7 @@ class OrtBackend(Backend):
             hidden=None if last else self._buf("hidden", i + 1, chain, b, (b, t, d), f32),
             exit_hidden=self._buf("exit_hidden", i + 1, chain, b, (r, d), f32),
             logits=None if headless else np.zeros((r, v), f32),
-            stats=None if headless else np.zeros((r, 3), f32),
+            stats=None if headless or not (draft or self.head_stats) else np.zeros((r, 3), f32),
             token=None if gated_exit or check else self._buf("token", i + 1, chain, b, (r,), np.int64),
             gate=self._buf("gate", i + 1, chain, b, (r,), f32) if gated_exit else None)
         if check:  # the two best candidates and their logits, which the next check reads
@@ -372,7 +375,7 @@ class OrtBackend(Backend):
         d, v, f32, r = self.spec.hidden_size, self.vocab_size, np.float32, b * t
         last = len(self.segments) - 1
         out = SegmentOut(hidden=None, exit_hidden=np.zeros((r, d), f32), logits=np.zeros((r, v), f32),
-                         stats=np.zeros((r, 3), f32), token=np.zeros(r, np.int64))
+                         stats=np.zeros((r, 3), f32) if self.head_stats else None, token=np.zeros(r, np.int64))
         io = self._verify_sess[b].io_binding()
         plan = _Plan(io, self._head_sess.io_binding(), self._head_sess, np.zeros((b, t), np.int64),
                      np.zeros(b, np.int32), np.zeros((), np.int32), np.zeros((), np.int64), out, {})
@@ -442,7 +445,10 @@ class OrtBackend(Backend):
         return out
 
     def _head(self, i, exit_hidden):
-        logits, stats, token = self._head_sess.run(["logits", "exit_stats", "exit_token"], {"exit_hidden": exit_hidden})
+        # a gated exit's rows that leave, or a candidate model's draft exit (its head has no statistics: the draft
+        # head's, which has them, drafts)
+        sess = self._head_sess if self.head_stats else self._draft_head()
+        logits, stats, token = sess.run(["logits", "exit_stats", "exit_token"], {"exit_hidden": exit_hidden})
         return HeadOut(logits, stats, token)
 
     def _kvfill(self, i, hidden, slots, positions):

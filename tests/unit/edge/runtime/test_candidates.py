@@ -309,6 +309,43 @@ def test_full_graph_equals_the_segments(exported):
     assert any(key[0] == "full" and key[2] == 3 for key in backend._plans), "the batch-3 steps ran the full graph"
 
 
+def test_a_shortlist_models_head_computes_no_statistics(exported):
+    """A candidate-shortlist model's checks decide in its segment graphs and its ``head`` serves full-depth calls,
+    which read logits and token: the fused head has no decision statistics (they cost 9 of its 63 us at one row
+    and 119 of 307 at sixteen on the demo model: docs/runtime.md). Its logits and token are the statistics head's
+    (the first index of the largest logit, ties included); the draft head keeps the statistics a draft exit's stop
+    rule reads, and mode exact drafting from an exit (through that head) decodes full depth's tokens."""
+    import json
+
+    import onnxruntime as ort
+
+    from edge.runtime.ortsession import session_options
+    from edge.runtime.speculative import SpecConfig
+    from exporters.ort_fused import stats_head
+
+    m, ckpt, graphs = exported
+    meta = json.loads((graphs / "graphs.json").read_text())["fused"]["graphs"]
+    assert meta["head"]["outputs"] == ["logits", "exit_token"]
+    assert meta["draft_head"]["outputs"] == ["logits", "exit_stats", "exit_token"]
+    so = session_options(ort)  # the process's shared pool
+    lean = ort.InferenceSession(str(graphs / meta["head"]["file"]), so, providers=["CPUExecutionProvider"])
+    full = ort.InferenceSession(stats_head(m).proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    h = np.random.default_rng(4).standard_normal((16, CFG.hidden_size)).astype(np.float32)
+    h[:2] = 0.0  # every logit 0: a tie over the whole vocabulary
+    logits, token = lean.run(["logits", "exit_token"], {"exit_hidden": h})
+    want_logits, stats, want = full.run(["logits", "exit_stats", "exit_token"], {"exit_hidden": h})
+    assert np.array_equal(logits, want_logits) and np.array_equal(token, want) and token[:2].tolist() == [0, 0]
+    assert np.array_equal(token[2:], logits[2:].argmax(-1)) and stats.shape == (16, 3)
+    backend = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1)
+    assert not backend.head_stats
+    prompts = _prompts(3, seed=9)
+    cfg = dict(max_seqs=1, max_len=128)
+    ref = _run(Engine(TorchBackend(m), EngineConfig(**cfg)), prompts, max_tokens=12, mode="full")
+    eng = Engine(backend, EngineConfig(**cfg, speculative=SpecConfig(sources=("exit",), stop="fixed", fixed=3)))
+    assert [_run(eng, [p], max_tokens=12, mode="exact")[0] for p in prompts] == ref
+    assert eng.spec_stats.drafted > 0 and backend._draft_head_sess is not None, "the exit drafted, with the draft head"
+
+
 def test_without_the_full_graph_a_step_runs_the_chained_segments(tmp_path):
     """``export.full_graph: false``: a decode step in which no row may leave runs the checked segments back to back
     on the step's chained buffers (``decode_until_exit``, no row allowed), not segment call by segment call, with

@@ -279,6 +279,32 @@ def test_a_model_without_exits_speculates_from_lookups():
     assert eng.source_stats["lookup"].rounds > 0 and eng.source_stats["exit"].rounds == 0
 
 
+def test_a_model_without_exits_has_a_head_without_statistics_on_onnx_runtime(tmp_path):
+    """A model with one exit never decides or drafts from an exit: its fused head computes logits and token only
+    (the decision statistics cost 9 of the demo head's 63 us at one row: exporters/ort_fused.head_has_stats), and
+    its plain steps and lookup rounds on ONNX Runtime decode the torch model's full-depth tokens."""
+    import json
+
+    from edge.model.exits import ExitConfig, MultiExitModel
+    from tests.unit.edge.runtime.test_engine import CFG
+    from tests.unit.edge.runtime.test_ort_backend import _export
+
+    torch.manual_seed(0)
+    m = MultiExitModel(copy.deepcopy(_looping()).backbone, ExitConfig(layers=[CFG.num_layers], adapter_rank=0)).eval()
+    m, ckpt, graphs = _export(tmp_path, m)
+    fused = json.loads((graphs / "graphs.json").read_text())["fused"]["graphs"]
+    assert fused["head"]["outputs"] == ["logits", "exit_token"] and "draft_head" not in fused
+    backend = make_backend("onnxruntime", graphs_dir=graphs, checkpoint=ckpt, threads=1)
+    assert not backend.head_stats
+    prompts = _looping_prompts(4)
+    want = [[t for t, _ in r] for r in _full(m, prompts, 24)]
+    for mode in (Mode.FULL, Mode.EXACT):
+        eng = _engine(backend, speculative=SpecConfig())
+        got = _run(eng, prompts, max_tokens=24, mode=mode)
+        assert [[t for t, _ in r] for r in got] == want, mode
+    assert eng.source_stats["lookup"].rounds > 0, "mode exact verified lookup drafts"
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     from tests.unit.edge.runtime.test_ort_backend import _export
