@@ -89,8 +89,8 @@ class SegmentOut:
     # major, for a call with rows=R (and likewise for logits, stats, token)
     exit_hidden: np.ndarray
     logits: np.ndarray | None  # [B, V] exit logits there
-    # [B, 3] float32: top-1 probability, top-1 minus top-2, entropy (None where nobody reads them: a candidate-
-    # shortlist model's last exit on ONNX Runtime, whose head graph has none)
+    # [B, 3] float32: top-1 probability, top-1 minus top-2, entropy (None where nobody reads them: the last exit of
+    # a model with a candidate shortlist or one exit on ONNX Runtime, whose head graph has none)
     stats: np.ndarray | None
     token: np.ndarray | None  # [B] int64 argmax of the logits
     gate: np.ndarray | None = None  # [B] float32 gate logit (gated decision exits)

@@ -181,13 +181,15 @@ class OrtBackend(Backend):
         headless = gated_exit or check
         chain = s0 if t == 1 else None  # consecutive segments share their buffers
         first = i == 0 or full
+        head_sess = self._draft_head() if draft else self._head_sess
+        stats = not headless and "exit_stats" in {o.name for o in head_sess.get_outputs()}
         x = np.zeros((b, t), np.int64) if first else self._buf("hidden", i, chain, b, (b, t, d), f32)
         r = b * rows  # rows the exit runs on
         out = SegmentOut(
             hidden=None if last else self._buf("hidden", i + 1, chain, b, (b, t, d), f32),
             exit_hidden=self._buf("exit_hidden", i + 1, chain, b, (r, d), f32),
             logits=None if headless else np.zeros((r, v), f32),
-            stats=None if headless or not (draft or self.head_stats) else np.zeros((r, 3), f32),
+            stats=np.zeros((r, 3), f32) if stats else None,
             token=None if gated_exit or check else self._buf("token", i + 1, chain, b, (r,), np.int64),
             gate=self._buf("gate", i + 1, chain, b, (r,), f32) if gated_exit else None)
         if check:  # the two best candidates and their logits, which the next check reads
@@ -214,7 +216,6 @@ class OrtBackend(Backend):
                          "prev_token": self._buf("token", i, chain, b, (r,), np.int64),
                          "prev_run": self._buf("run", i, chain, b, (r,), f32)}
         io = (self._full if full else self._seg[i]).io_binding()
-        head_sess = self._draft_head() if draft else self._head_sess
         head_io = None if headless else head_sess.io_binding()
         lookup = None
         if check:  # one pair of buffers for every check of a step over this block
