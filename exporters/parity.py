@@ -353,7 +353,7 @@ def check_fused_parity(model: MultiExitModel, graphs_dir: str | Path, prompts: l
                 flip = (a >= 0) != (e >= 0)
                 near = np.abs(e) <= NEAR_TIE * (float(np.abs(e).max()) or 1.0)
                 if ctie is not None:
-                    near = near | ctie.reshape(near.shape)
+                    flip = flip & ~ctie.reshape(flip.shape)  # a candidates' near tie: counted above
                 ties += int((flip & near).sum())
                 if (flip & ~near).any():
                     failures.append(f"{name}/score ({phase}): the exit decision differs at "

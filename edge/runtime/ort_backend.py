@@ -46,6 +46,11 @@ def _col(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1, 1)
 
 
+def _has_stats(sess) -> bool:
+    """Whether a head session outputs the decision statistics (exporters/ort_fused.py head_has_stats)."""
+    return "exit_stats" in {o.name for o in sess.get_outputs()}
+
+
 def pick_providers(available: list[str], requested: list[str] | None = None) -> list[str]:
     """Providers to use, in preference order, among those this build offers."""
     if requested:
@@ -120,7 +125,7 @@ class OrtBackend(Backend):
         self._head_decides = "rule_w" in {x.name for x in self._head_sess.get_inputs()}
         # the head of a model with one exit or a candidate shortlist has no decision statistics (nothing reads them:
         # exporters/ort_fused.py head_has_stats); a candidate model's draft exit reads the draft head's
-        self.head_stats = "exit_stats" in {o.name for o in self._head_sess.get_outputs()}
+        self.head_stats = _has_stats(self._head_sess)
         self.pool_threads = pool_threads()
         self.gathered_rows = 0  # past rows copied for batches over scattered slots
         self._plans: dict[tuple, _Plan] = {}  # (segment, first slot, B, T, rows, draft)
@@ -182,7 +187,7 @@ class OrtBackend(Backend):
         chain = s0 if t == 1 else None  # consecutive segments share their buffers
         first = i == 0 or full
         head_sess = self._draft_head() if draft else self._head_sess
-        stats = not headless and "exit_stats" in {o.name for o in head_sess.get_outputs()}
+        stats = not headless and (_has_stats(head_sess) if draft else self.head_stats)
         x = np.zeros((b, t), np.int64) if first else self._buf("hidden", i, chain, b, (b, t, d), f32)
         r = b * rows  # rows the exit runs on
         out = SegmentOut(
