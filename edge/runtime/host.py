@@ -412,8 +412,8 @@ class EngineHost:
                   step_s: float, emit_s: float, chunks: int) -> None:
         """One line: step and emit seconds, chunks sent, decode rows ``[cached positions, exit layer]`` of the
         sequences that took a plain step, and per decoding sequence ``k`` = [tokens emitted, 1 if they came from
-        a draft round (a verification call of its own) else 0], prefill chunks ``[start, tokens]`` (a prefill's
-        first token is not a decode row)."""
+        a draft round (a verification call of its own) else 0] and ``i`` their request ids in the same order,
+        prefill chunks ``[start, tokens]`` (a prefill's first token is not a decode row)."""
         ctx, pending = before
         decoded = [ev for ev in events if ev.request_id in ctx and ev.token != NO_TOKEN]
         rounds = self.engine.round_ids
@@ -424,8 +424,9 @@ class EngineHost:
         arr = self._recent_arrivals(now)
         n = len(arr)  # other threads append while this one reads: indices below a length read once
         arrived = next((k for k in range(n) if arr[n - 1 - k] < now - FRONT_WINDOW_S), n)
+        seqs = sorted((n, int(rid in rounds), rid) for rid, n in per_seq.items())
         f.write(json.dumps({"s": round(step_s, 7), "e": round(emit_s, 7), "c": chunks, "d": rows,
-                            "k": sorted([n, int(rid in rounds)] for rid, n in per_seq.items()), "p": pre,
+                            "k": [[n, r] for n, r, _ in seqs], "i": [rid for _, _, rid in seqs], "p": pre,
                             "n": len(self._live), "a": arrived},
                            separators=(",", ":")) + "\n")
         if self.steps_total % 64 == 0:

@@ -50,6 +50,7 @@ from scheduler.control.sim import BUCKET_KEYS, MAX_ROUND_TOKENS, ExitModel, SimC
 from scheduler.control.workload import Workload
 
 STEP_LOG = "serving_steps.jsonl"  # the served engine's step log of the calibration runs
+RUNS_JSON = "serving_runs.json"  # the calibration runs' requests (save_runs)
 
 BOUNDS = ((0.0, 1000.0), (0.0, 100.0), (0.0, 200.0))  # the overheads' (ms): first token, later tokens, ingress
 START = (20.0, 2.0, 2.0)
@@ -104,7 +105,9 @@ def read_step_log(path: str | Path, keep: Sequence[tuple[int, int]] | None = Non
                         "a": int(rec.get("a", 0)), "n": int(rec.get("n", 0)),  # both 0 in logs written before them
                         # per decoding sequence (tokens, 1 for a draft round): in logs written before rounds were
                         # logged, a plain step per row
-                        "k": [(int(n), int(r)) for n, r in rec["k"]] if "k" in rec else [(1, 0)] * len(d)})
+                        "k": [(int(n), int(r)) for n, r in rec["k"]] if "k" in rec else [(1, 0)] * len(d),
+                        # the request ids of ``k``'s sequences, in its order (None in logs written before them)
+                        "i": [int(x) if isinstance(x, int) else str(x) for x in rec["i"]] if "i" in rec else None})
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             if i == len(lines):
                 break  # the last line of a stack stopped mid-write
@@ -201,14 +204,21 @@ def fit_steps(latency: LatencyModel, steps: Sequence[dict[str, Any]]) -> tuple[d
 def decode_rounds(steps: Sequence[dict[str, Any]]) -> dict[str, list[float]] | None:
     """SimConfig.decode_rounds from the served steps: per decode batch bucket, the share of decoding sequences
     that took a plain step, and that verified a draft round emitting 1, 2, ... MAX_ROUND_TOKENS tokens; None
-    without decode steps."""
+    without decode steps. Where the log names the requests (``i``), a request's last step is left out: the engine
+    cuts a round at the request's max_tokens, and the simulator cuts its draw there again."""
+    last: dict[Any, int] = {}
+    for j, st in enumerate(steps):
+        for rid in st.get("i") or ():
+            last[rid] = j
     counts: dict[str, np.ndarray] = {}
-    for st in steps:
-        ks = st.get("k", [(1, 0)] * len(st["d"]))
+    for j, st in enumerate(steps):
+        ks, ids = st.get("k", [(1, 0)] * len(st["d"])), st.get("i")
         if ks:
             c = counts.setdefault(batch_bucket(len(ks)), np.zeros(MAX_ROUND_TOKENS + 1))
-            for n, r in ks:
-                c[min(max(n, 1), MAX_ROUND_TOKENS) if r else 0] += 1
+            for q, (n, r) in enumerate(ks):
+                if ids is None or last[ids[q]] != j:
+                    c[min(max(n, 1), MAX_ROUND_TOKENS) if r else 0] += 1
+    counts = {key: c for key, c in counts.items() if c.sum() > 0}
     if not counts:
         return None
     return {key: [float(x) for x in c[:int(np.flatnonzero(c).max()) + 1] / c.sum()] for key, c in counts.items()}
@@ -332,6 +342,28 @@ def measure(run_dir: str | Path, runs: Sequence[tuple[int, Sequence[Any]]], max_
     return out, read_step_log(step_log, kept)
 
 
+def save_runs(path: str | Path, results: Sequence[Sequence[Any]], budgets: Sequence[int]) -> None:
+    """The calibration runs as the fit reads them (:func:`load_runs`): per run its budget and per request its
+    arrival, prompt and output lengths, submit, first-token and end times and outcome; a refit or a diagnosis
+    needs no stack."""
+    runs = [{"budget": int(b), "requests": [{
+        "request_id": r.request_id, "arrival_s": r.arrival_s, "prompt_tokens": r.prompt_tokens,
+        "max_tokens": r.max_tokens, "t_submit": r.t_submit, "t_first_token": r.t_first_token, "t_end": r.t_end,
+        "tokens": r.tokens, "error_kind": r.error_kind} for r in run]} for run, b in zip(results, budgets)]
+    Path(path).write_text(json.dumps({"runs": runs}))
+
+
+def load_runs(path: str | Path) -> tuple[list[list[Any]], list[int]]:
+    """(the runs' RequestResults, their budgets) as :func:`save_runs` wrote them. Raises ConfigError."""
+    from scheduler.control.outcomes import RequestResult
+
+    try:
+        runs = json.loads(Path(path).read_text())["runs"]
+        return ([[RequestResult(**r) for r in run["requests"]] for run in runs], [int(run["budget"]) for run in runs])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"serving path: calibration runs {path}: {exc!r}") from None
+
+
 def count_lines(path: Path) -> int:
     """The complete lines of a step log written so far (0 before it exists)."""
     return path.read_text().count("\n") if path.is_file() else 0
@@ -387,7 +419,9 @@ def calibrate(run_dir: str | Path, latency: LatencyModel, pool: list[list[int]],
 
     results, steps = measure(run, schedules, max_seqs, (base.sla_ttft_ms, base.sla_tpot_ms),
                              run / "scheduler" / STEP_LOG, warm=warm, more=at_the_edge if edge_run else None)
-    sp = fit_serving_path(latency, exits, base, results, budgets + ([edge_run[0]] if edge_run else []), steps)
+    all_budgets = budgets + ([edge_run[0]] if edge_run else [])
+    save_runs(run / "scheduler" / RUNS_JSON, results, all_budgets)
+    sp = fit_serving_path(latency, exits, base, results, all_budgets, steps)
     sp.save(run / "scheduler" / SERVING_JSON)
     st = sp.fit["steps"]
     past = [f"{t['rate_rps']:.2f} req/s" for t in sp.fit["runs"] if not t["fitted"]]

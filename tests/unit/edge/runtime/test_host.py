@@ -2,6 +2,8 @@
 overload and audit paths work (torch backend, a tiny random model built here)."""
 from __future__ import annotations
 
+import collections
+
 import threading
 import time
 
@@ -285,3 +287,10 @@ def test_step_log_records_every_step_as_the_counters_do(tmp_path):
     # (all five were submitted at once: some step soon after sees all of them, none sees more)
     assert max(x["a"] for x in lines) == len(prompts) and all(0 <= x["a"] <= len(prompts) for x in lines)
     assert max(x["n"] for x in lines) == len(prompts) and all(0 <= x["n"] <= len(prompts) for x in lines)
+    # ``i``: the request id of each ``k`` entry, in its order: each request's 5 decode tokens under one id
+    assert all(len(x["i"]) == len(x["k"]) == len(set(x["i"])) for x in lines)
+    per_request = collections.Counter()
+    for x in lines:
+        for (n, _), rid in zip(x["k"], x["i"]):
+            per_request[rid] += n
+    assert sorted(per_request.values()) == [5] * len(prompts)

@@ -12,7 +12,7 @@ from scheduler.control.latency import FEATURES, LatencyModel
 from scheduler.control.policies import FixedBudget
 from scheduler.loadtest.profile_report import render_serving
 from scheduler.control.engine_model import ServingPath
-from scheduler.loadtest.serving_path import fit_serving_path, fit_steps, read_step_log
+from scheduler.loadtest.serving_path import fit_serving_path, fit_steps, latency_stats, read_step_log
 from scheduler.control.sim import ExitModel, SimConfig, simulate
 from scheduler.control.workload import Arrivals, Workload, synthetic
 
@@ -214,3 +214,46 @@ def test_the_step_log_is_read_within_the_runs_kept(tmp_path):
     assert count_lines(log) == 6
     assert [st["s"] for st in read_step_log(log, [(1, 3), (5, 6)])] == pytest.approx([0.02, 0.03, 0.06])
     assert len(read_step_log(log, [])) == 0 and len(read_step_log(log)) == 6
+
+
+def test_where_the_log_names_the_requests_their_cut_last_rounds_are_not_counted(tmp_path):
+    """With request ids (``i``, one per ``k`` entry) a request's last step, whose round the engine cut at
+    max_tokens, is left out of the shares (the simulator cuts its draw there again); a log without ids counts
+    every step, as before."""
+    import json
+
+    from scheduler.loadtest.serving_path import decode_rounds
+
+    lines = []
+    for rid in range(3):  # alone: a plain step, three rounds of 3, then a round cut to 1 token
+        lines.append({"s": 0.01, "e": 0, "c": 1, "d": [[40, 12]], "k": [[1, 0]], "i": [rid], "p": []})
+        lines += [{"s": 0.01, "e": 0, "c": 1, "d": [], "k": [[3, 1]], "i": [rid], "p": []} for _ in range(3)]
+        lines.append({"s": 0.01, "e": 0, "c": 1, "d": [], "k": [[1, 1]], "i": [rid], "p": []})
+    lines.append({"s": 0.01, "e": 0, "c": 2, "d": [], "k": [[2, 1], [3, 1]], "i": [7, 8], "p": []})  # both last
+    log = tmp_path / "steps.jsonl"
+    log.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    steps = read_step_log(log)
+    assert steps[0]["i"] == [0] and steps[-1]["i"] == [7, 8]
+    assert decode_rounds(steps) == {"1": [0.25, 0.0, 0.0, 0.75]}
+    for x in lines:
+        del x["i"]
+    log.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    old = read_step_log(log)
+    assert old[0]["i"] is None
+    assert decode_rounds(old) == {"1": [0.2, 0.2, 0.0, 0.6], "2": [0.0, 0.0, 0.5, 0.5]}
+
+
+def test_the_calibration_runs_are_kept_for_a_refit(tmp_path):
+    """save_runs / load_runs: the fit's inputs round-trip (a refit or a diagnosis needs no stack); a malformed
+    file is a ConfigError."""
+    from scheduler.loadtest.serving_path import load_runs, save_runs
+
+    runs = [_results(Workload(np.arange(10.0), np.full(10, 50), np.full(10, 8), "w")),
+            _results(Workload(np.arange(4.0), np.full(4, 20), np.full(4, 3), "w"))]
+    save_runs(tmp_path / "runs.json", runs, [128, 512])
+    back, budgets = load_runs(tmp_path / "runs.json")
+    assert budgets == [128, 512] and [len(r) for r in back] == [10, 4]
+    assert [latency_stats(r) for r in back] == [latency_stats(r) for r in runs]
+    (tmp_path / "bad.json").write_text('{"runs": [{"requests": []}]}')
+    with pytest.raises(ConfigError, match="calibration runs"):
+        load_runs(tmp_path / "bad.json")
