@@ -24,7 +24,7 @@ def main(cfg: ProfileConfig) -> int:
     from scheduler.serving.bundle import open_bundle
     from scheduler.loadtest.profile_report import render_markdown
     from scheduler.control.engine_model import SERVING_JSON
-    from scheduler.loadtest.serving_path import calibrate
+    from scheduler.loadtest.serving_path import RUNS_JSON, calibrate
 
     t0 = time.perf_counter()
     bundle = bundle_path(cfg)
@@ -69,7 +69,7 @@ def main(cfg: ProfileConfig) -> int:
         gc.collect()
         sp = calibrate(cfg.run_dir, model, pool, ecfg.max_seqs, cfg.serving_runs, cfg.serving_duration_s, cfg.seed,
                        cfg.serving_warmup_requests, cfg.serving_edge_run)
-        paths["serving"] = out / SERVING_JSON
+        paths["serving"], paths["serving_runs"] = out / SERVING_JSON, out / RUNS_JSON
         report["serving"] = asdict(sp)
         metrics.update({k: v for k, v in sp.sim_fields().items() if not isinstance(v, dict)})
         rounds = (sp.decode_rounds or {}).get("1")

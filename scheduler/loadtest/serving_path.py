@@ -350,7 +350,9 @@ def save_runs(path: str | Path, results: Sequence[Sequence[Any]], budgets: Seque
         "request_id": r.request_id, "arrival_s": r.arrival_s, "prompt_tokens": r.prompt_tokens,
         "max_tokens": r.max_tokens, "t_submit": r.t_submit, "t_first_token": r.t_first_token, "t_end": r.t_end,
         "tokens": r.tokens, "error_kind": r.error_kind} for r in run]} for run, b in zip(results, budgets)]
-    Path(path).write_text(json.dumps({"runs": runs}))
+    from edge.core.artifacts import atomic_write_json
+
+    atomic_write_json(Path(path), {"runs": runs})
 
 
 def load_runs(path: str | Path) -> tuple[list[list[Any]], list[int]]:

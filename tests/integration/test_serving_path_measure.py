@@ -36,3 +36,11 @@ def test_one_stack_serves_each_budget_and_the_warm_up_is_not_measured(served_run
     assert 40 not in firsts and sum(t <= 16 for t in firsts) >= 5  # at budget 16 in chunks of at most 16
     assert 33 not in firsts  # the warm-up's 33-token prompts are not kept
     assert 36 not in firsts and sum(16 < t <= 32 for t in firsts) >= 4  # the placed run at its budget: 32
+    # every kept step names its decoding sequences' requests (the step log's ``i``, in ``k``'s order)
+    assert all(st["i"] is not None and len(st["i"]) == len(st["k"]) for st in steps)
+    # the runs as the profile keeps them (serving_runs.json) give the fit the same requests back
+    from scheduler.loadtest.serving_path import latency_stats, load_runs, save_runs
+
+    save_runs(tmp_path / "runs.json", results, [64, 16, 32])
+    back, budgets = load_runs(tmp_path / "runs.json")
+    assert budgets == [64, 16, 32] and [latency_stats(r) for r in back] == [latency_stats(r) for r in results]
