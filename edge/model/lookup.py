@@ -71,11 +71,19 @@ class Lookup:
         return (self.tokens[at], n) if n else (NONE, 0)
 
     def draft(self, k: int) -> tuple[list[int], int]:
-        """(tokens, n): up to ``k`` tokens that followed the latest earlier occurrence of the longest
-        suffix (n as in :meth:`predict`; the first token is the one it predicts); ([], 0) when even
-        the last token is new. Fewer than ``k`` where that occurrence is near the end."""
+        """(tokens, n): ``k`` tokens that followed the latest earlier occurrence of the longest suffix (n as
+        in :meth:`predict`; the first token is the one it predicts); ([], 0) when even the last token is new.
+        Where that occurrence is near the end, its continuation runs on into the drafts themselves (a copy
+        that overlaps itself, as LZ77's does): a span that repeats drafts its next repetition too."""
         at, n = self._match()
-        return (self.tokens[at:at + k], n) if n else ([], 0)
+        if not n:
+            return [], 0
+        toks = self.tokens
+        out = toks[at:at + k]
+        back = len(toks) - at  # the repetition's period: draft j is the token `back` before it
+        while len(out) < k:
+            out.append(out[len(out) - back])
+        return out, n
 
     def _match(self) -> tuple[int, int]:
         toks = self.tokens

@@ -35,6 +35,7 @@ enter the fit.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import time
 from pathlib import Path
@@ -59,6 +60,10 @@ METRICS = ("ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms", "tpot_p95_ms")  # what t
 # steadier statistics of the same distributions (the median, p90 and the mean)
 FITTED = ("ttft_p50_ms", "ttft_p90_ms", "ttft_mean_ms", "tpot_p50_ms", "tpot_p90_ms", "tpot_mean_ms")
 MIN_REQUESTS = 8
+# the simulator's draws (exit depths, draft rounds) each replay of the fit averages: with two, one draw's luck
+# (seed 0's, the most pessimistic of ten on each of three calibration runs: TPOT p50 up to 17% above the ten's
+# mean) was half of every replay (2026-12-05)
+FIT_SEEDS = (0, 1, 2, 3)
 
 
 def latency_stats(results: Sequence[Any]) -> dict[str, float | None]:
@@ -204,20 +209,28 @@ def fit_steps(latency: LatencyModel, steps: Sequence[dict[str, Any]]) -> tuple[d
 def decode_rounds(steps: Sequence[dict[str, Any]]) -> dict[str, list[float]] | None:
     """SimConfig.decode_rounds from the served steps: per decode batch bucket, the share of decoding sequences
     that took a plain step, and that verified a draft round emitting 1, 2, ... MAX_ROUND_TOKENS tokens; None
-    without decode steps. Where the log names the requests (``i``), a request's last step is left out: the engine
-    cuts a round at the request's max_tokens, and the simulator cuts its draw there again."""
-    last: dict[Any, int] = {}
-    for j, st in enumerate(steps):
-        for rid in st.get("i") or ():
-            last[rid] = j
+    without decode steps. Where the log names the requests (``i``), only the steps of a sequence with more than
+    MAX_ROUND_TOKENS tokens still to go are counted: there max_tokens cannot have cut a round, and the simulator
+    cuts its own draws at a request's end (counted, the cut rounds were cut twice). On two profiles' runs
+    (2026-12-05) the simulator's heaviest run then put TTFT p50 at 115 and 137 ms instead of 124 and 148 (served
+    105 and 73), its lighter runs within 0.4 ms of before."""
+    total: dict[Any, int] = collections.Counter()
+    for st in steps:
+        for (n, _), rid in zip(st.get("k", ()), st.get("i") or ()):
+            total[rid] += n
+    done: dict[Any, int] = collections.Counter()
     counts: dict[str, np.ndarray] = {}
-    for j, st in enumerate(steps):
+    for st in steps:
         ks, ids = st.get("k", [(1, 0)] * len(st["d"])), st.get("i")
         if ks:
             c = counts.setdefault(batch_bucket(len(ks)), np.zeros(MAX_ROUND_TOKENS + 1))
             for q, (n, r) in enumerate(ks):
-                if ids is None or last[ids[q]] != j:
-                    c[min(max(n, 1), MAX_ROUND_TOKENS) if r else 0] += 1
+                if ids is not None:
+                    rid = ids[q]
+                    left, done[rid] = total[rid] - done[rid], done[rid] + n
+                    if left <= MAX_ROUND_TOKENS:
+                        continue
+                c[min(max(n, 1), MAX_ROUND_TOKENS) if r else 0] += 1
     counts = {key: c for key, c in counts.items() if c.sum() > 0}
     if not counts:
         return None
@@ -225,7 +238,7 @@ def decode_rounds(steps: Sequence[dict[str, Any]]) -> dict[str, list[float]] | N
 
 
 def fit_serving_path(latency: LatencyModel, exits: ExitModel, base: SimConfig, runs: Sequence[Sequence[Any]],
-                     budgets: int | Sequence[int], steps: Sequence[dict[str, Any]], seeds: Sequence[int] = (0, 1),
+                     budgets: int | Sequence[int], steps: Sequence[dict[str, Any]], seeds: Sequence[int] = FIT_SEEDS,
                      max_evals: int = 150) -> ServingPath:
     """The serving path from open-loop runs on a stack whose policy held a fixed budget (``budgets``:
     one for all runs or one per run; loadgen ``RequestResult``s, arrivals as scheduled; best at two or

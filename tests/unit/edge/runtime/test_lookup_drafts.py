@@ -89,10 +89,13 @@ def test_lookup_drafts_continue_the_latest_occurrence_of_the_longest_suffix():
     assert lk.draft(3) == ([7, 1, 2], 2)  # "5 6" last occurred at 5..6: what followed it
     assert lk.predict() == (7, 2)
     lk.push(7)  # "5 6 7" occurred at 5..7 (latest)
-    assert lk.draft(8) == ([1, 2, 5, 6, 7], 3)  # up to the sequence's end: fewer than asked
+    # past the sequence's end the continuation copies itself (the span from the occurrence repeats)
+    assert lk.draft(8) == ([1, 2, 5, 6, 7, 1, 2, 5], 3)
+    assert lk.draft(4) == ([1, 2, 5, 6], 3)
     assert Lookup([1, 2, 3]).draft(4) == ([], 0)  # the last token is new
     assert Lookup([]).draft(2) == ([], 0) and Lookup([4]).predict() == (-1, 0)
-    assert Lookup([3, 3]).draft(4) == ([3], 1)  # a run of one token predicts itself
+    assert Lookup([3, 3]).draft(4) == ([3, 3, 3, 3], 1)  # a run of one token predicts itself, on and on
+    assert Lookup([9, 1, 2, 1, 2]).draft(5) == ([1, 2, 1, 2, 1], 2)  # a loop of two drafts its next turns
 
 
 def test_call_costs_measure_by_shape_and_extrapolate():

@@ -216,31 +216,34 @@ def test_the_step_log_is_read_within_the_runs_kept(tmp_path):
     assert len(read_step_log(log, [])) == 0 and len(read_step_log(log)) == 6
 
 
-def test_where_the_log_names_the_requests_their_cut_last_rounds_are_not_counted(tmp_path):
-    """With request ids (``i``, one per ``k`` entry) a request's last step, whose round the engine cut at
-    max_tokens, is left out of the shares (the simulator cuts its draw there again); a log without ids counts
-    every step, as before."""
+def test_where_the_log_names_the_requests_only_steps_far_from_their_end_are_counted(tmp_path):
+    """With request ids (``i``, one per ``k`` entry) only the steps of a sequence with more than MAX_ROUND_TOKENS
+    tokens still to go count in the shares: nearer its end the engine drafts less (a round stops at max_tokens),
+    and the simulator cuts its own draws there. A log without ids counts every step, as before."""
     import json
 
+    from scheduler.control.sim import MAX_ROUND_TOKENS
     from scheduler.loadtest.serving_path import decode_rounds
 
+    assert MAX_ROUND_TOKENS == 8
     lines = []
-    for rid in range(3):  # alone: a plain step, three rounds of 3, then a round cut to 1 token
+    for rid in range(3):  # alone, 23 tokens: a plain step, seven rounds of 3 (22 .. 4 to go), a round cut to 1
         lines.append({"s": 0.01, "e": 0, "c": 1, "d": [[40, 12]], "k": [[1, 0]], "i": [rid], "p": []})
-        lines += [{"s": 0.01, "e": 0, "c": 1, "d": [], "k": [[3, 1]], "i": [rid], "p": []} for _ in range(3)]
+        lines += [{"s": 0.01, "e": 0, "c": 1, "d": [], "k": [[3, 1]], "i": [rid], "p": []} for _ in range(7)]
         lines.append({"s": 0.01, "e": 0, "c": 1, "d": [], "k": [[1, 1]], "i": [rid], "p": []})
-    lines.append({"s": 0.01, "e": 0, "c": 2, "d": [], "k": [[2, 1], [3, 1]], "i": [7, 8], "p": []})  # both last
+    lines.append({"s": 0.01, "e": 0, "c": 2, "d": [], "k": [[2, 1], [3, 1]], "i": [7, 8], "p": []})  # both short
     log = tmp_path / "steps.jsonl"
     log.write_text("".join(json.dumps(x) + "\n" for x in lines))
     steps = read_step_log(log)
     assert steps[0]["i"] == [0] and steps[-1]["i"] == [7, 8]
-    assert decode_rounds(steps) == {"1": [0.25, 0.0, 0.0, 0.75]}
+    # counted: the plain step (23 to go) and the rounds at 22, 19, 16, 13 and 10 to go; not those at 7, 4 and 1
+    assert decode_rounds(steps) == {"1": pytest.approx([1 / 6, 0.0, 0.0, 5 / 6])}
     for x in lines:
         del x["i"]
     log.write_text("".join(json.dumps(x) + "\n" for x in lines))
     old = read_step_log(log)
     assert old[0]["i"] is None
-    assert decode_rounds(old) == {"1": [0.2, 0.2, 0.0, 0.6], "2": [0.0, 0.0, 0.5, 0.5]}
+    assert decode_rounds(old) == {"1": pytest.approx([1 / 9, 1 / 9, 0.0, 7 / 9]), "2": [0.0, 0.0, 0.5, 0.5]}
 
 
 def test_the_calibration_runs_are_kept_for_a_refit(tmp_path):
