@@ -26,7 +26,8 @@ on the real served stack, and the simulator against the real stack.
    ``sla_check_share`` (0.8) of the edge must hold p95 TTFT and TPOT within the SLA
    (``p95_within_sla_at_0_8_edge``).
 
-Writes ``<run>/bench/scheduler.json`` (the report's ``scheduler`` section) and ``scheduler.md``;
+Writes ``<run>/bench/scheduler.json`` (the report's ``scheduler`` section) and ``scheduler.md`` (and, with the
+real stack, ``scheduler_runs.json``: its fixed-budget runs' requests, for replays without a stack);
 records stage ``bench_scheduler`` in the manifest.
 """
 from __future__ import annotations
@@ -50,11 +51,13 @@ from scheduler.control.policies import FixedBudget
 from scheduler.control.registry import make_policy
 from scheduler.control.sim import ExitModel, SimConfig, simulate
 from scheduler.control.workload import SHARED_TRACE, Workload, read_workload_file
+from scheduler.loadtest.serving_path import save_runs
 
 STAGE = "bench_scheduler"
 LEARNED = "ppo"
 ABLATED = "ppo-noexit"  # the learned policy without the exit-depth features
 HELD_OUT_PATTERNS = ("poisson", "bursty", "diurnal")
+RUNS_FILE = "scheduler_runs.json"  # the real stack's fixed-budget runs, as serving_path.save_runs writes them
 
 
 @dataclass
@@ -382,6 +385,9 @@ def real_runs(cfg: BenchSchedulerConfig, env: EnvConfig, latency: LatencyModel, 
     below_val = [{"share_of_edge": f, "rate_rps": f * load * capacity, "policy": name, "stack": k,
                   **validate(latency, exits, env, res, fixed, cfg.validation_seeds)}
                  for (f, _, k), res in zip(below, below_res)]
+    # the fixed budget's served runs as the simulator replays them (a replay or a refit needs no stack)
+    save_runs(Path(cfg.run_dir) / "bench" / RUNS_FILE, [fixed_res] + below_res, [budget] * (1 + len(below_res)),
+              [{"share_of_edge": 1.0, "stack": 0}] + [{"share_of_edge": f, "stack": k} for f, _, k in below])
     ratio = runs[LEARNED]["goodput_rps"] / runs[name]["goodput_rps"] if runs[name]["goodput_rps"] else None
     at_check = [summarize(res, *sla) for (f, _, _), res in zip(below, below_res) if f == cfg.sla_check_share]
     return {"workload": spec.name, "load": load, "rate_rps": load * capacity, "best_fixed": name,

@@ -355,14 +355,16 @@ def measure(run_dir: str | Path, runs: Sequence[tuple[int, Sequence[Any]]], max_
     return out, read_step_log(step_log, kept)
 
 
-def save_runs(path: str | Path, results: Sequence[Sequence[Any]], budgets: Sequence[int]) -> None:
-    """The calibration runs as the fit reads them (:func:`load_runs`): per run its budget and per request its
-    arrival, prompt and output lengths, submit, first-token and end times and outcome; a refit or a diagnosis
-    needs no stack."""
-    runs = [{"budget": int(b), "requests": [{
+def save_runs(path: str | Path, results: Sequence[Sequence[Any]], budgets: Sequence[int],
+              labels: Sequence[dict[str, Any]] | None = None) -> None:
+    """Served runs as the fit reads them (:func:`load_runs`): per run its budget (and ``labels``' fields, if
+    given) and per request its arrival, prompt and output lengths, submit, first-token and end times and outcome;
+    a refit, a replay or a diagnosis needs no stack."""
+    labels = list(labels) if labels is not None else [{}] * len(results)
+    runs = [{**label, "budget": int(b), "requests": [{
         "request_id": r.request_id, "arrival_s": r.arrival_s, "prompt_tokens": r.prompt_tokens,
         "max_tokens": r.max_tokens, "t_submit": r.t_submit, "t_first_token": r.t_first_token, "t_end": r.t_end,
-        "tokens": r.tokens, "error_kind": r.error_kind} for r in run]} for run, b in zip(results, budgets)]
+        "tokens": r.tokens, "error_kind": r.error_kind} for r in run]} for run, b, label in zip(results, budgets, labels)]
     from edge.core.artifacts import atomic_write_json
 
     atomic_write_json(Path(path), {"runs": runs})

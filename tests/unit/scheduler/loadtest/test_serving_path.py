@@ -253,9 +253,12 @@ def test_the_calibration_runs_are_kept_for_a_refit(tmp_path):
 
     runs = [_results(Workload(np.arange(10.0), np.full(10, 50), np.full(10, 8), "w")),
             _results(Workload(np.arange(4.0), np.full(4, 20), np.full(4, 3), "w"))]
-    save_runs(tmp_path / "runs.json", runs, [128, 512])
+    save_runs(tmp_path / "runs.json", runs, [128, 512], [{"share_of_edge": 0.8}, {"share_of_edge": 1.0}])
     back, budgets = load_runs(tmp_path / "runs.json")
     assert budgets == [128, 512] and [len(r) for r in back] == [10, 4]
+    import json
+
+    assert [r["share_of_edge"] for r in json.loads((tmp_path / "runs.json").read_text())["runs"]] == [0.8, 1.0]
     assert [latency_stats(r) for r in back] == [latency_stats(r) for r in runs]
     (tmp_path / "bad.json").write_text('{"runs": [{"requests": []}]}')
     with pytest.raises(ConfigError, match="calibration runs"):
