@@ -68,7 +68,7 @@ def main(cfg: ProfileConfig) -> int:
         del engine  # its ONNX Runtime sessions: the stack's engine gets the CPU to itself
         gc.collect()
         sp = calibrate(cfg.run_dir, model, pool, ecfg.max_seqs, cfg.serving_runs, cfg.serving_duration_s, cfg.seed,
-                       cfg.serving_warmup_requests, cfg.serving_edge_run)
+                       cfg.serving_warmup_requests, cfg.serving_edge_run, cfg.serving_starts)
         paths["serving"], paths["serving_runs"] = out / SERVING_JSON, out / RUNS_JSON
         report["serving"] = asdict(sp)
         metrics.update({k: v for k, v in sp.sim_fields().items() if not isinstance(v, dict)})

@@ -115,6 +115,10 @@ class ProfileConfig:
     # decoding sequences' steps as draft rounds, the next 288 0.67-0.73, 2026-12-05; in process at batch 1, where
     # no gate decides, a fresh engine was 7% slower per token than a warm one), and bench scheduler serves a warm one
     serving_warmup_requests: int = 192
+    # stacks the serving runs are served on, each started and warmed afresh, all fitted together: two starts of one
+    # stack differed by more than prefill budgets 16-128 did (validation runs at about one load and budget: TTFT p50
+    # 42-45 ms on two starts, 116 on the profile's; docs/scheduler.md, stop 53); each start adds ~1 minute
+    serving_starts: int = 2
 
     def __post_init__(self) -> None:
         self.scenario_list = [Scenario(**s) if isinstance(s, dict) else s for s in self.scenario_list]
@@ -146,11 +150,11 @@ class ProfileConfig:
                                       f"got {self.serving_edge_run!r}")
                 self.serving_edge_run = (b, f)
             if not self.serving_runs or any(b < 1 or not 0 < f <= 2 for b, f in self.serving_runs) \
-                    or self.serving_duration_s <= 0 or self.serving_warmup_requests < 0:
+                    or self.serving_duration_s <= 0 or self.serving_warmup_requests < 0 or self.serving_starts < 1:
                 raise ConfigError(f"profile: serving_runs must be non-empty [budget >= 1, load in (0, 2]] pairs "
                                   f"(load: a share of the engine's capacity), serving_duration_s > 0 and "
-                                  f"serving_warmup_requests >= 0; got {self.serving_runs}, {self.serving_duration_s}, "
-                                  f"{self.serving_warmup_requests}")
+                                  f"serving_warmup_requests >= 0, serving_starts >= 1; got {self.serving_runs}, "
+                                  f"{self.serving_duration_s}, {self.serving_warmup_requests}, {self.serving_starts}")
 
 
 # --------------------------------------------------------------------------- scenarios

@@ -381,6 +381,24 @@ def load_runs(path: str | Path) -> tuple[list[list[Any]], list[int]]:
         raise ConfigError(f"serving path: calibration runs {path}: {exc!r}") from None
 
 
+def merge_starts(measured: Sequence[tuple[list[list], list[dict]]], budgets: Sequence[int]
+                 ) -> tuple[list[list], list[dict], list[int], list[dict[str, int]]]:
+    """(runs, steps, their budgets, a ``{"start": k}`` label per run) of the same runs (``budgets``) served on
+    several stacks (``measure``'s results and steps, one pair per start). Each stack numbers its requests from 0:
+    a later start's step-log ids become ``"k:id"``."""
+    runs: list[list] = []
+    steps: list[dict] = []
+    for k, (res, st) in enumerate(measured):
+        if len(res) != len(budgets):
+            raise ConfigError(f"serving path: start {k} served {len(res)} runs, {len(budgets)} expected")
+        runs += res
+        for line in st:
+            if k and line.get("i") is not None:
+                line = {**line, "i": [f"{k}:{i}" for i in line["i"]]}
+            steps.append(line)
+    return runs, steps, list(budgets) * len(measured), [{"start": k} for k in range(len(measured)) for _ in budgets]
+
+
 def count_lines(path: Path) -> int:
     """The complete lines of a step log written so far (0 before it exists)."""
     return path.read_text().count("\n") if path.is_file() else 0
@@ -388,7 +406,7 @@ def count_lines(path: Path) -> int:
 
 def calibrate(run_dir: str | Path, latency: LatencyModel, pool: list[list[int]], max_seqs: int,
               runs: Sequence[tuple[int, float]], duration_s: float, seed: int, warm_requests: int = 0,
-              edge_run: tuple[int, float] | None = None) -> ServingPath:
+              edge_run: tuple[int, float] | None = None, starts: int = 1) -> ServingPath:
     """Measure and fit the serving path for ``run_dir`` (``smartexit profile``): open-loop Poisson runs,
     one per ``(budget, load)`` of ``runs``, at load x the rate the engine alone holds the SLA at with
     that budget (simulated), prompts from ``pool``, after ``warm_requests`` served at the last run's rate and
@@ -396,7 +414,10 @@ def calibrate(run_dir: str | Path, latency: LatencyModel, pool: list[list[int]],
     the SLA at with that budget and the serving path fitted on the runs before it (where the evaluation judges
     the simulator: near the stack's own SLA edge, which the engine alone's capacity does not tell: the stack held
     the SLA to 0.6 of it on one start and not to 0.6 on another of the same VM, 2026-12-05); writes
-    ``<run>/scheduler/serving.json`` and the step log beside it."""
+    ``<run>/scheduler/serving.json`` and the step log beside it. With ``starts`` > 1, the same runs (the placed
+    one included, at the rate the first stack placed it) are served again on that many stacks in all, each started
+    and warmed afresh, and the path is fitted on all of them: two starts of one stack on one VM differed by more
+    than budgets 16-128 did (docs/scheduler.md, stop 53), and a path fitted on one start predicts that start."""
     from scheduler.control.engine_model import exit_model, serving_fields
     from scheduler.control.env import EnvConfig, estimate_capacity, make_workload
     from scheduler.loadtest.loadgen import requests_of
@@ -429,15 +450,22 @@ def calibrate(run_dir: str | Path, latency: LatencyModel, pool: list[list[int]],
         served = estimate_capacity(latency, exits, EnvConfig(sim=SimConfig(**{**base.__dict__, **sp.sim_fields()})),
                                    FixedBudget(b, max_seqs))
         out = schedule(len(runs), b, share * served)
+        placed.append(out)
         print(f"profile: the serving path fitted on those runs holds the SLA to {served:.2f} req/s at budget {b} "
               f"(simulated); a run at {share:g} x that, {share * served:.2f} req/s ({len(out[1])} requests)",
               flush=True)
         return [out]
 
+    placed: list[tuple[int, list]] = []
     results, steps = measure(run, schedules, max_seqs, (base.sla_ttft_ms, base.sla_tpot_ms),
                              run / "scheduler" / STEP_LOG, warm=warm, more=at_the_edge if edge_run else None)
-    all_budgets = budgets + ([edge_run[0]] if edge_run else [])
-    save_runs(run / "scheduler" / RUNS_JSON, results, all_budgets)
+    measured = [(results, steps)]
+    for k in range(1, starts):
+        print(f"profile: the same runs on a stack of its own ({k + 1} of {starts})", flush=True)
+        measured.append(measure(run, schedules + placed, max_seqs, (base.sla_ttft_ms, base.sla_tpot_ms),
+                                run / "scheduler" / f"{Path(STEP_LOG).stem}_{k + 1}.jsonl", warm=warm))
+    results, steps, all_budgets, labels = merge_starts(measured, budgets + ([edge_run[0]] if edge_run else []))
+    save_runs(run / "scheduler" / RUNS_JSON, results, all_budgets, labels)
     sp = fit_serving_path(latency, exits, base, results, all_budgets, steps)
     sp.save(run / "scheduler" / SERVING_JSON)
     st = sp.fit["steps"]

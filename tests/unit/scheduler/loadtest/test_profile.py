@@ -132,6 +132,7 @@ def test_config_validation_names_the_field():
                      (dict(serving_runs=[[512]]), "serving_runs"), (dict(serving_runs=[[512, 3.0]]), "serving_runs"),
                      (dict(serving_runs=[]), "serving_runs"), (dict(serving_duration_s=0), "serving_duration_s"),
                      (dict(serving_warmup_requests=-1), "serving_warmup_requests"),
+                     (dict(serving_starts=0), "serving_starts"),
                      (dict(serving_edge_run=[128]), "serving_edge_run"),
                      (dict(serving_edge_run=[0, 0.8]), "serving_edge_run"),
                      (dict(serving_edge_run=[128, 0.0]), "serving_edge_run")]:

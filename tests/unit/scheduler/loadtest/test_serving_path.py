@@ -263,3 +263,23 @@ def test_the_calibration_runs_are_kept_for_a_refit(tmp_path):
     (tmp_path / "bad.json").write_text('{"runs": [{"requests": []}]}')
     with pytest.raises(ConfigError, match="calibration runs"):
         load_runs(tmp_path / "bad.json")
+
+
+def test_runs_served_on_several_stacks_are_fitted_together():
+    """merge_starts: the same runs served on two stacks give twice the runs, their budgets and a start label each;
+    the second stack's request ids, which restart at 0, are told apart (so a request's steps stay its own)."""
+    from scheduler.loadtest.serving_path import decode_rounds, merge_starts
+
+    w = Workload(np.arange(10.0), np.full(10, 50), np.full(10, 8), "w")
+    first = [_results(w), _results(w)]
+    rounds = [{"s": 0.01, "e": 0, "c": 1, "d": [], "k": [[3, 1]], "i": [0], "p": []}] * 4  # 12 tokens in rounds
+    plain = [{"s": 0.01, "e": 0, "c": 1, "d": [[9, 12]], "k": [[1, 0]], "i": [0], "p": []}] * 12  # 12 plain steps
+    runs, steps, budgets, labels = merge_starts([(first, rounds), (first, plain)], [512, 128])
+    assert len(runs) == 4 and budgets == [512, 128, 512, 128]
+    assert labels == [{"start": 0}, {"start": 0}, {"start": 1}, {"start": 1}]
+    assert [st["i"] for st in steps] == [[0]] * 4 + [["1:0"]] * 12 and rounds[0]["i"] == [0]
+    # two requests of 12 tokens: counted with more than 8 to go, the rounds at 12 and 9 and the plain steps at 12,
+    # 11, 10 and 9 (one request of 24, had the ids not been told apart: 4 rounds and 4 plain steps)
+    assert decode_rounds(steps) == {"1": pytest.approx([2 / 3, 0.0, 0.0, 1 / 3])}
+    with pytest.raises(ConfigError, match="start 1 served 1 runs, 2 expected"):
+        merge_starts([(first, []), (first[:1], [])], [512, 128])
