@@ -116,8 +116,8 @@ class ProfileConfig:
     # no gate decides, a fresh engine was 7% slower per token than a warm one), and bench scheduler serves a warm one
     serving_warmup_requests: int = 192
     # stacks the serving runs are served on, each started and warmed afresh, all fitted together: two starts of one
-    # stack differed by more than prefill budgets 16-128 did (validation runs at about one load and budget: TTFT p50
-    # 42-45 ms on two starts, 116 on the profile's; docs/scheduler.md, stop 53); each start adds ~1 minute
+    # stack differed by more than prefill budgets 16-128 did (at 9.6 req/s and budget 32: TTFT p50 116 ms on the
+    # profile's start, 41 on the validation's; docs/scheduler.md, stop 53); each start adds ~1.5 minutes
     serving_starts: int = 2
 
     def __post_init__(self) -> None:
