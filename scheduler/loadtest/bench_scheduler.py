@@ -70,7 +70,7 @@ class BenchSchedulerConfig:
     seeds: list[int] = field(default_factory=lambda: [1001])   # workload seeds (training draws others)
     sim_seeds: list[int] = field(default_factory=lambda: [0, 1])  # exit-depth draws: the spread is the noise
     # the draws (exit depths, draft rounds) a served run's replay averages over: a replay is ~20 ms, and one
-    # draw's luck moved a replay's TPOT p50 by up to 17% (seed 0's, which the demo's one sim seed gave every
+    # draw's luck moved a replay's TPOT p50 by up to 18% (seed 0's, which the demo's one sim seed gave every
     # validation, was the most pessimistic of ten on each of three calibration runs, 2026-12-05)
     validation_seeds: list[int] = field(default_factory=lambda: list(range(8)))
     loads: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0])

@@ -61,7 +61,7 @@ METRICS = ("ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms", "tpot_p95_ms")  # what t
 FITTED = ("ttft_p50_ms", "ttft_p90_ms", "ttft_mean_ms", "tpot_p50_ms", "tpot_p90_ms", "tpot_mean_ms")
 MIN_REQUESTS = 8
 # the simulator's draws (exit depths, draft rounds) each replay of the fit averages: with two, one draw's luck
-# (seed 0's, the most pessimistic of ten on each of three calibration runs: TPOT p50 up to 17% above the ten's
+# (seed 0's, the most pessimistic of ten on each of three calibration runs: TPOT p50 up to 18% above the ten's
 # mean) was half of every replay (2026-12-05)
 FIT_SEEDS = (0, 1, 2, 3)
 
@@ -360,13 +360,13 @@ def save_runs(path: str | Path, results: Sequence[Sequence[Any]], budgets: Seque
     """Served runs as the fit reads them (:func:`load_runs`): per run its budget (and ``labels``' fields, if
     given) and per request its arrival, prompt and output lengths, submit, first-token and end times and outcome;
     a refit, a replay or a diagnosis needs no stack."""
+    from edge.core.artifacts import atomic_write_json
+
     labels = list(labels) if labels is not None else [{}] * len(results)
     runs = [{**label, "budget": int(b), "requests": [{
         "request_id": r.request_id, "arrival_s": r.arrival_s, "prompt_tokens": r.prompt_tokens,
         "max_tokens": r.max_tokens, "t_submit": r.t_submit, "t_first_token": r.t_first_token, "t_end": r.t_end,
         "tokens": r.tokens, "error_kind": r.error_kind} for r in run]} for run, b, label in zip(results, budgets, labels)]
-    from edge.core.artifacts import atomic_write_json
-
     atomic_write_json(Path(path), {"runs": runs})
 
 
