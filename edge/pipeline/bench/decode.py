@@ -54,7 +54,7 @@ from edge.runtime.engine import KVMode, Mode, held_step_gate
 from edge.runtime.profile import ProfiledBackend, ProfiledRule
 from edge.runtime.rules import NeverExit
 from edge.runtime.speculative import Source, SpecConfig, StopRule
-from edge.core.errors import ConfigError
+from edge.core.errors import ConfigError, SmartExitError
 from edge.compress.apply import precision_of
 from edge.compress.checkpoint import load_served
 from edge.model.exits import MultiExitModel
@@ -248,8 +248,12 @@ class Systems:
         f32 = llamacpp_gguf.cached_gguf(self.cfg.run_dir, ckpt, "f32")
         llamacpp_tokenizer.verify_tokenizer(ckpt, f32)
         self.gguf = llamacpp_gguf.same_precision_gguf(self.cfg.run_dir, ckpt, precision, self.cfg.threads)
-        self.peer = llamacpp.LlamaCppPeer(self.gguf, self.cfg.threads)
-        self.peer_lookup = llamacpp.LlamaCppLookupPeer(self.gguf, self.cfg.threads)
+        try:  # repacked weights where they run (llamacpp.repack_runs); a peer that cannot decode is skipped
+            self.peer = llamacpp.LlamaCppPeer(self.gguf, self.cfg.threads)
+        except SmartExitError as exc:
+            self.llamacpp_skipped = str(exc)
+            return
+        self.peer_lookup = llamacpp.LlamaCppLookupPeer(self.gguf, self.cfg.threads, repack=self.peer.repack)
         self.llama_bench_skipped = llamacpp_bench.llama_bench_unavailable()
         self.loaded |= {"llamacpp", "llamacpp_lookup"}
 
@@ -257,7 +261,8 @@ class Systems:
         """One llama-bench measurement (prefill, then the decode steps after a prompt) of the peer's GGUF."""
         from edge.pipeline.bench.llamacpp_bench import llama_bench_speed
 
-        return llama_bench_speed(self.gguf, self.cfg.prompt_tokens, n, self.cfg.threads, repeats=1)
+        return llama_bench_speed(self.gguf, self.cfg.prompt_tokens, n, self.cfg.threads, repeats=1,
+                                 repack=self.peer.repack)
 
     def run(self, name: str, prompts: list[list[int]], n: int, backend=None, rule=None,
             group: int | None = None, spec: SpecConfig | None = None) -> RunResult:
@@ -599,7 +604,8 @@ class _DecodeBench:
         peer = None
         if "llamacpp" in runs:
             peer = llamacpp_rows(runs, bench_rows, n_prompts, cfg.new_tokens, cfg.prompt_tokens)
-            results["llamacpp"] = {"gguf_type": systems.peer_type, "rows": peer["rows"], "used": peer["used"],
+            results["llamacpp"] = {"gguf_type": systems.peer_type, "repack": systems.peer.repack,
+                                   "rows": peer["rows"], "used": peer["used"],
                                    "llama_bench_skipped": systems.llama_bench_skipped}
         if "llamacpp" in runs and systems.peer_type == "f32":
             # the f32 peer's speed counts only if it decodes what the same f32 weights decode; a quantized peer

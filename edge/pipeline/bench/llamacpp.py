@@ -15,11 +15,13 @@ times the prefill and the decode steps apart; ``llamacpp_bench`` sets that row b
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Sequence
 
 from edge.core.errors import MissingExtraError, SmartExitError
 
@@ -152,6 +154,77 @@ def _gaps(stamps: Sequence[float]) -> list[float]:
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
+# ------------------------------------------------------------------ weight repacking
+# llama.cpp repacks some weight types at load into layouts for its CPU kernels ("extra buffer types"; on
+# by default, llama-bench's --repack). Its repacked q8_0 kernels of llama-cpp-python 0.3.36 crash
+# (SIGSEGV in the first llama_decode) on a 2-core Intel Xeon with AVX-512 VNNI (2026-12-05), where the
+# plain kernels run: a crash takes the whole bench process with it, so whether repacking runs is
+# probed in a child process first, per GGUF file, and the peer runs without it where it crashes.
+PROBE_TOKENS = 4  # greedy tokens the probe decodes after an 8-token prompt
+_REPACK: dict[tuple, bool] = {}  # (path, size, mtime, threads) -> whether repacking runs there
+
+
+@contextlib.contextmanager
+def _model_params(repack: bool) -> Iterator[None]:
+    """llama-cpp-python's ``Llama`` takes no repacking switch: within this block the model parameters it
+    starts from have ``use_extra_bufts`` = ``repack`` (llama.cpp's ``llama_model_params``)."""
+    import llama_cpp.llama_cpp as lib
+
+    default = lib.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = repack
+        return p
+
+    lib.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        lib.llama_model_default_params = default
+
+
+def probe_argv(gguf: str | Path, threads: int, repack: bool) -> list[str]:
+    return [sys.executable, "-m", "edge.pipeline.bench.llamacpp", "probe", str(gguf), str(threads),
+            "repack" if repack else "no-repack"]
+
+
+def repack_runs(gguf: str | Path, threads: int, timeout: float = 120.0) -> bool:
+    """Whether llama.cpp runs ``gguf`` with its weights repacked (its default), else False where the
+    plain kernels run and the repacked ones fail (a crash, in a child process: :func:`probe_argv`).
+    Cached per file (path, size, modification time) and thread count.
+
+    Raises:
+        SmartExitError: the file is missing, or llama.cpp fails on it either way (both children's last
+            lines in the message).
+    """
+    path = Path(gguf).resolve()
+    if not path.is_file():
+        raise SmartExitError(f"GGUF file {gguf} does not exist")
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns, threads)
+    if key not in _REPACK:
+        tails = []
+        for repack in (True, False):
+            res = subprocess.run(probe_argv(path, threads, repack), capture_output=True, text=True,
+                                 timeout=timeout, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+            if res.returncode == 0:
+                _REPACK[key] = repack
+                break
+            what = f"signal {-res.returncode}" if res.returncode < 0 else f"exit {res.returncode}"
+            lines = (res.stderr or res.stdout).strip().splitlines()[-3:]
+            tails.append(f"{'with' if repack else 'without'} repacking: {what}: " + " | ".join(lines))
+        else:
+            raise SmartExitError(f"llama.cpp fails to decode {gguf} on this machine ({'; '.join(tails)})")
+    return _REPACK[key]
+
+
+def _probe(gguf: str, threads: int, repack: bool) -> None:
+    """The child of :func:`repack_runs`: load ``gguf`` and decode a few greedy tokens (a crash is the answer)."""
+    with LlamaCppPeer(gguf, threads, n_ctx=64, repack=repack) as peer:
+        peer.generate(list(range(1, 9)), PROBE_TOKENS)
+
+
 class LlamaCppLookupPeer:
     """llama.cpp with prompt-lookup drafting at batch 1: llama-cpp-python's ``Llama.generate`` with its
     ``LlamaPromptLookupDecoding`` draft model (drafts from n-grams of the context, verified by llama.cpp
@@ -163,7 +236,7 @@ class LlamaCppLookupPeer:
     6 and 768 with 10 (3-gram matches: 1,140 / 930 / 990 / 800); plain llama.cpp 1,645 on the same prompts."""
 
     def __init__(self, gguf: str | Path, threads: int, num_pred_tokens: int = 4, max_ngram_size: int = 2,
-                 n_ctx: int = 512) -> None:
+                 n_ctx: int = 512, repack: bool | None = None) -> None:
         require_available()
         import llama_cpp
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -171,11 +244,13 @@ class LlamaCppLookupPeer:
         if not Path(gguf).is_file():
             raise SmartExitError(f"GGUF file {gguf} does not exist")
         self.gguf, self.num_pred_tokens = Path(gguf), num_pred_tokens
+        self.repack = repack_runs(gguf, threads) if repack is None else repack
         draft = LlamaPromptLookupDecoding(max_ngram_size=max_ngram_size, num_pred_tokens=num_pred_tokens)
         try:
-            self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
-                                       n_threads=threads, n_threads_batch=threads, use_mmap=False,
-                                       draft_model=draft, verbose=False)
+            with _model_params(self.repack):
+                self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
+                                           n_threads=threads, n_threads_batch=threads, use_mmap=False,
+                                           draft_model=draft, verbose=False)
         except ValueError as exc:
             raise SmartExitError(f"llama.cpp cannot load {gguf} ({exc})") from exc
 
@@ -209,7 +284,7 @@ class LlamaCppPeer:
     Weights are read into memory at load (no mmap), so the first timed call pays no page faults.
     """
 
-    def __init__(self, gguf: str | Path, threads: int, n_ctx: int = 512) -> None:
+    def __init__(self, gguf: str | Path, threads: int, n_ctx: int = 512, repack: bool | None = None) -> None:
         require_available()
         import llama_cpp
 
@@ -219,10 +294,13 @@ class LlamaCppPeer:
             raise SmartExitError(f"GGUF file {gguf} does not exist")
         self._lib = llama_cpp
         self.gguf, self.threads, self.n_ctx = Path(gguf), threads, n_ctx
+        # repacked weights where they run (llama.cpp's default), else plain: None probes (repack_runs)
+        self.repack = repack_runs(gguf, threads) if repack is None else repack
         try:
-            self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
-                                       n_threads=threads, n_threads_batch=threads, use_mmap=False,
-                                       verbose=False)
+            with _model_params(self.repack):
+                self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
+                                           n_threads=threads, n_threads_batch=threads, use_mmap=False,
+                                           verbose=False)
         except ValueError as exc:  # llama-cpp-python's only word for any load failure
             raise SmartExitError(f"llama.cpp cannot load {gguf} ({exc}); load it with llama_cpp.Llama(..., "
                                  "verbose=True) to see llama.cpp's reason") from exc
@@ -396,3 +474,9 @@ def require_greedy_match(peer: LlamaCppPeer, reference_tokens_per_prompt: Sequen
         raise GreedyMismatch(f"llama.cpp ({peer.gguf.name}) matches our greedy tokens for only {frac:.1%} of "
                              f"{sum(map(len, reference_tokens_per_prompt))} tokens; its speed is not reported")
     return frac
+
+
+if __name__ == "__main__":  # the repacking probe's child (repack_runs)
+    if len(sys.argv) != 5 or sys.argv[1] != "probe" or sys.argv[4] not in ("repack", "no-repack"):
+        sys.exit("usage: python -m edge.pipeline.bench.llamacpp probe GGUF THREADS repack|no-repack")
+    _probe(sys.argv[2], int(sys.argv[3]), sys.argv[4] == "repack")

@@ -184,12 +184,14 @@ def llama_bench_unavailable() -> str | None:
 
 # ------------------------------------------------------------------ running and reading llama-bench
 def llama_bench_argv(binary: Path, gguf: Path, n_prompt: int, n_gen: int, depth: int, threads: int,
-                     repeats: int, flash_attn: str = FLASH_ATTN) -> list[str]:
+                     repeats: int, flash_attn: str = FLASH_ATTN, repack: bool = True) -> list[str]:
     """One llama-bench run: a prefill test of ``n_prompt`` tokens and / or a generation test of
     ``n_gen`` tokens (0 skips a test), each after a cache of ``depth`` tokens, ``repeats`` times,
-    as JSON on stdout (flags of ``tools/llama-bench/llama-bench.cpp``)."""
+    as JSON on stdout (flags of ``tools/llama-bench/llama-bench.cpp``); ``repack`` False: the weights
+    as stored (``--repack 0``; see ``llamacpp.repack_runs``)."""
     return [str(binary), "-m", str(gguf), "-p", str(n_prompt), "-n", str(n_gen), "-d", str(depth),
-            "-t", str(threads), "-r", str(repeats), "-fa", flash_attn, "-o", "json"]
+            "-t", str(threads), "-r", str(repeats), "-fa", flash_attn, "-o", "json",
+            *([] if repack else ["--repack", "0"])]
 
 
 @dataclass(frozen=True)
@@ -249,7 +251,7 @@ def bench_speed(prefill: LlamaBenchTest, decode: LlamaBenchTest) -> DecodeSpeed:
 
 
 def llama_bench_speed(gguf: str | Path, prompt_tokens: int, new_tokens: int, threads: int, repeats: int,
-                      flash_attn: str = FLASH_ATTN, timeout: float = 600.0) -> DecodeSpeed:
+                      flash_attn: str = FLASH_ATTN, timeout: float = 600.0, repack: bool = True) -> DecodeSpeed:
     """llama-bench on ``gguf`` at the decode bench's shape: prefill of ``prompt_tokens`` into an empty
     cache, and the ``new_tokens - 1`` decode steps that follow a prompt of that length (two runs, as a
     depth applies to every test of a run).
@@ -271,7 +273,7 @@ def llama_bench_speed(gguf: str | Path, prompt_tokens: int, new_tokens: int, thr
     shapes = {"prefill": (prompt_tokens, 0, 0), "decode": (0, new_tokens - 1, prompt_tokens)}
     found = {}
     for name, (p, n, d) in shapes.items():
-        argv = llama_bench_argv(binary_path(), Path(gguf), p, n, d, threads, repeats, flash_attn)
+        argv = llama_bench_argv(binary_path(), Path(gguf), p, n, d, threads, repeats, flash_attn, repack)
         res = run_command(argv, timeout=timeout)
         if res.returncode != 0:
             raise SmartExitError(f"llama-bench failed on {gguf} ({name}, exit {res.returncode}):\n{_tail(res)}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -179,7 +180,65 @@ def test_reference_greedy_matches_transformers(llama_dir, one_torch_thread):
     assert lc.reference_greedy(llama_dir, prompts, 12) == want
 
 
+# ------------------------------------------------------------------ whether repacked weights run (no llama.cpp needed)
+def _children(monkeypatch, tmp_path, crash: set[bool]) -> list[bool]:
+    """Stand-in probe children: a Python that dies of SIGSEGV (as llama.cpp's repacked q8_0 kernels did) for
+    the repack flags in ``crash`` and exits 0 otherwise; returns the flags the children were started with."""
+    started: list[bool] = []
+
+    def argv(gguf, threads, repack):
+        started.append(repack)
+        code = "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)" if repack in crash else "pass"
+        return [sys.executable, "-c", code]
+
+    monkeypatch.setattr(lc, "probe_argv", argv)
+    monkeypatch.setattr(lc, "_REPACK", {})
+    return started
+
+
+def test_repacking_is_probed_apart_and_dropped_where_it_crashes(monkeypatch, tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    started = _children(monkeypatch, tmp_path, crash={True})
+    assert lc.repack_runs(gguf, 2) is False  # this process survived its child's crash
+    assert started == [True, False]
+    assert lc.repack_runs(gguf, 2) is False and started == [True, False]  # cached per file
+    gguf.write_bytes(b"GGUF v2")  # another file there: probed again
+    assert lc.repack_runs(gguf, 2) is False and started == [True, False, True, False]
+
+    started = _children(monkeypatch, tmp_path, crash=set())
+    assert lc.repack_runs(gguf, 2) is True and started == [True]  # llama.cpp's default where it runs
+
+
+def test_a_gguf_llamacpp_cannot_decode_either_way_is_a_clear_error(monkeypatch, tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    _children(monkeypatch, tmp_path, crash={True, False})
+    with pytest.raises(SmartExitError, match=r"with repacking: signal 11.*without repacking: signal 11"):
+        lc.repack_runs(gguf, 2)
+    with pytest.raises(SmartExitError, match="does not exist"):
+        lc.repack_runs(tmp_path / "missing.gguf", 2)
+
+
+def test_probe_child_command():
+    argv = lc.probe_argv("/m.gguf", 2, False)
+    assert argv[:3] == [sys.executable, "-m", "edge.pipeline.bench.llamacpp"]
+    assert argv[3:] == ["probe", "/m.gguf", "2", "no-repack"] and lc.probe_argv("/m.gguf", 2, True)[-1] == "repack"
+
+
 # ------------------------------------------------------------------ llama.cpp itself (after `make llamacpp`)
+@needs_llamacpp
+def test_repacking_switch_reaches_the_model_parameters():
+    import llama_cpp.llama_cpp as lib
+
+    default = lib.llama_model_default_params
+    assert default().use_extra_bufts  # llama.cpp's default: repacked
+    with lc._model_params(False):
+        assert not lib.llama_model_default_params().use_extra_bufts
+    assert lib.llama_model_default_params is default
+
+
+
 @needs_llamacpp
 @pytest.mark.slow
 def test_bundled_ee_converts_tokenizes_and_decodes_like_ours(tmp_path, one_torch_thread):

@@ -221,6 +221,9 @@ def test_llama_bench_argv():
     argv = lb.llama_bench_argv(Path("/b/llama-bench"), Path("m.gguf"), 0, 31, 64, 2, 5)
     assert argv == ["/b/llama-bench", "-m", "m.gguf", "-p", "0", "-n", "31", "-d", "64", "-t", "2", "-r", "5",
                     "-fa", "off", "-o", "json"]
+    # weights as stored where llama.cpp's repacked kernels crash (llamacpp.repack_runs)
+    plain = lb.llama_bench_argv(Path("/b/llama-bench"), Path("m.gguf"), 0, 31, 64, 2, 5, repack=False)
+    assert plain == argv + ["--repack", "0"]
 
 
 def test_cmake_builds_only_llama_bench_cpu_native_release():
