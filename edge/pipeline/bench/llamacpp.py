@@ -206,14 +206,19 @@ def repack_runs(gguf: str | Path, threads: int, timeout: float = 120.0) -> bool:
     if key not in _REPACK:
         tails = []
         for repack in (True, False):
-            res = subprocess.run(probe_argv(path, threads, repack), capture_output=True, text=True,
-                                 timeout=timeout, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+            how = "with" if repack else "without"
+            try:
+                res = subprocess.run(probe_argv(path, threads, repack), capture_output=True, text=True,
+                                     timeout=timeout, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+            except subprocess.TimeoutExpired:  # a hang counts as a failure of that way
+                tails.append(f"{how} repacking: no answer in {timeout:g} s")
+                continue
             if res.returncode == 0:
                 _REPACK[key] = repack
                 break
             what = f"signal {-res.returncode}" if res.returncode < 0 else f"exit {res.returncode}"
             lines = (res.stderr or res.stdout).strip().splitlines()[-3:]
-            tails.append(f"{'with' if repack else 'without'} repacking: {what}: " + " | ".join(lines))
+            tails.append(f"{how} repacking: {what}: " + " | ".join(lines))
         else:
             raise SmartExitError(f"llama.cpp fails to decode {gguf} on this machine ({'; '.join(tails)})")
     return _REPACK[key]

@@ -220,6 +220,19 @@ def test_a_gguf_llamacpp_cannot_decode_either_way_is_a_clear_error(monkeypatch, 
         lc.repack_runs(tmp_path / "missing.gguf", 2)
 
 
+def test_a_probe_that_hangs_counts_as_failing_that_way(monkeypatch, tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(lc, "_REPACK", {})
+    monkeypatch.setattr(lc, "probe_argv", lambda g, t, repack: [sys.executable, "-c",
+                                                                "import time; time.sleep(30)" if repack else "pass"])
+    assert lc.repack_runs(gguf, 2, timeout=1.0) is False
+    monkeypatch.setattr(lc, "_REPACK", {})
+    monkeypatch.setattr(lc, "probe_argv", lambda g, t, repack: [sys.executable, "-c", "import time; time.sleep(30)"])
+    with pytest.raises(SmartExitError, match="with repacking: no answer in 1 s.*without repacking: no answer"):
+        lc.repack_runs(gguf, 2, timeout=1.0)
+
+
 def test_probe_child_command():
     argv = lc.probe_argv("/m.gguf", 2, False)
     assert argv[:3] == [sys.executable, "-m", "edge.pipeline.bench.llamacpp"]
