@@ -230,8 +230,10 @@ def render_markdown(results: dict[str, Any], summary: dict[str, Any]) -> str:
         lines += ["", f"(f) llama.cpp not measured: {results['llamacpp_skipped']}"]
     lc = results.get("llamacpp")
     if lc and not results.get("llamacpp_skipped"):
-        lines += ["", f"(f) llama.cpp on a {lc['gguf_type']} GGUF (the served model's precision), batch 1, decode and "
-                      f"prefill apart; the speed-ups over it compare decode alone against the `{lc['used']}` row"
+        plain = (", its weights as stored: its repacked kernels failed on this machine (llamacpp.repack_runs)"
+                 if lc.get("repack") is False else "")
+        lines += ["", f"(f) llama.cpp on a {lc['gguf_type']} GGUF (the served model's precision{plain}), batch 1, decode "
+                      f"and prefill apart; the speed-ups over it compare decode alone against the `{lc['used']}` row"
                       + (f" (llama-bench: {lc['llama_bench_skipped']})" if lc.get("llama_bench_skipped") else "") + ":", "",
                   "| row | decode tokens/s | prefill tokens/s |", "| --- | ---: | ---: |",
                   *(f"| {k} | {r['decode_tokens_per_s']:.1f} (sd {r['decode_stddev']:.1f}) | "

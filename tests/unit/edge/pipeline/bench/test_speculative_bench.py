@@ -194,3 +194,19 @@ def test_report_folds_in_the_speculative_rows():
     assert line.startswith("decode: ") and "speculative_vs_full_b1 0.85" in line
     old = {k: v for k, v in bench.items() if not k.startswith("speculative")}
     assert "self-speculative" not in "\n".join(_bench_md(old))  # a run benchmarked before (e): no section
+
+
+def test_markdown_says_when_the_llamacpp_row_ran_its_weights_as_stored():
+    """Where llama.cpp's repacked kernels crash (llamacpp.repack_runs) the peer runs its plain layout: the
+    report's llama.cpp section says so, and says nothing where the peer ran llama.cpp's default."""
+    results = _results(batches=(1, 16))
+    row = {"source": "llama-bench", "decode_tokens_per_s": 1400.0, "decode_stddev": 25.0,
+           "prefill_tokens_per_s": 5100.0, "prefill_stddev": 130.0, "repeats": 3}
+    summary = headline(results)
+    summary["goals"] = goals(summary, 0.009, [1, 16])
+    for repack, said in ((False, True), (True, False)):
+        results["llamacpp"] = {"gguf_type": "q8_0", "repack": repack, "rows": {"llama-bench": row},
+                               "used": "llama-bench", "llama_bench_skipped": None}
+        md = render_markdown(results, summary)
+        assert "(f) llama.cpp on a q8_0 GGUF" in md and "| llama-bench | 1400.0 (sd 25.0) |" in md
+        assert ("its weights as stored: its repacked kernels failed on this machine" in md) is said
