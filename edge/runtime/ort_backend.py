@@ -308,12 +308,13 @@ class OrtBackend(Backend):
         if int(start.max()) + t > self.cache.capacity:
             raise ConfigError(f"positions up to {int(start.max()) + t} exceed the cache capacity {self.cache.capacity}")
         last = len(self.segments) - 1
-        plan = self._plans.get(("full", s0, b, t, rows)) if t <= MAX_PLAN_ROWS else None
+        key = ("full", s0, b, t, rows)
+        plan = self._plans.get(key) if t <= MAX_PLAN_ROWS else None
         if plan is None:  # the cache's values are bound once per plan, not looked up on every call
             values = [self._cache_values(j, s0, b) for j in self.suffix_layers(0)]
             if t <= MAX_PLAN_ROWS:
                 self.setup_events += 1
-                plan = self._plans[("full", s0, b, t, rows)] = self._make_plan(last, s0, b, t, values, rows, full=True)
+                plan = self._plans[key] = self._make_plan(last, s0, b, t, values, rows, full=True)
             else:  # a prompt chunk: fresh buffers
                 plan = self._make_plan(last, None, b, t, values, rows, full=True)
         return self._run(last, plan, x, start, t, None, True, rows, session=self._full)
