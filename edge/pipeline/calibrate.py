@@ -388,7 +388,7 @@ def main(cfg: CalibrateConfig) -> int:
         {CalibratorKind.ISOTONIC: "(d)", CalibratorKind.MLP: "(e)"}.get(cfg.calibrator, "(c)")))
     tf = evaluate_cascade(test, cert.calibrated(cals, test, route), ship.lam)
     base = _base_model_accuracy(ckpt, ev_w.ids, P)
-    flt = _float_model_accuracy(ckpt, ev_w.ids, P)
+    flt = _float_model_accuracy(manifest, ckpt, ev_w.ids, P)
 
     docs = int(data.calibration.eligible(length).size)
     text = statement(ship, cfg.epsilon, cfg.delta, cfg.prompt_tokens, cfg.new_tokens, data.calibration_name, docs,
@@ -467,13 +467,22 @@ def _base_model_accuracy(ckpt: Path, windows: np.ndarray, first: int) -> float |
         return None
 
 
-def _float_model_accuracy(ckpt: Path, windows: np.ndarray, first: int) -> float | None:
+def _float_model_accuracy(manifest, ckpt: Path, windows: np.ndarray, first: int) -> float | None:
     """Full-depth accuracy, on the evaluation tokens, of the float model a compressed checkpoint was made
-    from (``compress``); None for a checkpoint that is not compressed."""
-    source = read_exits_json(ckpt).get("source", {})
-    if "compressed_from" not in source:
+    from; None for a checkpoint that is not compressed."""
+    where = float_model(manifest, ckpt)
+    return None if where is None else base_model_metrics(str(where), windows, first, batch=32)["base_heldout_top1"]
+
+
+def float_model(manifest, ckpt: Path) -> Path | None:
+    """The float checkpoint the run's compressed checkpoint ``ckpt`` was made from: the run's distilled one, as
+    its manifest records it (relative to the run folder, so found wherever the folder now lies, and hash-checked;
+    :meth:`Manifest.served_checkpoint` has checked that ``compress`` read it). Not the path ``compress`` wrote
+    into the checkpoint, which is relative to where that stage ran: a copied run failed on it after its whole
+    certification. None for a checkpoint that is not compressed."""
+    if "compressed_from" not in read_exits_json(ckpt).get("source", {}):
         return None
-    return base_model_metrics(source["compressed_from"], windows, first, batch=32)["base_heldout_top1"]
+    return manifest.verified_output("distill", "checkpoint")
 
 
 def _check_finite(metrics: dict[str, Any]) -> None:

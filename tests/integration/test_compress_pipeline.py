@@ -55,6 +55,7 @@ def test_compressed_model_is_what_every_later_stage_serves(run, capsys):
     cal = Manifest(run).stage("calibrate")
     assert cal["metrics"]["engine"] == "onnxruntime" and cal["metrics"]["reference"] == "onnxruntime, full-depth decode"
     assert "graphs" in cal["inputs"]  # a new export makes the table stale
+    assert isinstance(cal["metrics"]["accuracy_float_model"], float)  # the model it was compressed from, found
     assert cli(["bench", "compress", f"run_dir={run}", "batch_sizes=[1,2]", "prompt_tokens=12", "new_tokens=4",
                 "batch1_prompts=2", "repeats=1", "eval_windows=2", "false_exit_prompts=2", "llamacpp=false",
                 "ti_windows=2", "ti_skip_from_layer=2", "threads=1"]) == 0
