@@ -174,7 +174,7 @@ class DecoderLayer(nn.Module):
 
 @dataclass
 class DecoderOutput:
-    logits: torch.Tensor  # [B, T, V]
+    logits: torch.Tensor | None  # [B, T, V]; None from ``forward(..., head=False)``
     hidden_states: list[torch.Tensor]  # num_layers + 1 entries of [B, T, D]; [0] = embeddings
     keys: list[torch.Tensor]  # per layer [B, KV, T, hd] for the input tokens
     values: list[torch.Tensor]
@@ -226,8 +226,10 @@ class Decoder(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None,
                 past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                past_positions: torch.Tensor | None = None) -> DecoderOutput:
-        """Run all layers. ids [B, T]; past: per-layer (k, v) [B, KV, P, hd] at past_positions [B, P]."""
+                past_positions: torch.Tensor | None = None, head: bool = True) -> DecoderOutput:
+        """Run all layers. ids [B, T]; past: per-layer (k, v) [B, KV, P, hd] at past_positions [B, P].
+        ``head`` False: no logits (a caller that reads the LM head at some positions only; over all of
+        them the tiny model's head costs 1.3 layers per token)."""
         b, t = ids.shape
         p = 0 if past is None else past[0][0].shape[2]
         if positions is None:
@@ -247,4 +249,4 @@ class Decoder(nn.Module):
             hidden.append(h)
             keys.append(k)
             values.append(v)
-        return DecoderOutput(self.head(h), hidden, keys, values)
+        return DecoderOutput(self.head(h) if head else None, hidden, keys, values)

@@ -50,10 +50,13 @@ def random_windows(tokens: np.ndarray, seed: int, step: int, batch_size: int, se
 
 
 @torch.no_grad()
-def teacher_forced(backbone: Decoder, rows: np.ndarray, batch: int) -> Iterator[tuple[torch.Tensor, DecoderOutput]]:
+def teacher_forced(backbone: Decoder, rows: np.ndarray, batch: int, logits: bool = True
+                   ) -> Iterator[tuple[torch.Tensor, DecoderOutput]]:
     """Read ``rows`` [N, L] at full depth, ``batch`` rows per pass.
 
-    Yields (the rows of the pass as int64 [B, L], the decoder's output on their first L - 1 tokens).
+    Yields (the rows of the pass as int64 [B, L], the decoder's output on their first L - 1 tokens; with
+    ``logits`` False, without the LM head over every position: a caller that reads the head at the judged
+    positions only, through the exit it reads, computes it there).
     The caller's own computation on an output runs outside this generator: wrap it in
     ``torch.no_grad()`` too.
 
@@ -66,7 +69,7 @@ def teacher_forced(backbone: Decoder, rows: np.ndarray, batch: int) -> Iterator[
     backbone.eval()
     for a in range(0, rows.shape[0], batch):
         ids = torch.from_numpy(rows[a:a + batch])
-        yield ids, backbone(ids[:, :-1])
+        yield ids, backbone(ids[:, :-1], head=logits)
 
 
 @torch.no_grad()
@@ -85,7 +88,7 @@ def exit_metrics(model: MultiExitModel, rows: np.ndarray, first: int = 0, batch:
     correct = {k: 0 for k in layers}
     oracle = np.zeros(len(layers), dtype=np.int64)
     nll, count = 0.0, 0
-    for ids, out in teacher_forced(model.backbone, rows, batch):
+    for ids, out in teacher_forced(model.backbone, rows, batch, logits=False):
         target = ids[:, first + 1:]  # [B, T]
         logits = {k: model.exit_logits(k, out.hidden_states[k][:, first:]) for k in layers}  # [B, T, V]
         top = {k: lg.argmax(-1) for k, lg in logits.items()}  # [B, T]
@@ -151,7 +154,7 @@ def read_exits(model: MultiExitModel, rows: np.ndarray, first: int, batch: int) 
     positions ascending)."""
     model.eval()
     layers = model.exit_layers
-    for _, out in teacher_forced(model.backbone, rows, batch):
+    for _, out in teacher_forced(model.backbone, rows, batch, logits=False):
         hidden = {k: model.exit_hidden(k, out.hidden_states[k][:, first:]).flatten(0, 1) for k in layers}  # [N, D]
         stats, tokens = {}, {}
         for k in layers:

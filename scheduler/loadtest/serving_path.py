@@ -36,10 +36,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
+import multiprocessing
+import os
 import time
+from concurrent.futures import Executor, ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -66,6 +71,8 @@ MIN_REQUESTS = 8
 FIT_SEEDS = (0, 1, 2, 3)
 
 
+
+
 def latency_stats(results: Sequence[Any]) -> dict[str, float | None]:
     """TTFT and time per output token of the successful requests: p50, p90, p95 and mean, in ms."""
     out: dict[str, float | None] = {}
@@ -83,12 +90,52 @@ def _workload(results: Sequence[Any]) -> Workload:
                     np.array([r.tokens for r in results], np.int64), "calibration")
 
 
-def simulated(latency: LatencyModel, exits: ExitModel, cfg: SimConfig, w: Workload, budget: int,
-              seeds: Sequence[int]) -> dict[str, float]:
-    """``latency_stats`` of ``w`` replayed at a fixed ``budget``, averaged over exit-draw seeds."""
-    runs = [latency_stats(simulate(latency, exits, SimConfig(**{**cfg.__dict__, "seed": s}), w,
-                                   FixedBudget(budget, cfg.max_seqs), 0.25).results()) for s in seeds]
+def _replay(task: tuple[LatencyModel, ExitModel, SimConfig, Workload, int, int]) -> dict[str, float | None]:
+    """``latency_stats`` of one replay: (latency, exits, cfg, workload, budget, seed); a module-level function, so
+    that a process pool can run it."""
+    latency, exits, cfg, w, budget, seed = task
+    return latency_stats(simulate(latency, exits, SimConfig(**{**cfg.__dict__, "seed": seed}), w,
+                                  FixedBudget(budget, cfg.max_seqs), 0.25).results())
+
+
+def _mean_stats(runs: Sequence[dict[str, float | None]]) -> dict[str, float]:
     return {k: float(np.mean([r[k] for r in runs if r[k] is not None] or [np.nan])) for k in runs[0]}
+
+
+def _replay_all(tasks: Sequence[tuple]) -> list[dict[str, float | None]]:
+    return [_replay(t) for t in tasks]
+
+
+@dataclass
+class ReplayPool:
+    """Processes for the fit's replays (:func:`replay_pool`): each call hands every worker one share of the
+    replays, interleaved (a run's seeds spread over the workers, so long and short runs mix), in one message."""
+
+    executor: Executor
+    workers: int
+
+    def replay(self, tasks: Sequence[tuple]) -> list[dict[str, float | None]]:
+        parts = [self.executor.submit(_replay_all, tasks[i::self.workers]) for i in range(self.workers)]
+        done = [f.result() for f in parts]
+        return [done[i % self.workers][i // self.workers] for i in range(len(tasks))]
+
+
+@contextlib.contextmanager
+def replay_pool(workers: int | None = None) -> Iterator[ReplayPool | None]:
+    """Processes for the fit's replays (:func:`fit_serving_path` ``pool``): ``workers`` (None: the machine's
+    cores), started by spawn (the caller may hold a Ray session, ONNX Runtime threads: nothing of them is forked);
+    None on one core. A replay is seeded and computes the same wherever it runs, so the fit is the same with a
+    pool as without, only sooner: the profile's two fits replay each calibration run with four seeds about a
+    hundred times (25 s and ~8 s of the demo's profile on one core of the 2-core VM, 12 s and ~4 s on two;
+    2026-12-06, stop 56)."""
+    n = workers if workers is not None else (os.cpu_count() or 1)
+    if n < 2:
+        yield None
+        return
+    with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as executor:
+        for f in [executor.submit(_replay_all, ()) for _ in range(n)]:  # started (and this module imported) now
+            f.result()
+        yield ReplayPool(executor, n)
 
 
 def read_step_log(path: str | Path, keep: Sequence[tuple[int, int]] | None = None) -> list[dict[str, Any]]:
@@ -239,7 +286,7 @@ def decode_rounds(steps: Sequence[dict[str, Any]]) -> dict[str, list[float]] | N
 
 def fit_serving_path(latency: LatencyModel, exits: ExitModel, base: SimConfig, runs: Sequence[Sequence[Any]],
                      budgets: int | Sequence[int], steps: Sequence[dict[str, Any]], seeds: Sequence[int] = FIT_SEEDS,
-                     max_evals: int = 150) -> ServingPath:
+                     max_evals: int = 150, pool: ReplayPool | None = None) -> ServingPath:
     """The serving path from open-loop runs on a stack whose policy held a fixed budget (``budgets``:
     one for all runs or one per run; loadgen ``RequestResult``s, arrivals as scheduled; best at two or
     more loads and budgets) and the served engine's step log over them (:func:`read_step_log`).
@@ -249,6 +296,8 @@ def fit_serving_path(latency: LatencyModel, exits: ExitModel, base: SimConfig, r
     run is (demo 64, 2026-12-05: a run at 14.5 req/s, TTFT p95 594 ms against the SLA's 500, fitted with two
     others, left the simulator's TTFT p50 there at 1195 ms against 196, and its time per output token p50 at the
     validation's load at 7.6 ms against 3.9-5.2 served).
+
+    ``pool`` (:func:`replay_pool`): where the replays run; the same fit, sooner.
 
     Raises:
         ConfigError: a run with fewer than MIN_REQUESTS successful requests of >= 2 tokens; as fit_steps.
@@ -273,11 +322,16 @@ def fit_serving_path(latency: LatencyModel, exits: ExitModel, base: SimConfig, r
         x = [min(max(v, lo), hi) for v, (lo, hi) in zip(x, BOUNDS)]
         return SimConfig(**{**base.__dict__, **engine, **dict(zip(OVERHEADS, x))})
 
+    def replays(cfg: SimConfig, which: Sequence[bool]) -> list[dict[str, float] | None]:
+        """Each run's replay statistics where ``which`` says so (None elsewhere), every (run, seed) at once."""
+        tasks = [(latency, exits, cfg, w, budget, s) for w, budget, on in zip(works, budgets, which) if on for s in seeds]
+        done = iter(pool.replay(tasks) if pool is not None else _replay_all(tasks))
+        return [_mean_stats([next(done) for _ in seeds]) if on else None for on in which]
+
     def loss(x: Sequence[float]) -> float:
-        cfg, total = cfg_of(x), 0.0
-        for w, m, budget, f in zip(works, real, budgets, fitted):
-            if f:
-                sim = simulated(latency, exits, cfg, w, budget, seeds)
+        total = 0.0
+        for sim, m in zip(replays(cfg_of(x), fitted), real):
+            if sim is not None:
                 total += sum(np.log(max(sim[k], 1e-6) / m[k]) ** 2 for k in FITTED if m[k])
         return float(total)
 
@@ -285,8 +339,7 @@ def fit_serving_path(latency: LatencyModel, exits: ExitModel, base: SimConfig, r
                     options={"maxfev": max_evals, "xatol": 1e-2, "fatol": 1e-5})
     cfg = cfg_of(best.x)
     table = []
-    for run, w, m, budget, f, h in zip(runs, works, real, budgets, fitted, held):
-        sim = simulated(latency, exits, cfg, w, budget, seeds)
+    for run, w, m, budget, f, h, sim in zip(runs, works, real, budgets, fitted, held, replays(cfg, [True] * len(runs))):
         rel = {k: abs(sim[k] - m[k]) / m[k] for k in METRICS if m[k]}
         span = max(float(w.arrival_s[-1] - w.arrival_s[0]), 1e-9)
         table.append({"requests": len(run), "budget": budget, "fitted": f, "held_sla": h, "rate_rps": len(run) / span,
@@ -446,7 +499,7 @@ def calibrate(run_dir: str | Path, latency: LatencyModel, pool: list[list[int]],
 
     def at_the_edge(results: list[list], steps: list[dict]) -> list[tuple[int, list]]:
         b, share = edge_run
-        sp = fit_serving_path(latency, exits, base, results, budgets, steps)
+        sp = fit_serving_path(latency, exits, base, results, budgets, steps, pool=replays)
         served = estimate_capacity(latency, exits, EnvConfig(sim=SimConfig(**{**base.__dict__, **sp.sim_fields()})),
                                    FixedBudget(b, max_seqs))
         out = schedule(len(runs), b, share * served)
@@ -457,16 +510,17 @@ def calibrate(run_dir: str | Path, latency: LatencyModel, pool: list[list[int]],
         return [out]
 
     placed: list[tuple[int, list]] = []
-    results, steps = measure(run, schedules, max_seqs, (base.sla_ttft_ms, base.sla_tpot_ms),
-                             run / "scheduler" / STEP_LOG, warm=warm, more=at_the_edge if edge_run else None)
-    measured = [(results, steps)]
-    for k in range(1, starts):
-        print(f"profile: the same runs on a stack of its own ({k + 1} of {starts})", flush=True)
-        measured.append(measure(run, schedules + placed, max_seqs, (base.sla_ttft_ms, base.sla_tpot_ms),
-                                run / "scheduler" / f"{Path(STEP_LOG).stem}_{k + 1}.jsonl", warm=warm))
-    results, steps, all_budgets, labels = merge_starts(measured, budgets + ([edge_run[0]] if edge_run else []))
-    save_runs(run / "scheduler" / RUNS_JSON, results, all_budgets, labels)
-    sp = fit_serving_path(latency, exits, base, results, all_budgets, steps)
+    with replay_pool() as replays:  # started before the stacks, so spawned from a process without them
+        results, steps = measure(run, schedules, max_seqs, (base.sla_ttft_ms, base.sla_tpot_ms),
+                                 run / "scheduler" / STEP_LOG, warm=warm, more=at_the_edge if edge_run else None)
+        measured = [(results, steps)]
+        for k in range(1, starts):
+            print(f"profile: the same runs on a stack of its own ({k + 1} of {starts})", flush=True)
+            measured.append(measure(run, schedules + placed, max_seqs, (base.sla_ttft_ms, base.sla_tpot_ms),
+                                    run / "scheduler" / f"{Path(STEP_LOG).stem}_{k + 1}.jsonl", warm=warm))
+        results, steps, all_budgets, labels = merge_starts(measured, budgets + ([edge_run[0]] if edge_run else []))
+        save_runs(run / "scheduler" / RUNS_JSON, results, all_budgets, labels)
+        sp = fit_serving_path(latency, exits, base, results, all_budgets, steps, pool=replays)
     sp.save(run / "scheduler" / SERVING_JSON)
     st = sp.fit["steps"]
     past = [f"{t['rate_rps']:.2f} req/s" for t in sp.fit["runs"] if not t["fitted"]]

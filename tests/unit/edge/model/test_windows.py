@@ -53,6 +53,19 @@ def test_teacher_forced_reads_all_rows_in_batches():
         next(teacher_forced(m.backbone, np.zeros((0, 4)), 2))
 
 
+def test_teacher_forced_without_the_head_reads_the_same_states():
+    """``logits=False`` (exit_metrics, read_exits: they read the head at the judged positions only) skips the
+    LM head over every position and nothing else."""
+    m = _model()
+    rows = np.random.default_rng(2).integers(0, 64, (3, 9))
+    (_, full), = teacher_forced(m.backbone, rows, batch=3)
+    (_, lean), = teacher_forced(m.backbone, rows, batch=3, logits=False)
+    assert lean.logits is None and full.logits is not None
+    for a, b in zip(full.hidden_states + full.keys + full.values, lean.hidden_states + lean.keys + lean.values):
+        assert torch.equal(a, b)
+    assert torch.equal(m.backbone.head(lean.hidden_states[-1]), full.logits)
+
+
 def test_exit_metrics_hand_computed_on_the_judged_positions():
     """Accuracy, agreement and perplexity of positions first..L-2, recomputed directly."""
     m = _model(1)

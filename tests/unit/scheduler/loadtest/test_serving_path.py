@@ -12,7 +12,7 @@ from scheduler.control.latency import FEATURES, LatencyModel
 from scheduler.control.policies import FixedBudget
 from scheduler.loadtest.profile_report import render_serving
 from scheduler.control.engine_model import ServingPath
-from scheduler.loadtest.serving_path import fit_serving_path, fit_steps, latency_stats, read_step_log
+from scheduler.loadtest.serving_path import fit_serving_path, fit_steps, latency_stats, read_step_log, replay_pool
 from scheduler.control.sim import ExitModel, SimConfig, simulate
 from scheduler.control.workload import Arrivals, Workload, synthetic
 
@@ -60,6 +60,22 @@ def test_the_served_steps_give_the_slowdowns_and_the_chunk_cost():
     assert set(fit["decode_batches"]) == {"1-1", "2-3", "4-7", "8+"}
     with pytest.raises(ConfigError, match="busy steps"):
         fit_steps(LM, _steps(truth, n=10))
+
+
+def test_the_fit_is_the_same_with_its_replays_in_other_processes():
+    """``replay_pool``: the replays run in spawned processes, interleaved over them; every replay is seeded, so
+    the fit (every evaluation of the loss, so the optimiser's path and its end) is the one computed in process."""
+    truth = dict(ttft_overhead_ms=20.0, token_overhead_ms=3.0, ingress_ms=8.0)
+    runs = [_results(synthetic(int(rate * 6), rate, Arrivals.POISSON, seed=5 + i, prompt_mean=120, output_mean=24),
+                     budget, **truth) for i, (rate, budget) in enumerate(((6.0, 128), (14.0, 64), (9.0, 128)))]
+    steps = _steps(dict(engine_slowdown=1.2, prefill_slowdown=1.0, serve_chunk_ms=0.3), n=600)
+    here = fit_serving_path(LM, EX, SimConfig(), runs, [128, 64, 128], steps, seeds=(0, 1, 2), max_evals=12)
+    with replay_pool(2) as pool:
+        there = fit_serving_path(LM, EX, SimConfig(), runs, [128, 64, 128], steps, seeds=(0, 1, 2), max_evals=12,
+                                 pool=pool)
+    assert pool is not None and there == here and here.fit["evaluations"] >= 12
+    with replay_pool(1) as none:
+        assert none is None  # one core: the replays run in process
 
 
 def test_fit_recovers_the_serving_path(tmp_path):
