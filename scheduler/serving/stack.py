@@ -29,7 +29,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from edge.core.errors import ConfigError, SmartExitError
 from scheduler.serving.config import DEVICE_RESOURCE, REPO_BUNDLE, ServeConfig
@@ -189,6 +189,29 @@ def _wait_bindable(host: str, port: int, timeout_s: float = TIME_WAIT_S) -> None
             time.sleep(0.5)
 
 
+RAY_START_ATTEMPTS = 2
+RAY_NODE_TIMEOUT = "timed out during startup"  # what Ray 2.60 raises (a bare Exception) when its node did not come up
+
+
+def start_local_ray(init: Callable[[], Any], shutdown: Callable[[], Any], attempts: int = RAY_START_ATTEMPTS) -> None:
+    """``init()`` a local Ray; where its node does not come up, ``shutdown()`` what started and try again, up to
+    ``attempts`` in all. Ray's raylet gives up for good when its agents start slowly (ray-project/ray#65983: a
+    fixed 15 s wait on the dashboard agent's port file): on the 2-core VM a stack started a second after the one
+    before it once failed so (a fresh-clone demo's `bench scheduler`, 2026-12-06, the agent aborting with
+    -6), where every other start of the day came up. Any other error is raised at once."""
+    for attempt in range(1, attempts + 1):
+        try:
+            init()
+            return
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for this
+            if RAY_NODE_TIMEOUT not in str(exc) or attempt == attempts:
+                raise
+            with contextlib.suppress(Exception):
+                shutdown()
+            print(f"serve: Ray's node did not come up ({exc}); starting it again ({attempt + 1} of {attempts})",
+                  flush=True)
+
+
 @contextlib.contextmanager
 def serving_stack(run_dir: str | Path, cfg: ServeConfig, ray_address: str | None = None,
                   start_timeout_s: float = 300.0, graceful: bool = True) -> Iterator[str]:
@@ -215,7 +238,7 @@ def serving_stack(run_dir: str | Path, cfg: ServeConfig, ray_address: str | None
     kwargs = dict(include_dashboard=False, configure_logging=True, logging_level="WARNING")
     if ray_address is None:
         with _environ(direct_ingress_env(cfg.port) if direct else {}):
-            ray.init(resources={DEVICE_RESOURCE: cfg.replicas}, **kwargs)
+            start_local_ray(lambda: ray.init(resources={DEVICE_RESOURCE: cfg.replicas}, **kwargs), ray.shutdown)
     else:
         ray.init(address=ray_address, **kwargs)
     try:
