@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import socket
 import time
 import urllib.error
@@ -152,10 +153,36 @@ def _listening(host: str, port: int) -> bool:
         return False
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port of ``host`` nothing uses now, not even a closed connection's TIME_WAIT (the OS picks it):
-    for the stacks a benchmark starts for itself, so that one started right after another does not wait
-    out the last one's connections (:func:`_wait_bindable`)."""
+PORTS_BELOW_EPHEMERAL = (20000, 32767)  # free_port's range where the local ephemeral range starts above it
+PORT_TRIES = 200
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The range the OS gives ``bind(0)`` and outgoing connections their local ports from (Linux's
+    ``ip_local_port_range``; its default where that cannot be read)."""
+    try:
+        lo, hi = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
+    """A port of ``host`` nothing uses now, not even a closed connection's TIME_WAIT: for the stacks a benchmark
+    starts for itself, so that one started right after another does not wait out the last one's connections
+    (:func:`_wait_bindable`). Drawn below the OS's ephemeral range (:data:`PORTS_BELOW_EPHEMERAL`), where no
+    ``bind(0)`` and no outgoing connection is given a port: between this check and the replica's bind a local Ray
+    starts, and its processes bind port 0 and connect by the dozen; a port the OS had just handed out and taken back
+    was once handed to one of them, and the ingress replica could not bind it (a fresh-clone demo's profile, 2026-12-06,
+    Serve's `NoAvailablePortError`). Where the ephemeral range leaves no room below it, the OS picks."""
+    lo, hi = PORTS_BELOW_EPHEMERAL
+    hi = min(hi, ephemeral_ports()[0] - 2)  # direct ingress may take port + 1 too
+    rng = rng or random.SystemRandom()
+    for _ in range(PORT_TRIES if hi - lo >= 100 else 0):
+        try:
+            return _bind(host, rng.randint(lo, hi))
+        except ConfigError:  # in use (or in TIME_WAIT): another
+            continue
     return _bind(host, 0)
 
 

@@ -42,3 +42,62 @@ def test_a_second_failure_and_any_other_error_reach_the_caller():
     init, calls = _init([None])
     start_local_ray(init, lambda: calls.append("shutdown"))
     assert calls == ["init"]
+
+
+class _Draws:
+    """randint's answers in order (a stand-in for free_port's random source)."""
+
+    def __init__(self, *ports: int) -> None:
+        self.ports = list(ports)
+
+    def randint(self, lo: int, hi: int) -> int:
+        p = self.ports.pop(0)
+        assert lo <= p <= hi
+        return p
+
+
+def test_free_port_is_drawn_below_the_ephemeral_range_and_skips_a_port_in_use():
+    """No bind(0) and no outgoing connection (a starting Ray makes dozens) can be handed the port between the
+    check and the replica's bind: it lies below the OS's ephemeral range. A port something holds is passed over."""
+    import socket
+
+    from scheduler.serving import stack
+
+    lo, hi = stack.PORTS_BELOW_EPHEMERAL
+    top = min(hi, stack.ephemeral_ports()[0] - 2)
+    for _ in range(20):
+        p = stack.free_port()
+        assert lo <= p <= top < stack.ephemeral_ports()[0]
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        taken = held.getsockname()[1]  # in the ephemeral range: drawn from below, it is never a candidate
+        held2 = socket.socket()
+        for candidate in range(lo, top):
+            try:
+                held2.bind(("127.0.0.1", candidate))
+                break
+            except OSError:
+                continue
+        try:
+            spare = next(p for p in range(candidate + 1, top) if p != taken and _bindable(p))
+            assert stack.free_port(rng=_Draws(candidate, spare)) == spare  # the held one passed over
+        finally:
+            held2.close()
+
+
+def test_free_port_lets_the_os_pick_where_no_room_is_left_below(monkeypatch):
+    from scheduler.serving import stack
+
+    monkeypatch.setattr(stack, "ephemeral_ports", lambda: (1024, 65000))
+    assert 0 < stack.free_port(rng=_Draws()) <= 65535  # no draw at all: bind(0)
+
+
+def _bindable(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
