@@ -71,8 +71,6 @@ MIN_REQUESTS = 8
 FIT_SEEDS = (0, 1, 2, 3)
 
 
-
-
 def latency_stats(results: Sequence[Any]) -> dict[str, float | None]:
     """TTFT and time per output token of the successful requests: p50, p90, p95 and mean, in ms."""
     out: dict[str, float | None] = {}

@@ -157,14 +157,13 @@ PORTS_BELOW_EPHEMERAL = (20000, 32767)  # free_port's range where the local ephe
 PORT_TRIES = 200
 
 
-def ephemeral_ports() -> tuple[int, int]:
-    """The range the OS gives ``bind(0)`` and outgoing connections their local ports from (Linux's
-    ``ip_local_port_range``; its default where that cannot be read)."""
+def ephemeral_floor() -> int:
+    """The lowest port the OS gives ``bind(0)`` and outgoing connections (Linux's ``ip_local_port_range``; its
+    default where that cannot be read)."""
     try:
-        lo, hi = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-        return lo, hi
-    except (OSError, ValueError):
-        return 32768, 60999
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
@@ -176,7 +175,7 @@ def free_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
     was once handed to one of them, and the ingress replica could not bind it (a fresh-clone demo's profile, 2026-12-06,
     Serve's `NoAvailablePortError`). Where the ephemeral range leaves no room below it, the OS picks."""
     lo, hi = PORTS_BELOW_EPHEMERAL
-    hi = min(hi, ephemeral_ports()[0] - 2)  # direct ingress may take port + 1 too
+    hi = min(hi, ephemeral_floor() - 2)  # direct ingress may take port + 1 too
     rng = rng or random.SystemRandom()
     for _ in range(PORT_TRIES if hi - lo >= 100 else 0):
         try:
