@@ -44,37 +44,47 @@ class ExportStageConfig:
     # mode exact's corpus drafts: an n-gram table of the training split (edge/model/ngram.py) in the exits
     # export; n-grams of the text seen at least ngram_min_count times whose most frequent successor has
     # ngram_min_share, under those of the model's own greedy continuations (ngram_new_tokens each) of
-    # ngram_windows training windows of ngram_window_tokens (0 windows: the text alone). ~25 s on 2 cores
+    # ngram_windows training windows of ngram_window_tokens (0 windows: the text alone), both from a seeded
+    # ngram_text_share of the training documents. ~26 s on a 2-core AMD EPYC VM (46 s with windows of 64 tokens
+    # from the whole split, which drafted no better: docs/runtime.md)
     ngram_table: bool = True
     ngram_min_count: int = 2
     ngram_min_share: float = 0.5
     ngram_windows: int = 2048
-    ngram_window_tokens: int = 64
+    ngram_window_tokens: int = 16
     ngram_new_tokens: int = 32
+    ngram_text_share: float = 0.5
 
     def __post_init__(self) -> None:
         if self.ngram_windows < 0 or self.ngram_window_tokens < 1 or self.ngram_new_tokens < 1:
             raise ConfigError(f"export: ngram_windows ({self.ngram_windows}) must be >= 0, ngram_window_tokens "
                               f"({self.ngram_window_tokens}) and ngram_new_tokens ({self.ngram_new_tokens}) >= 1")
+        if not 0.0 < self.ngram_text_share <= 1.0:
+            raise ConfigError(f"export: ngram_text_share must be in (0, 1], got {self.ngram_text_share}")
 
 
 def write_ngram_table(tok, folder: Path, min_count: int, min_share: float,
                       continue_with: Callable[[list[list[int]], int], list[list[int]]] | None = None,
-                      windows: int = 0, window_tokens: int = 64, new_tokens: int = 32, seed: int = 0
-                      ) -> dict[str, int]:
+                      windows: int = 0, window_tokens: int = 16, new_tokens: int = 32, seed: int = 0,
+                      text_share: float = 1.0) -> dict[str, int]:
     """Build the corpus n-gram table from the training split only (the calibration and test splits are
     never drafted from) into ``folder``; returns the entries per n (and the windows continued).
 
     ``continue_with(prompts, n)``: the model's greedy continuations of ``n`` tokens; given with ``windows``
     > 0, the table is the n-grams of those continuations of that many training windows (each window's
     last tokens and its continuation: what the model writes, not what the text did), over the text's
-    n-grams where the continuations know no successor (edge/model/ngram.py)."""
+    n-grams where the continuations know no successor (edge/model/ngram.py). ``text_share``: the share of the
+    training documents (a seeded draw) both are taken from (encoding the whole split was 9 s of the table's 46
+    on a 2-core VM; half of it drafts as well: docs/runtime.md)."""
     import numpy as np
 
     from edge.model.ngram import (NGRAM_FILE, TEXT_ORDER, build_table, merge_tables, order_for, save_table,
                                   training_windows)
 
     docs = load_split(Split.TRAIN)
+    if text_share < 1.0:
+        pick = np.random.default_rng(seed).permutation(len(docs))[:max(1, round(text_share * len(docs)))]
+        docs = [docs[i] for i in sorted(pick)]
     seqs = [np.asarray(e.ids, np.int64) for e in tok.encode_batch([d.text for d in docs])]
     vocab = tok.get_vocab_size()
     arrays = build_table(seqs, vocab, min_count, min_share, order=TEXT_ORDER)
@@ -142,7 +152,7 @@ def main(cfg: ExportStageConfig) -> int:
         ngram = (write_ngram_table(tok, staging / "onnx", cfg.ngram_min_count, cfg.ngram_min_share,
                                    greedy_continuations(staging / "onnx_full", full, cfg.threads)
                                    if cfg.ngram_windows else None, cfg.ngram_windows,
-                                   cfg.ngram_window_tokens, cfg.ngram_new_tokens, cfg.seed)
+                                   cfg.ngram_window_tokens, cfg.ngram_new_tokens, cfg.seed, cfg.ngram_text_share)
                  if cfg.ngram_table else None)
         for key, name in (("graphs", "onnx"), ("graphs_full", "onnx_full")):
             outs[key] = Path(cfg.run_dir) / name

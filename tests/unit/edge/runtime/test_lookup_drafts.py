@@ -470,6 +470,56 @@ def test_the_export_builds_the_table_from_the_training_split_only(monkeypatch, t
     assert table.draft(tail, 1)[0] == [49]  # over the text's successor there (merge order: the next test)
 
 
+def test_a_share_of_the_training_documents_gives_the_text_and_the_windows_alike(monkeypatch, tmp_path):
+    """``text_share``: the table's text n-grams and the windows the model continues both come from one seeded
+    draw of that share of the training documents (never another split), the same draw for the same seed."""
+    import edge.pipeline.export as export
+    from edge.core.data import Document, Split
+    from edge.model.ngram import NgramTable
+
+    asked, encoded = [], []
+    docs = [Document(f"d{i}.py", chr(ord("a") + i) * 60) for i in range(8)]  # document i: one token, i
+
+    def fake_split(split):
+        asked.append(Split(split))
+        return docs
+
+    class _Tok:
+        def encode_batch(self, texts):
+            encoded.append(list(texts))
+
+            class E:
+                def __init__(self, t):
+                    self.ids = [ord(c) - ord("a") for c in t]
+            return [E(t) for t in texts]
+
+        def get_vocab_size(self):
+            return 50
+
+    monkeypatch.setattr(export, "load_split", fake_split)
+    given = []
+
+    def continue_with(prompts, n):
+        given.extend(prompts)
+        return [[49] * n for _ in prompts]
+
+    def build(seed):
+        encoded.clear(), given.clear()
+        export.write_ngram_table(_Tok(), tmp_path, 2, 0.5, continue_with, windows=4, window_tokens=8, new_tokens=4,
+                                 seed=seed, text_share=0.5)
+        return sorted({ord(t[0]) - ord("a") for t in encoded[0]}), sorted({p[0] for p in given})
+
+    kept, continued = build(0)
+    assert set(asked) == {Split.TRAIN} and len(encoded) == 1 and len(kept) == 4  # half of 8 documents, encoded once
+    assert set(continued) <= set(kept)  # the windows the model continued are of the drawn documents
+    table = NgramTable.load(tmp_path / "ngram.npz")
+    left_out = next(i for i in range(8) if i not in kept)
+    assert table.draft([left_out] * 3, 1) == ([], 0)  # a document left out of the draw is not in the text's n-grams
+    assert build(0) == (kept, continued) and build(1)[0] != kept  # seeded
+    with pytest.raises(ConfigError, match="ngram_text_share"):
+        export.ExportStageConfig(ngram_text_share=0.0)
+
+
 def test_ngram_tables_merge_and_a_large_vocabulary_gets_a_lower_order():
     from edge.model.ngram import MAX_N, NgramTable, build_table, merge_tables, order_for
 
