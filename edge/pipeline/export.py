@@ -45,15 +45,15 @@ class ExportStageConfig:
     # export; n-grams of the text seen at least ngram_min_count times whose most frequent successor has
     # ngram_min_share, under those of the model's own greedy continuations (ngram_new_tokens each) of
     # ngram_windows training windows of ngram_window_tokens (0 windows: the text alone), both from a seeded
-    # ngram_text_share of the training documents. ~26 s on a 2-core AMD EPYC VM (46 s with windows of 64 tokens
-    # from the whole split, which drafted no better: docs/runtime.md)
+    # ngram_text_share of the training documents (1: all). ~33 s on a 2-core AMD EPYC VM, 45 s with windows of 64
+    # tokens, which drafted no better; half the documents saved 7 s more but drafted 5% slower (docs/runtime.md)
     ngram_table: bool = True
     ngram_min_count: int = 2
     ngram_min_share: float = 0.5
     ngram_windows: int = 2048
     ngram_window_tokens: int = 16
     ngram_new_tokens: int = 32
-    ngram_text_share: float = 0.5
+    ngram_text_share: float = 1.0
 
     def __post_init__(self) -> None:
         if self.ngram_windows < 0 or self.ngram_window_tokens < 1 or self.ngram_new_tokens < 1:
@@ -74,8 +74,7 @@ def write_ngram_table(tok, folder: Path, min_count: int, min_share: float,
     > 0, the table is the n-grams of those continuations of that many training windows (each window's
     last tokens and its continuation: what the model writes, not what the text did), over the text's
     n-grams where the continuations know no successor (edge/model/ngram.py). ``text_share``: the share of the
-    training documents (a seeded draw) both are taken from (encoding the whole split was 9 s of the table's 46
-    on a 2-core VM; half of it drafts as well: docs/runtime.md)."""
+    training documents (a seeded draw) both are taken from, for a corpus too large to encode whole."""
     import numpy as np
 
     from edge.model.ngram import (NGRAM_FILE, TEXT_ORDER, build_table, merge_tables, order_for, save_table,
