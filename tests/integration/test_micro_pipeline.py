@@ -38,7 +38,7 @@ def test_export_calibrate_bench_report(run):
                 "eval_units=4", "prompt_tokens=16", "new_tokens=6", "batch=16", "threads=1"]) == 0
     assert_calibration_plots(run)
     assert cli(["bench", "decode", f"run_dir={run}", "batch_sizes=[1,2]", "prompt_tokens=16", "new_tokens=6",
-                "repeats=1", "warmup=0", "layerskip_exit=2", "memory=false", "threads=1"]) == 0
+                "repeats=1", "warmup=0", "layerskip_exit=2", "memory=false", "threads=1", "spec_extra_pairs=2"]) == 0
     assert cli(["report", f"run_dir={run}"]) == 0
     report = json.loads((run / "report.json").read_text())
     bench = report["decode_bench"]
@@ -46,6 +46,9 @@ def test_export_calibrate_bench_report(run):
                 "speedup_exit_gated_vs_full_b1", "gate_share_checked_b1", "false_exit_rate"):
         assert isinstance(bench[key], float), key
     assert bench["batches"]["1"]["full_engine_equals_hf"] is True
+    # (e)/(c): the row's one repeat and the two extra pairs of (e) and (c) alone, all compared token for token
+    assert [bench["batches"][b]["speculative_pairs"] for b in ("1", "2")] == [3, 3]
+    assert bench["batches"]["2"]["speculative_tokens_compared"] == 3 * 2 * 6
     assert set(bench["goals"]) >= {"speedup_exit_vs_full_b1", "false_exit_rate"}
     assert report["export"]["parity_passed"] is True
     # the throughput chart (edge/pipeline/bench/summary.py: 7 x 3.8 in at 110 dpi) has a bar, in its

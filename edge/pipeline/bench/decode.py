@@ -115,6 +115,11 @@ class DecodeBenchConfig:
     # the export's verify graph where it has one (export.verify_batches), else the per-row path. None: each
     # verify-graph size not in batch_sizes; [] none
     spec_verify_batches: list[int] | None = None
+    # (e) against (c) at each of ``batch_sizes``: this many more paired repeats after the rows' own (the two systems
+    # only, adjacent, their order alternating), pooled with them into (e)/(c) (``speculative_pairs``: how many). A
+    # run of 4 prompts at batch 1 takes ~0.2 s, and with 3 pairs the demo's (e)/(c) read 1.02-1.63 on one set of
+    # graphs and prompts where 20 pairs read 1.40 and 1.41 (docs/runtime.md)
+    spec_extra_pairs: int = 0
 
     def __post_init__(self) -> None:
         try:
@@ -135,6 +140,8 @@ class DecodeBenchConfig:
             raise ConfigError(f"bench.spec_sweep_repeats must be >= 1, got {self.spec_sweep_repeats}")
         if self.spec_sweep_warmup is not None and self.spec_sweep_warmup < 0:
             raise ConfigError(f"bench.spec_sweep_warmup must be >= 0 or null, got {self.spec_sweep_warmup}")
+        if self.spec_extra_pairs < 0:
+            raise ConfigError(f"bench.spec_extra_pairs must be >= 0, got {self.spec_extra_pairs}")
         if self.decision_repeats < 1:
             raise ConfigError(f"bench.decision_repeats must be >= 1, got {self.decision_repeats}")
         if self.spec_verify_batches is not None and (
@@ -547,12 +554,18 @@ class _DecodeBench:
         memory = [s for s in ("baseline", *SYSTEMS) if s == "baseline" or (
             s in systems.loaded and not s.endswith("_lookup") and s not in ("layerskip", "engine_speculative")
             and s != "engine_exit_gated" and (s not in exit_systems or s == d_sys))] if cfg.memory else []
-        bar = tqdm(total=sum((cfg.warmup + cfg.repeats) * len(v) + len(exit_systems) for v in names_at.values())
+        bar = tqdm(total=sum((cfg.warmup + cfg.repeats) * len(v) + len(exit_systems) + 2 * self._extra_pairs(v)
+                             for v in names_at.values())
                    + 1 + len(memory) + (self.sweep_warmup + cfg.spec_sweep_repeats) * n_variants * sweep,
                    desc="bench decode", unit="run", disable=None)
         self.d_sys, self.exit_systems, self.wrong, self.match_c = d_sys, exit_systems, wrong, match_c
         self.spec_bad, self.same_total, self.sweep, self.names_at = spec_bad, same_total, sweep, names_at
         self.memory, self.bar = memory, bar
+
+    def _extra_pairs(self, names: list[str]) -> int:
+        """How many paired repeats of (e) and (c) a batch row adds to its own (``spec_extra_pairs``; 0 where
+        either does not run)."""
+        return self.cfg.spec_extra_pairs if {"engine_speculative", "engine_full"} <= set(names) else 0
 
     def batch(self, b: int) -> None:
         """Every system at batch ``b``, interleaved; its row of the results."""
@@ -577,6 +590,12 @@ class _DecodeBench:
             if with_bench and rep >= cfg.warmup:
                 settle()
                 bench_rows.append(systems.llama_bench(cfg.new_tokens))
+        for rep in range(self._extra_pairs(names)):  # (e) and (c) only, adjacent: (e)/(c) on more pairs
+            for s in (("engine_speculative", "engine_full") if rep % 2 else ("engine_full", "engine_speculative")):
+                bar.set_postfix_str(f"batch {b}, (e) against (c), pair {cfg.repeats + rep + 1}, {s}")
+                settle()
+                runs[s].append(systems.run(s, prompts, cfg.new_tokens, group=b))
+                bar.update()
         row_fe = {}
         for s in exit_systems:
             bar.set_postfix_str(f"batch {b}, checking {s} against the full model")
@@ -649,6 +668,7 @@ class _DecodeBench:
             "false_exit_rate": row_fe[d_sys],
             "false_exit_rate_by_mode": {m.value: row_fe[exit_system(m)] for m in KVMode},
             "speedup_speculative_vs_full": paired_ratio(runs, "engine_speculative", "engine_full"),
+            "speculative_pairs": min(len(runs["engine_speculative"]), len(runs["engine_full"])),
             # the same without the prompts' prefill, which both run alike (a 64-token prompt's prefill is ~17% of
             # (c)'s time for 32 new tokens at batch 1): what drafting does to the decode itself; not a goal's key
             "speedup_speculative_vs_full_decode_only": decode_ratio(runs, "engine_speculative", "engine_full",
