@@ -109,9 +109,10 @@ class ProfileConfig:
     # holds the SLA at with that budget: near the SLA edge where bench scheduler validates the simulator (at 0.8 of
     # its edge), measured on this stack's start; null: none
     serving_edge_run: list[float] | None = field(default_factory=lambda: [128, 0.8])
-    # seconds of each open-loop run (12 until stop 56: with 10 the demo's profile is ~14 s shorter, 6 runs x 2 s and
-    # the fit on their requests; the demo took 888 s of its 900 on a 2-core AMD EPYC VM of 2026-12-06)
-    serving_duration_s: float = 10.0
+    # seconds of each open-loop run: 12 (10 in stop 56, for the demo's time). The simulator's error at 0.8x the edge
+    # (bench scheduler; mean over its four cells) was 0.17-0.29 in six fresh-clone demos with 10-s runs and 0.065-0.10
+    # in three runs with 12-s ones, two of them profiles of one demo's artifacts (docs/scheduler.md)
+    serving_duration_s: float = 12.0
     # served first and not measured: a served engine measures per batch size whether drafting pays, its calls'
     # costs and its drafts' acceptance as it runs (a fresh stack's first 144 requests measured 0.47-0.56 of
     # decoding sequences' steps as draft rounds, the next 288 0.67-0.73, 2026-12-05; in process at batch 1, where
