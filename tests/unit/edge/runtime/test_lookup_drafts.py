@@ -504,7 +504,8 @@ def test_a_share_of_the_training_documents_gives_the_text_and_the_windows_alike(
         return [[49] * n for _ in prompts]
 
     def build(seed):
-        encoded.clear(), given.clear()
+        encoded.clear()
+        given.clear()
         export.write_ngram_table(_Tok(), tmp_path, 2, 0.5, continue_with, windows=4, window_tokens=8, new_tokens=4,
                                  seed=seed, text_share=0.5)
         return sorted({ord(t[0]) - ord("a") for t in encoded[0]}), sorted({p[0] for p in given})
