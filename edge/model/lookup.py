@@ -21,9 +21,10 @@ out instead of 0.20, but erred on 0.84% of held-out tokens against 0.59% (eps 0.
 leaves it off unless asked (``calibrate.lookup_corpus``; docs/runtime.md, stop 49). A threshold table
 calibrated with it names the table (its sha256), and the engine reads the same one.
 
-One :class:`Lookup` per sequence, fed every token once (prompt and output alike): ``push`` is
-O(MAX_N) dictionary updates, ``predict`` and ``draft`` O(MAX_N) lookups, so the engine pays a few
-microseconds per row and step. Teacher-forced collection feeds the same tokens in the same order, so
+One :class:`Lookup` per sequence, fed every token once (prompt and output alike): ``push`` appends,
+the next ``predict`` or ``draft`` indexes what was appended (O(MAX_N) dictionary updates a token) and
+looks up O(MAX_N) suffixes, so the engine pays a few microseconds per row and step where it asks, and
+an append where it does not. Teacher-forced collection feeds the same tokens in the same order, so
 the feature it records is the one the engine computes (:func:`lookup_along`).
 """
 from __future__ import annotations
@@ -38,25 +39,33 @@ CORPUS_MIN = 3  # ... where the table knows a suffix of at least this many token
 
 class Lookup:
     """n-gram index of one token sequence: for n = 1..MAX_N, where the latest earlier occurrence of
-    each n-gram ended (the position of the token that followed it)."""
+    each n-gram ended (the position of the token that followed it). The index is built lazily: ``push``
+    only appends, and the first question after it indexes what was appended since (the same index,
+    token for token), so a sequence whose lookup is never asked (mode exact at a batch size where
+    speculation measured dearer than plain steps, a step whose exits are gated off) pays one append per
+    token instead of MAX_N dictionary updates: at batch 16 on the tiny model those updates were 2.8% of
+    mode exact's decode time (stop 58, docs/runtime.md)."""
 
-    __slots__ = ("tokens", "_next", "table")
+    __slots__ = ("tokens", "_next", "table", "_indexed")
 
     def __init__(self, tokens: list[int] | None = None, table=None) -> None:
         """``table``: the corpus n-gram table :meth:`predict` falls back to (None: the context only)."""
-        self.tokens: list[int] = []
+        self.tokens: list[int] = [int(t) for t in tokens or ()]
         self._next: list[dict[tuple[int, ...], int]] = [{} for _ in range(MAX_N)]
         self.table = table
-        for t in tokens or ():
-            self.push(t)
+        self._indexed = 0  # tokens[:_indexed] have their n-grams (those ending before them) in _next
 
     def push(self, token: int) -> None:
-        """Append ``token``: the n-grams ending just before it now point at it."""
-        toks = self.tokens
-        end = len(toks)
-        for n in range(1, min(MAX_N, end) + 1):
-            self._next[n - 1][tuple(toks[end - n:end])] = end
-        toks.append(int(token))
+        """Append ``token``: the n-grams ending just before it point at it once the index catches up."""
+        self.tokens.append(int(token))
+
+    def _catch_up(self) -> None:
+        """Index every token appended since the last question, in order."""
+        toks, nxt = self.tokens, self._next
+        for end in range(self._indexed, len(toks)):
+            for n in range(1, min(MAX_N, end) + 1):
+                nxt[n - 1][tuple(toks[end - n:end])] = end
+        self._indexed = len(toks)
 
     def predict(self) -> tuple[int, int]:
         """(token, n): the token that followed the latest earlier occurrence of the longest suffix of
@@ -86,6 +95,8 @@ class Lookup:
         return out, n
 
     def _match(self) -> tuple[int, int]:
+        if self._indexed < len(self.tokens):
+            self._catch_up()
         toks = self.tokens
         end = len(toks)
         for n in range(min(MAX_N, end), 0, -1):

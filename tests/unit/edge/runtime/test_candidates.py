@@ -59,6 +59,28 @@ def test_lookup_matches_a_brute_force_search():
             assert lk.predict() == _brute(seq[:i + 1]), seq[:i + 1]
 
 
+def test_a_lookup_asked_after_several_pushes_answers_as_one_asked_after_each():
+    """The index is built when asked (Lookup._catch_up): runs of pushes with no question between them,
+    then a prediction or a draft, give what the brute force gives on the whole sequence."""
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        seq = rng.integers(0, 5, rng.integers(1, 60)).tolist()
+        lk, eager = Lookup(seq[:rng.integers(0, 8)]), Lookup()
+        for t in lk.tokens:
+            eager.push(t)
+            eager.predict()
+        i = len(lk.tokens)
+        while i < len(seq):
+            step = int(rng.integers(1, 6))
+            for t in seq[i:i + step]:
+                lk.push(t)
+                eager.push(t)
+                eager.predict()
+            i = min(i + step, len(seq))
+            assert lk.predict() == _brute(seq[:i]), seq[:i]
+            assert lk.draft(5) == eager.draft(5)
+
+
 def test_lookup_examples():
     lk = Lookup([1, 2, 3, 9, 1, 2])
     assert lk.predict() == (3, 2)  # "1 2" was followed by 3
