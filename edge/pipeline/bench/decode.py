@@ -640,7 +640,10 @@ class _DecodeBench:
         elif "llamacpp" in runs:
             results["llamacpp_token_match_vs_full_engine"] = _token_match(runs["llamacpp"][0].tokens,
                                                                           runs["engine_full"][0].tokens)
-        systems_row = summarise(runs, n_prompts, cfg.new_tokens)
+        # the systems' table over the interleaved repeats only, the same for every system: the extra pairs of (e)
+        # and (c) ran in another stretch of the machine's time (stop 57's demo J: (c) 2,567 tokens/s over all 11
+        # runs beside (d)'s 1,752 over its 3, where (d)/(c) paired read 0.97)
+        systems_row = summarise({s: rs[:cfg.repeats] for s, rs in runs.items()}, n_prompts, cfg.new_tokens)
         exits_d = [e for seq in runs[d_sys][0].exit_layers for e in seq[1:]]  # decoded tokens (the first is prefill)
         ceiling = model.num_layers / layers_computed(exits_d, model.num_layers, d_mode, kv_frac)
         speedup = paired_ratio(runs, d_sys, "engine_full")

@@ -192,7 +192,8 @@ def render_markdown(results: dict[str, Any], summary: dict[str, Any]) -> str:
     lines = ["# Decode benchmark", "",
              f"{cfg['prompt_tokens']}-token held-out prompts, {cfg['new_tokens']} new tokens, greedy; "
              f"{cfg['warmup']} warm-up + {cfg['repeats']} interleaved repeats"
-             + (f" (then {cfg['spec_extra_pairs']} more of (e) and (c) alone, paired, pooled into (e)/(c))"
+             + (f" (then {cfg['spec_extra_pairs']} more of (e) and (c) alone, paired, pooled into (e)/(c); the systems' "
+                f"table reads the interleaved repeats only)"
                 if cfg.get("spec_extra_pairs") else "") + f"; medians; {cfg['threads']} threads "
              f"(ONNX Runtime: one shared pool of {results['ort_pool_threads']}); (d) = exits with K/V by "
              f"{results['kv_mode']}; "
