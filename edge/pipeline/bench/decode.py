@@ -348,9 +348,14 @@ def layers_computed(exit_layers: list[int], num_layers: int, mode: KVMode, kv_fr
     return float(np.mean(e + (kv_frac * skipped if KVMode(mode) is KVMode.PROPAGATE else skipped)))
 
 
-def summarise(runs: dict[str, list[RunResult]], sequences: int, n: int) -> dict[str, dict[str, float]]:
+def summarise(runs: dict[str, list[RunResult]], sequences: int, n: int,
+              repeats: int | None = None) -> dict[str, dict[str, float]]:
+    """Each system's row of the table: median tokens/s, token-latency percentiles, mean exit layer, over its
+    first ``repeats`` runs (None: all), so that every system reads the same interleaved repeats and none
+    the extra pairs some systems ran after them (:meth:`_DecodeBench.batch`)."""
     rows = {}
     for name, rs in runs.items():
+        rs = rs[:repeats]
         lat = np.concatenate([r.token_latencies for r in rs]) if rs else np.zeros(0)
         layers = [e for r in rs for seq in (r.exit_layers or []) for e in seq]
         rows[name] = {
@@ -643,7 +648,7 @@ class _DecodeBench:
         # the systems' table over the interleaved repeats only, the same for every system: the extra pairs of (e)
         # and (c) ran in another stretch of the machine's time (stop 57's demo J: (c) 2,567 tokens/s over all 11
         # runs beside (d)'s 1,752 over its 3, where (d)/(c) paired read 0.97)
-        systems_row = summarise({s: rs[:cfg.repeats] for s, rs in runs.items()}, n_prompts, cfg.new_tokens)
+        systems_row = summarise(runs, n_prompts, cfg.new_tokens, repeats=cfg.repeats)
         exits_d = [e for seq in runs[d_sys][0].exit_layers for e in seq[1:]]  # decoded tokens (the first is prefill)
         ceiling = model.num_layers / layers_computed(exits_d, model.num_layers, d_mode, kv_frac)
         speedup = paired_ratio(runs, d_sys, "engine_full")

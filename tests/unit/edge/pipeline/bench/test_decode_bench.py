@@ -26,6 +26,15 @@ def test_summarise_counts_tokens_and_latency():
     assert rows["x"]["mean_exit_layer"] == pytest.approx(7.5)
 
 
+def test_the_table_reads_the_interleaved_repeats_of_every_system_only():
+    """(e) and (c) run extra pairs after the interleaved repeats (spec_extra_pairs): the table leaves them out,
+    so each system's row comes from the same repeats as every other's."""
+    runs = {"c": [_r(1.0), _r(1.0), _r(0.1), _r(0.1), _r(0.1)], "d": [_r(2.0), _r(2.0)]}
+    rows = summarise(runs, sequences=1, n=10, repeats=2)
+    assert rows["c"]["tokens_per_s"] == pytest.approx(10.0) and rows["d"]["tokens_per_s"] == pytest.approx(5.0)
+    assert summarise(runs, sequences=1, n=10)["c"]["tokens_per_s"] == pytest.approx(100.0)  # all five
+
+
 def test_layerskip_only_at_batch_one():
     assert applicable("layerskip", 1) and not applicable("layerskip", 4) and applicable("hf", 16)
 
