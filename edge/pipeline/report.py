@@ -351,6 +351,21 @@ def _scheduler_md(s: dict[str, Any]) -> list[str]:
                      f"over the served runs' own spread, largest over loads and metrics: "
                      f"{_fmt(s.get('sim_error_vs_repeat_spread_max'), '.2f')} (goal <= 1.5); p95 TTFT and TPOT "
                      f"within the SLA at 0.8x the edge: {_fmt(s.get('p95_within_sla_at_0_8_edge'), '')}.")
+    if s.get("overload_factor"):
+        rng = s.get("goodput_ratio_vs_best_fixed_overload_range") or [None, None]
+        att = ", ".join(f"{p} {_fmt(v, '.3f')}" for p, v in (s.get("sla_attainment_overload") or {}).items())
+        aimd = s.get("goodput_ratio_vs_aimd_overload")
+        lines.append(f"Past the edge, at x{s['overload_factor']:g} of its rate on the real stack ({s.get('overload_repeats')} "
+                     f"interleaved repeats, medians), where the edge's ceiling no longer binds: goodput of the learned "
+                     f"policy / the best fixed budget {_fmt(s.get('goodput_ratio_vs_best_fixed_overload'), '.2f')} "
+                     f"(range {_fmt(rng[0], '.2f')}-{_fmt(rng[1], '.2f')})"
+                     + (f", / AIMD {_fmt(aimd, '.2f')}" if aimd is not None else "")
+                     + (f", / the best constant action of its own grid ({s.get('best_constant_overload')}) "
+                        f"{_fmt(s.get('goodput_ratio_vs_best_constant_overload'), '.2f')}"
+                        if s.get("goodput_ratio_vs_best_constant_overload") is not None else "")
+                     + f"; SLA attainment {att}. In the simulator the learned policy / the best constant action of its "
+                     f"grid: {_fmt(s.get('goodput_ratio_vs_best_constant_sim_at_sla_edge'), '.3f')} at the edge, "
+                     f"{_fmt(s.get('goodput_ratio_vs_best_constant_sim_overload'), '.3f')} past it.")
     return lines + [""]
 
 

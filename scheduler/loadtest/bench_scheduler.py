@@ -25,6 +25,14 @@ on the real served stack, and the simulator against the real stack.
    ``sim_error_vs_repeat_spread_max`` is the largest ratio (goal <= 1.5). The served runs at
    ``sla_check_share`` (0.8) of the edge must hold p95 TTFT and TPOT within the SLA
    (``p95_within_sla_at_0_8_edge``).
+5. Past the edge (``overload``, a multiple of the edge's rate): there the edge's ceiling (~1 / 0.95) no longer
+   binds, and what a policy adds shows. The learned policy, the best fixed budget of that load in the simulator
+   and the heuristics of ``overload_heuristics`` serve one schedule each, ``overload_repeats`` times, interleaved
+   (every repeat runs every policy, the order rotated), with the same shedding rule, on the first stack started
+   for a validation repeat, which they warm for its validation runs (else on the edge's stack, last): goodput ratios
+   per repeat, their median and range (:func:`overload_report`). The best constant action of the learned policy's
+   own grid (budget x admission limit, :func:`constant_actions`) serves beside them: a policy that only learned a
+   better constant is worth that constant.
 
 Writes ``<run>/bench/scheduler.json`` (the report's ``scheduler`` section) and ``scheduler.md`` (and, with the
 real stack, ``scheduler_runs.json``: its fixed-budget runs' requests, for replays without a stack);
@@ -97,6 +105,13 @@ class BenchSchedulerConfig:
     # simulator and on every served stack; a shed request is a miss in goodput. None: as the policy trained
     shed_late: bool | None = None
     warmup_requests: int = 2
+    # past the edge: a schedule at ``overload`` x the edge's rate served by the learned policy, the best fixed budget
+    # of that load in the simulator (the edge's where the grid has no such load) and ``overload_heuristics``,
+    # ``overload_repeats`` times interleaved. None: not run
+    overload: float | None = 2.0
+    overload_repeats: int = 3
+    overload_duration_s: float = 8.0
+    overload_heuristics: list[str] = field(default_factory=lambda: ["aimd"])
     seed: int = 0
     # the exit-depth ablation (issue 30): the learned policy trained and run without the exit-depth features
     # (`make train-scheduler-ablation`), in the simulator grid beside the shipped one as ``ppo-noexit``.
@@ -123,6 +138,13 @@ class BenchSchedulerConfig:
         if any(not 0 < x < 1 for x in self.validation_loads):
             raise ConfigError(f"bench scheduler: validation_loads are shares of the edge's rate in (0, 1), got "
                               f"{self.validation_loads}")
+        if self.overload is not None and not self.overload > 1:
+            raise ConfigError(f"bench scheduler: overload is a multiple of the edge's rate above 1 (or null), got "
+                              f"{self.overload}")
+        if self.overload_repeats < 1 or self.overload_duration_s <= 0:
+            raise ConfigError("bench scheduler: overload_repeats must be >= 1 and overload_duration_s > 0")
+        for h in self.overload_heuristics:
+            make_policy(h)  # an unknown name fails here, before anything runs
         if not self.seeds or not self.sim_seeds or not self.validation_seeds:
             raise ConfigError("bench scheduler: seeds, sim_seeds and validation_seeds must not be empty")
         self.loads = sorted(float(x) for x in self.loads)
@@ -368,15 +390,31 @@ def real_runs(cfg: BenchSchedulerConfig, env: EnvConfig, latency: LatencyModel, 
     fixed_kw = {"prefill_budget": budget, "max_running": env.sim.max_seqs}
     first = cfg.validation_repeats - cfg.validation_fresh_stacks
     below = [(f, schedules[f], 0) for _ in range(first) for f in cfg.validation_loads]
-    learned_res, fixed_res, *below_res = served(
+    # past the edge: every policy serves one schedule, interleaved. Where a stack is started for a validation repeat,
+    # on that one, first: they warm it for its validation runs in place of the edge's schedule (after one unmeasured
+    # run of their own schedule, so that no policy's first run meets a cold engine); else after the first stack's
+    over = overload_setup(cfg, env, latency, exits, learned, spec, cells, load, capacity) if cfg.overload else None
+    over_runs = [] if over is None else [(*over["settings"][p], over["schedule"]) for _, p in over["plan"]]
+    if over is not None:
+        print(f"bench scheduler: past the edge, x{cfg.overload:g} of it ({len(over['schedule'])} requests): "
+              f"{', '.join(over['policies'])}, {cfg.overload_repeats} repeats interleaved", flush=True)
+    on_first = over_runs if cfg.validation_fresh_stacks == 0 else []
+    learned_res, fixed_res, *rest = served(
         cfg, env, [(LEARNED, {"path": cfg.policy}, schedule), ("fixed", fixed_kw, schedule)]
-        + [("fixed", fixed_kw, s) for _, s, _ in below])
+        + [("fixed", fixed_kw, s) for _, s, _ in below] + on_first)
+    below_res, over_res = rest[:len(below)], rest[len(below):]
     for k in range(1, cfg.validation_fresh_stacks + 1):
         print(f"bench scheduler: validation repeat on a stack of its own ({k} of {cfg.validation_fresh_stacks})",
               flush=True)
         more = [(f, schedules[f], k) for f in cfg.validation_loads]
         below += more
-        below_res += served(cfg, env, [("fixed", fixed_kw, schedule)] + [("fixed", fixed_kw, s) for _, s, _ in more])[1:]
+        head = [("fixed", fixed_kw, schedule)]
+        if k == 1 and over_runs:
+            head = [over["settings"][over["best_fixed"]] + (over["schedule"],)] + over_runs
+        res = served(cfg, env, head + [("fixed", fixed_kw, s) for _, s, _ in more])
+        if k == 1 and over_runs:
+            over_res = res[1:len(head)]
+        below_res += res[len(head):]
     sla = (env.sim.sla_ttft_ms, env.sim.sla_tpot_ms)
     runs = {name: summarize(fixed_res, *sla), LEARNED: summarize(learned_res, *sla)}
     fixed = FixedBudget(budget, env.sim.max_seqs)
@@ -394,7 +432,118 @@ def real_runs(cfg: BenchSchedulerConfig, env: EnvConfig, latency: LatencyModel, 
             "runs": runs, "serving_path": {k: getattr(env.sim, k) for k in PARAMS},
             "validation": val, "validation_below_edge": below_val, "repeat_spread": repeat_spread(below_val),
             "noise_check": noise_check(below_val), "sla_check": sla_check(at_check, cfg.sla_check_share, name),
-            "goodput_ratio": ratio, "goodput_ceiling": goodput_ceiling(runs[name])}
+            "goodput_ratio": ratio, "goodput_ceiling": goodput_ceiling(runs[name]),
+            "constant_actions_sim": None if over is None else over["constant_actions"],
+            "overload": None if over is None else overload_report(
+                _by_policy(over["plan"], [summarize(r, *sla) for r in over_res]), LEARNED, over["best_fixed"],
+                cfg.overload, load * cfg.overload * capacity, over["best_fixed_from"], over["best_constant"])}
+
+
+def constant_actions(latency: LatencyModel, exits: ExitModel, env: EnvConfig, spec: WorkloadSpec, loads: list[float],
+                     capacity: float, duration_s: float, seeds: list[int], learned: Any) -> dict[str, dict[str, Any]]:
+    """In the simulator, every constant action of the learned policy's own action grid (``ACTIONS``: prefill budget x
+    admission limit; the fixed budgets of the grid above keep the limit at every slot) on ``spec`` at each of
+    ``loads`` (multiples of ``capacity``): the best one by goodput (mean over ``seeds``) and the learned policy's
+    goodput beside it. A policy that only learned a better constant is no better than that constant."""
+    from scheduler.control.env import ACTIONS
+    from scheduler.control.evaluate import cell_table, evaluate_grid
+
+    pols: dict[str, Any] = {constant_name(b, m): (lambda b=b, m=m: FixedBudget(b, min(m, env.sim.max_seqs)))
+                            for b, m in ACTIONS}
+    pols[LEARNED] = lambda: learned
+    cells = cell_table(evaluate_grid(latency, exits, env, [spec], loads, pols, duration_s, seeds,
+                                     capacities={spec.name: capacity}))
+    out = {}
+    for load in loads:
+        g, best = max((c["goodput_rps"], p) for (_, lv, p), c in cells.items() if lv == load and p != LEARNED)
+        mine = cells[(spec.name, load, LEARNED)]["goodput_rps"]
+        out[f"x{load:g}"] = {"load": load, "best": best, "goodput_rps": g, "learned_goodput_rps": mine,
+                             "ratio": mine / g if g else None}
+    return out
+
+
+CONSTANT_PREFIX = "const-"
+
+
+def constant_name(budget: int, limit: int) -> str:
+    return f"{CONSTANT_PREFIX}{budget}x{limit}"
+
+
+def constant_kwargs(name: str) -> dict[str, int]:
+    """The fixed policy's settings of a :func:`constant_name`."""
+    b, m = name[len(CONSTANT_PREFIX):].split("x")
+    return {"prefill_budget": int(b), "max_running": int(m)}
+
+
+def overload_plan(policies: list[str], repeats: int) -> list[tuple[int, str]]:
+    """(repeat, policy) in run order: every repeat runs every policy, the order rotated by the repeat, so a slow
+    minute of the machine lands on each policy in turn."""
+    n = len(policies)
+    return [(r, policies[(r + i) % n]) for r in range(repeats) for i in range(n)]
+
+
+def overload_setup(cfg: BenchSchedulerConfig, env: EnvConfig, latency: LatencyModel, exits: ExitModel, learned: Any,
+                   spec: WorkloadSpec, cells: dict, load: float, capacity: float) -> dict[str, Any]:
+    """What runs past the edge: the schedule at ``cfg.overload`` x the edge's rate, the policies (the learned one,
+    the best fixed budget of that load in the simulator's grid, else the edge's, the best constant action of the
+    learned policy's own grid there (:func:`constant_actions`, where it is not that fixed budget), and
+    ``cfg.overload_heuristics``), their serving settings and the interleaved plan."""
+    over = load * cfg.overload
+    grid = sorted({lv for (w, lv, _) in cells if w == spec.name and np.isclose(lv, over)})
+    fixed, _ = best_fixed(cells, spec.name, grid[0] if grid else load)
+    fixed_kw = {"prefill_budget": int(fixed[len(FIXED_PREFIX):]), "max_running": env.sim.max_seqs}
+    consts = constant_actions(latency, exits, env, spec, [load, over], capacity, cfg.duration_s, cfg.sim_seeds,
+                              learned)
+    best_const = consts[f"x{over:g}"]["best"]
+    const_kw = constant_kwargs(best_const)
+    settings = {LEARNED: (LEARNED, {"path": cfg.policy}), fixed: ("fixed", fixed_kw)}
+    if const_kw != fixed_kw:
+        settings[best_const] = ("fixed", const_kw)
+    settings.update({h: (h, {}) for h in cfg.overload_heuristics})
+    policies = list(settings)
+    schedule = real_schedule(cfg, workload_for(spec, over * capacity, cfg.overload_duration_s, env))
+    return {"policies": policies, "settings": settings, "schedule": schedule, "best_fixed": fixed,
+            "best_fixed_from": f"the simulator at x{over:g}" if grid else f"the simulator at the edge (x{load:g})",
+            "best_constant": best_const if const_kw != fixed_kw else fixed, "constant_actions": consts,
+            "plan": overload_plan(policies, cfg.overload_repeats)}
+
+
+def _by_policy(plan: list[tuple[int, str]], summaries: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Served runs' summaries by policy, in repeat order."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for (_, p), s in sorted(zip(plan, summaries), key=lambda x: x[0][0]):
+        out.setdefault(p, []).append(s)
+    return out
+
+
+def _spread(xs: list[float | None]) -> dict[str, Any]:
+    v = [x for x in xs if x is not None]
+    return {"median": float(np.median(v)) if v else None, "min": min(v) if v else None,
+            "max": max(v) if v else None, "per_repeat": xs}
+
+
+def overload_report(runs: dict[str, list[dict[str, Any]]], learned: str, fixed: str, factor: float, rate: float,
+                    fixed_from: str, constant: str | None = None) -> dict[str, Any]:
+    """The policies past the edge: per policy its goodput and SLA attainment over the repeats (median, range), and
+    the learned policy's goodput over each other policy's, taken within a repeat (the runs of one repeat sit side by
+    side in time), then their median and range. A repeat where the other policy met no request has no ratio (None);
+    ``ceiling_vs_best_fixed`` is 1 / the best fixed budget's attainment (every request within the SLA), per repeat.
+    ``runs``: :func:`scheduler.control.outcomes.summarize` results by policy, in repeat order; ``constant``: the best
+    constant action of the learned policy's grid in the simulator (the fixed budget's name where they coincide)."""
+    keys = ("requests", "errors", "sla_attainment", "goodput_rps", "ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms",
+            "tpot_p95_ms")
+    mine = [s["goodput_rps"] for s in runs[learned]]
+    ratios = {}
+    for p, ss in runs.items():
+        if p != learned:
+            ratios[p] = _spread([a / s["goodput_rps"] if s["goodput_rps"] else None for a, s in zip(mine, ss)])
+    return {"factor": factor, "rate_rps": rate, "learned": learned, "best_fixed": fixed, "best_fixed_from": fixed_from,
+            "best_constant": constant, "repeats": len(mine),
+            "runs": {p: [{k: s.get(k) for k in keys} for s in ss] for p, ss in runs.items()},
+            "goodput_rps": {p: _spread([s["goodput_rps"] for s in ss]) for p, ss in runs.items()},
+            "sla_attainment": {p: _spread([s["sla_attainment"] for s in ss]) for p, ss in runs.items()},
+            "ratio_vs": ratios,
+            "ceiling_vs_best_fixed": _spread([goodput_ceiling(s) for s in runs[fixed]])}
 
 
 def goodput_ceiling(best: dict[str, Any]) -> float | None:
@@ -535,6 +684,26 @@ def summary(report: dict[str, Any], cells: dict, real_w: str) -> dict[str, Any]:
             out["sim_error_vs_one_stack_spread_max"] = noise.get("max_ratio_one_stack")
         check = real.get("sla_check")
         out["p95_within_sla_at_0_8_edge"] = check["held"] if check and check["share_of_edge"] == 0.8 else None
+        over = real.get("overload")
+        if over:
+            out["overload_factor"] = over["factor"]
+            out["overload_repeats"] = over["repeats"]
+            vs = over["ratio_vs"]
+            fixed = vs.get(over["best_fixed"], {})
+            out["goodput_ratio_vs_best_fixed_overload"] = fixed.get("median")
+            out["goodput_ratio_vs_best_fixed_overload_range"] = [fixed.get("min"), fixed.get("max")]
+            for h, r in vs.items():
+                key = "best_constant" if h == over.get("best_constant") else h
+                if h != over["best_fixed"] or key == "best_constant":
+                    out[f"goodput_ratio_vs_{key}_overload"] = r["median"]
+                    out[f"goodput_ratio_vs_{key}_overload_range"] = [r["min"], r["max"]]
+            out["best_constant_overload"] = over.get("best_constant")
+            out["sla_attainment_overload"] = {p: v["median"] for p, v in over["sla_attainment"].items()}
+        consts = real.get("constant_actions_sim")
+        if consts:  # the simulator's learned policy over the best constant action of its own grid, at the edge and past
+            edge, past = sorted(consts.values(), key=lambda c: c["load"])[:2]
+            out["goodput_ratio_vs_best_constant_sim_at_sla_edge"] = edge["ratio"]
+            out["goodput_ratio_vs_best_constant_sim_overload"] = past["ratio"]
     return out
 
 
@@ -552,6 +721,13 @@ def render_headline(s: dict[str, Any]) -> str:
                      f"{s.get('sim_error_vs_repeat_spread_max')} (spread {s.get('sim_repeat_spread')}; against runs on "
                      f"one stack {s.get('sim_error_vs_one_stack_spread_max')}); p95 within the SLA at 0.8x the edge: "
                      f"{s.get('p95_within_sla_at_0_8_edge')}")
+    if s.get("overload_factor"):
+        others = "".join(f", / {k[len('goodput_ratio_vs_'):-len('_overload')]} {s[k]} (range {s[k + '_range']})"
+                         for k in s if k.startswith("goodput_ratio_vs_") and f"{k}_range" in s
+                         and k != "goodput_ratio_vs_best_fixed_overload")
+        lines.append(f"  real stack at x{s['overload_factor']:g} the edge ({s['overload_repeats']} repeats, medians): "
+                     f"goodput learned / best fixed {s['goodput_ratio_vs_best_fixed_overload']} (range "
+                     f"{s['goodput_ratio_vs_best_fixed_overload_range']}){others}")
     return "\n".join(lines)
 
 

@@ -1,6 +1,7 @@
 """``bench/scheduler.md``: the tables of ``smartexit bench scheduler`` (pure: dict in, text out)."""
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from scheduler.control.evaluate import FIXED_PREFIX, cell_table
@@ -67,6 +68,8 @@ def render_markdown(r: dict[str, Any]) -> str:
     real = r.get("real")
     if real:
         out += _real_tables(real, sla)
+        if real.get("overload"):
+            out += _overload_table(real["overload"], real.get("constant_actions_sim"))
     out += ["## Headline", "", "```", *(f"{k}: {v}" for k, v in s.items()), "```", ""]
     return "\n".join(out)
 
@@ -170,4 +173,43 @@ def _real_tables(real: dict[str, Any], sla: dict[str, Any]) -> list[str]:
             out.append(f"| {label} | {k} | {_f(v['measured'][k], 1)} | {_f(v['simulated'][k], 1)} | "
                        f"{_f(v['rel_err'].get(k), 3)} |")
     out.append("")
+    return out
+
+
+def _rng(v: dict[str, Any], d: int = 2) -> str:
+    return f"{_f(v['median'], d)} ({_f(v['min'], d)}-{_f(v['max'], d)})"
+
+
+def _overload_table(o: dict[str, Any], consts: dict[str, Any] | None = None) -> list[str]:
+    """The policies past the edge on the real stack (scheduler.loadtest.bench_scheduler.overload_report), and the
+    simulator's best constant actions (``constant_actions``) beside them."""
+    const = o.get("best_constant")
+    out = [f"### Past the edge: x{o['factor']:g} of it, {o['rate_rps']:.2f} req/s", "",
+           f"One schedule served by each policy {o['repeats']} times, interleaved (every repeat runs every policy, the "
+           f"order rotated), on the edge's stack with the same shedding rule (a refused request is a miss). The best "
+           f"fixed budget is {o['best_fixed']}, the best of {o['best_fixed_from']} (every fixed budget admits as many "
+           f"sequences as there are cache slots); "
+           + (f"the best constant action of the learned policy's own grid (budget x admission limit) there is "
+              f"{const}" + (", the same action" if const == o["best_fixed"] else "") if const else
+              "no constant action was searched")
+           + ". Medians over the repeats (range).", "",
+           "| policy | SLA attainment | goodput (req/s) | refused or failed (per run) | TTFT p50 / p95 (ms) | "
+           "TPOT p50 / p95 (ms) |", "| --- | ---: | ---: | --- | --- | --- |"]
+    for p, runs in o["runs"].items():
+        def med(k: str, runs: list[dict[str, Any]] = runs) -> str:
+            v = [r[k] for r in runs if r[k] is not None]
+            return _f(statistics.median(v) if v else None, 1)
+        out.append(f"| {p} | {_rng(o['sla_attainment'][p], 3)} | {_rng(o['goodput_rps'][p])} | "
+                   f"{', '.join(str(r['errors']) for r in runs)} of {runs[0]['requests']} | {med('ttft_p50_ms')} / "
+                   f"{med('ttft_p95_ms')} | {med('tpot_p50_ms')} / {med('tpot_p95_ms')} |")
+    ratios = "; ".join(f"/ {p} {_rng(v, 3)}" for p, v in o["ratio_vs"].items())
+    out += ["", f"Goodput of {o['learned']}, taken within each repeat: {ratios}. The most any policy could reach "
+            f"against {o['best_fixed']} on this schedule: {_rng(o['ceiling_vs_best_fixed'], 3)} (1 / its attainment).",
+            ""]
+    if consts:
+        out += ["In the simulator (the same workload family, the grid's duration and draws), the learned policy's "
+                "goodput over the best constant action of its own grid: " + "; ".join(
+                    f"{k} {_f(c['ratio'], 3)} ({c['learned_goodput_rps']:.2f} against {c['best']}'s "
+                    f"{c['goodput_rps']:.2f} req/s)" for k, c in consts.items())
+                + ". A policy that learned no more than a better constant is worth that constant.", ""]
     return out

@@ -167,3 +167,124 @@ def test_the_ablation_policy_must_lack_the_exit_features_and_share_the_sla(tmp_p
         load_ablation(BenchSchedulerConfig(ablation_policy=str(other_sla)), shipped)
     with pytest.raises(ConfigError, match="missing"):
         load_ablation(BenchSchedulerConfig(ablation_policy=str(tmp_path / "absent")), shipped)
+
+
+def _run(goodput: float, attainment: float, requests: int = 100, errors: int = 0) -> dict:
+    return {"requests": requests, "errors": errors, "sla_attainment": attainment, "goodput_rps": goodput,
+            "ttft_p50_ms": 500.0, "ttft_p95_ms": 600.0, "tpot_p50_ms": 6.0, "tpot_p95_ms": 20.0}
+
+
+def test_every_repeat_past_the_edge_runs_every_policy_in_a_rotated_order():
+    from scheduler.loadtest.bench_scheduler import overload_plan
+
+    plan = overload_plan(["ppo", "fixed-256", "aimd"], 3)
+    assert plan == [(0, "ppo"), (0, "fixed-256"), (0, "aimd"), (1, "fixed-256"), (1, "aimd"), (1, "ppo"),
+                    (2, "aimd"), (2, "ppo"), (2, "fixed-256")]
+    assert [p for r, p in plan if p == "ppo"] == ["ppo"] * 3  # once per repeat, first, last and in between
+
+
+def test_past_the_edge_the_learned_policys_goodput_is_compared_within_each_repeat():
+    """Ratios are taken run against run of one repeat, then their median: repeat 1 is a slow minute for both
+    (ppo 4 against 2), repeat 2 a fast one (9 against 3); pooled medians (6 / 2.5) would read another number."""
+    from scheduler.loadtest.bench_scheduler import _by_policy, overload_plan, overload_report
+
+    plan = overload_plan(["ppo", "fixed-256", "aimd"], 3)
+    got = {("ppo", 0): _run(6.0, 0.3), ("fixed-256", 0): _run(2.5, 0.1), ("aimd", 0): _run(3.0, 0.12),
+           ("ppo", 1): _run(4.0, 0.2), ("fixed-256", 1): _run(2.0, 0.08), ("aimd", 1): _run(0.0, 0.0),
+           ("ppo", 2): _run(9.0, 0.45), ("fixed-256", 2): _run(3.0, 0.125), ("aimd", 2): _run(4.5, 0.2)}
+    runs = _by_policy(plan, [got[(p, r)] for r, p in plan])
+    assert [s["goodput_rps"] for s in runs["ppo"]] == [6.0, 4.0, 9.0]  # in repeat order, whatever the run order
+    o = overload_report(runs, "ppo", "fixed-256", 2.0, 33.0, "the simulator at x2")
+    fixed = o["ratio_vs"]["fixed-256"]
+    assert fixed["per_repeat"] == pytest.approx([2.4, 2.0, 3.0]) and fixed["median"] == pytest.approx(2.4)
+    assert (fixed["min"], fixed["max"]) == (pytest.approx(2.0), pytest.approx(3.0))
+    # a repeat where AIMD met nothing has no ratio (not infinity); the median is over the others
+    assert o["ratio_vs"]["aimd"]["per_repeat"][1] is None and o["ratio_vs"]["aimd"]["median"] == pytest.approx(2.0)
+    assert o["ceiling_vs_best_fixed"]["median"] == pytest.approx(10.0)  # 1 / 0.1: every request within the SLA
+    assert o["goodput_rps"]["ppo"]["median"] == 6.0 and o["repeats"] == 3 and "ppo" not in o["ratio_vs"]
+
+
+def test_the_summary_and_both_reports_carry_the_runs_past_the_edge():
+    from edge.pipeline.report import _scheduler_md
+    from scheduler.loadtest.bench_scheduler import _by_policy, overload_plan, overload_report
+    from scheduler.loadtest.bench_scheduler_report import _overload_table
+
+    plan = overload_plan(["ppo", "fixed-256", "aimd"], 3)
+    runs = _by_policy(plan, [_run({"ppo": 6.0, "fixed-256": 2.0, "aimd": 3.0}[p] + r, 0.2) for r, p in plan])
+    over = overload_report(runs, "ppo", "fixed-256", 2.0, 33.0, "the simulator at x2")
+    served = {"sla_attainment": 1.0, "goodput_rps": 2.0, "requests": 10, "errors": 0}
+    real = {"goodput_ratio": 1.0, "goodput_ceiling": 1.0, "runs": {"fixed-128": served, "ppo": served},
+            "validation": {}, "validation_below_edge": [], "overload": over}
+    report = {"sim": {"goodput_ratio_vs_best_fixed": {"poisson": 1.0}, "goodput_ratio_vs_best_fixed_min": 1.0,
+                      "at_sla_edge": {}, "sla_capacity": {}}, "capacity_rps": 4.0, "capacities_rps": {}, "real": real}
+    s = summary(report, {}, "poisson")
+    assert s["overload_factor"] == 2.0 and s["overload_repeats"] == 3
+    assert s["goodput_ratio_vs_best_fixed_overload"] == pytest.approx(7.0 / 3.0)  # 6/2, 7/3, 8/4 within repeats
+    assert s["goodput_ratio_vs_best_fixed_overload_range"] == [pytest.approx(2.0), pytest.approx(3.0)]
+    assert s["goodput_ratio_vs_aimd_overload"] == pytest.approx(7.0 / 4.0)
+    md = "\n".join(_overload_table(over))
+    assert "x2 of it, 33.00 req/s" in md and "| ppo | 0.200 (0.200-0.200) | 7.00 (6.00-8.00) |" in md
+    assert "/ fixed-256 2.333 (2.000-3.000)" in md and "/ aimd 1.750" in md
+    line = next(x for x in _scheduler_md({**s, "sla_attainment": {}}) if x.startswith("Past the edge"))
+    assert "best fixed budget 2.33 (range 2.00-3.00), / AIMD 1.75" in line
+
+
+def test_the_runs_past_the_edge_are_checked_before_anything_runs():
+    with pytest.raises(ConfigError, match="overload is a multiple of the edge's rate above 1"):
+        BenchSchedulerConfig(overload=0.8)
+    with pytest.raises(ConfigError, match="overload_repeats must be >= 1"):
+        BenchSchedulerConfig(overload_repeats=0)
+    with pytest.raises(ConfigError, match="unknown policy 'nope'"):
+        BenchSchedulerConfig(overload_heuristics=["nope"])
+    assert BenchSchedulerConfig(overload=None).overload is None
+
+
+def test_a_policy_that_is_one_constant_action_never_beats_the_best_constant_action():
+    """The learned policy is judged against every constant action of its own grid too: a stand-in 'learned' policy
+    that is one of them (512 tokens, 4 sequences) can at best tie the best (ratio <= 1, exactly: the simulator is
+    deterministic for a given draw), and the best is named so that the real stack can serve it."""
+    import math
+
+    from scheduler.control.env import ACTIONS, EnvConfig
+    from scheduler.control.evaluate import WorkloadSpec
+    from scheduler.control.latency import FEATURES, LatencyModel
+    from scheduler.control.policies import FixedBudget
+    from scheduler.control.sim import ExitModel
+    from scheduler.loadtest.bench_scheduler import CONSTANT_PREFIX, constant_actions, constant_kwargs, constant_name
+
+    lm = LatencyModel({f: 0.0 for f in FEATURES} | {"one": 1e-3, "decode_rows": 0.3e-3, "prefill_tokens": 0.15e-3},
+                      12, [3, 9, 12])
+    env = EnvConfig(capacity_rps=20.0)
+    out = constant_actions(lm, ExitModel([3, 9, 12], [0.1, 0.2, 0.7]), env, WorkloadSpec("p", "poisson", 3),
+                           [1.0, 2.0], 20.0, 10.0, [0], FixedBudget(512, 4))
+    assert list(out) == ["x1", "x2"]
+    for c in out.values():
+        assert c["best"].startswith(CONSTANT_PREFIX) and not math.isnan(c["goodput_rps"])
+        assert c["ratio"] <= 1.0 + 1e-12
+        kw = constant_kwargs(c["best"])
+        assert (kw["prefill_budget"], kw["max_running"]) in ACTIONS
+    assert constant_kwargs(constant_name(256, 8)) == {"prefill_budget": 256, "max_running": 8}
+
+
+def test_the_best_constant_action_past_the_edge_is_reported_by_role_not_by_name():
+    from scheduler.loadtest.bench_scheduler import _by_policy, overload_plan, overload_report
+
+    plan = overload_plan(["ppo", "fixed-512", "const-512x4"], 3)
+    runs = _by_policy(plan, [_run({"ppo": 6.0, "fixed-512": 2.0, "const-512x4": 6.0}[p] + r, 0.2) for r, p in plan])
+    over = overload_report(runs, "ppo", "fixed-512", 2.0, 33.0, "the simulator at x2", "const-512x4")
+    consts = {"x1": {"load": 1.0, "ratio": 0.98}, "x2": {"load": 2.0, "ratio": 0.95}}
+    real = {"goodput_ratio": 1.0, "goodput_ceiling": 1.0, "runs": {}, "validation": {}, "validation_below_edge": [],
+            "overload": over, "constant_actions_sim": consts}
+    report = {"sim": {"goodput_ratio_vs_best_fixed": {}, "goodput_ratio_vs_best_fixed_min": None, "at_sla_edge": {},
+                      "sla_capacity": {}}, "capacity_rps": 4.0, "capacities_rps": {}, "real": real}
+    s = summary(report, {}, "poisson")
+    assert s["goodput_ratio_vs_best_constant_overload"] == pytest.approx(1.0)
+    assert s["goodput_ratio_vs_best_fixed_overload"] == pytest.approx(7.0 / 3.0)
+    assert s["best_constant_overload"] == "const-512x4" and "goodput_ratio_vs_const-512x4_overload" not in s
+    assert (s["goodput_ratio_vs_best_constant_sim_at_sla_edge"], s["goodput_ratio_vs_best_constant_sim_overload"]) \
+        == (0.98, 0.95)
+    # where the best constant action is the best fixed budget's own action, both ratios read the same runs
+    same = overload_report({k: v for k, v in runs.items() if k != "const-512x4"}, "ppo", "fixed-512", 2.0, 33.0,
+                           "the simulator at x2", "fixed-512")
+    s2 = summary({**report, "real": {**real, "overload": same}}, {}, "poisson")
+    assert s2["goodput_ratio_vs_best_constant_overload"] == s2["goodput_ratio_vs_best_fixed_overload"]
