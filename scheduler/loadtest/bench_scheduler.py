@@ -106,8 +106,9 @@ class BenchSchedulerConfig:
     shed_late: bool | None = None
     warmup_requests: int = 2
     # past the edge: a schedule at ``overload`` x the edge's rate served by the learned policy, the best fixed budget
-    # of that load in the simulator (the edge's where the grid has no such load) and ``overload_heuristics``,
-    # ``overload_repeats`` times interleaved. None: not run
+    # of that load in the simulator (the edge's where the grid has no such load), the best constant action of the
+    # learned policy's grid there and ``overload_heuristics``, ``overload_repeats`` times interleaved (0: none served;
+    # the simulator's comparison with the best constant action at the edge and there is reported anyway). None: neither
     overload: float | None = 2.0
     overload_repeats: int = 3
     overload_duration_s: float = 8.0
@@ -141,8 +142,8 @@ class BenchSchedulerConfig:
         if self.overload is not None and not self.overload > 1:
             raise ConfigError(f"bench scheduler: overload is a multiple of the edge's rate above 1 (or null), got "
                               f"{self.overload}")
-        if self.overload_repeats < 1 or self.overload_duration_s <= 0:
-            raise ConfigError("bench scheduler: overload_repeats must be >= 1 and overload_duration_s > 0")
+        if self.overload_repeats < 0 or self.overload_duration_s <= 0:
+            raise ConfigError("bench scheduler: overload_repeats must be >= 0 and overload_duration_s > 0")
         for h in self.overload_heuristics:
             make_policy(h)  # an unknown name fails here, before anything runs
         if not self.seeds or not self.sim_seeds or not self.validation_seeds:
@@ -393,7 +394,9 @@ def real_runs(cfg: BenchSchedulerConfig, env: EnvConfig, latency: LatencyModel, 
     # past the edge: every policy serves one schedule, interleaved. Where a stack is started for a validation repeat,
     # on that one, first: they warm it for its validation runs in place of the edge's schedule (after one unmeasured
     # run of their own schedule, so that no policy's first run meets a cold engine); else after the first stack's
-    over = overload_setup(cfg, env, latency, exits, learned, spec, cells, load, capacity) if cfg.overload else None
+    consts = (constant_actions(latency, exits, env, spec, [load, load * cfg.overload], capacity, cfg.duration_s,
+                               cfg.sim_seeds, learned) if cfg.overload else None)
+    over = overload_setup(cfg, env, spec, cells, load, capacity, consts) if consts and cfg.overload_repeats else None
     over_runs = [] if over is None else [(*over["settings"][p], over["schedule"]) for _, p in over["plan"]]
     if over is not None:
         print(f"bench scheduler: past the edge, x{cfg.overload:g} of it ({len(over['schedule'])} requests): "
@@ -433,10 +436,12 @@ def real_runs(cfg: BenchSchedulerConfig, env: EnvConfig, latency: LatencyModel, 
             "validation": val, "validation_below_edge": below_val, "repeat_spread": repeat_spread(below_val),
             "noise_check": noise_check(below_val), "sla_check": sla_check(at_check, cfg.sla_check_share, name),
             "goodput_ratio": ratio, "goodput_ceiling": goodput_ceiling(runs[name]),
-            "constant_actions_sim": None if over is None else over["constant_actions"],
+            "constant_actions_sim": consts,
             "overload": None if over is None else overload_report(
                 _by_policy(over["plan"], [summarize(r, *sla) for r in over_res]), LEARNED, over["best_fixed"],
-                cfg.overload, load * cfg.overload * capacity, over["best_fixed_from"], over["best_constant"])}
+                cfg.overload, load * cfg.overload * capacity, over["best_fixed_from"], over["best_constant"],
+                "the edge's stack, after its validation runs" if on_first else
+                "the stack started for the validation's fresh repeat, after one unmeasured run of their schedule")}
 
 
 def constant_actions(latency: LatencyModel, exits: ExitModel, env: EnvConfig, spec: WorkloadSpec, loads: list[float],
@@ -482,18 +487,16 @@ def overload_plan(policies: list[str], repeats: int) -> list[tuple[int, str]]:
     return [(r, policies[(r + i) % n]) for r in range(repeats) for i in range(n)]
 
 
-def overload_setup(cfg: BenchSchedulerConfig, env: EnvConfig, latency: LatencyModel, exits: ExitModel, learned: Any,
-                   spec: WorkloadSpec, cells: dict, load: float, capacity: float) -> dict[str, Any]:
+def overload_setup(cfg: BenchSchedulerConfig, env: EnvConfig, spec: WorkloadSpec, cells: dict, load: float,
+                   capacity: float, consts: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """What runs past the edge: the schedule at ``cfg.overload`` x the edge's rate, the policies (the learned one,
     the best fixed budget of that load in the simulator's grid, else the edge's, the best constant action of the
-    learned policy's own grid there (:func:`constant_actions`, where it is not that fixed budget), and
+    learned policy's own grid there (``consts``, :func:`constant_actions`; where it is not that fixed budget), and
     ``cfg.overload_heuristics``), their serving settings and the interleaved plan."""
     over = load * cfg.overload
     grid = sorted({lv for (w, lv, _) in cells if w == spec.name and np.isclose(lv, over)})
     fixed, _ = best_fixed(cells, spec.name, grid[0] if grid else load)
     fixed_kw = {"prefill_budget": int(fixed[len(FIXED_PREFIX):]), "max_running": env.sim.max_seqs}
-    consts = constant_actions(latency, exits, env, spec, [load, over], capacity, cfg.duration_s, cfg.sim_seeds,
-                              learned)
     best_const = consts[f"x{over:g}"]["best"]
     const_kw = constant_kwargs(best_const)
     settings = {LEARNED: (LEARNED, {"path": cfg.policy}), fixed: ("fixed", fixed_kw)}
@@ -504,7 +507,7 @@ def overload_setup(cfg: BenchSchedulerConfig, env: EnvConfig, latency: LatencyMo
     schedule = real_schedule(cfg, workload_for(spec, over * capacity, cfg.overload_duration_s, env))
     return {"policies": policies, "settings": settings, "schedule": schedule, "best_fixed": fixed,
             "best_fixed_from": f"the simulator at x{over:g}" if grid else f"the simulator at the edge (x{load:g})",
-            "best_constant": best_const if const_kw != fixed_kw else fixed, "constant_actions": consts,
+            "best_constant": best_const if const_kw != fixed_kw else fixed,
             "plan": overload_plan(policies, cfg.overload_repeats)}
 
 
@@ -523,7 +526,7 @@ def _spread(xs: list[float | None]) -> dict[str, Any]:
 
 
 def overload_report(runs: dict[str, list[dict[str, Any]]], learned: str, fixed: str, factor: float, rate: float,
-                    fixed_from: str, constant: str | None = None) -> dict[str, Any]:
+                    fixed_from: str, constant: str | None = None, where: str = "") -> dict[str, Any]:
     """The policies past the edge: per policy its goodput and SLA attainment over the repeats (median, range), and
     the learned policy's goodput over each other policy's, taken within a repeat (the runs of one repeat sit side by
     side in time), then their median and range. A repeat where the other policy met no request has no ratio (None);
@@ -538,7 +541,7 @@ def overload_report(runs: dict[str, list[dict[str, Any]]], learned: str, fixed: 
         if p != learned:
             ratios[p] = _spread([a / s["goodput_rps"] if s["goodput_rps"] else None for a, s in zip(mine, ss)])
     return {"factor": factor, "rate_rps": rate, "learned": learned, "best_fixed": fixed, "best_fixed_from": fixed_from,
-            "best_constant": constant, "repeats": len(mine),
+            "best_constant": constant, "stack": where, "repeats": len(mine),
             "runs": {p: [{k: s.get(k) for k in keys} for s in ss] for p, ss in runs.items()},
             "goodput_rps": {p: _spread([s["goodput_rps"] for s in ss]) for p, ss in runs.items()},
             "sla_attainment": {p: _spread([s["sla_attainment"] for s in ss]) for p, ss in runs.items()},

@@ -186,7 +186,8 @@ def _overload_table(o: dict[str, Any], consts: dict[str, Any] | None = None) -> 
     const = o.get("best_constant")
     out = [f"### Past the edge: x{o['factor']:g} of it, {o['rate_rps']:.2f} req/s", "",
            f"One schedule served by each policy {o['repeats']} times, interleaved (every repeat runs every policy, the "
-           f"order rotated), on the edge's stack with the same shedding rule (a refused request is a miss). The best "
+           f"order rotated), on {o.get('stack') or 'one stack'}, with the same shedding rule (a refused request is a "
+           f"miss). The best "
            f"fixed budget is {o['best_fixed']}, the best of {o['best_fixed_from']} (every fixed budget admits as many "
            f"sequences as there are cache slots); "
            + (f"the best constant action of the learned policy's own grid (budget x admission limit) there is "

@@ -232,8 +232,9 @@ def test_the_summary_and_both_reports_carry_the_runs_past_the_edge():
 def test_the_runs_past_the_edge_are_checked_before_anything_runs():
     with pytest.raises(ConfigError, match="overload is a multiple of the edge's rate above 1"):
         BenchSchedulerConfig(overload=0.8)
-    with pytest.raises(ConfigError, match="overload_repeats must be >= 1"):
-        BenchSchedulerConfig(overload_repeats=0)
+    with pytest.raises(ConfigError, match="overload_repeats must be >= 0"):
+        BenchSchedulerConfig(overload_repeats=-1)
+    assert BenchSchedulerConfig(overload_repeats=0).overload == 2.0  # the simulator's comparison, no served runs
     with pytest.raises(ConfigError, match="unknown policy 'nope'"):
         BenchSchedulerConfig(overload_heuristics=["nope"])
     assert BenchSchedulerConfig(overload=None).overload is None
