@@ -100,6 +100,10 @@ class CalibrateConfig:
     propagate_units: int = 640  # fresh prompts for the direct test of propagate (kv_mode=auto)
     eval_units: int = 256  # evaluation prompts (teacher-forced windows and free-running prompts)
     eval_both_kv_modes: bool = False  # also run the evaluation prompts in the K/V mode not shipped
+    # of the evaluation prompts, how many the reference models (the base model a fine-tuned decoder came from, the
+    # float model a compressed one was made from) are read on, teacher-forced in torch, with the shipped rule's
+    # accuracy on the same prompts beside them (a paired comparison); None: all of them
+    reference_units: int | None = None
     calib_data: str | None = None  # a folder of text files to calibrate on instead of the shipped split
     heldout_percent: int = 30  # of calib_data's documents, held out for evaluation (by hash of the path)
     eval_data: str | None = None  # a folder of text files to evaluate on instead
@@ -123,6 +127,9 @@ class CalibrateConfig:
             raise ConfigError("calibrate.calibrator must be platt, isotonic or mlp (maxprob is the CALM-like baseline)")
         if self.prompt_tokens < 1 or self.new_tokens < 2:
             raise ConfigError("calibrate: prompt_tokens >= 1 and new_tokens >= 2 are required")
+        if self.reference_units is not None and self.reference_units < 1:
+            raise ConfigError(f"calibrate.reference_units must be >= 1 (or null: every evaluation prompt), got "
+                              f"{self.reference_units}")
         for name in ("fit_units", "eval_units", "batch", "min_documents"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"calibrate.{name} must be >= 1, got {getattr(self, name)}")
@@ -295,13 +302,6 @@ def metrics_of(cfg: CalibrateConfig, ship: Any, c: Any, prop: Any, served: Any, 
         "free_run": asdict(fr), "free_run_by_kv_mode": {m.value: r.to_dict() for m, r in runs.items()},
         "accuracy_full": tf.accuracy_full, "accuracy_exit": tf.accuracy_exit, "accuracy_loss_rel": tf.accuracy_loss_rel,
         "layers_skipped_frac": fr.layers_skipped_frac, "layers_skipped_frac_teacher_forced": tf.layers_skipped_frac,
-        **({"accuracy_base_model": base,
-            "accuracy_loss_rel_vs_base_model": 1.0 - tf.accuracy_exit / base if base > 0 else 0.0}
-           if base is not None else {}),
-        # a compressed model: its exits against the float model it was compressed from, full depth
-        **({"accuracy_float_model": flt,
-            "accuracy_loss_rel_vs_float_model": 1.0 - tf.accuracy_exit / flt if flt > 0 else 0.0}
-           if flt is not None else {}),
         "exit_fraction": tf.exit_fraction, "calibration_quality": chosen.calibration_quality,
         "certify_walk": c.to_dict(), "comparison": [x.row() for x in systems],
     }
@@ -387,8 +387,13 @@ def main(cfg: CalibrateConfig) -> int:
     chosen = next(x for x in systems if x.name.startswith(
         {CalibratorKind.ISOTONIC: "(d)", CalibratorKind.MLP: "(e)"}.get(cfg.calibrator, "(c)")))
     tf = evaluate_cascade(test, cert.calibrated(cals, test, route), ship.lam)
-    base = _base_model_accuracy(ckpt, ev_w.ids, P)
-    flt = _float_model_accuracy(manifest, ckpt, ev_w.ids, P)
+    n_ref = min(cfg.reference_units or test.n_units, test.n_units)
+    base = _base_model_accuracy(ckpt, ev_w.ids[:n_ref], P)
+    flt = _float_model_accuracy(manifest, ckpt, ev_w.ids[:n_ref], P)
+    tf_ref = tf
+    if n_ref < test.n_units:  # the rule on the prompts the reference models were read on (unit u is ev_w's row u)
+        sub = test.select_units(np.arange(n_ref))
+        tf_ref = evaluate_cascade(sub, cert.calibrated(cals, sub, route), ship.lam)
 
     docs = int(data.calibration.eligible(length).size)
     text = statement(ship, cfg.epsilon, cfg.delta, cfg.prompt_tokens, cfg.new_tokens, data.calibration_name, docs,
@@ -400,7 +405,7 @@ def main(cfg: CalibrateConfig) -> int:
     tp = cert.calibrated(cals, test)  # the calibrators' quality on every token (routing aside)
     curves = {f"exit {k}": reliability_curve(tp[k], tc[k]) for k in cals}
     metrics = metrics_of(cfg, ship, c, prop, served, data, text, docs, n_min, fit, test, tf, fr, runs, shipped,
-                         base, flt, chosen, systems)
+                         base, flt, chosen, systems) | reference_metrics(base, flt, tf_ref.accuracy_exit, n_ref)
     _check_finite(metrics)
 
     out = Path(cfg.run_dir) / "calibration"
@@ -441,6 +446,22 @@ def summary_lines(metrics: dict[str, Any], out: Path, manifest_path: Path, secon
         f"  threshold table: {out / 'thresholds.json'}; plots: {out / 'reliability.png'}, "
         f"{out / 'exit_depth.png'}; all numbers: {manifest_path} (`smartexit report` renders them)",
     ]
+
+
+def reference_metrics(base: float | None, flt: float | None, accuracy_exit: float, units: int) -> dict[str, Any]:
+    """The shipped rule's accuracy against the reference models', on the same ``units`` evaluation prompts
+    (``accuracy_exit``: the rule's there): the base model a fine-tuned decoder came from, the float model a compressed
+    one was made from (None: no such model)."""
+    out: dict[str, Any] = {}
+    if base is not None:
+        out |= {"accuracy_base_model": base,
+                "accuracy_loss_rel_vs_base_model": 1.0 - accuracy_exit / base if base > 0 else 0.0}
+    if flt is not None:  # a compressed model: its exits against the float model it was compressed from, full depth
+        out |= {"accuracy_float_model": flt,
+                "accuracy_loss_rel_vs_float_model": 1.0 - accuracy_exit / flt if flt > 0 else 0.0}
+    if out:
+        out |= {"reference_units": units, "accuracy_exit_reference_units": accuracy_exit}
+    return out
 
 
 def _agreement(run: FreeRun, probs: dict[int, np.ndarray], lam: float) -> float:

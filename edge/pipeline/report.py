@@ -575,7 +575,12 @@ def _calibration_md(c: dict[str, Any]) -> list[str]:
         f"- accuracy: full {c['accuracy_full']:.4f}, with exits {c['accuracy_exit']:.4f}, relative loss "
         f"**{c['accuracy_loss_rel']:.4f}**" + (
             f"; against the base model before fine-tuning ({c['accuracy_base_model']:.4f}): "
-            f"**{c['accuracy_loss_rel_vs_base_model']:.4f}**" if "accuracy_base_model" in c else ""),
+            f"**{c['accuracy_loss_rel_vs_base_model']:.4f}**" if "accuracy_base_model" in c else "")
+        + (f"; against the float model it was compressed from ({c['accuracy_float_model']:.4f}): "
+           f"**{c['accuracy_loss_rel_vs_float_model']:.4f}**" if "accuracy_float_model" in c else "")
+        + (f" (the reference models on {c['reference_units']} of the {c['n_eval_units']} prompts, the rule's "
+           f"accuracy there {c['accuracy_exit_reference_units']:.4f})"
+           if "reference_units" in c and c["reference_units"] < c["n_eval_units"] else ""),
         f"- layers skipped, free-running in the shipped mode: **{c['layers_skipped_frac']:.3f}** "
         f"(teacher-forced {c.get('layers_skipped_frac_teacher_forced', float('nan')):.3f}); exit fractions, teacher-forced: "
         + ", ".join(f"layer {k}: {v:.3f}" for k, v in c["exit_fraction"].items()),
