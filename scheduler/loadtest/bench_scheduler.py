@@ -106,9 +106,10 @@ class BenchSchedulerConfig:
     shed_late: bool | None = None
     warmup_requests: int = 2
     # past the edge: a schedule at ``overload`` x the edge's rate served by the learned policy, the best fixed budget
-    # of that load in the simulator (the edge's where the grid has no such load), the best constant action of the
-    # learned policy's grid there and ``overload_heuristics``, ``overload_repeats`` times interleaved (0: none served;
-    # the simulator's comparison with the best constant action at the edge and there is reported anyway). None: neither
+    # of that load in the simulator (from the constant actions' run where the grid has no such load), the best
+    # constant action of the learned policy's grid there and ``overload_heuristics``, ``overload_repeats`` times
+    # interleaved (0: none served; the simulator's comparison with the best constant action at the edge and there is
+    # reported anyway). None: neither
     overload: float | None = 2.0
     overload_repeats: int = 3
     overload_duration_s: float = 8.0
@@ -449,7 +450,9 @@ def constant_actions(latency: LatencyModel, exits: ExitModel, env: EnvConfig, sp
     """In the simulator, every constant action of the learned policy's own action grid (``ACTIONS``: prefill budget x
     admission limit; the fixed budgets of the grid above keep the limit at every slot) on ``spec`` at each of
     ``loads`` (multiples of ``capacity``): the best one by goodput (mean over ``seeds``) and the learned policy's
-    goodput beside it. A policy that only learned a better constant is no better than that constant."""
+    goodput beside it, and the best of those admitting a sequence per cache slot (``best_all_slots``: the fixed
+    budgets of the grid, for a load the grid does not hold). A policy that only learned a better constant is no
+    better than that constant."""
     from scheduler.control.env import ACTIONS
     from scheduler.control.evaluate import cell_table, evaluate_grid
 
@@ -462,8 +465,11 @@ def constant_actions(latency: LatencyModel, exits: ExitModel, env: EnvConfig, sp
     for load in loads:
         g, best = max((c["goodput_rps"], p) for (_, lv, p), c in cells.items() if lv == load and p != LEARNED)
         mine = cells[(spec.name, load, LEARNED)]["goodput_rps"]
+        _, slots = max((c["goodput_rps"], p) for (_, lv, p), c in cells.items() if lv == load and p != LEARNED
+                       and constant_kwargs(p)["max_running"] >= env.sim.max_seqs)
         out[f"x{load:g}"] = {"load": load, "best": best, "goodput_rps": g, "learned_goodput_rps": mine,
-                             "ratio": mine / g if g else None}
+                             "ratio": mine / g if g else None,
+                             "best_all_slots": f"{FIXED_PREFIX}{constant_kwargs(slots)['prefill_budget']}"}
     return out
 
 
@@ -490,12 +496,13 @@ def overload_plan(policies: list[str], repeats: int) -> list[tuple[int, str]]:
 def overload_setup(cfg: BenchSchedulerConfig, env: EnvConfig, spec: WorkloadSpec, cells: dict, load: float,
                    capacity: float, consts: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """What runs past the edge: the schedule at ``cfg.overload`` x the edge's rate, the policies (the learned one,
-    the best fixed budget of that load in the simulator's grid, else the edge's, the best constant action of the
-    learned policy's own grid there (``consts``, :func:`constant_actions`; where it is not that fixed budget), and
+    the best fixed budget of that load in the simulator's grid, else in the constant actions' run (their budgets at
+    every slot), the best constant action of the learned policy's own grid there (``consts``,
+    :func:`constant_actions`; where it is not that fixed budget), and
     ``cfg.overload_heuristics``), their serving settings and the interleaved plan."""
     over = load * cfg.overload
     grid = sorted({lv for (w, lv, _) in cells if w == spec.name and np.isclose(lv, over)})
-    fixed, _ = best_fixed(cells, spec.name, grid[0] if grid else load)
+    fixed = best_fixed(cells, spec.name, grid[0])[0] if grid else consts[f"x{over:g}"]["best_all_slots"]
     fixed_kw = {"prefill_budget": int(fixed[len(FIXED_PREFIX):]), "max_running": env.sim.max_seqs}
     best_const = consts[f"x{over:g}"]["best"]
     const_kw = constant_kwargs(best_const)
@@ -506,7 +513,7 @@ def overload_setup(cfg: BenchSchedulerConfig, env: EnvConfig, spec: WorkloadSpec
     policies = list(settings)
     schedule = real_schedule(cfg, workload_for(spec, over * capacity, cfg.overload_duration_s, env))
     return {"policies": policies, "settings": settings, "schedule": schedule, "best_fixed": fixed,
-            "best_fixed_from": f"the simulator at x{over:g}" if grid else f"the simulator at the edge (x{load:g})",
+            "best_fixed_from": f"the simulator at x{over:g}" + ("" if grid else " (the constant actions' run)"),
             "best_constant": best_const if const_kw != fixed_kw else fixed,
             "plan": overload_plan(policies, cfg.overload_repeats)}
 

@@ -264,6 +264,7 @@ def test_a_policy_that_is_one_constant_action_never_beats_the_best_constant_acti
         assert c["ratio"] <= 1.0 + 1e-12
         kw = constant_kwargs(c["best"])
         assert (kw["prefill_budget"], kw["max_running"]) in ACTIONS
+        assert c["best_all_slots"].startswith("fixed-")  # the best fixed budget there, for a load off the grid
     assert constant_kwargs(constant_name(256, 8)) == {"prefill_budget": 256, "max_running": 8}
 
 
