@@ -450,8 +450,8 @@ def constant_actions(latency: LatencyModel, exits: ExitModel, env: EnvConfig, sp
     """In the simulator, every constant action of the learned policy's own action grid (``ACTIONS``: prefill budget x
     admission limit; the fixed budgets of the grid above keep the limit at every slot) on ``spec`` at each of
     ``loads`` (multiples of ``capacity``): the best one by goodput (mean over ``seeds``) and the learned policy's
-    goodput beside it, and the best of those admitting a sequence per cache slot (``best_all_slots``: the fixed
-    budgets of the grid, for a load the grid does not hold). A policy that only learned a better constant is no
+    goodput beside it, and the best of those with the widest admission limit (``best_all_slots``: the fixed budgets
+    of the grid, for a load the grid does not hold). A policy that only learned a better constant is no
     better than that constant."""
     from scheduler.control.env import ACTIONS
     from scheduler.control.evaluate import cell_table, evaluate_grid
@@ -459,6 +459,7 @@ def constant_actions(latency: LatencyModel, exits: ExitModel, env: EnvConfig, sp
     pols: dict[str, Any] = {constant_name(b, m): (lambda b=b, m=m: FixedBudget(b, min(m, env.sim.max_seqs)))
                             for b, m in ACTIONS}
     pols[LEARNED] = lambda: learned
+    widest = max(m for _, m in ACTIONS)  # the grid's fixed budgets admit this many (FixedBudget's default limit)
     cells = cell_table(evaluate_grid(latency, exits, env, [spec], loads, pols, duration_s, seeds,
                                      capacities={spec.name: capacity}))
     out = {}
@@ -466,7 +467,7 @@ def constant_actions(latency: LatencyModel, exits: ExitModel, env: EnvConfig, sp
         g, best = max((c["goodput_rps"], p) for (_, lv, p), c in cells.items() if lv == load and p != LEARNED)
         mine = cells[(spec.name, load, LEARNED)]["goodput_rps"]
         _, slots = max((c["goodput_rps"], p) for (_, lv, p), c in cells.items() if lv == load and p != LEARNED
-                       and constant_kwargs(p)["max_running"] >= env.sim.max_seqs)
+                       and constant_kwargs(p)["max_running"] == widest)
         out[f"x{load:g}"] = {"load": load, "best": best, "goodput_rps": g, "learned_goodput_rps": mine,
                              "ratio": mine / g if g else None,
                              "best_all_slots": f"{FIXED_PREFIX}{constant_kwargs(slots)['prefill_budget']}"}

@@ -266,6 +266,9 @@ def test_a_policy_that_is_one_constant_action_never_beats_the_best_constant_acti
         assert (kw["prefill_budget"], kw["max_running"]) in ACTIONS
         assert c["best_all_slots"].startswith("fixed-")  # the best fixed budget there, for a load off the grid
     assert constant_kwargs(constant_name(256, 8)) == {"prefill_budget": 256, "max_running": 8}
+    # the constant actions with the widest limit are the grid's fixed budgets (FixedBudget's default admission limit)
+    from edge.runtime.settings import MAX_RUNNING
+    assert max(m for _, m in ACTIONS) == MAX_RUNNING.default
 
 
 def test_the_best_constant_action_past_the_edge_is_reported_by_role_not_by_name():
