@@ -257,6 +257,11 @@ def _compression_md(c: dict[str, Any]) -> list[str]:
     return lines + ["", "![compression](bench/compress.png)", ""]
 
 
+def _range(r: list[float] | None) -> str:
+    """`` (lo-hi)`` of a ratio's per-repeat min-max, or nothing."""
+    return "" if not r else f" ({r[0]:.3f}-{r[1]:.3f})"
+
+
 def _energy_md(e: dict[str, Any]) -> list[str]:
     """Energy (or, without a sensor, the CPU-time proxy) per token per system (bench/energy.md has the spread)."""
     systems = list(e["cpu_seconds_per_token"])
@@ -270,9 +275,16 @@ def _energy_md(e: dict[str, Any]) -> list[str]:
                 "per token (process user + system time; not energy): " + ", ".join(
                     f"{n} {_fmt(1e3 * e['cpu_seconds_per_token'][n], '.3g')} ms" for n in systems)
                 + f"; shipped ({e['shipped_system']}) / full depth x{_fmt(e.get('cpu_ratio_shipped_vs_full'), '.3f')}"
+                + f"; exits / full depth x{_fmt(e.get('cpu_ratio_exit_vs_full'), '.3f')}"
+                + _range(e.get("cpu_ratio_exit_vs_full_range"))
+                + (f", the compressed model's x{_fmt(e['cpu_ratio_compressed_exit_vs_compressed_full'], '.3f')}"
+                   + _range(e.get("cpu_ratio_compressed_exit_vs_compressed_full_range"))
+                   if e.get("cpu_ratio_compressed_exit_vs_compressed_full") is not None else "")
                 + (f"; as served (step gate, lossless drafts) / its own full depth "
-                   f"x{_fmt(e['cpu_ratio_served_vs_full_depth'], '.3f')}" if e.get("cpu_ratio_served_vs_full_depth")
-                   is not None else "") + ".")
+                   f"x{_fmt(e['cpu_ratio_served_vs_full_depth'], '.3f')}"
+                   + _range(e.get("cpu_ratio_served_vs_full_depth_range"))
+                   if e.get("cpu_ratio_served_vs_full_depth") is not None else "")
+                + " (ratios: median of the repeats' paired ratios, min-max).")
     return ["## Energy per token", "", head + " Tokens/s: " + ", ".join(
         f"{n} {_fmt(e['tokens_per_s'][n], '.0f')}" for n in systems) + ".", "", "![energy](bench/energy.png)", ""]
 

@@ -12,8 +12,10 @@ measures every system once, in a rotated order, each window on the power meter
 (:mod:`edge.energy.detect`: jtop, tegrastats, NVML or RAPL, whichever exists) after an idle window
 of ``idle_seconds`` that gives the idle baseline. Per system: joules per token with and without the
 idle power (None without a sensor), CPU-seconds per token (process resource usage, always; the
-labelled proxy where there is no sensor), tokens/s, and each against ``full`` (ratios of medians
-over repeats, spread as min-max across repeats).
+labelled proxy where there is no sensor), tokens/s (median and min-max across repeats), and each against
+``full`` paired by repeat: the systems of one repeat run back to back, so each repeat's ratio compares
+windows that shared the machine's state; the median of those ratios and their min-max are reported (a ratio
+of medians let one slow stretch of a shared VM in one system's window move it by a third).
 
 Without a sensor nothing is estimated: the JSON says ``meter: none`` with the reason, joules are
 null, and the Markdown and the PNG show CPU-seconds per token under that label.
@@ -92,24 +94,31 @@ def _log(t0: float, msg: str) -> None:
     print(f"[bench energy {time.time() - t0:6.1f}s] {msg}", flush=True)
 
 
+def _stat(values: list[float | None]) -> dict[str, float] | None:
+    """Median and min-max of ``values``; None if there are none or any is None."""
+    if not values or any(v is None for v in values):
+        return None
+    a = np.asarray(values, np.float64)
+    return {"median": float(np.median(a)), "min": float(a.min()), "max": float(a.max())}
+
+
+# the per-token figures a system is compared by, from one window
+FIGURES: dict[str, Any] = {
+    "joules_per_token": lambda w: w.joules / w.tokens if w.joules is not None else None,
+    "joules_per_token_above_idle": lambda w: w.joules_above_idle / w.tokens if w.joules_above_idle is not None
+    else None,
+    "cpu_seconds_per_token": lambda w: w.cpu_seconds / w.tokens,
+    "tokens_per_s": lambda w: w.tokens / (w.decode_seconds or w.seconds),
+}
+
+
 def per_token(windows: list[Window]) -> dict[str, Any]:
     """Median and min-max across repeats of each per-token figure (None where a figure is None)."""
-
-    def stat(values: list[float | None]) -> dict[str, float] | None:
-        if not values or any(v is None for v in values):
-            return None
-        a = np.asarray(values, np.float64)
-        return {"median": float(np.median(a)), "min": float(a.min()), "max": float(a.max())}
-
     return {
-        "joules_per_token": stat([w.joules / w.tokens if w.joules is not None else None for w in windows]),
-        "joules_per_token_above_idle": stat([w.joules_above_idle / w.tokens if w.joules_above_idle is not None
-                                             else None for w in windows]),
-        "cpu_seconds_per_token": stat([w.cpu_seconds / w.tokens for w in windows]),
+        **{key: _stat([f(w) for w in windows]) for key, f in FIGURES.items()},
         # how busy the process's threads were over the window: near the thread count, a spinning pool (docs/energy.md)
-        "cpu_per_second": stat([w.cpu_seconds / w.seconds for w in windows]),
-        "tokens_per_s": stat([w.tokens / (w.decode_seconds or w.seconds) for w in windows]),
-        "watts": stat([w.joules / w.seconds if w.joules is not None else None for w in windows]),
+        "cpu_per_second": _stat([w.cpu_seconds / w.seconds for w in windows]),
+        "watts": _stat([w.joules / w.seconds if w.joules is not None else None for w in windows]),
         "tokens": int(sum(w.tokens for w in windows)),
     }
 
@@ -125,15 +134,32 @@ def clopper_pearson(k: int, n: int, level: float = 0.95) -> list[float]:
     return [lo, hi]
 
 
-def ratios(rows: dict[str, dict[str, Any]], base: str = FULL) -> dict[str, dict[str, float | None]]:
-    """Each system's medians over ``base``'s: joules, CPU-seconds per token, tokens/s."""
-    out = {}
-    for name, r in rows.items():
+def paired_ratios(windows: dict[str, list[Window]], base: str = FULL) -> dict[str, dict[str, dict[str, float] | None]]:
+    """Each system's figures (:data:`FIGURES`) over ``base``'s, repeat by repeat (window i of every system is
+    repeat i's, and a repeat runs the systems back to back), as median and min-max over the repeats; None
+    for a figure that is None in any window or zero in ``base``'s.
+
+    Raises:
+        ValueError: systems with different numbers of windows (the repeats cannot be paired).
+    """
+    n = len(windows[base])
+    if any(len(ws) != n for ws in windows.values()):
+        raise ValueError(f"paired ratios need one window per repeat for every system, got "
+                         f"{ {k: len(v) for k, v in windows.items()} }")
+    out: dict[str, dict[str, dict[str, float] | None]] = {}
+    for name, ws in windows.items():
         out[name] = {}
-        for key in ("joules_per_token", "joules_per_token_above_idle", "cpu_seconds_per_token", "tokens_per_s"):
-            a, b = r.get(key), rows[base].get(key)
-            out[name][key] = a["median"] / b["median"] if a and b and b["median"] else None
+        for key, f in FIGURES.items():
+            pairs = [(f(a), f(b)) for a, b in zip(ws, windows[base])]
+            ok = pairs and all(a is not None and b for a, b in pairs)
+            out[name][key] = _stat([a / b for a, b in pairs]) if ok else None
     return out
+
+
+def ratios(windows: dict[str, list[Window]], base: str = FULL) -> dict[str, dict[str, float | None]]:
+    """The medians of :func:`paired_ratios`: joules, CPU-seconds per token, tokens/s against ``base``."""
+    return {name: {key: None if d is None else d["median"] for key, d in r.items()}
+            for name, r in paired_ratios(windows, base).items()}
 
 
 def backend_choice(cfg: EnergyBenchConfig, served: Path) -> dict[str, Any]:
@@ -238,7 +264,15 @@ def summarise(cfg: EnergyBenchConfig, meter: Any, rows: dict[str, Any], rel: dic
               ) -> dict[str, Any]:
     """The manifest's metrics of the run."""
     own = C_FULL if C_FULL in rows else FULL  # the shipped model's own full depth: what ``served`` is judged against
-    served = ratios(rows, own)[SERVED]
+    served = paired_ratios(windows, own)[SERVED]
+    compressed = paired_ratios(windows, C_FULL)[C_EXITS] if C_EXITS in rows and C_FULL in rows else None
+    exits = paired_ratios(windows, FULL)[EXITS]
+
+    def med(d: dict[str, float] | None) -> float | None:
+        return None if d is None else d["median"]
+
+    def span(d: dict[str, float] | None) -> list[float] | None:  # min-max of the per-repeat ratios
+        return None if d is None else [d["min"], d["max"]]
     summary = {
         "backend": backends[FULL].name, "full_is": full_is,
         "meter": meter.name, "meter_available": meter.available, "meter_reason": meter.reason,
@@ -250,20 +284,22 @@ def summarise(cfg: EnergyBenchConfig, meter: Any, rows: dict[str, Any], rel: dic
         "tokens_per_s": {n: r["tokens_per_s"]["median"] for n, r in rows.items()},
         "ratio_exit_vs_full": rel[EXITS]["joules_per_token"],
         "cpu_ratio_exit_vs_full": rel[EXITS]["cpu_seconds_per_token"],
+        "cpu_ratio_exit_vs_full_range": span(exits["cpu_seconds_per_token"]),
         "shipped_system": exit_name,
         "ratio_shipped_vs_full": rel[exit_name]["joules_per_token"],
         "cpu_ratio_shipped_vs_full": rel[exit_name]["cpu_seconds_per_token"],
         "speed_ratio_shipped_vs_full": rel[exit_name]["tokens_per_s"],
         "idle_watts": [w.idle_watts for w in windows[names[0]]],
         # the compressed model's exits against its own full depth (the served model, with and without exits)
-        "cpu_ratio_compressed_exit_vs_compressed_full": (
-            rows[C_EXITS]["cpu_seconds_per_token"]["median"] / rows[C_FULL]["cpu_seconds_per_token"]["median"]
-            if C_EXITS in rows and C_FULL in rows else None),
+        "cpu_ratio_compressed_exit_vs_compressed_full": med(compressed and compressed["cpu_seconds_per_token"]),
+        "cpu_ratio_compressed_exit_vs_compressed_full_range": span(compressed and compressed["cpu_seconds_per_token"]),
         # the shipped system as the served engine runs it, against the same model at full depth
         "served_full_depth": own,
-        "ratio_served_vs_full_depth": served["joules_per_token"],
-        "cpu_ratio_served_vs_full_depth": served["cpu_seconds_per_token"],
-        "speed_ratio_served_vs_full_depth": served["tokens_per_s"],
+        "ratio_served_vs_full_depth": med(served["joules_per_token"]),
+        "cpu_ratio_served_vs_full_depth": med(served["cpu_seconds_per_token"]),
+        "cpu_ratio_served_vs_full_depth_range": span(served["cpu_seconds_per_token"]),
+        "speed_ratio_served_vs_full_depth": med(served["tokens_per_s"]),
+        "speed_ratio_served_vs_full_depth_range": span(served["tokens_per_s"]),
         "false_exit_rate": check.false_exit_rate, "false_exit_tokens": check.tokens,
         # a 95% interval of the rate on these tokens: a few hundred tokens tell little about a rate near 1%
         "false_exit_interval_95": clopper_pearson(check.false_exits + check.full_depth_mismatches, check.tokens),
@@ -299,7 +335,7 @@ def main(cfg: EnergyBenchConfig) -> int:
     names = list(systems)
     windows, traces, idle_trace = measure_windows(cfg, meter, names, decode, t0)
     rows = {n: per_token(w) for n, w in windows.items()}
-    rel = ratios(rows)
+    rel = ratios(windows)
     exit_name = C_EXITS if C_EXITS in rows else EXITS
     # the shipped system's exits on this backend, judged against the same backend at full depth on the same
     # prefixes (the certificate was computed on the ONNX Runtime engine; a device's engine may differ)
@@ -310,7 +346,8 @@ def main(cfg: EnergyBenchConfig) -> int:
     _log(t0, f"{exit_name} on {backends[exit_name].name}: false exits {check.false_exits + check.full_depth_mismatches}"
              f"/{check.tokens} against its own full depth")
     summary = summarise(cfg, meter, rows, rel, backends, full_is, exit_name, windows, names, check)
-    result = {"config": asdict(cfg), "rows": rows, "ratios_vs_full": rel, "summary": summary,
+    result = {"config": asdict(cfg), "rows": rows, "ratios_vs_full": rel, "ratio_spreads_vs_full": paired_ratios(windows),
+              "summary": summary,
               "windows": {n: [asdict(w) for w in ws] for n, ws in windows.items()}, "idle": idle_trace,
               "power_trace_first_repeat": traces}
     out = Path(cfg.run_dir) / "bench"
@@ -331,6 +368,10 @@ def _fmt(v: float | None, spec: str = ".3g") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _span(r: list[float] | None) -> str:
+    return "" if not r else f" ({r[0]:.3g}-{r[1]:.3g})"
+
+
 def render_markdown(result: dict[str, Any]) -> str:
     s, rows, rel = result["summary"], result["rows"], result["ratios_vs_full"]
     c = result["config"]
@@ -343,18 +384,25 @@ def render_markdown(result: dict[str, Any]) -> str:
              f"{c['new_tokens']} new tokens each, batch {c['batch']}, {c['repeats']} repeats in rotated order, backend "
              f"`{s.get('backend', 'onnxruntime')}` ({c['threads']} CPU threads); `full` is {s.get('full_is', '-')}; "
              f"{sensor}. Idle baseline: {c['idle_seconds']} s before each "
-             "repeat. Median over repeats (min-max); ratios are of medians against `full`.", "",
+             "repeat. Median over repeats (min-max); ratios against `full` are the median (min-max) of each repeat's "
+             "ratio, the systems of a repeat run back to back.", "",
              "| system | J/token | J/token above idle | CPU-s/token | tokens/s | J ratio | CPU-s ratio | speed ratio |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
 
     def cell(d: dict[str, float] | None, spec: str = ".4g") -> str:
         return "-" if not d else f"{d['median']:{spec}} ({d['min']:{spec}}-{d['max']:{spec}})"
 
+    spreads = result.get("ratio_spreads_vs_full") or {}
+
+    def ratio(n: str, key: str) -> str:  # the median of the per-repeat ratios, with their min-max where known
+        d = (spreads.get(n) or {}).get(key)
+        return _fmt(rel[n][key]) if not d else f"{d['median']:.3g} ({d['min']:.3g}-{d['max']:.3g})"
+
     for n, r in rows.items():
         lines.append(f"| {n} | {cell(r['joules_per_token'])} | {cell(r['joules_per_token_above_idle'])} | "
                      f"{cell(r['cpu_seconds_per_token'])} | {cell(r['tokens_per_s'], '.0f')} | "
-                     f"{_fmt(rel[n]['joules_per_token'])} | {_fmt(rel[n]['cpu_seconds_per_token'])} | "
-                     f"{_fmt(rel[n]['tokens_per_s'])} |")
+                     f"{ratio(n, 'joules_per_token')} | {ratio(n, 'cpu_seconds_per_token')} | "
+                     f"{ratio(n, 'tokens_per_s')} |")
     busy = [r["cpu_per_second"]["median"] for r in rows.values() if r.get("cpu_per_second")]
     if busy:
         lines += ["", f"CPU-seconds per second of window: {min(busy):.2f}-{max(busy):.2f} across systems, with "
@@ -365,8 +413,9 @@ def render_markdown(result: dict[str, Any]) -> str:
         lines += ["", f"`{SERVED}` is the shipped system as the served engine runs it (exits only where checking steps "
                       "measured cheaper than full depth; lossless lookup and corpus drafts where a round pays): against "
                       f"`{s['served_full_depth']}`, J ratio {_fmt(s.get('ratio_served_vs_full_depth'))}, CPU-s ratio "
-                      f"{_fmt(s['cpu_ratio_served_vs_full_depth'])}, speed ratio "
-                      f"{_fmt(s.get('speed_ratio_served_vs_full_depth'))}."]
+                      f"{_fmt(s['cpu_ratio_served_vs_full_depth'])}{_span(s.get('cpu_ratio_served_vs_full_depth_range'))}, "
+                      f"speed ratio {_fmt(s.get('speed_ratio_served_vs_full_depth'))}"
+                      f"{_span(s.get('speed_ratio_served_vs_full_depth_range'))} (per-repeat ratios: median, min-max)."]
     if s.get("false_exit_tokens"):
         ci = s.get("false_exit_interval_95") or [float("nan")] * 2
         lines += ["", f"False exits of `{s['shipped_system']}`: {s['false_exit_rate']:.4f} (95% interval "
