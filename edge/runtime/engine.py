@@ -27,6 +27,7 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+import math
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -361,10 +362,14 @@ class Engine:
         if bad:
             raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.backend.vocab_size})",
                                "prompt")
-        if req.temperature < 0:
-            raise RequestError(f"temperature must be >= 0, got {req.temperature}", "temperature")
+        if not (math.isfinite(req.temperature) and req.temperature >= 0):
+            raise RequestError(f"temperature must be finite and >= 0, got {req.temperature}", "temperature")
         if not 0.0 < req.top_p <= 1.0:
             raise RequestError(f"top_p must be in (0, 1], got {req.top_p}", "top_p")
+        # numpy's generator takes non-negative integers only; a negative seed used to kill the engine thread
+        if req.seed is not None and (isinstance(req.seed, bool) or not isinstance(req.seed, (int, np.integer))
+                                     or req.seed < 0):
+            raise RequestError(f"seed must be a non-negative integer, got {req.seed!r}", "seed")
         try:
             req.mode = Mode(req.mode)
         except ValueError:

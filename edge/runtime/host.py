@@ -214,7 +214,7 @@ class EngineHost:
         self._thread: threading.Thread | None = None
         self._queued = 0  # submitted, not yet handed to the engine (read without a lock: an estimate)
         self.tokens_total = self.finished_total = self.rejected_total = self.steps_total = 0
-        self.shed_total = 0
+        self.shed_total = self.start_failed_total = 0
         self.shed_late = cfg.shed_late
         # where the engine thread's time goes (the serving path's cost, scheduler/loadtest/serving_path.py)
         self.step_seconds_total = self.emit_seconds_total = 0.0
@@ -453,7 +453,16 @@ class EngineHost:
 
     def _apply(self, what: str, arg: Any) -> Any:
         if what == "submit":
-            self._start_request(*arg)
+            try:
+                self._start_request(*arg)
+            except Exception:  # noqa: BLE001 - one request that cannot start must not stop the engine for all
+                req, _, emit = arg
+                log.exception("request %s could not start; ending it with an error", req.request_id)
+                self.start_failed_total += 1
+                try:
+                    emit(Chunk(req.request_id, [], [], "error"))
+                except Exception:  # noqa: BLE001 - a broken receiver too: nothing more to tell it
+                    log.exception("emit failed for request %s", req.request_id)
             return None
         if what == "cancel":
             live = self._live.get(arg)
@@ -669,7 +678,8 @@ class EngineHost:
         audit.update(fraction=self.cfg.audit.fraction, pending=len(self._audit_queue), dropped=self.audit_dropped,
                      engine_verdicts=self._verdicts, verdict_counts=dict(self.engine.verdict_counts))
         return {
-            "time": now, "waiting": s.waiting + self._queued, "prefill_backlog_tokens": s.prefill_backlog_tokens,
+            "time": now, "engine_alive": self.alive,
+            "waiting": s.waiting + self._queued, "prefill_backlog_tokens": s.prefill_backlog_tokens,
             "running": s.running, "free_slots": s.free_slots, "prefill_budget": s.prefill_budget,
             "max_chunk": s.max_chunk, "max_running": s.max_running, "max_seqs": self.cfg.engine.max_seqs,
             "max_waiting": self.cfg.max_waiting,
@@ -685,7 +695,7 @@ class EngineHost:
             "tokens_on_time_total": self.tokens_on_time_total, "tokens_late_total": self.tokens_late_total,
             "tokens_total": self.tokens_total, "finished_total": self.finished_total,
             "rejected_total": self.rejected_total, "steps_total": self.steps_total,
-            "shed_late": self.shed_late, "shed_total": self.shed_total,
+            "shed_late": self.shed_late, "shed_total": self.shed_total, "start_failed_total": self.start_failed_total,
             "step_seconds_total": self.step_seconds_total, "emit_seconds_total": self.emit_seconds_total,
             "chunks_total": self.chunks_total, "audit": audit,
         }

@@ -255,6 +255,10 @@ def serving_stack(run_dir: str | Path, cfg: ServeConfig, ray_address: str | None
     repo = None if cfg.triton_url is not None else repository(run_dir)
     if repo is None and cfg.bundle_dir is None:
         raise ConfigError("serve.triton_url needs serve.bundle_dir (the tokenizer and bundle.json)")
+    # a changed or missing bundle file fails here with its name, not as tritonservers that cannot load the model
+    from exporters.triton import read_bundle
+
+    read_bundle(cfg.bundle_dir if cfg.bundle_dir is not None else repo / REPO_BUNDLE)
     if cfg.policy.value == "ppo":  # a missing, altered or mismatched policy fails here, not inside a replica
         from scheduler.serving.worker import build_policy
         build_policy(cfg)

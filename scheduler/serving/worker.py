@@ -244,6 +244,13 @@ class Worker:
             if self._proc is not None and not self._proc.alive:
                 await self._relaunch()
                 continue
+            if self._proc is not None and (self._stats or {}).get("engine_alive") is False:
+                # tritonserver answers, but the engine thread in its model has died: only a restart brings it back
+                log.error("worker %s: the engine in tritonserver at %s has stopped; restarting it", self._replica,
+                          self._client.url)
+                self._stats = None
+                await self._relaunch()
+                continue
             try:
                 generation = self._generation  # read with the policy: a switch during the tick waits for the next
                 self._stats = await control_step(self._client, self._policy, self._observe,
@@ -306,7 +313,7 @@ class Worker:
         """Restart a dead tritonserver after the current backoff (doubling until a tick succeeds)."""
         self._ready, self._restarting = False, True
         await self._push()
-        log.warning("worker %s: tritonserver died; restarting in %.1f s", self._replica, self._backoff_s)
+        log.warning("worker %s: restarting tritonserver in %.1f s", self._replica, self._backoff_s)
         await asyncio.sleep(self._backoff_s)
         self._backoff_s = min(2 * self._backoff_s, self._cfg.restart_backoff_max_s)
         try:

@@ -64,11 +64,42 @@ def test_host_streams_what_the_engine_generates():
     assert st["tokens_total"] == 50 and st["finished_total"] == 5 and st["running"] == 0
 
 
+def test_a_request_that_cannot_start_ends_with_an_error_and_the_engine_goes_on(monkeypatch):
+    """Whatever makes one request fail to start on the engine thread (here the engine's submit raising, as a
+    negative seed once did inside numpy) ends that request with an ``error`` chunk; the thread, and every
+    other request, go on, and the stats count it."""
+    host, sink = _host(), Sink(2)
+    real = host.engine.submit
+
+    def submit(req):
+        if req.prompt[0] == 7:
+            raise ValueError("expected non-negative integer")
+        return real(req)
+
+    monkeypatch.setattr(host.engine, "submit", submit)
+    try:
+        host.submit(GenRequest("bad", [7, 1, 2], 4), sink)
+        host.submit(GenRequest("good", [1, 2, 3], 4), sink)
+        assert sink.done.wait(60)
+        assert [c.finish_reason for c in sink.chunks["bad"]] == ["error"] and sink.tokens("bad") == []
+        assert sink.chunks["good"][-1].finish_reason == "length" and len(sink.tokens("good")) == 4
+        assert host.alive
+        st = host.stats()
+        assert st["start_failed_total"] == 1 and st["engine_alive"] is True
+    finally:
+        host.stop()
+    assert host.stats()["engine_alive"] is False
+
+
 @pytest.mark.parametrize("kw,field", [(dict(prompt=[]), "prompt"), (dict(max_tokens=0), "max_tokens"),
                                       (dict(prompt=[1] * 125, max_tokens=8), "prompt"),
                                       (dict(prompt=[1, 999]), "prompt"), (dict(top_p=0.0), "top_p"),
                                       (dict(temperature=-1.0), "temperature"), (dict(mode="fast"), "mode"),
-                                      (dict(sla_tpot_ms=0.0), "sla_tpot_ms")])
+                                      (dict(sla_tpot_ms=0.0), "sla_tpot_ms"),
+                                      # a negative seed passed these checks and then killed the engine thread
+                                      (dict(seed=-5, temperature=0.8), "seed"), (dict(seed=True), "seed"),
+                                      (dict(temperature=float("nan")), "temperature"),
+                                      (dict(temperature=float("inf")), "temperature")])
 def test_bad_requests_name_the_field(kw, field):
     host = _host()
     try:
