@@ -14,6 +14,7 @@ the reply's leading whitespace is dropped.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -86,7 +87,7 @@ class _Common(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Any = None
-    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    seed: int | None = Field(None, ge=0, lt=INT64)  # the engine seeds numpy's default_rng: non-negative
     n: int = 1
     user: str | None = None
     logprobs: Any = None
@@ -152,6 +153,9 @@ class Limits:
     default_mode: str = "bounded"
     default_sla_ttft_ms: float = SLA_TTFT_MS.default  # the server's (ServeConfig's); these for a bare Limits
     default_sla_tpot_ms: float = SLA_TPOT_MS.default
+    # the most characters of text one token stands for (ingress_input.max_token_chars): a text over
+    # max_token_chars * context_window characters is refused before tokenizing it; None: no such check
+    max_token_chars: int | None = None
 
 
 @dataclass(frozen=True)
@@ -180,7 +184,12 @@ class GenerationRequest:
 
 
 def decode_body(body: bytes) -> dict[str, Any]:
-    """The JSON object in a request body (400 for non-UTF-8, malformed JSON or a non-object)."""
+    """The JSON object in a request body.
+
+    Raises:
+        ApiError: 400 for non-UTF-8, malformed JSON (nested too deep included), a non-object, or a
+            string that UTF-8 cannot encode (:func:`_check_utf8`).
+    """
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -190,9 +199,42 @@ def decode_body(body: bytes) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") \
             from None
+    except RecursionError:
+        raise ApiError(400, "request body is malformed: JSON nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer over Python's 4300-digit conversion limit
+        raise ApiError(400, f"request body is malformed: {exc}") from None
     if not isinstance(obj, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(obj).__name__}")
+    _check_utf8(obj)
     return obj
+
+
+def _check_utf8(obj: dict[str, Any]) -> None:
+    """Raises ApiError 400 naming the first string (key or value) UTF-8 cannot encode.
+
+    JSON's ``\\ud800`` escapes decode to lone surrogates, which the tokenizer and the response's own
+    encoding refuse; iterative, so a body as deep as ``json.loads`` allows cannot overflow the stack.
+    """
+    todo: list[tuple[str, Any]] = [("", obj)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                where = path or "request body"
+                raise ApiError(400, f"{where}: not encodable as UTF-8 (lone surrogate U+{ord(value[exc.start]):04X} "
+                               f"at character {exc.start})", param=path or None) from None
+        elif isinstance(value, list):
+            todo.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+        elif isinstance(value, dict):
+            for key, v in value.items():
+                try:
+                    key.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ApiError(400, f"{path or 'request body'}: a key is not encodable as UTF-8 (lone "
+                                   "surrogate)", param=path or None) from None
+                todo.append((f"{path}.{key}" if path else key, v))
 
 
 def _validate(model: type[_Strict], obj: dict[str, Any]) -> Any:
@@ -221,8 +263,14 @@ def _common(req: _Common, limits: Limits, prompt_ids: list[int], prompt_param: s
         raise ApiError(400, f"{prompt_param}: token id {bad[0]} is outside the vocabulary "
                        f"[0, {limits.vocab_size})", param=prompt_param)
     room = limits.context_window - len(prompt_ids)
-    if max_tokens is None:
-        max_tokens = min(limits.max_tokens_limit, room) if kind == "chat" else COMPLETION_DEFAULT_MAX_TOKENS
+    if max_tokens is None and kind == "chat":
+        if room < 1:  # checked before the default below, which would be <= 0 and blamed on max_tokens
+            raise ApiError(400, f"{prompt_param}: the prompt's {len(prompt_ids)} tokens plus at least 1 generated "
+                           f"token exceed the context window of {limits.context_window} tokens; shorten the "
+                           f"prompt", param=prompt_param, code="context_length_exceeded")
+        max_tokens = min(limits.max_tokens_limit, room)
+    elif max_tokens is None:
+        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
     if max_tokens <= 0:
         raise ApiError(400, f"max_tokens: must be at least 1, got {max_tokens}", param="max_tokens")
     if max_tokens > limits.max_tokens_limit:
@@ -245,6 +293,19 @@ def _common(req: _Common, limits: Limits, prompt_ids: list[int], prompt_param: s
         sla_tpot_ms=sla.tpot_ms if sla.tpot_ms is not None else limits.default_sla_tpot_ms)
 
 
+def _check_chars(text: str, limits: Limits, param: str) -> None:
+    """Raises ApiError 400 when ``text`` alone must overflow the context window, before tokenizing it:
+    no token stands for more than ``limits.max_token_chars`` characters, so ``len(text) / max_token_chars``
+    is a lower bound on its tokens (a huge prompt costs no tokenizer time)."""
+    most = limits.max_token_chars
+    if most is None or len(text) <= most * limits.context_window:
+        return
+    raise ApiError(400, f"{param}: the prompt's {len(text)} characters are at least "
+                   f"{math.ceil(len(text) / most)} tokens (a lower bound: no token covers more than {most} "
+                   f"characters), which exceed the context window of {limits.context_window} tokens; shorten "
+                   f"the prompt", param=param, code="context_length_exceeded")
+
+
 def _check_model(req: _Common, limits: Limits) -> None:
     if req.model != limits.model_name:
         raise ApiError(404, f"The model '{req.model}' does not exist; this server serves "
@@ -262,6 +323,8 @@ def parse_completion(body: bytes, limits: Limits, encode: Callable[[str], list[i
     for param, bad in (("echo", req.echo), ("best_of", req.best_of not in (None, 1)), ("suffix", req.suffix)):
         if bad:
             raise ApiError(400, f"{param}: not supported by this server", param=param)
+    if isinstance(req.prompt, str):
+        _check_chars(req.prompt, limits, "prompt")
     ids = encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
     return _common(req, limits, ids, "prompt", req.max_tokens, "completion")
 
@@ -280,7 +343,9 @@ def parse_chat(body: bytes, limits: Limits, encode: Callable[[str], list[int]]) 
     req: ChatRequest = _validate(ChatRequest, decode_body(body))
     _check_model(req, limits)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return _common(req, limits, encode(chat_prompt(req.messages)), "messages", max_tokens, "chat", (CHAT_STOP,))
+    prompt = chat_prompt(req.messages)
+    _check_chars(prompt, limits, "messages")
+    return _common(req, limits, encode(prompt), "messages", max_tokens, "chat", (CHAT_STOP,))
 
 
 # -- responses ---------------------------------------------------------------------------------------

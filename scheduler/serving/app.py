@@ -33,11 +33,13 @@ from ray import serve
 from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException
 
 from edge.core.errors import ConfigError
 from scheduler.serving import api
 from scheduler.serving import dashboard
 from scheduler.serving.config import BundleInfo, ServeConfig
+from scheduler.serving.ingress_input import http_error, max_token_chars, parse_request, read_body
 from scheduler.serving.metrics import CONTENT_TYPE, ServeMetrics
 from scheduler.serving.routes import Routes, TritonStream
 from scheduler.serving.worker import DEVICE_RESOURCE, HUB_TIMEOUT_S, Hub, Worker
@@ -45,8 +47,6 @@ from scheduler.serving.worker import DEVICE_RESOURCE, HUB_TIMEOUT_S, Hub, Worker
 log = logging.getLogger(__name__)
 
 EOS = "<|endoftext|>"
-
-
 class Generation:
     """One request's stream from a worker: text deltas, timing, token counts, metrics once at the end."""
 
@@ -183,6 +183,7 @@ async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[by
 # @serve.ingress freezes (cloudpickles) this app and the class's methods when the class is defined:
 # whatever the methods use must be defined above it.
 fastapi_app = FastAPI(title="SmartExit", docs_url=None, redoc_url=None)
+fastapi_app.add_exception_handler(HTTPException, http_error)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -200,7 +201,7 @@ class Ingress:
         self._stop_ids = [] if eos is None else [eos]
         self._limits = api.Limits(cfg.model_name, cfg.max_tokens_limit, cfg.context_window,
                                   self._tok.get_vocab_size(), cfg.default_mode.value, cfg.default_sla_ttft_ms,
-                                  cfg.default_sla_tpot_ms)
+                                  cfg.default_sla_tpot_ms, max_token_chars(self._tok))
         self._metrics = ServeMetrics(bundle.exit_layers, bundle.num_layers, cfg.tps_window_s,
                                      sla_ttft_ms=cfg.default_sla_ttft_ms, sla_tpot_ms=cfg.default_sla_tpot_ms)
         self._worker, self._hub = worker.options(stream=True), hub
@@ -380,7 +381,8 @@ class Ingress:
         t0 = time.monotonic()
         try:
             self._authorize(request)
-            req = parse(await request.body(), self._limits, lambda s: self._tok.encode(s, add_special_tokens=False).ids)
+            body = await read_body(request, self._cfg.max_body_bytes)
+            req = await parse_request(parse, body, self._limits, self._tok)
             if self._inflight >= self._capacity:
                 raise api.ApiError(429, f"the server is at its limit of {self._capacity} requests in flight",
                                    code="too_many_requests", retry_after_s=self._cfg.retry_after_s)

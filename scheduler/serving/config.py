@@ -77,6 +77,7 @@ class ServeConfig:
     tuner: dict[str, Any] = field(default_factory=dict)
     max_inflight: int = 64                  # per worker replica: the front end answers 429 above it
     retry_after_s: float = 1.0              # Retry-After on the front end's own 429 / 503
+    max_body_bytes: int = 8 * 1024 * 1024   # a larger request body is answered 413, unread
     triton_timeout_s: float = 10.0          # control ops and readiness probes (not generation streams)
     triton_start_timeout_s: float = 120.0
     restart_backoff_s: float = 1.0          # first wait before relaunching a dead tritonserver
@@ -147,7 +148,7 @@ class ServeConfig:
             raise ConfigError(f"serve.port must be in [0, 65535], got {self.port}")
         if self.triton_url is not None and ":" not in self.triton_url:
             raise ConfigError(f"serve.triton_url must be host:port, got {self.triton_url!r}")
-        for name in ("max_tokens_limit", "replicas", "max_inflight", "dashboard_points"):
+        for name in ("max_tokens_limit", "replicas", "max_inflight", "dashboard_points", "max_body_bytes"):
             _positive_int(self, name)
         if self.context_window is not None:
             _positive_int(self, "context_window")

@@ -255,16 +255,16 @@ def serving_stack(run_dir: str | Path, cfg: ServeConfig, ray_address: str | None
     repo = None if cfg.triton_url is not None else repository(run_dir)
     if repo is None and cfg.bundle_dir is None:
         raise ConfigError("serve.triton_url needs serve.bundle_dir (the tokenizer and bundle.json)")
-    # a changed or missing bundle file fails here with its name, not as tritonservers that cannot load the model
-    from exporters.triton import read_bundle
-
-    read_bundle(cfg.bundle_dir if cfg.bundle_dir is not None else repo / REPO_BUNDLE)
     if cfg.policy.value == "ppo":  # a missing, altered or mismatched policy fails here, not inside a replica
         from scheduler.serving.worker import build_policy
         build_policy(cfg)
     direct = cfg.ingress == "direct" and ray_address is None
     if cfg.port:  # a port in use fails here, with its name, not as a replica that cannot start
         _wait_bindable(cfg.host, cfg.port)
+    # a changed or missing bundle file fails here with its name, not as tritonservers that cannot load the model
+    from exporters.triton import read_bundle
+
+    read_bundle(cfg.bundle_dir if cfg.bundle_dir is not None else repo / REPO_BUNDLE)
     kwargs = dict(include_dashboard=False, configure_logging=True, logging_level="WARNING")
     if ray_address is None:
         with _environ(direct_ingress_env(cfg.port) if direct else {}):
