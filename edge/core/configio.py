@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import types
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
@@ -19,21 +20,51 @@ from edge.core.errors import ConfigError
 T = TypeVar("T")
 
 
+_UNIONS = (typing.Union, types.UnionType)  # Optional[X] / Union[X, Y] and PEP 604's ``X | None``
+_NONE_WORDS = ("none", "null")
+
+
+def _literal(tp: Any) -> bool:
+    """Whether a string for a field of type ``tp`` is taken as it is (``str`` and ``str`` Enums), not as YAML."""
+    return isinstance(tp, type) and issubclass(tp, str)
+
+
+def _parse(value: str, key: str) -> Any:
+    """A ``key=value`` string as YAML (numbers, booleans, lists, mappings)."""
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{key}: cannot parse {value!r}: {exc}") from exc
+    except RecursionError:
+        raise ConfigError(f"{key}: {value[:40]!r}... is nested too deeply to parse") from None
+
+
 def _convert(value: Any, tp: Any, key: str) -> Any:
+    """``value`` (a ``key=value`` string, or what a YAML file held) as type ``tp``.
+
+    A string for a field of any type but ``str`` is parsed as YAML first (``16``, ``true``, ``[3, 6]``).
+    A field typed ``str``, ``str | None`` or a ``str`` Enum takes the string literally: ``yes``, ``0x1F``, ``# x`` and
+    ``def f(x): return x`` stay exactly those strings, and ``""`` stays the empty string. An optional
+    field (``X | None``, ``Optional[X]``) is set to None by the exact word ``none`` or ``null`` (any case;
+    the one spelling for every optional field), or, for a non-string ``X``, by anything YAML reads as null.
+
+    Raises:
+        ConfigError: a value that does not parse or is not of the field's type, naming ``key``.
+    """
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
-    if isinstance(value, str) and tp is not str and origin is not typing.Union:
-        try:
-            value = yaml.safe_load(value)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{key}: cannot parse {value!r}: {exc}") from exc
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        if value is None and type(None) in args:
+    if origin in _UNIONS:
+        optional = type(None) in args
+        inner = [a for a in args if a is not type(None)][0]
+        if isinstance(value, str) and value.lower() in _NONE_WORDS and optional:
             return None
-        if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args:
+        if isinstance(value, str) and not _literal(inner):
+            value = _parse(value, key)
+        if value is None and optional:
             return None
-        inner = [a for a in args if a is not type(None)]
-        return _convert(value, inner[0], key)
+        return _convert(value, inner, key)
+    if isinstance(value, str) and not _literal(tp):
+        value = _parse(value, key)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
@@ -57,6 +88,11 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected true/false, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)
@@ -74,6 +110,8 @@ def apply(cfg: T, values: dict[str, Any], prefix: str = "") -> T:
     hints = typing.get_type_hints(type(cfg))
     names = {f.name for f in dataclasses.fields(cfg)}
     for key, value in values.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"config key {prefix}{key!r} is not a name")
         head, _, rest = key.partition(".")
         if head not in names:
             raise ConfigError(f"unknown config key {prefix}{head!r}; known: {', '.join(sorted(names))}")
@@ -103,13 +141,27 @@ def apply(cfg: T, values: dict[str, Any], prefix: str = "") -> T:
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
+    """The mapping a YAML config file holds.
+
+    Raises:
+        ConfigError: naming the file: it is missing or not a file, unreadable, not UTF-8, not YAML,
+            nested too deeply to parse, or not a mapping at top level.
+    """
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} is not a file" + (" (it is a folder)" if path.is_dir() else ""))
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text: {exc}") from exc
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc}") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+    except RecursionError:
+        raise ConfigError(f"config file {path} is nested too deeply to parse") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping at top level")
     return data

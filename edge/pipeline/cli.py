@@ -12,7 +12,7 @@ import sys
 from typing import Callable
 
 from edge.core.configio import parse_overrides
-from edge.core.errors import SmartExitError
+from edge.core.errors import ConfigError, SmartExitError
 
 # stage -> (module, config class, entry point, one-line help)
 STAGES: dict[str, tuple[str, str, str, str]] = {
@@ -74,41 +74,85 @@ def _load(stage: str) -> tuple[type, Callable[[object], int]]:
     return getattr(mod, cfg_name), getattr(mod, fn_name)
 
 
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The usage and help text; a stage's own arguments are read by :func:`_stage_args`."""
+    parser = argparse.ArgumentParser(prog="smartexit", description="SmartExit early-exit LLM pipeline")
+    sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
+    stages = {}
+    for name, (_, _, _, help_text) in STAGES.items():
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           epilog="Any config key is also a flag: --key VALUE, --key=VALUE or key=VALUE, in any order "
+                                  "(--eval-data DIR is eval_data=DIR).")
+        p.add_argument("--config", help="YAML file with this stage's settings (applied before the overrides)")
+        p.add_argument("overrides", nargs="*", metavar="key=value")
+        stages[name] = p
+    return parser, stages
+
+
+class _Help(Exception):
+    """``-h`` / ``--help`` among a stage's arguments."""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) >= 2 and f"{argv[0]} {argv[1]}" in STAGES:  # two-word stages: `bench decode`
         argv = [f"{argv[0]} {argv[1]}", *argv[2:]]
-    parser = argparse.ArgumentParser(prog="smartexit", description="SmartExit early-exit LLM pipeline")
-    sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
-    for name, (_, _, _, help_text) in STAGES.items():
-        p = sub.add_parser(name, help=help_text)
-        p.add_argument("--config", help="YAML file with this stage's settings")
-        p.add_argument("overrides", nargs="*", metavar="key=value")
-    args, extra = parser.parse_known_args(argv)
+    parser, stage_parsers = _parser()
+    if not argv or argv[0] not in STAGES:
+        parser.parse_args(argv)  # the overview for -h, else a usage error naming the stages (exit 2)
+        return 2
+    stage = argv[0]
     try:
-        cfg_cls, entry = _load(args.stage)
-        cfg = parse_overrides(cfg_cls(), args.overrides + _flags_to_overrides(extra), args.config)
+        try:
+            config, overrides = _stage_args(argv[1:])
+        except _Help:
+            stage_parsers[stage].print_help()
+            return 0
+        cfg_cls, entry = _load(stage)
+        cfg = parse_overrides(cfg_cls(), overrides, config)
         return int(entry(cfg))
     except SmartExitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
 
 
-def _flags_to_overrides(extra: list[str]) -> list[str]:
-    """``--eval-data DIR`` / ``--eval-data=DIR`` -> ``eval_data=DIR`` (any config key works as a flag)."""
-    out, i = [], 0
-    while i < len(extra):
-        arg = extra[i]
+def _stage_args(args: list[str]) -> tuple[str | None, list[str]]:
+    """A stage's arguments, in any order, as (``--config`` file, ``key=value`` overrides in the order given).
+
+    ``key=value`` is taken as it is; ``--key VALUE`` and ``--key=VALUE`` become ``key=VALUE`` with the key's
+    dashes made underscores (any config key works as a flag). A flag's value is the next argument whatever
+    it looks like (``--prompt "# x"``, ``--threshold -1``).
+
+    Raises:
+        ConfigError: a bare word, a flag without a value, or ``--config`` given twice.
+        _Help: ``-h`` or ``--help``.
+    """
+    config, out, i = None, [], 0
+    while i < len(args):
+        arg = args[i]
+        if arg in ("-h", "--help"):
+            raise _Help
         if not arg.startswith("--"):
-            raise SmartExitError(f"unexpected argument {arg!r}; use key=value")
+            if "=" not in arg or arg.startswith("="):
+                raise ConfigError(f"unexpected argument {arg!r}; use key=value or --key value")
+            out.append(arg)
+            i += 1
+            continue
         key, eq, value = arg[2:].partition("=")
+        if not key:
+            raise ConfigError(f"unexpected argument {arg!r}; use key=value or --key value")
         if not eq:
-            if i + 1 >= len(extra):
-                raise SmartExitError(f"{arg} needs a value")
-            value, i = extra[i + 1], i + 1
-        out.append(f"{key.replace('-', '_')}={value}")
+            if i + 1 >= len(args):
+                raise ConfigError(f"{arg} needs a value")
+            value, i = args[i + 1], i + 1
+        if key == "config":
+            if config is not None:
+                raise ConfigError(f"--config given twice ({config} and {value})")
+            config = value
+        else:
+            out.append(f"{key.replace('-', '_')}={value}")
         i += 1
-    return out
+    return config, out
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from edge.core.artifacts import Manifest, atomic_dir
+from edge.core.errors import ConfigError
 from edge.model.bundled import read_lineage, resolve_model
 from edge.model.checkpoint import load_decoder
 from edge.model.exits import ExitConfig, MultiExitModel, choose_shortlist, save_multi_exit
@@ -27,6 +28,9 @@ def main(cfg: DistillConfig) -> int:
     torch.set_num_threads(cfg.threads)
     model_dir = resolve_model(cfg.model)
     backbone = load_decoder(model_dir)
+    if cfg.seq_len > backbone.cfg.max_position_embeddings:  # before any window is cut or memory allocated
+        raise ConfigError(f"distill.seq_len {cfg.seq_len} exceeds the model's {backbone.cfg.max_position_embeddings} "
+                          "positions (max_position_embeddings in its config.json)")
     tok = load_tokenizer(model_dir)
     exits = ExitConfig(**asdict(cfg.exits))
     run_dir = Path(cfg.run_dir)

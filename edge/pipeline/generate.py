@@ -15,6 +15,7 @@ greedy run in mode exact or bounded it also decodes at full depth and says how m
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -24,7 +25,7 @@ import torch
 
 from edge.core.data import Split, heldout_prompts, load_split
 from edge.core.errors import ConfigError
-from edge.pipeline.run import open_run
+from edge.pipeline.run import check_threads, open_run
 from edge.model.reference import reference_generate
 from edge.runtime.rules import ConfidenceRule
 
@@ -55,6 +56,18 @@ class GenerateConfig:
             raise ConfigError(f"generate.threshold must be in (0, 1], got {self.threshold}")
         if self.prompts < 1 or self.prompt_tokens < 1 or self.max_new_tokens < 1:
             raise ConfigError("generate: prompts, prompt_tokens and max_new_tokens must be >= 1")
+        check_threads(self.threads, "generate.threads")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise ConfigError(f"generate.temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"generate.top_p must be in (0, 1], got {self.top_p}")
+        # None (the default, or the word none / null) means the held-out prompts; "" is a prompt given empty
+        if self.prompt == "":
+            raise ConfigError("generate.prompt is empty: give text to continue, or leave prompt out for the "
+                              "held-out prompts")
+        if self.prompt is not None and self.mode is None:
+            raise ConfigError("generate.prompt needs a mode (--mode exact|bounded|full); without one the stage "
+                              "runs on the held-out prompts")
 
 
 def main(cfg: GenerateConfig) -> int:

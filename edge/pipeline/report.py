@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from edge.core.artifacts import Manifest, atomic_write_json, atomic_write_text
-from edge.core.errors import ArtifactError
+from edge.core.errors import ArtifactError, ConfigError
 
 
 @dataclass
@@ -125,6 +125,17 @@ SECTIONS: dict[str, tuple[str, Callable[[Manifest], dict[str, Any]]]] = {
 
 
 def build(run_dir: str | Path) -> dict[str, Any]:
+    """The report of the run in ``run_dir``: every recorded stage's section.
+
+    Raises:
+        ConfigError: ``run_dir`` is not a folder holding a ``manifest.json`` (no run to report on).
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        what = "is not a folder" if run_dir.exists() else "does not exist"
+        raise ConfigError(f"report.run_dir {run_dir} {what}: give the folder of a run (`smartexit distill` makes one)")
+    if not (run_dir / "manifest.json").is_file():
+        raise ConfigError(f"report.run_dir {run_dir} holds no manifest.json: no stage has run there")
     m = Manifest(run_dir)
     report: dict[str, Any] = {"run": m.data.get("run")}
     for name, (stage, fn) in SECTIONS.items():

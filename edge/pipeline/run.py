@@ -18,6 +18,7 @@ from calibration.table import TableRule, ThresholdTable, load_table
 from edge.compress.checkpoint import load_served
 from edge.core.artifacts import Manifest
 from edge.core.data import Document, Split, heldout_prompts, load_split
+from edge.core.errors import ConfigError
 from edge.model.exits import MultiExitModel
 from edge.model.tokenizer import load_tokenizer
 from edge.runtime.engine import KVMode
@@ -68,12 +69,25 @@ class Run:
         return heldout_prompts(self.tokenizer, self._test, n, length, seed)
 
 
+def check_threads(threads: int, key: str = "threads") -> None:
+    """Refuse a torch / ONNX Runtime thread count below 1 (``torch.set_num_threads(0)`` raises; ORT reads 0 as
+    "its default", which is not what a user who typed it meant).
+
+    Raises:
+        ConfigError: naming ``key`` and the value.
+    """
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ConfigError(f"{key} must be a whole number >= 1, got {threads!r}")
+
+
 def open_run(run_dir: str | Path, threads: int) -> Run:
     """The run in ``run_dir`` with torch at ``threads`` threads.
 
     Raises:
+        ConfigError: ``threads`` is not a whole number >= 1 (torch refuses anything else, with a traceback).
         ArtifactError: the checkpoint is missing or changed since ``distill`` (or ``compress``) wrote it.
     """
+    check_threads(threads)
     torch.set_num_threads(threads)
     manifest = Manifest(run_dir)
     path = manifest.served_checkpoint()

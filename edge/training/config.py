@@ -5,6 +5,7 @@ and the LayerSkip trainer (:mod:`edge.training.layerskip`) both read them withou
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from edge.core.errors import ConfigError
@@ -48,8 +49,8 @@ class LayerSkipConfig:
             raise ConfigError("layerskip.rotation_groups, rotation_period and ckpt_every must be >= 1")
         if not 0.0 <= self.gradual_frac <= 1.0:
             raise ConfigError(f"layerskip.gradual_frac must be in [0, 1], got {self.gradual_frac}")
-        if self.exit_loss_scale < 0:
-            raise ConfigError(f"layerskip.exit_loss_scale must be >= 0, got {self.exit_loss_scale}")
+        if not (math.isfinite(self.exit_loss_scale) and self.exit_loss_scale >= 0):
+            raise ConfigError(f"layerskip.exit_loss_scale must be a finite number >= 0, got {self.exit_loss_scale}")
 
 
 @dataclass
@@ -79,7 +80,17 @@ class DistillConfig:
                               "exit: set freeze_backbone=false and exits.adapter_rank=0")
         if self.steps < 0 or self.batch_size < 1 or self.seq_len < 2:
             raise ConfigError("distill: steps >= 0, batch_size >= 1 and seq_len >= 2 are required")
+        if self.train_tokens < self.seq_len + 2:  # train_exits / train_layerskip need one window and a start
+            raise ConfigError(f"distill.train_tokens must be >= seq_len + 2 = {self.seq_len + 2} (one training "
+                              f"window), got {self.train_tokens}")
+        if self.eval_windows < 1 or self.gate_windows < 1:
+            raise ConfigError(f"distill: eval_windows and gate_windows must be >= 1, got {self.eval_windows} "
+                              f"and {self.gate_windows}")
+        if self.threads < 1:
+            raise ConfigError(f"distill.threads must be >= 1, got {self.threads}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"distill.lr must be a finite number > 0, got {self.lr}")
         if not 0.0 <= self.kl_weight <= 1.0:
             raise ConfigError(f"distill.kl_weight must be in [0, 1], got {self.kl_weight}")
-        if self.temperature <= 0:
-            raise ConfigError(f"distill.temperature must be > 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ConfigError(f"distill.temperature must be a finite number > 0, got {self.temperature}")
