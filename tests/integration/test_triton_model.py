@@ -33,6 +33,7 @@ STATS_KEYS = {"time", "waiting", "prefill_backlog_tokens", "running", "free_slot
               "max_seqs", "max_waiting", "num_layers", "exit_layers", "requests", "mean_recent_exit_layer",
               "predicted_exit_layer", "min_slack_ms", "tokens_total", "finished_total", "rejected_total",
               "steps_total", "step_seconds_total", "emit_seconds_total", "chunks_total", "audit",
+              "engine_alive", "start_failed_total",  # the worker restarts a server whose engine died
               # the scheduler's (docs/serving.md, docs/scheduler.md)
               "oldest_waiting_slack_ms", "recent_ttft_p95_ms", "recent_tpot_p95_ms", "arrival_rate_rps",
               "sla_ttft_ms", "sla_tpot_ms", "sla_met_total", "violations_total", "tokens_on_time_total",
