@@ -156,10 +156,14 @@ def paired_ratios(windows: dict[str, list[Window]], base: str = FULL) -> dict[st
     return out
 
 
+def medians(spread: dict[str, dict[str, dict[str, float] | None]]) -> dict[str, dict[str, float | None]]:
+    """The medians of :func:`paired_ratios`'s answer."""
+    return {name: {key: None if d is None else d["median"] for key, d in r.items()} for name, r in spread.items()}
+
+
 def ratios(windows: dict[str, list[Window]], base: str = FULL) -> dict[str, dict[str, float | None]]:
     """The medians of :func:`paired_ratios`: joules, CPU-seconds per token, tokens/s against ``base``."""
-    return {name: {key: None if d is None else d["median"] for key, d in r.items()}
-            for name, r in paired_ratios(windows, base).items()}
+    return medians(paired_ratios(windows, base))
 
 
 def backend_choice(cfg: EnergyBenchConfig, served: Path) -> dict[str, Any]:
@@ -259,14 +263,15 @@ def measure_windows(cfg: EnergyBenchConfig, meter: Any, names: list[str], decode
     return windows, traces, idle_trace
 
 
-def summarise(cfg: EnergyBenchConfig, meter: Any, rows: dict[str, Any], rel: dict[str, Any], backends: dict[str, Any],
+def summarise(cfg: EnergyBenchConfig, meter: Any, rows: dict[str, Any], spread: dict[str, Any], backends: dict[str, Any],
               full_is: str, exit_name: str, windows: dict[str, list[Window]], names: list[str], check: Any
               ) -> dict[str, Any]:
-    """The manifest's metrics of the run."""
+    """The manifest's metrics of the run (``spread``: :func:`paired_ratios` against ``full``)."""
+    rel = medians(spread)
     own = C_FULL if C_FULL in rows else FULL  # the shipped model's own full depth: what ``served`` is judged against
-    served = paired_ratios(windows, own)[SERVED]
-    compressed = paired_ratios(windows, C_FULL)[C_EXITS] if C_EXITS in rows and C_FULL in rows else None
-    exits = paired_ratios(windows, FULL)[EXITS]
+    by_own = spread if own == FULL else paired_ratios(windows, own)
+    served, exits = by_own[SERVED], spread[EXITS]
+    compressed = by_own.get(C_EXITS) if own == C_FULL else None  # the compressed model's exits vs its full depth
 
     def med(d: dict[str, float] | None) -> float | None:
         return None if d is None else d["median"]
@@ -335,7 +340,8 @@ def main(cfg: EnergyBenchConfig) -> int:
     names = list(systems)
     windows, traces, idle_trace = measure_windows(cfg, meter, names, decode, t0)
     rows = {n: per_token(w) for n, w in windows.items()}
-    rel = ratios(windows)
+    spread = paired_ratios(windows)
+    rel = medians(spread)
     exit_name = C_EXITS if C_EXITS in rows else EXITS
     # the shipped system's exits on this backend, judged against the same backend at full depth on the same
     # prefixes (the certificate was computed on the ONNX Runtime engine; a device's engine may differ)
@@ -345,8 +351,8 @@ def main(cfg: EnergyBenchConfig) -> int:
                                 np.asarray([e for r in res for e in r.exit_layers]), run.kv_mode).summary()
     _log(t0, f"{exit_name} on {backends[exit_name].name}: false exits {check.false_exits + check.full_depth_mismatches}"
              f"/{check.tokens} against its own full depth")
-    summary = summarise(cfg, meter, rows, rel, backends, full_is, exit_name, windows, names, check)
-    result = {"config": asdict(cfg), "rows": rows, "ratios_vs_full": rel, "ratio_spreads_vs_full": paired_ratios(windows),
+    summary = summarise(cfg, meter, rows, spread, backends, full_is, exit_name, windows, names, check)
+    result = {"config": asdict(cfg), "rows": rows, "ratios_vs_full": rel, "ratio_spreads_vs_full": spread,
               "summary": summary,
               "windows": {n: [asdict(w) for w in ws] for n, ws in windows.items()}, "idle": idle_trace,
               "power_trace_first_repeat": traces}
