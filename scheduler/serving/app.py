@@ -40,6 +40,7 @@ from scheduler.serving import api
 from scheduler.serving import dashboard
 from scheduler.serving.config import BundleInfo, ServeConfig
 from scheduler.serving.ingress_input import http_error, max_token_chars, parse_request, read_body
+from scheduler.serving.loopback import replica_grpc_on_loopback
 from scheduler.serving.metrics import CONTENT_TYPE, ServeMetrics
 from scheduler.serving.routes import Routes, TritonStream
 from scheduler.serving.worker import DEVICE_RESOURCE, HUB_TIMEOUT_S, Hub, Worker
@@ -194,6 +195,7 @@ class Ingress:
     async def __init__(self, cfg: ServeConfig, worker: DeploymentHandle, hub: DeploymentHandle) -> None:
         from tokenizers import Tokenizer
 
+        replica_grpc_on_loopback()
         bundle = BundleInfo.load(cfg.bundle_dir)
         self._cfg = cfg = cfg.with_bundle(bundle)
         self._tok = Tokenizer.from_file(str(bundle.tokenizer_path))

@@ -82,6 +82,9 @@ class ServeConfig:
     triton_start_timeout_s: float = 120.0
     restart_backoff_s: float = 1.0          # first wait before relaunching a dead tritonserver
     restart_backoff_max_s: float = 30.0
+    # a tritonserver that is running but has answered no control op for this long (hung: stopped, deadlocked)
+    # is killed and relaunched, so the streams waiting on it end with an error; None: never
+    hang_restart_s: float | None = 30.0
     stats_ttl_s: float = 10.0               # a worker silent this long drops out of /metrics, /health
     tps_window_s: float = 10.0              # smartexit_tokens_per_second averages over this window
     log_level: str = "WARNING"              # Ray Serve's replica logs (INFO: one access line per request)
@@ -156,6 +159,8 @@ class ServeConfig:
                      "triton_timeout_s", "triton_start_timeout_s", "restart_backoff_s",
                      "restart_backoff_max_s", "stats_ttl_s", "tps_window_s", "dashboard_tick_s"):
             _positive_float(self, name)
+        if self.hang_restart_s is not None:
+            _positive_float(self, "hang_restart_s")
         if self.restart_backoff_max_s < self.restart_backoff_s:
             raise ConfigError(f"serve.restart_backoff_max_s ({self.restart_backoff_max_s}) must be >= "
                               f"serve.restart_backoff_s ({self.restart_backoff_s})")

@@ -14,6 +14,11 @@ of the local Ray this function begins, and only then; Serve still starts its pro
 which listens on a free port of the same host, unused. ``serve.ingress: proxy`` (and any stack joining
 a running cluster, whose processes started with their own environment) serves through the proxy.
 
+A local Ray started for an API on a loopback host (the default) keeps its own servers (GCS, raylet, workers'
+gRPC, the dashboard and runtime-env agents, Serve's replicas) on the loopback address too
+(scheduler/serving/loopback.py); Ray on Linux
+otherwise binds them to every interface or to the machine's reachable address.
+
 On several devices (Jetsons) the same application runs on a Ray cluster instead: ``ray start
 --head --resources='{"smartexit_device": 1}'`` on one, ``ray start --address=HEAD:6379
 --resources='{"smartexit_device": 1}'`` on each other, then ``smartexit serve ray_address=auto
@@ -34,6 +39,7 @@ from typing import Any, Callable, Iterator
 
 from edge.core.errors import ConfigError, SmartExitError
 from scheduler.serving.config import DEVICE_RESOURCE, REPO_BUNDLE, ServeConfig
+from scheduler.serving.loopback import is_loopback, loopback_ray
 
 
 def repository(run_dir: str | Path) -> Path:
@@ -267,7 +273,8 @@ def serving_stack(run_dir: str | Path, cfg: ServeConfig, ray_address: str | None
     read_bundle(cfg.bundle_dir if cfg.bundle_dir is not None else repo / REPO_BUNDLE)
     kwargs = dict(include_dashboard=False, configure_logging=True, logging_level="WARNING")
     if ray_address is None:
-        with _environ(direct_ingress_env(cfg.port) if direct else {}):
+        local = loopback_ray() if is_loopback(cfg.host) else contextlib.nullcontext()
+        with local, _environ(direct_ingress_env(cfg.port) if direct else {}):
             start_local_ray(lambda: ray.init(resources={DEVICE_RESOURCE: cfg.replicas}, **kwargs), ray.shutdown)
     else:
         ray.init(address=ray_address, **kwargs)

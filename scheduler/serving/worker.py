@@ -28,6 +28,7 @@ from ray.serve.handle import DeploymentHandle
 from edge.core.errors import ConfigError
 from scheduler.serving.config import DEVICE_RESOURCE, ServeConfig  # noqa: F401 - app.py imports it from here
 from scheduler.serving.dashboard import open_power
+from scheduler.serving.loopback import replica_grpc_on_loopback
 from scheduler.serving.triton_client import TritonClient, TritonError, TritonUnavailable, error_to_dict
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class Hub:
     """The latest ``(ready, stats, url)`` each worker replica pushed; entries older than ``ttl_s`` expire."""
 
     def __init__(self, ttl_s: float) -> None:
+        replica_grpc_on_loopback()
         self._ttl_s = ttl_s
         self._entries: dict[str, tuple[float, bool, dict | None, tuple[str, str] | None]] = {}
 
@@ -131,6 +133,7 @@ class Worker:
     async def __init__(self, cfg: ServeConfig, repo_dir: Path | None, hub: DeploymentHandle) -> None:
         from scheduler.control.policies import observation_from_stats
 
+        replica_grpc_on_loopback()
         self._cfg, self._hub = cfg, hub
         self._policy = build_policy(cfg)
         self._tuning: asyncio.Task | None = None
@@ -140,6 +143,7 @@ class Worker:
         self._proc = None
         self._restarting = False
         self._backoff_s = cfg.restart_backoff_s
+        self._answered = time.monotonic()  # when tritonserver last answered a control op (or was (re)started)
         self._stats: dict | None = None
         # the policy's generation (set_policy counts them) and the last one a control tick ran: set_policy waits for it
         self._generation = self._acted = 0
@@ -270,6 +274,11 @@ class Worker:
                     log.warning("worker %s: tritonserver at %s not answering: %s", self._replica,
                                 self._client.url, exc)
                 self._ready = False
+                if self._hung():
+                    await self._relaunch(kill=True)
+                    continue
+            else:
+                self._answered = time.monotonic()
             await self._push()
             await asyncio.sleep(self._cfg.control_tick_s)
 
@@ -309,9 +318,23 @@ class Worker:
                 log.exception("worker %s: online update failed", self._replica)
         self._tuning = asyncio.create_task(run(), name="smartexit-online-update")
 
-    async def _relaunch(self) -> None:
-        """Restart a dead tritonserver after the current backoff (doubling until a tick succeeds)."""
+    def _hung(self) -> bool:
+        """Whether our tritonserver is running but has answered nothing for ``hang_restart_s``: a stopped or
+        deadlocked server never exits, and the streams sent to it would wait for their clients' timeouts."""
+        limit = self._cfg.hang_restart_s
+        silent = time.monotonic() - self._answered
+        if self._proc is None or limit is None or silent < limit:
+            return False
+        log.error("worker %s: tritonserver at %s has answered nothing for %.0f s; killing and restarting it",
+                  self._replica, self._client.url, silent)
+        return True
+
+    async def _relaunch(self, kill: bool = False) -> None:
+        """Restart a dead tritonserver after the current backoff (doubling until a tick succeeds); ``kill``: a
+        hung one, SIGKILLed first (its streams end with an error at once; it would not heed a SIGTERM)."""
         self._ready, self._restarting = False, True
+        if kill:
+            await asyncio.to_thread(self._proc.kill)
         await self._push()
         log.warning("worker %s: restarting tritonserver in %.1f s", self._replica, self._backoff_s)
         await asyncio.sleep(self._backoff_s)
@@ -321,6 +344,7 @@ class Worker:
         except Exception:  # any launch failure: log it and try again after the (longer) backoff
             log.exception("worker %s: tritonserver restart failed", self._replica)
             return
+        self._answered = time.monotonic()
         if self._proc.grpc_url != self._client.url:
             old, self._client = self._client, TritonClient(self._proc.grpc_url, timeout_s=self._cfg.triton_timeout_s)
             await old.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -109,6 +110,52 @@ def listener(port: int) -> str | None:
         if inodes & set(fds):
             return Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
     return None
+
+
+def _address(hexaddr: str) -> str:
+    """An address of /proc/net/tcp{,6} (hex, in the kernel's byte order) as text; port dropped."""
+    raw = bytes.fromhex(hexaddr.split(":")[0])
+    if len(raw) == 4:
+        return socket.inet_ntop(socket.AF_INET, raw[::-1])
+    return socket.inet_ntop(socket.AF_INET6, b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+
+
+def descendant_listeners(root: int) -> list[tuple[str, int, str]]:
+    """(address, pid, command) of every listening TCP socket (IPv4 and IPv6) held by a process descended
+    from ``root`` (read from /proc: the parent links, the socket tables and each process's descriptors)."""
+    listening: dict[str, str] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A":  # LISTEN
+                listening[f"socket:[{f[9]}]"] = _address(f[1])
+    parent: dict[int, int] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                parent[int(entry.name)] = int(Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found = []
+    for pid in parent:
+        p = pid
+        while p not in (0, 1, root) and p in parent:
+            p = parent[p]
+        if p != root or pid == root:
+            continue
+        try:
+            fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        found += [(listening[fd], pid, cmd[:80]) for fd in fds if fd in listening]
+    return found
+
+
+@pytest.fixture(scope="session")
+def find_descendant_listeners() -> Callable[[int], list[tuple[str, int, str]]]:
+    """:func:`descendant_listeners` as a fixture."""
+    return descendant_listeners
 
 
 @pytest.fixture(scope="session")

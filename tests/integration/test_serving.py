@@ -164,13 +164,44 @@ def tritonservers(find_processes, repo: Path) -> list:
     return [p for p in find_processes(repo) if p.name == "tritonserver"]
 
 
+def _stream_started(url: str, timeout: float) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse, str]:
+    """A streamed completion of MAX_TOKENS_LIMIT tokens whose first SSE event (no finish_reason yet) has arrived."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
+                 body=json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS_LIMIT,
+                                  "temperature": 0, "stream": True}).encode())
+    resp = conn.getresponse()
+    assert resp.status == 200
+    first = resp.readline().decode()
+    assert first.startswith("data: ") and json.loads(first[6:])["choices"][0]["finish_reason"] is None
+    return conn, resp, first
+
+
+def _stream_error(first: str, resp: http.client.HTTPResponse, conn: http.client.HTTPConnection) -> dict:
+    """Read the stream to its end: it must end with exactly one error event, then one [DONE], and no chunk
+    before it may carry a finish_reason (the generation did not finish). Returns the error."""
+    try:
+        rest = sse_events(first + resp.read().decode())
+    finally:
+        conn.close()
+    assert rest[-1] == "[DONE]" and rest.count("[DONE]") == 1
+    bodies = [json.loads(e) for e in rest[:-1]]
+    assert [b for b in bodies if "error" not in b][-1]["choices"][0]["finish_reason"] is None
+    errors = [b["error"] for b in bodies if "error" in b]
+    assert len(errors) == 1 and "error" in bodies[-1]
+    return errors[0]
+
+
 # -- one worker ----------------------------------------------------------------------------------------
 class TestOneReplica:
     """Every front-end case against one stack: one worker, one tritonserver, ``max_inflight`` 4."""
 
     @pytest.fixture(scope="class")
     def stack(self, served_run, repository_copy, find_processes, tmp_path_factory, free_port):
-        yield from _start(served_run, repository_copy, find_processes, tmp_path_factory, free_port(), "serving1")
+        # hang_restart_s 5: a hung tritonserver is found at the first control op that times out (10 s)
+        yield from _start(served_run, repository_copy, find_processes, tmp_path_factory, free_port(), "serving1",
+                          hang_restart_s=5.0)
 
     @pytest.fixture(scope="class")
     def client(self, stack):
@@ -179,6 +210,18 @@ class TestOneReplica:
         c = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0, timeout=60)
         yield c
         c.close()
+
+    def test_every_process_of_the_stack_listens_on_loopback_only(self, stack, find_descendant_listeners):
+        """The API on 127.0.0.1 (the default), and so Ray's own servers too (GCS, raylet, the workers' and
+        replicas' gRPC, the dashboard and runtime-env agents) and tritonserver: every listening socket of a
+        process this test process started is on a loopback address. Before stop 61, Ray's listened on every
+        interface (``*``, ``0.0.0.0``) or the machine's reachable address."""
+        found = find_descendant_listeners(os.getpid())
+        names = " ".join(cmd for _, _, cmd in found)
+        assert "gcs_server" in names and "raylet" in names and "tritonserver" in names, found
+        exposed = [(a, pid, cmd) for a, pid, cmd in found
+                   if not (a.startswith("127.") or a == "::1" or a.startswith("::ffff:127."))]
+        assert not exposed, exposed
 
     def test_http_reaches_the_ingress_replica_directly(self, stack, find_listener):
         """serve.ingress direct (the default): the process listening on the stack's port is the ingress
@@ -457,28 +500,14 @@ class TestOneReplica:
         base URL, served by the same worker replica (the Ray app was not restarted)."""
         (old,) = tritonservers(find_processes, stack.repo)
         _, before = health(stack.url)
-        parts = urlsplit(stack.url)
-        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
-        conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
-                     body=json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS_LIMIT,
-                                      "temperature": 0, "stream": True}).encode())
-        resp = conn.getresponse()
-        assert resp.status == 200
-        first = resp.readline().decode()
-        assert first.startswith("data: ") and json.loads(first[6:])["choices"][0]["finish_reason"] is None
+        conn, resp, first = _stream_started(stack.url, timeout=60)
         # The engine decodes ~1 ms a token: stop its process group (tritonserver and the model's stub)
         # first, so the request is still unfinished when tritonserver dies, then SIGKILL tritonserver.
         # Its stub stays stopped until the worker's relaunch kills what is left of the old group.
         os.killpg(old.pid, signal.SIGSTOP)  # tritonserver leads its own process group (spawn)
         os.kill(old.pid, signal.SIGKILL)
-        rest = sse_events(first + resp.read().decode())
-        conn.close()
-        assert rest[-1] == "[DONE]" and rest.count("[DONE]") == 1
-        bodies = [json.loads(e) for e in rest[:-1]]
-        assert [b for b in bodies if "error" not in b][-1]["choices"][0]["finish_reason"] is None
-        errors = [b["error"] for b in bodies if "error" in b]
-        assert len(errors) == 1 and "error" in bodies[-1]
-        assert (errors[0]["type"], errors[0]["code"]) == ("service_unavailable", "unavailable")
+        error = _stream_error(first, resp, conn)
+        assert (error["type"], error["code"]) == ("service_unavailable", "unavailable")
 
         status, headers, body = completion(stack.url, max_tokens=4, temperature=0)
         assert status == 503, body
@@ -499,6 +528,30 @@ class TestOneReplica:
         status, after = health(stack.url)
         assert status == 200 and set(after["replicas"]) == set(before["replicas"])
         assert recovery_s < 60
+
+    @pytest.mark.slow
+    def test_a_hung_tritonserver_is_killed_and_relaunched_and_its_stream_ends_with_an_error(self, stack,
+                                                                                          find_processes):
+        """A tritonserver that stops answering without exiting (its process group SIGSTOPped: a frozen server,
+        as a deadlock would leave it) while a stream is in flight: the worker's control op times out, the
+        server has answered nothing for ``hang_restart_s``, so the worker SIGKILLs and relaunches it; the
+        stream, instead of waiting for the client's timeout, ends with one SSE error event
+        (service_unavailable) and one [DONE], and requests succeed again on the same base URL. Before, the
+        stream waited until the client gave up and the server stayed frozen."""
+        (old,) = tritonservers(find_processes, stack.repo)
+        conn, resp, first = _stream_started(stack.url, timeout=90)
+        os.killpg(old.pid, signal.SIGSTOP)  # tritonserver and its model's stub, frozen, not exited
+        t0 = time.monotonic()
+        error = _stream_error(first, resp, conn)
+        ended_s = time.monotonic() - t0
+        assert error["type"] == "service_unavailable"
+        # the control op's timeout (10 s) plus a tick; the client's own timeout (90 s) never came into it
+        assert ended_s < 45, ended_s
+        wait_for(lambda: completion(stack.url, max_tokens=4, temperature=0)[0] == 200, timeout=60, interval=0.5,
+                 what="a successful request after the hung server's relaunch")
+        (new,) = tritonservers(find_processes, stack.repo)
+        assert new.pid != old.pid
+        assert sorted(p.name for p in find_processes(stack.repo)) == ["triton_python_backend_stub", "tritonserver"]
 
 
 # -- two workers ---------------------------------------------------------------------------------------

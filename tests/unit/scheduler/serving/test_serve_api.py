@@ -244,13 +244,15 @@ def test_serve_config_checks_name_the_field(tmp_path):
         ServeConfig(host="0.0.0.0")
     ServeConfig(host="0.0.0.0", api_key="k")
     ServeConfig(host="::1")
+    ServeConfig(hang_restart_s=None)
     for kw, field in ((dict(port=70000), "serve.port"), (dict(replicas=0), "serve.replicas"),
                       (dict(policy="sarathi"), "serve.policy"), (dict(fallback_policy="ppo"), "serve.fallback_policy"), (dict(default_mode="fast"), "serve.default_mode"),
                       (dict(control_tick_s=0), "serve.control_tick_s"), (dict(max_inflight=True), "serve.max_inflight"),
                       (dict(triton_url="nohost"), "serve.triton_url"),
                       (dict(stream_via="http"), "serve.stream_via"),
                       (dict(ingress="nginx"), "serve.ingress"), (dict(port=0), "serve.port 0"),
-                      (dict(restart_backoff_s=5, restart_backoff_max_s=1), "serve.restart_backoff_max_s")):
+                      (dict(restart_backoff_s=5, restart_backoff_max_s=1), "serve.restart_backoff_max_s"),
+                      (dict(hang_restart_s=0), "serve.hang_restart_s"), (dict(hang_restart_s="x"), "serve.hang_restart_s")):
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             ServeConfig(**kw)
     with pytest.raises(ConfigError, match="serve.bundle_dir is required"):
