@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 import types
 import typing
 from pathlib import Path
@@ -22,6 +23,22 @@ T = TypeVar("T")
 
 _UNIONS = (typing.Union, types.UnionType)  # Optional[X] / Union[X, Y] and PEP 604's ``X | None``
 _NONE_WORDS = ("none", "null")
+
+
+class _FileLoader(yaml.SafeLoader):
+    """YAML for config files, resolving fewer plain words than YAML 1.1 does: integers only in decimal, booleans
+    only ``true`` / ``false`` (any case YAML 1.2 allows), no dates. Other words (``0x1F``, ``0o17``, ``yes``,
+    ``on``, ``2026-12-06``) stay text, so a text field (an API key, a name) holds what was written; a field
+    typed int or bool still reads them as YAML 1.1 would (:func:`_convert` parses text for non-text fields)."""
+
+
+_FileLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag.rsplit(":", 1)[-1] not in ("int", "bool", "timestamp")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_FileLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$"),
+                                  list("-+0123456789"))
+_FileLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                  list("tTfF"))
 
 
 def _literal(tp: Any) -> bool:
@@ -44,7 +61,9 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
 
     A string for a field of any type but ``str`` is parsed as YAML first (``16``, ``true``, ``[3, 6]``).
     A field typed ``str``, ``str | None`` or a ``str`` Enum takes the string literally: ``yes``, ``0x1F``, ``# x`` and
-    ``def f(x): return x`` stay exactly those strings, and ``""`` stays the empty string. An optional
+    ``def f(x): return x`` stay exactly those strings, and ``""`` stays the empty string. A YAML file is read the
+    same way (:class:`_FileLoader`: ``0x1F`` and ``yes`` there are text until a field's type asks for a number or a
+    boolean); a number with a fraction or a ``true`` / ``false`` for a text field is an error (quote it). An optional
     field (``X | None``, ``Optional[X]``) is set to None by the exact word ``none`` or ``null`` (any case;
     the one spelling for every optional field), or, for a non-string ``X``, by anything YAML reads as null.
 
@@ -101,6 +120,9 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         return value
     if tp is str:
+        if isinstance(value, (bool, float)):  # str() would not give back what was written: 3.10 -> "3.1"
+            raise ConfigError(f"{key}: expected text, got {type(value).__name__} {value!r} (YAML reads an unquoted "
+                              f"number or true/false as such: quote the value to mean the text)")
         return str(value)
     return value
 
@@ -153,7 +175,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {path} is not a file" + (" (it is a folder)" if path.is_dir() else ""))
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_FileLoader) or {}  # noqa: S506 - a SafeLoader
     except UnicodeDecodeError as exc:
         raise ConfigError(f"config file {path} is not UTF-8 text: {exc}") from exc
     except OSError as exc:

@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from edge.core.artifacts import Manifest
+from edge.core.configio import load_yaml
 from edge.core.errors import ArtifactError, ConfigError
 from edge.jetson import commands
 from edge.jetson.check import DEFAULT_TRITON_HOME
@@ -153,9 +152,9 @@ def check_api_key_config(path: str | Path) -> Path:
     mode = stat.S_IMODE(path.stat().st_mode)
     if mode & 0o077:
         raise ConfigError(f"api_key_config {path} is readable by others (mode {mode:o}): chmod 600 {path}")
-    try:
-        key = (yaml.safe_load(path.read_text()) or {}).get("serve", {}).get("api_key")
-    except (yaml.YAMLError, AttributeError) as exc:
+    try:  # read as `smartexit serve --config` reads it: an unquoted 0x1F is the text written
+        key = load_yaml(path).get("serve", {}).get("api_key")
+    except (ConfigError, AttributeError) as exc:
         raise ConfigError(f"api_key_config {path}: not a YAML mapping with serve.api_key "
                           f"({type(exc).__name__})") from exc
     if not isinstance(key, str) or not key.strip():

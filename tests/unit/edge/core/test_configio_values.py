@@ -3,6 +3,7 @@ file that cannot be read is a ConfigError naming it, never a traceback."""
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 
 import pytest
@@ -113,3 +114,38 @@ def test_float_in_exponent_form_without_a_dot():
     assert parse_overrides(Rate(), ["lr=1e-3"]).lr == 1e-3  # YAML 1.1 alone reads it as a string
     with pytest.raises(ConfigError, match="lr: expected a number, got 'fast'"):
         parse_overrides(Rate(), ["lr=fast"])
+
+
+@pytest.mark.parametrize("text", ["0x1F", "0o17", "yes", "on", "2026-12-06", "007", "12345"])
+def test_a_yaml_files_words_are_the_text_written_for_a_text_field(tmp_path, text):
+    """A YAML file's unquoted 0x1F (YAML 1.1's integer 31) used to give an api_key "31", which no client would
+    send: a file's words are now the text written where a text field reads them."""
+    from scheduler.serving.config import ServeConfig
+
+    path = tmp_path / "serve.yaml"
+    path.write_text(f"api_key: {text}\n")
+    assert parse_overrides(ServeConfig(), [], path).api_key == text
+
+
+@pytest.mark.parametrize("text, read", [("3.10", "float 3.1"), ("true", "bool True"), ("False", "bool False")])
+def test_a_number_with_a_fraction_or_a_boolean_for_a_text_field_is_an_error(tmp_path, text, read):
+    """Where str() would not give back what was written (3.10 -> "3.1", true -> "True"): an error naming the field
+    and saying to quote the value; quoted, the file's text is the value."""
+    from scheduler.serving.config import ServeConfig
+
+    path = tmp_path / "serve.yaml"
+    path.write_text(f"api_key: {text}\n")
+    with pytest.raises(ConfigError, match=rf"api_key: expected text, got {re.escape(read)} .*quote the value"):
+        parse_overrides(ServeConfig(), [], path)
+    path.write_text(f"api_key: '{text}'\n")
+    assert parse_overrides(ServeConfig(), [], path).api_key == text
+
+
+def test_a_yaml_files_other_words_still_read_as_the_field_asks(tmp_path):
+    """Non-text fields read the words YAML 1.1 reads (hex and octal integers, yes / on booleans)."""
+    from scheduler.serving.config import ServeConfig
+
+    path = tmp_path / "serve.yaml"
+    path.write_text("port: 0x1F90\nmax_inflight: 020\nonline_finetune: no\nretry_after_s: 1.5\n")
+    cfg = parse_overrides(ServeConfig(), [], path)
+    assert (cfg.port, cfg.max_inflight, cfg.online_finetune, cfg.retry_after_s) == (8080, 16, False, 1.5)

@@ -92,6 +92,8 @@ def test_api_key_config_checks(tmp_path):
     with pytest.raises(ConfigError, match="serve.api_key must be a non-empty string") as err:
         check_api_key_config(key)
     assert "s3cret" not in str(err.value)
+    key.write_text("serve:\n  api_key: 0x1F\n")  # the text written, as `smartexit serve --config` reads it
+    assert check_api_key_config(key) == key.resolve()
 
 
 def _parity_passed(run: Path, passed: bool = True) -> None:
