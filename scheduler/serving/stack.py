@@ -223,6 +223,8 @@ def _wait_bindable(host: str, port: int, timeout_s: float = TIME_WAIT_S) -> None
 
 RAY_START_ATTEMPTS = 2
 RAY_NODE_TIMEOUT = "timed out during startup"  # what Ray 2.60 raises (a bare Exception) when its node did not come up
+# what it raises (RuntimeError) when a process it started never wrote its port file (the GCS: 30 s)
+RAY_PORT_TIMEOUT = "Timed out waiting for file"
 
 
 def start_local_ray(init: Callable[[], Any], shutdown: Callable[[], Any], attempts: int = RAY_START_ATTEMPTS) -> None:
@@ -230,13 +232,15 @@ def start_local_ray(init: Callable[[], Any], shutdown: Callable[[], Any], attemp
     ``attempts`` in all. Ray's raylet gives up for good when its agents start slowly (ray-project/ray#65983: a
     fixed 15 s wait on the dashboard agent's port file): on the 2-core VM a stack started a second after the one
     before it once failed so (a fresh-clone demo's `bench scheduler`, 2026-12-06, the agent aborting with
-    -6), where every other start of the day came up. Any other error is raised at once."""
+    -6), where every other start of the day came up. And once (stop 61, the same stage) the GCS never wrote its port
+    file nor a line of its log within Ray's 30 s: a process that never reached its program, as a fork in a process
+    with gRPC threads can leave one (Ray runs Python in the child before exec). Any other error is raised at once."""
     for attempt in range(1, attempts + 1):
         try:
             init()
             return
         except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for this
-            if RAY_NODE_TIMEOUT not in str(exc) or attempt == attempts:
+            if not any(m in str(exc) for m in (RAY_NODE_TIMEOUT, RAY_PORT_TIMEOUT)) or attempt == attempts:
                 raise
             with contextlib.suppress(Exception):
                 shutdown()

@@ -1,11 +1,12 @@
 """A local Ray whose node does not come up is started once more (Ray's raylet gives up when its dashboard agent
-starts slowly: ray-project/ray#65983, seen once in a fresh-clone demo on the 2-core VM); any other error, or a
-second failure, reaches the caller. Ray itself is not started here: the calls are counted."""
+starts slowly: ray-project/ray#65983, seen once in a fresh-clone demo on the 2-core VM; its GCS never wrote its port
+file, seen once in stop 61's); any other error, or a second failure, reaches the caller. Ray itself is not started
+here: the calls are counted."""
 from __future__ import annotations
 
 import pytest
 
-from scheduler.serving.stack import RAY_NODE_TIMEOUT, start_local_ray
+from scheduler.serving.stack import RAY_NODE_TIMEOUT, RAY_PORT_TIMEOUT, start_local_ray
 
 TIMEOUT = Exception(f"The current node {RAY_NODE_TIMEOUT}. This could happen because some of the raylet failed "
                     "to startup or the GCS has become overloaded.")
@@ -25,6 +26,15 @@ def _init(errors: list[Exception | None]):
 
 def test_a_node_that_did_not_come_up_is_started_again(capsys):
     init, calls = _init([TIMEOUT, None])
+    start_local_ray(init, lambda: calls.append("shutdown"))
+    assert calls == ["init", "shutdown", "init"]
+    assert "starting it again (2 of 2)" in capsys.readouterr().out
+
+
+def test_a_gcs_that_never_wrote_its_port_is_started_again(capsys):
+    """Ray 2.60's words when its GCS did not write its port file in 30 s (a fresh-clone demo, stop 61)."""
+    gcs = RuntimeError(f"{RAY_PORT_TIMEOUT} /tmp/ray/session_x/gcs_server_port_89ef")
+    init, calls = _init([gcs, None])
     start_local_ray(init, lambda: calls.append("shutdown"))
     assert calls == ["init", "shutdown", "init"]
     assert "starting it again (2 of 2)" in capsys.readouterr().out
