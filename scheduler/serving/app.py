@@ -9,7 +9,8 @@
   worker replica.
 
 Cancellation: when an HTTP client disconnects, Ray Serve's proxy cancels the ingress request; the
-``asyncio.CancelledError`` raised in the ingress's stream lands in ``Generation._chunks``, which
+``asyncio.CancelledError`` raised in the ingress's stream lands in ``Generation._chunks``
+(scheduler/serving/generation.py), which
 cancels its stream: a ``routes.TritonStream`` closes its gRPC stream; a worker's
 ``DeploymentResponseGenerator`` makes Serve throw ``CancelledError`` into ``Worker.generate``, whose
 ``aclosing`` closes the Triton stream. Either way ``TritonClient.generate`` sends the ``cancel``
@@ -21,8 +22,7 @@ import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import RayError
-from ray.serve.exceptions import BackPressureError, RayServeException
+from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
@@ -39,6 +39,7 @@ from edge.core.errors import ConfigError
 from scheduler.serving import api
 from scheduler.serving import dashboard
 from scheduler.serving.config import BundleInfo, ServeConfig
+from scheduler.serving.generation import Generation, complete, prepend, sse_events
 from scheduler.serving.ingress_input import http_error, max_token_chars, parse_request, read_body
 from scheduler.serving.loopback import replica_grpc_on_loopback
 from scheduler.serving.metrics import CONTENT_TYPE, ServeMetrics
@@ -48,137 +49,6 @@ from scheduler.serving.worker import DEVICE_RESOURCE, HUB_TIMEOUT_S, Hub, Worker
 log = logging.getLogger(__name__)
 
 EOS = "<|endoftext|>"
-class Generation:
-    """One request's stream from a worker: text deltas, timing, token counts, metrics once at the end."""
-
-    def __init__(self, stream: Any, req: api.GenerationRequest, text: api.TextStream, metrics: ServeMetrics,
-                 t0: float, on_done: Callable[[], None]) -> None:
-        self._stream, self.req, self.text, self._metrics, self.t0 = stream, req, text, metrics, t0
-        self._on_done = on_done
-        self.t_first: float | None = None
-        self.t_last: float | None = None
-        self.tokens, self.exit_layers, self.finish_reason, self._finished = 0, [], "length", False
-
-    async def _chunks(self) -> AsyncIterator[dict[str, Any]]:
-        done = False
-        try:
-            async for chunk in self._stream:
-                if "error" in chunk:
-                    done = True
-                    raise api.backend_error(chunk["error"])
-                done = bool(chunk["finish_reason"])
-                yield chunk
-                if done:
-                    return
-            raise api.ApiError(503, "the worker ended the stream before its last chunk", code="unavailable",
-                               retry_after_s=1.0)
-        except BackPressureError as exc:
-            done = True
-            raise api.ApiError(429, f"the workers' queues are full: {exc}", code="overloaded", retry_after_s=1.0) \
-                from None
-        except (RayError, RayServeException) as exc:
-            done = True
-            raise api.ApiError(503, f"the worker failed: {exc}", code="unavailable", retry_after_s=1.0) from None
-        finally:
-            if not done:  # the client left, or a stop string ended the text early: stop the worker
-                self._stream.cancel()
-
-    async def deltas(self) -> AsyncIterator[tuple[str, list[int], str | None]]:
-        """``(text, exit_layers, finish_reason)``: each non-empty delta, and the last one with its reason.
-
-        Raises:
-            ApiError: the worker's error chunk, or the worker failing.
-        """
-        pending: list[int] = []
-        async with aclosing(self._chunks()) as chunks:
-            async for chunk in chunks:
-                ids, layers = chunk["token_ids"], chunk["exit_layers"]
-                self.t_last = time.monotonic()
-                if ids and self.t_first is None:
-                    self.t_first = self.t_last
-                self.tokens += len(ids)
-                self.exit_layers += layers
-                pending += layers
-                self._metrics.record_tokens(layers)
-                delta = self.text.push(ids)
-                reason = "stop" if self.text.stopped else (chunk["finish_reason"] or None)
-                if reason is not None:
-                    delta += self.text.flush()
-                    self.finish_reason = reason
-                if delta or reason is not None:
-                    yield delta, pending, reason
-                    pending = []
-                if reason is not None:
-                    return
-
-    def finish(self, status: int) -> None:
-        """Record the request's metrics and release its in-flight slot (once)."""
-        if self._finished:
-            return
-        self._finished = True
-        self._on_done()
-        ttft = None if self.t_first is None else self.t_first - self.t0
-        e2e = None if self.t_last is None or ttft is None else self.t_last - self.t0
-        self._metrics.record_request(status, ttft, e2e if status == 200 else None, self.tokens,
-                                     self.req.sla_ttft_ms, self.req.sla_tpot_ms)
-
-    def usage(self) -> dict[str, int]:
-        return api.usage(len(self.req.prompt_ids), self.tokens)
-
-
-async def complete(gen: Generation, rid: str) -> dict[str, Any]:
-    """The non-streaming answer: the whole completion (or chat completion) with usage.
-
-    Raises:
-        ApiError: the worker's error or failure.
-    """
-    async with aclosing(gen.deltas()) as deltas:
-        async for _ in deltas:
-            pass
-    build = api.chat_response if gen.req.kind == "chat" else api.completion_response
-    return build(rid, int(time.time()), gen.req.model, gen.text.text, gen.finish_reason, gen.exit_layers, gen.usage())
-
-
-async def sse_events(gen: Generation, rid: str) -> AsyncIterator[bytes]:
-    """The SSE body of a streaming answer; records the request when it ends (``gen.finish``).
-
-    Raises:
-        ApiError: only before the first event (nothing sent yet: the caller answers with its status);
-            later errors travel in the stream as an error event.
-    """
-    req, created, status, sent = gen.req, int(time.time()), 499, False
-    try:
-        async with aclosing(gen.deltas()) as deltas:
-            async for delta, layers, reason in deltas:
-                if req.kind == "chat":
-                    out = b"" if sent else api.sse(api.chat_chunk(rid, created, req.model,
-                                                                  {"role": "assistant", "content": ""}))
-                    out += api.sse(api.chat_chunk(rid, created, req.model, {"content": delta} if delta else {},
-                                                  reason, layers))
-                else:
-                    out = api.sse(api.completion_chunk(rid, created, req.model, delta, reason, layers))
-                sent = True
-                yield out
-        if req.include_usage:
-            yield api.sse(api.usage_chunk(req.kind, rid, created, req.model, gen.usage()))
-        status = 200
-        yield api.SSE_DONE
-    except api.ApiError as err:
-        status = err.status
-        if not sent:
-            raise
-        yield api.sse(err.body()) + api.SSE_DONE  # the headers are gone: the error travels in the stream
-    finally:
-        gen.finish(status)
-
-
-async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    try:
-        yield first
-        async for item in rest:
-            yield item
-    finally:
-        await rest.aclose()
 
 
 # @serve.ingress freezes (cloudpickles) this app and the class's methods when the class is defined:
@@ -405,7 +275,7 @@ class Ingress:
                 first = await events.__anext__()  # a rejection still gets its HTTP status
             except api.ApiError as err:
                 return self._error(err, record=False)  # sse_events recorded it
-            return StreamingResponse(_prepend(first, events), media_type="text/event-stream",
+            return StreamingResponse(prepend(first, events), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         status = 499  # the client went away (nginx's code), unless set below
         try:

@@ -8,7 +8,7 @@ supervise and relaunch its tritonserver, run the control loop, push stats. Each 
 its server's gRPC address and its Ray node with its stats; the ingress reads the routes from the hub,
 picks the ready one with the fewest of its own requests in flight (the least-loaded rule Serve's
 router also applies), and streams. The chunks are the dicts ``Worker.generate`` yields, so
-``app.Generation`` serves both.
+``generation.Generation`` serves both.
 
 tritonserver listens on its machine's loopback, so only the workers on the ingress's own node are
 routes; with none of those ready (a Ray cluster whose other devices serve, or a server restarting) a

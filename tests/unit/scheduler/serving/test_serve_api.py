@@ -283,11 +283,11 @@ def test_serve_config_checks_name_the_field(tmp_path):
         BundleInfo.load(tmp_path)
 
 
-# -- ingress glue: worker chunks -> answers (fakes for the worker stream; app.py imports ray) -------------
+# -- ingress glue: worker chunks -> answers (fakes for the worker stream; generation.py imports ray) ------
 @pytest.fixture(scope="module")
-def app():
-    from scheduler.serving import app
-    return app
+def answers():
+    from scheduler.serving import generation
+    return generation
 
 
 class FakeStream:
@@ -319,11 +319,11 @@ def steps(text, reason="length", layer=3):
     return out
 
 
-def generation(app, raw, stream, kind="completion"):
+def generation(answers, raw, stream, kind="completion"):
     from scheduler.serving.metrics import ServeMetrics
     req = (api.parse_chat if kind == "chat" else api.parse_completion)(raw, LIMITS, encode)
     released = []
-    gen = app.Generation(stream, req, api.TextStream(decode, req.stop, lstrip=kind == "chat"),
+    gen = answers.Generation(stream, req, api.TextStream(decode, req.stop, lstrip=kind == "chat"),
                          ServeMetrics([3, 6], 12), 0.0, lambda: released.append(1))
     return gen, released
 
@@ -334,10 +334,10 @@ def requests_total(gen):
     return {s.labels["status"]: s.value for s in fams["smartexit_requests"].samples if s.name.endswith("_total")}
 
 
-def test_complete_aggregates_the_stream(app):
+def test_complete_aggregates_the_stream(answers):
     stream = FakeStream(steps("Hello world"))
-    gen, released = generation(app, body(prompt="Say", max_tokens=8), stream)
-    out = Completion.model_validate(asyncio.run(app.complete(gen, "cmpl-1")))
+    gen, released = generation(answers, body(prompt="Say", max_tokens=8), stream)
+    out = Completion.model_validate(asyncio.run(answers.complete(gen, "cmpl-1")))
     assert (out.choices[0].text, out.choices[0].finish_reason) == ("Hello world", "length")
     assert out.choices[0].model_extra["exit_layers"] == [3] * len(encode("Hello world"))
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(encode("Say")), len(encode("Hello world")))
@@ -347,33 +347,33 @@ def test_complete_aggregates_the_stream(app):
     assert released == [1] and requests_total(gen) == {"200": 1.0}
 
 
-def test_a_stop_string_ends_the_answer_and_cancels_the_worker(app):
+def test_a_stop_string_ends_the_answer_and_cancels_the_worker(answers):
     stream = FakeStream(steps("Hi END and more text"))
-    gen, _ = generation(app, body(prompt="x", stop="END"), stream)
-    out = asyncio.run(app.complete(gen, "cmpl-2"))
+    gen, _ = generation(answers, body(prompt="x", stop="END"), stream)
+    out = asyncio.run(answers.complete(gen, "cmpl-2"))
     assert (out["choices"][0]["text"], out["choices"][0]["finish_reason"]) == ("Hi ", "stop")
     assert stream.cancelled
 
 
-def test_worker_errors_become_http_errors(app):
+def test_worker_errors_become_http_errors(answers):
     from ray.exceptions import RayError
     overloaded = {"error": {"kind": "rejected", "code": "overloaded", "message": "queue full", "field": None,
                             "retry_after_s": 3.0}}
     for stream, status in ((FakeStream([overloaded]), 429), (FakeStream([], raise_after=RayError("died")), 503),
                            (FakeStream(steps("ab", reason="")), 503)):  # stream ended without a final chunk
-        gen, _ = generation(app, body(prompt="x"), stream)
+        gen, _ = generation(answers, body(prompt="x"), stream)
         with pytest.raises(api.ApiError) as info:
-            asyncio.run(app.complete(gen, "cmpl-3"))
+            asyncio.run(answers.complete(gen, "cmpl-3"))
         assert info.value.status == status
     assert info.value.headers() == {"Retry-After": "1"}
 
 
-def test_a_disconnect_cancels_the_worker_stream(app):
+def test_a_disconnect_cancels_the_worker_stream(answers):
     stream = FakeStream(steps("one two", reason=""), hang=True)
-    gen, _ = generation(app, body(prompt="x"), stream)
+    gen, _ = generation(answers, body(prompt="x"), stream)
 
     async def main():
-        task = asyncio.create_task(app.complete(gen, "cmpl-4"))
+        task = asyncio.create_task(answers.complete(gen, "cmpl-4"))
         await asyncio.sleep(0.05)
         task.cancel()  # what Serve does to the ingress request when the HTTP client goes away
         with pytest.raises(asyncio.CancelledError):
@@ -383,18 +383,18 @@ def test_a_disconnect_cancels_the_worker_stream(app):
     assert stream.cancelled
 
 
-def sse_events(app, gen):
+def sse_events(answers, gen):
     async def main():
-        return [e async for e in app.sse_events(gen, "chatcmpl-1")]
+        return [e async for e in answers.sse_events(gen, "chatcmpl-1")]
     raw = b"".join(asyncio.run(main()))
     assert raw.endswith(api.SSE_DONE)
     return [json.loads(e.removeprefix(b"data: ")) for e in raw.split(b"\n\n") if e and e != b"data: [DONE]"]
 
 
-def test_chat_stream_events(app):
+def test_chat_stream_events(answers):
     stream = FakeStream(steps(" Fine thanks\nUser: more"))
-    gen, released = generation(app, chat(stream=True, stream_options={"include_usage": True}), stream, "chat")
-    events = sse_events(app, gen)
+    gen, released = generation(answers, chat(stream=True, stream_options={"include_usage": True}), stream, "chat")
+    events = sse_events(answers, gen)
     chunks = [ChatCompletionChunk.model_validate(e) for e in events]
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Fine thanks"
@@ -405,23 +405,23 @@ def test_chat_stream_events(app):
     assert released == [1] and requests_total(gen) == {"200": 1.0}
 
 
-def test_completion_stream_events_and_errors(app):
-    gen, _ = generation(app, body(prompt="x", stream=True), FakeStream(steps("ab cd")))
-    events = sse_events(app, gen)
+def test_completion_stream_events_and_errors(answers):
+    gen, _ = generation(answers, body(prompt="x", stream=True), FakeStream(steps("ab cd")))
+    events = sse_events(answers, gen)
     assert "".join(e["choices"][0]["text"] for e in events) == "ab cd"
     assert [e["choices"][0]["finish_reason"] for e in events][-1] == "length"
     assert all(e["usage"] is None for e in events)  # no usage chunk unless asked
     # an error before the first event raises (the caller answers with its status) ...
-    gen, _ = generation(app, body(prompt="x", stream=True),
+    gen, _ = generation(answers, body(prompt="x", stream=True),
                         FakeStream([{"error": {"kind": "unavailable", "message": "down"}}]))
     with pytest.raises(api.ApiError, match="unavailable"):
-        sse_events(app, gen)
+        sse_events(answers, gen)
     assert requests_total(gen) == {"503": 1.0}
     # ... after it, it travels in the stream
     from ray.exceptions import RayError
-    gen, _ = generation(app, body(prompt="x", stream=True), FakeStream(steps("ab", reason=""),
+    gen, _ = generation(answers, body(prompt="x", stream=True), FakeStream(steps("ab", reason=""),
                                                                        raise_after=RayError("died")))
-    events = sse_events(app, gen)
+    events = sse_events(answers, gen)
     assert events[-1]["error"]["code"] == "unavailable" and requests_total(gen) == {"503": 1.0}
 
 
@@ -448,7 +448,7 @@ class FakePolicy:
         return self.action
 
 
-def test_control_step_applies_only_what_changed(app):
+def test_control_step_applies_only_what_changed():
     from scheduler.serving import worker
     client = FakeClient({"waiting": 2, "prefill_budget": 128, "max_running": 8})
     policy = FakePolicy(256, 8)
