@@ -44,6 +44,7 @@ from scheduler.serving.ingress_input import http_error, max_token_chars, parse_r
 from scheduler.serving.loopback import replica_grpc_on_loopback
 from scheduler.serving.metrics import CONTENT_TYPE, ServeMetrics
 from scheduler.serving.routes import Routes, TritonStream
+from scheduler.serving.text_stream import TextStream
 from scheduler.serving.worker import DEVICE_RESOURCE, HUB_TIMEOUT_S, Hub, Worker
 
 log = logging.getLogger(__name__)
@@ -261,7 +262,7 @@ class Ingress:
         except api.ApiError as err:
             return self._error(err)
         rid = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        text = api.TextStream(lambda ids: self._tok.decode(ids, skip_special_tokens=True), req.stop,
+        text = TextStream(lambda ids: self._tok.decode(ids, skip_special_tokens=True), req.stop,
                               lstrip=req.kind == "chat")
         try:
             stream, release = await self._open_stream(req.payload(rid, self._stop_ids))

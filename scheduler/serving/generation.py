@@ -15,12 +15,13 @@ from ray.serve.exceptions import BackPressureError, RayServeException
 
 from scheduler.serving import api
 from scheduler.serving.metrics import ServeMetrics
+from scheduler.serving.text_stream import TextStream
 
 
 class Generation:
     """One request's stream from a worker: text deltas, timing, token counts, metrics once at the end."""
 
-    def __init__(self, stream: Any, req: api.GenerationRequest, text: api.TextStream, metrics: ServeMetrics,
+    def __init__(self, stream: Any, req: api.GenerationRequest, text: TextStream, metrics: ServeMetrics,
                  t0: float, on_done: Callable[[], None]) -> None:
         self._stream, self.req, self.text, self._metrics, self.t0 = stream, req, text, metrics, t0
         self._on_done = on_done

@@ -15,7 +15,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from tokenizers import Tokenizer
 
 from edge.core.errors import ConfigError
-from scheduler.serving import api
+from scheduler.serving import api, text_stream
 from scheduler.serving.config import BundleInfo, ServeConfig
 
 # ray.serve's own pydantic models warn on import; not ours to fix
@@ -199,7 +199,7 @@ def test_error_bodies_and_retry_after():
 def test_incremental_detokenization_holds_back_split_characters():
     text = "café € 😀 ok"
     ids = encode(text)
-    detok = api.IncrementalDetokenizer(decode)
+    detok = text_stream.IncrementalDetokenizer(decode)
     deltas = [detok.push([i]) for i in ids]
     assert "".join(deltas) + detok.flush() == text
     assert not any("\ufffd" in d for d in deltas)
@@ -209,7 +209,7 @@ def test_incremental_detokenization_holds_back_split_characters():
 @settings(max_examples=60, deadline=None)
 @given(st.text(min_size=1, max_size=40), st.lists(st.integers(1, 4), min_size=1, max_size=40))
 def test_detokenized_deltas_concatenate_to_the_text(text, sizes):
-    ids, detok, out, i = encode(text), api.IncrementalDetokenizer(decode), [], 0
+    ids, detok, out, i = encode(text), text_stream.IncrementalDetokenizer(decode), [], 0
     for n in sizes * (len(ids) + 1):
         if i >= len(ids):
             break
@@ -220,20 +220,20 @@ def test_detokenized_deltas_concatenate_to_the_text(text, sizes):
 
 
 def test_stop_strings_across_chunks_and_hold_back():
-    m = api.StopMatcher(["\nUser:", "END"])
+    m = text_stream.StopMatcher(["\nUser:", "END"])
     assert m.push("Hel") == "Hel"
     assert m.push("lo\nUs") == "lo"            # "\nUs" may begin a stop string
     assert m.push("er: more") == "" and m.stopped
     assert m.push("anything") == "" and m.flush() == ""
-    m = api.StopMatcher(["\nUser:"])
+    m = text_stream.StopMatcher(["\nUser:"])
     assert m.push("ab\nU") == "ab" and m.push("nicorn") == "\nUnicorn"
-    m = api.StopMatcher(["xyz"])
+    m = text_stream.StopMatcher(["xyz"])
     assert m.push("ax") == "a" and m.flush() == "x"
-    assert api.StopMatcher([]).push("abc") == "abc"
+    assert text_stream.StopMatcher([]).push("abc") == "abc"
 
 
 def test_text_stream_trims_a_chat_reply_and_cuts_at_stop():
-    ts = api.TextStream(decode, ["\nUser:"], lstrip=True)
+    ts = text_stream.TextStream(decode, ["\nUser:"], lstrip=True)
     out = ts.push(encode(" Hi")) + ts.push(encode(" there\nUser: again"))
     assert out + ts.flush() == "Hi there" and ts.stopped and ts.text == "Hi there"
 
@@ -323,7 +323,7 @@ def generation(answers, raw, stream, kind="completion"):
     from scheduler.serving.metrics import ServeMetrics
     req = (api.parse_chat if kind == "chat" else api.parse_completion)(raw, LIMITS, encode)
     released = []
-    gen = answers.Generation(stream, req, api.TextStream(decode, req.stop, lstrip=kind == "chat"),
+    gen = answers.Generation(stream, req, text_stream.TextStream(decode, req.stop, lstrip=kind == "chat"),
                          ServeMetrics([3, 6], 12), 0.0, lambda: released.append(1))
     return gen, released
 
