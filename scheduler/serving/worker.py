@@ -143,7 +143,6 @@ class Worker:
         self._proc = None
         self._restarting = False
         self._backoff_s = cfg.restart_backoff_s
-        self._answered = time.monotonic()  # when tritonserver last answered a control op (or was (re)started)
         self._stats: dict | None = None
         # the policy's generation (set_policy counts them) and the last one a control tick ran: set_policy waits for it
         self._generation = self._acted = 0
@@ -166,6 +165,7 @@ class Worker:
                 raise
             url = self._proc.grpc_url
         self._client = TritonClient(url, timeout_s=cfg.triton_timeout_s)
+        self._answered = time.monotonic()  # when tritonserver last answered a control op, or came up (started: ready)
         self._ready = await self._client.ready()
         self._loop = asyncio.create_task(self._run(), name="smartexit-control")
 
