@@ -5,9 +5,9 @@ interface or to the machine's reachable address, and turns a loopback ``_node_ip
 Serve's replicas start their inter-deployment gRPC server on ``[::]:0``, every interface, whatever the node's
 address (Ray 2.60). Two switches keep a single-machine stack off the network:
 
-- :func:`loopback_ray` around ``ray.init``: Ray's own single-machine setting (``ENABLE_RAY_CLUSTER`` off, meant
-  for Windows and macOS, read on Linux too) makes the loopback address the node's address, and Ray's servers
-  bind there;
+- :func:`loopback_ray` around ``ray.init``, with :data:`LOOPBACK_RAY_ENV` in the environment Ray's processes start
+  with: Ray's own single-machine setting (``ENABLE_RAY_CLUSTER`` off, meant for Windows and macOS, read on Linux
+  too) makes the loopback address the node's address, and Ray's servers bind there;
 - :func:`replica_grpc_on_loopback` in each deployment's constructor (it runs in the replica's process before
   Serve starts that server): on a node whose address is loopback, Serve's replica server binds there too.
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from typing import Any, Callable, Iterator
 
 log = logging.getLogger("smartexit.serve")
@@ -33,27 +32,26 @@ def is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
+#: what a local Ray's processes must find in their environment when they start, for their servers to bind there
+LOOPBACK_RAY_ENV = {RAY_CLUSTER_ENV: "0"}
+
+
 @contextlib.contextmanager
 def loopback_ray() -> Iterator[None]:
-    """Start a local Ray inside this block and its servers listen on the loopback address: its processes
-    read :data:`RAY_CLUSTER_ENV` from the environment they start with (set for the block); this process
-    read it when it imported Ray, so its copy is switched for the block too (``ray.init`` resolves the node's
-    address here)."""
+    """``ray.init`` inside this block takes the loopback address as the node's: the processes it starts read
+    :data:`LOOPBACK_RAY_ENV` from their environment (the caller sets it for them: scheduler/serving/stack.py); this
+    process read that switch when it imported Ray, so its copy is switched for the block (``ray.init`` resolves the
+    node's address here)."""
     from ray._private import ray_constants
 
-    old_env, old = os.environ.get(RAY_CLUSTER_ENV), getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
+    old = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
     if old is None:
         log.warning("this Ray has no ENABLE_RAY_CLUSTER setting: its servers may listen beyond 127.0.0.1")
-    os.environ[RAY_CLUSTER_ENV] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
         yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = old
-        if old_env is None:
-            os.environ.pop(RAY_CLUSTER_ENV, None)
-        else:
-            os.environ[RAY_CLUSTER_ENV] = old_env
 
 
 def replica_grpc_on_loopback() -> None:

@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator
 
 from edge.core.errors import ConfigError, SmartExitError
 from scheduler.serving.config import DEVICE_RESOURCE, REPO_BUNDLE, ServeConfig
-from scheduler.serving.loopback import is_loopback, loopback_ray
+from scheduler.serving.loopback import LOOPBACK_RAY_ENV, is_loopback, loopback_ray
 
 
 def repository(run_dir: str | Path) -> Path:
@@ -116,6 +116,12 @@ def direct_ingress_env(port: int) -> dict[str, str]:
     return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
+
+
+def ray_start_env(cfg: ServeConfig, direct: bool) -> dict[str, str]:
+    """What a local Ray's processes must find in their environment when they start: direct ingress's settings
+    (``direct``), and for an API on a loopback host the switch that keeps Ray's servers there too."""
+    return {**(direct_ingress_env(cfg.port) if direct else {}), **(LOOPBACK_RAY_ENV if is_loopback(cfg.host) else {})}
 
 
 @contextlib.contextmanager
@@ -278,7 +284,7 @@ def serving_stack(run_dir: str | Path, cfg: ServeConfig, ray_address: str | None
     kwargs = dict(include_dashboard=False, configure_logging=True, logging_level="WARNING")
     if ray_address is None:
         local = loopback_ray() if is_loopback(cfg.host) else contextlib.nullcontext()
-        with local, _environ(direct_ingress_env(cfg.port) if direct else {}):
+        with local, _environ(ray_start_env(cfg, direct)):
             start_local_ray(lambda: ray.init(resources={DEVICE_RESOURCE: cfg.replicas}, **kwargs), ray.shutdown)
     else:
         ray.init(address=ray_address, **kwargs)

@@ -12,19 +12,37 @@ from ray.serve._private import replica
 from scheduler.serving import loopback
 
 
-def test_loopback_ray_switches_rays_single_machine_setting_for_the_block_only(monkeypatch):
-    monkeypatch.delenv(loopback.RAY_CLUSTER_ENV, raising=False)
+def test_loopback_ray_switches_rays_single_machine_setting_for_the_block_only():
     before = ray_constants.ENABLE_RAY_CLUSTER
     assert before is True  # Linux: Ray binds beyond the loopback address unless switched
     with loopback.loopback_ray():
-        assert os.environ[loopback.RAY_CLUSTER_ENV] == "0" and ray_constants.ENABLE_RAY_CLUSTER is False
+        assert ray_constants.ENABLE_RAY_CLUSTER is False
         from ray._private.services import get_node_ip_address
         assert get_node_ip_address() == "127.0.0.1"  # what ray.init gives its processes
-    assert loopback.RAY_CLUSTER_ENV not in os.environ and ray_constants.ENABLE_RAY_CLUSTER is before
-    monkeypatch.setenv(loopback.RAY_CLUSTER_ENV, "1")
+    assert ray_constants.ENABLE_RAY_CLUSTER is before
     with pytest.raises(RuntimeError), loopback.loopback_ray():
         raise RuntimeError("ray.init failed")
-    assert os.environ[loopback.RAY_CLUSTER_ENV] == "1" and ray_constants.ENABLE_RAY_CLUSTER is before
+    assert ray_constants.ENABLE_RAY_CLUSTER is before
+
+
+def test_a_local_rays_processes_start_with_the_switch_on_a_loopback_host_only(monkeypatch):
+    """The environment serving_stack starts a local Ray with: the switch for an API on 127.0.0.1 (the default),
+    beside direct ingress's settings; none for an API off loopback; the caller's own value back afterwards."""
+    from scheduler.serving.config import ServeConfig
+    from scheduler.serving.stack import _environ, direct_ingress_env, ray_start_env
+
+    cfg = ServeConfig(port=8123)
+    assert ray_start_env(cfg, direct=True) == {**direct_ingress_env(8123), loopback.RAY_CLUSTER_ENV: "0"}
+    assert ray_start_env(cfg, direct=False) == {loopback.RAY_CLUSTER_ENV: "0"}
+    assert loopback.RAY_CLUSTER_ENV not in ray_start_env(ServeConfig(host="0.0.0.0", api_key="k"), direct=False)
+    monkeypatch.delenv(loopback.RAY_CLUSTER_ENV, raising=False)
+    with _environ(ray_start_env(cfg, direct=False)):
+        assert os.environ[loopback.RAY_CLUSTER_ENV] == "0"
+    assert loopback.RAY_CLUSTER_ENV not in os.environ
+    monkeypatch.setenv(loopback.RAY_CLUSTER_ENV, "1")
+    with pytest.raises(RuntimeError), _environ(ray_start_env(cfg, direct=False)):
+        raise RuntimeError("ray.init failed")
+    assert os.environ[loopback.RAY_CLUSTER_ENV] == "1"
 
 
 @pytest.mark.parametrize("node, bound", [("127.0.0.1", "127.0.0.1:0"), ("10.0.0.5", "[::]:0")])
