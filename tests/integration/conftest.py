@@ -145,10 +145,12 @@ def descendant_listeners(root: int) -> list[tuple[str, int, str]]:
             continue
         try:
             fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        found += [(listening[fd], pid, cmd[:80]) for fd in fds if fd in listening]
+        # The program's own name first, not its path: a checkout's path is of any length (CI's is longer).
+        cmd = " ".join([Path(argv[0]).name, *argv[1:]]).strip()[:80]
+        found += [(listening[fd], pid, cmd) for fd in fds if fd in listening]
     return found
 
 
