@@ -19,9 +19,10 @@ on the real served stack, and the simulator against the real stack.
 4. The simulator against the stack's own noise: each validation load's schedule is served
    ``validation_repeats`` times, interleaved with the other loads, ``validation_fresh_stacks`` of them on
    a stack started for each (warmed first, as the first stack is by the edge runs); per load and metric
-   the simulator's error is divided by the served runs' spread (:func:`noise_check`: between runs on
-   different starts of the stack, as the simulator's serving path was fitted on another start, the
-   profile's; the spread on one stack and the ratio against it reported beside it);
+   the simulator's error is divided by the served runs' spread
+   (:func:`~scheduler.loadtest.bench_scheduler_validation.noise_check`: between runs on different starts of
+   the stack, as the simulator's serving path was fitted on another start, the profile's; the spread on one
+   stack and the ratio against it reported beside it);
    ``sim_error_vs_repeat_spread_max`` is the largest ratio (goal <= 1.5). The served runs at
    ``sla_check_share`` (0.8) of the edge must hold p95 TTFT and TPOT within the SLA
    (``p95_within_sla_at_0_8_edge``).
@@ -30,9 +31,10 @@ on the real served stack, and the simulator against the real stack.
    and the heuristics of ``overload_heuristics`` serve one schedule each, ``overload_repeats`` times, interleaved
    (every repeat runs every policy, the order rotated), with the same shedding rule, on the first stack started
    for a validation repeat, which they warm for its validation runs (else on the edge's stack, last): goodput ratios
-   per repeat, their median and range (:func:`overload_report`). The best constant action of the learned policy's
-   own grid (budget x admission limit, :func:`constant_actions`) serves beside them: a policy that only learned a
-   better constant is worth that constant.
+   per repeat, their median and range (:func:`~scheduler.loadtest.bench_scheduler_overload.overload_report`).
+   The best constant action of the learned policy's own grid (budget x admission limit,
+   :func:`~scheduler.loadtest.bench_scheduler_overload.constant_actions`) serves beside them: a policy that only
+   learned a better constant is worth that constant.
 
 Writes ``<run>/bench/scheduler.json`` (the report's ``scheduler`` section) and ``scheduler.md`` (and, with the
 real stack, ``scheduler_runs.json``: its fixed-budget runs' requests, for replays without a stack);
@@ -40,8 +42,7 @@ records stage ``bench_scheduler`` in the manifest.
 """
 from __future__ import annotations
 
-import asyncio
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,6 @@ import numpy as np
 
 from edge.core.artifacts import atomic_write_json, atomic_write_text
 from edge.core.errors import ConfigError
-from edge.runtime.settings import PREFILL_BUDGETS
 from scheduler.control.outcomes import summarize
 from scheduler.control.engine_model import PARAMS
 from scheduler.control.env import EnvConfig
@@ -57,99 +57,15 @@ from scheduler.control.evaluate import FIXED_PREFIX, WorkloadSpec, best_fixed, w
 from scheduler.control.latency import LatencyModel
 from scheduler.control.policies import FixedBudget
 from scheduler.control.registry import make_policy
-from scheduler.control.sim import ExitModel, SimConfig, simulate
-from scheduler.control.workload import SHARED_TRACE, Workload, read_workload_file
+from scheduler.control.sim import ExitModel, SimConfig
+from scheduler.control.workload import SHARED_TRACE, read_workload_file
+from scheduler.loadtest.bench_scheduler_config import ABLATED, LEARNED, BenchSchedulerConfig
+from scheduler.loadtest.bench_scheduler_overload import _by_policy, constant_actions, goodput_ceiling, overload_report, overload_setup
+from scheduler.loadtest.bench_scheduler_served import real_schedule, served
+from scheduler.loadtest.bench_scheduler_validation import noise_check, repeat_spread, sla_check, validate
 from scheduler.loadtest.serving_path import save_runs
 
-STAGE = "bench_scheduler"
-LEARNED = "ppo"
-ABLATED = "ppo-noexit"  # the learned policy without the exit-depth features
-HELD_OUT_PATTERNS = ("poisson", "bursty", "diurnal")
 RUNS_FILE = "scheduler_runs.json"  # the real stack's fixed-budget runs, as serving_path.save_runs writes them
-
-
-@dataclass
-class BenchSchedulerConfig:
-    run_dir: str = "artifacts/demo"
-    latency: str | None = None        # the latency model; None: <run>/scheduler/latency.json (`smartexit profile`)
-    policy: str | None = None         # the learned policy's folder; None: the shipped scheduler/assets/ppo
-    trace: str | None = None          # any CSV with the Azure trace's columns; None: the shared trace where it exists
-    patterns: list[str] = field(default_factory=lambda: list(HELD_OUT_PATTERNS))
-    seeds: list[int] = field(default_factory=lambda: [1001])   # workload seeds (training draws others)
-    sim_seeds: list[int] = field(default_factory=lambda: [0, 1])  # exit-depth draws: the spread is the noise
-    # the draws (exit depths, draft rounds) a served run's replay averages over: a replay is ~20 ms, and one
-    # draw's luck moved a replay's TPOT p50 by up to 18% (seed 0's, which the demo's one sim seed gave every
-    # validation, was the most pessimistic of ten on each of three calibration runs, 2026-12-05)
-    validation_seeds: list[int] = field(default_factory=lambda: list(range(8)))
-    loads: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0])
-    duration_s: float = 90.0          # simulated seconds of arrivals per run
-    budgets: list[int] = field(default_factory=lambda: list(PREFILL_BUDGETS))
-    heuristics: list[str] = field(default_factory=lambda: ["aimd", "maxdelay"])
-    sla_ttft_ms: float | None = None  # None: the SLA the policy was trained for
-    sla_tpot_ms: float | None = None
-    real: bool = True                 # the served runs (start the stack twice)
-    real_workload: str = "trace"      # which workload runs on the real stack (trace: poisson where no trace)
-    real_duration_s: float = 30.0
-    real_load: float | None = None    # None: the best fixed budget's SLA edge on real_workload in the simulator
-    validation_loads: list[float] = field(default_factory=lambda: [0.5, 0.8])  # shares of the edge's rate
-    validation_duration_s: float = 30.0
-    validation_repeats: int = 2       # served runs per validation load, interleaved: the real stack's own spread
-    # of those repeats, how many run each on a stack started for it (after the first stack stops, warmed by the
-    # edge's schedule served once, not measured); the others run on the edge runs' stack. The simulator is
-    # fitted on the profile's stack, another start: two starts of one stack on this 2-core VM ran decode steps
-    # 20% apart (1.57 and 1.88 ms per plain step at batch 1, 2026-12-05) where runs on one stack agreed within
-    # 0.2-8% on TPOT p50, so the spread its error is judged against is the one across starts (where there is one)
-    validation_fresh_stacks: int = 1
-    sla_check_share: float = 0.8      # the validation load whose served runs must hold p95 within the SLA
-    # load shedding (edge/runtime/host.py HostConfig.shed_late): the same rule for every policy, in the
-    # simulator and on every served stack; a shed request is a miss in goodput. None: as the policy trained
-    shed_late: bool | None = None
-    warmup_requests: int = 2
-    # past the edge: a schedule at ``overload`` x the edge's rate served by the learned policy, the best fixed budget
-    # of that load in the simulator (from the constant actions' run where the grid has no such load), the best
-    # constant action of the learned policy's grid there and ``overload_heuristics``, ``overload_repeats`` times
-    # interleaved (0: none served; the simulator's comparison with the best constant action at the edge and there is
-    # reported anyway). None: neither
-    overload: float | None = 2.0
-    overload_repeats: int = 3
-    overload_duration_s: float = 8.0
-    overload_heuristics: list[str] = field(default_factory=lambda: ["aimd"])
-    seed: int = 0
-    # the exit-depth ablation (issue 30): the learned policy trained and run without the exit-depth features
-    # (`make train-scheduler-ablation`), in the simulator grid beside the shipped one as ``ppo-noexit``.
-    # None: the shipped scheduler/assets/ppo_noexit where it exists; "": none
-    ablation_policy: str | None = None
-
-    def __post_init__(self) -> None:
-        if not self.loads or any(x <= 0 for x in self.loads):
-            raise ConfigError(f"bench scheduler: loads must be > 0, got {self.loads}")
-        if not self.budgets or any(b < 1 for b in self.budgets):
-            raise ConfigError(f"bench scheduler: budgets must be >= 1, got {self.budgets}")
-        if self.duration_s <= 0 or self.real_duration_s <= 0 or self.validation_duration_s <= 0:
-            raise ConfigError("bench scheduler: duration_s, real_duration_s and validation_duration_s must be > 0")
-        if self.validation_repeats < 1:
-            raise ConfigError(f"bench scheduler: validation_repeats must be >= 1, got {self.validation_repeats}")
-        if not 0 <= self.validation_fresh_stacks < self.validation_repeats:
-            raise ConfigError(f"bench scheduler: validation_fresh_stacks must be in [0, validation_repeats), got "
-                              f"{self.validation_fresh_stacks} of {self.validation_repeats} repeats")
-        if self.shed_late is not None and not isinstance(self.shed_late, bool):
-            raise ConfigError(f"bench scheduler: shed_late must be true, false or null, got {self.shed_late!r}")
-        if self.validation_loads and self.sla_check_share not in self.validation_loads:
-            raise ConfigError(f"bench scheduler: sla_check_share {self.sla_check_share} must be one of the "
-                              f"validation_loads {self.validation_loads} (its served runs are the check)")
-        if any(not 0 < x < 1 for x in self.validation_loads):
-            raise ConfigError(f"bench scheduler: validation_loads are shares of the edge's rate in (0, 1), got "
-                              f"{self.validation_loads}")
-        if self.overload is not None and not self.overload > 1:
-            raise ConfigError(f"bench scheduler: overload is a multiple of the edge's rate above 1 (or null), got "
-                              f"{self.overload}")
-        if self.overload_repeats < 0 or self.overload_duration_s <= 0:
-            raise ConfigError("bench scheduler: overload_repeats must be >= 0 and overload_duration_s > 0")
-        for h in self.overload_heuristics:
-            make_policy(h)  # an unknown name fails here, before anything runs
-        if not self.seeds or not self.sim_seeds or not self.validation_seeds:
-            raise ConfigError("bench scheduler: seeds, sim_seeds and validation_seeds must not be empty")
-        self.loads = sorted(float(x) for x in self.loads)
 
 
 # --------------------------------------------------------------------------- inputs
@@ -221,123 +137,6 @@ def policy_factories(cfg: BenchSchedulerConfig, learned: Any, ablated: Any = Non
     if ablated is not None:
         out[ABLATED] = lambda: ablated
     return out
-
-
-def load_ablation(cfg: BenchSchedulerConfig, learned: Any) -> Any:
-    """The learned policy trained without the exit-depth features (None where ``cfg.ablation_policy`` is "" or,
-    left at None, nothing is shipped).
-
-    Raises:
-        ConfigError: the folder named does not hold a policy; the policy holds no exit-depth feature at 0;
-            it was trained for another SLA than the shipped one (not the same comparison).
-    """
-    from scheduler.control.env import EXIT_FEATURES
-    from scheduler.control.learned import DEFAULT_DIR, LearnedPolicy
-
-    if cfg.ablation_policy == "":
-        return None
-    path = Path(cfg.ablation_policy) if cfg.ablation_policy else DEFAULT_DIR.parent / "ppo_noexit"
-    if cfg.ablation_policy is None and not (path / "policy.json").is_file():
-        return None
-    ablated = LearnedPolicy.load(path)
-    if not set(EXIT_FEATURES) <= set(ablated.masked):
-        raise ConfigError(f"bench scheduler: the ablation policy {path} sees the exit-depth features "
-                          f"{list(EXIT_FEATURES)}; train it with `make train-scheduler-ablation`")
-    for key in ("sla_ttft_ms", "sla_tpot_ms"):
-        a, b = ((p.meta.get("env") or {}).get("sim", {}).get(key) for p in (ablated, learned))
-        if a != b:
-            raise ConfigError(f"bench scheduler: the ablation policy {path} was trained for {key} {a}, the shipped "
-                              f"policy for {b}: retrain both with `make train-scheduler train-scheduler-ablation`")
-    return ablated
-
-
-def ablation_report(cells: dict, workloads: list[str], loads: list[float],
-                    collapsed: set[tuple[str, float]] = frozenset()) -> dict[str, Any] | None:
-    """The shipped learned policy's goodput over the same policy trained without the exit-depth features, per
-    (workload, load) cell of the grid (left out: cells where either has no goodput, and ``collapsed`` ones,
-    where the best fixed budget no longer serves its share of the offered rate, as the comparison with the
-    fixed budgets leaves them out): the ratios, their median and smallest, and the largest relative spread of
-    either policy's goodput over the exit-depth draws (sim_seeds; 0 with one draw)."""
-    ratios: dict[str, dict[str, float]] = {}
-    spread = []
-    for w in workloads:
-        for load in loads:
-            a, b = cells.get((w, load, LEARNED)), cells.get((w, load, ABLATED))
-            if (w, load) in collapsed or a is None or b is None or not b["goodput_rps"] or not a["goodput_rps"]:
-                continue
-            ratios.setdefault(w, {})[f"{load:g}"] = a["goodput_rps"] / b["goodput_rps"]
-            spread += [a["goodput_std"] / a["goodput_rps"], b["goodput_std"] / b["goodput_rps"]]
-    flat = [r for v in ratios.values() for r in v.values()]
-    if not flat:
-        return None
-    return {"ratios": ratios, "median": float(np.median(flat)), "min": float(min(flat)),
-            "seed_spread_rel_max": float(max(spread)) if spread else None}
-
-
-# --------------------------------------------------------------------------- the real stack
-
-def real_schedule(cfg: BenchSchedulerConfig, w: Workload) -> list:
-    """The workload's arrivals and lengths with prompts cut from the held-out split (bench serve's pool)."""
-    from scheduler.loadtest.bench_serve import BenchServeConfig, prompt_pool
-    from scheduler.loadtest.loadgen import requests_of
-
-    return requests_of(w, prompt_pool(BenchServeConfig(run_dir=cfg.run_dir)), cfg.seed)
-
-
-def _policy_settings(policy: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The serving settings of ``policy``. The learned policy runs alone: in control from the first tick
-    (the guard's first window is otherwise the heuristic's probe), no fallback, no online updates: what
-    is measured is the shipped policy."""
-    alone = {"guard": {"first": "learned", "window_s": 1e9}, "online_finetune": False} if policy == LEARNED else {}
-    return {"policy": policy, "policy_kwargs": kwargs, **alone}
-
-
-def served(cfg: BenchSchedulerConfig, env: EnvConfig, runs: list[tuple[str, dict[str, Any], list]]) -> list[list]:
-    """Served runs, one after another on one stack: ``runs`` = (policy, its kwargs, schedule) each, the
-    worker's policy switched between runs where it changes (:func:`scheduler.serving.stack.set_policy`).
-    One stack for every policy: no stack start between them (~15-25 s each on 2 cores), and no policy is
-    measured on a second stack started right after the first (on this 2-core VM that one ran slower)."""
-    from scheduler.loadtest.bench_serve import BenchServeConfig, http_run
-    from scheduler.serving.config import ServeConfig
-    from scheduler.serving.stack import free_port, serving_stack, set_policy
-
-    sla = {"default_sla_ttft_ms": env.sim.sla_ttft_ms, "default_sla_tpot_ms": env.sim.sla_tpot_ms}
-    first = _policy_settings(*runs[0][:2])
-    scfg = ServeConfig(shed_late=env.sim.shed_late, port=free_port(), **sla, **first)
-    bcfg = BenchServeConfig(run_dir=cfg.run_dir, sla_ttft_ms=env.sim.sla_ttft_ms, sla_tpot_ms=env.sim.sla_tpot_ms,
-                            warmup_requests=cfg.warmup_requests)
-    out, current = [], first
-    with serving_stack(cfg.run_dir, scfg, graceful=False) as url:
-        for policy, kwargs, schedule in runs:
-            wanted = _policy_settings(policy, kwargs)
-            if wanted != current:
-                set_policy(wanted)
-                current = wanted
-            out.append(asyncio.run(http_run(url, schedule, bcfg)))
-    return out
-
-
-VALIDATED = ("ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms", "tpot_p95_ms")
-
-
-def validate(latency: LatencyModel, exits: ExitModel, env: EnvConfig, results: list, policy: Any,
-             seeds: list[int]) -> dict[str, Any]:
-    """The served run replayed in the simulator (arrivals, prompt lengths, realized output lengths) with
-    the serving path ``smartexit profile`` measured on its own requests: measured vs simulated
-    percentiles and their relative errors."""
-    ok = [r for r in results if r.ok and r.tokens >= 1]
-    w = Workload(np.array([r.arrival_s for r in ok]), np.array([r.prompt_tokens for r in ok], np.int64),
-                 np.array([r.tokens for r in ok], np.int64), "the served run")
-    sla = (env.sim.sla_ttft_ms, env.sim.sla_tpot_ms)
-    real = summarize(results, *sla)
-    sims = []
-    for seed in seeds:
-        scfg = SimConfig(**{**env.sim.__dict__, "seed": seed})
-        sims.append(summarize(simulate(latency, exits, scfg, w, policy, env.tick_s).results(), *sla))
-    sim = {k: float(np.mean([s[k] for s in sims if s[k] is not None])) for k in VALIDATED}
-    rel = {k: abs(sim[k] - real[k]) / real[k] for k in VALIDATED if real[k]}
-    return {"measured": {k: real[k] for k in VALIDATED}, "simulated": sim, "rel_err": rel,
-            "max_rel_err": max(rel.values()) if rel else None, "requests": len(ok)}
 
 
 # --------------------------------------------------------------------------- main
@@ -443,214 +242,6 @@ def real_runs(cfg: BenchSchedulerConfig, env: EnvConfig, latency: LatencyModel, 
                 cfg.overload, load * cfg.overload * capacity, over["best_fixed_from"], over["best_constant"],
                 "the edge's stack, after its validation runs" if on_first else
                 "the stack started for the validation's fresh repeat, after one unmeasured run of their schedule")}
-
-
-def constant_actions(latency: LatencyModel, exits: ExitModel, env: EnvConfig, spec: WorkloadSpec, loads: list[float],
-                     capacity: float, duration_s: float, seeds: list[int], learned: Any) -> dict[str, dict[str, Any]]:
-    """In the simulator, every constant action of the learned policy's own action grid (``ACTIONS``: prefill budget x
-    admission limit; the fixed budgets of the grid above keep the limit at every slot) on ``spec`` at each of
-    ``loads`` (multiples of ``capacity``): the best one by goodput (mean over ``seeds``) and the learned policy's
-    goodput beside it, and the best of those with the widest admission limit (``best_all_slots``: the fixed budgets
-    of the grid, for a load the grid does not hold). A policy that only learned a better constant is no
-    better than that constant."""
-    from scheduler.control.env import ACTIONS
-    from scheduler.control.evaluate import cell_table, evaluate_grid
-
-    pols: dict[str, Any] = {constant_name(b, m): (lambda b=b, m=m: FixedBudget(b, min(m, env.sim.max_seqs)))
-                            for b, m in ACTIONS}
-    pols[LEARNED] = lambda: learned
-    widest = max(m for _, m in ACTIONS)  # the grid's fixed budgets admit this many (FixedBudget's default limit)
-    cells = cell_table(evaluate_grid(latency, exits, env, [spec], loads, pols, duration_s, seeds,
-                                     capacities={spec.name: capacity}))
-    out = {}
-    for load in loads:
-        g, best = max((c["goodput_rps"], p) for (_, lv, p), c in cells.items() if lv == load and p != LEARNED)
-        mine = cells[(spec.name, load, LEARNED)]["goodput_rps"]
-        _, slots = max((c["goodput_rps"], p) for (_, lv, p), c in cells.items() if lv == load and p != LEARNED
-                       and constant_kwargs(p)["max_running"] == widest)
-        out[f"x{load:g}"] = {"load": load, "best": best, "goodput_rps": g, "learned_goodput_rps": mine,
-                             "ratio": mine / g if g else None,
-                             "best_all_slots": f"{FIXED_PREFIX}{constant_kwargs(slots)['prefill_budget']}"}
-    return out
-
-
-CONSTANT_PREFIX = "const-"
-
-
-def constant_name(budget: int, limit: int) -> str:
-    return f"{CONSTANT_PREFIX}{budget}x{limit}"
-
-
-def constant_kwargs(name: str) -> dict[str, int]:
-    """The fixed policy's settings of a :func:`constant_name`."""
-    b, m = name[len(CONSTANT_PREFIX):].split("x")
-    return {"prefill_budget": int(b), "max_running": int(m)}
-
-
-def overload_plan(policies: list[str], repeats: int) -> list[tuple[int, str]]:
-    """(repeat, policy) in run order: every repeat runs every policy, the order rotated by the repeat, so a slow
-    minute of the machine lands on each policy in turn."""
-    n = len(policies)
-    return [(r, policies[(r + i) % n]) for r in range(repeats) for i in range(n)]
-
-
-def overload_setup(cfg: BenchSchedulerConfig, env: EnvConfig, spec: WorkloadSpec, cells: dict, load: float,
-                   capacity: float, consts: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """What runs past the edge: the schedule at ``cfg.overload`` x the edge's rate, the policies (the learned one,
-    the best fixed budget of that load in the simulator's grid, else in the constant actions' run (their budgets at
-    every slot), the best constant action of the learned policy's own grid there (``consts``,
-    :func:`constant_actions`; where it is not that fixed budget), and
-    ``cfg.overload_heuristics``), their serving settings and the interleaved plan."""
-    over = load * cfg.overload
-    grid = sorted({lv for (w, lv, _) in cells if w == spec.name and np.isclose(lv, over)})
-    fixed = best_fixed(cells, spec.name, grid[0])[0] if grid else consts[f"x{over:g}"]["best_all_slots"]
-    fixed_kw = {"prefill_budget": int(fixed[len(FIXED_PREFIX):]), "max_running": env.sim.max_seqs}
-    best_const = consts[f"x{over:g}"]["best"]
-    const_kw = constant_kwargs(best_const)
-    settings = {LEARNED: (LEARNED, {"path": cfg.policy}), fixed: ("fixed", fixed_kw)}
-    if const_kw != fixed_kw:
-        settings[best_const] = ("fixed", const_kw)
-    settings.update({h: (h, {}) for h in cfg.overload_heuristics})
-    policies = list(settings)
-    schedule = real_schedule(cfg, workload_for(spec, over * capacity, cfg.overload_duration_s, env))
-    return {"policies": policies, "settings": settings, "schedule": schedule, "best_fixed": fixed,
-            "best_fixed_from": f"the simulator at x{over:g}" + ("" if grid else " (the constant actions' run)"),
-            "best_constant": best_const if const_kw != fixed_kw else fixed,
-            "plan": overload_plan(policies, cfg.overload_repeats)}
-
-
-def _by_policy(plan: list[tuple[int, str]], summaries: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """Served runs' summaries by policy, in repeat order."""
-    out: dict[str, list[dict[str, Any]]] = {}
-    for (_, p), s in sorted(zip(plan, summaries), key=lambda x: x[0][0]):
-        out.setdefault(p, []).append(s)
-    return out
-
-
-def _spread(xs: list[float | None]) -> dict[str, Any]:
-    v = [x for x in xs if x is not None]
-    return {"median": float(np.median(v)) if v else None, "min": min(v) if v else None,
-            "max": max(v) if v else None, "per_repeat": xs}
-
-
-def overload_report(runs: dict[str, list[dict[str, Any]]], learned: str, fixed: str, factor: float, rate: float,
-                    fixed_from: str, constant: str | None = None, where: str = "") -> dict[str, Any]:
-    """The policies past the edge: per policy its goodput and SLA attainment over the repeats (median, range), and
-    the learned policy's goodput over each other policy's, taken within a repeat (the runs of one repeat sit side by
-    side in time), then their median and range. A repeat where the other policy met no request has no ratio (None);
-    ``ceiling_vs_best_fixed`` is 1 / the best fixed budget's attainment (every request within the SLA), per repeat.
-    ``runs``: :func:`scheduler.control.outcomes.summarize` results by policy, in repeat order; ``constant``: the best
-    constant action of the learned policy's grid in the simulator (the fixed budget's name where they coincide)."""
-    keys = ("requests", "errors", "sla_attainment", "goodput_rps", "ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms",
-            "tpot_p95_ms")
-    mine = [s["goodput_rps"] for s in runs[learned]]
-    ratios = {}
-    for p, ss in runs.items():
-        if p != learned:
-            ratios[p] = _spread([a / s["goodput_rps"] if s["goodput_rps"] else None for a, s in zip(mine, ss)])
-    return {"factor": factor, "rate_rps": rate, "learned": learned, "best_fixed": fixed, "best_fixed_from": fixed_from,
-            "best_constant": constant, "stack": where, "repeats": len(mine),
-            "runs": {p: [{k: s.get(k) for k in keys} for s in ss] for p, ss in runs.items()},
-            "goodput_rps": {p: _spread([s["goodput_rps"] for s in ss]) for p, ss in runs.items()},
-            "sla_attainment": {p: _spread([s["sla_attainment"] for s in ss]) for p, ss in runs.items()},
-            "ratio_vs": ratios,
-            "ceiling_vs_best_fixed": _spread([goodput_ceiling(s) for s in runs[fixed]])}
-
-
-def goodput_ceiling(best: dict[str, Any]) -> float | None:
-    """The most any policy's goodput can be against ``best`` (a run's ``summarize``) on the same schedule: every
-    request within the SLA, 1 / its attainment (goodput = requests met / the run's length; the length, first
-    send to last token, moves by the last requests' latencies only). The edge is where the best fixed budget meets
-    95% in the simulator, so there the ceiling is ~1.05 plus what the served stack falls short of the simulator.
-    None: it met none."""
-    attained = best["sla_attainment"]
-    return 1.0 / attained if attained else None
-
-
-def _rel_diff(a: float | None, b: float | None) -> float | None:
-    """|a - b| / their mean (symmetric: neither side is the truth); None where either is missing."""
-    return None if a is None or b is None or a + b <= 0 else abs(a - b) / ((a + b) / 2)
-
-
-def _median(xs: list[float | None]) -> float | None:
-    v = [x for x in xs if x is not None]
-    return float(np.median(v)) if v else None
-
-
-def noise_check(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The simulator judged against the served stack's own noise, per validation load and metric: the
-    served runs' spread (median over pairs of runs of one schedule of |a - b| / mean(a, b)) and the
-    simulator's error (median over the runs of the same statistic between a run and its replay), and
-    their ratio: 1 means the simulator lands as close to a served run as another served run does.
-    Runs carry the stack start they ran on (``stack``; 0 where absent): the spread is over pairs of runs on
-    different starts where there are such pairs (the simulator was fitted on another start: the profile's),
-    else over pairs on one; both are reported (``served_spread_across_starts``, ``served_spread_one_stack``)
-    with the ratio against the one-stack spread beside it. ``max_ratio`` is the largest over loads and
-    metrics (None without two runs at some load, or where a spread is 0). ``runs``: :func:`validate`'s
-    results with ``share_of_edge``."""
-    by_load: dict[float, list[dict[str, Any]]] = {}
-    for v in runs:
-        by_load.setdefault(v["share_of_edge"], []).append(v)
-    levels, ratios = [], []
-    for share, vs in sorted(by_load.items()):
-        pairs = [(i, j) for i in range(len(vs)) for j in range(i + 1, len(vs))]
-        across = [(i, j) for i, j in pairs if vs[i].get("stack", 0) != vs[j].get("stack", 0)]
-        within = [(i, j) for i, j in pairs if vs[i].get("stack", 0) == vs[j].get("stack", 0)]
-
-        def spread_of(ps: list[tuple[int, int]]) -> dict[str, float | None]:
-            return {k: _median([_rel_diff(vs[i]["measured"][k], vs[j]["measured"][k]) for i, j in ps])
-                    for k in VALIDATED}
-
-        spread_across, spread_within = spread_of(across), spread_of(within)
-        spread = spread_across if across else spread_within
-        err = {k: _median([_rel_diff(v["simulated"][k], v["measured"][k]) for v in vs]) for k in VALIDATED}
-        ratio = {k: err[k] / spread[k] if err[k] is not None and spread[k] else None for k in VALIDATED}
-        ratio_within = {k: err[k] / spread_within[k] if err[k] is not None and spread_within[k] else None
-                        for k in VALIDATED}
-        levels.append({"share_of_edge": share, "runs": len(vs), "starts": len({v.get("stack", 0) for v in vs}),
-                       "served_spread": spread, "served_spread_across_starts": spread_across if across else None,
-                       "served_spread_one_stack": spread_within if within else None, "sim_error": err,
-                       "ratio": ratio, "ratio_one_stack": ratio_within,
-                       "max_ratio": max((r for r in ratio.values() if r is not None), default=None)})
-        ratios += [ratio[k] for k in VALIDATED if err[k] is not None]
-    if not levels:
-        return None
-    complete = ratios and all(r is not None for r in ratios)
-    one = [r for lv in levels for r in lv["ratio_one_stack"].values()]
-    return {"levels": levels, "max_ratio": max(ratios) if complete else None,
-            "max_ratio_one_stack": max(one) if one and all(r is not None for r in one) else None,
-            "spread": "across starts" if any(lv["served_spread_across_starts"] for lv in levels) else "one stack"}
-
-
-def sla_check(summaries: list[dict[str, Any]], share: float, policy: str) -> dict[str, Any] | None:
-    """Whether every served run at ``share`` of the SLA edge held p95 TTFT and p95 time per output token
-    within the SLA with nothing refused (:func:`scheduler.control.evaluate.holds_sla`), with their p95s."""
-    from scheduler.control.evaluate import holds_sla
-
-    if not summaries:
-        return None
-    return {"share_of_edge": share, "policy": policy, "held": all(holds_sla(s) for s in summaries),
-            "runs": [{k: s[k] for k in ("ttft_p95_ms", "tpot_p95_ms", "errors", "sla_attainment")} for s in summaries],
-            "sla": summaries[0]["sla"]}
-
-
-def repeat_spread(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """How far served runs of one schedule land from each other: per validated metric, the largest
-    |a - b| / mean(a, b) over pairs of runs at one load (None without a repeat)."""
-    by_load: dict[float, list[dict[str, float]]] = {}
-    for v in runs:
-        by_load.setdefault(v["share_of_edge"], []).append(v["measured"])
-    diffs: dict[str, float] = {}
-    for ms in by_load.values():
-        for i in range(len(ms)):
-            for j in range(i + 1, len(ms)):
-                for k in VALIDATED:
-                    a, b = ms[i][k], ms[j][k]
-                    if a and b:
-                        diffs[k] = max(diffs.get(k, 0.0), abs(a - b) / ((a + b) / 2))
-    return {"rel_diff": diffs, "max_rel_diff": max(diffs.values())} if diffs else None
-
-
 
 
 def summary(report: dict[str, Any], cells: dict, real_w: str) -> dict[str, Any]:

@@ -181,8 +181,8 @@ def _rng(v: dict[str, Any], d: int = 2) -> str:
 
 
 def _overload_table(o: dict[str, Any], consts: dict[str, Any] | None = None) -> list[str]:
-    """The policies past the edge on the real stack (scheduler.loadtest.bench_scheduler.overload_report), and the
-    simulator's best constant actions (``constant_actions``) beside them."""
+    """The policies past the edge on the real stack (scheduler.loadtest.bench_scheduler_overload.overload_report),
+    and the simulator's best constant actions (``constant_actions``) beside them."""
     const = o.get("best_constant")
     out = [f"### Past the edge: x{o['factor']:g} of it, {o['rate_rps']:.2f} req/s", "",
            f"One schedule served by each policy {o['repeats']} times, interleaved (every repeat runs every policy, the "

@@ -10,7 +10,9 @@ from typing import Any
 from edge.core.artifacts import Manifest
 from scheduler.control.env import estimate_capacity
 from scheduler.control.evaluate import cell_table, compare, evaluate_grid, spec_capacity
-from scheduler.loadtest.bench_scheduler import BenchSchedulerConfig, LEARNED, STAGE, _env_dict, ablation_report, capacity_policy, env_config, load_ablation, load_inputs, policy_factories, predictor_report, real_runs, render_headline, summary, workload_specs, write_outputs
+from scheduler.loadtest.bench_scheduler import _env_dict, capacity_policy, env_config, load_inputs, policy_factories, predictor_report, real_runs, render_headline, summary, workload_specs, write_outputs
+from scheduler.loadtest.bench_scheduler_ablation import ablation_report, load_ablation
+from scheduler.loadtest.bench_scheduler_config import BenchSchedulerConfig, LEARNED, STAGE
 
 
 def main(cfg: BenchSchedulerConfig) -> int:

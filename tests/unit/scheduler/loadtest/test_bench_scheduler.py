@@ -1,4 +1,5 @@
-"""The scheduler benchmark's judgement of the simulator and of the SLA (scheduler/loadtest/bench_scheduler.py):
+"""The scheduler benchmark's judgement of the simulator and of the SLA (scheduler/loadtest/bench_scheduler.py
+and the bench_scheduler_*.py modules it calls):
 the simulator's error against the served stack's own repeat spread, per load, and the p95 check at 0.8x
 the SLA edge. The served runs themselves run in `make demo` (they need the stack)."""
 from __future__ import annotations
@@ -7,7 +8,9 @@ import numpy as np
 import pytest
 
 from edge.core.errors import ConfigError
-from scheduler.loadtest.bench_scheduler import VALIDATED, BenchSchedulerConfig, noise_check, sla_check, summary
+from scheduler.loadtest.bench_scheduler import summary
+from scheduler.loadtest.bench_scheduler_config import BenchSchedulerConfig
+from scheduler.loadtest.bench_scheduler_validation import VALIDATED, noise_check, sla_check
 from scheduler.loadtest.bench_scheduler_report import _real_tables
 
 
@@ -108,7 +111,7 @@ def test_the_summary_and_the_report_carry_both_checks():
 
 
 def test_the_goodput_ceiling_is_every_request_within_the_sla():
-    from scheduler.loadtest.bench_scheduler import goodput_ceiling
+    from scheduler.loadtest.bench_scheduler_overload import goodput_ceiling
 
     assert goodput_ceiling({"sla_attainment": 0.95}) == pytest.approx(1 / 0.95)
     assert goodput_ceiling({"sla_attainment": 1.0}) == 1.0 and goodput_ceiling({"sla_attainment": 0.0}) is None
@@ -130,7 +133,8 @@ def _cell(goodput: float, std: float = 0.0) -> dict:
 
 
 def test_the_exit_depth_ablation_is_the_goodput_ratio_per_cell_without_collapsed_ones():
-    from scheduler.loadtest.bench_scheduler import ABLATED, LEARNED, ablation_report
+    from scheduler.loadtest.bench_scheduler_ablation import ablation_report
+    from scheduler.loadtest.bench_scheduler_config import ABLATED, LEARNED
 
     cells = {("poisson", 0.5, LEARNED): _cell(2.0, 0.1), ("poisson", 0.5, ABLATED): _cell(1.6),
              ("poisson", 1.0, LEARNED): _cell(3.0), ("poisson", 1.0, ABLATED): _cell(3.0, 0.3),
@@ -150,7 +154,7 @@ def test_the_exit_depth_ablation_is_the_goodput_ratio_per_cell_without_collapsed
 def test_the_ablation_policy_must_lack_the_exit_features_and_share_the_sla(tmp_path):
     from scheduler.control.env import EXIT_FEATURES
     from scheduler.control.learned import LearnedPolicy, save_artifact
-    from scheduler.loadtest.bench_scheduler import load_ablation
+    from scheduler.loadtest.bench_scheduler_ablation import load_ablation
     from tests.unit.scheduler.control.test_learned import tiny_model
 
     sim = {"sla_ttft_ms": 500.0, "sla_tpot_ms": 50.0}
@@ -175,7 +179,7 @@ def _run(goodput: float, attainment: float, requests: int = 100, errors: int = 0
 
 
 def test_every_repeat_past_the_edge_runs_every_policy_in_a_rotated_order():
-    from scheduler.loadtest.bench_scheduler import overload_plan
+    from scheduler.loadtest.bench_scheduler_overload import overload_plan
 
     plan = overload_plan(["ppo", "fixed-256", "aimd"], 3)
     assert plan == [(0, "ppo"), (0, "fixed-256"), (0, "aimd"), (1, "fixed-256"), (1, "aimd"), (1, "ppo"),
@@ -186,7 +190,7 @@ def test_every_repeat_past_the_edge_runs_every_policy_in_a_rotated_order():
 def test_past_the_edge_the_learned_policys_goodput_is_compared_within_each_repeat():
     """Ratios are taken run against run of one repeat, then their median: repeat 1 is a slow minute for both
     (ppo 4 against 2), repeat 2 a fast one (9 against 3); pooled medians (6 / 2.5) would read another number."""
-    from scheduler.loadtest.bench_scheduler import _by_policy, overload_plan, overload_report
+    from scheduler.loadtest.bench_scheduler_overload import _by_policy, overload_plan, overload_report
 
     plan = overload_plan(["ppo", "fixed-256", "aimd"], 3)
     got = {("ppo", 0): _run(6.0, 0.3), ("fixed-256", 0): _run(2.5, 0.1), ("aimd", 0): _run(3.0, 0.12),
@@ -206,7 +210,7 @@ def test_past_the_edge_the_learned_policys_goodput_is_compared_within_each_repea
 
 def test_the_summary_and_both_reports_carry_the_runs_past_the_edge():
     from edge.pipeline.report import _scheduler_md
-    from scheduler.loadtest.bench_scheduler import _by_policy, overload_plan, overload_report
+    from scheduler.loadtest.bench_scheduler_overload import _by_policy, overload_plan, overload_report
     from scheduler.loadtest.bench_scheduler_report import _overload_table
 
     plan = overload_plan(["ppo", "fixed-256", "aimd"], 3)
@@ -251,7 +255,7 @@ def test_a_policy_that_is_one_constant_action_never_beats_the_best_constant_acti
     from scheduler.control.latency import FEATURES, LatencyModel
     from scheduler.control.policies import FixedBudget
     from scheduler.control.sim import ExitModel
-    from scheduler.loadtest.bench_scheduler import CONSTANT_PREFIX, constant_actions, constant_kwargs, constant_name
+    from scheduler.loadtest.bench_scheduler_overload import CONSTANT_PREFIX, constant_actions, constant_kwargs, constant_name
 
     lm = LatencyModel({f: 0.0 for f in FEATURES} | {"one": 1e-3, "decode_rows": 0.3e-3, "prefill_tokens": 0.15e-3},
                       12, [3, 9, 12])
@@ -272,7 +276,7 @@ def test_a_policy_that_is_one_constant_action_never_beats_the_best_constant_acti
 
 
 def test_the_best_constant_action_past_the_edge_is_reported_by_role_not_by_name():
-    from scheduler.loadtest.bench_scheduler import _by_policy, overload_plan, overload_report
+    from scheduler.loadtest.bench_scheduler_overload import _by_policy, overload_plan, overload_report
 
     plan = overload_plan(["ppo", "fixed-512", "const-512x4"], 3)
     runs = _by_policy(plan, [_run({"ppo": 6.0, "fixed-512": 2.0, "const-512x4": 6.0}[p] + r, 0.2) for r, p in plan])
