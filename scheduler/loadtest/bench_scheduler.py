@@ -60,7 +60,7 @@ from scheduler.control.registry import make_policy
 from scheduler.control.sim import ExitModel, SimConfig
 from scheduler.control.workload import SHARED_TRACE, read_workload_file
 from scheduler.loadtest.bench_scheduler_config import ABLATED, LEARNED, BenchSchedulerConfig
-from scheduler.loadtest.bench_scheduler_overload import _by_policy, constant_actions, goodput_ceiling, overload_report, overload_setup
+from scheduler.loadtest.bench_scheduler_overload import by_policy, constant_actions, goodput_ceiling, overload_report, overload_setup
 from scheduler.loadtest.bench_scheduler_served import real_schedule, served
 from scheduler.loadtest.bench_scheduler_validation import noise_check, repeat_spread, sla_check, validate
 from scheduler.loadtest.serving_path import save_runs
@@ -238,7 +238,7 @@ def real_runs(cfg: BenchSchedulerConfig, env: EnvConfig, latency: LatencyModel, 
             "goodput_ratio": ratio, "goodput_ceiling": goodput_ceiling(runs[name]),
             "constant_actions_sim": consts,
             "overload": None if over is None else overload_report(
-                _by_policy(over["plan"], [summarize(r, *sla) for r in over_res]), LEARNED, over["best_fixed"],
+                by_policy(over["plan"], [summarize(r, *sla) for r in over_res]), LEARNED, over["best_fixed"],
                 cfg.overload, load * cfg.overload * capacity, over["best_fixed_from"], over["best_constant"],
                 "the edge's stack, after its validation runs" if on_first else
                 "the stack started for the validation's fresh repeat, after one unmeasured run of their schedule")}

@@ -91,7 +91,7 @@ def overload_setup(cfg: BenchSchedulerConfig, env: EnvConfig, spec: WorkloadSpec
             "plan": overload_plan(policies, cfg.overload_repeats)}
 
 
-def _by_policy(plan: list[tuple[int, str]], summaries: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+def by_policy(plan: list[tuple[int, str]], summaries: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """Served runs' summaries by policy, in repeat order."""
     out: dict[str, list[dict[str, Any]]] = {}
     for (_, p), s in sorted(zip(plan, summaries), key=lambda x: x[0][0]):

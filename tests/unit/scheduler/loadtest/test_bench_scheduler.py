@@ -190,13 +190,13 @@ def test_every_repeat_past_the_edge_runs_every_policy_in_a_rotated_order():
 def test_past_the_edge_the_learned_policys_goodput_is_compared_within_each_repeat():
     """Ratios are taken run against run of one repeat, then their median: repeat 1 is a slow minute for both
     (ppo 4 against 2), repeat 2 a fast one (9 against 3); pooled medians (6 / 2.5) would read another number."""
-    from scheduler.loadtest.bench_scheduler_overload import _by_policy, overload_plan, overload_report
+    from scheduler.loadtest.bench_scheduler_overload import by_policy, overload_plan, overload_report
 
     plan = overload_plan(["ppo", "fixed-256", "aimd"], 3)
     got = {("ppo", 0): _run(6.0, 0.3), ("fixed-256", 0): _run(2.5, 0.1), ("aimd", 0): _run(3.0, 0.12),
            ("ppo", 1): _run(4.0, 0.2), ("fixed-256", 1): _run(2.0, 0.08), ("aimd", 1): _run(0.0, 0.0),
            ("ppo", 2): _run(9.0, 0.45), ("fixed-256", 2): _run(3.0, 0.125), ("aimd", 2): _run(4.5, 0.2)}
-    runs = _by_policy(plan, [got[(p, r)] for r, p in plan])
+    runs = by_policy(plan, [got[(p, r)] for r, p in plan])
     assert [s["goodput_rps"] for s in runs["ppo"]] == [6.0, 4.0, 9.0]  # in repeat order, whatever the run order
     o = overload_report(runs, "ppo", "fixed-256", 2.0, 33.0, "the simulator at x2")
     fixed = o["ratio_vs"]["fixed-256"]
@@ -210,11 +210,11 @@ def test_past_the_edge_the_learned_policys_goodput_is_compared_within_each_repea
 
 def test_the_summary_and_both_reports_carry_the_runs_past_the_edge():
     from edge.pipeline.report import _scheduler_md
-    from scheduler.loadtest.bench_scheduler_overload import _by_policy, overload_plan, overload_report
+    from scheduler.loadtest.bench_scheduler_overload import by_policy, overload_plan, overload_report
     from scheduler.loadtest.bench_scheduler_report import _overload_table
 
     plan = overload_plan(["ppo", "fixed-256", "aimd"], 3)
-    runs = _by_policy(plan, [_run({"ppo": 6.0, "fixed-256": 2.0, "aimd": 3.0}[p] + r, 0.2) for r, p in plan])
+    runs = by_policy(plan, [_run({"ppo": 6.0, "fixed-256": 2.0, "aimd": 3.0}[p] + r, 0.2) for r, p in plan])
     over = overload_report(runs, "ppo", "fixed-256", 2.0, 33.0, "the simulator at x2")
     served = {"sla_attainment": 1.0, "goodput_rps": 2.0, "requests": 10, "errors": 0}
     real = {"goodput_ratio": 1.0, "goodput_ceiling": 1.0, "runs": {"fixed-128": served, "ppo": served},
@@ -276,10 +276,10 @@ def test_a_policy_that_is_one_constant_action_never_beats_the_best_constant_acti
 
 
 def test_the_best_constant_action_past_the_edge_is_reported_by_role_not_by_name():
-    from scheduler.loadtest.bench_scheduler_overload import _by_policy, overload_plan, overload_report
+    from scheduler.loadtest.bench_scheduler_overload import by_policy, overload_plan, overload_report
 
     plan = overload_plan(["ppo", "fixed-512", "const-512x4"], 3)
-    runs = _by_policy(plan, [_run({"ppo": 6.0, "fixed-512": 2.0, "const-512x4": 6.0}[p] + r, 0.2) for r, p in plan])
+    runs = by_policy(plan, [_run({"ppo": 6.0, "fixed-512": 2.0, "const-512x4": 6.0}[p] + r, 0.2) for r, p in plan])
     over = overload_report(runs, "ppo", "fixed-512", 2.0, 33.0, "the simulator at x2", "const-512x4")
     consts = {"x1": {"load": 1.0, "ratio": 0.98}, "x2": {"load": 2.0, "ratio": 0.95}}
     real = {"goodput_ratio": 1.0, "goodput_ceiling": 1.0, "runs": {}, "validation": {}, "validation_below_edge": [],
