@@ -37,7 +37,7 @@ from edge.core.data import Split, TokenCorpus, load_split
 from edge.core.errors import ConfigError
 from edge.model.exits import MultiExitModel, load_multi_exit
 from edge.model.tokenizer import load_tokenizer
-from edge.pipeline.bench.decode import false_exits
+from edge.pipeline.bench.decode_measure import false_exits
 from edge.runtime.batch import run_batch
 from edge.pipeline.bench.float_graphs import float_graphs
 from edge.pipeline.bench.llamacpp_gguf import SAME_PRECISION

@@ -12,7 +12,7 @@ From them, per check point at batch 1 and 16, in layer-equivalents (one layer = 
 ``check`` = (checks - split) / (segments - 1), the nodes a check adds inside a call (the decision
 itself), and ``boundary`` = (split - full) / (segments - 1), cutting a call in two. The engine's own
 work around each call (host) is measured by the decode benchmark on whole steps
-(edge/pipeline/bench/decode.py).
+(edge/pipeline/bench/decode_measure.py).
 
 The pieces are public for benchmarks that time more chains on the same sessions in the same
 interleaved loop (edge/pipeline/bench/projection.py): :func:`split_graphs`, :func:`decision_chains`,

@@ -24,7 +24,7 @@ from edge.runtime.batch import RunResult
 
 
 class Systems(Protocol):
-    """What the sweep needs of the decode benchmark's systems (edge.pipeline.bench.decode.Systems)."""
+    """What the sweep needs of the decode benchmark's systems (edge.pipeline.bench.decode_systems.Systems)."""
 
     def run(self, name: str, prompts: list[list[int]], n: int, group: int | None = None,
             spec: SpecConfig | None = None) -> RunResult: ...
@@ -160,7 +160,7 @@ def run_paired(run_full: Callable[[], RunResult], run_spec: Callable[[SpecConfig
 
 def variant_row(full: list[RunResult], spec: list[RunResult]) -> dict[str, Any]:
     """A variant's paired speedup over (c) (median over repeats of (c)'s seconds / the variant's, the
-    pairing of :func:`edge.pipeline.bench.decode.paired_ratio`), its pooled round counts and its
+    pairing of :func:`edge.pipeline.bench.decode_measure.paired_ratio`), its pooled round counts and its
     mismatches against (c)."""
     stats = pool_stats([d for r in spec for d in r.spec_stats]) or {}
     bad = [token_mismatches(s.tokens, f.tokens) for f, s in zip(full, spec)]

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from edge.pipeline.bench.decode import DecodeBenchConfig, applicable, paired_ratio, summarise
+from edge.pipeline.bench.decode_config import DecodeBenchConfig
+from edge.pipeline.bench.decode_measure import paired_ratio, summarise
+from edge.pipeline.bench.decode_systems import applicable
 from edge.runtime.batch import RunResult
 from edge.core.errors import ConfigError
 
@@ -61,7 +63,7 @@ def test_goals_say_whether_met_and_by_how_much():
 
 
 def test_layers_computed_counts_recomputation():
-    from edge.pipeline.bench.decode import layers_computed
+    from edge.pipeline.bench.decode_measure import layers_computed
     from edge.runtime.engine import KVMode
 
     exits = [3, 12, 9, 12]
@@ -133,7 +135,7 @@ def test_token_stamps_time_each_token_and_bursts_of_assisted_decoding():
     puts them together, so they arrive together (k - 1 gaps of 0)."""
     import torch
 
-    from edge.pipeline.bench.decode import TokenStamps
+    from edge.pipeline.bench.decode_systems import TokenStamps
 
     s = TokenStamps()
     s.put(torch.zeros(1, 5, dtype=torch.long))  # the prompt: not a generated token
