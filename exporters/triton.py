@@ -29,7 +29,7 @@ from edge.core.artifacts import Manifest, atomic_dir, atomic_write_json, sha256_
 from edge.core.errors import ArtifactError, ConfigError
 from edge.runtime.audit import AuditConfig
 from edge.runtime.engine import EngineConfig
-from edge.runtime.host import HostConfig
+from edge.runtime.host_types import HostConfig
 from edge.runtime.settings import MAX_RUNNING, MAX_SEQS, PREFILL_BUDGET, SLA_TPOT_MS, SLA_TTFT_MS
 
 STAGE = "repo"

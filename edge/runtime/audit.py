@@ -2,7 +2,7 @@
 
 The threshold table certifies the false-exit rate on the distribution it was calibrated on; served
 traffic drifts. The server re-decodes a random fraction of the tokens it served in mode ``bounded``
-at full depth (:mod:`edge.runtime.host`) and feeds the verdicts here. A token that reached the last
+at full depth (:mod:`edge.runtime.host_audit`) and feeds the verdicts here. A token that reached the last
 layer cannot exit falsely: it is counted as audited and correct at no cost, so the pooled rate is
 the per-token rate the certificate speaks of (false exits / tokens), not a rate among exited tokens.
 

@@ -30,13 +30,14 @@ import numpy as np
 
 from edge.core.errors import ConfigError
 from edge.core.stats import due_time, on_time, p95_ms, sla_met  # the host's own statistics: one definition live and simulated
-from edge.runtime.host import FRONT_WINDOW_S, HostConfig
+from edge.runtime.host_steplog import FRONT_WINDOW_S
+from edge.runtime.host_types import HostConfig
 from edge.runtime.settings import MAX_RUNNING, MAX_SEQS, PREFILL_BUDGET, SLA_TPOT_MS, SLA_TTFT_MS, clamp_budget
 from scheduler.control.latency import LatencyModel
 from scheduler.control.outcomes import RequestResult
 from scheduler.control.workload import Workload
 
-EMA = 0.3           # the host's weight of the newest exit layer in a request's predicted depth (edge/runtime/host.py)
+EMA = 0.3           # the host's weight of the newest exit layer in a request's predicted depth (edge/runtime/host_sla.py)
 RECENT = 32         # finished requests behind the recent tail latencies (the host keeps as many)
 RATE_WINDOW_S = 5.0  # arrivals counted for the recent arrival rate
 # decode batch sizes whose plain steps and draft rounds are counted apart (SimConfig.decode_rounds): a round of
@@ -174,12 +175,12 @@ class SimConfig:
     # and each call's cost grows with its batch's context; one price for all batches put two rounds at batch 2
     # at 1.35x the served step (2026-12-05)
     round_ms_by_batch: dict[str, float] | None = None
-    # the host's online false-exit audit (edge/runtime/host.py): each early-exited token is sampled with
+    # the host's online false-exit audit (edge/runtime/host_audit.py): each early-exited token is sampled with
     # this probability and re-decoded at full depth as a one-token request over its whole prefix, one at
     # a time, admitted only when nothing waits and a slot is free; at most audit_max_pending queued
     audit_fraction: float = 0.0
     audit_max_pending: int = 64
-    # the host's load shedding (edge/runtime/host.py HostConfig.shed_late): a request still waiting when
+    # the host's load shedding (edge/runtime/host.py, HostConfig.shed_late): a request still waiting when
     # its TTFT deadline passes is refused then (a 429: a miss, never dropped silently)
     shed_late: bool = HostConfig.shed_late
     seed: int = 0

@@ -75,7 +75,7 @@ def audit_run(bundle: Path, prompts: list[list[int]], cfg: BenchAuditConfig, tag
     bounded requests at full depth and drafts take the tokens the rule would let leave, so there would be little
     to audit (measured: 5 exits in 1,152 tokens, none on the word salad)."""
     from scheduler.serving.bundle import open_bundle
-    from edge.runtime.host import GenRequest
+    from edge.runtime.host_types import GenRequest
 
     rule_alone = {} if as_served else {"exit_gate": False, "bounded_drafts": False}
     host = open_bundle(bundle, threads=cfg.threads, rule_edit=rule_edit, **rule_alone,

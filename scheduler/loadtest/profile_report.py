@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from edge.runtime.host import FRONT_WINDOW_S
+from edge.runtime.host_steplog import FRONT_WINDOW_S
 from scheduler.control.latency import FEATURES
 
 UNITS = {"one": "per busy step", "decode_calls": "per decode segment call", "decode_rows": "per decode row",

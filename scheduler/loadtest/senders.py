@@ -270,7 +270,7 @@ class InProcessSender:
         self.stop_ids = tuple(stop_ids)
 
     async def __call__(self, req: ScheduledRequest) -> RequestResult:
-        from edge.runtime.host import GenRequest, HostError
+        from edge.runtime.host_types import GenRequest, HostError
 
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()

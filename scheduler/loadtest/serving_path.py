@@ -137,7 +137,7 @@ def replay_pool(workers: int | None = None) -> Iterator[ReplayPool | None]:
 
 
 def read_step_log(path: str | Path, keep: Sequence[tuple[int, int]] | None = None) -> list[dict[str, Any]]:
-    """The step log's lines (edge/runtime/host.py ``_log_step``); with ``keep``, only those whose 0-based
+    """The step log's lines (edge/runtime/host_steplog.py ``step_line``); with ``keep``, only those whose 0-based
     line number lies in one of its ranges [start, end). Raises ConfigError: missing or malformed."""
     path = Path(path)
     if not path.is_file():

@@ -88,7 +88,7 @@ class ServeConfig:
     stats_ttl_s: float = 10.0               # a worker silent this long drops out of /metrics, /health
     tps_window_s: float = 10.0              # smartexit_tokens_per_second averages over this window
     log_level: str = "WARNING"              # Ray Serve's replica logs (INFO: one access line per request)
-    # a JSONL file the served engine appends one line per step to (edge/runtime/host.py HostConfig.step_log;
+    # a JSONL file the served engine appends one line per step to (edge/runtime/host_types.py HostConfig.step_log;
     # `smartexit profile` reads it); tritonservers this app starts only; None: no log
     step_log: str | None = None
     # each worker's power meter (edge.energy.detect.open_meter's kind: "auto" picks what the device has);

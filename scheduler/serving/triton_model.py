@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils  # only inside tritonserver's python stub
 
-from edge.runtime.host import Chunk, GenRequest, HostError, merge_chunks
+from edge.runtime.host_types import Chunk, GenRequest, HostError, merge_chunks
 from scheduler.serving.bundle import open_bundle
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL

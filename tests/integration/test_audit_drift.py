@@ -29,7 +29,8 @@ from edge.pipeline.run import open_run
 from edge.pipeline.cli import main as cli
 from edge.runtime.audit import AuditConfig
 from edge.runtime.engine import EngineConfig
-from edge.runtime.host import EngineHost, GenRequest, HostConfig
+from edge.runtime.host import EngineHost
+from edge.runtime.host_types import GenRequest, HostConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -88,7 +88,7 @@ def test_the_bundle_carries_bounded_drafts_to_the_served_engine(repo):
 def _host_generate(host, prompt: list[int], max_tokens: int = 10) -> list:
     import threading
 
-    from edge.runtime.host import GenRequest
+    from edge.runtime.host_types import GenRequest
 
     chunks, done = [], threading.Event()
 

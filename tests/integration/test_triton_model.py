@@ -156,7 +156,7 @@ def stream(server):
 
 def in_process(bundle: Path, prompt: list[int], max_tokens: int, mode: str) -> list:
     """The engine host over the same bundle, in this process: its chunks for one greedy request."""
-    from edge.runtime.host import GenRequest
+    from edge.runtime.host_types import GenRequest
     from scheduler.serving.bundle import open_bundle
 
     host = open_bundle(bundle).start()

@@ -12,7 +12,8 @@ import pytest
 
 from edge.runtime.audit import AuditConfig, AuditEstimate, clopper_pearson
 from edge.runtime.engine import Engine, EngineConfig, Request
-from edge.runtime.host import Chunk, EngineHost, GenRequest, HostConfig, HostError
+from edge.runtime.host import EngineHost
+from edge.runtime.host_types import Chunk, GenRequest, HostConfig, HostError
 from edge.runtime.rules import ConfidenceRule
 from edge.runtime.torch_backend import TorchBackend
 from tests.unit.edge.runtime.test_engine import _model, _prompts
@@ -257,7 +258,7 @@ def test_clopper_pearson_matches_known_values():
 
 
 def test_merge_chunks_keeps_each_requests_order_and_end():
-    from edge.runtime.host import merge_chunks
+    from edge.runtime.host_types import merge_chunks
 
     chunks = [Chunk("a", [1], [3]), Chunk("b", [7], [12]), Chunk("a", [2, 3], [9, 12]),
               Chunk("b", [], [], "cancelled"), Chunk("a", [4], [3], "length")]

@@ -14,7 +14,8 @@ from calibration.table import ThresholdTable
 from edge.core.errors import ArtifactError, ConfigError
 from edge.runtime.audit import AuditConfig, AuditEstimate
 from edge.runtime.engine import Engine, EngineConfig, Request
-from edge.runtime.host import EngineHost, HostConfig
+from edge.runtime.host import EngineHost
+from edge.runtime.host_types import HostConfig
 from edge.runtime.portable_backend import profile_max_chunk
 from edge.runtime.torch_backend import TorchBackend
 from exporters.tensorrt import EngineBuildConfig, profile_shapes, trtexec_argv

@@ -115,7 +115,8 @@ def test_propagate_gives_no_verdicts():
 def _audited_host(verdicts: bool, fraction: float = 0.0):
     """A host that audits and never falls back (these tests count; the per-token trigger after 10,000 tokens)."""
     from edge.runtime.audit import AuditConfig
-    from edge.runtime.host import EngineHost, HostConfig
+    from edge.runtime.host import EngineHost
+    from edge.runtime.host_types import HostConfig
 
     cfg = HostConfig(engine=EngineConfig(max_seqs=2, max_running=1, max_len=96, kv_mode=KVMode.DEFER),
                      audit=AuditConfig(fraction=fraction, verdicts=verdicts, min_tokens=10_000, max_pending=10_000,
@@ -126,7 +127,7 @@ def _audited_host(verdicts: bool, fraction: float = 0.0):
 def _serve_audited(verdicts: bool, prompts, max_tokens: int, settled):
     """Serve ``prompts`` on an audited host, wait until ``settled(audit stats)`` (the re-decodes run in spare
     capacity after the requests); (the streamed chunks, the audit's stats, its per-request losses)."""
-    from edge.runtime.host import GenRequest
+    from edge.runtime.host_types import GenRequest
     from tests.unit.edge.runtime.test_host import Sink
 
     host, sink = _audited_host(verdicts), Sink(len(prompts))
@@ -274,7 +275,8 @@ def test_a_host_that_audits_whole_requests_falls_back_on_the_requests_test():
     few requests and later bounded requests run at full depth."""
     from edge.core.errors import ConfigError
     from edge.runtime.audit import AuditConfig, Trigger
-    from edge.runtime.host import EngineHost, GenRequest, HostConfig
+    from edge.runtime.host import EngineHost
+    from edge.runtime.host_types import GenRequest, HostConfig
     from tests.unit.edge.runtime.test_host import Sink
 
     def host(kv_mode, **audit):

@@ -19,7 +19,8 @@ from edge.core.artifacts import sha256_file
 from edge.core.errors import ConfigError
 from edge.runtime.backend import make_backend
 from edge.runtime.graphs import load_graphs_json
-from edge.runtime.host import Chunk, EngineHost, GenRequest, HostConfig
+from edge.runtime.host import EngineHost
+from edge.runtime.host_types import Chunk, GenRequest, HostConfig
 from edge.runtime.engine import EngineConfig
 from edge.runtime.portable_backend import ENGINES_JSON, OrtGraphRunner
 from edge.runtime.rules import ConfidenceRule

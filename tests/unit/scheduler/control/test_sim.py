@@ -67,7 +67,7 @@ def test_the_front_ends_work_slows_the_engine_while_requests_arrive():
     seconds adds its factor to the decode slowdown: a lone request decodes at the base speed, the same
     request among a burst of arrivals slower by the burst's size, and a request alone again once the
     window has passed (the host's step log counts the same arrivals: scheduler/loadtest/serving_path.py)."""
-    from edge.runtime.host import FRONT_WINDOW_S
+    from edge.runtime.host_steplog import FRONT_WINDOW_S
 
     lm = _lm(one=1e-3)
     lone = _w([0.0], [8], [11])

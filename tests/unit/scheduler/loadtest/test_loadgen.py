@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from edge.core.errors import ConfigError
-from edge.runtime.host import Chunk, HostError
+from edge.runtime.host_types import Chunk, HostError
 from scheduler.loadtest.loadgen import ScheduledRequest, build_schedule, map_lengths, run_open_loop, window
 from scheduler.control.outcomes import RequestResult
 from scheduler.loadtest.senders import (HttpSender, InProcessSender, SSEDecoder, StreamReader, completion_body, error_from_body,
@@ -326,7 +326,8 @@ def test_inprocess_run_on_a_real_host():
     """The schedule on an EngineHost (tiny random torch model): every request completes with its tokens,
     and an invalid one (prompt + output beyond max_len) is refused with the host's error code."""
     from edge.runtime.engine import EngineConfig
-    from edge.runtime.host import EngineHost, HostConfig
+    from edge.runtime.host import EngineHost
+    from edge.runtime.host_types import HostConfig
     from edge.runtime.rules import ConfidenceRule
     from edge.runtime.torch_backend import TorchBackend
     from tests.unit.edge.runtime.test_engine import _model, _prompts
