@@ -48,7 +48,7 @@ class BenchSchedulerConfig:
     # 0.2-8% on TPOT p50, so the spread its error is judged against is the one across starts (where there is one)
     validation_fresh_stacks: int = 1
     sla_check_share: float = 0.8      # the validation load whose served runs must hold p95 within the SLA
-    # load shedding (edge/runtime/host.py HostConfig.shed_late): the same rule for every policy, in the
+    # load shedding (edge/runtime/host_types.py HostConfig.shed_late): the same rule for every policy, in the
     # simulator and on every served stack; a shed request is a miss in goodput. None: as the policy trained
     shed_late: bool | None = None
     warmup_requests: int = 2
