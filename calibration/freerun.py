@@ -45,7 +45,7 @@ from calibration.collect import Collected, collect_engine, collect_units, genera
 from edge.runtime.backend import Backend
 from edge.runtime.torch_backend import TorchBackend
 from edge.runtime.batch import run_batch
-from edge.runtime.engine import KVMode
+from edge.runtime.engine_config import KVMode
 from edge.core.errors import ConfigError
 from edge.model.exits import MultiExitModel
 from edge.runtime.rules import NeverExit

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from calibration import certify as cert
 from calibration.risk import NEVER_EXIT
-from edge.runtime.engine import KVMode
+from edge.runtime.engine_config import KVMode
 
 
 class KVChoice(str, enum.Enum):

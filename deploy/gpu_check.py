@@ -159,7 +159,8 @@ def _engine_run(backend, rule, cfg, prompts: list[list[int]], steps: int, sync, 
     """One engine run of ``prompts`` (``steps`` tokens each, ``mode`` default bounded): decode seconds (from
     the step in which every request has its first token), each request's tokens in submission order, and
     the exit layers of the tokens emitted after that step."""
-    from edge.runtime.engine import Engine, Mode, Request
+    from edge.runtime.engine import Engine
+    from edge.runtime.request import Mode, Request
 
     eng = Engine(backend, cfg, rule)
     ids = [eng.submit(Request(p, steps, mode=mode or Mode.BOUNDED)) for p in prompts]
@@ -188,7 +189,7 @@ def engine_runs(model, batches: list[int], prompt: int, steps: int, dtype: str, 
     cuda = device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
-    from edge.runtime.engine import EngineConfig
+    from edge.runtime.engine_config import EngineConfig
     from edge.runtime.rules import ConfidenceRule
     from edge.runtime.static_backend import StaticTorchBackend
 
@@ -249,7 +250,8 @@ def _rotate(systems: dict[str, tuple], groups: list[list[list[int]]], steps: int
     joules per token over its windows (None without a meter)."""
     import numpy as np
 
-    from edge.runtime.engine import EngineConfig, Mode
+    from edge.runtime.engine_config import EngineConfig
+    from edge.runtime.request import Mode
 
     batch = len(groups[0])
     longest = max(len(p) for g in groups for p in g)

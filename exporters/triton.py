@@ -28,7 +28,7 @@ from typing import Any
 from edge.core.artifacts import Manifest, atomic_dir, atomic_write_json, sha256_file
 from edge.core.errors import ArtifactError, ConfigError
 from edge.runtime.audit import AuditConfig
-from edge.runtime.engine import EngineConfig
+from edge.runtime.engine_config import EngineConfig
 from edge.runtime.host_types import HostConfig
 from edge.runtime.settings import MAX_RUNNING, MAX_SEQS, PREFILL_BUDGET, SLA_TPOT_MS, SLA_TTFT_MS
 

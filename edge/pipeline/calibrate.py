@@ -61,7 +61,7 @@ from edge.model.windows import base_model_metrics
 from calibration.freerun import FreeRun, Served, free_run, free_run_until, full_depth_run
 from edge.pipeline.run import open_run
 from calibration.statement import KVChoice, choose_shipped, statement
-from edge.runtime.engine import KVMode
+from edge.runtime.engine_config import KVMode
 from edge.runtime.settings import EPSILON
 
 STAGE = "calibrate"

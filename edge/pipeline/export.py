@@ -105,7 +105,7 @@ def greedy_continuations(graphs_full: Path, model: MultiExitModel, threads: int,
     Runtime (its fused graphs), else the torch model's (an export without them)."""
     from edge.runtime.backend import make_backend
     from edge.runtime.batch import run_batch
-    from edge.runtime.engine import KVMode
+    from edge.runtime.engine_config import KVMode
     from edge.runtime.graphs import load_graphs_json
     from edge.runtime.rules import NeverExit
 

@@ -156,7 +156,9 @@ def engine_generate(cfg: GenerateConfig) -> int:
     from edge.core.artifacts import Manifest
     from edge.model.tokenizer import load_tokenizer
     from edge.runtime.backend import make_backend
-    from edge.runtime.engine import Engine, EngineConfig, Mode, Request
+    from edge.runtime.engine import Engine
+    from edge.runtime.engine_config import EngineConfig
+    from edge.runtime.request import Mode, Request
     from edge.runtime.speculative import SpecConfig
 
     manifest = Manifest(cfg.run_dir)

@@ -21,7 +21,7 @@ from edge.core.data import Document, Split, heldout_prompts, load_split
 from edge.core.errors import ConfigError
 from edge.model.exits import MultiExitModel
 from edge.model.tokenizer import load_tokenizer
-from edge.runtime.engine import KVMode
+from edge.runtime.engine_config import KVMode
 
 
 @dataclass

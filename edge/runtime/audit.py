@@ -11,7 +11,7 @@ treating audited tokens as independent draws. Tokens of one request are correlat
 fraction across many requests weakens that, but the bound is an estimate of drift, not a new
 certificate.
 
-With deferral (the K/V mode that ships) the engine judges exits itself (:class:`edge.runtime.engine.Verdict`):
+With deferral (the K/V mode that ships) the engine judges exits itself (:class:`edge.runtime.request.Verdict`):
 a row that left early has its skipped layers computed with the sequence's next token, and the last layer's
 head on that row gives the full model's token on the exit's own prefix, for one more head row. The host then
 counts every token of every audited request: a token at full depth as correct, an exit by its verdict, and
@@ -75,7 +75,7 @@ class Trigger(str, enum.Enum):
 @dataclass
 class AuditConfig:
     fraction: float = 0.0       # of the tokens served in mode bounded (greedy requests), re-decoded at full depth
-    # with deferral, take the engine's own verdict on every early exit (edge.runtime.engine.Verdict: the full
+    # with deferral, take the engine's own verdict on every early exit (edge.runtime.request.Verdict: the full
     # model's token, computed with the owed layers at the cost of one head row) and count every token of an
     # audited request; only the exits the engine could not judge are re-decoded, all of them. Without
     # deferral (or False), ``fraction`` samples tokens as before.

@@ -14,7 +14,9 @@ from typing import Any
 import numpy as np
 
 from edge.runtime.backend import Backend
-from edge.runtime.engine import Engine, EngineConfig, KVMode, Mode, Request
+from edge.runtime.engine import Engine
+from edge.runtime.engine_config import EngineConfig, KVMode
+from edge.runtime.request import Mode, Request
 from edge.runtime.rules import BatchExitRule
 from edge.runtime.speculative import SpecConfig
 

@@ -160,7 +160,7 @@ class SimConfig:
     front_decode_per_arrival: float = 0.0
     front_prefill_per_arrival: float = 0.0
     # rows exit only while the decode batch holds at most this many sequences (None: any batch): the
-    # engine's defer_exit_max_batch (edge/runtime/engine.py; 1 in the shipped defer mode on CPU)
+    # engine's defer_exit_max_batch (edge/runtime/engine_config.py; 1 in the shipped defer mode on CPU)
     exit_max_batch: int | None = 1
     # what a decoding sequence does in a step, by decode batch (batch_bucket): the probability of a plain step
     # (one token, at its exit layer) and of a draft round emitting 1, 2, ... MAX_ROUND_TOKENS tokens at full depth

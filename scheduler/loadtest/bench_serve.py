@@ -97,7 +97,7 @@ class BenchServeConfig:
     request_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
-        from edge.runtime.engine import Mode
+        from edge.runtime.request import Mode
 
         if self.arrivals not in ARRIVALS:
             raise ConfigError(f"bench serve: arrivals must be one of {', '.join(ARRIVALS)}, got {self.arrivals!r}")

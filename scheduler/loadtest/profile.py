@@ -31,7 +31,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from edge.core.errors import ConfigError
-from edge.runtime.engine import NO_TOKEN, Engine, EngineConfig, KVMode, Mode, Request, TokenEvent
+from edge.runtime.engine import Engine
+from edge.runtime.engine_config import EngineConfig, KVMode
+from edge.runtime.request import NO_TOKEN, Mode, Request, TokenEvent
 from edge.runtime.settings import PREFILL_BUDGET, PREFILL_BUDGETS
 from scheduler.control.latency import FEATURES, LatencyModel, StepFeatures, combine, decode_features, prefill_features
 

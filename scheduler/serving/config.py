@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from edge.core.errors import ConfigError
-from edge.runtime.engine import Mode  # the request modes (bounded, exact, full): the engine's own
+from edge.runtime.request import Mode  # the request modes (bounded, exact, full): the engine's own
 from edge.runtime.settings import SLA_TPOT_MS, SLA_TTFT_MS
 
 BUNDLE_JSON = "bundle.json"

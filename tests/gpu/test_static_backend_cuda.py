@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from edge.runtime.engine import Engine, EngineConfig
+from edge.runtime.engine import Engine
+from edge.runtime.engine_config import EngineConfig
 from edge.runtime.rules import ConfidenceRule
 from edge.runtime.static_backend import StaticTorchBackend
 from tests.unit.edge.runtime.test_engine import _model, _prompts, _run

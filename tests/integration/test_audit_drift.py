@@ -28,7 +28,7 @@ from edge.core.data import Split, heldout_prompts, load_split
 from edge.pipeline.run import open_run
 from edge.pipeline.cli import main as cli
 from edge.runtime.audit import AuditConfig
-from edge.runtime.engine import EngineConfig
+from edge.runtime.engine_config import EngineConfig
 from edge.runtime.host import EngineHost
 from edge.runtime.host_types import GenRequest, HostConfig
 

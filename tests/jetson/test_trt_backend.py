@@ -14,7 +14,8 @@ import pytest
 
 from edge.core.artifacts import sha256_path
 from edge.runtime.backend import make_backend
-from edge.runtime.engine import Engine, EngineConfig, KVMode
+from edge.runtime.engine import Engine
+from edge.runtime.engine_config import EngineConfig, KVMode
 from edge.runtime.rules import ConfidenceRule
 from tests.unit.edge.runtime.test_engine import CFG, _model, _prompts, _run
 from tests.unit.edge.runtime.test_ort_backend import _export

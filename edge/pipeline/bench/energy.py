@@ -318,7 +318,7 @@ def main(cfg: EnergyBenchConfig) -> int:
     from edge.energy.detect import open_meter
     from edge.pipeline.run import open_run
     from edge.runtime.batch import run_batch
-    from edge.runtime.engine import Mode
+    from edge.runtime.request import Mode
     from edge.runtime.speculative import SpecConfig
 
     t0 = time.time()

@@ -37,7 +37,7 @@ def _probe(arg: str) -> None:
     from calibration.table import TableRule, load_table
     from edge.runtime.batch import run_batch
     from edge.runtime.backend import make_backend
-    from edge.runtime.engine import KVMode
+    from edge.runtime.engine_config import KVMode
 
     a = json.loads(arg)
     import onnxruntime  # noqa: F401  (imports first: their peak is not the engine's)

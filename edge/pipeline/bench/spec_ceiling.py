@@ -31,7 +31,9 @@ from calibration.table import TableRule
 from edge.core.errors import ConfigError
 from edge.runtime.backend import Backend
 from edge.runtime.cache import KVCache
-from edge.runtime.engine import Engine, EngineConfig, Mode, Request
+from edge.runtime.engine import Engine
+from edge.runtime.engine_config import EngineConfig
+from edge.runtime.request import Mode, Request
 from edge.pipeline.bench.speculation import stop_rule_variants
 from edge.runtime.speculative import DraftCosts, SpecConfig, StopRule, include_next
 

@@ -12,7 +12,9 @@ from calibration.signals import exit_targets
 from calibration.table import TableRule, ThresholdTable
 from edge.runtime.backend import make_backend
 from edge.model.candidates import CANDIDATE_SIGNAL_NAMES, NUM_NAMED, num_features, signal_names
-from edge.runtime.engine import Engine, EngineConfig, Request
+from edge.runtime.engine import Engine
+from edge.runtime.engine_config import EngineConfig
+from edge.runtime.request import Request
 from edge.model.lookup import Lookup
 from edge.runtime.torch_backend import TorchBackend
 from tests.tolerance import f32_rtol
@@ -58,7 +60,7 @@ def test_generated_continuations_read_their_lookup_as_the_engine_does(exported):
     over the whole row, lookup_along), and its tokens are the full-depth engine's."""
     from calibration.collect import generate_engine
     from calibration.freerun import Served, free_run
-    from edge.runtime.engine import KVMode
+    from edge.runtime.engine_config import KVMode
     from edge.runtime.rules import NeverExit
 
     m, ckpt, graphs = exported

@@ -154,7 +154,7 @@ def test_in_defer_mode_the_engine_decides_as_the_teacher_forced_cascade(micro_ru
     from calibration.freerun import Served, free_run
     from calibration.table import TableRule, ThresholdTable
     from edge.core.data import Split, TokenCorpus, load_split
-    from edge.runtime.engine import KVMode
+    from edge.runtime.engine_config import KVMode
     from edge.runtime.rules import NeverExit
     from edge.model.exits import load_multi_exit
     from edge.model.tokenizer import load_tokenizer

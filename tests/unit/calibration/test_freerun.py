@@ -14,7 +14,7 @@ from edge.model.decoder import Decoder
 from edge.model.exits import ExitConfig, MultiExitModel
 from edge.model.reference import reference_generate
 from calibration.freerun import FreeRun, Served, check_continuations, free_run
-from edge.runtime.engine import KVMode
+from edge.runtime.engine_config import KVMode
 from edge.runtime.rules import NeverExit
 
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from calibration.certify import DirectTest
 from calibration.risk import NEVER_EXIT
 from calibration.statement import KVChoice, choose_shipped, statement
-from edge.runtime.engine import KVMode
+from edge.runtime.engine_config import KVMode
 
 EPS, DELTA = 0.009, 0.05
 

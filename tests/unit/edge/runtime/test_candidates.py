@@ -12,7 +12,8 @@ from edge.model.reference import reference_generate
 from edge.runtime.backend import make_backend
 from edge.model.candidates import (CANDIDATE_SIGNAL_NAMES, NUM_NAMED, check, is_signal_names, lookup_feature,
                                    num_features, signal_names)
-from edge.runtime.engine import Engine, EngineConfig, KVMode
+from edge.runtime.engine import Engine
+from edge.runtime.engine_config import EngineConfig, KVMode
 from edge.model.lookup import MAX_N, NONE, Lookup, lookup_along
 from edge.runtime.rules import ConfidenceRule, NeverExit, ScoreForm
 from edge.runtime.torch_backend import TorchBackend

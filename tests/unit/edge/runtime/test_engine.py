@@ -8,7 +8,9 @@ import torch
 from edge.model.config import ModelConfig
 from edge.runtime.backend import build_mask, make_backend
 from edge.runtime.torch_backend import TorchBackend
-from edge.runtime.engine import NO_TOKEN, Engine, EngineConfig, KVMode, Request, TokenEvent
+from edge.runtime.engine import Engine
+from edge.runtime.engine_config import EngineConfig, KVMode
+from edge.runtime.request import NO_TOKEN, Request, TokenEvent
 from edge.runtime.rules import ConfidenceRule
 from edge.runtime.sampling import choose_token
 from edge.core.errors import ConfigError, SmartExitError
@@ -460,7 +462,7 @@ def test_request_modes_full_never_exits_and_unknown_modes_are_refused():
     """A request in mode full gets the full model's tokens from a batch whose other rows exit; mode
     exact with exit drafts only and the calibrated draft-length rule is refused, clearly, by an engine
     whose rule has no calibrators (with lookup drafts, the default, it is served); unknown modes too."""
-    from edge.runtime.engine import Mode
+    from edge.runtime.request import Mode
     from edge.runtime.speculative import SpecConfig
 
     m, prompts = _model(), _prompts(2, seed=31)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from edge.runtime.batch import run_batch
-from edge.runtime.engine import Engine, EngineConfig, KVMode, held_step_gate
+from edge.runtime.engine import Engine, held_step_gate
+from edge.runtime.engine_config import EngineConfig, KVMode
 from edge.runtime.gate import StepGate
 from edge.runtime.rules import ConfidenceRule
 from edge.runtime.torch_backend import TorchBackend

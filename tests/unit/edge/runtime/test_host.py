@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from edge.runtime.audit import AuditConfig, AuditEstimate, clopper_pearson
-from edge.runtime.engine import Engine, EngineConfig, Request
+from edge.runtime.engine import Engine
+from edge.runtime.engine_config import EngineConfig
+from edge.runtime.request import Request
 from edge.runtime.host import EngineHost
 from edge.runtime.host_types import Chunk, GenRequest, HostConfig, HostError
 from edge.runtime.rules import ConfidenceRule

@@ -16,11 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-import edge.runtime.engine as engine_module
+import edge.runtime.rounds as rounds_module
 from edge.core.errors import ConfigError
 from edge.model.lookup import Lookup
 from edge.runtime.backend import make_backend
-from edge.runtime.engine import Engine, EngineConfig, Mode, Request
+from edge.runtime.engine import Engine
+from edge.runtime.engine_config import EngineConfig
+from edge.runtime.request import Mode, Request
 from edge.runtime.speculative import (CallCosts, ExitDraftGate, LookupAcceptance, SpecConfig, SpeculationGate,
                                       lookup_length)
 from edge.runtime.torch_backend import TorchBackend
@@ -230,7 +232,7 @@ def test_bounded_drafts_beside_exits_owe_nothing(batch):
     sequence owes deferred rows (its verification would read K/V not yet written), so every token that did
     not leave early is the full model's on its prefix, teacher-forced; and both regimes ran. (Without that guard
     this test fails: checked when it was written.)"""
-    from edge.runtime.engine import KVMode
+    from edge.runtime.engine_config import KVMode
     from edge.runtime.rules import ConfidenceRule
 
     m = _model(seed=2)  # attention at full strength (the looping model's would hide K/V never written)
@@ -366,7 +368,7 @@ def _keep_every_draft(drafts, q, p, rng):
 
 def test_the_lookup_distribution_test_rejects_a_wrong_acceptance_rule(monkeypatch):
     """Negative control: keeping every lookup draft fails the same test by far."""
-    monkeypatch.setattr(engine_module, "accept_sampled", _keep_every_draft)
+    monkeypatch.setattr(rounds_module, "accept_sampled", _keep_every_draft)
     counts, st = _sample_lookup_joint(_sampling_model(), 1.0, 1.0, requests=192)
     assert st.accepted == st.drafted > 0
     assert _chisquare(counts, _loop_joint(1.0, 1.0)) < ALPHA

@@ -13,7 +13,9 @@ import pytest
 from calibration.table import ThresholdTable
 from edge.core.errors import ArtifactError, ConfigError
 from edge.runtime.audit import AuditConfig, AuditEstimate
-from edge.runtime.engine import Engine, EngineConfig, Request
+from edge.runtime.engine import Engine
+from edge.runtime.engine_config import EngineConfig
+from edge.runtime.request import Request
 from edge.runtime.host import EngineHost
 from edge.runtime.host_types import HostConfig
 from edge.runtime.portable_backend import profile_max_chunk

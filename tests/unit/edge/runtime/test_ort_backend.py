@@ -12,7 +12,8 @@ import pytest
 from edge.core.artifacts import atomic_dir, sha256_path
 from edge.runtime.backend import make_backend
 from edge.runtime.torch_backend import TorchBackend
-from edge.runtime.engine import Engine, EngineConfig, KVMode
+from edge.runtime.engine import Engine
+from edge.runtime.engine_config import EngineConfig, KVMode
 from edge.runtime.ort_backend import pick_providers
 from edge.runtime.rules import ConfidenceRule
 from edge.core.errors import ArtifactError, ConfigError

@@ -16,7 +16,8 @@ from edge.core.artifacts import sha256_file
 from edge.core.errors import ArtifactError, ConfigError, MissingExtraError
 from edge.runtime.backend import make_backend
 from edge.runtime.cache import KVCache, contiguous_start
-from edge.runtime.engine import Engine, EngineConfig, KVMode
+from edge.runtime.engine import Engine
+from edge.runtime.engine_config import EngineConfig, KVMode
 from edge.runtime.graphs import GRAPHS_JSON, load_graphs_json
 from edge.runtime.portable_backend import ENGINES_JSON, OrtPortableBackend, check_engines
 from edge.runtime.rules import ConfidenceRule

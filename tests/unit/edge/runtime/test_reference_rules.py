@@ -12,7 +12,9 @@ from calibration.calibrators import Calibrator, CalibratorKind
 from calibration.signals import GATED_SIGNAL_NAMES, SIGNAL_NAMES
 from calibration.table import TableRule, ThresholdTable
 from edge.model.reference import reference_generate
-from edge.runtime.engine import Engine, EngineConfig, KVMode, Request
+from edge.runtime.engine import Engine
+from edge.runtime.engine_config import EngineConfig, KVMode
+from edge.runtime.request import Request
 from edge.runtime.rules import ConfidenceRule
 from edge.runtime.torch_backend import TorchBackend
 from tests.unit.edge.runtime.test_engine import _model, _prompts

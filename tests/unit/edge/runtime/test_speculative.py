@@ -16,12 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-import edge.runtime.engine as engine_module
+import edge.runtime.rounds as rounds_module
 from edge.core.errors import ConfigError, SmartExitError
 from edge.model.exits import ExitConfig, MultiExitModel
 from edge.model.reference import reference_generate
 from edge.runtime.backend import make_backend
-from edge.runtime.engine import NO_TOKEN, Engine, EngineConfig, KVMode, Mode, Request
+from edge.runtime.engine import Engine
+from edge.runtime.engine_config import EngineConfig, KVMode
+from edge.runtime.request import NO_TOKEN, Mode, Request
 from edge.runtime.rules import TOP1, ConfidenceRule, NeverExit
 from edge.runtime.speculative import DraftCosts, SpecConfig, StopRule, include_next
 from edge.runtime.torch_backend import TorchBackend
@@ -494,8 +496,8 @@ def test_draft_costs_priors_measurements_and_estimates():
 def _drafts_per_round(monkeypatch):
     """Spy on the engine's greedy acceptance: the number of drafts each round verified."""
     seen = []
-    accept = engine_module.accept_greedy
-    monkeypatch.setattr(engine_module, "accept_greedy", lambda drafts, full: seen.append(len(drafts)) or
+    accept = rounds_module.accept_greedy
+    monkeypatch.setattr(rounds_module, "accept_greedy", lambda drafts, full: seen.append(len(drafts)) or
                         accept(drafts, full))
     return seen
 

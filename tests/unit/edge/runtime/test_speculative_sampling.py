@@ -14,9 +14,11 @@ import pytest
 import torch
 from scipy import stats
 
-import edge.runtime.engine as engine_module
+import edge.runtime.rounds as rounds_module
 from edge.runtime.backend import make_backend
-from edge.runtime.engine import Engine, EngineConfig, Request
+from edge.runtime.engine import Engine
+from edge.runtime.engine_config import EngineConfig
+from edge.runtime.request import Request
 from edge.runtime.sampling import token_distribution
 from edge.runtime.speculative import SpecConfig, accept_sampled
 from edge.runtime.torch_backend import TorchBackend
@@ -177,7 +179,7 @@ def test_the_distribution_test_rejects_a_wrong_acceptance_rule(monkeypatch):
     """Negative control: the same test, on an engine whose acceptance keeps every draft, fails by far
     (so the test above passing means something), with under a third of the draws (measured: p ~ 2e-37
     with 192 draws; the per-draw chi-square distance of the two joints is ~770)."""
-    monkeypatch.setattr(engine_module, "accept_sampled", _always_accept)
+    monkeypatch.setattr(rounds_module, "accept_sampled", _always_accept)
     m = _sampling_model()
     counts, st = _sample_joint(TorchBackend(m), 1.0, 1.0, requests=192)
     assert st.accepted == st.drafted > 0

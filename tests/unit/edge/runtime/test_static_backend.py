@@ -14,7 +14,8 @@ from edge.core.errors import ConfigError
 from edge.model.exits import save_multi_exit
 from edge.runtime.backend import make_backend
 from edge.runtime.cache import KVCache
-from edge.runtime.engine import Engine, EngineConfig, KVMode
+from edge.runtime.engine import Engine
+from edge.runtime.engine_config import EngineConfig, KVMode
 from edge.runtime.rules import ConfidenceRule
 from edge.runtime.static_backend import StaticTorchBackend
 from edge.runtime.torch_backend import TorchBackend
@@ -158,7 +159,7 @@ def test_residual_and_logits_stay_on_the_device_until_read(monkeypatch):
 def test_exact_requests_decode_what_full_ones_do():
     """Mode exact (lookup drafts verified at full depth, speculation forced so that rounds happen) over this
     backend: the greedy tokens of mode full, token for token, batched; drafts were verified and accepted."""
-    from edge.runtime.engine import Mode
+    from edge.runtime.request import Mode
     from tests.unit.edge.runtime.test_lookup_drafts import _engine, _looping, _looping_prompts
 
     m = copy.deepcopy(_looping())  # greedy continuations loop: lookup drafts are accepted there

@@ -1,4 +1,4 @@
-"""Deferral's free verdicts (edge/runtime/engine.py, ``Verdict``): a row that left early owes its skipped layers,
+"""Deferral's free verdicts (edge/runtime/request.py, ``Verdict``): a row that left early owes its skipped layers,
 the engine computes them with the sequence's next token and runs the last layer's head on that row too, so every
 greedy early exit is judged by the full model one step later. The verdicts must be the full model's tokens on
 the exits' own prefixes (teacher-forced here), every greedy exit gets exactly one, and an exit whose layers never
@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from edge.runtime.engine import Engine, EngineConfig, KVMode, Mode, Request, Verdict
+from edge.runtime.engine import Engine
+from edge.runtime.engine_config import EngineConfig, KVMode
+from edge.runtime.request import Mode, Request, Verdict
 from edge.runtime.rules import ConfidenceRule
 from edge.runtime.torch_backend import TorchBackend
 from tests.unit.edge.runtime.test_engine import _model, _prompts

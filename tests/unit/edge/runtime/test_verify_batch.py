@@ -11,7 +11,9 @@ import torch
 from edge.core.errors import ConfigError
 from edge.runtime.backend import make_backend
 from edge.runtime.cache import KVCache
-from edge.runtime.engine import Engine, EngineConfig, Mode
+from edge.runtime.engine import Engine
+from edge.runtime.engine_config import EngineConfig
+from edge.runtime.request import Mode
 from edge.runtime.speculative import CallCosts, SpecConfig, SpeculationGate
 from edge.runtime.torch_backend import TorchBackend
 from exporters.onnx_export import ExportConfig

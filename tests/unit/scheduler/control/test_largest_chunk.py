@@ -21,7 +21,7 @@ from edge.runtime.backend import make_backend
 from edge.runtime.graphs import load_graphs_json
 from edge.runtime.host import EngineHost
 from edge.runtime.host_types import Chunk, GenRequest, HostConfig
-from edge.runtime.engine import EngineConfig
+from edge.runtime.engine_config import EngineConfig
 from edge.runtime.portable_backend import ENGINES_JSON, OrtGraphRunner
 from edge.runtime.rules import ConfidenceRule
 from exporters.tensorrt import ENGINES_FORMAT, EngineBuildConfig, profile_shapes

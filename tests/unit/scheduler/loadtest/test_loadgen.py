@@ -325,7 +325,7 @@ def test_inprocess_sender_errors():
 def test_inprocess_run_on_a_real_host():
     """The schedule on an EngineHost (tiny random torch model): every request completes with its tokens,
     and an invalid one (prompt + output beyond max_len) is refused with the host's error code."""
-    from edge.runtime.engine import EngineConfig
+    from edge.runtime.engine_config import EngineConfig
     from edge.runtime.host import EngineHost
     from edge.runtime.host_types import HostConfig
     from edge.runtime.rules import ConfidenceRule

@@ -10,7 +10,9 @@ import pytest
 
 from edge.core.configio import apply
 from edge.core.errors import ConfigError
-from edge.runtime.engine import NO_TOKEN, Engine, EngineConfig, KVMode, Request, TokenEvent
+from edge.runtime.engine import Engine
+from edge.runtime.engine_config import EngineConfig, KVMode
+from edge.runtime.request import NO_TOKEN, Request, TokenEvent
 from edge.runtime.rules import ConfidenceRule
 from edge.runtime.torch_backend import TorchBackend
 from scheduler.control.latency import (FEATURES, FORMAT, LatencyModel, StepFeatures, combine, decode_features, fit_latency,

@@ -64,7 +64,7 @@ def test_goals_say_whether_met_and_by_how_much():
 
 def test_layers_computed_counts_recomputation():
     from edge.pipeline.bench.decode_measure import layers_computed
-    from edge.runtime.engine import KVMode
+    from edge.runtime.engine_config import KVMode
 
     exits = [3, 12, 9, 12]
     assert layers_computed(exits, 12, KVMode.DEFER, 0.1) == pytest.approx(12.0)  # every skipped layer runs later
