@@ -32,7 +32,8 @@ from typing import Any, Callable
 
 from edge.core.stats import p95_ms, sla_met
 from edge.runtime.backend import Backend
-from edge.runtime.engine import Engine, Mode, Request, TokenEvent
+from edge.runtime.engine import Engine
+from edge.runtime.request import Mode, Request, TokenEvent
 from edge.runtime.host_audit import HostAudit, check_epsilon
 from edge.runtime.host_checks import check_request, parse_control
 from edge.runtime.host_sla import finish_rate, late_tokens, outlook, predict_exit_layer, retry_after, ttft_tpot

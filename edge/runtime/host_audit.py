@@ -22,7 +22,9 @@ import numpy as np
 
 from edge.core.errors import ConfigError
 from edge.runtime.audit import AuditConfig, AuditEstimate, Trigger
-from edge.runtime.engine import Engine, KVMode, Mode, Request, TokenEvent, Verdict
+from edge.runtime.engine import Engine
+from edge.runtime.engine_config import KVMode
+from edge.runtime.request import Mode, Request, TokenEvent, Verdict
 from edge.runtime.host_types import LiveRequest
 from edge.runtime.settings import EPSILON
 

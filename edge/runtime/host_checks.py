@@ -1,5 +1,5 @@
 """What callers hand :class:`edge.runtime.host.EngineHost`, checked on the caller's thread before it goes
-to the engine thread: a generation request (as the engine's :class:`~edge.runtime.engine.Request`) and a
+to the engine thread: a generation request (as the engine's :class:`~edge.runtime.request.Request`) and a
 control op (docs/serving.md: ``stats``, ``set``, ``cancel``, ``audit_reset``).
 """
 from __future__ import annotations
@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from edge.core.errors import RequestError
-from edge.runtime.engine import Engine, Mode, Request
+from edge.runtime.engine import Engine
+from edge.runtime.request import Mode, Request
 from edge.runtime.host_types import GenRequest, HostError
 
 

@@ -9,7 +9,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from edge.runtime.engine import NO_TOKEN, Engine, TokenEvent
+from edge.runtime.engine import Engine
+from edge.runtime.request import NO_TOKEN, TokenEvent
 
 FRONT_WINDOW_S = 2.0  # the step log's recent arrivals ("a"): the front end's work follows them (docs/scheduler.md)
 

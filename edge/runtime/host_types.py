@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from edge.core.errors import ConfigError, SmartExitError
 from edge.runtime.audit import AuditConfig
-from edge.runtime.engine import EngineConfig
+from edge.runtime.engine_config import EngineConfig
 from edge.runtime.settings import SLA_TPOT_MS, SLA_TTFT_MS
 
 

@@ -43,7 +43,8 @@ from typing import Any
 from tqdm import tqdm
 
 from edge.pipeline.bench.summary import SYSTEMS
-from edge.runtime.engine import KVMode, Mode
+from edge.runtime.engine_config import KVMode
+from edge.runtime.request import Mode
 from edge.runtime.speculative import SpecConfig
 from edge.core.errors import ConfigError
 from edge.pipeline.bench.decision import decision_cost

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from edge.core.errors import ConfigError
-from edge.runtime.engine import KVMode
+from edge.runtime.engine_config import KVMode
 from edge.runtime.speculative import StopRule
 
 

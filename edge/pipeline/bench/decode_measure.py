@@ -12,7 +12,8 @@ from edge.model.exits import MultiExitModel
 from edge.pipeline.bench.decode_systems import Systems, run_groups
 from edge.pipeline.bench.speculation import pool_stats, token_mismatches
 from edge.runtime.batch import RunResult, run_batch
-from edge.runtime.engine import KVMode, held_step_gate
+from edge.runtime.engine import held_step_gate
+from edge.runtime.engine_config import KVMode
 from edge.runtime.profile import ProfiledBackend, ProfiledRule
 from edge.runtime.rules import NeverExit
 from edge.runtime.speculative import Source

@@ -18,7 +18,8 @@ from edge.pipeline.bench.decode_config import DecodeBenchConfig
 from edge.pipeline.bench.summary import SYSTEMS
 from edge.runtime.backend import make_backend
 from edge.runtime.batch import RunResult, run_batch
-from edge.runtime.engine import KVMode, Mode
+from edge.runtime.engine_config import KVMode
+from edge.runtime.request import Mode
 from edge.runtime.rules import NeverExit
 from edge.runtime.speculative import SpecConfig
 
