@@ -209,7 +209,7 @@ def test_past_the_edge_the_learned_policys_goodput_is_compared_within_each_repea
 
 
 def test_the_summary_and_both_reports_carry_the_runs_past_the_edge():
-    from edge.pipeline.report import _scheduler_md
+    from edge.pipeline.report_serving_md import scheduler_md
     from scheduler.loadtest.bench_scheduler_overload import by_policy, overload_plan, overload_report
     from scheduler.loadtest.bench_scheduler_report import _overload_table
 
@@ -229,7 +229,7 @@ def test_the_summary_and_both_reports_carry_the_runs_past_the_edge():
     md = "\n".join(_overload_table(over))
     assert "x2 of it, 33.00 req/s" in md and "| ppo | 0.200 (0.200-0.200) | 7.00 (6.00-8.00) |" in md
     assert "/ fixed-256 2.333 (2.000-3.000)" in md and "/ aimd 1.750" in md
-    line = next(x for x in _scheduler_md({**s, "sla_attainment": {}}) if x.startswith("Past the edge"))
+    line = next(x for x in scheduler_md({**s, "sla_attainment": {}}) if x.startswith("Past the edge"))
     assert "best fixed budget 2.33 (range 2.00-3.00), / AIMD 1.75" in line
 
 

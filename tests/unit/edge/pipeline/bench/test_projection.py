@@ -168,10 +168,11 @@ def test_the_whole_path_on_the_micro_shape(tmp_path, capsys):
     rec = Manifest(run).stage(STAGE)
     assert rec["metrics"]["kind"] == "projection" and "checkpoint" in rec["inputs"]
     assert rec["metrics"]["micro"]["verify_cost_ratio_k4_b4"] == s["verify_cost_ratio_k4_b4"]
-    from edge.pipeline.report import SECTIONS, _projection_md  # the run's report carries the projection
+    from edge.pipeline.report_decode_md import projection_md  # the run's report carries the projection
+    from edge.pipeline.report_sections import SECTIONS
     stage, section = SECTIONS["projection"]
     assert stage == STAGE and section(Manifest(run))["micro"]["exit_layers"] == [1, 2, 3, 4]
-    assert any(line.startswith("- micro: exits [1, 2, 3, 4]") for line in _projection_md(section(Manifest(run))))
+    assert any(line.startswith("- micro: exits [1, 2, 3, 4]") for line in projection_md(section(Manifest(run))))
 
 
 def test_decision_cost_keeps_its_interface(tmp_path):

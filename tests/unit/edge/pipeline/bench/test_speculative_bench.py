@@ -179,21 +179,22 @@ def test_markdown_and_summary_lines_show_the_speculative_rows(tmp_path):
 
 
 def test_report_folds_in_the_speculative_rows():
-    from edge.pipeline.report import _bench_md, summary_lines as report_lines
+    from edge.pipeline.report import summary_lines as report_lines
+    from edge.pipeline.report_decode_md import bench_md
 
     results = _results(batches=(1, 16))
     summary = headline(results)
     summary["goals"] = goals(summary, 0.009, [1, 16])
     bench = {**summary, "batches": results["batches"], "profile_b1": results["profile_b1"], "peak_rss_mib": None,
              **{k: results[k] for k in ("speculative_config", "speculative_stop_rules", "speculative_by_draft_exit")}}
-    md = "\n".join(_bench_md(bench))
+    md = "\n".join(bench_md(bench))
     assert "tokens differing from full depth (c) **0** of 2000" in md
     assert "| 9 | 0.700 | 0.600 | 1.50 |" in md and "| top1_0.5 | 0.900 | 0.600 | 2.50 |" in md
     assert "speculative" not in md.split("- (d) = exits")[1].split("\n")[0]  # (d)'s line keeps to (d)
     line = report_lines({"decode_bench": bench})[0]
     assert line.startswith("decode: ") and "speculative_vs_full_b1 0.85" in line
     old = {k: v for k, v in bench.items() if not k.startswith("speculative")}
-    assert "self-speculative" not in "\n".join(_bench_md(old))  # a run benchmarked before (e): no section
+    assert "self-speculative" not in "\n".join(bench_md(old))  # a run benchmarked before (e): no section
 
 
 def test_markdown_says_when_the_llamacpp_row_ran_its_weights_as_stored():
