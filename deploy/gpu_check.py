@@ -500,18 +500,19 @@ def llama8b_shape(dev):
 def projection_on_gpu(shapes: list[str], steps: int, window_s: float = 0.5, rounds: int = 2, prompt: int = 64,
                       device: str = "cuda", meter=None) -> dict[str, Any]:
     """``bench projection`` on the GPU path: at Qwen2.5-0.5B and Llama-3.2-1B shapes (random bf16 weights,
-    edge/pipeline/bench/projection.py's SHAPES), the default replayed exit distribution (a calibrated
+    edge/pipeline/bench/projection_shapes.py's SHAPES), the default replayed exit distribution (a calibrated
     bundled-ee run's certify walk, moved to each shape's relative depths) with a 256-token shortlist,
     the engine over ``torch_static`` with CUDA graphs, pipelined or not. At batch 1: decode tokens/s at full
     depth (mode full), with every token leaving at each exit k (forced, :class:`_LeaveAt`) and with every
-    shortlist check paid and none leaving; projected (d)/(c) = t_full / sum_k f_k t_k (projection.py's
+    shortlist check paid and none leaving; projected (d)/(c) = t_full / sum_k f_k t_k (projection_replay.py's
     formula) and the check's cost in layers. At batch 16: the check's cost only. Forced exits: nothing
     about quality follows. The skipped layers' K/V are the engine's default's (propagated from the exit's
     hidden state, a K/V fill per step), which ``bench projection`` does not time; the demo ships deferral."""
     import numpy as np
     import torch
 
-    from edge.pipeline.bench.projection import DEFAULT_RUN, projected_speedup, scale_distribution, shape_config
+    from edge.pipeline.bench.projection_replay import DEFAULT_RUN, projected_speedup, scale_distribution
+    from edge.pipeline.bench.projection_shapes import shape_config
     from edge.runtime.rules import NeverExit
     from edge.runtime.static_backend import StaticTorchBackend
 
@@ -599,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=float, default=1.5, help="seconds of one rule's energy window (section 6)")
     ap.add_argument("--only-exit-costs", action="store_true", help="sections 6-8 alone")
     ap.add_argument("--projection", default="qwen2_0_5b,llama3_1b",
-                    help="section 8's shapes (edge/pipeline/bench/projection.py's SHAPES; '' skips it)")
+                    help="section 8's shapes (edge/pipeline/bench/projection_shapes.py's SHAPES; '' skips it)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -122,9 +122,10 @@ def test_realistic_exit_section_runs_eagerly_on_the_cpu():
 
 def test_projection_section_runs_eagerly_on_the_cpu():
     """Section 8 on the CPU at the micro shape (eager, bf16, one short round): full depth, every check paid,
-    every token forced out at each exit, pipelined or not; the projected speed-up is projection.py's
+    every token forced out at each exit, pipelined or not; the projected speed-up is projection_replay.py's
     formula over those step times (recomputed here), and the exits are the replay moved to the shape."""
-    from edge.pipeline.bench.projection import DEFAULT_RUN, projected_speedup, scale_distribution, shape_config
+    from edge.pipeline.bench.projection_replay import DEFAULT_RUN, projected_speedup, scale_distribution
+    from edge.pipeline.bench.projection_shapes import shape_config
 
     torch.set_num_threads(1)
     out = _module().projection_on_gpu(["micro"], 4, window_s=0.0, rounds=1, prompt=8, device="cpu")

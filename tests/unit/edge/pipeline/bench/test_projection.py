@@ -11,9 +11,11 @@ import pytest
 
 from edge.core.artifacts import Manifest
 from edge.core.errors import ArtifactError, ConfigError
-from edge.pipeline.bench.projection import (STAGE, ProjectionBenchConfig, Replay, main, projected_speedup,
-                                            read_replay, replay_at, scale_distribution, scale_layer, shape_config,
-                                            shape_figures)
+from edge.pipeline.bench.projection import STAGE, ProjectionBenchConfig, main
+from edge.pipeline.bench.projection_figures import shape_figures
+from edge.pipeline.bench.projection_replay import (Replay, projected_speedup, read_replay, replay_at,
+                                                   scale_distribution, scale_layer)
+from edge.pipeline.bench.projection_shapes import shape_config
 
 SHIPPED = {1: 0.1, 2: 0.05, 3: 0.05, 4: 0.1, 6: 0.05, 8: 0.05, 12: 0.6}  # exits of a 12-layer model
 
