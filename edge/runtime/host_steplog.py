@@ -1,6 +1,6 @@
 """The host's step log (``HostConfig.step_log``): one JSON line per engine step, saying what the step did
 and how long it took under the stack; `smartexit profile` fits the served engine's step time from it
-(scheduler/loadtest/serving_path.py, docs/scheduler.md).
+(scheduler/loadtest/serving_steps.py, docs/scheduler.md).
 """
 from __future__ import annotations
 

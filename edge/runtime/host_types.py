@@ -23,7 +23,7 @@ class HostConfig:
     control_timeout_s: float = 10.0
     # a JSONL file the engine thread appends one line per step to (what the step did and how long it
     # took under the stack): `smartexit profile` fits the served engine's step time from it
-    # (scheduler/loadtest/serving_path.py). None: no log (the default; it costs the engine thread ~20 us a step)
+    # (scheduler/loadtest/serving_steps.py). None: no log (the default; it costs the engine thread ~20 us a step)
     step_log: str | None = None
     shed_late: bool = False  # refuse a waiting request once its TTFT deadline has passed (edge/runtime/host.py)
 

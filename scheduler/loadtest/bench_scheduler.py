@@ -63,9 +63,9 @@ from scheduler.loadtest.bench_scheduler_config import ABLATED, LEARNED, BenchSch
 from scheduler.loadtest.bench_scheduler_overload import by_policy, constant_actions, goodput_ceiling, overload_report, overload_setup
 from scheduler.loadtest.bench_scheduler_served import real_schedule, served
 from scheduler.loadtest.bench_scheduler_validation import noise_check, repeat_spread, sla_check, validate
-from scheduler.loadtest.serving_path import save_runs
+from scheduler.loadtest.serving_runs import save_runs
 
-RUNS_FILE = "scheduler_runs.json"  # the real stack's fixed-budget runs, as serving_path.save_runs writes them
+RUNS_FILE = "scheduler_runs.json"  # the real stack's fixed-budget runs, as serving_runs.save_runs writes them
 
 
 # --------------------------------------------------------------------------- inputs

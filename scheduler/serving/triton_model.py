@@ -162,7 +162,7 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("model 'smartexit' must be decoupled (config.pbtxt)")
         bundle = Path(args["model_repository"]) / args["model_version"] / "bundle"
         self.host = open_bundle(bundle)
-        # the serving path's measurement (scheduler/loadtest/serving_path.py) asks for a step log through the
+        # the serving path's measurement (scheduler/loadtest/serving_runs.py) asks for a step log through the
         # environment the worker starts tritonserver with (ServeConfig.step_log)
         self.host.cfg.step_log = os.environ.get("SMARTEXIT_STEP_LOG") or None
         self.host.start()

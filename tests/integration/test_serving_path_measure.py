@@ -1,4 +1,4 @@
-"""The serving path's measurement on the real stack (scheduler/loadtest/serving_path.py ``measure``, what
+"""The serving path's measurement on the real stack (scheduler/loadtest/serving_runs.py ``measure``, what
 `smartexit profile` calibrates the simulator from): one stack for every budget, switched between runs, and a
 warm-up whose requests and steps are not kept; a run placed by what the earlier ones measured."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ def test_one_stack_serves_each_budget_and_the_warm_up_is_not_measured(served_run
     50-token prompts are prefilled in one chunk and the second's 40-token ones in chunks of at most 16 (the
     budget switched on the running stack), and the kept steps hold none of the warm-up's 33-token prompts."""
     from scheduler.loadtest.loadgen import ScheduledRequest
-    from scheduler.loadtest.serving_path import measure
+    from scheduler.loadtest.serving_runs import measure
 
     run = repository_copy(served_run, tmp_path / "run")
 
@@ -39,7 +39,8 @@ def test_one_stack_serves_each_budget_and_the_warm_up_is_not_measured(served_run
     # every kept step names its decoding sequences' requests (the step log's ``i``, in ``k``'s order)
     assert all(st["i"] is not None and len(st["i"]) == len(st["k"]) for st in steps)
     # the runs as the profile keeps them (serving_runs.json) give the fit the same requests back
-    from scheduler.loadtest.serving_path import latency_stats, load_runs, save_runs
+    from scheduler.loadtest.serving_fit import latency_stats
+    from scheduler.loadtest.serving_runs import load_runs, save_runs
 
     save_runs(tmp_path / "runs.json", results, [64, 16, 32])
     back, budgets = load_runs(tmp_path / "runs.json")

@@ -12,7 +12,8 @@ from scheduler.control.latency import FEATURES, LatencyModel
 from scheduler.control.policies import FixedBudget
 from scheduler.loadtest.profile_report import render_serving
 from scheduler.control.engine_model import ServingPath
-from scheduler.loadtest.serving_path import fit_serving_path, fit_steps, latency_stats, read_step_log, replay_pool
+from scheduler.loadtest.serving_fit import fit_serving_path, latency_stats, replay_pool
+from scheduler.loadtest.serving_steps import fit_steps, read_step_log
 from scheduler.control.sim import ExitModel, SimConfig, simulate
 from scheduler.control.workload import Arrivals, Workload, synthetic
 
@@ -27,7 +28,7 @@ def _results(w: Workload, budget: int = 128, **cfg):
 
 def _steps(truth: dict, n: int = 400, seed: int = 0) -> list[dict]:
     """Step-log records of random decode batches and prefill chunks, timed as ``truth`` says (+-5% noise)."""
-    from scheduler.loadtest.serving_path import step_terms
+    from scheduler.loadtest.serving_steps import step_terms
 
     rng = np.random.default_rng(seed)
     steps = []
@@ -167,7 +168,7 @@ def test_the_served_draft_rounds_are_counted_by_batch_size(tmp_path):
     """The step log's ``k`` (per decoding sequence: tokens emitted, 1 where they came from a draft round) gives, per
     decode batch bucket, the share of sequences that took a plain step and that verified a round of 1, 2, ...
     tokens; a log written before ``k`` counts a plain step per row. The rounds' own cost is a step term."""
-    from scheduler.loadtest.serving_path import decode_rounds, step_terms
+    from scheduler.loadtest.serving_steps import decode_rounds, step_terms
 
     log = tmp_path / "steps.jsonl"
     log.write_text('{"s":0.01,"e":0,"c":1,"d":[],"k":[[3,1]],"p":[]}\n'
@@ -222,7 +223,7 @@ def test_the_step_fit_prices_the_draft_rounds():
 def test_the_step_log_is_read_within_the_runs_kept(tmp_path):
     """A log that also holds a warm-up's (or other runs') steps: only the lines of the ranges kept are read,
     [start, end) by 0-based line number, and count_lines counts what a range is made of."""
-    from scheduler.loadtest.serving_path import count_lines
+    from scheduler.loadtest.serving_steps import count_lines
 
     log = tmp_path / "steps.jsonl"
     assert count_lines(log) == 0
@@ -239,7 +240,7 @@ def test_where_the_log_names_the_requests_only_steps_far_from_their_end_are_coun
     import json
 
     from scheduler.control.sim import MAX_ROUND_TOKENS
-    from scheduler.loadtest.serving_path import decode_rounds
+    from scheduler.loadtest.serving_steps import decode_rounds
 
     assert MAX_ROUND_TOKENS == 8
     lines = []
@@ -265,7 +266,7 @@ def test_where_the_log_names_the_requests_only_steps_far_from_their_end_are_coun
 def test_the_calibration_runs_are_kept_for_a_refit(tmp_path):
     """save_runs / load_runs: the fit's inputs round-trip (a refit or a diagnosis needs no stack); a malformed
     file is a ConfigError."""
-    from scheduler.loadtest.serving_path import load_runs, save_runs
+    from scheduler.loadtest.serving_runs import load_runs, save_runs
 
     runs = [_results(Workload(np.arange(10.0), np.full(10, 50), np.full(10, 8), "w")),
             _results(Workload(np.arange(4.0), np.full(4, 20), np.full(4, 3), "w"))]
@@ -284,7 +285,8 @@ def test_the_calibration_runs_are_kept_for_a_refit(tmp_path):
 def test_runs_served_on_several_stacks_are_fitted_together():
     """merge_starts: the same runs served on two stacks give twice the runs, their budgets and a start label each;
     the second stack's request ids, which restart at 0, are told apart (so a request's steps stay its own)."""
-    from scheduler.loadtest.serving_path import decode_rounds, merge_starts
+    from scheduler.loadtest.serving_runs import merge_starts
+    from scheduler.loadtest.serving_steps import decode_rounds
 
     w = Workload(np.arange(10.0), np.full(10, 50), np.full(10, 8), "w")
     first = [_results(w), _results(w)]
