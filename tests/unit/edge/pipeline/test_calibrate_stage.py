@@ -13,7 +13,7 @@ import pytest
 from edge.core.artifacts import Manifest
 from edge.core.errors import ArtifactError
 from edge.model.exits import EXITS_JSON
-from edge.pipeline.calibrate import float_model
+from edge.pipeline.calibrate_reference import float_model
 
 
 def _run(root: Path) -> Path:
@@ -59,7 +59,8 @@ def test_the_reference_models_are_compared_with_the_rule_on_the_same_prompts():
     from calibration.collect import Collected
     from calibration.evaluate import evaluate_cascade
     from edge.core.errors import ConfigError
-    from edge.pipeline.calibrate import CalibrateConfig, reference_metrics
+    from edge.pipeline.calibrate_config import CalibrateConfig
+    from edge.pipeline.calibrate_reference import reference_metrics
 
     nxt = np.arange(12) % 5
     full = np.where(np.repeat(np.arange(4), 3) < 2, nxt, nxt + 1)  # right on units 0-1, wrong on 2-3
