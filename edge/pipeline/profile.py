@@ -74,7 +74,7 @@ def main(cfg: ProfileConfig) -> int:
         metrics.update({k: v for k, v in sp.sim_fields().items() if not isinstance(v, dict)})
         rounds = (sp.decode_rounds or {}).get("1")
         if rounds:  # at batch 1: the share of a sequence's steps that were draft rounds, and its tokens per step
-            from scheduler.control.sim import round_summary
+            from scheduler.control.sim_config import round_summary
 
             metrics["draft_round_share_b1"], metrics["tokens_per_step_b1"] = round_summary(rounds)
         metrics["serving_fit_max_rel_err"] = sp.fit["max_rel_err"]

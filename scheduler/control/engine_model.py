@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from edge.core.errors import ConfigError
+from scheduler.control.exit_model import ExitModel
 from scheduler.control.latency import LatencyModel
-from scheduler.control.sim import ExitModel
 
 SERVING_JSON = "serving.json"
 

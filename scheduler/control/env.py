@@ -29,9 +29,11 @@ import numpy as np
 
 from edge.core.errors import ConfigError
 from edge.runtime.settings import MAX_RUNNING_GRID, PREFILL_BUDGETS
+from scheduler.control.exit_model import ExitModel
 from scheduler.control.latency import LatencyModel
 from scheduler.control.policies import ControlAction, ControlObservation, observation_from_stats
-from scheduler.control.sim import ExitModel, SimConfig, Simulator, simulate
+from scheduler.control.sim import Simulator, simulate
+from scheduler.control.sim_config import SimConfig
 from scheduler.control.workload import Arrivals, Workload, synthetic
 
 # the action grid: the settings' budgets x admission limits (part of layout_id: the shipped policy was trained on it)

@@ -16,8 +16,10 @@ import numpy as np
 from edge.core.errors import ConfigError
 from scheduler.control.outcomes import summarize
 from scheduler.control.env import CAPACITY_MIN_REQUESTS, EnvConfig, estimate_capacity, make_workload
+from scheduler.control.exit_model import ExitModel
 from scheduler.control.latency import LatencyModel
-from scheduler.control.sim import ExitModel, SimConfig, simulate
+from scheduler.control.sim import simulate
+from scheduler.control.sim_config import SimConfig
 from scheduler.control.workload import Workload
 
 FIXED_PREFIX = "fixed-"

@@ -2,7 +2,7 @@
 
 1. The engine: the latency model ``smartexit profile`` fitted (``<run>/scheduler/latency.json``) and the
    exit model (the profile's per-request exit traces where there are enough, else the threshold
-   table's expected exit fractions: scheduler/control/sim.py ``ExitModel``).
+   table's expected exit fractions: scheduler/control/exit_model.py ``ExitModel``).
 2. Capacity: the highest Poisson rate at which a fixed budget keeps 95% of requests within the SLA
    (env.estimate_capacity); episode loads are multiples of it.
 3. The best heuristic on training episodes, Poisson and bursty arrivals only (the evaluation,
@@ -30,10 +30,12 @@ from edge.core.errors import ConfigError
 from edge.runtime.settings import PREFILL_BUDGET, PREFILL_BUDGETS
 from scheduler.control.outcomes import summarize
 from scheduler.control.env import (EnvConfig, RewardConfig, SchedulerEnv, action_of, index_of, make_workload, obs_vector, reward_of)
+from scheduler.control.exit_model import ExitModel
 from scheduler.control.latency import LatencyModel
 from scheduler.control.learned import zero_states
 from scheduler.control.policies import AIMD, FixedBudget, MaxDelay, Policy, observation_from_stats
-from scheduler.control.sim import ExitModel, SimConfig, Simulator
+from scheduler.control.sim import Simulator
+from scheduler.control.sim_config import SimConfig
 from scheduler.control.workload import Workload
 
 STAGE = "train_scheduler"

@@ -54,10 +54,11 @@ from scheduler.control.outcomes import summarize
 from scheduler.control.engine_model import PARAMS
 from scheduler.control.env import EnvConfig
 from scheduler.control.evaluate import FIXED_PREFIX, WorkloadSpec, best_fixed, workload_for
+from scheduler.control.exit_model import ExitModel
 from scheduler.control.latency import LatencyModel
 from scheduler.control.policies import FixedBudget
 from scheduler.control.registry import make_policy
-from scheduler.control.sim import ExitModel, SimConfig
+from scheduler.control.sim_config import SimConfig
 from scheduler.control.workload import SHARED_TRACE, read_workload_file
 from scheduler.loadtest.bench_scheduler_config import ABLATED, LEARNED, BenchSchedulerConfig
 from scheduler.loadtest.bench_scheduler_overload import by_policy, constant_actions, goodput_ceiling, overload_report, overload_setup

@@ -10,9 +10,9 @@ import numpy as np
 
 from scheduler.control.env import EnvConfig
 from scheduler.control.evaluate import FIXED_PREFIX, WorkloadSpec, best_fixed, workload_for
+from scheduler.control.exit_model import ExitModel
 from scheduler.control.latency import LatencyModel
 from scheduler.control.policies import FixedBudget
-from scheduler.control.sim import ExitModel
 from scheduler.loadtest.bench_scheduler_config import LEARNED, BenchSchedulerConfig
 from scheduler.loadtest.bench_scheduler_served import real_schedule
 

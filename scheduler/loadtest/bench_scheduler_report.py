@@ -5,7 +5,7 @@ import statistics
 from typing import Any
 
 from scheduler.control.evaluate import FIXED_PREFIX, cell_table
-from scheduler.control.sim import round_summary
+from scheduler.control.sim_config import round_summary
 
 
 def _f(v: Any, d: int = 2) -> str:

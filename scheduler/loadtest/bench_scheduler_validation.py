@@ -8,9 +8,11 @@ from typing import Any
 import numpy as np
 
 from scheduler.control.env import EnvConfig
+from scheduler.control.exit_model import ExitModel
 from scheduler.control.latency import LatencyModel
 from scheduler.control.outcomes import summarize
-from scheduler.control.sim import ExitModel, SimConfig, simulate
+from scheduler.control.sim import simulate
+from scheduler.control.sim_config import SimConfig
 from scheduler.control.workload import Workload
 
 VALIDATED = ("ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms", "tpot_p95_ms")

@@ -17,7 +17,9 @@ from edge.core.errors import ConfigError
 from scheduler.control.engine_model import OVERHEADS, PARAMS, ServingPath
 from scheduler.control.latency import LatencyModel
 from scheduler.control.policies import FixedBudget
-from scheduler.control.sim import ExitModel, SimConfig, simulate
+from scheduler.control.exit_model import ExitModel
+from scheduler.control.sim import simulate
+from scheduler.control.sim_config import SimConfig
 from scheduler.control.workload import Workload
 from scheduler.loadtest.serving_steps import decode_rounds, fit_steps
 

@@ -4,7 +4,7 @@ serving=true``; ``<run>/scheduler/serving.json``).
 The engine's latency model prices engine steps; between the engine and a client sit the Triton
 python backend's IPC and responder thread, the worker, the Ray Serve ingress and proxy, HTTP and SSE.
 On 2 cores they share the CPU, and the stub's threads share the GIL, with the engine thread. These
-numbers describe them for the simulator (scheduler/control/sim.py ``SimConfig``):
+numbers describe them for the simulator (scheduler/control/sim_config.py ``SimConfig``):
 
 - ``engine_slowdown``: the served decode step's time / the profiled one (decode is many short ONNX
   Runtime calls with Python between them: each takes the GIL back from the stack's threads);
@@ -44,7 +44,7 @@ from typing import Sequence
 from scheduler.control.engine_model import SERVING_JSON, ServingPath
 from scheduler.control.latency import LatencyModel
 from scheduler.control.policies import FixedBudget
-from scheduler.control.sim import SimConfig
+from scheduler.control.sim_config import SimConfig
 from scheduler.loadtest.serving_fit import fit_serving_path, replay_pool
 from scheduler.loadtest.serving_runs import measure, merge_starts, save_runs
 

@@ -15,7 +15,7 @@ import numpy as np
 from edge.core.errors import ConfigError
 from scheduler.control.engine_model import STEP_PARAMS
 from scheduler.control.latency import LatencyModel
-from scheduler.control.sim import BUCKET_KEYS, MAX_ROUND_TOKENS, batch_bucket
+from scheduler.control.sim_config import BUCKET_KEYS, MAX_ROUND_TOKENS, batch_bucket
 
 
 def read_step_log(path: str | Path, keep: Sequence[tuple[int, int]] | None = None) -> list[dict[str, Any]]:
@@ -53,7 +53,7 @@ def step_terms(latency: LatencyModel, steps: Sequence[dict[str, Any]]) -> np.nda
     and _sq_ms), their square, the two profiled parts times the requests that reached the engine in the last
     FRONT_WINDOW_S seconds (the log's ``a``; 0 in logs written before it), in STEP_PARAMS' order, then its draft
     rounds (in ms: verification calls outside the batched step) in the column of its decode batch's bucket
-    (scheduler/control/sim.py BUCKET_KEYS: round_ms_by_batch)."""
+    (scheduler/control/sim_config.py BUCKET_KEYS: round_ms_by_batch)."""
     from scheduler.control.latency import FEATURES, combine, decode_features, prefill_features
 
     w = np.array([latency.coef[f] for f in FEATURES])

@@ -9,9 +9,10 @@ from edge.core.errors import ConfigError
 from scheduler.control import env as env_mod
 from scheduler.control.env import (ACTIONS, OBS_LAYOUT, EnvConfig, RewardConfig, SchedulerEnv, action_of, estimate_capacity, index_of,
                            layout_id, obs_vector, reward_of)
+from scheduler.control.exit_model import ExitModel
 from scheduler.control.latency import FEATURES, LatencyModel
 from scheduler.control.policies import ControlAction, FixedBudget, observation_from_stats
-from scheduler.control.sim import ExitModel, TickCounts
+from scheduler.control.sim import TickCounts
 
 LM = LatencyModel({f: 0.0 for f in FEATURES} | {"one": 1e-3, "decode_rows": 0.3e-3, "prefill_tokens": 0.15e-3,
                                                  "prefill_calls": 0.5e-3, "decode_layer_rows": 2e-5}, 12, [3, 9, 12])

@@ -27,7 +27,8 @@ from edge.runtime.rules import ConfidenceRule
 from exporters.tensorrt import ENGINES_FORMAT, EngineBuildConfig, profile_shapes
 from scheduler.control.policies import AIMD, ControlObservation, FixedBudget, MaxDelay, observation_from_stats
 from scheduler.control.registry import make_policy
-from scheduler.control.sim import SimConfig, Simulator
+from scheduler.control.sim import Simulator
+from scheduler.control.sim_config import SimConfig
 from tests.unit.edge.runtime.test_engine import _model
 from tests.unit.edge.runtime.test_ort_backend import _export
 from tests.unit.scheduler.control.test_sim import FULL, _lm, _w

@@ -10,11 +10,11 @@ import torch
 
 from edge.core.errors import ConfigError
 from scheduler.control.env import ACTIONS, OBS_LAYOUT, EnvConfig, SchedulerEnv, layout_id, obs_vector
+from scheduler.control.exit_model import ExitModel
 from scheduler.control.latency import FEATURES, LatencyModel
 from scheduler.control.learned import META, ZIP, LearnedPolicy, save_artifact
 from scheduler.control.policies import ControlAction, ControlObservation
 from scheduler.control.registry import make_policy
-from scheduler.control.sim import ExitModel
 
 LM = LatencyModel({f: 0.0 for f in FEATURES} | {"one": 1e-3, "decode_rows": 0.3e-3, "prefill_tokens": 0.15e-3,
                                                  "prefill_calls": 0.5e-3, "decode_layer_rows": 2e-5}, 12, [3, 9, 12])

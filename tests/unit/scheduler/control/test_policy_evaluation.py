@@ -11,9 +11,9 @@ from edge.core.errors import ConfigError
 from scheduler.control.env import EnvConfig
 from scheduler.control.evaluate import (WorkloadSpec, best_fixed, cell_table, compare, evaluate_grid, holds_sla, sla_edge,
                                 trace_at_rate)
+from scheduler.control.exit_model import ExitModel
 from scheduler.control.latency import FEATURES, LatencyModel
 from scheduler.control.policies import AIMD, FixedBudget
-from scheduler.control.sim import ExitModel
 from scheduler.control.workload import Workload
 
 

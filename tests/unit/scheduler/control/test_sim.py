@@ -9,7 +9,9 @@ from edge.core.errors import ConfigError
 from scheduler.control.outcomes import summarize
 from scheduler.control.latency import FEATURES, LatencyModel
 from scheduler.control.policies import FixedBudget, observation_from_stats
-from scheduler.control.sim import ExitModel, SimConfig, Simulator, simulate
+from scheduler.control.exit_model import ExitModel
+from scheduler.control.sim import Simulator, simulate
+from scheduler.control.sim_config import SimConfig
 from scheduler.control.workload import Arrivals, Workload, synthetic
 
 LAYERS = [3, 9, 12]
@@ -211,7 +213,8 @@ def test_draft_rounds_emit_several_tokens_in_a_step():
     """With the served engine's rounds (SimConfig.decode_rounds) a sequence decoding alone verifies a round of
     three tokens a step: every token delivered, in a third of the steps, each round priced round_ms outside the
     batched step, and a shorter time per output token; a batch size without a count takes plain steps."""
-    from scheduler.control.sim import SimConfig, batch_bucket, simulate
+    from scheduler.control.sim import simulate
+    from scheduler.control.sim_config import SimConfig, batch_bucket
     from scheduler.control.policies import FixedBudget
 
     lm = _lm(one=1e-3, decode_rows=0.5e-3, prefill_tokens=0.1e-3, prefill_calls=1e-3)

@@ -252,9 +252,9 @@ def test_a_policy_that_is_one_constant_action_never_beats_the_best_constant_acti
 
     from scheduler.control.env import ACTIONS, EnvConfig
     from scheduler.control.evaluate import WorkloadSpec
+    from scheduler.control.exit_model import ExitModel
     from scheduler.control.latency import FEATURES, LatencyModel
     from scheduler.control.policies import FixedBudget
-    from scheduler.control.sim import ExitModel
     from scheduler.loadtest.bench_scheduler_overload import CONSTANT_PREFIX, constant_actions, constant_kwargs, constant_name
 
     lm = LatencyModel({f: 0.0 for f in FEATURES} | {"one": 1e-3, "decode_rows": 0.3e-3, "prefill_tokens": 0.15e-3},

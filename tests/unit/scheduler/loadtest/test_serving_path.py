@@ -14,7 +14,9 @@ from scheduler.loadtest.profile_report import render_serving
 from scheduler.control.engine_model import ServingPath
 from scheduler.loadtest.serving_fit import fit_serving_path, latency_stats, replay_pool
 from scheduler.loadtest.serving_steps import fit_steps, read_step_log
-from scheduler.control.sim import ExitModel, SimConfig, simulate
+from scheduler.control.exit_model import ExitModel
+from scheduler.control.sim import simulate
+from scheduler.control.sim_config import SimConfig
 from scheduler.control.workload import Arrivals, Workload, synthetic
 
 LM = LatencyModel({f: 0.0 for f in FEATURES} | {"one": 1e-3, "decode_rows": 0.4e-3, "prefill_tokens": 0.2e-3,
@@ -239,7 +241,7 @@ def test_where_the_log_names_the_requests_only_steps_far_from_their_end_are_coun
     and the simulator cuts its own draws there. A log without ids counts every step, as before."""
     import json
 
-    from scheduler.control.sim import MAX_ROUND_TOKENS
+    from scheduler.control.sim_config import MAX_ROUND_TOKENS
     from scheduler.loadtest.serving_steps import decode_rounds
 
     assert MAX_ROUND_TOKENS == 8
