@@ -37,7 +37,7 @@ The exit rule scores them with a small MLP per exit (:class:`edge.runtime.rules.
 exit where the score >= 0. This module is the reference computation in numpy (float32, as the
 graphs compute it): the torch, static-cache and portable backends decide with it on the host, the
 fused ONNX Runtime graphs compute the same formulas in the segment graph
-(:mod:`exporters.ort_fused`), and calibration collects its features with it.
+(:func:`exporters.ort_exits.decision_shortlist`), and calibration collects its features with it.
 """
 from __future__ import annotations
 

@@ -201,7 +201,7 @@ class OrtBackend(Backend):
             out.cand_tokens = self._buf("cand_tokens", i + 1, chain, b, (r, 2), np.int64)
             out.cand_logits = self._buf("cand_logits", i + 1, chain, b, (r, 2), f32)
             out.token = out.cand_tokens[:, 0]  # a view: the check's token
-        if not last:  # a decision exit: the rule's features and score (exporters/ort_fused.py)
+        if not last:  # a decision exit: the rule's features and score (exporters/ort_exits.py)
             out.features = np.zeros((r, self.spec.num_features), f32)
             out.score = np.zeros(r, f32)
             if not self.spec.gated and not check:

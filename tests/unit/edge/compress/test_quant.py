@@ -25,7 +25,7 @@ from edge.model.config import ModelConfig
 from edge.model.decoder import Decoder
 from edge.model.exits import ExitConfig, MultiExitModel
 from edge.runtime.ortsession import session_options
-from exporters.ort_fused import _Builder
+from exporters.ort_graph import Builder
 from exporters.ort_quant import pack_nbits
 
 D, F_, V = 64, 96, 128
@@ -201,7 +201,7 @@ def test_compressed_checkpoint_round_trip(tmp_path, precision):
 
 # ---------------------------------------------------------------- the fused graphs' quantized MatMuls
 def _run_linear_graph(lins: list[torch.nn.Linear], x: np.ndarray) -> np.ndarray:
-    b = _Builder(tiny_model())
+    b = Builder(tiny_model())
     b.input("x", TensorProto.FLOAT, ["rows", lins[0].in_features])
     y = b.linear("x", lins if len(lins) > 1 else lins[0], "lin")
     b.node("Identity", [y], ["y"])
