@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from edge.core.errors import ConfigError
-from edge.pipeline.bench.energy import (EnergyBenchConfig, Window, paired_ratios, per_token, plot, ratios,
-                                        render_markdown)
+from edge.pipeline.bench.energy_config import EnergyBenchConfig
+from edge.pipeline.bench.energy_figures import Window, paired_ratios, per_token, ratios
+from edge.pipeline.bench.energy_report import plot, render_markdown
 
 
 def _windows(joules: list[float | None], idle_w: float | None = 2.0) -> list[Window]:
@@ -87,7 +88,7 @@ def test_bad_configs(kw, msg):
 
 
 def test_served_backend_needs_the_choice_jetson_serve_wrote(tmp_path):
-    from edge.pipeline.bench.energy import backend_choice
+    from edge.pipeline.bench.energy_systems import backend_choice
 
     cfg = EnergyBenchConfig(run_dir=str(tmp_path), backend="served")
     with pytest.raises(ConfigError, match="make jetson-serve"):
