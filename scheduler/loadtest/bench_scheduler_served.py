@@ -12,7 +12,8 @@ from scheduler.loadtest.bench_scheduler_config import LEARNED, BenchSchedulerCon
 
 def real_schedule(cfg: BenchSchedulerConfig, w: Workload) -> list:
     """The workload's arrivals and lengths with prompts cut from the held-out split (bench serve's pool)."""
-    from scheduler.loadtest.bench_serve import BenchServeConfig, prompt_pool
+    from scheduler.loadtest.bench_serve_config import BenchServeConfig
+    from scheduler.loadtest.bench_serve_inputs import prompt_pool
     from scheduler.loadtest.loadgen import requests_of
 
     return requests_of(w, prompt_pool(BenchServeConfig(run_dir=cfg.run_dir)), cfg.seed)
@@ -31,7 +32,8 @@ def served(cfg: BenchSchedulerConfig, env: EnvConfig, runs: list[tuple[str, dict
     worker's policy switched between runs where it changes (:func:`scheduler.serving.stack.set_policy`).
     One stack for every policy: no stack start between them (~15-25 s each on 2 cores), and no policy is
     measured on a second stack started right after the first (on this 2-core VM that one ran slower)."""
-    from scheduler.loadtest.bench_serve import BenchServeConfig, http_run
+    from scheduler.loadtest.bench_serve_config import BenchServeConfig
+    from scheduler.loadtest.bench_serve_runs import http_run
     from scheduler.serving.config import ServeConfig
     from scheduler.serving.stack import free_port, serving_stack, set_policy
 

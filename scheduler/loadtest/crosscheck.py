@@ -139,7 +139,9 @@ def tokenizer_folder(bundle: Path, out: Path) -> Path:
 
 def _ours(cfg: CrossCheckConfig, url: str) -> tuple[dict[str, Any], str]:
     from scheduler.control.outcomes import summarize
-    from scheduler.loadtest.bench_serve import BenchServeConfig, capacity_requests, make_schedule
+    from scheduler.loadtest.bench_serve_capacity import capacity_requests
+    from scheduler.loadtest.bench_serve_config import BenchServeConfig
+    from scheduler.loadtest.bench_serve_inputs import make_schedule
     from scheduler.loadtest.loadgen import ScheduledRequest, run_closed_loop
     from scheduler.loadtest.senders import HttpSender
 

@@ -416,7 +416,7 @@ def bundle_path(cfg: ProfileConfig) -> Path:
 
 def prompt_pool(bundle: Path) -> tuple[list[list[int]], tuple[int, ...]]:
     """The held-out test split, one token stream per document, and the stop ids the server adds (end of
-    text), both through the bundle's tokenizer (as scheduler/loadtest/bench_serve.py reads them)."""
+    text), both through the bundle's tokenizer (as scheduler/loadtest/bench_serve_inputs.py reads them)."""
     from edge.core.data import Split, load_split
     from edge.model.tokenizer import EOS, load_tokenizer
 

@@ -28,7 +28,8 @@ def measure(run_dir: str | Path, runs: Sequence[tuple[int, Sequence[Any]]], max_
     that has run a while).
     ``serve``: other ServeConfig fields of the stack. ``more``: called once after ``runs`` with their results and
     steps; the runs it returns are served next on the same stack (a run placed by what the earlier ones measured)."""
-    from scheduler.loadtest.bench_serve import BenchServeConfig, http_run
+    from scheduler.loadtest.bench_serve_config import BenchServeConfig
+    from scheduler.loadtest.bench_serve_runs import http_run
     from scheduler.serving.config import ServeConfig
     from scheduler.serving.stack import free_port, serving_stack, set_policy
 

@@ -409,7 +409,8 @@ class TestOneReplica:
         greedy lengths agree across systems, and the report pairs them per repeat."""
         from tokenizers import Tokenizer
 
-        from scheduler.loadtest.bench_serve import BenchServeConfig, capacity_runs, capacity_section
+        from scheduler.loadtest.bench_serve_capacity import capacity_runs, capacity_section
+        from scheduler.loadtest.bench_serve_config import BenchServeConfig
         from scheduler.loadtest.loadgen import ScheduledRequest
 
         cfg = BenchServeConfig(run_dir=str(stack.run), model=MODEL, capacity_concurrency=[1, 2], capacity_repeats=2,

@@ -1,14 +1,16 @@
-"""``smartexit bench serve``: the stage. The work is :mod:`scheduler.loadtest.bench_serve`'s; this module reads the run, calls it and
-records what it made."""
+"""``smartexit bench serve``: the stage. The work is :mod:`scheduler.loadtest.bench_serve`'s (and its
+``bench_serve_*`` modules'); this module reads the run, calls it and records what it made."""
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
 from edge.core.artifacts import Manifest
-from scheduler.loadtest.bench_serve import (BenchServeConfig, INPROCESS, STAGE, build_report, capacity_requests,
-                                            capacity_section, context_window, describe_workload, inprocess_run,
-                                            make_schedule, served_runs, write_outputs)
+from scheduler.loadtest.bench_serve import inprocess_run, served_runs
+from scheduler.loadtest.bench_serve_capacity import capacity_requests, capacity_section
+from scheduler.loadtest.bench_serve_config import BenchServeConfig
+from scheduler.loadtest.bench_serve_inputs import context_window, make_schedule
+from scheduler.loadtest.bench_serve_report import INPROCESS, STAGE, build_report, describe_workload, write_outputs
 
 
 def main(cfg: BenchServeConfig) -> int:

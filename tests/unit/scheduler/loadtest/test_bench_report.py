@@ -9,11 +9,12 @@ import pytest
 
 from edge.core.configio import apply, load_yaml
 from edge.pipeline.bench import serve as serve_stage
-from scheduler.loadtest import bench_serve
+from scheduler.loadtest import bench_serve_inputs, bench_serve_report, bench_serve_runs
 from scheduler.loadtest.bench_report import compare, same_lengths, plot_latency_cdf, plot_throughput, render_markdown, throughput_series
 from scheduler.control.outcomes import summarize
 from edge.core.stats import percentiles
-from scheduler.loadtest.bench_serve import INPROCESS, BenchServeConfig
+from scheduler.loadtest.bench_serve_config import BenchServeConfig
+from scheduler.loadtest.bench_serve_report import INPROCESS
 from scheduler.loadtest.capacity import Run
 from scheduler.control.outcomes import RequestResult
 
@@ -150,13 +151,13 @@ def test_stage_end_to_end_with_fake_runs(tmp_path, monkeypatch):
 
 def test_report_says_when_arrivals_are_synthetic(tmp_path, monkeypatch):
     monkeypatch.setattr("scheduler.control.workload.SHARED_TRACE", tmp_path / "absent.csv")
-    monkeypatch.setattr(bench_serve, "SHARED_TRACE", tmp_path / "absent.csv")
+    monkeypatch.setattr(bench_serve_inputs, "SHARED_TRACE", tmp_path / "absent.csv")
     cfg = BenchServeConfig(run_dir=str(tmp_path / "r"), duration_s=5.0, rate_rps=3.0, inprocess=False, context_window=256,
                            tokenizer=str(ROOT / "edge" / "assets" / "tiny-ee" / "tokenizer.json"))
-    schedule, w = bench_serve.make_schedule(cfg)
-    workload = bench_serve.describe_workload(cfg, w, schedule, 256)
+    schedule, w = bench_serve_inputs.make_schedule(cfg)
+    workload = bench_serve_report.describe_workload(cfg, w, schedule, 256)
     assert workload["synthetic"] and "no trace at" in workload["source"]
-    rep = bench_serve.build_report(cfg, workload, {"fixed": _fake_runs(schedule)(1.0)})
+    rep = bench_serve_report.build_report(cfg, workload, {"fixed": _fake_runs(schedule)(1.0)})
     assert rep["serve_bench"]["served_vs_inprocess_tokens_ratio"] is None
     assert any("synthetic" in n for n in rep["notes"]) and "synthetic" in render_markdown(rep)
 
@@ -193,4 +194,4 @@ def test_a_failed_warmup_stops_the_stage():
         return _failed(0, 0.0, "http_404")
 
     with pytest.raises(SmartExitError, match="warm-up request to http://x failed \\(http_404\\)"):
-        asyncio.run(bench_serve._warm_then_run(refusing, [ScheduledRequest(0.0, [1], 2, "a")], 1, "http://x"))
+        asyncio.run(bench_serve_runs.warm_then_run(refusing, [ScheduledRequest(0.0, [1], 2, "a")], 1, "http://x"))

@@ -1,0 +1,92 @@
+"""``smartexit bench serve``'s price of serving: the closed-loop requests cut from the schedule, their runs
+on every system at once (:func:`scheduler.loadtest.capacity.interleaved`) and ``serve.json``'s ``capacity``
+section made of them (:func:`scheduler.loadtest.capacity.capacity_report`)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from scheduler.loadtest.bench_serve_config import BenchServeConfig
+from scheduler.loadtest.bench_serve_inputs import bundle_dir, stop_ids
+from scheduler.loadtest.bench_serve_runs import served_sender
+from scheduler.loadtest.capacity import INPROCESS as INPROCESS_SYSTEM
+from scheduler.loadtest.capacity import SERVED as SERVED_SYSTEM
+from scheduler.loadtest.capacity import TRITON as TRITON_SYSTEM
+from scheduler.loadtest.capacity import Run, capacity_report, interleaved, tokens_ratio
+from scheduler.loadtest.loadgen import ScheduledRequest
+from scheduler.loadtest.senders import InProcessSender, TritonSender
+
+EXACT_SYSTEM = "served_exact"  # the capacity runs' name for the stack in mode exact
+
+
+def capacity_requests(cfg: BenchServeConfig, schedule: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    """The closed-loop requests: the schedule's prompts cut (or repeated) to ``capacity_prompt_tokens``,
+    ``capacity_max_tokens`` each."""
+    out = []
+    for i in range(cfg.capacity_requests):
+        ids = schedule[i % len(schedule)].prompt_ids
+        ids = (ids * (cfg.capacity_prompt_tokens // len(ids) + 1))[:cfg.capacity_prompt_tokens]
+        out.append(ScheduledRequest(0.0, ids, cfg.capacity_max_tokens, f"cap-{i}"))
+    return out
+
+
+def capacity_runs(cfg: BenchServeConfig, reqs: list[ScheduledRequest], url: str) -> dict[str, dict[int, list[Run]]]:
+    """The closed-loop requests on every system at once, interleaved (:func:`scheduler.loadtest.capacity.interleaved`):
+    the engine in this process (``inprocess``), a tritonserver of its own on the run's repository over
+    gRPC (``triton_direct``, with ``hops`` and a stack of our own), the stack at ``url`` (``served``) and,
+    with ``capacity_exact``, the stack in mode exact (``served_exact``)."""
+    from scheduler.serving.bundle import open_bundle
+    from scheduler.serving.stack import repository
+    from scheduler.serving.tritonserver import TritonProcess
+
+    with contextlib.ExitStack() as stack:
+        host = None
+        if cfg.inprocess:
+            host = open_bundle(bundle_dir(cfg), threads=cfg.threads, **cfg.host)
+            host.start()
+            stack.callback(host.stop)
+        tp = stack.enter_context(TritonProcess(repository(cfg.run_dir))) if cfg.hops and cfg.url is None else None
+
+        async def run() -> dict[str, dict[int, list[Run]]]:
+            senders: dict[str, Any] = {}
+            if host is not None:
+                senders[INPROCESS_SYSTEM] = InProcessSender(host, cfg.mode, cfg.sla_ttft_ms, cfg.sla_tpot_ms,
+                                                            cfg.request_timeout_s, stop_ids(cfg))
+            if tp is not None:
+                senders[TRITON_SYSTEM] = TritonSender(tp.grpc_url, cfg.mode, cfg.sla_ttft_ms, cfg.sla_tpot_ms,
+                                                      stop_ids(cfg))
+            senders[SERVED_SYSTEM] = await served_sender(url, cfg)
+            if cfg.capacity_exact and cfg.mode != "exact":
+                senders[EXACT_SYSTEM] = await served_sender(url, cfg, "exact")
+            try:
+                return await interleaved(senders, reqs, cfg.capacity_concurrency, cfg.capacity_repeats,
+                                         cfg.warmup_requests)
+            finally:
+                for name, send in senders.items():
+                    if name == TRITON_SYSTEM:
+                        await send.close()
+                    elif name in (SERVED_SYSTEM, EXACT_SYSTEM):
+                        await send.__aexit__(None, None, None)
+        return asyncio.run(run())
+
+
+def capacity_section(cfg: BenchServeConfig, cap: dict[str, dict[int, list[Run]]]) -> dict[str, Any]:
+    """``serve.json``'s ``capacity``: :func:`scheduler.loadtest.capacity.capacity_report` of the runs, with
+    the requests' shape and, with mode exact, the exact / bounded tokens/s ratio at the lowest concurrency
+    (``headline["exact_vs_bounded_tokens_ratio"]``, its spread beside the others)."""
+    from scheduler.serving.config import ServeConfig
+
+    own = cfg.url is None
+    via = cfg.serve.get("stream_via", ServeConfig.stream_via) if own else "as the server is configured"
+    ingress = cfg.serve.get("ingress", ServeConfig.ingress) if own else "as the server is configured"
+    meta = {"requests_per_level": cfg.capacity_requests, "prompt_tokens": cfg.capacity_prompt_tokens,
+            "max_tokens": cfg.capacity_max_tokens, "policy": cfg.policies[0] if own else "served",
+            "mode": cfg.mode, "stream_via": via, "ingress": ingress}
+    rep = capacity_report(cap, cfg.sla_ttft_ms, cfg.sla_tpot_ms, meta)
+    if EXACT_SYSTEM in cap and SERVED_SYSTEM in cap:
+        lo = min(cap[SERVED_SYSTEM])
+        spread = tokens_ratio(cap[EXACT_SYSTEM][lo], cap[SERVED_SYSTEM][lo], cfg.sla_ttft_ms, cfg.sla_tpot_ms)
+        rep["headline"]["exact_vs_bounded_tokens_ratio"] = spread["median"]
+        rep["headline"]["spread"]["exact_vs_bounded_tokens_ratio"] = spread
+    return rep
