@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from edge.compress.apply import quantize_head, quantize_layers, quantized_layers
-from edge.compress.prune import apply_shapes, layer_shapes
+from edge.compress.prune_surgery import apply_shapes, layer_shapes
 from edge.compress.quant import Precision, QuantSpec
 from edge.core.artifacts import atomic_write_json
 from edge.core.errors import CheckpointError

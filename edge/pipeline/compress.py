@@ -118,7 +118,8 @@ def compress(model: MultiExitModel, windows: torch.Tensor, cfg: CompressConfig, 
     calib = [windows[8 * i:8 * (i + 1)] for i in range(cfg.calib_batches)]
     fit_ref = Reference(model, windows[-cfg.sensitivity_windows:])
     if cfg.prune:
-        from edge.compress.prune import PruneConfig, prune_near_exits
+        from edge.compress.prune import prune_near_exits
+        from edge.compress.prune_config import PruneConfig
 
         pcfg = PruneConfig(mlp_fraction=cfg.prune_mlp_fraction, heads_per_group=cfg.prune_heads_per_group,
                            steps=cfg.prune_steps, recovery_steps=cfg.prune_recovery_steps, seq_len=cfg.seq_len,

@@ -1,5 +1,6 @@
-"""Structured pruning near exits (edge.compress.prune): removal is exact where it must be, importance
-matches an independent computation, pruned checkpoints reload, the progressive loop keeps its promises.
+"""Structured pruning near exits (edge.compress.prune and its prune_* modules): removal is exact where it
+must be, importance matches an independent computation, pruned checkpoints reload, the progressive loop
+keeps its promises.
 
 Tolerances: two float32 paths that differ only in summation order (a matrix with one zero column less,
 a fused vs unfused attention) agree to about eps32 * sqrt(reduction length) relative per layer; the
@@ -16,9 +17,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from edge.compress.prune import (Importance, PruneConfig, apply_shapes, keep_heads_per_group, keep_top, layer_shapes,
-                                 measure_importance, num_params, prune_heads, prune_mlp, prune_near_exits,
-                                 pruned_layers, schedule, _exits_from, _same_prefix)
+from edge.compress.prune import num_params, prune_near_exits, pruned_layers, schedule
+from edge.compress.prune_config import PruneConfig
+from edge.compress.prune_importance import Importance, keep_heads_per_group, keep_top, measure_importance
+from edge.compress.prune_recovery import _exits_from, _same_prefix
+from edge.compress.prune_surgery import apply_shapes, layer_shapes, prune_heads, prune_mlp
 from edge.core.errors import CheckpointError, ConfigError
 from edge.model.config import ModelConfig
 from edge.model.decoder import Decoder, attention_mask

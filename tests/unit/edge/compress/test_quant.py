@@ -174,7 +174,7 @@ def test_qat_trains_only_critical_layers_and_the_penalty_holds_drift():
 # ---------------------------------------------------------------- checkpoints
 @pytest.mark.parametrize("precision", [Precision.W8A8, Precision.W4])
 def test_compressed_checkpoint_round_trip(tmp_path, precision):
-    from edge.compress.prune import prune_mlp
+    from edge.compress.prune_surgery import prune_mlp
 
     m = tiny_model(5)
     prune_mlp(m.backbone.layers[1].mlp, list(range(0, F_, 3)) + [1, 4, 7, 10, 13, 16, 19, 22, 25, 28, 31, 34, 37, 40, 43, 46, 49, 52, 55, 58, 61, 64, 67, 70, 73, 76, 79, 82, 85, 88, 91, 94])  # pruned: 64 neurons
