@@ -260,7 +260,7 @@ def main(cfg: CompressBenchConfig) -> int:
 
 def _peers(cfg: CompressBenchConfig, manifest: Manifest, tok, ref: Reference, rows: dict, t0: float) -> dict:
     """llama.cpp at each of ``cfg.peer_types`` on the distilled weights, with its held-out quality."""
-    from edge.pipeline.bench import llamacpp, llamacpp_gguf, llamacpp_quality, llamacpp_tokenizer
+    from edge.pipeline.bench import llamacpp, llamacpp_gguf, llamacpp_peer, llamacpp_quality, llamacpp_tokenizer
 
     why = llamacpp.available()
     if why is not None:
@@ -272,7 +272,7 @@ def _peers(cfg: CompressBenchConfig, manifest: Manifest, tok, ref: Reference, ro
     peers = {}
     for qt in cfg.peer_types:
         gguf = llamacpp_gguf.cached_quantized_gguf(cfg.run_dir, distilled, qt)
-        peer = llamacpp.LlamaCppPeer(gguf, cfg.threads)
+        peer = llamacpp_peer.LlamaCppPeer(gguf, cfg.threads)
         pq = llamacpp_quality.peer_perplexity(peer, ref.windows.numpy())
         rows[f"llamacpp_{qt}"] = {"precision": qt, "gguf_bytes": llamacpp_gguf.gguf_bytes(gguf),
                                   "tensor_types": llamacpp_gguf.tensor_type_counts(

@@ -114,7 +114,8 @@ class Systems:
         to GGUF by the converter of llama.cpp's own source distribution (its tokenizer checked against
         ours), quantized by llama.cpp to the served model's precision (q8_0 for W8A8); and whether its
         ``llama-bench`` is built."""
-        from edge.pipeline.bench import llamacpp, llamacpp_bench, llamacpp_gguf, llamacpp_tokenizer
+        from edge.pipeline.bench import (llamacpp, llamacpp_bench, llamacpp_gguf, llamacpp_lookup, llamacpp_peer,
+                                          llamacpp_tokenizer)
 
         self.llamacpp_skipped = llamacpp.available()
         if self.llamacpp_skipped is not None:
@@ -127,12 +128,12 @@ class Systems:
         f32 = llamacpp_gguf.cached_gguf(self.cfg.run_dir, ckpt, "f32")
         llamacpp_tokenizer.verify_tokenizer(ckpt, f32)
         self.gguf = llamacpp_gguf.same_precision_gguf(self.cfg.run_dir, ckpt, precision, self.cfg.threads)
-        try:  # repacked weights where they run (llamacpp.repack_runs); a peer that cannot decode is skipped
-            self.peer = llamacpp.LlamaCppPeer(self.gguf, self.cfg.threads)
+        try:  # repacked weights where they run (llamacpp_repack.repack_runs); a peer that cannot decode is skipped
+            self.peer = llamacpp_peer.LlamaCppPeer(self.gguf, self.cfg.threads)
         except SmartExitError as exc:
             self.llamacpp_skipped = str(exc)
             return
-        self.peer_lookup = llamacpp.LlamaCppLookupPeer(self.gguf, self.cfg.threads, repack=self.peer.repack)
+        self.peer_lookup = llamacpp_lookup.LlamaCppLookupPeer(self.gguf, self.cfg.threads, repack=self.peer.repack)
         self.llama_bench_skipped = llamacpp_bench.llama_bench_unavailable()
         self.loaded |= {"llamacpp", "llamacpp_lookup"}
 

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from edge.core.errors import MissingExtraError, SmartExitError
-from edge.pipeline.bench.llamacpp import INSTALL_HINT, LlamaCppPeer, available, converter_dir, sdist_version, source_dir
+from edge.pipeline.bench.llamacpp import INSTALL_HINT, available, converter_dir, sdist_version, source_dir
+from edge.pipeline.bench.llamacpp_peer import LlamaCppPeer
 
 BUILD_DIR = "llamacpp-bench-build"  # under the venv, beside llamacpp-src
 BUILT_FROM = "built-from-llama-cpp-python"  # a file in the build folder: the sdist version it was built from
@@ -188,7 +189,7 @@ def llama_bench_argv(binary: Path, gguf: Path, n_prompt: int, n_gen: int, depth:
     """One llama-bench run: a prefill test of ``n_prompt`` tokens and / or a generation test of
     ``n_gen`` tokens (0 skips a test), each after a cache of ``depth`` tokens, ``repeats`` times,
     as JSON on stdout (flags of ``tools/llama-bench/llama-bench.cpp``); ``repack`` False: the weights
-    as stored (``--repack 0``; see ``llamacpp.repack_runs``)."""
+    as stored (``--repack 0``; see ``llamacpp_repack.repack_runs``)."""
     return [str(binary), "-m", str(gguf), "-p", str(n_prompt), "-n", str(n_gen), "-d", str(depth),
             "-t", str(threads), "-r", str(repeats), "-fa", flash_attn, "-o", "json",
             *([] if repack else ["--repack", "0"])]

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edge.core.errors import SmartExitError
-from edge.pipeline.bench.llamacpp import LlamaCppPeer
+from edge.pipeline.bench.llamacpp_peer import LlamaCppPeer
 
 if TYPE_CHECKING:
     import numpy as np

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from edge.core.errors import SmartExitError
-from edge.pipeline.bench.llamacpp import LlamaCppPeer
+from edge.pipeline.bench.llamacpp_peer import LlamaCppPeer
 
 
 class TokenizerMismatch(SmartExitError):

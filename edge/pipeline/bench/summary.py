@@ -233,8 +233,8 @@ def render_markdown(results: dict[str, Any], summary: dict[str, Any]) -> str:
         lines += ["", f"(f) llama.cpp not measured: {results['llamacpp_skipped']}"]
     lc = results.get("llamacpp")
     if lc and not results.get("llamacpp_skipped"):
-        plain = (", its weights as stored: its repacked kernels failed on this machine (llamacpp.repack_runs)"
-                 if lc.get("repack") is False else "")
+        plain = (", its weights as stored: its repacked kernels failed on this machine "
+                 "(llamacpp_repack.repack_runs)" if lc.get("repack") is False else "")
         lines += ["", f"(f) llama.cpp on a {lc['gguf_type']} GGUF (the served model's precision{plain}), batch 1, decode "
                       f"and prefill apart; the speed-ups over it compare decode alone against the `{lc['used']}` row"
                       + (f" (llama-bench: {lc['llama_bench_skipped']})" if lc.get("llama_bench_skipped") else "") + ":", "",

@@ -1,6 +1,6 @@
-"""llama.cpp peer (edge/pipeline/bench/llamacpp.py, llamacpp_gguf.py, llamacpp_tokenizer.py): tokenizer
-inspection and command lines everywhere; conversion, tokenizer agreement and greedy agreement where
-`make llamacpp` has installed it."""
+"""llama.cpp peer (edge/pipeline/bench/llamacpp.py, llamacpp_peer.py, llamacpp_repack.py, llamacpp_match.py,
+llamacpp_gguf.py, llamacpp_tokenizer.py): tokenizer inspection and command lines everywhere; conversion,
+tokenizer agreement and greedy agreement where `make llamacpp` has installed it."""
 from __future__ import annotations
 
 import copy
@@ -12,6 +12,10 @@ import pytest
 
 from edge.pipeline.bench import llamacpp as lc
 from edge.pipeline.bench import llamacpp_gguf as gg
+from edge.pipeline.bench import llamacpp_match as lm
+from edge.pipeline.bench import llamacpp_peer as lp
+from edge.pipeline.bench import llamacpp_repack as lr
+from edge.pipeline.bench import llamacpp_timing as lt
 from edge.pipeline.bench import llamacpp_tokenizer as tk
 from edge.model.bundled import BUNDLED_DIR, BUNDLED_EE_DIR
 from edge.core.errors import SmartExitError
@@ -152,17 +156,17 @@ class _FakePeer:
         self.outputs = iter(outputs)
 
     def generate(self, prompt, n):
-        return lc.PeerGeneration(next(self.outputs)[:n], 0.0, [])
+        return lt.PeerGeneration(next(self.outputs)[:n], 0.0, [])
 
 
 def test_greedy_match_fraction_and_refusal():
     ref = [[1, 2, 3, 4], [5, 6, 7, 8]]
-    assert lc.check_greedy_match(_FakePeer(ref), ref, [[0], [0]]) == 1.0
-    assert lc.check_greedy_match(_FakePeer([[1, 2, 3, 4], [5, 6, 0, 0]]), ref, [[0], [0]]) == pytest.approx(0.75)
-    with pytest.raises(lc.GreedyMismatch, match="75.0%"):
-        lc.require_greedy_match(_FakePeer([[1, 2, 3, 4], [5, 6, 0, 0]]), ref, [[0], [0]])
+    assert lm.check_greedy_match(_FakePeer(ref), ref, [[0], [0]]) == 1.0
+    assert lm.check_greedy_match(_FakePeer([[1, 2, 3, 4], [5, 6, 0, 0]]), ref, [[0], [0]]) == pytest.approx(0.75)
+    with pytest.raises(lm.GreedyMismatch, match="75.0%"):
+        lm.require_greedy_match(_FakePeer([[1, 2, 3, 4], [5, 6, 0, 0]]), ref, [[0], [0]])
     with pytest.raises(SmartExitError, match="reference"):
-        lc.check_greedy_match(_FakePeer(ref), ref, [[0]])
+        lm.check_greedy_match(_FakePeer(ref), ref, [[0]])
 
 
 def test_reference_greedy_matches_transformers(llama_dir, one_torch_thread):
@@ -177,7 +181,7 @@ def test_reference_greedy_matches_transformers(llama_dir, one_torch_thread):
     with torch.no_grad():
         want = hf.generate(torch.tensor(prompts), attention_mask=torch.ones(2, 6, dtype=torch.long),
                            generation_config=gen)[:, 6:].tolist()
-    assert lc.reference_greedy(llama_dir, prompts, 12) == want
+    assert lm.reference_greedy(llama_dir, prompts, 12) == want
 
 
 # ------------------------------------------------------------------ whether repacked weights run (no llama.cpp needed)
@@ -191,8 +195,8 @@ def _children(monkeypatch, tmp_path, crash: set[bool]) -> list[bool]:
         code = "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)" if repack in crash else "pass"
         return [sys.executable, "-c", code]
 
-    monkeypatch.setattr(lc, "probe_argv", argv)
-    monkeypatch.setattr(lc, "_REPACK", {})
+    monkeypatch.setattr(lr, "probe_argv", argv)
+    monkeypatch.setattr(lr, "_REPACK", {})
     return started
 
 
@@ -200,14 +204,14 @@ def test_repacking_is_probed_apart_and_dropped_where_it_crashes(monkeypatch, tmp
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     started = _children(monkeypatch, tmp_path, crash={True})
-    assert lc.repack_runs(gguf, 2) is False  # this process survived its child's crash
+    assert lr.repack_runs(gguf, 2) is False  # this process survived its child's crash
     assert started == [True, False]
-    assert lc.repack_runs(gguf, 2) is False and started == [True, False]  # cached per file
+    assert lr.repack_runs(gguf, 2) is False and started == [True, False]  # cached per file
     gguf.write_bytes(b"GGUF v2")  # another file there: probed again
-    assert lc.repack_runs(gguf, 2) is False and started == [True, False, True, False]
+    assert lr.repack_runs(gguf, 2) is False and started == [True, False, True, False]
 
     started = _children(monkeypatch, tmp_path, crash=set())
-    assert lc.repack_runs(gguf, 2) is True and started == [True]  # llama.cpp's default where it runs
+    assert lr.repack_runs(gguf, 2) is True and started == [True]  # llama.cpp's default where it runs
 
 
 def test_a_gguf_llamacpp_cannot_decode_either_way_is_a_clear_error(monkeypatch, tmp_path):
@@ -215,28 +219,28 @@ def test_a_gguf_llamacpp_cannot_decode_either_way_is_a_clear_error(monkeypatch, 
     gguf.write_bytes(b"GGUF")
     _children(monkeypatch, tmp_path, crash={True, False})
     with pytest.raises(SmartExitError, match=r"with repacking: signal 11.*without repacking: signal 11"):
-        lc.repack_runs(gguf, 2)
+        lr.repack_runs(gguf, 2)
     with pytest.raises(SmartExitError, match="does not exist"):
-        lc.repack_runs(tmp_path / "missing.gguf", 2)
+        lr.repack_runs(tmp_path / "missing.gguf", 2)
 
 
 def test_a_probe_that_hangs_counts_as_failing_that_way(monkeypatch, tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    monkeypatch.setattr(lc, "_REPACK", {})
-    monkeypatch.setattr(lc, "probe_argv", lambda g, t, repack: [sys.executable, "-c",
+    monkeypatch.setattr(lr, "_REPACK", {})
+    monkeypatch.setattr(lr, "probe_argv", lambda g, t, repack: [sys.executable, "-c",
                                                                 "import time; time.sleep(30)" if repack else "pass"])
-    assert lc.repack_runs(gguf, 2, timeout=1.0) is False
-    monkeypatch.setattr(lc, "_REPACK", {})
-    monkeypatch.setattr(lc, "probe_argv", lambda g, t, repack: [sys.executable, "-c", "import time; time.sleep(30)"])
+    assert lr.repack_runs(gguf, 2, timeout=1.0) is False
+    monkeypatch.setattr(lr, "_REPACK", {})
+    monkeypatch.setattr(lr, "probe_argv", lambda g, t, repack: [sys.executable, "-c", "import time; time.sleep(30)"])
     with pytest.raises(SmartExitError, match="with repacking: no answer in 1 s.*without repacking: no answer"):
-        lc.repack_runs(gguf, 2, timeout=1.0)
+        lr.repack_runs(gguf, 2, timeout=1.0)
 
 
 def test_probe_child_command():
-    argv = lc.probe_argv("/m.gguf", 2, False)
-    assert argv[:3] == [sys.executable, "-m", "edge.pipeline.bench.llamacpp"]
-    assert argv[3:] == ["probe", "/m.gguf", "2", "no-repack"] and lc.probe_argv("/m.gguf", 2, True)[-1] == "repack"
+    argv = lr.probe_argv("/m.gguf", 2, False)
+    assert argv[:3] == [sys.executable, "-m", "edge.pipeline.bench.llamacpp_peer"]
+    assert argv[3:] == ["probe", "/m.gguf", "2", "no-repack"] and lr.probe_argv("/m.gguf", 2, True)[-1] == "repack"
 
 
 # ------------------------------------------------------------------ llama.cpp itself (after `make llamacpp`)
@@ -246,7 +250,7 @@ def test_repacking_switch_reaches_the_model_parameters():
 
     default = lib.llama_model_default_params
     assert default().use_extra_bufts  # llama.cpp's default: repacked
-    with lc._model_params(False):
+    with lr.model_params(False):
         assert not lib.llama_model_default_params().use_extra_bufts
     assert lib.llama_model_default_params is default
 
@@ -261,10 +265,10 @@ def test_bundled_ee_converts_tokenizes_and_decodes_like_ours(tmp_path, one_torch
     gguf = gg.convert_to_gguf(BUNDLED_EE_DIR, tmp_path / "tiny-ee-f32.gguf", "f32")
     assert gguf.is_file() and [p.name for p in tmp_path.iterdir()] == [gguf.name]  # nothing half-written beside it
     prompts = heldout_prompts(load_tokenizer(BUNDLED_EE_DIR), load_split(Split.TEST), 2, 64, seed=0)
-    ref = lc.reference_greedy(BUNDLED_EE_DIR, prompts, 32)
-    with lc.LlamaCppPeer(gguf, threads=1) as peer:  # correctness here, not speed
+    ref = lm.reference_greedy(BUNDLED_EE_DIR, prompts, 32)
+    with lp.LlamaCppPeer(gguf, threads=1) as peer:  # correctness here, not speed
         assert tk.verify_tokenizer(BUNDLED_EE_DIR, peer) == len(tk.verification_texts())
-        assert lc.check_greedy_match(peer, ref, prompts) == 1.0
+        assert lm.check_greedy_match(peer, ref, prompts) == 1.0
         run = peer.generate(prompts[0], 32)
         assert run.tokens == ref[0] and len(run.token_latencies) == 31
         assert 0 < sum(run.token_latencies) < run.seconds  # the call also holds the prefill
@@ -351,6 +355,6 @@ def test_a_file_llamacpp_cannot_load_is_a_clear_error(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 60)
     with pytest.raises(SmartExitError, match="cannot load"):
-        lc.LlamaCppPeer(bad, threads=1)
+        lp.LlamaCppPeer(bad, threads=1)
     with pytest.raises(SmartExitError, match="does not exist"):
-        lc.LlamaCppPeer(tmp_path / "missing.gguf", threads=1)
+        lp.LlamaCppPeer(tmp_path / "missing.gguf", threads=1)

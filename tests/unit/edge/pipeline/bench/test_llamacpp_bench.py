@@ -1,5 +1,5 @@
 """llama.cpp's decode and prefill speed (edge/pipeline/bench/llamacpp_bench.py, the timed loop of
-llamacpp.py, the same-precision GGUF of llamacpp_gguf.py): timing arithmetic with a fake clock, command
+llamacpp_timing.py, the same-precision GGUF of llamacpp_gguf.py): timing arithmetic with a fake clock, command
 lines, llama-bench's JSON and the precision mapping everywhere; the real peer and the real llama-bench
 where `make llamacpp` has built them."""
 from __future__ import annotations
@@ -20,6 +20,8 @@ from edge.model.bundled import BUNDLED_EE_DIR
 from edge.pipeline.bench import llamacpp as lc
 from edge.pipeline.bench import llamacpp_bench as lb
 from edge.pipeline.bench import llamacpp_gguf as gg
+from edge.pipeline.bench import llamacpp_peer as lp
+from edge.pipeline.bench import llamacpp_timing as lt
 
 REASON = lc.available()
 BENCH_REASON = lb.llama_bench_unavailable()
@@ -160,7 +162,7 @@ def fake_model(clock: FakeClock, per_call: float, per_token: float, sample_cost:
 def test_greedy_loop_feeds_back_each_token_and_stamps_after_each_choice():
     clock = FakeClock()
     decode, sample, calls = fake_model(clock, 0.5, 0.25, 0.125, [7, 8, 9, 10])
-    tokens, stamps = lc.greedy_stamps(decode, sample, [1, 2, 3, 4], 4, clock)
+    tokens, stamps = lt.greedy_stamps(decode, sample, [1, 2, 3, 4], 4, clock)
     assert tokens == [7, 8, 9, 10] and calls == [[1, 2, 3, 4], [7], [8], [9]]
     # prefill: 0.5 + 4 * 0.25 + 0.125; each decode step: 0.5 + 0.25 + 0.125 (binary fractions: exact)
     assert stamps == [100.0, 101.625, 102.5, 103.375, 104.25]
@@ -170,8 +172,8 @@ def test_prefill_and_decode_are_timed_apart():
     prompt = list(range(64))
     clock = FakeClock()
     decode, sample, _ = fake_model(clock, 0.5, 0.25, 0.125, range(10, 42))
-    tokens, stamps = lc.greedy_stamps(decode, sample, prompt, 32, clock)
-    timing = lc.timing_from_stamps(tokens, len(prompt), stamps)
+    tokens, stamps = lt.greedy_stamps(decode, sample, prompt, 32, clock)
+    timing = lt.timing_from_stamps(tokens, len(prompt), stamps)
     assert timing.prefill_seconds == pytest.approx(0.5 + 64 * 0.25 + 0.125, rel=1e-12)
     assert timing.decode_seconds == pytest.approx(31 * 0.875, rel=1e-12)  # the 31 steps after the prefill
     assert timing.token_latencies == [0.875] * 31  # binary fractions: exact
@@ -181,9 +183,9 @@ def test_prefill_and_decode_are_timed_apart():
 
 def test_timing_needs_a_decode_step_and_matching_stamps():
     with pytest.raises(SmartExitError, match=">= 2 tokens"):
-        lc.timing_from_stamps([5], 3, [0.0, 1.0])
+        lt.timing_from_stamps([5], 3, [0.0, 1.0])
     with pytest.raises(SmartExitError, match="one stamp more"):
-        lc.timing_from_stamps([5, 6], 3, [0.0, 1.0])
+        lt.timing_from_stamps([5, 6], 3, [0.0, 1.0])
 
 
 # ------------------------------------------------------------------ pure: the same precision
@@ -221,7 +223,7 @@ def test_llama_bench_argv():
     argv = lb.llama_bench_argv(Path("/b/llama-bench"), Path("m.gguf"), 0, 31, 64, 2, 5)
     assert argv == ["/b/llama-bench", "-m", "m.gguf", "-p", "0", "-n", "31", "-d", "64", "-t", "2", "-r", "5",
                     "-fa", "off", "-o", "json"]
-    # weights as stored where llama.cpp's repacked kernels crash (llamacpp.repack_runs)
+    # weights as stored where llama.cpp's repacked kernels crash (llamacpp_repack.repack_runs)
     plain = lb.llama_bench_argv(Path("/b/llama-bench"), Path("m.gguf"), 0, 31, 64, 2, 5, repack=False)
     assert plain == argv + ["--repack", "0"]
 
@@ -301,7 +303,7 @@ class FakeTimedPeer:
     def generate_timed(self, prompt, n):
         self.calls += 1
         stamps = [0.0, 0.25] + [0.25 + 0.0625 * i for i in range(1, n)]
-        return lc.timing_from_stamps(list(range(n)), len(prompt), stamps)
+        return lt.timing_from_stamps(list(range(n)), len(prompt), stamps)
 
 
 def test_api_speed_warms_up_then_times_each_repeat():
@@ -424,7 +426,7 @@ def tiny_gguf(tmp_path_factory):
 @pytest.mark.slow
 def test_timed_generation_decodes_what_generate_decodes(tiny_gguf):
     prompt = list(range(5, 37))
-    with lc.LlamaCppPeer(tiny_gguf, threads=1) as peer:
+    with lp.LlamaCppPeer(tiny_gguf, threads=1) as peer:
         plain = peer.generate(prompt, 16)
         timed = peer.generate_timed(prompt, 16)
         speed = lb.api_speed(peer, prompt, 16, repeats=2)

@@ -15,6 +15,7 @@ from edge.core.errors import ConfigError, SmartExitError
 from edge.model.bundled import BUNDLED_DIR, BUNDLED_EE_DIR
 from edge.pipeline.bench import llamacpp as lc
 from edge.pipeline.bench import llamacpp_gguf as gg
+from edge.pipeline.bench import llamacpp_peer as lp
 from edge.pipeline.bench import llamacpp_quality as lq
 from tests.conftest import make_hf_checkpoint
 
@@ -278,7 +279,7 @@ def test_logits_agree_with_greedy_decoding(tiny):
     """The all-positions batch gives the logits that the one-token-at-a-time loop samples from."""
     _, ggufs, windows = tiny
     prompt = windows[0, :8].tolist()
-    with lc.LlamaCppPeer(ggufs["q4_0"], threads=1, n_ctx=64) as peer:
+    with lp.LlamaCppPeer(ggufs["q4_0"], threads=1, n_ctx=64) as peer:
         toks = peer.generate(prompt, 4).tokens
         z = peer.logits(prompt + toks[:3])  # [11, V]
         assert z.shape == (11, peer.vocab_size) and z.dtype == np.float32

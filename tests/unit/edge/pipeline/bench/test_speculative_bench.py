@@ -198,7 +198,7 @@ def test_report_folds_in_the_speculative_rows():
 
 
 def test_markdown_says_when_the_llamacpp_row_ran_its_weights_as_stored():
-    """Where llama.cpp's repacked kernels crash (llamacpp.repack_runs) the peer runs its plain layout: the
+    """Where llama.cpp's repacked kernels crash (llamacpp_repack.repack_runs) the peer runs its plain layout: the
     report's llama.cpp section says so, and says nothing where the peer ran llama.cpp's default."""
     results = _results(batches=(1, 16))
     row = {"source": "llama-bench", "decode_tokens_per_s": 1400.0, "decode_stddev": 25.0,
