@@ -22,17 +22,22 @@ Three kinds (:class:`CalibratorKind`):
 
 Fitting uses scikit-learn; a fitted calibrator is a handful of numbers
 (:meth:`Calibrator.to_dict`) and predicts with plain numpy, so deployment
-needs no scikit-learn. Metrics (ECE, Brier, reliability curve) are pure
-functions at the end of the file.
+needs no scikit-learn. Each score's arithmetic is in its own module
+(:mod:`calibration.platt`, :mod:`calibration.isotonic`,
+:mod:`calibration.mlp_score`); metrics (ECE, Brier, reliability curve) are
+pure functions in :mod:`calibration.metrics`.
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
+from calibration.isotonic import fit_isotonic, isotonic_probability, isotonic_threshold
+from calibration.mlp_score import fit_mlp, mlp_score, mlp_score_form
+from calibration.platt import fit_logistic, sigmoid, sigmoid_threshold
 from edge.runtime.rules import TOP1
 from edge.core.errors import ConfigError
 
@@ -44,26 +49,12 @@ class CalibratorKind(str, enum.Enum):
     MLP = "mlp"
 
 
-MLP_HIDDEN = 16  # hidden units of the mlp kind (edge.runtime.backend.MAX_HIDDEN bounds what a graph takes)
-# L2 weight decay of the mlp kind. A few named signals fit with almost none; a candidate check's features carry
-# the exit hidden state (9 + D columns, edge.model.candidates), which on ~25k fit tokens overfits without it:
-# layers skipped at 0.6% held-out false exits, shipped model, exits 1/2/4: 0.209 / 0.214 / 0.192 / 0.142 with
-# alpha 0.3 / 1 / 3 / 10 (docs/runtime.md)
-MLP_ALPHA, MLP_ALPHA_WIDE, MLP_WIDE = 1e-4, 1.0, 32
-
-
 def _kind(kind: CalibratorKind | str) -> CalibratorKind:
     try:
         return CalibratorKind(kind)
     except ValueError:
         raise ConfigError(f"unknown calibrator kind {kind!r}; expected one of "
                           f"{[k.value for k in CalibratorKind]}") from None
-
-
-def _sigmoid(s: np.ndarray) -> np.ndarray:
-    """Numerically stable logistic function, elementwise."""
-    e = np.exp(-np.abs(s))
-    return np.where(s >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
 
 
 def _check_xy(X: Any, y: Any | None, what: str) -> tuple[np.ndarray, np.ndarray | None]:
@@ -144,29 +135,12 @@ class Calibrator:
             self.fitted = True
             return self
         if self.kind is CalibratorKind.MLP:
-            from sklearn.neural_network import MLPClassifier
-
-            alpha = MLP_ALPHA_WIDE if X.shape[1] > MLP_WIDE else MLP_ALPHA
-            net = MLPClassifier((MLP_HIDDEN,), activation="relu", alpha=alpha, max_iter=300, early_stopping=True,
-                                random_state=self.seed)
-            net.fit((X - self.mean) / self.std, y)
-            self.w1, self.w2 = net.coefs_[0].astype(np.float64), net.coefs_[1][:, 0].astype(np.float64)
-            self.b1, self.b2 = net.intercepts_[0].astype(np.float64), float(net.intercepts_[1][0])
+            self.w1, self.b1, self.w2, self.b2 = fit_mlp((X - self.mean) / self.std, y, self.seed)
         elif self.kind is not CalibratorKind.MAXPROB:
-            from sklearn.linear_model import LogisticRegression
-
-            lr = LogisticRegression(C=self.C, solver="lbfgs", max_iter=1000)
-            lr.fit((X - self.mean) / self.std, y)
-            self.coef = lr.coef_[0].astype(np.float64)
-            self.intercept = float(lr.intercept_[0])
+            self.coef, self.intercept = fit_logistic((X - self.mean) / self.std, y, self.C)
         self.fitted = True
         if self.kind not in (CalibratorKind.PLATT, CalibratorKind.MLP):
-            from sklearn.isotonic import IsotonicRegression
-
-            iso = IsotonicRegression(out_of_bounds="clip", y_min=0.0, y_max=1.0, increasing=True)
-            iso.fit(self.score(X), y)
-            self.iso_x = np.asarray(iso.X_thresholds_, dtype=np.float64)
-            self.iso_y = np.asarray(iso.y_thresholds_, dtype=np.float64)
+            self.iso_x, self.iso_y = fit_isotonic(self.score(X), y)
         return self
 
     def isotonic_over(self, X: np.ndarray, y: np.ndarray) -> "Calibrator":
@@ -187,12 +161,7 @@ class Calibrator:
                          std=self.std.copy(), coef=self.coef.copy(), intercept=self.intercept, constant=self.constant,
                          fitted=True, seed=self.seed)
         if out.constant is None:
-            from sklearn.isotonic import IsotonicRegression
-
-            iso = IsotonicRegression(out_of_bounds="clip", y_min=0.0, y_max=1.0, increasing=True)
-            iso.fit(out.score(X), y)
-            out.iso_x = np.asarray(iso.X_thresholds_, dtype=np.float64)
-            out.iso_y = np.asarray(iso.y_thresholds_, dtype=np.float64)
+            out.iso_x, out.iso_y = fit_isotonic(out.score(X), y)
         return out
 
     # ------------------------------------------------------------- predict
@@ -216,7 +185,7 @@ class Calibrator:
             return X[:, TOP1].copy()
         z = (X - self.mean) / self.std
         if self.kind is CalibratorKind.MLP and self.constant is None:
-            return np.maximum(z @ self.w1 + self.b1, 0.0) @ self.w2 + self.b2  # [N]
+            return mlp_score(z, self.w1, self.b1, self.w2, self.b2)  # [N]
         return z @ self.coef + self.intercept  # [N] (a constant mlp calibrator: 0)
 
     def score_form(self):
@@ -228,9 +197,7 @@ class Calibrator:
             raise ConfigError(f"{self.kind.value} calibrator is not fitted")
         if self.kind is not CalibratorKind.MLP or self.constant is not None:
             return ScoreForm.linear(*self.linear_score())
-        w1 = self.w1 / self.std[:, None]  # [F, H]
-        return ScoreForm(w1.astype(np.float32), (self.b1 - (self.mean / self.std) @ self.w1).astype(np.float32),
-                         self.w2.astype(np.float32), float(self.b2))
+        return mlp_score_form(self.mean, self.std, self.w1, self.b1, self.w2, self.b2)
 
     def linear_score(self) -> tuple[np.ndarray, float]:
         """(w [F], b) such that ``score(X) == X @ w + b``: the runtime form of the rule, one dot product
@@ -258,9 +225,8 @@ class Calibrator:
         if self.constant is not None:
             return np.full(np.shape(s), self.constant)
         if self.kind in (CalibratorKind.PLATT, CalibratorKind.MLP):
-            return _sigmoid(s)
-        # np.interp clips to the end knots, as sklearn's out_of_bounds="clip"
-        return np.clip(np.interp(s, self.iso_x, self.iso_y), 0.0, 1.0)
+            return sigmoid(s)
+        return isotonic_probability(s, self.iso_x, self.iso_y)
 
     def score_threshold(self, lam: float) -> float:
         """Smallest raw score s with predict(s) >= lam (+inf if none): the raw-signal rule.
@@ -274,22 +240,8 @@ class Calibrator:
         if self.constant is not None:
             return -np.inf if self.constant >= lam else np.inf
         if self.kind in (CalibratorKind.PLATT, CalibratorKind.MLP):
-            if lam <= 0.0:
-                return -np.inf
-            if lam >= 1.0:
-                return np.inf
-            return float(np.log(lam / (1.0 - lam)))
-        x, y = self.iso_x, self.iso_y
-        if y[0] >= lam:
-            return -np.inf
-        idx = np.flatnonzero(y >= lam)
-        if idx.size == 0:
-            return np.inf
-        i = int(idx[0])  # y[i-1] < lam <= y[i]: the crossing is on the segment (x[i-1], x[i]]
-        if x[i] == x[i - 1]:
-            return float(x[i])
-        t = (lam - y[i - 1]) / (y[i] - y[i - 1])
-        return float(x[i - 1] + t * (x[i] - x[i - 1]))
+            return sigmoid_threshold(lam)
+        return isotonic_threshold(self.iso_x, self.iso_y, lam)
 
     # -------------------------------------------------------- serialisation
     def to_dict(self) -> dict[str, Any]:
@@ -375,73 +327,3 @@ def fit_calibrators(signals: dict[int, np.ndarray], targets: dict[int, np.ndarra
         raise ConfigError(f"fit_calibrators: target exits {sorted(targets)} are not the decision exits "
                           f"{layers[:-1]} of signal exits {layers}")
     return {k: Calibrator(kind=kind, C=C, seed=seed).fit(signals[k], targets[k]) for k in layers[:-1]}
-
-
-# ------------------------------------------------------------------ metrics
-class ReliabilityCurve(NamedTuple):
-    """Per equal-width bin: mean confidence, accuracy (NaN where the bin is empty) and count."""
-
-    conf: np.ndarray  # [bins]
-    acc: np.ndarray  # [bins]
-    count: np.ndarray  # [bins] int64
-
-
-def _check_py(p: Any, y: Any, bins: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    p = np.asarray(p, dtype=np.float64)
-    y = np.asarray(y, dtype=np.float64)
-    if p.ndim != 1 or p.shape != y.shape:
-        raise ConfigError(f"metrics: p and y must be 1-D of equal length, got {p.shape} and {y.shape}")
-    if p.size == 0:
-        raise ConfigError("empty split: no tokens")
-    if not np.isfinite(p).all() or (p < 0).any() or (p > 1).any():
-        raise ConfigError("metrics: probabilities must be finite and in [0, 1]")
-    if not np.isin(y, (0.0, 1.0)).all():
-        raise ConfigError("metrics: targets must be 0/1")
-    if bins is not None and (int(bins) != bins or bins < 1):
-        raise ConfigError(f"metrics: bins must be a positive integer, got {bins}")
-    return p, y
-
-
-def reliability_curve(p: np.ndarray, y: np.ndarray, bins: int = 15) -> ReliabilityCurve:
-    """Reliability diagram data over ``bins`` equal-width bins of [0, 1] (Guo et al. 2017).
-
-    Args:
-        p: predicted probabilities [N] in [0, 1].
-        y: 0/1 outcomes [N].
-        bins: number of bins; p == 1 falls in the last bin.
-
-    Returns:
-        :class:`ReliabilityCurve` (conf, acc, count), each [bins]; empty bins have NaN conf/acc.
-
-    Raises:
-        ConfigError: bad shapes, p outside [0, 1], non-binary y, bins < 1.
-    """
-    p, y = _check_py(p, y, bins)
-    idx = np.minimum((p * bins).astype(np.int64), bins - 1)  # [N]
-    count = np.bincount(idx, minlength=bins)  # [bins]
-    with np.errstate(invalid="ignore", divide="ignore"):
-        conf = np.bincount(idx, weights=p, minlength=bins) / count
-        acc = np.bincount(idx, weights=y, minlength=bins) / count
-    return ReliabilityCurve(conf, acc, count.astype(np.int64))
-
-
-def expected_calibration_error(p: np.ndarray, y: np.ndarray, bins: int = 15) -> float:
-    """ECE = sum_b (n_b / N) |acc_b - conf_b| over equal-width bins (Guo et al. 2017,
-    "On Calibration of Modern Neural Networks").
-
-    Raises:
-        ConfigError: as :func:`reliability_curve`.
-    """
-    conf, acc, count = reliability_curve(p, y, bins)
-    full = count > 0
-    return float((count[full] * np.abs(acc[full] - conf[full])).sum() / count.sum())
-
-
-def brier_score(p: np.ndarray, y: np.ndarray) -> float:
-    """Mean squared error of probabilities against 0/1 outcomes (Brier 1950).
-
-    Raises:
-        ConfigError: bad shapes, p outside [0, 1], non-binary y.
-    """
-    p, y = _check_py(p, y)
-    return float(np.mean((p - y) ** 2))

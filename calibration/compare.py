@@ -14,9 +14,10 @@ from typing import Any
 import numpy as np
 
 from calibration import certify as cert
-from calibration.calibrators import CalibratorKind, brier_score, expected_calibration_error
+from calibration.calibrators import CalibratorKind
 from calibration.collect import Collected
 from calibration.evaluate import EvalResult, evaluate_cascade
+from calibration.metrics import brier_score, expected_calibration_error
 from calibration.pvalues import PValue
 from calibration.risk import NEVER_EXIT
 from calibration.signals import exit_targets

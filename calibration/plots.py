@@ -36,7 +36,7 @@ def reliability_diagram(curves: Mapping[str, Sequence[np.ndarray]], path: str | 
 
     Args:
         curves: label -> (conf [B], acc [B], count [B]), e.g.
-            :func:`calibration.calibrators.reliability_curve` output; empty bins
+            :func:`calibration.metrics.reliability_curve` output; empty bins
             (count 0) are skipped.
         path: PNG file to write.
         title: figure title.

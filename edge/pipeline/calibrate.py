@@ -42,9 +42,10 @@ from typing import Any
 import numpy as np
 
 from calibration import certify as cert
-from calibration.calibrators import Calibrator, CalibratorKind, reliability_curve
+from calibration.calibrators import Calibrator, CalibratorKind
 from calibration.compare import baselines
 from calibration.evaluate import evaluate_cascade
+from calibration.metrics import reliability_curve
 from calibration.pvalues import PValue, exceeds_pvalue
 from calibration.risk import default_grid
 from calibration.signals import GATED_SIGNAL_NAMES, SIGNAL_NAMES, exit_targets

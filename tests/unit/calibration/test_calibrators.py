@@ -6,14 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from calibration.calibrators import (
-    Calibrator,
-    CalibratorKind,
-    brier_score,
-    expected_calibration_error,
-    fit_calibrators,
-    reliability_curve,
-)
+from calibration.calibrators import Calibrator, CalibratorKind, fit_calibrators
+from calibration.metrics import brier_score, expected_calibration_error, reliability_curve
 from calibration.plots import reliability_diagram
 from tests.images import assert_png
 from calibration.signals import SIGNAL_NAMES
