@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from calibration.platt import sigmoid
 from edge.core.errors import ConfigError
 from edge.model.candidates import check, num_features, shortlist_logits
 
@@ -129,23 +130,18 @@ def signals_all_exits(stats: dict[int, np.ndarray], tokens: dict[int, np.ndarray
     return out
 
 
-def _sigmoid(z: np.ndarray) -> np.ndarray:
-    e = np.exp(-np.abs(z))
-    return np.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
-
-
 def gated_signals(gates: dict[int, np.ndarray], hidden: dict[int, np.ndarray]) -> np.ndarray:
     """Signals [N, 3] (:data:`GATED_SIGNAL_NAMES`) of the deepest exit in ``gates``, from the gate logits
     [N] of every exit reached so far and the normalised hidden [N, D] of the deepest two: what
     ``decide_gated`` sees in the engine. The engine's hot path: no validation."""
     layers = sorted(gates)
     k = layers[-1]
-    g = _sigmoid(np.asarray(gates[k], dtype=np.float64))  # [N]
+    g = sigmoid(np.asarray(gates[k], dtype=np.float64))  # [N]
     if len(layers) == 1:
         zeros = np.zeros_like(g)
         return np.stack([g, zeros, zeros], axis=1)
     j = layers[-2]
-    prev = _sigmoid(np.asarray(gates[j], dtype=np.float64))
+    prev = sigmoid(np.asarray(gates[j], dtype=np.float64))
     cos = _cosine(np.asarray(hidden[k], dtype=np.float64), np.asarray(hidden[j], dtype=np.float64))
     return np.stack([g, prev, cos], axis=1)
 
