@@ -127,9 +127,9 @@ class Backend(abc.ABC):
         self.segments = spec.segments
         self.cache: KVCache | None = None
         # one-time work done inside calls so far (a graph opened on first use, a binding built for a new call
-        # shape): what a measurement of steady-state cost leaves out (edge.runtime.speculative.SpeculationGate)
+        # shape): what a measurement of steady-state cost leaves out (edge.runtime.spec_gates.SpeculationGate)
         self.setup_events = 0
-        # self-speculative decoding's measured costs per draft exit (edge.runtime.speculative.DraftCosts):
+        # self-speculative decoding's measured costs per draft exit (edge.runtime.spec_costs.DraftCosts):
         # a property of this backend on this machine, so every engine over it shares and refines them
         self.draft_costs: dict[int, Any] = {}
         # the exit rule's linear score per decision segment (features @ w + b); never exit by default

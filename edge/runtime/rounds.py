@@ -1,8 +1,9 @@
 """The engine's speculative rounds (mode exact, and mode bounded with ``bounded_drafts``): which rows draft
 in a decode iteration and from which source, the rounds that verify their drafts, and the emitted tokens.
 
-The draft sources, measured costs, gates, stop rules and acceptance rules these rounds use are in
-edge/runtime/speculative.py. :class:`SpeculativeRounds` is a mixin of :class:`edge.runtime.engine.Engine`:
+The algorithm and its settings are in edge/runtime/speculative.py; the measured costs, draft lengths and stop
+rules, gates and acceptance rules these rounds use are in spec_costs.py, spec_length.py, spec_gates.py and
+spec_accept.py beside it. :class:`SpeculativeRounds` is a mixin of :class:`edge.runtime.engine.Engine`:
 its methods run on the engine's state (``backend``, ``cfg``, ``rule``, ``round_ids``) and emit through the
 engine (``_emit``); rows that do not draft take the engine's plain step (``_step``).
 """
@@ -19,9 +20,11 @@ from edge.runtime.engine_config import EngineConfig
 from edge.runtime.request import Mode, _Seq
 from edge.runtime.rules import TOP1, BatchExitRule
 from edge.runtime.sampling import token_distribution
-from edge.runtime.speculative import (MAX_VERIFY_ROWS, CallCosts, DraftCosts, ExitDraftGate, LookupAcceptance, Source,
-                                      SpeculationGate, SpecStats, StopRule, accept_greedy, accept_sampled,
-                                      include_next, lookup_length)
+from edge.runtime.spec_accept import accept_greedy, accept_sampled
+from edge.runtime.spec_costs import CallCosts, DraftCosts
+from edge.runtime.spec_gates import ExitDraftGate, SpeculationGate
+from edge.runtime.spec_length import LookupAcceptance, include_next, lookup_length
+from edge.runtime.speculative import MAX_VERIFY_ROWS, Source, SpecStats, StopRule
 from edge.core.errors import ConfigError
 
 

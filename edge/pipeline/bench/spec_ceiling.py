@@ -35,7 +35,9 @@ from edge.runtime.engine import Engine
 from edge.runtime.engine_config import EngineConfig
 from edge.runtime.request import Mode, Request
 from edge.pipeline.bench.speculation import stop_rule_variants
-from edge.runtime.speculative import DraftCosts, SpecConfig, StopRule, include_next
+from edge.runtime.spec_costs import DraftCosts
+from edge.runtime.spec_length import include_next
+from edge.runtime.speculative import SpecConfig, StopRule
 
 
 @dataclass
@@ -180,7 +182,7 @@ def simulate(trace: AgreementTrace, costs: SpecCosts, stop: Stop, max_draft: int
 
 def stop_rules(costs: SpecCosts, spec: SpecConfig) -> dict[str, tuple[Stop, int]]:
     """The benchmark's stop-rule variants (:func:`edge.pipeline.bench.speculation.stop_rule_variants`) as
-    the engine applies them (edge.runtime.speculative.include_next) with these costs, and the oracle, each
+    the engine applies them (edge.runtime.spec_length.include_next) with these costs, and the oracle, each
     with the most drafts a round can have (as the engine caps them: a fixed length k never asks for a
     (k+1)-th draft, so its last step runs without the head)."""
     draft_costs = DraftCosts.fixed(costs.draft_step, costs.verify)

@@ -23,8 +23,10 @@ from edge.runtime.backend import make_backend
 from edge.runtime.engine import Engine
 from edge.runtime.engine_config import EngineConfig
 from edge.runtime.request import Mode, Request
-from edge.runtime.speculative import (CallCosts, ExitDraftGate, LookupAcceptance, SpecConfig, SpeculationGate,
-                                      lookup_length)
+from edge.runtime.spec_costs import CallCosts
+from edge.runtime.spec_gates import ExitDraftGate, SpeculationGate
+from edge.runtime.spec_length import LookupAcceptance, lookup_length
+from edge.runtime.speculative import SpecConfig
 from edge.runtime.torch_backend import TorchBackend
 from tests.unit.edge.runtime.test_engine import _model, _run
 from tests.unit.edge.runtime.test_speculative import _full

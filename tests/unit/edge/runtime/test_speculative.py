@@ -25,7 +25,9 @@ from edge.runtime.engine import Engine
 from edge.runtime.engine_config import EngineConfig, KVMode
 from edge.runtime.request import NO_TOKEN, Mode, Request
 from edge.runtime.rules import TOP1, ConfidenceRule, NeverExit
-from edge.runtime.speculative import DraftCosts, SpecConfig, StopRule, include_next
+from edge.runtime.spec_costs import DraftCosts
+from edge.runtime.spec_length import include_next
+from edge.runtime.speculative import SpecConfig, StopRule
 from edge.runtime.torch_backend import TorchBackend
 from tests.tolerance import assert_f32_close
 from tests.unit.edge.runtime.test_engine import CFG, _model, _prompts, _run

@@ -20,7 +20,8 @@ from edge.runtime.engine import Engine
 from edge.runtime.engine_config import EngineConfig
 from edge.runtime.request import Request
 from edge.runtime.sampling import token_distribution
-from edge.runtime.speculative import SpecConfig, accept_sampled
+from edge.runtime.spec_accept import accept_sampled
+from edge.runtime.speculative import SpecConfig
 from edge.runtime.torch_backend import TorchBackend
 from tests.unit.edge.runtime.test_engine import _model
 

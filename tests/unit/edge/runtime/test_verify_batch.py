@@ -14,7 +14,9 @@ from edge.runtime.cache import KVCache
 from edge.runtime.engine import Engine
 from edge.runtime.engine_config import EngineConfig
 from edge.runtime.request import Mode
-from edge.runtime.speculative import CallCosts, SpecConfig, SpeculationGate
+from edge.runtime.spec_costs import CallCosts
+from edge.runtime.spec_gates import SpeculationGate
+from edge.runtime.speculative import SpecConfig
 from edge.runtime.torch_backend import TorchBackend
 from exporters.onnx_export import ExportConfig
 from tests.unit.edge.runtime.test_engine import _run

@@ -1,0 +1,141 @@
+"""The measured costs mode exact chooses its drafts by: a draft exit's draft step and verifications
+(:class:`DraftCosts`, the calibrated stop rule's C(k)) and the graph of every layer by call shape
+(:class:`CallCosts`, the lookup and corpus drafts' C(B, T)); the algorithm is in edge/runtime/speculative.py."""
+from __future__ import annotations
+
+import numpy as np
+
+
+class DraftCosts:
+    """Measured seconds of a draft step and of a verification of m rows (exponential moving averages).
+
+    The first call of each shape is not counted (it builds the backend's bindings). A verification
+    of a row count not measured yet is estimated from the nearest one measured, ``ROW_GROWTH`` more
+    per extra row (measured on ONNX Runtime CPU, 2 cores: 1 -> 3 rows costs +3%, 1 -> 8 rows +70%), so
+    an estimate never keeps the rule from trying a length. Before any measurement the costs are the
+    layer counts' shares of a full-depth step: only their ratios matter to the stop rule.
+
+    Outliers (a GC pause, a context switch) must not turn drafting off for good: a length the rule
+    stops choosing is never measured again. So an observation counts at most ``OUTLIER`` times the
+    current estimate, and no estimate exceeds ``CAP`` times what the cheapest measured length
+    predicts for it."""
+
+    ALPHA = 0.2
+    ROW_GROWTH = 0.05
+    OUTLIER = 3.0
+    CAP = 1.5
+
+    def __init__(self, draft_layers: int, num_layers: int, max_rows: int) -> None:
+        self.step = draft_layers / num_layers
+        self._verify0 = 1.0 - self.step  # prior of a one-row verification, in the step's unit
+        self.verify = np.zeros(max_rows + 1)  # [rows] measured seconds (where _seen)
+        self._calls = np.zeros(max_rows + 2, int)  # calls seen: [0] draft steps, [m] verifications of m rows
+        self._seen = np.zeros(max_rows + 1, bool)
+
+    @classmethod
+    def fixed(cls, step: float, verify: dict[int, float]) -> "DraftCosts":
+        """Costs given, not measured (any unit): a draft step and a verification by row count."""
+        costs = cls(0, 1, max(verify))
+        costs.step, costs._calls[0] = step, 2
+        for rows, v in verify.items():
+            costs.verify[rows], costs._seen[rows] = v, True
+        return costs
+
+    def observe_step(self, seconds: float) -> None:
+        self._calls[0] += 1
+        if self._calls[0] == 2:
+            self._verify0 *= seconds / self.step
+            self.step = seconds
+        elif self._calls[0] > 2:
+            self.step += self.ALPHA * (min(seconds, self.OUTLIER * self.step) - self.step)
+
+    def observe_verify(self, rows: int, seconds: float) -> None:
+        self._calls[rows] += 1
+        if self._calls[rows] == 1:
+            return
+        seconds = min(seconds, self.OUTLIER * self.verification(rows))
+        if not self._seen[rows]:
+            self.verify[rows], self._seen[rows] = seconds, True
+        else:
+            self.verify[rows] += self.ALPHA * (seconds - self.verify[rows])
+
+    def _extrapolated(self, rows: int, seen: np.ndarray) -> float:
+        near = int(seen[np.argmin(np.abs(seen - rows))])
+        return float(self.verify[near]) * (1 + self.ROW_GROWTH * (rows - near))
+
+    def verification(self, rows: int) -> float:
+        seen = np.flatnonzero(self._seen)
+        if not len(seen):
+            return self._verify0 * (1 + self.ROW_GROWTH * (rows - 1))
+        if not self._seen[rows]:
+            return self._extrapolated(rows, seen)
+        low = int(seen[0])
+        cap = self.CAP * float(self.verify[low]) * (1 + self.ROW_GROWTH * (rows - low))
+        return min(float(self.verify[rows]), cap) if rows > low else float(self.verify[rows])
+
+    def round(self, drafts: int) -> float:
+        """C(k): the seconds of a round with ``drafts`` draft tokens."""
+        return (drafts + 1) * self.step + self.verification(drafts + 1)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"draft_step_s": self.step, "verify_s_by_rows": {int(m): float(self.verify[m])
+                                                               for m in np.flatnonzero(self._seen)}}
+
+
+class CallCosts:
+    """Measured seconds of the graph of every layer by call shape (batch B, rows per sequence T):
+    exponential moving averages, the first call of a shape not counted (it builds the bindings), an
+    observation capped at ``OUTLIER`` times the estimate. A shape not measured yet is estimated from
+    the nearest measured one (the same B first) by the ratio of a growth model: ``ROW_GROWTH`` more per
+    extra row (measured on ONNX Runtime CPU, 2 cores, the demo model at batch 1: T = 2, 4, 8 cost
+    1.07-1.16, 1.18-1.33 and 1.42-1.68 of T = 1), ``BATCH_GROWTH`` more per extra sequence; a call of
+    several rows of several sequences (a ``verify_{B}`` graph) ``BATCH_GROWTH`` more per extra row of
+    the B * T (2-core AMD EPYC, INT8 demo model: C(4, 4) / C(4, 1) 1.8-2.0, C(2, 4) / C(2, 1) 1.2-1.5,
+    C(8, 3) / C(8, 1) 2.0-2.3). Before any measurement the unit is one step at batch 1. Only ratios
+    matter to the choices."""
+
+    ALPHA = 0.2
+    OUTLIER = 3.0
+    ROW_GROWTH = 0.07
+    BATCH_GROWTH = 0.1
+
+    def __init__(self) -> None:
+        self._est: dict[tuple[int, int], float] = {}
+        self._calls: dict[tuple[int, int], int] = {}
+
+    @classmethod
+    def fixed(cls, costs: dict[tuple[int, int], float]) -> "CallCosts":
+        """Costs given, not measured (any unit), by (B, T); observations still refine them."""
+        out = cls()
+        for key, seconds in costs.items():
+            out._est[key], out._calls[key] = float(seconds), 2
+        return out
+
+    def observe(self, b: int, t: int, seconds: float) -> None:
+        key = (b, t)
+        self._calls[key] = self._calls.get(key, 0) + 1
+        if self._calls[key] == 1:
+            return
+        if key not in self._est:
+            self._est[key] = seconds
+        else:
+            self._est[key] += self.ALPHA * (min(seconds, self.OUTLIER * self._est[key]) - self._est[key])
+
+    def _growth(self, b: int, t: int) -> float:
+        if b > 1 and t > 1:  # several rows of several sequences (a verify graph): the rows' products grow with b * t
+            return 1 + self.BATCH_GROWTH * (b * t - 1)
+        return (1 + self.BATCH_GROWTH * (b - 1)) * (1 + self.ROW_GROWTH * (t - 1))
+
+    def cost(self, b: int, t: int) -> float:
+        """Seconds of a call of B = ``b`` sequences, T = ``t`` rows each (estimated where not measured)."""
+        key = (b, t)
+        if key in self._est:
+            return self._est[key]
+        if not self._est:
+            return self._growth(b, t)
+        # the nearest measured shape: the same batch first, then the nearest batch
+        ref = min(self._est, key=lambda k: (k[0] != b, abs(k[0] - b), abs(k[1] - t)))
+        return self._est[ref] * self._growth(b, t) / self._growth(*ref)
+
+    def as_dict(self) -> dict[str, float]:
+        return {f"{b}x{t}": v for (b, t), v in sorted(self._est.items())}
