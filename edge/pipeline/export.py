@@ -21,7 +21,8 @@ from edge.core.errors import ConfigError
 from edge.core.data import Split, heldout_prompts, load_split
 from edge.model.exits import ExitConfig, MultiExitModel
 from edge.pipeline.run import open_run
-from exporters.onnx_export import ExportConfig, export_onnx
+from exporters.onnx_config import ExportConfig
+from exporters.onnx_export import export_onnx
 from edge.compress.apply import quant_linears
 from exporters.parity import (FUSED_RTOL, PARITY_ATOL, PARITY_RTOL, QUANT_RTOL, check_fused_parity, check_parity,
                               require_parity)

@@ -44,7 +44,7 @@ def session_options(ort, threads: int = 0):
     # output's scale where 1.5% was measured on VNNI CPUs, and the export's parity gate failed. This
     # makes ONNX Runtime convert to the exact U8U8 kernel on those CPUs only (its
     # kOrtSessionOptionsAvx2PrecisionMode); elsewhere nothing changes. Exported graphs give each Q/DQ
-    # pair its own zero point, which the conversion needs (exporters/onnx_export.py own_zero_points).
+    # pair its own zero point, which the conversion needs (exporters/onnx_files.py own_zero_points).
     opts.add_session_config_entry(X64_QUANT_PRECISION, "1")
     return opts
 

@@ -81,7 +81,8 @@ def ort_decode_step_ms(model: Decoder, batch: int, past: int, threads: int, reps
 
     from edge.model.exits import ExitConfig, MultiExitModel
     from edge.runtime.ortsession import session_options
-    from exporters.onnx_export import ExportConfig, export_onnx
+    from exporters.onnx_config import ExportConfig
+    from exporters.onnx_export import export_onnx
 
     cfg = model.cfg
     with tempfile.TemporaryDirectory() as tmp:

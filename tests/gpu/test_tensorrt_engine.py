@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from edge.model.decoder import attention_mask
-from exporters.onnx_export import ExportConfig, export_onnx
+from exporters.onnx_config import ExportConfig
+from exporters.onnx_export import export_onnx
 from exporters.tensorrt import ENGINES_JSON, EngineBuildConfig, TrtRunner, build_engines
 from tests.unit.exporters.test_onnx_export import CKPT, make_model, session
 

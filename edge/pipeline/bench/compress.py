@@ -48,7 +48,8 @@ from edge.pipeline.run import open_run
 from edge.runtime.backend import make_backend
 from edge.runtime.graphs import NGRAM_TABLE, load_ngram_table
 from edge.runtime.rules import NeverExit
-from exporters.onnx_export import ExportConfig, export_onnx
+from exporters.onnx_config import ExportConfig
+from exporters.onnx_export import export_onnx
 from exporters.parity import QUANT_RTOL, FUSED_RTOL, check_fused_parity
 
 STAGE = "bench_compress"

@@ -44,7 +44,8 @@ def float_graphs(manifest: Manifest, prompts: list[list[int]]) -> dict[str, Path
         pass  # absent or of another checkpoint: export below
     from edge.model.exits import load_multi_exit
     from edge.pipeline.export import full_depth
-    from exporters.onnx_export import ExportConfig, export_onnx
+    from exporters.onnx_config import ExportConfig
+    from exporters.onnx_export import export_onnx
     from exporters.parity import check_fused_parity, require_parity
 
     model = load_multi_exit(distilled)

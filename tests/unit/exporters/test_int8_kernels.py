@@ -4,7 +4,7 @@ On x86 without VNNI, ONNX Runtime's default INT8 kernel adds pairs of byte produ
 that saturate (|a1*w1 + a2*w2| > 32767 with activations near the top of their range). The sessions the
 project opens ask for the exact U8U8 kernel on such CPUs (edge/runtime/ortsession.py), and the export
 gives each Q/DQ pair its own zero point, without which that conversion fails to load the graph
-(exporters/onnx_export.py own_zero_points). On a VNNI CPU (or aarch64) the kernel never saturates and
+(exporters/onnx_files.py own_zero_points). On a VNNI CPU (or aarch64) the kernel never saturates and
 these tests pass either way; on an AVX2-only CPU they fail without those two changes.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from edge.runtime.ortsession import int8_kernels, session_options
-from exporters.onnx_export import own_zero_points
+from exporters.onnx_files import own_zero_points
 
 K, N = 64, 8
 

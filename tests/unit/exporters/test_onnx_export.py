@@ -19,7 +19,9 @@ from edge.model.decoder import Decoder, attention_mask
 from edge.runtime.ortsession import session_options
 from exporters import onnx_export
 from edge.runtime.graphs import FUSED_DIR, GRAPHS_JSON, verify_graphs
-from exporters.onnx_export import ExportConfig, export_onnx, segment_io
+from exporters.onnx_config import ExportConfig
+from exporters.onnx_export import export_onnx
+from exporters.onnx_graphs import segment_io
 from exporters.parity import PARITY_ATOL, ParityReport, check_fused_parity, check_parity, require_parity
 from tests.tolerance import assert_f32_close
 
@@ -238,7 +240,7 @@ def test_failed_export_leaves_previous_folder(exported, tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise ArtifactError("checker said no")
 
-    monkeypatch.setattr(onnx_export, "_finish_graph", broken)
+    monkeypatch.setattr(onnx_export, "finish_graph", broken)
     with pytest.raises(ArtifactError, match="checker said no"):
         export_onnx(model, target, ExportConfig(), "f" * 64)
     assert (target / GRAPHS_JSON).read_text() == before

@@ -19,7 +19,8 @@ from edge.model.config import ModelConfig
 from edge.model.decoder import Decoder
 from edge.model.exits import ExitConfig, MultiExitModel
 from edge.runtime.graphs import FUSED_DIR, GRAPHS_FORMAT, load_graphs_json
-from exporters.onnx_export import ExportConfig, export_onnx
+from exporters.onnx_config import ExportConfig
+from exporters.onnx_export import export_onnx
 from exporters.parity import check_fused_parity, check_parity
 from tests.unit.exporters.test_onnx_export import CKPT, PROMPTS, TINY, make_model
 

@@ -19,7 +19,8 @@ from edge.core.errors import ArtifactError, ConfigError, MissingExtraError
 from edge.pipeline import engines as engines_stage
 from exporters import tensorrt as trt_export
 from edge.runtime.graphs import load_graphs_json
-from exporters.onnx_export import ExportConfig, export_onnx
+from exporters.onnx_config import ExportConfig
+from exporters.onnx_export import export_onnx
 from exporters.tensorrt import (COMMANDS_JSON, SCRIPT, EngineBuildConfig, EnginesConfig, NoCudaDeviceError,
                                 Precision, build_engines, graph_features, profile_shapes, trtexec_argv,
                                 write_trtexec_script)

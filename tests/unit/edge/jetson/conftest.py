@@ -22,7 +22,8 @@ REPO_CONFIG = {"run_dir": "x", "max_seqs": 4, "prefill_budget": 8, "max_running"
 @pytest.fixture(scope="session")
 def tiny_export(tmp_path_factory) -> Path:
     """A real ONNX export of a tiny multi-exit model (tests/unit/exporters/test_onnx_export.py's)."""
-    from exporters.onnx_export import ExportConfig, export_onnx
+    from exporters.onnx_config import ExportConfig
+    from exporters.onnx_export import export_onnx
     from tests.unit.exporters.test_onnx_export import make_model
 
     torch.set_num_threads(1)

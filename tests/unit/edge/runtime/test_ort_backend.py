@@ -18,7 +18,8 @@ from edge.runtime.ort_backend import pick_providers
 from edge.runtime.rules import ConfidenceRule
 from edge.core.errors import ArtifactError, ConfigError
 from edge.model.exits import save_multi_exit
-from exporters.onnx_export import ExportConfig, export_onnx
+from exporters.onnx_config import ExportConfig
+from exporters.onnx_export import export_onnx
 from tests.tolerance import assert_f32_close
 from tests.unit.edge.runtime.test_engine import CFG, _model, _prompts, _run
 

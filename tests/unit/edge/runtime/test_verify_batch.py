@@ -18,7 +18,7 @@ from edge.runtime.spec_costs import CallCosts
 from edge.runtime.spec_gates import SpeculationGate
 from edge.runtime.speculative import SpecConfig
 from edge.runtime.torch_backend import TorchBackend
-from exporters.onnx_export import ExportConfig
+from exporters.onnx_config import ExportConfig
 from tests.unit.edge.runtime.test_engine import _run
 from tests.unit.edge.runtime.test_lookup_drafts import LOOKUP, _AlwaysSpeculate, _FlatCosts, _looping, _looping_prompts
 from tests.unit.edge.runtime.test_speculative import _full
