@@ -85,14 +85,20 @@ class DraftCosts:
 class CallCosts:
     """Measured seconds of the graph of every layer by call shape (batch B, rows per sequence T):
     exponential moving averages, the first call of a shape not counted (it builds the bindings), an
-    observation capped at ``OUTLIER`` times the estimate. A shape not measured yet is estimated from
-    the nearest measured one (the same B first) by the ratio of a growth model: ``ROW_GROWTH`` more per
-    extra row (measured on ONNX Runtime CPU, 2 cores, the demo model at batch 1: T = 2, 4, 8 cost
-    1.07-1.16, 1.18-1.33 and 1.42-1.68 of T = 1), ``BATCH_GROWTH`` more per extra sequence; a call of
-    several rows of several sequences (a ``verify_{B}`` graph) ``BATCH_GROWTH`` more per extra row of
-    the B * T (2-core AMD EPYC, INT8 demo model: C(4, 4) / C(4, 1) 1.8-2.0, C(2, 4) / C(2, 1) 1.2-1.5,
-    C(8, 3) / C(8, 1) 2.0-2.3). Before any measurement the unit is one step at batch 1. Only ratios
-    matter to the choices."""
+    observation capped at ``OUTLIER`` times the estimate. A call of several rows (T > 1) is kept as its ratio
+    to the same batch's plain step (T = 1) measured at the time, so a shape measured while the machine ran
+    slower (another process's burst, a cold cache, a clock change) follows the plain step's estimate, which
+    every plain step refreshes. Kept in seconds, a several-row shape measured in a slow phase stayed dear
+    once the machine sped up, and since only its own rounds refresh it, lookup rounds could stop for good
+    (this VM's processes run at two speeds ~1.8x apart; in stop 62's second fresh-clone demo batch-1 mode
+    exact ran no lookup round at all, 0.96x full depth, where a rerun of the bench on a copy of its
+    artifacts ran 259: this is one way that happens, not shown to be the one). A shape not measured yet is estimated from the nearest measured
+    one (the same B first) by the ratio of a growth model: ``ROW_GROWTH`` more per extra row (measured on
+    ONNX Runtime CPU, 2 cores, the demo model at batch 1: T = 2, 4, 8 cost 1.07-1.16, 1.18-1.33 and
+    1.42-1.68 of T = 1), ``BATCH_GROWTH`` more per extra sequence; a call of several rows of several
+    sequences (a ``verify_{B}`` graph) ``BATCH_GROWTH`` more per extra row of the B * T (2-core AMD EPYC,
+    INT8 demo model: C(4, 4) / C(4, 1) 1.8-2.0, C(2, 4) / C(2, 1) 1.2-1.5, C(8, 3) / C(8, 1) 2.0-2.3).
+    Before any measurement the unit is one step at batch 1. Only ratios matter to the choices."""
 
     ALPHA = 0.2
     OUTLIER = 3.0
@@ -100,26 +106,37 @@ class CallCosts:
     BATCH_GROWTH = 0.1
 
     def __init__(self) -> None:
-        self._est: dict[tuple[int, int], float] = {}
+        self._est: dict[tuple[int, int], float] = {}  # seconds: plain steps, and T > 1 before B's plain step
+        self._ratio: dict[tuple[int, int], float] = {}  # T > 1: seconds / the same B's plain step's estimate
         self._calls: dict[tuple[int, int], int] = {}
 
     @classmethod
     def fixed(cls, costs: dict[tuple[int, int], float]) -> "CallCosts":
         """Costs given, not measured (any unit), by (B, T); observations still refine them."""
         out = cls()
-        for key, seconds in costs.items():
-            out._est[key], out._calls[key] = float(seconds), 2
+        for key, seconds in sorted(costs.items(), key=lambda kv: kv[0][1]):  # plain steps first
+            out._calls[key] = 2
+            b, t = key
+            if t > 1 and (b, 1) in out._est:
+                out._ratio[key] = float(seconds) / out._est[(b, 1)]
+            else:
+                out._est[key] = float(seconds)
         return out
+
+    def _ema(self, table: dict[tuple[int, int], float], key: tuple[int, int], value: float) -> None:
+        old = table.get(key)
+        table[key] = value if old is None else old + self.ALPHA * (min(value, self.OUTLIER * old) - old)
 
     def observe(self, b: int, t: int, seconds: float) -> None:
         key = (b, t)
         self._calls[key] = self._calls.get(key, 0) + 1
         if self._calls[key] == 1:
             return
-        if key not in self._est:
-            self._est[key] = seconds
+        if t > 1 and (b, 1) in self._est:
+            self._est.pop(key, None)  # from now on a ratio to the plain step (seconds kept until it existed)
+            self._ema(self._ratio, key, seconds / self._est[(b, 1)])
         else:
-            self._est[key] += self.ALPHA * (min(seconds, self.OUTLIER * self._est[key]) - self._est[key])
+            self._ema(self._est, key, seconds)
 
     def _growth(self, b: int, t: int) -> float:
         if b > 1 and t > 1:  # several rows of several sequences (a verify graph): the rows' products grow with b * t
@@ -129,13 +146,16 @@ class CallCosts:
     def cost(self, b: int, t: int) -> float:
         """Seconds of a call of B = ``b`` sequences, T = ``t`` rows each (estimated where not measured)."""
         key = (b, t)
+        if key in self._ratio:
+            return self._est[(b, 1)] * self._ratio[key]
         if key in self._est:
             return self._est[key]
-        if not self._est:
+        known = list(self._est) + list(self._ratio)
+        if not known:
             return self._growth(b, t)
         # the nearest measured shape: the same batch first, then the nearest batch
-        ref = min(self._est, key=lambda k: (k[0] != b, abs(k[0] - b), abs(k[1] - t)))
-        return self._est[ref] * self._growth(b, t) / self._growth(*ref)
+        ref = min(known, key=lambda k: (k[0] != b, abs(k[0] - b), abs(k[1] - t)))
+        return self.cost(*ref) * self._growth(b, t) / self._growth(*ref)
 
     def as_dict(self) -> dict[str, float]:
-        return {f"{b}x{t}": v for (b, t), v in sorted(self._est.items())}
+        return {f"{b}x{t}": self.cost(b, t) for b, t in sorted(set(self._est) | set(self._ratio))}

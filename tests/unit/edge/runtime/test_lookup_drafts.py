@@ -119,6 +119,41 @@ def test_call_costs_measure_by_shape_and_extrapolate():
     assert set(c.as_dict()) == {"1x1", "1x3"}
 
 
+def test_call_costs_of_several_rows_follow_the_plain_step_when_the_machine_speeds_up():
+    """Rows' calls measured while the machine ran at half speed (this VM's processes run at two speeds
+    ~1.8x apart), then only plain steps at full speed (a row that stops drafting refreshes nothing but the
+    plain step): the several-row shapes keep their measured ratio to the plain step, and drafts accepted
+    at the measured rate (~0.6) still pay. Kept in seconds, the rows would stay twice as dear and no draft
+    length would beat a plain step, so lookup rounds, the only thing that refreshes them, would stop for
+    good."""
+    c = CallCosts()
+    for _ in range(6):  # the slow phase: a plain step 1 ms, k rows 1 ms x (1 + 0.1 (k - 1))
+        c.observe(1, 1, 1e-3)
+        for k in range(2, 8):
+            c.observe(1, k, 1e-3 * (1 + 0.1 * (k - 1)))
+    for _ in range(40):  # then twice as fast, plain steps only
+        c.observe(1, 1, 0.5e-3)
+    assert c.cost(1, 1) == pytest.approx(0.5e-3, rel=1e-3)
+    for k in range(2, 8):
+        assert c.cost(1, k) / c.cost(1, 1) == pytest.approx(1 + 0.1 * (k - 1))
+    probs, plain = np.full(6, 0.6), 1 / c.cost(1, 1)
+    assert lookup_length(probs, c, plain)[0] > 0  # a round pays: lookups go on
+    expected = np.cumsum(np.concatenate([[1.0], np.cumprod(probs)]))  # E(k), k = 0..6
+    stale = max(expected[k] / (1e-3 * (1 + 0.1 * k)) for k in range(1, 7))  # the same rows kept in seconds
+    assert stale < plain
+
+
+def test_call_costs_of_rows_measured_before_any_plain_step_are_kept_in_seconds():
+    c = CallCosts()
+    c.observe(1, 4, 9.0), c.observe(1, 4, 1.3)  # no plain step measured yet: seconds
+    assert c.cost(1, 4) == 1.3 and c.cost(1, 1) == pytest.approx(1.3 / (1 + 3 * CallCosts.ROW_GROWTH))
+    c.observe(1, 1, 9.0), c.observe(1, 1, 1.0)
+    c.observe(1, 4, 1.25)  # a plain step exists now: the shape is a ratio to it from here on
+    assert c.cost(1, 4) == pytest.approx(1.25) and set(c.as_dict()) == {"1x1", "1x4"}
+    c.observe(1, 1, 0.5)  # the plain step's estimate moves, and the shape with it
+    assert c.cost(1, 4) / c.cost(1, 1) == pytest.approx(1.25)
+
+
 def test_lookup_acceptance_counts_judged_drafts_only():
     a = LookupAcceptance(4, 6)
     assert a.probs(2, 3).tolist() == [0.5, 0.5, 0.5]  # the prior
