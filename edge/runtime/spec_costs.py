@@ -90,7 +90,7 @@ class CallCosts:
     slower (another process's burst, a cold cache, a clock change) follows the plain step's estimate, which
     every plain step refreshes. Kept in seconds, a several-row shape measured in a slow phase stayed dear
     once the machine sped up, and since only its own rounds refresh it, lookup rounds could stop for good
-    (this VM's processes run at two speeds ~1.8x apart; in stop 62's second fresh-clone demo batch-1 mode
+    (this VM ran the same batch-1 work in 213-400 ms, process to process; in stop 62's second fresh-clone demo batch-1 mode
     exact ran no lookup round at all, 0.96x full depth, where a rerun of the bench on a copy of its
     artifacts ran 259: this is one way that happens, not shown to be the one). A shape not measured yet is estimated from the nearest measured
     one (the same B first) by the ratio of a growth model: ``ROW_GROWTH`` more per extra row (measured on

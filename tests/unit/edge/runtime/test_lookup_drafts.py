@@ -120,8 +120,8 @@ def test_call_costs_measure_by_shape_and_extrapolate():
 
 
 def test_call_costs_of_several_rows_follow_the_plain_step_when_the_machine_speeds_up():
-    """Rows' calls measured while the machine ran at half speed (this VM's processes run at two speeds
-    ~1.8x apart), then only plain steps at full speed (a row that stops drafting refreshes nothing but the
+    """Rows' calls measured while the machine ran at half speed (this VM ran the same batch-1 work in
+    213-400 ms, process to process), then only plain steps at full speed (a row that stops drafting refreshes nothing but the
     plain step): the several-row shapes keep their measured ratio to the plain step, and drafts accepted
     at the measured rate (~0.6) still pay. Kept in seconds, the rows would stay twice as dear and no draft
     length would beat a plain step, so lookup rounds, the only thing that refreshes them, would stop for
