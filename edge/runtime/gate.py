@@ -13,6 +13,8 @@ what the certificate covers is the rule's decisions on the steps that check (doc
 """
 from __future__ import annotations
 
+from edge.runtime.estimate import capped_ema
+
 
 class StepGate:
     """Per batch size, the measured seconds of a decode step that checks exits and of one that runs every
@@ -74,8 +76,7 @@ class StepGate:
         if self._seen[key] == 1 or key in self._cold:
             self._cold.discard(key)
             return
-        est = self._est.get(key)
-        self._est[key] = seconds if est is None else est + self.ALPHA * (min(seconds, self.OUTLIER * est) - est)
+        self._est[key] = capped_ema(self._est.get(key), seconds, self.ALPHA, self.OUTLIER)
 
     def estimate(self, b: int, checks: bool) -> float | None:
         """The measured seconds per step of that kind at batch ``b`` (None: not measured yet)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from edge.runtime.estimate import capped_ema
+
 
 class DraftCosts:
     """Measured seconds of a draft step and of a verification of m rows (exponential moving averages).
@@ -47,7 +49,7 @@ class DraftCosts:
             self._verify0 *= seconds / self.step
             self.step = seconds
         elif self._calls[0] > 2:
-            self.step += self.ALPHA * (min(seconds, self.OUTLIER * self.step) - self.step)
+            self.step = capped_ema(self.step, seconds, self.ALPHA, self.OUTLIER)
 
     def observe_verify(self, rows: int, seconds: float) -> None:
         self._calls[rows] += 1
@@ -124,8 +126,7 @@ class CallCosts:
         return out
 
     def _ema(self, table: dict[tuple[int, int], float], key: tuple[int, int], value: float) -> None:
-        old = table.get(key)
-        table[key] = value if old is None else old + self.ALPHA * (min(value, self.OUTLIER * old) - old)
+        table[key] = capped_ema(table.get(key), value, self.ALPHA, self.OUTLIER)
 
     def observe(self, b: int, t: int, seconds: float) -> None:
         key = (b, t)
