@@ -1,8 +1,8 @@
-"""deploy/gpu_check.*: the script a session with a CUDA GPU runs. Here: it compiles, its shell is clean, its
-decode step (run on CPU) gives the full model's greedy tokens, and without CUDA it says so and exits 2."""
+"""deploy/gpu_check.*: the script a session with a CUDA GPU runs, and its sections (edge/pipeline/gpu_check/).
+Here: it compiles, its shell is clean, its decode step (run on CPU) gives the full model's greedy tokens, its
+sections run eagerly on the CPU, and without CUDA it says so and exits 2."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import py_compile
 import shutil
@@ -17,13 +17,6 @@ from tests.unit.edge.jetson.jetson_identity import REPO
 SCRIPT = REPO / "deploy" / "gpu_check.py"
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_python_compiles_and_shell_is_clean():
     py_compile.compile(str(SCRIPT), doraise=True)
     if shutil.which("shellcheck") is None:
@@ -36,19 +29,20 @@ def test_decode_step_matches_full_forward_greedy():
     """At full depth the cached decode step must give what re-running the whole sequence gives."""
     from edge.model.bundled import BUNDLED_EE_DIR
     from edge.model.checkpoint import load_decoder
+    from edge.pipeline.gpu_check.torch_decode import run_decode
 
     if not (BUNDLED_EE_DIR / "model.safetensors").is_file():
         pytest.skip("the bundled model is not in this checkout")
     torch.set_num_threads(1)
     bb = load_decoder(BUNDLED_EE_DIR).eval()
     ids = torch.randint(0, bb.cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
-    _, tokens = _module().run_decode(bb, ids, 6, bb.cfg.num_layers, lambda: None)
+    _, tokens = run_decode(bb, ids, 6, bb.cfg.num_layers, lambda: None)
     seq = ids
     with torch.no_grad():
         for _ in range(7):
             seq = torch.cat((seq, bb(seq).logits[:, -1:].argmax(-1)), dim=1)
     assert tokens == seq[:, 12:].tolist()
-    _, early = _module().run_decode(bb, ids, 6, 3, lambda: None)  # an exit runs (and differs, usually)
+    _, early = run_decode(bb, ids, 6, 3, lambda: None)  # an exit runs (and differs, usually)
     assert len(early[0]) == 7
 
 
@@ -62,9 +56,10 @@ def test_without_cuda_it_says_so(tmp_path):
 def test_engine_section_runs_eagerly_on_the_cpu():
     """The engine timing of section 5, eager on the CPU (the GPU run adds the captured graphs): both rules
     decode and report their rates (timing itself is the GPU run's business, not a unit test's)."""
+    from edge.pipeline.gpu_check.engine_runs import engine_runs
     from tests.unit.edge.runtime.test_engine import _model
 
-    out = _module().engine_runs(_model(), [1, 2], 8, 6, "float32", device="cpu")
+    out = engine_runs(_model(), [1, 2], 8, 6, "float32", device="cpu")
     assert set(out) == {"1", "2"}
     for row in out.values():
         assert row["eager_full_decode_tokens_per_s"] > 0 and row["eager_exit_first_decode_tokens_per_s"] > 0
@@ -76,11 +71,11 @@ def test_exit_cost_section_runs_eagerly_on_the_cpu():
     exits lets nothing leave and pays every check, the first-exit rule makes every token leave at the first
     exit; the candidate-shortlist twin of the never rule decodes too; the ratios are the rates' quotients.
     Timing is the GPU run's business."""
+    from edge.pipeline.gpu_check.exit_costs import engine_exit_costs
     from tests.unit.edge.runtime.test_engine import _model
 
     model = _model()
-    out = _module().engine_exit_costs(model, [1, 2], 8, 6, "float32", window_s=0.0, rounds=1, device="cpu",
-                                      shortlist=16)
+    out = engine_exit_costs(model, [1, 2], 8, 6, "float32", window_s=0.0, rounds=1, device="cpu", shortlist=16)
     first, depth = model.exit_layers[0], model.backbone.cfg.num_layers
     for b in ("1", "2"):
         row = out[b]
@@ -103,13 +98,14 @@ def test_realistic_exit_section_runs_eagerly_on_the_cpu():
     launched ahead wasted segments where they did."""
     from edge.model.bundled import BUNDLED_EE_DIR
     from edge.model.checkpoint import load_decoder
+    from edge.pipeline.gpu_check.realistic_exits import realistic_exits
 
     if not (BUNDLED_EE_DIR / "model.safetensors").is_file():
         pytest.skip("the bundled model is not in this checkout")
     torch.set_num_threads(1)
     bb = load_decoder(BUNDLED_EE_DIR).eval()
-    out = _module().realistic_exits(bb, [1, 2], 8, "float32", window_s=0.0, rounds=1, device="cpu", prompts_n=4,
-                                    prompt_tokens=32, leave=0.5)
+    out = realistic_exits(bb, [1, 2], 8, "float32", window_s=0.0, rounds=1, device="cpu", prompts_n=4,
+                          prompt_tokens=32, leave=0.5)
     assert out["prompts"] == 4 and out["exit_layers"] == [1, 2, 4, bb.cfg.num_layers]
     for b in ("1", "2"):
         row = out[b]
@@ -126,9 +122,10 @@ def test_projection_section_runs_eagerly_on_the_cpu():
     formula over those step times (recomputed here), and the exits are the replay moved to the shape."""
     from edge.pipeline.bench.projection_replay import DEFAULT_RUN, projected_speedup, scale_distribution
     from edge.pipeline.bench.projection_shapes import shape_config
+    from edge.pipeline.gpu_check.projection import projection_on_gpu
 
     torch.set_num_threads(1)
-    out = _module().projection_on_gpu(["micro"], 4, window_s=0.0, rounds=1, prompt=8, device="cpu")
+    out = projection_on_gpu(["micro"], 4, window_s=0.0, rounds=1, prompt=8, device="cpu")
     cfg = shape_config("micro")
     tokens = sum(DEFAULT_RUN["counts"].values())
     fraction = scale_distribution({k: v / tokens for k, v in DEFAULT_RUN["counts"].items()},
