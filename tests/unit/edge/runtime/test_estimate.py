@@ -27,4 +27,11 @@ def test_an_outlier_counts_as_outlier_times_the_estimate():
 def test_the_estimate_stays_between_the_old_one_and_the_capped_observation(est, value, alpha, outlier):
     new = capped_ema(est, value, alpha, outlier)
     lo, hi = sorted((est, min(value, outlier * est)))
-    assert lo * (1 - 1e-12) <= new <= hi * (1 + 1e-12)
+    # est + alpha * (x - est) rounds at the scale of the larger operand (alpha = 1, x ~ 0: 1 + (x - 1) is 0.0)
+    tol = 1e-12 * hi
+    assert lo - tol <= new <= hi + tol
+
+
+def test_a_tiny_observation_with_alpha_one_rounds_at_the_estimates_scale():
+    # the case hypothesis found: the new estimate is the observation up to the estimate's rounding
+    assert capped_ema(1.0, 5.4547773081138836e-126, 1.0, 3.0) == pytest.approx(0.0, abs=1e-15)
