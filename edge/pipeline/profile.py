@@ -1,5 +1,5 @@
-"""``smartexit profile``: the stage. The work is :mod:`scheduler.loadtest.profile`'s; this module reads the run, calls it and
-records what it made."""
+"""``smartexit profile``: the stage. The work is :mod:`scheduler.loadtest.profile`'s and its ``profile_*``
+modules'; this module reads the run, calls it and records what it made."""
 from __future__ import annotations
 
 import gc
@@ -11,7 +11,10 @@ from pathlib import Path
 
 from edge.core.artifacts import Manifest, atomic_path, atomic_write_json, atomic_write_text
 from scheduler.control.latency import FEATURES, fit_latency
-from scheduler.loadtest.profile import ProfileConfig, STAGE, _machine, bundle_path, check_scenarios, design, generate_scenarios, held_out_groups, per_scenario, prompt_pool, run_profile
+from scheduler.loadtest.profile import STAGE, _machine, bundle_path, prompt_pool
+from scheduler.loadtest.profile_config import ProfileConfig, check_scenarios, generate_scenarios
+from scheduler.loadtest.profile_driver import run_profile
+from scheduler.loadtest.profile_fit import design, held_out_groups, per_scenario
 
 
 def main(cfg: ProfileConfig) -> int:

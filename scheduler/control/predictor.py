@@ -25,7 +25,7 @@ import numpy as np
 
 from edge.core.errors import ConfigError
 
-HEAD = 64   # prompt ids a trace keeps (scheduler.loadtest.profile.TRACE_HEAD); features read no further, at fit or serve
+HEAD = 64   # prompt ids a trace keeps (scheduler.loadtest.profile_driver.TRACE_HEAD); features read no further, at fit or serve
 FEATURES = ("log_prompt_len", "bigram_repeat_share", "unique_ratio", "mean_log1p_id", "share_below_256")
 MODEL_KIND = "ridge_prompt_features"
 

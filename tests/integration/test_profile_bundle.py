@@ -18,7 +18,7 @@ from edge.core.errors import ConfigError
 from scheduler.control.latency import LatencyModel
 from scheduler.control.predictor import read_exit_traces
 from edge.pipeline.profile import main
-from scheduler.loadtest.profile import ProfileConfig
+from scheduler.loadtest.profile_config import ProfileConfig
 
 pytestmark = pytest.mark.integration
 

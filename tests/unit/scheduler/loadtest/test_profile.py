@@ -18,8 +18,9 @@ from edge.runtime.torch_backend import TorchBackend
 from scheduler.control.latency import (FEATURES, FORMAT, LatencyModel, StepFeatures, combine, decode_features, fit_latency,
                                prefill_features)
 from edge.pipeline.profile import main
-from scheduler.loadtest.profile import (ProfileConfig, Scenario, check_scenarios, design, exits_allowed, generate_scenarios,
-                               held_out_groups, run_profile, step_features, timed_step)
+from scheduler.loadtest.profile_config import ProfileConfig, Scenario, check_scenarios, generate_scenarios
+from scheduler.loadtest.profile_driver import exits_allowed, run_profile, step_features, timed_step
+from scheduler.loadtest.profile_fit import design, held_out_groups
 from tests.unit.edge.runtime.test_engine import _model, _prompts
 
 SEGMENTS = [2, 4, 6]  # the tiny test model's exits (tests/unit/edge/runtime/test_engine.py)
