@@ -11,7 +11,7 @@ from pathlib import Path
 
 from edge.core.artifacts import Manifest, atomic_path, atomic_write_json, atomic_write_text
 from scheduler.control.latency import FEATURES, fit_latency
-from scheduler.loadtest.profile import STAGE, _machine, bundle_path, prompt_pool
+from scheduler.loadtest.profile import STAGE, bundle_path, machine_info, prompt_pool
 from scheduler.loadtest.profile_config import ProfileConfig, check_scenarios, generate_scenarios
 from scheduler.loadtest.profile_driver import run_profile
 from scheduler.loadtest.profile_fit import design, held_out_groups, per_scenario
@@ -48,7 +48,7 @@ def main(cfg: ProfileConfig) -> int:
         held = None  # fit_latency drew another way: the table leaves the column unknown
     asked = cfg.threads if cfg.threads is not None else \
         json.loads((bundle / "bundle.json").read_text()).get("host", {}).get("threads")
-    machine = _machine(engine, asked)
+    machine = machine_info(engine, asked)
     model.fit.update({"source": "smartexit profile", "machine": machine})
     report = {"config": asdict(cfg), "bundle": str(bundle), "machine": machine, "coef": model.coef,
               "fit": model.fit, "features": list(FEATURES), "scenarios": [asdict(s) for s in scenarios],

@@ -39,7 +39,7 @@ STAGE = "profile"
 
 # --------------------------------------------------------------------------- outputs
 
-def _machine(engine: Engine, asked: int | None) -> dict[str, Any]:
+def machine_info(engine: Engine, asked: int | None) -> dict[str, Any]:
     """Where the profile ran. The ONNX Runtime pool belongs to the process, sized by its first session
     (edge/runtime/ortsession.py): its real size is reported, and a mismatch with ``asked`` said."""
     threads = getattr(engine.backend, "pool_threads", asked)
