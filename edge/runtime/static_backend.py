@@ -19,7 +19,7 @@ allocates slots only), and computes where the weights are:
   :func:`edge.runtime.backend.host_candidates`): a decision exit copies its exit hidden (B x D) and
   its statistics and token, or its candidate logits over the shortlist (B x K, computed on the device
   in the segment's graph), to the host. The residual and the logits stay on the device
-  (:class:`_OnDevice`): the residual goes into the next segment call as it is, and B x V logits are
+  (:class:`OnDevice`): the residual goes into the next segment call as it is, and B x V logits are
   copied only when the engine reads them (a sampled row, a verification). Measured on an H200 before
   this (deploy/gpu_check.py, Llama-3.1-8B shape, batch 16): a full-head check cost 21 layers, most of
   it the B x V logits' copy, and the candidate check 3.2 layers, most of it its B x D x K product on
@@ -30,9 +30,7 @@ reference. Capture needs CUDA (``graphs`` True refuses otherwise).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -41,93 +39,10 @@ from edge.compress.quant import fake_quant_act
 from edge.core.errors import ConfigError
 from edge.model.exits import MultiExitModel, exit_decision_stats
 from edge.runtime.backend import Backend, HeadOut, ModelSpec, SegmentOut, host_candidates, host_decision
+from edge.runtime.static_capture import Captured, Launched, OnDevice
 from edge.runtime.static_decode import past_mask
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-class _Captured:
-    """A computation on static input tensors, replayed as a CUDA graph (or run eagerly)."""
-
-    def __init__(self, fn: Callable[[], dict[str, torch.Tensor]], inputs: dict[str, torch.Tensor],
-                 graph: bool, pad: dict[str, int]) -> None:
-        """``pad``: the value of an input's padding rows (default 0)."""
-        self.fn, self.inputs, self.pad, self.graph, self.out = fn, inputs, pad, None, None
-        if graph:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up on a side stream, as torch.cuda.graphs asks
-                fn()
-            torch.cuda.current_stream().wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.out = fn()
-
-    def __call__(self, **values: torch.Tensor) -> dict[str, torch.Tensor]:
-        for name, v in values.items():
-            dst = self.inputs[name]
-            dst[:v.shape[0]].copy_(v, non_blocking=True)
-            if v.shape[0] < dst.shape[0]:  # padding rows: slot ``slots`` (spare), position 0, zeros
-                dst[v.shape[0]:].fill_(self.pad.get(name, 0))
-        if self.graph is None:
-            return self.fn()
-        self.graph.replay()
-        return self.out
-
-
-class _OnDevice:
-    """A device tensor that the engine may read as a host array: copied to the host on first read (its
-    shape needs no copy); given back to this backend (the next segment's input), it stays on the device.
-    Like every array of a :class:`SegmentOut`, valid until the backend's next call of the same kind."""
-
-    __slots__ = ("t", "_host")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t, self._host = t, None
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.t.shape)
-
-    @property
-    def ndim(self) -> int:
-        return self.t.dim()
-
-    @property
-    def dtype(self) -> np.dtype:
-        return np.dtype(np.float32) if self.t.is_floating_point() else np.dtype(np.int64)
-
-    def __len__(self) -> int:
-        return self.t.shape[0]
-
-    def host(self) -> np.ndarray:
-        if self._host is None:
-            t = self.t
-            self._host = (t.float() if t.is_floating_point() else t).cpu().numpy()
-        return self._host
-
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        a = self.host()
-        return a if dtype is None else a.astype(dtype, copy=False)
-
-    def __getitem__(self, key):
-        return self.host()[key]
-
-    def copy(self) -> np.ndarray:
-        return self.host().copy()
-
-
-@dataclass
-class _Launched:
-    """A segment call launched on the device: its residual and exit hidden there, the logits of a full-head
-    exit, the decision arrays on their way to the host (pinned buffers) and the event that says they are."""
-
-    i: int
-    hidden: torch.Tensor | None
-    eh: torch.Tensor
-    logits: torch.Tensor | None = None
-    copies: dict[str, torch.Tensor] = field(default_factory=dict)
-    event: torch.cuda.Event | None = None
 
 
 class StaticTorchBackend(Backend):
@@ -176,7 +91,7 @@ class StaticTorchBackend(Backend):
                            else torch.tensor(self.shortlist_act_scale, dtype=torch.float32, device=self.device))
         self.bb = self.model.backbone
         self._buckets_asked = buckets
-        self._plans: dict[tuple, _Captured] = {}
+        self._plans: dict[tuple, Captured] = {}
         self._held_index: tuple | None = None  # the last (slots, start) and their device copies
         self._pinned: dict[tuple, torch.Tensor] = {}  # decision copies' host buffers, per (array, segment, bucket)
         self.pipeline = pipeline
@@ -236,7 +151,7 @@ class StaticTorchBackend(Backend):
         x = e if self._act_scale is None else fake_quant_act(e, self._act_scale)  # a W8A8 head's input quantization
         return torch.cat((e, x @ self._rows_t), dim=1)
 
-    def _decode_plan(self, kind: str, i: int, bucket: int) -> _Captured:
+    def _decode_plan(self, kind: str, i: int, bucket: int) -> Captured:
         key = (kind, i, bucket)
         plan = self._plans.get(key)
         if plan is not None:
@@ -276,7 +191,7 @@ class StaticTorchBackend(Backend):
                     self.keys[j][slots, :, pos] = k[:, :, 0]
                     self.values[j][slots, :, pos] = v[:, :, 0]
                 return {}
-        plan = _Captured(torch.no_grad()(fn), ins, self.graphs, {"slots": self.spare})
+        plan = Captured(torch.no_grad()(fn), ins, self.graphs, {"slots": self.spare})
         self.captured += plan.graph is not None
         self._plans[key] = plan
         return plan
@@ -303,7 +218,7 @@ class StaticTorchBackend(Backend):
 
     def _input(self, x) -> torch.Tensor:
         """A segment's input on the device: a residual this backend returned stays where it is."""
-        if isinstance(x, _OnDevice):
+        if isinstance(x, OnDevice):
             return x.t
         return self._to(x) if x.dtype == np.int64 else self._to(x, self.dtype)
 
@@ -319,13 +234,13 @@ class StaticTorchBackend(Backend):
         buf.copy_(t, non_blocking=True)
         return buf
 
-    def _launch(self, i: int, x, slots_t: torch.Tensor, start_t: torch.Tensor, b: int, decide: bool) -> _Launched:
+    def _launch(self, i: int, x, slots_t: torch.Tensor, start_t: torch.Tensor, b: int, decide: bool) -> Launched:
         """Segment i's decode call (one row per sequence) launched: its graph, its exit's head where a
         decision is read with the full head, and the copies of what the host decides from; nothing waited for."""
         k, last = self._bucket(b), i == len(self.segments) - 1
         out = self._decode_plan("segment", i, k)(slots=slots_t, pos=start_t, x=self._input(x))
         h, eh = out["hidden"], out["exit_hidden"]
-        run = _Launched(i, None if last else h[:b], eh[:b])
+        run = Launched(i, None if last else h[:b], eh[:b])
         if not decide and not last:
             return run
         if self.spec.candidates and not last:
@@ -344,15 +259,15 @@ class StaticTorchBackend(Backend):
             run.event.record()
         return run
 
-    def _collect(self, run: _Launched, prev: SegmentOut | None, lookup) -> SegmentOut:
+    def _collect(self, run: Launched, prev: SegmentOut | None, lookup) -> SegmentOut:
         """A launched segment's output once its copies have arrived, with its decision (on the host)."""
         if run.event is not None:
             run.event.synchronize()
         i, last = run.i, run.i == len(self.segments) - 1
-        hidden = None if last else _OnDevice(run.hidden)  # stays on the device for the next segment
+        hidden = None if last else OnDevice(run.hidden)  # stays on the device for the next segment
         c = {name: t.numpy().copy() for name, t in run.copies.items()}  # pinned buffers are reused next step
         if not c:  # nobody reads this exit's decision: its exit hidden is copied only if read
-            return SegmentOut(hidden, _OnDevice(run.eh), None, None, None)
+            return SegmentOut(hidden, OnDevice(run.eh), None, None, None)
         if "ehz" in c:  # the candidate check: its product done on the device, the rest on the host
             d = self.spec.hidden_size
             return host_candidates(self, i, SegmentOut(hidden, c["ehz"][:, :d], None, None, None), prev, lookup,
@@ -360,7 +275,7 @@ class StaticTorchBackend(Backend):
         if "gate" in c:
             return host_decision(self, i, SegmentOut(hidden, c["eh"], None, None, None, c["gate"]), prev)
         st = c["st"]
-        out = SegmentOut(hidden, c["eh"] if "eh" in c else _OnDevice(run.eh), _OnDevice(run.logits), st[:, :3],
+        out = SegmentOut(hidden, c["eh"] if "eh" in c else OnDevice(run.eh), OnDevice(run.logits), st[:, :3],
                          st[:, 3].astype(np.int64))
         return out if last else host_decision(self, i, out, prev)
 
@@ -378,7 +293,7 @@ class StaticTorchBackend(Backend):
         h = self.bb.embed(self._input(x)) if i == 0 else self._input(x)
         h = self._layers(i, h, slots_t, positions, p, mask)
         eh = self._exit(i, h[:, t - rows:])
-        run = _Launched(i, None if last else h[:b], eh)
+        run = Launched(i, None if last else h[:b], eh)
         if decide and not last and self._rows_t is not None:
             run.copies["ehz"] = self._ehz(eh).cpu()
         elif decide and not last and self.spec.gated:
@@ -407,7 +322,7 @@ class StaticTorchBackend(Backend):
         slots_t, start_t = self._index(slots, start)
         run, prev = self._launch(0, x, slots_t, start_t, b, True), None
         for i in range(len(self.segments)):
-            ahead = self._launch(i + 1, _OnDevice(run.hidden), slots_t, start_t, b, True) if i < last else None
+            ahead = self._launch(i + 1, OnDevice(run.hidden), slots_t, start_t, b, True) if i < last else None
             out = self._collect(run, prev, lookup)
             if i == last or bool(((out.score >= 0.0) & allowed).any()):
                 self.wasted_segments += ahead is not None
@@ -420,7 +335,7 @@ class StaticTorchBackend(Backend):
         ho = self._head_fn(self._input(exit_hidden))
         b = exit_hidden.shape[0]
         st = self._host(ho["stats_token"], b)
-        return HeadOut(_OnDevice(ho["logits"][:b]), st[:, :3], st[:, 3].astype(np.int64))
+        return HeadOut(OnDevice(ho["logits"][:b]), st[:, :3], st[:, 3].astype(np.int64))
 
     @torch.no_grad()
     def _kvfill(self, i, hidden, slots, positions):

@@ -138,11 +138,11 @@ def test_residual_and_logits_stay_on_the_device_until_read(monkeypatch):
     the residual where it is; a greedy token is the device's argmax): the only logits read are each
     prompt's last row, once per request (the first token). A sampled request reads its logits and gets
     the reference's tokens for the same seed."""
-    from edge.runtime import static_backend
+    from edge.runtime.static_capture import OnDevice
 
     reads = []
-    real = static_backend._OnDevice.host
-    monkeypatch.setattr(static_backend._OnDevice, "host", lambda self: reads.append(self.shape) or real(self))
+    real = OnDevice.host
+    monkeypatch.setattr(OnDevice, "host", lambda self: reads.append(self.shape) or real(self))
     m = _model(seed=3)
     prompts = _prompts(3, seed=9)
     cfg = EngineConfig(max_seqs=3, max_running=3, max_len=128, prefill_budget=16)
