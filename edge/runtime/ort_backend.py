@@ -19,7 +19,6 @@ gates a decision segment decides from its gate and the head runs only for the ro
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +28,7 @@ from edge.runtime.backend import Backend, HeadOut, ModelSpec, SegmentOut
 from edge.runtime.graphs import load_graphs_json, load_ngram_table, verify_graphs
 from edge.runtime.cache import contiguous_start
 from edge.core.errors import ConfigError, require
+from edge.runtime.ort_plans import Plan, PlanBinder, has_stats
 from edge.runtime.ortsession import open_session, pool_threads
 
 FULL = "full"  # the fused graph of every layer (exporters/ort_fused.py)
@@ -41,16 +41,6 @@ MAX_PLAN_ROWS = 8  # calls of up to this many rows per sequence keep their bindi
 MAX_VERIFY_PLANS = 64  # verify bindings kept (per rows and slots); more are dropped and rebuilt as needed
 
 
-def _col(a: np.ndarray) -> np.ndarray:
-    """[N] -> a [N, 1] view of the same memory (a binding of it writes into the [N] buffer)."""
-    return a.reshape(-1, 1)
-
-
-def _has_stats(sess) -> bool:
-    """Whether a head session outputs the decision statistics (exporters/ort_fused.py head_has_stats)."""
-    return "exit_stats" in {o.name for o in sess.get_outputs()}
-
-
 def pick_providers(available: list[str], requested: list[str] | None = None) -> list[str]:
     """Providers to use, in preference order, among those this build offers."""
     if requested:
@@ -59,22 +49,6 @@ def pick_providers(available: list[str], requested: list[str] | None = None) -> 
             raise ConfigError(f"onnxruntime providers {missing} are not available; this build has {available}")
         return list(requested)
     return [p for p in PREFERRED_PROVIDERS if p in available]
-
-
-@dataclass
-class _Plan:
-    """A reusable binding of one segment graph to buffers (one decode shape)."""
-
-    io: object
-    head_io: object | None  # the head graph bound to this segment's exit hidden (None: a gated decision exit)
-    head_sess: object  # the session head_io belongs to (the exact head, or the draft head)
-    x: np.ndarray  # [B, T] ids or [B, T, D] hidden (input)
-    seqlens: np.ndarray  # [B] int32
-    total: np.ndarray  # [] int32
-    exit_index: np.ndarray  # [] int64
-    out: SegmentOut
-    prev: dict[str, np.ndarray]  # the previous decision exit's outputs these graphs read, by input name
-    lookup: tuple[np.ndarray, np.ndarray] | None = None  # the context lookup's token, length (shortlist checks)
 
 
 class OrtBackend(Backend):
@@ -122,155 +96,28 @@ class OrtBackend(Backend):
         self._head_sess = session("head")  # one LM head for every exit
         # self-speculative drafts' head (int8 weights), opened on first use; the exact head if not exported
         self._draft_head_sess = None if "draft_head" in fused["graphs"] else self._head_sess
-        self._head_decides = "rule_w" in {x.name for x in self._head_sess.get_inputs()}
         # the head of a model with one exit or a candidate shortlist has no decision statistics (nothing reads them:
         # exporters/ort_fused.py head_has_stats); a candidate model's draft exit reads the draft head's
-        self.head_stats = _has_stats(self._head_sess)
+        self.head_stats = has_stats(self._head_sess)
         self.pool_threads = pool_threads()
         self.gathered_rows = 0  # past rows copied for batches over scattered slots
-        self._plans: dict[tuple, _Plan] = {}  # (segment, first slot, B, T, rows, draft)
-        self._bufs: dict[tuple[str, int, int, int], np.ndarray] = {}
-        ov = ort.OrtValue.ortvalue_from_numpy
-        self._rule_values = [(ov(w), ov(b)) for w, b in zip(self.rule_w, self.rule_b)]  # bound once, updated in place
-        # the last exit's head computes a score nobody reads: a rule of zeros, and has_prev per exit
-        self._rule_values.append((ov(np.zeros(self.spec.num_features, np.float32)), ov(np.full((), -1, np.float32))))
-        self._has_prev = [ov(np.array(i > 0)) for i in range(len(self.segments))]
-        self._mlp_values = [tuple(ov(a) for a in form) for form in self.rule_mlp]  # shortlist checks' rule
+        self._plans: dict[tuple, Plan] = {}  # (segment, first slot, B, T, rows, draft)
+        # the plans' buffers, cache views and bound exit rule (edge/runtime/ort_plans.py)
+        self._binder = PlanBinder(ort, self, self._head_sess, self.head_stats)
 
     def _attached(self) -> None:
         self._plans.clear()
-        self._verify_plans: dict[tuple, _Plan] = {}
-        self._bufs.clear()
-        self._step_plans: dict[tuple[int, int], list[_Plan]] = {}
-        self._views: dict[tuple[int, int, int], tuple] = {}
-
-    # ---------------------------------------------------------------- cache views
-    def _cache_values(self, j: int, s0: int, b: int) -> tuple:
-        """OrtValues over the cache rows [s0, s0 + b) of layer j (views: no copy)."""
-        key = (j, s0, b)
-        if key not in self._views:
-            c, ov = self.cache, self.ort.OrtValue.ortvalue_from_numpy
-            self._views[key] = (ov(c.keys[j][s0:s0 + b]), ov(c.values[j][s0:s0 + b]))
-        return self._views[key]
-
-    def _bind_cache(self, io, layers: list[int], values: list[tuple]) -> None:
-        for j, (k, v) in zip(layers, values):
-            io.bind_ortvalue_input(f"past_key_{j}", k)
-            io.bind_ortvalue_input(f"past_value_{j}", v)
-            io.bind_ortvalue_output(f"present_key_{j}", k)
-            io.bind_ortvalue_output(f"present_value_{j}", v)
-
-    # ---------------------------------------------------------------- plans
-    def _buf(self, name: str, i: int, s0: int | None, b: int, shape: tuple, dtype) -> np.ndarray:
-        """A buffer that segment i-1 writes and segment i reads, shared by their decode plans over the
-        same cache block (s0, b); a fresh array for any other call (s0 None)."""
-        if s0 is None:
-            return np.zeros(shape, dtype)
-        key = (name, i, s0, b)
-        if key not in self._bufs:
-            self._bufs[key] = np.zeros(shape, dtype)
-        return self._bufs[key]
+        self._verify_plans: dict[tuple, Plan] = {}
+        self._binder.attach(self.cache)
+        self._step_plans: dict[tuple[int, int], list[Plan]] = {}
 
     def _make_plan(self, i: int, s0: int | None, b: int, t: int, values: list[tuple] | None, rows: int = 1,
-                   draft: bool = False, full: bool = False) -> _Plan:
-        """Bind segment i's graph, and the head graph after it, to buffers for B = ``b`` sequences of ``t``
-        rows each, the exit on the last ``rows`` of them. Decode plans (s0 given, t == 1) chain through shared buffers: segment i's hidden and
-        exit hidden and its exit's token, run and gate are the arrays segment i+1 and its head read, so a
-        step over one cache block copies nothing. ``full``: the graph of every layer instead (``i`` is then
-        the last segment's index: its exit, its buffers)."""
-        ov = self.ort.OrtValue.ortvalue_from_numpy
-        d, v, f32 = self.spec.hidden_size, self.vocab_size, np.float32
-        last = i == len(self.segments) - 1
-        gated_exit = self.spec.gated and not last  # decides from its gate; no head in the plan
-        check = self.spec.candidates and not last  # checks its candidates in the segment; no head in the plan
-        headless = gated_exit or check
-        chain = s0 if t == 1 else None  # consecutive segments share their buffers
-        first = i == 0 or full
+                   draft: bool = False, full: bool = False) -> Plan:
+        """Segment i's plan (:meth:`PlanBinder.segment_plan`) on its graph (``full``: the graph of every layer)
+        and the exact head, or the draft head when ``draft``."""
         head_sess = self._draft_head() if draft else self._head_sess
-        stats = not headless and (_has_stats(head_sess) if draft else self.head_stats)
-        x = np.zeros((b, t), np.int64) if first else self._buf("hidden", i, chain, b, (b, t, d), f32)
-        r = b * rows  # rows the exit runs on
-        out = SegmentOut(
-            hidden=None if last else self._buf("hidden", i + 1, chain, b, (b, t, d), f32),
-            exit_hidden=self._buf("exit_hidden", i + 1, chain, b, (r, d), f32),
-            logits=None if headless else np.zeros((r, v), f32),
-            stats=np.zeros((r, 3), f32) if stats else None,
-            token=None if gated_exit or check else self._buf("token", i + 1, chain, b, (r,), np.int64),
-            gate=self._buf("gate", i + 1, chain, b, (r,), f32) if gated_exit else None)
-        if check:  # the two best candidates and their logits, which the next check reads
-            out.cand_tokens = self._buf("cand_tokens", i + 1, chain, b, (r, 2), np.int64)
-            out.cand_logits = self._buf("cand_logits", i + 1, chain, b, (r, 2), f32)
-            out.token = out.cand_tokens[:, 0]  # a view: the check's token
-        if not last:  # a decision exit: the rule's features and score (exporters/ort_exits.py)
-            out.features = np.zeros((r, self.spec.num_features), f32)
-            out.score = np.zeros(r, f32)
-            if not self.spec.gated and not check:
-                out.run = self._buf("run", i + 1, chain, b, (r,), f32)
-        # what the previous decision exit gave these rows: the segment reads it (gates) or the head (softmax)
-        seg_prev, head_prev = {}, {}
-        if gated_exit and i > 0:
-            seg_prev = {"prev_exit_hidden": self._buf("exit_hidden", i, chain, b, (r, d), f32),
-                        "prev_gate": self._buf("gate", i, chain, b, (r,), f32)}
-        if check:  # the first check reads a pair of "no previous check" buffers (-1 tokens, zero probabilities)
-            seg_prev = {"prev_tokens": self._buf("cand_tokens", i, chain, b, (r, 2), np.int64),
-                        "prev_logits": self._buf("cand_logits", i, chain, b, (r, 2), f32)}
-            if i == 0:
-                seg_prev["prev_tokens"][...] = -1
-        if not headless and self._head_decides:
-            head_prev = {"prev_exit_hidden": self._buf("exit_hidden", i, chain, b, (r, d), f32),
-                         "prev_token": self._buf("token", i, chain, b, (r,), np.int64),
-                         "prev_run": self._buf("run", i, chain, b, (r,), f32)}
-        io = (self._full if full else self._seg[i]).io_binding()
-        head_io = None if headless else head_sess.io_binding()
-        lookup = None
-        if check:  # one pair of buffers for every check of a step over this block
-            lookup = (self._buf("lookup_token", 0, chain, b, (r,), np.int64), self._buf("lookup_len", 0, chain, b, (r,), f32))
-        # the rows' cache lengths, the longest and the first exit row: one set per block, written once a step
-        plan = _Plan(io, head_io, head_sess, x, self._buf("seqlens", 0, chain, b, (b,), np.int32),
-                     self._buf("total", 0, chain, b, (), np.int32), self._buf("exit_index", 0, chain, b, (), np.int64),
-                     out, {**seg_prev, **head_prev}, lookup)
-        io.bind_ortvalue_input("input_ids" if first else "hidden", ov(x))
-        io.bind_ortvalue_input("seqlens_k", ov(plan.seqlens))
-        io.bind_ortvalue_input("total_len", ov(plan.total))
-        io.bind_ortvalue_input("exit_index", ov(plan.exit_index))
-        seg_outs = {"exit_hidden": out.exit_hidden, "hidden_out": out.hidden}
-        if check:  # per-row values are [B, 1] in these graphs: bind column views of the [B] buffers
-            seg_outs.update(exit_tokens=out.cand_tokens, exit_logits=out.cand_logits, exit_features=out.features,
-                            exit_score=_col(out.score))
-            self._bind(io, {**seg_prev, "lookup_token": _col(lookup[0]), "lookup_len": _col(lookup[1])}, seg_outs, None)
-            for name, value in zip(("rule_w1", "rule_b1", "rule_w2", "rule_b2"), self._mlp_values[i]):
-                io.bind_ortvalue_input(name, value)
-        elif gated_exit:
-            seg_outs.update(exit_gate=out.gate, exit_features=out.features, exit_score=out.score)
-            self._bind(io, seg_prev, seg_outs, i)
-        else:
-            self._bind(io, {}, seg_outs, None)
-            self._bind_head(head_io, out, head_prev, i, self._has_prev[i])
-        if values is not None:
-            self._bind_cache(io, self.suffix_layers(0) if full else self.segments[i], values)
-        return plan
-
-    def _bind_head(self, head_io, out: SegmentOut, prev: dict[str, np.ndarray], i: int, has_prev) -> None:
-        """Bind the head graph to ``out``'s exit hidden (input) and logits, statistics and token (and, where the
-        head decides, exit i's rule, ``prev`` and ``has_prev``, and the features, score and run)."""
-        outs = {"logits": out.logits, "exit_stats": out.stats, "exit_token": out.token}
-        if self._head_decides:
-            outs.update(exit_features=out.features, exit_score=out.score, exit_run=out.run)
-            head_io.bind_ortvalue_input("has_prev", has_prev)
-        head_io.bind_ortvalue_input("exit_hidden", self.ort.OrtValue.ortvalue_from_numpy(out.exit_hidden))
-        self._bind(head_io, prev, outs, i if self._head_decides else None)
-
-    def _bind(self, io, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray | None], rule: int | None) -> None:
-        """Bind ``inputs``, the ``outputs`` that are not None, and exit ``rule``'s weights (None: none)."""
-        ov = self.ort.OrtValue.ortvalue_from_numpy
-        for name, arr in inputs.items():
-            io.bind_ortvalue_input(name, ov(arr))
-        for name, arr in outputs.items():
-            if arr is not None:
-                io.bind_ortvalue_output(name, ov(arr))
-        if rule is not None:
-            io.bind_ortvalue_input("rule_w", self._rule_values[rule][0])
-            io.bind_ortvalue_input("rule_b", self._rule_values[rule][1])
+        return self._binder.segment_plan(self._full if full else self._seg[i], head_sess, i, s0, b, t, values, rows,
+                                         draft, full)
 
     # ---------------------------------------------------------------- calls
     def _segment(self, i, x, slots, start, prev, decide, rows, draft, lookup):
@@ -280,12 +127,12 @@ class OrtBackend(Backend):
             key = (i, s0, b, t, rows, draft)
             plan = self._plans.get(key)
             if plan is None:
-                values = [self._cache_values(j, s0, b) for j in self.segments[i]]
+                values = [self._binder.cache_values(j, s0, b) for j in self.segments[i]]
                 self.setup_events += 1
                 plan = self._plans[key] = self._make_plan(i, s0, b, t, values, rows, draft)
             return self._run(i, plan, x, start, t, prev, decide, rows, lookup)
         if s0 is not None:  # a prompt chunk: bind its cache slot, fresh buffers
-            plan = self._make_plan(i, None, b, t, [self._cache_values(j, s0, b) for j in self.segments[i]], rows,
+            plan = self._make_plan(i, None, b, t, [self._binder.cache_values(j, s0, b) for j in self.segments[i]], rows,
                                    draft)
             return self._run(i, plan, x, start, t, prev, decide, rows, lookup)
         return self._gathered(i, x, slots, start, prev, decide, draft, lookup)
@@ -311,7 +158,7 @@ class OrtBackend(Backend):
         key = ("full", s0, b, t, rows)
         plan = self._plans.get(key) if t <= MAX_PLAN_ROWS else None
         if plan is None:  # the cache's values are bound once per plan, not looked up on every call
-            values = [self._cache_values(j, s0, b) for j in self.suffix_layers(0)]
+            values = [self._binder.cache_values(j, s0, b) for j in self.suffix_layers(0)]
             if t <= MAX_PLAN_ROWS:
                 self.setup_events += 1
                 plan = self._plans[key] = self._make_plan(last, s0, b, t, values, rows, full=True)
@@ -335,7 +182,7 @@ class OrtBackend(Backend):
                 key = (i, s0, b, 1, 1, False)
                 if key not in self._plans:
                     self.setup_events += 1
-                    self._plans[key] = self._make_plan(i, s0, b, 1, [self._cache_values(j, s0, b) for j in self.segments[i]])
+                    self._plans[key] = self._make_plan(i, s0, b, 1, [self._binder.cache_values(j, s0, b) for j in self.segments[i]])
                 plans.append(self._plans[key])
             self._step_plans[(s0, b)] = plans
         p0 = plans[0]
@@ -367,46 +214,22 @@ class OrtBackend(Backend):
             if len(self._verify_plans) >= MAX_VERIFY_PLANS:  # batches come and go in serving: bound the bindings
                 self._verify_plans.clear()
             self.setup_events += 1
-            plan = self._verify_plans[key] = self._make_verify_plan(b, t, slots)
+            if b not in self._verify_sess:
+                self._verify_sess[b] = self._session(f"{VERIFY}{b}")
+            plan = self._binder.verify_plan(self._verify_sess[b], self._head_sess, b, t, slots)
+            self._verify_plans[key] = plan
         np.copyto(plan.x, x)
         np.add(start, t - 1, out=plan.seqlens, casting="unsafe")
         self._verify_sess[b].run_with_iobinding(plan.io)
         plan.head_sess.run_with_iobinding(plan.head_io)
         return plan.out
 
-    def _make_verify_plan(self, b: int, t: int, slots: np.ndarray) -> _Plan:
-        if b not in self._verify_sess:
-            self._verify_sess[b] = self._session(f"{VERIFY}{b}")
-        ov = self.ort.OrtValue.ortvalue_from_numpy
-        d, v, f32, r = self.spec.hidden_size, self.vocab_size, np.float32, b * t
-        last = len(self.segments) - 1
-        out = SegmentOut(hidden=None, exit_hidden=np.zeros((r, d), f32), logits=np.zeros((r, v), f32),
-                         stats=np.zeros((r, 3), f32) if self.head_stats else None, token=np.zeros(r, np.int64))
-        io = self._verify_sess[b].io_binding()
-        plan = _Plan(io, self._head_sess.io_binding(), self._head_sess, np.zeros((b, t), np.int64),
-                     np.zeros(b, np.int32), np.zeros((), np.int32), np.zeros((), np.int64), out, {})
-        io.bind_ortvalue_input("input_ids", ov(plan.x))
-        io.bind_ortvalue_input("seqlens_k", ov(plan.seqlens))
-        io.bind_ortvalue_output("exit_hidden", ov(out.exit_hidden))
-        for j in range(self.num_layers):
-            for q, slot in enumerate(map(int, slots)):
-                for kind, value in zip(("key", "value"), self._cache_values(j, slot, 1)):
-                    io.bind_ortvalue_input(f"past_{kind}_{j}_{q}", value)
-                    io.bind_ortvalue_output(f"present_{kind}_{j}_{q}", value)
-        head_in = {}
-        if self._head_decides:  # the last exit's score: nobody reads it (a rule of zeros, no previous exit)
-            out.features, out.score, out.run = np.zeros((r, self.spec.num_features), f32), np.zeros(r, f32), np.zeros(r, f32)
-            head_in = {"prev_exit_hidden": np.zeros((r, d), f32), "prev_token": np.zeros(r, np.int64),
-                       "prev_run": np.zeros(r, f32)}
-        self._bind_head(plan.head_io, out, head_in, last, self._has_prev[0])
-        return plan
-
     def _draft_head(self):
         if self._draft_head_sess is None:
             self._draft_head_sess = self._session("draft_head")
         return self._draft_head_sess
 
-    def _run(self, i: int, plan: _Plan, x: np.ndarray, start: np.ndarray, t: int, prev: SegmentOut | None,
+    def _run(self, i: int, plan: Plan, x: np.ndarray, start: np.ndarray, t: int, prev: SegmentOut | None,
              decide: bool, rows: int = 1, lookup: tuple[np.ndarray, np.ndarray] | None = None,
              session=None) -> SegmentOut:
         if x is not plan.x:
