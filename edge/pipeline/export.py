@@ -100,7 +100,7 @@ def write_ngram_table(tok, folder: Path, min_count: int, min_share: float,
     return {**{k: int(len(v)) for k, v in arrays.items() if k.startswith("keys_")}, "model_windows": continued}
 
 
-def greedy_continuations(graphs_full: Path, model: MultiExitModel, threads: int, batch: int = 64
+def greedy_continuations(graphs_full: Path, model: MultiExitModel, threads: int, batch: int = 128
                          ) -> Callable[[list[list[int]], int], list[list[int]]]:
     """``continue_with`` for :func:`write_ngram_table`: the full-depth export's greedy continuations on ONNX
     Runtime (its fused graphs), else the torch model's (an export without them)."""

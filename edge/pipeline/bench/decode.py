@@ -21,7 +21,9 @@ Systems, on the same weights and the same held-out prompts (equal length, no pad
                prefill are timed apart, and the speed-ups over llama.cpp compare decode alone (our decode
                time: the gaps between a sequence's tokens) against the faster of the two rows.
 Per batch size: warm-up runs, then repeats in which the systems run interleaved (rotated
-order); ratios are computed repeat by repeat and their median reported. Tokens/s counts
+order; the transformers peers run only their first ``peer_repeats`` where it is set); ratios are
+computed repeat by repeat (pairing a peer's repeats with the first ones of the other system) and their
+median reported. Tokens/s counts
 generated tokens over the whole ``generate`` call (prefill included, the same for all).
 Token latencies are the gaps between generated tokens, each timestamped as it arrives
 (LayerSkip's tokens of one verification step arrive together). False exits are checked as
@@ -141,7 +143,7 @@ class _DecodeBench:
         memory = [s for s in ("baseline", *SYSTEMS) if s == "baseline" or (
             s in systems.loaded and not s.endswith("_lookup") and s not in ("layerskip", "engine_speculative")
             and s != "engine_exit_gated" and (s not in exit_systems or s == d_sys))] if cfg.memory else []
-        bar = tqdm(total=sum((cfg.warmup + cfg.repeats) * len(v) + len(exit_systems) + 2 * self._extra_pairs(v)
+        bar = tqdm(total=sum(sum(cfg.warmup + cfg.repeats_of(s) for s in v) + len(exit_systems) + 2 * self._extra_pairs(v)
                              for v in names_at.values())
                    + 1 + len(memory) + (self.sweep_warmup + cfg.spec_sweep_repeats) * n_variants * sweep,
                    desc="bench decode", unit="run", disable=None)
@@ -168,6 +170,8 @@ class _DecodeBench:
         for rep in range(cfg.warmup + cfg.repeats):
             order = names[rep % len(names):] + names[:rep % len(names)]
             for s in order:
+                if rep >= cfg.warmup + cfg.repeats_of(s):  # a peer measured fewer times (``peer_repeats``)
+                    continue
                 bar.set_postfix_str(f"batch {b}, {'warm-up' if rep < cfg.warmup else 'repeat'} {rep + 1}, {s}")
                 settle()  # the last system's threads stop spinning first (edge/pipeline/bench/quiesce.py)
                 r = systems.run(s, prompts, cfg.new_tokens, group=b)

@@ -48,6 +48,16 @@ def test_config_validation():
         DecodeBenchConfig(new_tokens=1)
 
 
+def test_the_transformers_peers_run_their_own_number_of_repeats():
+    cfg = DecodeBenchConfig(repeats=3, peer_repeats=1)
+    assert [cfg.repeats_of(s) for s in ("hf", "layerskip", "hf_lookup")] == [1, 1, 1]
+    assert [cfg.repeats_of(s) for s in ("engine_full", "engine_speculative", "llamacpp")] == [3, 3, 3]
+    assert DecodeBenchConfig(repeats=3).repeats_of("hf") == 3  # null: every system the same
+    for bad in (0, 4):
+        with pytest.raises(ConfigError, match="peer_repeats"):
+            DecodeBenchConfig(repeats=3, peer_repeats=bad)
+
+
 def test_goals_say_whether_met_and_by_how_much():
     from edge.pipeline.bench.summary import goals
 
