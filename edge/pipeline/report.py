@@ -16,7 +16,7 @@ from edge.core.errors import ConfigError
 from edge.pipeline.report_decode_md import bench_md, energy_md, jetson_md, projection_md
 from edge.pipeline.report_format import fmt
 from edge.pipeline.report_model_md import calibration_md, compression_md
-from edge.pipeline.report_sections import SECTIONS
+from edge.pipeline.report_sections import SECTIONS, stage_times
 from edge.pipeline.report_serving_md import scheduler_md, serve_md
 
 
@@ -42,7 +42,28 @@ def build(run_dir: str | Path) -> dict[str, Any]:
     for name, (stage, fn) in SECTIONS.items():
         if stage in m.data["stages"]:
             report[name] = fn(m)
+    if m.data["stages"]:
+        report["stages"] = stage_times(m)
     return report
+
+
+def _clock(seconds: float) -> str:
+    return f"{int(seconds) // 60}:{int(seconds) % 60:02d}"
+
+
+def time_md(t: dict[str, Any]) -> list[str]:
+    """The pipeline's time: each stage's seconds, their sum and the span of the run against the demo's budget."""
+    lines = ["## Pipeline time", "", "| stage | seconds |", "| --- | ---: |"]
+    lines += [f"| {k} | {v:.0f} |" for k, v in t["seconds"].items()]
+    span = t.get("span_s")
+    budget = t["demo_budget_s"]
+    lines += ["", f"The stages took {t['sum_s']:.0f} s ({_clock(t['sum_s'])}); "
+              + ("" if span is None else f"from the first one's start to the last one's end {span:.0f} s "
+                 f"({_clock(span)}), process start-ups between them included (a stage re-run later stretches "
+                 f"this). ")
+              + f"`make demo` on a fresh clone is held to {_clock(budget)} on two cores, the venv excluded"
+              + ("" if span is None else f": this run's span is {span / budget:.0%} of it") + ".", ""]
+    return lines
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -140,6 +161,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                   + ("no fallback" if a['word_salad_fired_after'] is None else
                      f"fallback to full depth after {a['word_salad_fired_after']} audited tokens")
                   + f": caught {a['caught']} (eps {a['epsilon']})." + served + broken, ""]
+    if "stages" in report:
+        lines += time_md(report["stages"])
     return "\n".join(lines)
 
 
@@ -191,6 +214,10 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                      f"{fmt(b.get('served_vs_inprocess_tokens_ratio'), '.3f')} (concurrency "
                      f"{b.get('ttft_overhead_concurrency', 'n/a')} / {b.get('served_vs_inprocess_concurrency', 'n/a')}), "
                      f"TTFT p50 overhead {fmt(b.get('ttft_p50_overhead_ms'), '.1f')} ms")
+    if "stages" in report:
+        t = report["stages"]
+        lines.append(f"time: stages {t['sum_s']:.0f} s" + ("" if t.get("span_s") is None else
+                     f", first start to last end {t['span_s']:.0f} s") + f" (`make demo`'s budget {t['demo_budget_s']:.0f} s)")
     if "scheduler" in report:
         s = report["scheduler"]
         lines.append(f"scheduler: learned / best fixed goodput, min over held-out workloads and loads (sim) "
