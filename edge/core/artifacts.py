@@ -22,6 +22,8 @@ from typing import Any, Callable, Iterator
 
 from edge.core.errors import ArtifactError
 
+STAGE_TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"  # a stage record's "time": when it ended, UTC (time.strftime / strptime)
+
 _VERSIONED = ("smartexit", "torch", "numpy", "safetensors", "tokenizers", "transformers", "onnx",
               "onnxruntime", "scikit-learn")
 
@@ -220,7 +222,7 @@ class Manifest:
             "outputs": {k: {"path": self.rel(p), "sha256": sha256_path(p)} for k, p in outputs.items()},
             "metrics": metrics,
             "versions": package_versions(),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "time": time.strftime(STAGE_TIME_FORMAT, time.gmtime()),
             "seconds": round(seconds, 3),
         }
         atomic_write_json(self.path, self.data)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from edge.core.artifacts import Manifest
+from edge.core.artifacts import STAGE_TIME_FORMAT, Manifest
 from edge.core.errors import ArtifactError
 
 
@@ -111,7 +111,7 @@ def stage_times(m: Manifest) -> dict[str, Any]:
 
     stages = m.data["stages"]
     seconds = {k: float(v.get("seconds", 0.0)) for k, v in stages.items()}
-    ends = {k: calendar.timegm(time.strptime(v["time"], "%Y-%m-%dT%H:%M:%SZ")) for k, v in stages.items()
+    ends = {k: calendar.timegm(time.strptime(v["time"], STAGE_TIME_FORMAT)) for k, v in stages.items()
             if isinstance(v.get("time"), str)}
     span = max(ends.values()) - min(e - seconds[k] for k, e in ends.items()) if ends else None
     return {"seconds": seconds, "sum_s": sum(seconds.values()), "span_s": span, "demo_budget_s": DEMO_BUDGET_S}

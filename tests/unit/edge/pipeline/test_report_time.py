@@ -37,3 +37,11 @@ def test_a_stage_without_its_end_time_counts_in_the_sum_only(tmp_path):
 def test_no_stage_no_section(tmp_path):
     rep = _run(tmp_path, {})
     assert "stages" not in rep and "Pipeline time" not in render_markdown(rep)
+
+
+def test_a_stage_the_manifest_records_is_read_back(tmp_path):
+    from edge.core.artifacts import Manifest
+
+    Manifest(tmp_path).record("repo", inputs={}, config={}, outputs={}, metrics={}, seconds=3.0)
+    t = build(tmp_path)["stages"]
+    assert t["seconds"] == {"repo": 3.0} and t["span_s"] == 3.0  # the time it wrote parses with the same format
