@@ -86,7 +86,7 @@ def unrouted_below(probs: dict[int, np.ndarray], signals: dict[int, np.ndarray],
 def routed(signals: dict[int, np.ndarray], route: float) -> dict[int, np.ndarray] | None:
     """Which tokens a candidate-shortlist model checks at all: those whose context lookup matched at
     least ``route`` (the ``lookup_len`` feature, match length / MAX_N); the others run the graph of every
-    layer, no check (edge.runtime.engine). None for ``route`` <= 0 (every token is checked)."""
+    layer, no check (edge.runtime.exit_step). None for ``route`` <= 0 (every token is checked)."""
     if route <= 0:
         return None
     from edge.model.candidates import LOOKUP_LEN

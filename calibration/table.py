@@ -176,7 +176,7 @@ class TableRule:
                               f"with a candidate shortlist); re-run `smartexit calibrate`")
         self.table = table
         self.gated = names == GATED_SIGNAL_NAMES
-        # the engine checks only rows whose context lookup feature reaches this (edge.runtime.engine)
+        # the engine checks only rows whose context lookup feature reaches this (edge.runtime.exit_step)
         self.route_min_lookup = float(lookup_feature(np.array(table.route_min_lookup))) if self.candidates else 0.0
         # the corpus table the context lookup falls back to (its sha256; None: the context alone)
         self.lookup_table_sha256 = table.lookup_table_sha256 if self.candidates else None

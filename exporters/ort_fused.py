@@ -76,7 +76,7 @@ with the others): docs/runtime.md, "One LM head per process".
 The graphs are written with :class:`exporters.ort_graph.Builder` (its nodes and the decoder layers), what an
 exit computes (:mod:`exporters.ort_exits`) and the ``verify_{B}`` graphs' own pieces (:mod:`exporters.ort_verify`).
 
-Parity with the torch model is checked by :func:`exporters.parity.check_fused_parity`.
+Parity with the torch model is checked by :func:`exporters.fused_parity.check_fused_parity`.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from edge.core.artifacts import atomic_dir, atomic_write_json, sha256_path
 from edge.core.errors import ArtifactError
-from edge.runtime.backend import build_mask
+from edge.runtime.backend_host import build_mask
 from edge.runtime.graphs import load_graphs_json
 
 PARITY_DIR = Path("jetson") / "parity"

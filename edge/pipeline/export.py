@@ -24,8 +24,8 @@ from edge.pipeline.run import open_run
 from exporters.onnx_config import ExportConfig
 from exporters.onnx_export import export_onnx
 from edge.compress.apply import quant_linears
-from exporters.parity import (FUSED_RTOL, PARITY_ATOL, PARITY_RTOL, QUANT_RTOL, check_fused_parity, check_parity,
-                              require_parity)
+from exporters.fused_parity import FUSED_RTOL, check_fused_parity
+from exporters.parity import PARITY_ATOL, PARITY_RTOL, QUANT_RTOL, check_parity, require_parity
 
 STAGE = "export"
 

@@ -28,7 +28,8 @@ import numpy as np
 
 from edge.core.artifacts import sha256_file, sha256_path
 from edge.core.errors import ArtifactError, ConfigError, require
-from edge.runtime.backend import Backend, HeadOut, ModelSpec, SegmentOut, build_mask, host_candidates, host_decision
+from edge.runtime.backend import Backend, HeadOut, ModelSpec, SegmentOut
+from edge.runtime.backend_host import build_mask, host_candidates, host_decision
 from edge.runtime.graphs import (GRAPHS_JSON, load_graphs_json, load_ngram_table, shortlist_act_scale, shortlist_rows,
                                  verify_graphs)
 from edge.runtime.ortsession import open_session

@@ -15,8 +15,8 @@ allocates slots only), and computes where the weights are:
   position 0, which no sequence reads. Graphs are captured on first use (after one eager warm-up
   run, which computes the same values);
 - a *prompt chunk* (one sequence, T rows) or a verification call runs eagerly, over the past it has;
-- the exit rule's decision is read on the host (:func:`edge.runtime.backend.host_decision`,
-  :func:`edge.runtime.backend.host_candidates`): a decision exit copies its exit hidden (B x D) and
+- the exit rule's decision is read on the host (:func:`edge.runtime.backend_host.host_decision`,
+  :func:`edge.runtime.backend_host.host_candidates`): a decision exit copies its exit hidden (B x D) and
   its statistics and token, or its candidate logits over the shortlist (B x K, computed on the device
   in the segment's graph), to the host. The residual and the logits stay on the device
   (:class:`OnDevice`): the residual goes into the next segment call as it is, and B x V logits are
@@ -38,7 +38,8 @@ import torch
 from edge.compress.quant import fake_quant_act
 from edge.core.errors import ConfigError
 from edge.model.exits import MultiExitModel, exit_decision_stats
-from edge.runtime.backend import Backend, HeadOut, ModelSpec, SegmentOut, host_candidates, host_decision
+from edge.runtime.backend import Backend, HeadOut, ModelSpec, SegmentOut
+from edge.runtime.backend_host import host_candidates, host_decision
 from edge.runtime.static_capture import Captured, Launched, OnDevice
 from edge.runtime.static_decode import past_mask
 

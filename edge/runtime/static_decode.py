@@ -29,7 +29,7 @@ from edge.model.segments import segment_layers
 def past_mask(positions: torch.Tensor, start: torch.Tensor, past: int, window: int | None) -> torch.Tensor:
     """Additive mask [B, 1, T, past + T] over ``past`` cached positions then the T new rows at ``positions``
     [B, T]: a row sees its sequence's first ``start[b]`` cached positions and the new rows up to its own
-    (within ``window``); the torch twin of :func:`edge.runtime.backend.build_mask`. A decode step over a
+    (within ``window``); the torch twin of :func:`edge.runtime.backend_host.build_mask`. A decode step over a
     static cache is ``past_mask(pos[:, None], pos, L, window)``: no shape depends on the step."""
     b = positions.shape[0]
     cached = torch.arange(past, device=positions.device)[None, :].expand(b, past)

@@ -10,7 +10,8 @@ import torch
 
 from edge.core.errors import ConfigError
 from edge.model.exits import exit_decision_stats
-from edge.runtime.backend import Backend, HeadOut, ModelSpec, SegmentOut, build_mask, host_candidates, host_decision
+from edge.runtime.backend import Backend, HeadOut, ModelSpec, SegmentOut
+from edge.runtime.backend_host import build_mask, host_candidates, host_decision
 
 
 class TorchBackend(Backend):

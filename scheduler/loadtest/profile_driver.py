@@ -65,7 +65,7 @@ def timed_step(engine: Engine) -> StepObservation:
 
 
 def exits_allowed(cfg: EngineConfig, batch: int) -> bool:
-    """Whether the engine lets rows exit in a decode batch of ``batch`` (edge/runtime/engine.py ``_step``)."""
+    """Whether the engine lets rows exit in a decode batch of ``batch`` (edge/runtime/exit_step.py ``_step``)."""
     limit = cfg.defer_exit_max_batch
     return not (cfg.kv_mode is KVMode.DEFER and limit is not None and batch > limit)
 

@@ -1,11 +1,9 @@
-"""The OpenAI-compatible HTTP protocol, pure: request parsing, responses, SSE (the text of a stream:
-scheduler/serving/text_stream.py).
+"""The OpenAI-compatible HTTP protocol's requests, pure: parsing and validation (the answers:
+scheduler/serving/api_responses.py; the text of a stream: scheduler/serving/text_stream.py).
 
 ``parse_completion`` / ``parse_chat`` turn a raw body into a :class:`GenerationRequest` or raise
-:class:`ApiError` (status, message naming the field, OpenAI error body). Responses follow the
-OpenAI shapes (``text_completion``, ``chat.completion``, ``chat.completion.chunk``); each choice may
-carry the SmartExit extension ``exit_layers`` (the layer each token left at), which OpenAI clients
-ignore. SmartExit request extras: ``mode`` (bounded | exact | full) and ``sla`` (ttft_ms, tpot_ms).
+:class:`ApiError` (status, message naming the field, OpenAI error body). SmartExit request extras:
+``mode`` (bounded | exact | full) and ``sla`` (ttft_ms, tpot_ms).
 
 Chat prompt format (the model has no chat template): each message becomes ``"<Role>: <text>\\n\\n"``
 with Role System (system and developer messages), User or Assistant, and the prompt ends with
@@ -30,9 +28,6 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 CHAT_ROLES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
 CHAT_STOP = "\nUser:"
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
-# wire finish reasons -> OpenAI's; the wire reason rides along as `smartexit_finish_reason` if it differs
-FINISH_REASONS = {"stop": "stop", "length": "length", "deadline": "length", "cancelled": "length"}
-SSE_DONE = b"data: [DONE]\n\n"
 INT64 = 2 ** 63
 
 
@@ -347,59 +342,3 @@ def parse_chat(body: bytes, limits: Limits, encode: Callable[[str], list[int]]) 
     prompt = chat_prompt(req.messages)
     _check_chars(prompt, limits, "messages")
     return _common(req, limits, encode(prompt), "messages", max_tokens, "chat", (CHAT_STOP,))
-
-
-# -- responses ---------------------------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def _finish(choice: dict[str, Any], reason: str | None) -> dict[str, Any]:
-    choice["finish_reason"] = None if reason is None else FINISH_REASONS.get(reason, reason)
-    if reason is not None and choice["finish_reason"] != reason:
-        choice["smartexit_finish_reason"] = reason
-    return choice
-
-
-def _envelope(obj: str, rid: str, created: int, model: str, choices: list, usage_: dict | None) -> dict:
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
-            "system_fingerprint": None, "usage": usage_}
-
-
-def completion_response(rid: str, created: int, model: str, text: str, finish_reason: str,
-                        exit_layers: list[int], usage_: dict[str, int]) -> dict[str, Any]:
-    choice = _finish({"index": 0, "text": text, "logprobs": None, "exit_layers": exit_layers}, finish_reason)
-    return _envelope("text_completion", rid, created, model, [choice], usage_)
-
-
-def chat_response(rid: str, created: int, model: str, text: str, finish_reason: str,
-                  exit_layers: list[int], usage_: dict[str, int]) -> dict[str, Any]:
-    choice = _finish({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "exit_layers": exit_layers}, finish_reason)
-    return _envelope("chat.completion", rid, created, model, [choice], usage_)
-
-
-def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason: str | None = None,
-                     exit_layers: list[int] | None = None) -> dict[str, Any]:
-    choice = _finish({"index": 0, "text": text, "logprobs": None, "exit_layers": exit_layers or []},
-                     finish_reason)
-    return _envelope("text_completion", rid, created, model, [choice], None)
-
-
-def chat_chunk(rid: str, created: int, model: str, delta: dict[str, str], finish_reason: str | None = None,
-               exit_layers: list[int] | None = None) -> dict[str, Any]:
-    choice = _finish({"index": 0, "delta": delta, "logprobs": None, "exit_layers": exit_layers or []},
-                     finish_reason)
-    return _envelope("chat.completion.chunk", rid, created, model, [choice], None)
-
-
-def usage_chunk(kind: str, rid: str, created: int, model: str, usage_: dict[str, int]) -> dict[str, Any]:
-    """The last chunk when ``stream_options.include_usage``: no choices, the request's usage."""
-    return _envelope("chat.completion.chunk" if kind == "chat" else "text_completion", rid, created, model,
-                     [], usage_)
-
-
-def sse(obj: dict[str, Any]) -> bytes:
-    """One server-sent event carrying ``obj`` as JSON."""
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"

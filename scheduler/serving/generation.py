@@ -13,7 +13,7 @@ from typing import Any
 from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, RayServeException
 
-from scheduler.serving import api
+from scheduler.serving import api, api_responses
 from scheduler.serving.metrics import ServeMetrics
 from scheduler.serving.text_stream import TextStream
 
@@ -93,7 +93,7 @@ class Generation:
                                      self.req.sla_ttft_ms, self.req.sla_tpot_ms)
 
     def usage(self) -> dict[str, int]:
-        return api.usage(len(self.req.prompt_ids), self.tokens)
+        return api_responses.usage(len(self.req.prompt_ids), self.tokens)
 
 
 async def complete(gen: Generation, rid: str) -> dict[str, Any]:
@@ -105,7 +105,7 @@ async def complete(gen: Generation, rid: str) -> dict[str, Any]:
     async with aclosing(gen.deltas()) as deltas:
         async for _ in deltas:
             pass
-    build = api.chat_response if gen.req.kind == "chat" else api.completion_response
+    build = api_responses.chat_response if gen.req.kind == "chat" else api_responses.completion_response
     return build(rid, int(time.time()), gen.req.model, gen.text.text, gen.finish_reason, gen.exit_layers, gen.usage())
 
 
@@ -121,23 +121,25 @@ async def sse_events(gen: Generation, rid: str) -> AsyncIterator[bytes]:
         async with aclosing(gen.deltas()) as deltas:
             async for delta, layers, reason in deltas:
                 if req.kind == "chat":
-                    out = b"" if sent else api.sse(api.chat_chunk(rid, created, req.model,
-                                                                  {"role": "assistant", "content": ""}))
-                    out += api.sse(api.chat_chunk(rid, created, req.model, {"content": delta} if delta else {},
-                                                  reason, layers))
+                    out = b"" if sent else api_responses.sse(api_responses.chat_chunk(
+                        rid, created, req.model, {"role": "assistant", "content": ""}))
+                    out += api_responses.sse(api_responses.chat_chunk(
+                        rid, created, req.model, {"content": delta} if delta else {}, reason, layers))
                 else:
-                    out = api.sse(api.completion_chunk(rid, created, req.model, delta, reason, layers))
+                    out = api_responses.sse(api_responses.completion_chunk(rid, created, req.model, delta, reason,
+                                                                           layers))
                 sent = True
                 yield out
         if req.include_usage:
-            yield api.sse(api.usage_chunk(req.kind, rid, created, req.model, gen.usage()))
+            yield api_responses.sse(api_responses.usage_chunk(req.kind, rid, created, req.model, gen.usage()))
         status = 200
-        yield api.SSE_DONE
+        yield api_responses.SSE_DONE
     except api.ApiError as err:
         status = err.status
         if not sent:
             raise
-        yield api.sse(err.body()) + api.SSE_DONE  # the headers are gone: the error travels in the stream
+        # the headers are gone: the error travels in the stream
+        yield api_responses.sse(err.body()) + api_responses.SSE_DONE
     finally:
         gen.finish(status)
 

@@ -50,7 +50,8 @@ from edge.runtime.graphs import NGRAM_TABLE, load_ngram_table
 from edge.runtime.rules import NeverExit
 from exporters.onnx_config import ExportConfig
 from exporters.onnx_export import export_onnx
-from exporters.parity import QUANT_RTOL, FUSED_RTOL, check_fused_parity
+from exporters.fused_parity import FUSED_RTOL, check_fused_parity
+from exporters.parity import QUANT_RTOL
 
 STAGE = "bench_compress"
 SHIPPED, NONE, PRUNED = "shipped", "none", "+prune"

@@ -46,26 +46,23 @@ from tqdm import tqdm
 
 from edge.pipeline.bench.summary import SYSTEMS
 from edge.runtime.engine_config import KVMode
-from edge.runtime.request import Mode
 from edge.runtime.speculative import SpecConfig
 from edge.core.errors import ConfigError
 from edge.pipeline.bench.decision import decision_cost
 from edge.pipeline.bench.decode_config import DecodeBenchConfig
-from edge.pipeline.bench.decode_measure import (_token_match, decode_ratio, engine_check_point_cost, false_exits,
+from edge.pipeline.bench.decode_measure import (_token_match, engine_check_point_cost, false_exits,
                                                 gate_share, kv_fraction, layers_computed, llamacpp_rows,
-                                                paired_ratio, profile_step, source_rows, summarise)
+                                                paired_ratio, profile_step, summarise)
 from edge.pipeline.bench.decode_memory import _memory_probe, peak_rss_mib
 from edge.pipeline.bench.decode_publish import publish_results
+from edge.pipeline.bench.decode_speculative import against_same_graph, at_batch1, at_verify_batches, batch_row_keys
 from edge.pipeline.bench.decode_systems import Systems, applicable, exit_system
 from edge.pipeline.bench.segments import segment_call_overhead
 from edge.runtime.graphs import FUSED_DIR
-from edge.pipeline.bench.spec_ceiling import agreement_trace, ceiling as spec_ceiling, measure_costs
-from edge.runtime.batch import RunResult, run_batch
+from edge.runtime.batch import RunResult
 from edge.pipeline.run import open_run
 from edge.pipeline.bench.quiesce import settle
-from edge.pipeline.bench.speculation import (calibrated_vs_best_other, distinct, divergences, pool_stats,
-                                             speculative_sweep, verify_cost_ratios,
-                                             sweep_variants, token_mismatches)
+from edge.pipeline.bench.speculation import distinct, verify_cost_ratios, sweep_variants, token_mismatches
 from calibration.freerun import Served
 
 
@@ -202,13 +199,8 @@ class _DecodeBench:
         spec_bad[0] += sum(m for m, _ in bad_e)
         spec_bad[1] += sum(t for _, t in bad_e)
         bar.set_postfix_str(f"batch {b}, (e) against mode full on the same graphs")
-        # at (e)'s batch size (b prompts at a time), so each reference step has (e)'s plain steps' shapes
-        ref = [t for i in range(0, len(prompts), b) for t in run_batch(
-            systems.backend, systems.table_rule, prompts[i:i + b], cfg.new_tokens, KVMode.PROPAGATE,
-            mode=Mode.FULL).tokens]
-        exact_tokens = runs["engine_speculative"][0].tokens
-        same_bad = token_mismatches(exact_tokens, ref)
-        same_div = divergences(systems.backend, prompts, exact_tokens, ref)
+        same_bad, same_div = against_same_graph(systems, prompts, b, cfg.new_tokens,
+                                                runs["engine_speculative"][0].tokens)
         same_total[0] += same_bad[0]
         same_total[1] += same_bad[1]
         peer = None
@@ -261,28 +253,7 @@ class _DecodeBench:
             "full_engine_token_match_hf": _token_match(runs["engine_full"][0].tokens, runs["hf"][0].tokens),
             "false_exit_rate": row_fe[d_sys],
             "false_exit_rate_by_mode": {m.value: row_fe[exit_system(m)] for m in KVMode},
-            "speedup_speculative_vs_full": paired_ratio(runs, "engine_speculative", "engine_full"),
-            "speculative_pairs": min(len(runs["engine_speculative"]), len(runs["engine_full"])),
-            # the same without the prompts' prefill, which both run alike (a 64-token prompt's prefill is ~17% of
-            # (c)'s time for 32 new tokens at batch 1): what drafting does to the decode itself; not a goal's key
-            "speedup_speculative_vs_full_decode_only": decode_ratio(runs, "engine_speculative", "engine_full",
-                                                                    n_prompts, cfg.new_tokens),
-            "speedup_speculative_vs_layerskip": paired_ratio(runs, "engine_speculative", "layerskip"),
-            # (e)'s rounds over its measured repeats: acceptance rate, mean accepted length, tokens per round
-            "speculative": pool_stats([d for r in runs["engine_speculative"] for d in r.spec_stats]),
-            "speculative_mismatches": sum(m for m, _ in bad_e),
-            "speculative_tokens_compared": sum(t for _, t in bad_e),
-            # the same against mode full on the same backend (the graph (e) verifies with), and where each
-            # differing sequence first differs, with the full model's top-2 logit gap there
-            "speculative_mismatches_same_graph": same_bad[0],
-            "speculative_tokens_compared_same_graph": same_bad[1],
-            "speculative_divergences_same_graph": same_div,
-            "speculative_by_source": source_rows(runs["engine_speculative"]),
-            "speedup_speculative_vs_hf_lookup": paired_ratio(runs, "engine_speculative", "hf_lookup"),
-            # decode only, same precision
-            "speedup_speculative_vs_llamacpp_lookup": decode_ratio(runs, "engine_speculative", "llamacpp_lookup",
-                                                                   n_prompts, cfg.new_tokens),
-            "speedup_speculative_vs_llamacpp": None if peer is None else peer["ratio"](runs["engine_speculative"]),
+            **batch_row_keys(runs, bad_e, same_bad, same_div, n_prompts, cfg.new_tokens, peer),
         }
         tqdm.write(f"batch {b}: " + ", ".join(f"{s} {v['tokens_per_s']:.1f} tok/s"
                                               for s, v in results["batches"][str(b)]["systems"].items()))
@@ -299,34 +270,9 @@ class _DecodeBench:
         results["false_exit_tokens"] = wrong[d_sys][1]
         results["token_match_vs_full_engine"] = match_c / sum(
             (cfg.batch1_prompts if b == 1 else b) * cfg.new_tokens for b in cfg.batch_sizes)
-        results["speculative_stop_rules"] = results["speculative_by_draft_exit"] = None
-        if sweep:
-            prompts = run.prompts(cfg.batch1_prompts, cfg.prompt_tokens, cfg.seed)
-
-            def tick(what: str) -> None:
-                bar.set_postfix_str(f"(e) sweep at batch 1, {what}")
-                bar.update()
-
-            stops, by_exit, bad = speculative_sweep(systems, prompts, cfg.new_tokens, self.sweep_warmup,
-                                                    cfg.spec_sweep_repeats, spec, decision_exits, tick)
-            results["speculative_stop_rules"], results["speculative_by_draft_exit"] = stops, by_exit
-            spec_bad = [spec_bad[0] + bad[0], spec_bad[1] + bad[1]]  # every exact run counts against losslessness
-            results["speculative_calibrated_vs_best_other_b1"] = calibrated_vs_best_other(stops)
-        results["speculative_ceiling"] = None
-        # the ceiling records the draft exit's host-side decision inputs along full-depth decoding; a shortlist
-        # model decides in its graphs and has none (its replay is not ported: the closing note of issue 27)
-        skip_ceiling = cfg.spec_ceiling and systems.backend.spec.candidates
-        results["speculative_ceiling_skipped"] = (
-            "the model decides over a candidate shortlist in its graphs: the ceiling's host-side recording does not "
-            "apply" if skip_ceiling else None)
-        if cfg.spec_ceiling and decision_exits and not skip_ceiling:
-            bar.set_postfix_str("(e) the self-speculation ceiling at batch 1")
-            draft = spec.draft_exit if spec.draft_exit is not None else decision_exits[0]
-            prompts = run.prompts(cfg.batch1_prompts, cfg.prompt_tokens, cfg.seed)
-            trace = agreement_trace(systems.backend, systems.table_rule, prompts, cfg.new_tokens, draft)
-            costs = measure_costs(systems.backend, systems.full_backend, draft, spec.max_draft + 1,
-                                  past=cfg.prompt_tokens + cfg.new_tokens // 2)
-            results["speculative_ceiling"] = {"draft_exit": draft, **spec_ceiling(trace, costs, spec)}
+        studies, bad = at_batch1(cfg, run, systems, bar, spec, decision_exits, sweep, self.sweep_warmup)
+        results.update(studies)
+        spec_bad = [spec_bad[0] + bad[0], spec_bad[1] + bad[1]]  # every exact run counts against losslessness
         results["speculative_mismatches"], results["speculative_tokens_compared"] = spec_bad
         results["speculative_mismatches_same_graph"], results["speculative_tokens_compared_same_graph"] = same_total
 
@@ -334,32 +280,10 @@ class _DecodeBench:
         """(e) against (c) at ``spec_verify_batches`` (default: the batch sizes the export verifies several
         sequences at in one call, ``Backend.verify_batches``, that the batch rows do not run): warm-up +
         repeats, interleaved and paired; their mismatches count with every other exact run's."""
-        cfg, run, systems, results, bar = self.cfg, self.run, self.systems, self.results, self.bar
-        sizes = ([b for b in systems.backend.verify_batches if b not in cfg.batch_sizes]
-                 if cfg.spec_verify_batches is None else cfg.spec_verify_batches)
-        rows = {}
-        for b in sizes:
-            prompts = run.prompts(b, cfg.prompt_tokens, cfg.seed)
-            runs: dict[str, list[RunResult]] = {"engine_speculative": [], "engine_full": []}
-            for rep in range(cfg.warmup + cfg.repeats):
-                for s in (("engine_speculative", "engine_full") if rep % 2 else ("engine_full", "engine_speculative")):
-                    bar.set_postfix_str(f"(e) at batch {b}, {'warm-up' if rep < cfg.warmup else 'repeat'} {rep + 1}, {s}")
-                    r = systems.run(s, prompts, cfg.new_tokens)
-                    if rep >= cfg.warmup:
-                        runs[s].append(r)
-            bad = [token_mismatches(e.tokens, c.tokens) for e, c in zip(runs["engine_speculative"], runs["engine_full"])]
-            self.spec_bad[0] += sum(m for m, _ in bad)  # every exact run counts against losslessness
-            self.spec_bad[1] += sum(t for _, t in bad)
-            rows[str(b)] = {"speedup_speculative_vs_full": paired_ratio(runs, "engine_speculative", "engine_full"),
-                            "verify_graph": b in systems.backend.verify_batches,
-                            "speculative_by_source": source_rows(runs["engine_speculative"]),
-                            "speculative_mismatches": sum(m for m, _ in bad),
-                            "speculative_tokens_compared": sum(t for _, t in bad)}
-            tqdm.write(f"(e) at batch {b} ({'verify graph' if rows[str(b)]['verify_graph'] else 'per-row calls'}): "
-                       f"{rows[str(b)]['speedup_speculative_vs_full']:.2f}x (c), "
-                       f"{rows[str(b)]['speculative_mismatches']} of {rows[str(b)]['speculative_tokens_compared']} "
-                       "tokens differ")
-        results["speculative_by_verify_batch"] = rows
+        rows, bad = at_verify_batches(self.cfg, self.run, self.systems, self.bar)
+        self.spec_bad[0] += bad[0]  # every exact run counts against losslessness
+        self.spec_bad[1] += bad[1]
+        self.results["speculative_by_verify_batch"] = rows
 
     def verification_and_profile(self) -> None:
         """rho(k) at batch 1 and at the batch sizes the export verifies in one call, and a profiled decode

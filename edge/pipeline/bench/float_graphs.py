@@ -46,7 +46,8 @@ def float_graphs(manifest: Manifest, prompts: list[list[int]]) -> dict[str, Path
     from edge.pipeline.export import full_depth
     from exporters.onnx_config import ExportConfig
     from exporters.onnx_export import export_onnx
-    from exporters.parity import check_fused_parity, require_parity
+    from exporters.fused_parity import check_fused_parity
+    from exporters.parity import require_parity
 
     model = load_multi_exit(distilled)
     root.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,7 @@ def engine_exit_costs(model, batches: list[int], prompt: int, steps: int, dtype:
     points decide over a ``shortlist``-token candidate set (as the demo ships: exits.shortlist 256; ids
     0..K-1, which is all timing needs) instead of the full head, every check paid and none leaving; the
     candidate logits come from the segment's graph, the rest of the check runs on the host
-    (edge.runtime.backend.host_candidates).
+    (edge.runtime.backend_host.host_candidates).
     ``device`` "cpu" (tests): eager, no layer timing."""
     import numpy as np
     import torch

@@ -22,7 +22,8 @@ from edge.runtime.graphs import FUSED_DIR, GRAPHS_JSON, verify_graphs
 from exporters.onnx_config import ExportConfig
 from exporters.onnx_export import export_onnx
 from exporters.onnx_graphs import segment_io
-from exporters.parity import PARITY_ATOL, ParityReport, check_fused_parity, check_parity, require_parity
+from exporters.fused_parity import check_fused_parity
+from exporters.parity import PARITY_ATOL, ParityReport, check_parity, require_parity
 from tests.tolerance import assert_f32_close
 
 torch.set_num_threads(1)  # the machine is shared; tiny models need no more

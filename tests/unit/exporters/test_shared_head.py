@@ -21,7 +21,8 @@ from edge.model.exits import ExitConfig, MultiExitModel
 from edge.runtime.graphs import FUSED_DIR, GRAPHS_FORMAT, load_graphs_json
 from exporters.onnx_config import ExportConfig
 from exporters.onnx_export import export_onnx
-from exporters.parity import check_fused_parity, check_parity
+from exporters.fused_parity import check_fused_parity
+from exporters.parity import check_parity
 from tests.unit.exporters.test_onnx_export import CKPT, PROMPTS, TINY, make_model
 
 torch.set_num_threads(1)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from edge.model.config import ModelConfig
-from edge.runtime.backend import build_mask, make_backend
+from edge.runtime.backend import make_backend
+from edge.runtime.backend_host import build_mask
 from edge.runtime.torch_backend import TorchBackend
 from edge.runtime.engine import Engine
 from edge.runtime.engine_config import EngineConfig, KVMode

@@ -168,7 +168,7 @@ def exported_gated(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", list(KVMode))
 def test_gated_exits_same_as_torch_and_head_only_for_exiting_rows(exported_gated, mode):
-    from exporters.parity import check_fused_parity
+    from exporters.fused_parity import check_fused_parity
 
     m, ckpt, graphs = exported_gated
     assert check_fused_parity(m, graphs, _prompts(3, seed=16), decode_steps=2).passed

@@ -15,7 +15,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from tokenizers import Tokenizer
 
 from edge.core.errors import ConfigError
-from scheduler.serving import api, text_stream
+from scheduler.serving import api, api_responses, text_stream
 from scheduler.serving.config import BundleInfo, ServeConfig
 
 # ray.serve's own pydantic models warn on import; not ours to fix
@@ -152,36 +152,40 @@ def test_chat_prompt_format_and_default_max_tokens():
 
 # -- responses -----------------------------------------------------------------------------------------
 def test_responses_validate_as_openai_types_and_keep_exit_layers():
-    u = api.usage(5, 3)
-    c = Completion.model_validate(api.completion_response("cmpl-1", 1, "m", "abc", "length", [3, 6, 12], u))
+    u = api_responses.usage(5, 3)
+    c = Completion.model_validate(
+        api_responses.completion_response("cmpl-1", 1, "m", "abc", "length", [3, 6, 12], u))
     assert (c.choices[0].text, c.choices[0].finish_reason, c.usage.total_tokens) == ("abc", "length", 8)
     assert c.choices[0].model_extra["exit_layers"] == [3, 6, 12]
-    cc = ChatCompletion.model_validate(api.chat_response("chatcmpl-1", 1, "m", "hey", "stop", [3], u))
+    cc = ChatCompletion.model_validate(api_responses.chat_response("chatcmpl-1", 1, "m", "hey", "stop", [3], u))
     assert (cc.choices[0].message.content, cc.choices[0].message.role, cc.usage.completion_tokens) == ("hey", "assistant", 3)
-    deadline = api.completion_response("cmpl-1", 1, "m", "", "deadline", [], u)
+    deadline = api_responses.completion_response("cmpl-1", 1, "m", "", "deadline", [], u)
     assert Completion.model_validate(deadline).choices[0].finish_reason == "length"
     assert deadline["choices"][0]["smartexit_finish_reason"] == "deadline"
 
 
 def test_chunks_validate_as_openai_types():
-    for chunk in (api.chat_chunk("c", 1, "m", {"role": "assistant", "content": ""}),
-                  api.chat_chunk("c", 1, "m", {"content": "x"}, None, [3]),
-                  api.chat_chunk("c", 1, "m", {}, "length", [6]),
-                  api.usage_chunk("chat", "c", 1, "m", api.usage(2, 2))):
+    for chunk in (api_responses.chat_chunk("c", 1, "m", {"role": "assistant", "content": ""}),
+                  api_responses.chat_chunk("c", 1, "m", {"content": "x"}, None, [3]),
+                  api_responses.chat_chunk("c", 1, "m", {}, "length", [6]),
+                  api_responses.usage_chunk("chat", "c", 1, "m", api_responses.usage(2, 2))):
         parsed = ChatCompletionChunk.model_validate(chunk)
         assert parsed.object == "chat.completion.chunk"
-    assert ChatCompletionChunk.model_validate(api.usage_chunk("chat", "c", 1, "m", api.usage(2, 1))).usage.total_tokens == 3
-    last = Completion.model_validate(api.completion_chunk("c", 1, "m", "z", "stop", [3]))
+    with_usage = api_responses.usage_chunk("chat", "c", 1, "m", api_responses.usage(2, 1))
+    assert ChatCompletionChunk.model_validate(with_usage).usage.total_tokens == 3
+    last = Completion.model_validate(api_responses.completion_chunk("c", 1, "m", "z", "stop", [3]))
     assert (last.object, last.choices[0].text, last.usage) == ("text_completion", "z", None)
-    middle = api.completion_chunk("c", 1, "m", "y", None, [3])  # OpenAI streams finish_reason null until the end
+    # OpenAI streams finish_reason null until the end
+    middle = api_responses.completion_chunk("c", 1, "m", "y", None, [3])
     assert middle["choices"][0]["finish_reason"] is None and middle["object"] == "text_completion"
-    assert Completion.model_validate(api.usage_chunk("completion", "c", 1, "m", api.usage(1, 1))).choices == []
+    usage_only = api_responses.usage_chunk("completion", "c", 1, "m", api_responses.usage(1, 1))
+    assert Completion.model_validate(usage_only).choices == []
 
 
 def test_sse_framing():
-    assert api.sse({"a": 1, "b": "é"}) == 'data: {"a":1,"b":"é"}\n\n'.encode()
-    assert api.SSE_DONE == b"data: [DONE]\n\n"
-    stream = api.sse({"x": 1}) + api.sse({"x": 2}) + api.SSE_DONE
+    assert api_responses.sse({"a": 1, "b": "é"}) == 'data: {"a":1,"b":"é"}\n\n'.encode()
+    assert api_responses.SSE_DONE == b"data: [DONE]\n\n"
+    stream = api_responses.sse({"x": 1}) + api_responses.sse({"x": 2}) + api_responses.SSE_DONE
     events = [e.removeprefix(b"data: ") for e in stream.split(b"\n\n") if e]
     assert events[-1] == b"[DONE]" and [json.loads(e)["x"] for e in events[:-1]] == [1, 2]
 
@@ -387,7 +391,7 @@ def sse_events(answers, gen):
     async def main():
         return [e async for e in answers.sse_events(gen, "chatcmpl-1")]
     raw = b"".join(asyncio.run(main()))
-    assert raw.endswith(api.SSE_DONE)
+    assert raw.endswith(api_responses.SSE_DONE)
     return [json.loads(e.removeprefix(b"data: ")) for e in raw.split(b"\n\n") if e and e != b"data: [DONE]"]
 
 
