@@ -152,7 +152,8 @@ def _signals(layers: list[int], gated: bool, stats: dict[int, np.ndarray], token
 def collect_engine(backend: Backend, seqs: np.ndarray, first: int, batch: int = 128,
                    slots: np.ndarray | None = None, table=None) -> Collected:
     """:func:`collect_units` read from an engine backend instead of the torch model: each row's first
-    ``first`` tokens are prefilled (one full-depth call per row, as the engine prefills a prompt), then
+    ``first`` tokens are prefilled (full-depth calls of many rows, as calibration's engine prefills prompts together:
+    :attr:`edge.runtime.engine_config.EngineConfig.prefill_together`), then
     the rest of the row is fed one token per decode step, every segment run, every exit read. This is the
     served engine itself at full depth on the same prefixes, in the kernels a decode step uses: the
     reference a quantized engine's tokens are judged against, where the torch model's fake
@@ -244,10 +245,12 @@ def _read_engine(backend: Backend, seqs: np.ndarray, first: int, batch: int, pre
         else:
             backend.attach(KVCache(backend.num_layers, backend.num_kv_heads, backend.head_dim, b, length,
                                    allocate=backend.host_cache))
-            for r in range(b):  # each prompt as the engine prefills it: one full-depth call
-                out = backend.full(rows[r:r + 1, :first], np.array([r]), np.zeros(1, np.int64))
-                if generate:  # the first token, from that call's logits
-                    rows[r, first] = int(np.argmax(out.logits[0]))
+            most = (backend.max_batch or b) if backend.prefills_together else 1
+            for r0 in range(0, b, most):  # the prompts as the engine prefills them together: full-depth calls
+                r1 = min(b, r0 + most)
+                out = backend.full(rows[r0:r1, :first], np.arange(r0, r1), np.zeros(r1 - r0, np.int64))
+                if generate:  # the first tokens, from that call's logits
+                    rows[r0:r1, first] = np.argmax(out.logits.reshape(r1 - r0, -1), axis=-1)
             slots = np.arange(b)
         index = [Lookup(row[:first + 1].tolist(), table) for row in rows] if cand and generate else None
         steps: list[dict[int, np.ndarray]] = []  # per position: exit -> signals [b, F]

@@ -113,6 +113,17 @@ class Backend(abc.ABC):
     # largest prefill chunk); None: no limit (ONNX Runtime, torch). The engine clamps its prefill budget
     # to it, the host reports it in its stats, and every control policy stays within it
     max_chunk: int | None = None
+    # the most sequences one call may take (a TensorRT profile's largest batch); None: no limit. An engine
+    # that prefills several sequences in one call (EngineConfig.prefill_together) takes at most this many
+    max_batch: int | None = None
+
+    @property
+    def prefills_together(self) -> bool:
+        """Whether :meth:`full` takes the first prompt chunks of several sequences in one call (x [B, T], B > 1
+        and T > 1, every row from position 0 of a block of cache slots); the engine's
+        ``EngineConfig.prefill_together`` groups chunks only then. This default chains segment calls, which
+        take one row per sequence or one sequence: no."""
+        return False
     # batch sizes whose sequences' drafts :meth:`verify` takes in one call (mode exact above batch 1)
     verify_batches: tuple[int, ...] = ()
 

@@ -41,7 +41,7 @@ def run_batch(backend: Backend, rule: BatchExitRule | None, prompts: list[list[i
               kv_mode: KVMode = KVMode.PROPAGATE, *, spec: SpecConfig | None = None,
               speculate_max_batch: int | None = 1, mode: Mode | None = None,
               defer_exit_max_batch: int | None = _ENGINE_DEFAULT, defer_inline: bool = False,
-              exit_gate: bool = False, bounded_drafts: bool = False) -> RunResult:
+              exit_gate: bool = False, bounded_drafts: bool = False, prefill_together: bool = False) -> RunResult:
     """Greedy-generate ``max_tokens`` tokens for every prompt with one fresh engine, all prompts admitted
     at once (prompts of any lengths). Results are in prompt order.
 
@@ -58,13 +58,15 @@ def run_batch(backend: Backend, rule: BatchExitRule | None, prompts: list[list[i
             the rule does (calibration, the benches' exit systems); on, it runs as the served engine does.
         bounded_drafts: the engine's (requests in mode bounded also take lookup and corpus drafts where they
             pay, with ``spec``'s settings); off by default, on as the served engine runs.
+        prefill_together: the engine's (prompts of one length in consecutive slots prefilled in one call: the same
+            tokens, fewer calls); off by default, as the served engine and the benches' timed runs prefill.
     """
     b = len(prompts)
     cfg = EngineConfig(max_seqs=b, max_running=b, max_len=max(len(p) for p in prompts) + max_tokens,
                        prefill_budget=sum(len(p) for p in prompts), kv_mode=kv_mode,
                        speculative=spec or SpecConfig(), speculate_max_batch=speculate_max_batch,
                        defer_exit_max_batch=defer_exit_max_batch, defer_inline=defer_inline,
-                       exit_gate=exit_gate, bounded_drafts=bounded_drafts)
+                       exit_gate=exit_gate, bounded_drafts=bounded_drafts, prefill_together=prefill_together)
     engine = Engine(backend, cfg, rule)
     if mode is None:
         mode = Mode.BOUNDED if spec is None else Mode.EXACT

@@ -223,6 +223,8 @@ class Engine(ExitStep, SpeculativeRounds):
         """Spend the prefill budget on prompt chunks, one sequence per call, full depth; no call longer
         than the backend's largest chunk (the budget is clamped to it, and so is each chunk: a caller may
         have written ``cfg.prefill_budget`` directly)."""
+        if self.cfg.prefill_together and self.backend.prefills_together:
+            return self._prefill_together()
         budget = self.cfg.prefill_budget
         for seq in list(self.prefilling):
             if seq.finished:  # cancelled by a callback earlier in this loop
@@ -233,16 +235,49 @@ class Engine(ExitStep, SpeculativeRounds):
             budget -= n
             x = np.array([seq.req.prompt[seq.prefilled:seq.prefilled + n]], np.int64)  # [1, n]
             out = self.backend.full(x, np.array([seq.slot]), np.array([seq.prefilled]))  # full depth, last head only
-            seq.prefilled += n
-            if seq.prefilled == len(seq.req.prompt):
-                self.prefilling.remove(seq)
-                self.decoding.append(seq)
-                # checks and lookup drafts read it; a request in mode full neither checks nor drafts (its index cost
-                # mode full on the exits graphs 2% at batch 8, and an audit's one-token verdict its whole prefix)
-                if (self._candidates and seq.req.mode is Mode.BOUNDED) or self._drafts(seq):
-                    seq.lookup = Lookup(seq.req.prompt, self._lookup_table)
-                token = choose_token(out.logits[0], seq.req.temperature, seq.req.top_p, seq.rng)
-                self._emit(seq, token, self.backend.num_layers)
+            self._prefilled(seq, n, out.logits[0])
+
+    def _prefill_together(self) -> None:
+        """:meth:`_prefill` with the first chunks of prompts in consecutive cache slots and of one length in one
+        call of ``[k, n]`` rows (``cfg.prefill_together``, a backend that takes them: ``prefills_together``; at
+        most its ``max_batch`` sequences): the same budget, the same chunks, fewer calls. A chunk after a
+        prompt's first has a past, and runs alone."""
+        budget, todo = self.cfg.prefill_budget, []
+        for seq in self.prefilling:
+            n = min(len(seq.req.prompt) - seq.prefilled, budget, self.max_chunk or budget)
+            if n <= 0:
+                break
+            budget -= n
+            todo.append((seq, n))
+        most = self.backend.max_batch or len(todo)
+        while todo:
+            todo = [(s, n) for s, n in todo if not s.finished]  # a callback may have cancelled one
+            if not todo:
+                break
+            (first, n), k = todo[0], 1
+            while (first.prefilled == 0 and k < min(len(todo), most) and todo[k][1] == n
+                   and todo[k][0].slot == first.slot + k and todo[k][0].prefilled == 0):
+                k += 1
+            group, todo = [s for s, _ in todo[:k]], todo[k:]
+            x = np.array([s.req.prompt[s.prefilled:s.prefilled + n] for s in group], np.int64)  # [k, n]
+            out = self.backend.full(x, np.array([s.slot for s in group]), np.array([s.prefilled for s in group]))
+            for r, seq in enumerate(group):
+                if not seq.finished:
+                    self._prefilled(seq, n, out.logits[r])
+
+    def _prefilled(self, seq: _Seq, n: int, logits: np.ndarray) -> None:
+        """``n`` more prompt tokens of ``seq`` are in its cache slot, ``logits`` [V] of the last: at the
+        prompt's end the sequence decodes, its first token from them."""
+        seq.prefilled += n
+        if seq.prefilled == len(seq.req.prompt):
+            self.prefilling.remove(seq)
+            self.decoding.append(seq)
+            # checks and lookup drafts read it; a request in mode full neither checks nor drafts (its index cost
+            # mode full on the exits graphs 2% at batch 8, and an audit's one-token verdict its whole prefix)
+            if (self._candidates and seq.req.mode is Mode.BOUNDED) or self._drafts(seq):
+                seq.lookup = Lookup(seq.req.prompt, self._lookup_table)
+            token = choose_token(logits, seq.req.temperature, seq.req.top_p, seq.rng)
+            self._emit(seq, token, self.backend.num_layers)
 
     def _emit(self, seq: _Seq, token: int, exit_layer: int) -> None:
         seq.tokens.append(token)

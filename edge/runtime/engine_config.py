@@ -41,6 +41,12 @@ class EngineConfig:
     # engine runs with it (exporters/triton.py, repo.exit_gate); off here, so that an engine does what its
     # rule says (calibration, the benches' exit systems, the tests).
     exit_gate: bool = False
+    # Prefill the chunks of sequences in consecutive cache slots and of one length in one call (Engine.
+    # _prefill_together) instead of one sequence per call: the same chunks and tokens (ONNX Runtime's logits
+    # bit for bit, tests/unit/edge/runtime), fewer calls. For offline runs that admit many prompts at once
+    # (calibration's units, the export's continuations: run_batch); off for serving, whose step-time model
+    # prices a prefill per sequence (scheduler/control/latency.py)
+    prefill_together: bool = False
     speculative: SpecConfig = field(default_factory=SpecConfig)  # mode exact: draft exit, stop rule
     # Requests in mode bounded also take mode exact's context-lookup and corpus drafts wherever a round is
     # expected to pay (never exit drafts, never while deferred rows are owed): a verified round emits the

@@ -137,6 +137,12 @@ class OrtBackend(Backend):
             return self._run(i, plan, x, start, t, prev, decide, rows, lookup)
         return self._gathered(i, x, slots, start, prev, decide, draft, lookup)
 
+    @property
+    def prefills_together(self) -> bool:
+        """With a graph of every layer (its attention over a block of slots from position 0): yes. A segment
+        graph takes one sequence's chunk at a time (its exit reads one sequence's rows)."""
+        return self._full is not None
+
     def full(self, x, slots, start, rows=1):
         """Every layer in one call of the ``full`` graph (when the export has one and the slots are one
         block of the cache); else the segments one after the other (a decode step of candidate-check graphs:

@@ -216,7 +216,21 @@ def profile_max_chunk(engines: dict[str, dict[str, Any]], source: str | Path = E
     Raises:
         ArtifactError: an embed or segment engine whose profile is recorded nowhere.
     """
-    chunks = []
+    return _profile_max(engines, 1, source)
+
+
+def profile_max_batch(engines: dict[str, dict[str, Any]], source: str | Path = ENGINES_JSON) -> int:
+    """The most sequences (B) one call may take on these engines: :func:`profile_max_chunk` of the batch axis.
+
+    Raises:
+        ArtifactError: an embed or segment engine whose profile is recorded nowhere.
+    """
+    return _profile_max(engines, 0, source)
+
+
+def _profile_max(engines: dict[str, dict[str, Any]], axis: int, source: str | Path) -> int:
+    """The smallest profile maximum of axis ``axis`` (0: B, 1: T) of the embed and segment graphs' inputs."""
+    sizes = []
     for name, entry in engines.items():
         if name != "embed" and not name.startswith("segment_"):
             continue
@@ -225,10 +239,10 @@ def profile_max_chunk(engines: dict[str, dict[str, Any]], source: str | Path = E
         if shapes is None or key not in shapes or len(shapes[key]) < 2:
             raise ArtifactError(f"{source}: the engine of graph {name!r} records no optimisation profile for "
                                 f"{key!r} (neither 'shapes' nor a --maxShapes command line); {REBUILD}")
-        chunks.append(shapes[key][1])
-    if not chunks:
+        sizes.append(shapes[key][axis])
+    if not sizes:
         raise ArtifactError(f"{source}: no embed or segment engine to read the profile's largest chunk from; {REBUILD}")
-    return min(chunks)
+    return min(sizes)
 
 
 class PortableBackend(Backend):
@@ -365,3 +379,4 @@ class TensorRTBackend(PortableBackend):
         self.ngram_table = load_ngram_table(graphs_dir)  # the exit rule's lookup may fall back to it
         # the profile's largest T: a longer call is outside every engine's profile (trt_runner refuses it)
         self.max_chunk = profile_max_chunk(engines, Path(engines_dir) / ENGINES_JSON)
+        self.max_batch = profile_max_batch(engines, Path(engines_dir) / ENGINES_JSON)  # the same profile's largest B

@@ -18,7 +18,7 @@ from edge.runtime.engine_config import EngineConfig
 from edge.runtime.request import Request
 from edge.runtime.host import EngineHost
 from edge.runtime.host_types import HostConfig
-from edge.runtime.portable_backend import profile_max_chunk
+from edge.runtime.portable_backend import profile_max_batch, profile_max_chunk
 from edge.runtime.torch_backend import TorchBackend
 from exporters.tensorrt import EngineBuildConfig, profile_shapes, trtexec_argv
 from tests.unit.edge.runtime.test_engine import _model
@@ -104,6 +104,16 @@ def test_tensorrt_profile_states_its_largest_chunk(recorded):
     engines = _profile_engines(EngineBuildConfig(max_seq=256), recorded)
     engines["segment_0"] = _profile_engines(EngineBuildConfig(max_seq=64), recorded)["segment_0"]
     assert profile_max_chunk(engines) == 64  # the graph that accepts least bounds every call
+
+
+@pytest.mark.parametrize("recorded", ["shapes", "argv"])
+def test_tensorrt_profile_states_its_largest_batch(recorded):
+    """What TensorRTBackend sets as its max_batch (the most sequences an engine that prefills them together
+    puts in one call): the profile's max B, the smallest over the graphs."""
+    engines = _profile_engines(EngineBuildConfig(max_batch=16, opt_batch=4), recorded)
+    assert profile_max_batch(engines) == 16
+    engines["embed"] = _profile_engines(EngineBuildConfig(max_batch=8, opt_batch=4), recorded)["embed"]
+    assert profile_max_batch(engines) == 8
 
 
 def test_tensorrt_engines_without_a_recorded_profile_refused():
