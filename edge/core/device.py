@@ -26,17 +26,20 @@ def run_command(argv: list[str], timeout: float = 600.0) -> subprocess.Completed
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: the child gets SIGTERM when the process that started it dies (no orphan servers)."""
+    """Linux: the child is killed when the process that started it dies (no orphan servers). SIGKILL, not
+    SIGTERM: a tritonserver whose graceful shutdown hung took five SIGTERMs and stayed, orphaned, after a
+    fresh-clone demo (stop 66); nothing is left to wait for its graceful exit once its parent is gone (its
+    python-backend stubs leave within seconds of it)."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
     except OSError:
         pass  # not glibc Linux: the parent's stop() still ends it
 
 
 def spawn(argv: list[str], env: dict[str, str] | None = None, log_path: Path | None = None) -> subprocess.Popen:
     """Start a long-running external program (tritonserver, tegrastats) in its own process group, its
-    output to ``log_path``; it is sent SIGTERM if this process dies first. Stop it with
-    :func:`stop_process`."""
+    output to ``log_path``; it is killed if this process dies first. Stop it with :func:`stop_process`
+    (SIGTERM, then SIGKILL)."""
     out = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL
     try:
         return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -261,7 +261,7 @@ def serving_stack(run_dir: str | Path, cfg: ServeConfig, ray_address: str | None
 
     ``ray_address``: join a running Ray cluster (``"auto"``) instead of starting a local one.
     ``graceful=False`` (a benchmark between runs): skip Serve's graceful shutdown (~10 s) and end the
-    local Ray at once; its workers' tritonservers get SIGTERM as their parent dies.
+    local Ray at once; its workers' tritonservers are killed as their parent dies (edge.core.device.spawn).
     """
     import ray
     from ray import serve
