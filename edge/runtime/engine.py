@@ -235,7 +235,7 @@ class Engine(ExitStep, SpeculativeRounds):
             budget -= n
             x = np.array([seq.req.prompt[seq.prefilled:seq.prefilled + n]], np.int64)  # [1, n]
             out = self.backend.full(x, np.array([seq.slot]), np.array([seq.prefilled]))  # full depth, last head only
-            self._prefilled(seq, n, out.logits[0])
+            self._prefilled(seq, n, out.logits, 0)
 
     def _prefill_together(self) -> None:
         """:meth:`_prefill` with the first chunks of prompts in consecutive cache slots and of one length in one
@@ -263,11 +263,12 @@ class Engine(ExitStep, SpeculativeRounds):
             out = self.backend.full(x, np.array([s.slot for s in group]), np.array([s.prefilled for s in group]))
             for r, seq in enumerate(group):
                 if not seq.finished:
-                    self._prefilled(seq, n, out.logits[r])
+                    self._prefilled(seq, n, out.logits, r)
 
-    def _prefilled(self, seq: _Seq, n: int, logits: np.ndarray) -> None:
-        """``n`` more prompt tokens of ``seq`` are in its cache slot, ``logits`` [V] of the last: at the
-        prompt's end the sequence decodes, its first token from them."""
+    def _prefilled(self, seq: _Seq, n: int, logits, row: int) -> None:
+        """``n`` more prompt tokens of ``seq`` are in its cache slot, row ``row`` of the call's ``logits`` of
+        the last: at the prompt's end the sequence decodes, its first token from them (read only then: a
+        backend may hold them on its device until read)."""
         seq.prefilled += n
         if seq.prefilled == len(seq.req.prompt):
             self.prefilling.remove(seq)
@@ -276,7 +277,7 @@ class Engine(ExitStep, SpeculativeRounds):
             # mode full on the exits graphs 2% at batch 8, and an audit's one-token verdict its whole prefix)
             if (self._candidates and seq.req.mode is Mode.BOUNDED) or self._drafts(seq):
                 seq.lookup = Lookup(seq.req.prompt, self._lookup_table)
-            token = choose_token(logits, seq.req.temperature, seq.req.top_p, seq.rng)
+            token = choose_token(logits[row], seq.req.temperature, seq.req.top_p, seq.rng)
             self._emit(seq, token, self.backend.num_layers)
 
     def _emit(self, seq: _Seq, token: int, exit_layer: int) -> None:
