@@ -116,6 +116,8 @@ class Backend(abc.ABC):
     # the most sequences one call may take (a TensorRT profile's largest batch); None: no limit. An engine
     # that prefills several sequences in one call (EngineConfig.prefill_together) takes at most this many
     max_batch: int | None = None
+    # batch sizes whose sequences' drafts :meth:`verify` takes in one call (mode exact above batch 1)
+    verify_batches: tuple[int, ...] = ()
 
     @property
     def prefills_together(self) -> bool:
@@ -124,8 +126,6 @@ class Backend(abc.ABC):
         ``EngineConfig.prefill_together`` groups chunks only then. This default chains segment calls, which
         take one row per sequence or one sequence: no."""
         return False
-    # batch sizes whose sequences' drafts :meth:`verify` takes in one call (mode exact above batch 1)
-    verify_batches: tuple[int, ...] = ()
 
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec

@@ -229,7 +229,7 @@ class Engine(ExitStep, SpeculativeRounds):
         for seq in list(self.prefilling):
             if seq.finished:  # cancelled by a callback earlier in this loop
                 continue
-            n = min(len(seq.req.prompt) - seq.prefilled, budget, self.max_chunk or budget)
+            n = self._chunk(seq, budget)
             if n <= 0:
                 break
             budget -= n
@@ -244,7 +244,7 @@ class Engine(ExitStep, SpeculativeRounds):
         prompt's first has a past, and runs alone."""
         budget, todo = self.cfg.prefill_budget, []
         for seq in self.prefilling:
-            n = min(len(seq.req.prompt) - seq.prefilled, budget, self.max_chunk or budget)
+            n = self._chunk(seq, budget)
             if n <= 0:
                 break
             budget -= n
@@ -264,6 +264,11 @@ class Engine(ExitStep, SpeculativeRounds):
             for r, seq in enumerate(group):
                 if not seq.finished:
                     self._prefilled(seq, n, out.logits, r)
+
+    def _chunk(self, seq: _Seq, budget: int) -> int:
+        """Prompt tokens of ``seq`` its next chunk takes: the rest of its prompt, within ``budget`` and the
+        backend's largest chunk."""
+        return min(len(seq.req.prompt) - seq.prefilled, budget, self.max_chunk or budget)
 
     def _prefilled(self, seq: _Seq, n: int, logits, row: int) -> None:
         """``n`` more prompt tokens of ``seq`` are in its cache slot, row ``row`` of the call's ``logits`` of

@@ -44,8 +44,8 @@ class EngineConfig:
     # Prefill the chunks of sequences in consecutive cache slots and of one length in one call (Engine.
     # _prefill_together) instead of one sequence per call: the same chunks and tokens (ONNX Runtime's logits
     # bit for bit, tests/unit/edge/runtime), fewer calls. For offline runs that admit many prompts at once
-    # (calibration's units, the export's continuations: run_batch); off for serving, whose step-time model
-    # prices a prefill per sequence (scheduler/control/latency.py)
+    # (calibration's units: run_batch); off for serving, whose step-time model prices a prefill per sequence
+    # (scheduler/control/latency.py)
     prefill_together: bool = False
     speculative: SpecConfig = field(default_factory=SpecConfig)  # mode exact: draft exit, stop rule
     # Requests in mode bounded also take mode exact's context-lookup and corpus drafts wherever a round is

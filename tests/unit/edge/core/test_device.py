@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -60,5 +61,5 @@ def test_a_spawned_program_dies_with_its_parent_even_if_it_ignores_sigterm():
         except ProcessLookupError:
             return
         time.sleep(0.1)
-    os.kill(child, 9)
+    os.kill(child, signal.SIGKILL)
     raise AssertionError("the spawned program outlived its parent")

@@ -1,4 +1,4 @@
-"""EngineConfig.prefill_together (offline runs: calibration's units, the export's continuations): prompts of one
+"""EngineConfig.prefill_together (offline runs: calibration's units): prompts of one
 length in consecutive cache slots are prefilled in one call, and the engine's tokens, exit layers and cache are
 what one call per prompt gives, on ONNX Runtime bit for bit (what lets calibration certify the engine that
 serves, which prefills one prompt per call)."""
