@@ -68,6 +68,10 @@ class RepoConfig:
     run_dir: str = "artifacts/demo"
     out: str | None = None  # default: <run_dir>/triton
     threads: int = 1  # ONNX Runtime intra-op threads of the model instance
+    # > 0: prompt chunks on a session of their own with this many threads, sleeping between calls (ONNX Runtime;
+    # edge/runtime/ort_backend.py; another copy of the layers' weights); 0: on the engine's threads. For spare
+    # cores: on 2, prompts ran faster in process and the stack served worse at its SLA edge (docs/serving.md)
+    prefill_threads: int = 0
     max_seqs: int = MAX_SEQS.default  # cache slots
     max_running: int = MAX_RUNNING.default  # initial admission limit (the control loop moves it)
     # initial prefill tokens per step (the control loop moves it, within the backend's largest chunk)
@@ -95,6 +99,8 @@ class RepoConfig:
     def __post_init__(self) -> None:
         if self.threads < 1:
             raise ConfigError(f"repo.threads must be >= 1, got {self.threads}")
+        if self.prefill_threads < 0:
+            raise ConfigError(f"repo.prefill_threads must be >= 0, got {self.prefill_threads}")
         if not 0 <= self.stream_interval_ms <= 1000:
             raise ConfigError(f"repo.stream_interval_ms must be in [0, 1000], got {self.stream_interval_ms}")
         AuditConfig.from_dict(self.audit, "repo.audit")  # validates

@@ -19,6 +19,7 @@ gates a decision segment decides from its gate and the head runs only for the ro
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -55,8 +56,17 @@ class OrtBackend(Backend):
     name = "onnxruntime"
 
     def __init__(self, graphs_dir: str | Path | None = None, checkpoint: str | Path | None = None,
-                 threads: int = 0, providers: list[str] | None = None, cache: bool = True) -> None:
-        """``cache``: open graphs through the optimised-graph cache (edge/runtime/ortsession.py)."""
+                 threads: int = 0, providers: list[str] | None = None, cache: bool = True,
+                 prefill_threads: int = 0) -> None:
+        """``cache``: open graphs through the optimised-graph cache (edge/runtime/ortsession.py).
+        ``prefill_threads``: > 0: prompt chunks (calls of more than MAX_PLAN_ROWS rows) run the graph of every
+        layer on a session of their own with a pool of that many threads that sleep between calls, and every other
+        session on a pool of its own of ``threads`` (ONNX Runtime mixes no shared pool with own ones in a process);
+        the same kernels split the same products among threads, so the same numbers (tested). For a served engine
+        kept on one thread for its decode steps (a second, spinning, thread slowed them and took the core the
+        serving stack needs) where spare cores could take its prompts; another copy of that graph's weights. On
+        2 cores it measured faster prompts in process and slower serving at the SLA edge: off by default
+        (docs/serving.md, stop 67)."""
         self.ort = ort = require("onnxruntime", "onnxruntime")
         if graphs_dir is None:
             raise ConfigError("the onnxruntime backend needs graphs_dir (run `smartexit export`)")
@@ -75,14 +85,30 @@ class OrtBackend(Backend):
                                    m["gated"], tuple(m.get("shortlist", ()))))
         self.providers = pick_providers(ort.get_available_providers(), providers)
 
-        def session(name: str):
+        if prefill_threads < 0:
+            raise ConfigError(f"prefill_threads must be >= 0, got {prefill_threads}")
+        if prefill_threads and (pool_threads() is not None or FULL not in fused["graphs"]):
+            # ONNX Runtime refuses a session its own pool once a process has the shared one
+            warnings.warn(f"prefill_threads={prefill_threads} not used: " + (
+                f"this process already runs ONNX Runtime's shared pool ({pool_threads()} threads), which rules out a "
+                f"session's own pool" if FULL in fused["graphs"] else "the export has no graph of every layer"),
+                RuntimeWarning, stacklevel=2)
+            prefill_threads = 0
+        # with a prompt session of its own every session has its own pool (``threads`` each, ONNX Runtime allows no
+        # mix in one process); else all share one
+        own = max(threads, 1) if prefill_threads else None
+
+        def session(name: str, own_threads: int | None = None):
             g = fused["graphs"][name]
             return open_session(ort, graphs_dir / g["file"], threads, self.providers, source_sha256=g["sha256"],
-                                cache=cache)
+                                cache=cache, own_threads=own_threads or own)
 
         self._seg = [session(f"segment_{i}") for i in range(len(self.segments))]
         # every layer in one graph (calls in which no row may leave early); absent with one segment
         self._full = session(FULL) if FULL in fused["graphs"] else None
+        # prompt chunks' own session of the same graph (another copy of its weights), where asked for
+        self.prefill_threads = prefill_threads
+        self._prefill = session(FULL, own_threads=prefill_threads) if prefill_threads else None
         def opened_later(name: str):  # a graph opened on first use: a one-time cost of the call that needs it
             self.setup_events += 1
             return session(name)
@@ -112,12 +138,12 @@ class OrtBackend(Backend):
         self._step_plans: dict[tuple[int, int], list[Plan]] = {}
 
     def _make_plan(self, i: int, s0: int | None, b: int, t: int, values: list[tuple] | None, rows: int = 1,
-                   draft: bool = False, full: bool = False) -> Plan:
-        """Segment i's plan (:meth:`PlanBinder.segment_plan`) on its graph (``full``: the graph of every layer)
-        and the exact head, or the draft head when ``draft``."""
+                   draft: bool = False, full: bool = False, sess=None) -> Plan:
+        """Segment i's plan (:meth:`PlanBinder.segment_plan`) on its graph (``full``: the graph of every layer;
+        ``sess``: that graph's session if not the shared one) and the exact head, or the draft head when ``draft``."""
         head_sess = self._draft_head() if draft else self._head_sess
-        return self._binder.segment_plan(self._full if full else self._seg[i], head_sess, i, s0, b, t, values, rows,
-                                         draft, full)
+        graph = sess if sess is not None else self._full if full else self._seg[i]
+        return self._binder.segment_plan(graph, head_sess, i, s0, b, t, values, rows, draft, full)
 
     # ---------------------------------------------------------------- calls
     def _segment(self, i, x, slots, start, prev, decide, rows, draft, lookup):
@@ -168,8 +194,10 @@ class OrtBackend(Backend):
             if t <= MAX_PLAN_ROWS:
                 self.setup_events += 1
                 plan = self._plans[key] = self._make_plan(last, s0, b, t, values, rows, full=True)
-            else:  # a prompt chunk: fresh buffers
-                plan = self._make_plan(last, None, b, t, values, rows, full=True)
+            else:  # a prompt chunk: fresh buffers, on the prompts' own session where there is one
+                sess = self._prefill or self._full
+                plan = self._make_plan(last, None, b, t, values, rows, full=True, sess=sess)
+                return self._run(last, plan, x, start, t, None, True, rows, session=sess)
         return self._run(last, plan, x, start, t, None, True, rows, session=self._full)
 
     def decode_until_exit(self, x, slots, start, lookup, allowed):

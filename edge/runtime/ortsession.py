@@ -27,12 +27,14 @@ X64_QUANT_PRECISION = "session.x64quantprecision"  # ONNX Runtime's session conf
 CACHE_DIR = ".ort_cache"  # hidden: not part of the export's hash (edge.core.artifacts.sha256_path)
 
 
-def session_options(ort, threads: int = 0):
+def session_options(ort, threads: int = 0, shared: bool = True):
     """SessionOptions on the process-wide pool, creating it with ``threads`` intra-op threads
     (0 = one per core) unless it exists. ONNX Runtime cannot resize the pool: the first caller of
-    a process sizes it, later ones share it whatever they ask for (see :func:`pool_threads`)."""
+    a process sizes it, later ones share it whatever they ask for (see :func:`pool_threads`).
+    ``shared`` False: the pool is not created (for a session given a pool of its own, which ONNX Runtime
+    refuses in a process that has the shared one)."""
     global _POOL_THREADS
-    if _POOL_THREADS is None:
+    if _POOL_THREADS is None and shared:
         ort.set_global_thread_pool_sizes(threads, 1)
         _POOL_THREADS = threads
     opts = ort.SessionOptions()
@@ -72,8 +74,8 @@ def pool_threads() -> int | None:
 
 
 def open_session(ort, path: str | Path, threads: int = 0, providers: list[str] | None = None,
-                 source_sha256: str | None = None, cache: bool = True):
-    """An InferenceSession of ``path`` on the shared pool, through the optimised-graph cache.
+                 source_sha256: str | None = None, cache: bool = True, own_threads: int | None = None):
+    """An InferenceSession of ``path`` on the shared pool (or a pool of its own), through the optimised-graph cache.
 
     Args:
         ort: the onnxruntime module.
@@ -83,10 +85,17 @@ def open_session(ort, path: str | Path, threads: int = 0, providers: list[str] |
             (other providers optimise for their device).
         source_sha256: the graph's recorded sha256 (hashed here if not given).
         cache: False to always optimise at load (and write nothing).
+        own_threads: a pool of this many intra-op threads for this session alone (1: the caller's thread
+            only), its threads sleeping between calls instead of spinning (the shared pool's spin control is
+            not exposed to Python); only in a process without the shared pool.
     """
     path = Path(path)
     providers = providers or ["CPUExecutionProvider"]
-    opts = session_options(ort, threads)
+    opts = session_options(ort, threads, shared=own_threads is None)
+    if own_threads is not None:
+        opts.use_per_session_threads = True
+        opts.intra_op_num_threads = own_threads
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if not cache or providers != ["CPUExecutionProvider"]:
         return ort.InferenceSession(str(path), opts, providers=providers)
     folder = path.parent / CACHE_DIR / ort.__version__ / int8_kernels()
@@ -109,7 +118,7 @@ def open_session(ort, path: str | Path, threads: int = 0, providers: list[str] |
     os.replace(tmp, cached)
     stamp.write_text(json.dumps({"source_sha256": sha, "optimized_sha256": [sha256_file(f) for f in files],
                                  "onnxruntime": ort.__version__}))
-    return open_session(ort, path, threads, providers, sha, cache)
+    return open_session(ort, path, threads, providers, sha, cache, own_threads)
 
 
 def _stamp_matches(stamp: Path, sha: str, files: list[Path]) -> bool:

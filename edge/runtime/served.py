@@ -47,7 +47,8 @@ def read_backend_choice(path: str | Path | None) -> dict[str, Any]:
     return choice
 
 
-def open_backend(choice: dict[str, Any], graphs_dir: Path, checkpoint_sha256: str, threads: int) -> Backend:
+def open_backend(choice: dict[str, Any], graphs_dir: Path, checkpoint_sha256: str, threads: int,
+                 prefill_threads: int = 0) -> Backend:
     """The backend ``choice`` names over the export in ``graphs_dir`` (a bundle or a run's ``onnx/``,
     already verified against ``checkpoint_sha256``), made by the one factory (edge.runtime.backend.make_backend):
     this maps a choice file's fields to its arguments, and torch_static's checkpoint must be that one.
@@ -58,7 +59,7 @@ def open_backend(choice: dict[str, Any], graphs_dir: Path, checkpoint_sha256: st
     """
     name = choice["name"]
     if name == "onnxruntime":
-        return make_backend(name, graphs_dir=graphs_dir, checkpoint=None, threads=threads)
+        return make_backend(name, graphs_dir=graphs_dir, checkpoint=None, threads=threads, prefill_threads=prefill_threads)
     if name == "onnxruntime_portable":  # the CPU reference of what TensorRT runs
         return make_backend(name, graphs_dir=graphs_dir, threads=threads)
     if name == "tensorrt":

@@ -44,7 +44,8 @@ def open_bundle(bundle_dir: str | Path, threads: int | None = None, backend: dic
         table = rule_edit(table)
     known = {k: v for k, v in info.get("host", {}).items() if k in RepoConfig.__dataclass_fields__}
     cfg = RepoConfig(**{**known, **host_overrides})
-    backend = open_backend(choice, bundle_dir, info["checkpoint_sha256"], threads if threads is not None else cfg.threads)
+    backend = open_backend(choice, bundle_dir, info["checkpoint_sha256"], threads if threads is not None else cfg.threads,
+                           cfg.prefill_threads)
     host_cfg = cfg.host_config(backend.spec.max_positions, table.kv_mode)
     fractions = table.certificate.get("expected_exit_fraction") or {}
     expected = sum(int(k) * v for k, v in fractions.items()) if fractions else None
