@@ -87,21 +87,21 @@ class OrtBackend(Backend):
 
         if prefill_threads < 0:
             raise ConfigError(f"prefill_threads must be >= 0, got {prefill_threads}")
-        if prefill_threads and (pool_threads() is not None or FULL not in fused["graphs"]):
-            # ONNX Runtime refuses a session its own pool once a process has the shared one
-            warnings.warn(f"prefill_threads={prefill_threads} not used: " + (
-                f"this process already runs ONNX Runtime's shared pool ({pool_threads()} threads), which rules out a "
-                f"session's own pool" if FULL in fused["graphs"] else "the export has no graph of every layer"),
-                RuntimeWarning, stacklevel=2)
+        # ONNX Runtime refuses a session its own pool once a process has the shared one
+        unused = ("the export has no graph of every layer" if FULL not in fused["graphs"] else
+                  f"this process already runs ONNX Runtime's shared pool ({pool_threads()} threads), which rules out "
+                  f"a session's own pool" if pool_threads() is not None else None)
+        if prefill_threads and unused:
+            warnings.warn(f"prefill_threads={prefill_threads} not used: {unused}", RuntimeWarning, stacklevel=2)
             prefill_threads = 0
         # with a prompt session of its own every session has its own pool (``threads`` each, ONNX Runtime allows no
         # mix in one process); else all share one
-        own = max(threads, 1) if prefill_threads else None
+        own = threads if prefill_threads else None
 
         def session(name: str, own_threads: int | None = None):
             g = fused["graphs"][name]
             return open_session(ort, graphs_dir / g["file"], threads, self.providers, source_sha256=g["sha256"],
-                                cache=cache, own_threads=own_threads or own)
+                                cache=cache, own_threads=own if own_threads is None else own_threads)
 
         self._seg = [session(f"segment_{i}") for i in range(len(self.segments))]
         # every layer in one graph (calls in which no row may leave early); absent with one segment

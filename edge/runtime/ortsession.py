@@ -86,7 +86,7 @@ def open_session(ort, path: str | Path, threads: int = 0, providers: list[str] |
         source_sha256: the graph's recorded sha256 (hashed here if not given).
         cache: False to always optimise at load (and write nothing).
         own_threads: a pool of this many intra-op threads for this session alone (1: the caller's thread
-            only), its threads sleeping between calls instead of spinning (the shared pool's spin control is
+            only; 0: one per core), its threads sleeping between calls instead of spinning (the shared pool's spin control is
             not exposed to Python); only in a process without the shared pool.
     """
     path = Path(path)
