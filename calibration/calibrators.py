@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from calibration.isotonic import fit_isotonic, isotonic_probability, isotonic_threshold
-from calibration.mlp_score import fit_mlp, mlp_score, mlp_score_form
+from calibration.mlp_score import FitPool, MlpJob, MlpParams, fit_mlp, fit_mlps, mlp_score, mlp_score_form
 from calibration.platt import fit_logistic, sigmoid, sigmoid_threshold
 from edge.runtime.rules import TOP1
 from edge.core.errors import ConfigError
@@ -55,6 +55,12 @@ def _kind(kind: CalibratorKind | str) -> CalibratorKind:
     except ValueError:
         raise ConfigError(f"unknown calibrator kind {kind!r}; expected one of "
                           f"{[k.value for k in CalibratorKind]}") from None
+
+
+def _moments(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(mean [F], std [F]) that standardise X [N, F]; a constant signal is left unscaled (std 1)."""
+    sd = X.std(axis=0)  # [F]
+    return X.mean(axis=0), np.where(sd > 1e-12, sd, 1.0)
 
 
 def _check_xy(X: Any, y: Any | None, what: str) -> tuple[np.ndarray, np.ndarray | None]:
@@ -111,8 +117,10 @@ class Calibrator:
             raise ConfigError(f"calibrator C must be > 0, got {self.C}")
 
     # ----------------------------------------------------------------- fit
-    def fit(self, X: np.ndarray, y: np.ndarray) -> "Calibrator":
-        """Fit on signals X [N, F] and targets y [N] (1 = correct exit); returns self.
+    def fit(self, X: np.ndarray, y: np.ndarray, mlp: MlpParams | None = None) -> "Calibrator":
+        """Fit on signals X [N, F] and targets y [N] (1 = correct exit); returns self. ``mlp``: the mlp kind's
+        network already fitted on :meth:`mlp_job`'s inputs (:func:`fit_calibrator_sets` fits them in processes),
+        None: fitted here.
 
         Raises:
             ConfigError: bad shapes, NaN/inf features, non-binary targets,
@@ -123,9 +131,7 @@ class Calibrator:
         if self.kind is CalibratorKind.MAXPROB and f <= TOP1:
             raise ConfigError(f"maxprob calibrator needs column {TOP1} (top1_prob); got F={f}")
         self.n_features = f
-        self.mean = X.mean(axis=0)  # [F]
-        sd = X.std(axis=0)  # [F]
-        self.std = np.where(sd > 1e-12, sd, 1.0)  # a constant signal is left unscaled
+        self.mean, self.std = _moments(X)
         self.coef, self.intercept = np.zeros(f), 0.0
         self.iso_x, self.iso_y = np.zeros(0), np.zeros(0)
         self.constant = None
@@ -135,7 +141,8 @@ class Calibrator:
             self.fitted = True
             return self
         if self.kind is CalibratorKind.MLP:
-            self.w1, self.b1, self.w2, self.b2 = fit_mlp((X - self.mean) / self.std, y, self.seed)
+            self.w1, self.b1, self.w2, self.b2 = mlp if mlp is not None else fit_mlp((X - self.mean) / self.std, y,
+                                                                                      self.seed)
         elif self.kind is not CalibratorKind.MAXPROB:
             self.coef, self.intercept = fit_logistic((X - self.mean) / self.std, y, self.C)
         self.fitted = True
@@ -303,7 +310,7 @@ class Calibrator:
 
 def fit_calibrators(signals: dict[int, np.ndarray], targets: dict[int, np.ndarray],
                     kind: CalibratorKind | str = CalibratorKind.ISOTONIC, C: float = 1.0,
-                    seed: int = 0) -> dict[int, Calibrator]:
+                    seed: int = 0, pool: FitPool | None = None) -> dict[int, Calibrator]:
     """Fit one calibrator per exit except the last (never a decision point).
 
     Args:
@@ -311,6 +318,8 @@ def fit_calibrators(signals: dict[int, np.ndarray], targets: dict[int, np.ndarra
         targets: decision exit (every exit but the last) -> 0/1 [N] (:func:`calibration.signals.exit_targets`).
         kind: calibrator kind.
         C: inverse L2 strength of the logistic regression.
+        pool: processes for the mlp kind's networks (:func:`calibration.mlp_score.fit_pool`); the same
+            calibrators, sooner.
 
     Returns:
         exit layer -> fitted :class:`Calibrator`, for every exit but the last.
@@ -318,12 +327,44 @@ def fit_calibrators(signals: dict[int, np.ndarray], targets: dict[int, np.ndarra
     Raises:
         ConfigError: keys that differ, fewer than 2 exits, or bad arrays.
     """
+    return fit_calibrator_sets([(signals, targets)], kind, C, seed, pool)[0]
+
+
+def fit_calibrator_sets(sets: list[tuple[dict[int, np.ndarray], dict[int, np.ndarray]]],
+                        kind: CalibratorKind | str = CalibratorKind.ISOTONIC, C: float = 1.0, seed: int = 0,
+                        pool: FitPool | None = None) -> list[dict[int, Calibrator]]:
+    """:func:`fit_calibrators` of each (signals, targets) of ``sets``; the mlp kind's networks of all of them
+    fitted together, in ``pool``'s processes when given (cross-fitting's folds: one round of the pool).
+
+    Raises:
+        ConfigError: as :func:`fit_calibrators`, for any set.
+    """
     kind = _kind(kind)
-    layers = sorted(signals)
-    if len(layers) < 2:
-        raise ConfigError(f"fit_calibrators: need at least 2 exits (the last is never a decision point), "
-                          f"got {layers}")
-    if sorted(targets) != layers[:-1]:
-        raise ConfigError(f"fit_calibrators: target exits {sorted(targets)} are not the decision exits "
-                          f"{layers[:-1]} of signal exits {layers}")
-    return {k: Calibrator(kind=kind, C=C, seed=seed).fit(signals[k], targets[k]) for k in layers[:-1]}
+    for signals, targets in sets:
+        layers = sorted(signals)
+        if len(layers) < 2:
+            raise ConfigError(f"fit_calibrators: need at least 2 exits (the last is never a decision point), "
+                              f"got {layers}")
+        if sorted(targets) != layers[:-1]:
+            raise ConfigError(f"fit_calibrators: target exits {sorted(targets)} are not the decision exits "
+                              f"{layers[:-1]} of signal exits {layers}")
+    problems = [(i, k) for i, (signals, _) in enumerate(sets) for k in sorted(signals)[:-1]]
+    nets: dict[tuple[int, int], MlpParams] = {}
+    if kind is CalibratorKind.MLP:
+        jobs = {(i, k): _mlp_job(sets[i][0][k], sets[i][1][k], seed) for i, k in problems}
+        jobs = {key: job for key, job in jobs.items() if job is not None}
+        nets = dict(zip(jobs, fit_mlps(list(jobs.values()), pool)))
+    out: list[dict[int, Calibrator]] = [{} for _ in sets]
+    for i, k in problems:
+        out[i][k] = Calibrator(kind=kind, C=C, seed=seed).fit(sets[i][0][k], sets[i][1][k], nets.get((i, k)))
+    return out
+
+
+def _mlp_job(X: Any, y: Any, seed: int) -> MlpJob | None:
+    """The network fit :meth:`Calibrator.fit` of the mlp kind does on (X, y): (standardised X, y, seed); None for
+    degenerate targets (nothing is fitted)."""
+    X, y = _check_xy(X, y, "mlp calibrator fit")
+    if float(y.mean()) in (0.0, 1.0):
+        return None
+    mean, std = _moments(X)
+    return (X - mean) / std, y, seed

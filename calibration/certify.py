@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from calibration.calibrators import Calibrator, CalibratorKind, fit_calibrators
+from calibration.calibrators import Calibrator, CalibratorKind, fit_calibrator_sets
+from calibration.mlp_score import FitPool
 from calibration.cascade import cascade_risk, unit_false_exit_counts
 from calibration.collect import Collected
 from calibration.pvalues import PValue, pvalues, upper_confidence_bound
@@ -47,16 +48,24 @@ from edge.core.errors import ConfigError
 PROVISIONAL_RESAMPLES = 5
 
 
-def fit(data: Collected, kind: CalibratorKind, route: float = 0.0) -> dict[int, Calibrator]:
+def fit(data: Collected, kind: CalibratorKind, route: float = 0.0, pool: FitPool | None = None
+        ) -> dict[int, Calibrator]:
     """Calibrators of ``kind`` for every decision exit, fitted on the tokens of ``data`` (with ``route`` > 0,
-    on the tokens the routing checks, :func:`routed`: the only ones a calibrator ever scores)."""
+    on the tokens the routing checks, :func:`routed`: the only ones a calibrator ever scores). ``pool``: processes
+    for the mlp kind's networks (:func:`calibration.mlp_score.fit_pool`), the same calibrators sooner."""
+    return fit_calibrator_sets([_fit_set(data, route)], kind, pool=pool)[0]
+
+
+def _fit_set(data: Collected, route: float) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+    """(signals, targets) :func:`fit` fits on: the routed tokens at every decision exit (all of them when
+    nothing is routed or some exit would get none), every token at the last exit."""
     targets = exit_targets(data.argmax)
     ok = routed(data.signals, route)
     if ok is None or not all(ok[k].any() for k in targets):
-        return fit_calibrators(data.signals, targets, kind)
+        return data.signals, targets
     last = data.exit_layers[-1]
-    return fit_calibrators({**{k: data.signals[k][ok[k]] for k in targets}, last: data.signals[last]},
-                           {k: t[ok[k]] for k, t in targets.items()}, kind)
+    return ({**{k: data.signals[k][ok[k]] for k in targets}, last: data.signals[last]},
+            {k: t[ok[k]] for k, t in targets.items()})
 
 
 def isotonic_over(platt: dict[int, Calibrator], data: Collected, route: float = 0.0) -> dict[int, Calibrator]:
@@ -106,17 +115,18 @@ def unit_losses(probs: dict[int, np.ndarray], data: Collected, lams: np.ndarray)
 
 
 def cross_fitted(data: Collected, kind: CalibratorKind, folds: int = 2, seed: int = 0,
-                 route: float = 0.0) -> dict[int, np.ndarray]:
+                 route: float = 0.0, pool: FitPool | None = None) -> dict[int, np.ndarray]:
     """Out-of-fold calibrated probabilities: units are split into ``folds`` groups (seeded); each
-    group's tokens are scored by calibrators fitted on the other groups."""
+    group's tokens are scored by calibrators fitted on the other groups (all folds' fits together, in
+    ``pool``'s processes when given)."""
     if data.unit is None or data.n_units < folds:
         raise ConfigError(f"cross-fitting needs unit-tagged data with at least {folds} units")
     group = np.random.default_rng(seed).permutation(data.n_units) % folds  # [U]
     token_group = group[data.unit]  # [N]
     out = {k: np.empty(data.n) for k in data.exit_layers[:-1]}
-    for f in range(folds):
-        train = data.select_units(np.flatnonzero(group != f))
-        cals = fit(train, kind, route)
+    fitted = fit_calibrator_sets([_fit_set(data.select_units(np.flatnonzero(group != f)), route)
+                                  for f in range(folds)], kind, pool=pool)
+    for f, cals in enumerate(fitted):
         rows = token_group == f
         for k, c in cals.items():
             out[k][rows] = c.predict(data.signals[k][rows])
@@ -124,11 +134,12 @@ def cross_fitted(data: Collected, kind: CalibratorKind, folds: int = 2, seed: in
 
 
 def provisional_lambda(data: Collected, kind: CalibratorKind, lams: np.ndarray, epsilon: float, delta: float,
-                       method: PValue, n_certify: int, seed: int = 0, route: float = 0.0) -> float:
+                       method: PValue, n_certify: int, seed: int = 0, route: float = 0.0,
+                       pool: FitPool | None = None) -> float:
     """The threshold to generate the certify units with: the median of the walk's choices on the
     cross-fitted fit units resampled (seeded bootstrap) to ``n_certify`` units; a choice that certifies
-    nothing counts as the strictest threshold of ``lams``."""
-    probs = cross_fitted(data, kind, seed=seed, route=route)
+    nothing counts as the strictest threshold of ``lams``. ``pool``: as :func:`cross_fitted`."""
+    probs = cross_fitted(data, kind, seed=seed, route=route, pool=pool)
     losses = unit_losses(probs, data, lams)  # [U_fit, G]
     rng = np.random.default_rng(seed + 1)
     chosen = []

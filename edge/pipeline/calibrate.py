@@ -46,6 +46,7 @@ from calibration.calibrators import Calibrator, CalibratorKind
 from calibration.compare import baselines
 from calibration.evaluate import evaluate_cascade
 from calibration.metrics import reliability_curve
+from calibration.mlp_score import fit_pool
 from calibration.pvalues import PValue, exceeds_pvalue
 from calibration.risk import default_grid
 from calibration.signals import GATED_SIGNAL_NAMES, SIGNAL_NAMES, exit_targets
@@ -136,11 +137,12 @@ def main(cfg: CalibrateConfig) -> int:
 
     # 1-2. fit units: full-depth continuations, calibrators, provisional threshold
     fit_w = data.calibration.draw(cfg.fit_units, length, s["fit"])
-    fit_run = full_depth_run(served, fit_w.ids[:, :P], cfg.new_tokens, cfg.batch, desc="fit units, full depth")
-    fit = fit_run.data
-    cals = cert.fit(fit, cfg.calibrator, route)
-    lam_p = cert.provisional_lambda(fit, cfg.calibrator, lams, cfg.epsilon, cfg.delta, cfg.pvalue,
-                                    cfg.certify_units, s["crossfit"], route)
+    with fit_pool((cfg.fit_workers or None) if cfg.calibrator is CalibratorKind.MLP else 1) as pool:
+        fit_run = full_depth_run(served, fit_w.ids[:, :P], cfg.new_tokens, cfg.batch, desc="fit units, full depth")
+        fit = fit_run.data
+        cals = cert.fit(fit, cfg.calibrator, route, pool)
+        lam_p = cert.provisional_lambda(fit, cfg.calibrator, lams, cfg.epsilon, cfg.delta, cfg.pvalue,
+                                        cfg.certify_units, s["crossfit"], route, pool)
     _log(t0, f"fit: {fit.n_units} prompts, {fit.n} tokens; provisional lambda {lam_p:.3f}")
 
     # 3. certify units: the engine with the provisional rule in the mode to certify. With the betting

@@ -64,6 +64,9 @@ class CalibrateConfig:
     # descheduled thread (measured on 2 shared cores: engine generation 4x and teacher-forced passes
     # 2x slower with 2 threads than with 1).
     threads: int = 1
+    # processes for the mlp calibrator's networks (calibration.mlp_score.fit_pool; 0: one per core, 1: none, in
+    # this process): the same networks either way; nine fits took 25 s in process on the 2-core Intel VM (stop 68)
+    fit_workers: int = 0
 
     def __post_init__(self) -> None:
         self.epsilon = EPSILON.check(self.epsilon, "calibrate")
@@ -79,6 +82,8 @@ class CalibrateConfig:
         if self.reference_units is not None and self.reference_units < 1:
             raise ConfigError(f"calibrate.reference_units must be >= 1 (or null: every evaluation prompt), got "
                               f"{self.reference_units}")
+        if self.fit_workers < 0:
+            raise ConfigError(f"calibrate.fit_workers must be >= 0 (0: one per core), got {self.fit_workers}")
         for name in ("fit_units", "eval_units", "batch", "min_documents"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"calibrate.{name} must be >= 1, got {getattr(self, name)}")
