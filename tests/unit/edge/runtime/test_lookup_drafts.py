@@ -507,6 +507,15 @@ def test_the_export_builds_the_table_from_the_training_split_only(monkeypatch, t
     assert table.draft([49, 49, 49], 3) == ([49, 49, 49], 3)  # the model's own n-grams
     tail = ids[starts[0] + 12:starts[0] + 16]  # a window's last tokens: the model wrote 49 after them
     assert table.draft(tail, 1)[0] == [49]  # over the text's successor there (merge order: the next test)
+    # the text part computed beforehand (the export's thread, export.text_ngrams) gives the same table
+    given.clear()
+    text = export.text_ngrams(_Tok(), 2, 0.5)
+    (tmp_path / "again").mkdir()
+    again = export.write_ngram_table(_Tok(), tmp_path / "again", 2, 0.5, continue_with, windows=6, window_tokens=16,
+                                     new_tokens=8, seed=0, text=text)
+    assert again == counts and len(given) == 6
+    with np.load(tmp_path / "ngram.npz") as a, np.load(tmp_path / "again" / "ngram.npz") as b:
+        assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
 
 
 def test_a_share_of_the_training_documents_gives_the_text_and_the_windows_alike(monkeypatch, tmp_path):
