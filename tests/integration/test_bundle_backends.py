@@ -179,3 +179,21 @@ def test_a_bench_can_serve_the_bundle_under_an_edited_rule(repo):
     assert all(v == float("-inf") for v in loose.score_thresholds.values())
     assert table.score_thresholds != loose.score_thresholds
     assert edited.audit.epsilon == calibrated.audit.epsilon == table.epsilon
+
+
+def test_bench_audit_serves_its_traffics_in_processes_as_it_would_in_turn(repo):
+    """`bench audit`'s traffics on hosts of their own, in spawned processes side by side (audit_runs): each
+    traffic's audit (tokens audited, false exits per exit, the fallback and when it fired, the per-request
+    losses) is what the same traffic gives served here in turn, keyed by its name whatever order they end in."""
+    from scheduler.loadtest.bench_audit import AuditJob, BenchAuditConfig, audit_runs, broken
+
+    cfg = BenchAuditConfig(run_dir="unused", max_tokens=8, min_tokens=10)
+    prompts = [list(p) for p in PROMPTS] * 2
+    jobs = {"long": AuditJob(prompts * 2, "a"), "broken": AuditJob(prompts, "b", rule_edit=broken)}
+    keys = ("audited", "false", "exits", "fallback", "fired_after", "unit_losses")
+    apart = audit_runs(repo / BUNDLE, jobs, cfg, workers=2)
+    here = audit_runs(repo / BUNDLE, jobs, cfg, workers=1)
+    assert list(apart) == list(here) == ["long", "broken"]
+    for name in jobs:
+        assert {k: apart[name][k] for k in keys} == {k: here[name][k] for k in keys}, name
+    assert here["long"]["audited"] == 8 * 8 and here["broken"]["exits"] != here["long"]["exits"]

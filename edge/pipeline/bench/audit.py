@@ -7,7 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from edge.core.artifacts import Manifest, atomic_write_json, atomic_write_text
-from scheduler.loadtest.bench_audit import BenchAuditConfig, STAGE, audit_run, broken, word_salad
+from scheduler.loadtest.bench_audit import AuditJob, BenchAuditConfig, STAGE, audit_runs, broken, word_salad
 
 
 def main(cfg: BenchAuditConfig) -> int:
@@ -23,10 +23,12 @@ def main(cfg: BenchAuditConfig) -> int:
     # i.i.d. windows of the test split (document uniform, offset uniform), as calibration draws its units
     code = [[int(t) for t in w] for w in TokenCorpus(tok, load_split(Split.TEST)).draw(cfg.prompts, cfg.prompt_tokens,
                                                                                        cfg.seed).ids]
-    runs = {"heldout_code": audit_run(bundle, code, cfg, "code"),
-            "word_salad": audit_run(bundle, word_salad(code[:cfg.salad_prompts], cfg.seed), cfg, "salad"),
-            "heldout_code_as_served": audit_run(bundle, code, cfg, "served", as_served=True),
-            "broken_rule": audit_run(bundle, code[:cfg.broken_prompts], cfg, "broken", rule_edit=broken)}
+    jobs = {"heldout_code": AuditJob(code, "code"),  # the longest first: the processes end together
+            "heldout_code_as_served": AuditJob(code, "served", as_served=True),
+            "broken_rule": AuditJob(code[:cfg.broken_prompts], "broken", rule_edit=broken),
+            "word_salad": AuditJob(word_salad(code[:cfg.salad_prompts], cfg.seed), "salad")}
+    done = audit_runs(bundle, jobs, cfg, cfg.workers or None)
+    runs = {name: done[name] for name in ("heldout_code", "word_salad", "heldout_code_as_served", "broken_rule")}
     epsilon = runs["heldout_code"]["epsilon"]  # the threshold table's, as the host audits it
     delta = runs["heldout_code"]["delta"]
     for r in runs.values():  # the per-request test's bound at delta, from the units in completion order
