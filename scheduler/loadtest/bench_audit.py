@@ -43,7 +43,9 @@ class BenchAuditConfig:
     min_tokens: int = 100          # audited tokens before the trigger may fire
     seed: int = 0
     threads: int | None = None     # the bundle's when None
-    workers: int = 0               # processes serving the traffics side by side (audit_runs; 0: one per core)
+    # processes serving the traffics side by side, each with its model (audit_runs; 0: one per core on the default
+    # ONNX Runtime CPU backend, one where $SMARTEXIT_BACKEND_CONFIG chooses another)
+    workers: int = 0
 
     def __post_init__(self) -> None:
         if min(self.prompts, self.salad_prompts, self.broken_prompts, self.prompt_tokens, self.max_tokens,
@@ -79,15 +81,21 @@ class AuditJob:
 def audit_runs(bundle: Path, jobs: dict[str, AuditJob], cfg: BenchAuditConfig,
                workers: int | None = None) -> dict[str, dict[str, Any]]:
     """:func:`audit_run` of every job, each on a host of its own in a process of its own, as many at once as
-    ``workers`` (None: the machine's cores; spawned, one at a time here on one core), the jobs in the order
-    given (the longest first keeps the processes even). A host serves its requests one at a time on one engine
-    thread (the bundle's ``threads``), so two hosts on two cores keep out of each other's way: the demo's four
-    traffics took 72 s one after the other on the 2-core Intel VM (stop 68). Results keyed as ``jobs``."""
+    ``workers`` (spawned; one at a time here when 1), the jobs in the order given (the longest first keeps the
+    processes even). A host serves its requests one at a time on one engine thread (the bundle's ``threads``), so
+    two hosts on two cores keep out of each other's way: the demo's four traffics took 71 s one after the other
+    and 44 s side by side on the 2-core Intel VM (stop 68). Each process holds a copy of the model, so ``workers``
+    None is the machine's cores on the default ONNX Runtime CPU backend and one where ``$SMARTEXIT_BACKEND_CONFIG``
+    chooses another (a GPU's engines, whose memory is sized for one). Results keyed as ``jobs``."""
     import multiprocessing
     import os
     from concurrent.futures import ProcessPoolExecutor
 
-    n = min(len(jobs), workers if workers is not None else (os.cpu_count() or 1))
+    from edge.runtime.served import BACKEND_ENV
+
+    if workers is None:
+        workers = 1 if os.environ.get(BACKEND_ENV) else (os.cpu_count() or 1)
+    n = min(len(jobs), workers)
     if n < 2:
         return {name: audit_run(bundle, j.prompts, cfg, j.tag, j.as_served, j.rule_edit) for name, j in jobs.items()}
     with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
