@@ -76,7 +76,7 @@ def fit_pool(workers: int | None = None) -> Iterator[FitPool | None]:
     ONNX Runtime's threads: nothing of them is forked) and started now, while the caller computes the signals they
     will fit; None on one core. A fit is seeded and runs on one BLAS thread wherever it runs, so the networks are
     the same with a pool as without, only sooner: calibrate's nine fits (three exits, the final fit and two
-    cross-fitting folds) took 25 s of the demo's stage in process on the 2-core Intel VM (stop 68)."""
+    cross-fitting folds) took 22-23 s in process and 14-15 s in two processes on the 2-core Intel VM (stop 68)."""
     n = workers if workers is not None else (os.cpu_count() or 1)
     if n < 2:
         yield None
