@@ -35,6 +35,7 @@ Everything is computed before anything is written; outputs go to
 """
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -137,7 +138,7 @@ def main(cfg: CalibrateConfig) -> int:
 
     # 1-2. fit units: full-depth continuations, calibrators, provisional threshold
     fit_w = data.calibration.draw(cfg.fit_units, length, s["fit"])
-    with fit_pool((cfg.fit_workers or None) if cfg.calibrator is CalibratorKind.MLP else 1) as pool:
+    with fit_pool(fit_workers(cfg, model)) as pool:
         fit_run = full_depth_run(served, fit_w.ids[:, :P], cfg.new_tokens, cfg.batch, desc="fit units, full depth")
         fit = fit_run.data
         cals = cert.fit(fit, cfg.calibrator, route, pool)
@@ -215,6 +216,15 @@ def main(cfg: CalibrateConfig) -> int:
                          base, flt, chosen, systems) | reference_metrics(base, flt, tf_ref.accuracy_exit, n_ref)
     publish_results(cfg, manifest, ckpt, served, table, curves, systems, metrics, t0)
     return 0
+
+
+def fit_workers(cfg: CalibrateConfig, model: Any) -> int:
+    """Processes for the mlp calibrator's networks (:func:`calibration.mlp_score.fit_pool`): ``cfg.fit_workers``, or
+    with 0 one per core up to the largest round of fits (cross-fitting's two folds of every decision exit: no more
+    can run at once); 1 (none) for the other kinds, which fit in process."""
+    if cfg.calibrator is not CalibratorKind.MLP:
+        return 1
+    return cfg.fit_workers or min(os.cpu_count() or 1, 2 * (len(model.exit_layers) - 1))
 
 
 def _agreement(run: FreeRun, probs: dict[int, np.ndarray], lam: float) -> float:

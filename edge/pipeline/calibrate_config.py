@@ -64,9 +64,9 @@ class CalibrateConfig:
     # descheduled thread (measured on 2 shared cores: engine generation 4x and teacher-forced passes
     # 2x slower with 2 threads than with 1).
     threads: int = 1
-    # processes for the mlp calibrator's networks (calibration.mlp_score.fit_pool; 0: one per core, 1: none, in
-    # this process): the same networks either way; nine fits took 22-23 s in process, 14-15 s in two processes on
-    # the 2-core Intel VM (stop 68)
+    # processes for the mlp calibrator's networks (calibration.mlp_score.fit_pool; 0: one per core, at most two per
+    # decision exit; 1: none, in this process): the same networks either way; nine fits took 22-23 s in process,
+    # 14-15 s in two processes on the 2-core Intel VM (stop 68)
     fit_workers: int = 0
 
     def __post_init__(self) -> None:

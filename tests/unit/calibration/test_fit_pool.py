@@ -81,3 +81,19 @@ def test_one_worker_is_no_pool_and_the_config_refuses_a_negative_count():
     assert len(fit_mlps([((X - X.mean(0)) / X.std(0), y.astype(float), 0)], None)) == 1
     with pytest.raises(ConfigError, match="fit_workers"):
         CalibrateConfig(fit_workers=-1)
+
+
+def test_calibrate_takes_a_process_per_core_up_to_the_largest_round_of_fits(monkeypatch):
+    """calibrate's pool: one process per core, at most the cross-fitting round's two fits per decision exit; the
+    kinds that fit in process take none; an explicit count is kept."""
+    from types import SimpleNamespace
+
+    from edge.pipeline import calibrate
+
+    model = SimpleNamespace(exit_layers=[1, 2, 4, 12])  # three decision exits: six fits at most at once
+    mlp = CalibrateConfig(calibrator="mlp")
+    for cores, want in ((1, 1), (2, 2), (12, 6)):
+        monkeypatch.setattr(calibrate.os, "cpu_count", lambda c=cores: c)
+        assert calibrate.fit_workers(mlp, model) == want
+    assert calibrate.fit_workers(CalibrateConfig(calibrator="mlp", fit_workers=3), model) == 3
+    assert calibrate.fit_workers(CalibrateConfig(calibrator="platt"), model) == 1
