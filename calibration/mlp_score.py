@@ -45,11 +45,6 @@ def fit_mlp(z: np.ndarray, y: np.ndarray, seed: int) -> MlpParams:
             net.coefs_[1][:, 0].astype(np.float64), float(net.intercepts_[1][0]))
 
 
-def _fit_all(jobs: Sequence[MlpJob]) -> list[MlpParams]:
-    """:func:`fit_mlp` of each job; a module-level function, so that a process pool can run it."""
-    return [fit_mlp(*job) for job in jobs]
-
-
 def _import_fit() -> None:
     """A worker's first task: what a fit imports, imported before the first job arrives."""
     import sklearn.neural_network  # noqa: F401
@@ -91,7 +86,7 @@ def fit_mlps(jobs: Sequence[MlpJob], pool: FitPool | None = None) -> list[MlpPar
     """:func:`fit_mlp` of every job, in ``pool``'s processes (:func:`fit_pool`) when given and there are two or
     more jobs, else here; the same networks either way."""
     if pool is None or len(jobs) < 2:
-        return _fit_all(jobs)
+        return [fit_mlp(*job) for job in jobs]
     return pool.fit(jobs)
 
 

@@ -189,16 +189,16 @@ class OrtBackend(Backend):
         last = len(self.segments) - 1
         key = ("full", s0, b, t, rows)
         plan = self._plans.get(key) if t <= MAX_PLAN_ROWS else None
+        # a prompt chunk runs on the prompts' own session where there is one
+        sess = self._prefill if t > MAX_PLAN_ROWS and self._prefill is not None else self._full
         if plan is None:  # the cache's values are bound once per plan, not looked up on every call
             values = [self._binder.cache_values(j, s0, b) for j in self.suffix_layers(0)]
             if t <= MAX_PLAN_ROWS:
                 self.setup_events += 1
                 plan = self._plans[key] = self._make_plan(last, s0, b, t, values, rows, full=True)
-            else:  # a prompt chunk: fresh buffers, on the prompts' own session where there is one
-                sess = self._prefill or self._full
+            else:  # a prompt chunk: fresh buffers
                 plan = self._make_plan(last, None, b, t, values, rows, full=True, sess=sess)
-                return self._run(last, plan, x, start, t, None, True, rows, session=sess)
-        return self._run(last, plan, x, start, t, None, True, rows, session=self._full)
+        return self._run(last, plan, x, start, t, None, True, rows, session=sess)
 
     def decode_until_exit(self, x, slots, start, lookup, allowed):
         """The engine's decode step, fast: for a batch over one block of the cache (T = 1, the exit rule in
