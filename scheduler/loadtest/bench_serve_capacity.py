@@ -13,6 +13,7 @@ from scheduler.loadtest.bench_serve_runs import served_sender
 from scheduler.loadtest.capacity import INPROCESS as INPROCESS_SYSTEM
 from scheduler.loadtest.capacity import SERVED as SERVED_SYSTEM
 from scheduler.loadtest.capacity import TRITON as TRITON_SYSTEM
+from scheduler.loadtest.capacity import TRITON_CORE as CORE_SYSTEM
 from scheduler.loadtest.capacity import Run, capacity_report, interleaved, tokens_ratio
 from scheduler.loadtest.loadgen import ScheduledRequest
 from scheduler.loadtest.senders import InProcessSender, TritonSender
@@ -34,10 +35,12 @@ def capacity_requests(cfg: BenchServeConfig, schedule: list[ScheduledRequest]) -
 def capacity_runs(cfg: BenchServeConfig, reqs: list[ScheduledRequest], url: str) -> dict[str, dict[int, list[Run]]]:
     """The closed-loop requests on every system at once, interleaved (:func:`scheduler.loadtest.capacity.interleaved`):
     the engine in this process (``inprocess``), a tritonserver of its own on the run's repository over
-    gRPC (``triton_direct``, with ``hops`` and a stack of our own), the stack at ``url`` (``served``) and,
-    with ``capacity_exact``, the stack in mode exact (``served_exact``)."""
+    gRPC (``triton_direct``, with ``hops`` and a stack of our own), Triton's core in this process on that
+    repository (``triton_core``, with ``core_hop`` as well: the same model without gRPC), the stack at ``url``
+    (``served``) and, with ``capacity_exact``, the stack in mode exact (``served_exact``)."""
     from scheduler.serving.bundle import open_bundle
     from scheduler.serving.stack import repository
+    from scheduler.serving.triton_core import TritonCore, TritonCoreClient
     from scheduler.serving.tritonserver import TritonProcess
 
     with contextlib.ExitStack() as stack:
@@ -47,6 +50,8 @@ def capacity_runs(cfg: BenchServeConfig, reqs: list[ScheduledRequest], url: str)
             host.start()
             stack.callback(host.stop)
         tp = stack.enter_context(TritonProcess(repository(cfg.run_dir))) if cfg.hops and cfg.url is None else None
+        core = (stack.enter_context(TritonCore(repository(cfg.run_dir), work_dir=tp.work_dir, install=tp.install))
+                if tp is not None and cfg.core_hop else None)
 
         async def run() -> dict[str, dict[int, list[Run]]]:
             senders: dict[str, Any] = {}
@@ -56,6 +61,9 @@ def capacity_runs(cfg: BenchServeConfig, reqs: list[ScheduledRequest], url: str)
             if tp is not None:
                 senders[TRITON_SYSTEM] = TritonSender(tp.grpc_url, cfg.mode, cfg.sla_ttft_ms, cfg.sla_tpot_ms,
                                                       stop_ids(cfg))
+            if core is not None:
+                senders[CORE_SYSTEM] = TritonSender(TritonCoreClient(core), cfg.mode, cfg.sla_ttft_ms, cfg.sla_tpot_ms,
+                                                    stop_ids(cfg))
             senders[SERVED_SYSTEM] = await served_sender(url, cfg)
             if cfg.capacity_exact and cfg.mode != "exact":
                 senders[EXACT_SYSTEM] = await served_sender(url, cfg, "exact")
@@ -64,7 +72,7 @@ def capacity_runs(cfg: BenchServeConfig, reqs: list[ScheduledRequest], url: str)
                                          cfg.warmup_requests)
             finally:
                 for name, send in senders.items():
-                    if name == TRITON_SYSTEM:
+                    if name in (TRITON_SYSTEM, CORE_SYSTEM):
                         await send.close()
                     elif name in (SERVED_SYSTEM, EXACT_SYSTEM):
                         await send.__aexit__(None, None, None)

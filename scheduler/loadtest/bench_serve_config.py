@@ -57,6 +57,9 @@ class BenchServeConfig:
     # through the stack: exact-mode tokens/s beside the bounded mode's
     capacity_exact: bool = True
     hops: bool = True                 # the closed-loop requests also straight to a tritonserver (no Ray Serve)
+    # ... and to Triton's core in this process through its C API (no gRPC: scheduler/serving/triton_core.py),
+    # which splits the Triton hop into gRPC's part and the core's and the model's stub's
+    core_hop: bool = True
     # after the first policy's run, a PNG of the live dashboard (/dashboard) of that stack in headless
     # Chromium -> bench/dashboard.png, embedded in the report (skipped, saying why, without a browser)
     screenshot: bool = True

@@ -1,5 +1,6 @@
 """The price of serving, measured side by side: the same closed-loop requests on the engine in
-process, straight to a tritonserver over gRPC, and through the whole stack (HTTP, Ray Serve, Triton),
+process, on Triton's core in process (no gRPC), straight to a tritonserver over gRPC, and through the whole
+stack (HTTP, Ray Serve, Triton),
 interleaved and repeated (``smartexit bench serve``, the ``capacity`` section of ``serve.json``).
 
 Two identical served runs on a shared 2-core machine differ by 10-50%, so one run of each system
@@ -31,6 +32,7 @@ from scheduler.loadtest.loadgen import ScheduledRequest, run_closed_loop
 
 Send = Callable[[ScheduledRequest], Awaitable[RequestResult]]
 INPROCESS, TRITON, SERVED = "inprocess", "triton_direct", "served"
+TRITON_CORE = "triton_core"  # Triton's core in the load generator's process (C API), no gRPC
 SUMMARY_KEYS = ("requests", "errors", "tokens", "tokens_per_s", "ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms",
                 "tpot_p95_ms", "e2e_p50_ms")
 

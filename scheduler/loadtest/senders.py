@@ -310,14 +310,15 @@ class InProcessSender:
 
 
 class TritonSender:
-    """``send`` straight to a tritonserver's ``smartexit`` model over gRPC (no Ray Serve): the middle
-    point of the hop profile (in process -> + Triton -> + Ray Serve and HTTP)."""
+    """``send`` straight to a tritonserver's ``smartexit`` model over gRPC (no Ray Serve), or to any client of
+    that interface (``TritonCoreClient``: Triton's core in this process, no gRPC): the middle points of the
+    hop profile (in process -> + Triton's core -> + gRPC -> + Ray Serve and HTTP)."""
 
-    def __init__(self, url: str, mode: str = "bounded", sla_ttft_ms: float | None = None,
+    def __init__(self, url: "str | Any", mode: str = "bounded", sla_ttft_ms: float | None = None,
                  sla_tpot_ms: float | None = None, stop_ids: Sequence[int] = ()) -> None:
         from scheduler.serving.triton_client import TritonClient
 
-        self.client = TritonClient(url)
+        self.client = TritonClient(url) if isinstance(url, str) else url
         self.mode, self.sla, self.stop_ids = mode, (sla_ttft_ms, sla_tpot_ms), tuple(stop_ids)
 
     async def __call__(self, req: ScheduledRequest) -> RequestResult:

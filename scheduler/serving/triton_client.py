@@ -156,6 +156,27 @@ def decode_chunk(result: Any) -> Chunk:
     return Chunk(ids, layers, reason)
 
 
+def engine_checked(chunk: Chunk) -> Chunk:
+    """``chunk``, unless it says the engine failed.
+
+    Raises:
+        TritonRejected: the engine stopped while serving the request (finish reason ``ENGINE_ERROR``).
+    """
+    if chunk.finish_reason == ENGINE_ERROR:
+        raise TritonRejected("internal", "the engine stopped while serving the request")
+    return chunk
+
+
+async def cancel_quietly(client: Any, request_id: str) -> None:
+    """``client.cancel(request_id)``, shielded (it runs while the caller is being cancelled, and must still reach
+    the server) and logged, not raised, when the server is gone: nothing is left to cancel then."""
+    task = asyncio.ensure_future(client.cancel(request_id))
+    try:
+        await asyncio.shield(task)
+    except TritonError as exc:
+        log.info("cancel %s not delivered: %s", request_id, exc)
+
+
 def decode_control(result: Any) -> dict[str, Any]:
     """The JSON answer of a control response.
 
@@ -254,24 +275,14 @@ class TritonClient:
                     finished = True  # a rejection is the request's only (final) response
                     raise error_from_message(error.message() or str(error))
                 chunk = decode_chunk(result)
-                finished = bool(chunk.finish_reason)
-                if chunk.finish_reason == ENGINE_ERROR:
-                    raise TritonRejected("internal", "the engine stopped while serving the request")
-                yield chunk
+                finished = bool(chunk.finish_reason)  # an engine's failure too is the request's final response
+                yield engine_checked(chunk)
         finally:
             done.set()
             if not finished:
                 call.cancel()
                 if not broken:  # the consumer left early: stop the engine working for nobody
-                    await self._cancel_quietly(request_id)
-
-    async def _cancel_quietly(self, request_id: str) -> None:
-        # shielded: this runs while the caller is being cancelled, and must still reach the server
-        task = asyncio.ensure_future(self.cancel(request_id))
-        try:
-            await asyncio.shield(task)
-        except TritonError as exc:  # the server is gone: nothing left to cancel
-            log.info("cancel %s not delivered: %s", request_id, exc)
+                    await cancel_quietly(self, request_id)
 
     async def control(self, op: dict[str, Any]) -> dict[str, Any]:
         """Send a control op (``stats``, ``set``, ``cancel``) and return its JSON answer.

@@ -404,9 +404,10 @@ class TestOneReplica:
 
     def test_the_price_of_serving_runs_every_system_interleaved(self, stack):
         """``bench serve``'s capacity runs against this stack: the same closed-loop requests on the
-        engine in process, on a tritonserver of their own over gRPC, through the stack, and through the
-        stack in mode exact, each at every concurrency in every repeat; every request completes, the
-        greedy lengths agree across systems, and the report pairs them per repeat."""
+        engine in process, on a tritonserver of their own over gRPC, on Triton's core in this process (no
+        gRPC), through the stack, and through the stack in mode exact, each at every concurrency in every
+        repeat; every request completes, the greedy lengths agree across systems, and the report pairs them
+        per repeat."""
         from tokenizers import Tokenizer
 
         from scheduler.loadtest.bench_serve_capacity import capacity_runs, capacity_section
@@ -418,7 +419,7 @@ class TestOneReplica:
         ids = Tokenizer.from_file(str(stack.repo / "smartexit" / "1" / "bundle" / "tokenizer.json")).encode(PROMPT).ids
         reqs = [ScheduledRequest(0.0, ids, 8, f"cap-{i}") for i in range(cfg.capacity_requests)]
         runs = capacity_runs(cfg, reqs, stack.url)
-        assert set(runs) == {"inprocess", "triton_direct", "served", "served_exact"}
+        assert set(runs) == {"inprocess", "triton_direct", "triton_core", "served", "served_exact"}
         for name, per in runs.items():
             assert sorted(per) == [1, 2] and all(len(rs) == 2 for rs in per.values()), name
             for rs in per.values():
@@ -433,6 +434,7 @@ class TestOneReplica:
         for c in ("1", "2"):
             assert rep["levels"][c]["served_vs_inprocess_same_output_lengths"]["min"] == 1.0
             assert rep["levels"][c]["triton_direct_vs_inprocess_same_output_lengths"]["min"] == 1.0
+            assert rep["levels"][c]["triton_core_vs_inprocess_same_output_lengths"]["min"] == 1.0
 
     def test_client_disconnect_frees_the_engine_slot(self, stack, find_processes):
         """A client that reads two chunks of a long stream and closes the connection: within a few

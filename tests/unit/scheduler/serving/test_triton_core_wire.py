@@ -1,0 +1,32 @@
+"""The in-process Triton core's own parts that need no server (scheduler/serving/triton_core.py): BYTES tensors
+in Triton's wire form and back, and an install without the core library refused with what to do."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge.core.errors import SmartExitError
+from scheduler.serving.triton_core import _bytes_tensor, _from_bytes, core_library
+from scheduler.serving.tritonserver import TritonInstall
+
+
+def test_bytes_tensors_round_trip_in_the_wire_form():
+    arr = np.array([b'{"op": "stats"}', b"", "exact".encode()], dtype=np.object_)
+    wire = _bytes_tensor(arr)
+    assert wire[:4] == (15).to_bytes(4, "little") and len(wire) == 3 * 4 + 15 + 0 + 5
+    back = _from_bytes(wire, (3,))
+    assert back.dtype == np.object_ and list(back) == list(arr)
+    assert _from_bytes(_bytes_tensor(arr.reshape(3, 1)), (3, 1)).shape == (3, 1)
+
+
+def test_an_install_without_the_core_library_is_refused(tmp_path: Path):
+    (tmp_path / "bin").mkdir()
+    install = TritonInstall(tmp_path / "bin" / "tritonserver", tmp_path / "backends",
+                            {"LD_LIBRARY_PATH": str(tmp_path / "nothing")}, "a test's")
+    with pytest.raises(SmartExitError, match="no libtritonserver"):
+        core_library(install)
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libtritonserver.so").write_bytes(b"")
+    assert core_library(install) == tmp_path / "lib" / "libtritonserver.so"
