@@ -118,7 +118,11 @@ class _Api:
 
     def __init__(self, lib: C.CDLL) -> None:
         def f(name: str, *args, restype=P):
-            fn = getattr(lib, name)
+            try:
+                fn = getattr(lib, name)
+            except AttributeError:
+                raise SmartExitError(f"{lib._name} has no {name}: a Triton core too old for this client "
+                                     "(tritonserver over gRPC still serves)") from None
             fn.restype, fn.argtypes = restype, list(args)
             return fn
         pp = C.POINTER(P)

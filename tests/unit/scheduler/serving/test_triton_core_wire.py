@@ -1,5 +1,6 @@
 """The in-process Triton core's own parts that need no server (scheduler/serving/triton_core.py): BYTES tensors
-in Triton's wire form and back, and an install without the core library refused with what to do."""
+in Triton's wire form and back, an install without the core library and a core without a function the
+client calls refused with what to do."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -30,3 +31,12 @@ def test_an_install_without_the_core_library_is_refused(tmp_path: Path):
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "libtritonserver.so").write_bytes(b"")
     assert core_library(install) == tmp_path / "lib" / "libtritonserver.so"
+
+
+def test_a_core_library_without_a_function_the_client_needs_is_refused_by_name():
+    from types import SimpleNamespace
+
+    from scheduler.serving.triton_core import _Api
+
+    with pytest.raises(SmartExitError, match="libold.so has no TRITONSERVER_ErrorMessage"):
+        _Api(SimpleNamespace(_name="libold.so"))
