@@ -5,8 +5,8 @@ tritonserver is a front end (HTTP, gRPC, metrics) over a core library, ``libtrit
 runs in a process of its own, and everything between a client and it that gRPC carried (the client's
 stream, the server's gRPC front end, a process hop) is gone. Ray Serve's Triton guide does the same with
 Triton's Python bindings (``tritonserver``), which no wheel installable here ships (PyPI's ``tritonserver``
-is a 0.0.1.dev0 placeholder); nvidia-pytriton's wheel ships the core library itself, so this module binds
-the few functions it needs with ctypes.
+is a 0.0.1.dev0 placeholder); nvidia-pytriton's wheel ships the core library itself, whose few functions this
+needs are bound with ctypes in scheduler/serving/triton_capi.py.
 
 - :class:`TritonCore` starts the core on a repository (``start``: until the model is ready) and stops it;
 - :class:`TritonCoreClient` is :class:`scheduler.serving.triton_client.TritonClient`'s interface (``ready``,
@@ -16,7 +16,8 @@ the few functions it needs with ctypes.
 
 Measured (docs/serving.md, stop 69): straight to the core this way, a 64-token prompt's first token came
 2.8 ms sooner than over gRPC to a tritonserver on the same repository (paired medians, 40 sequential
-requests, the 2-core Intel VM). ``smartexit bench serve`` times it as the ``triton_core`` hop.
+requests, the 2-core Intel VM; 0.3-3.3 ms in four ``bench serve`` runs, which time it as the ``triton_core``
+hop).
 """
 from __future__ import annotations
 
@@ -25,8 +26,6 @@ import ctypes as C
 import itertools
 import logging
 import os
-import re
-import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -35,165 +34,16 @@ from typing import Any
 
 import numpy as np
 
-from edge.core.errors import ConfigError, SmartExitError
+from edge.core.errors import ConfigError
 from scheduler.serving.triton_client import (MODEL, Chunk, TritonUnavailable, cancel_quietly, control_tensors,
                                              decode_chunk, decode_control, engine_checked, error_from_message,
                                              generation_tensors)
+from scheduler.serving.triton_capi import (BYTES, CONTROL_NONE, DTYPES, FLAG_FINAL, MEMORY_CPU, NUMPY, RELEASE_ALL, P,
+                                           AllocFn, CoreApi, FreeFn, RequestReleasedFn, ResponseFn, bytes_tensor,
+                                           from_bytes)
 from scheduler.serving.tritonserver import TritonInstall, find_tritonserver
 
 log = logging.getLogger(__name__)
-
-P = C.c_void_p
-# tritonserver.h's enums (stable across releases)
-_MEMORY_CPU = 0
-_CONTROL_NONE = 0
-_FLAG_FINAL = 1
-_RELEASE_ALL = 1
-_BYTES = 13
-_DTYPES = {np.dtype(np.int32): 8, np.dtype(np.int64): 9, np.dtype(np.float32): 11}
-_NUMPY = {8: np.int32, 9: np.int64, 11: np.float32}
-_ALLOC = C.CFUNCTYPE(P, P, C.c_char_p, C.c_size_t, C.c_int, C.c_int64, P, C.POINTER(P), C.POINTER(P),
-                     C.POINTER(C.c_int), C.POINTER(C.c_int64))
-_FREE = C.CFUNCTYPE(P, P, P, P, C.c_size_t, C.c_int, C.c_int64)
-_REQUEST_RELEASED = C.CFUNCTYPE(None, P, C.c_uint32, P)
-_RESPONSE = C.CFUNCTYPE(None, P, C.c_uint32, P)
-_MISSING = re.compile(r"^([^:\s]+): cannot open shared object file")
-
-
-def core_library(install: TritonInstall) -> Path:
-    """The ``libtritonserver`` of an install: in a folder of its ``LD_LIBRARY_PATH`` (nvidia-pytriton's
-    ``nvidia_pytriton.libs``, a release's ``lib``) or beside its binary (``../lib``).
-
-    Raises:
-        SmartExitError: none there.
-    """
-    for d in library_dirs(install):
-        found = sorted(d.glob("libtritonserver*.so*"))
-        if found:
-            return found[0]
-    raise SmartExitError(f"no libtritonserver beside {install.binary} ({install.source}): Triton's core library is "
-                         "needed to serve in process (tritonserver over gRPC needs only the binary)")
-
-
-def _load(path: Path, dirs: Sequence[Path], depth: int = 0) -> C.CDLL:
-    """``path`` loaded (globally) after each dependency the loader names missing, found in ``dirs`` (the install's
-    library folders, which this process's loader does not search: it read ``LD_LIBRARY_PATH`` when it started)."""
-    for _ in range(64):
-        try:
-            return C.CDLL(str(path), mode=C.RTLD_GLOBAL)
-        except OSError as exc:
-            m = _MISSING.search(str(exc))
-            dep = next((d / m.group(1) for d in dirs if m and (d / m.group(1)).is_file()), None)
-            if dep is None or depth > 16:
-                raise SmartExitError(f"cannot load {path.name}: {exc}") from exc
-            _load(dep, dirs, depth + 1)
-    raise SmartExitError(f"cannot load {path.name}: too many dependencies")
-
-
-def library_dirs(install: TritonInstall) -> list[Path]:
-    """The folders an install's libraries are found in: its ``LD_LIBRARY_PATH`` and ``../lib`` beside its binary."""
-    dirs = [Path(p) for p in install.env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
-    return [d for d in dict.fromkeys(dirs + [install.binary.parent.parent / "lib"]) if d.is_dir()]
-
-
-class _Api:
-    """The C functions used, typed (every one returns a ``TRITONSERVER_Error*``, NULL on success, unless noted)."""
-
-    _lock = threading.Lock()
-    _loaded: dict[Path, "_Api"] = {}
-
-    @classmethod
-    def of(cls, install: TritonInstall) -> "_Api":
-        """The core library of ``install``, loaded once per process, and its python backend before the core
-        opens it (the backend's own dependencies are in the install's library folders too)."""
-        path, dirs = core_library(install), library_dirs(install)
-        with cls._lock:
-            if path not in cls._loaded:
-                api = cls(_load(path, dirs))
-                backend = Path(install.backend_dir) / "python" / "libtriton_python.so"
-                if backend.is_file():
-                    _load(backend.resolve(), dirs)
-                cls._loaded[path] = api
-            return cls._loaded[path]
-
-    def __init__(self, lib: C.CDLL) -> None:
-        def f(name: str, *args, restype=P):
-            try:
-                fn = getattr(lib, name)
-            except AttributeError:
-                raise SmartExitError(f"{lib._name} has no {name}: a Triton core too old for this client "
-                                     "(tritonserver over gRPC still serves)") from None
-            fn.restype, fn.argtypes = restype, list(args)
-            return fn
-        pp = C.POINTER(P)
-        self.error_message = f("TRITONSERVER_ErrorMessage", P, restype=C.c_char_p)
-        self.error_delete = f("TRITONSERVER_ErrorDelete", P, restype=None)
-        self.options_new = f("TRITONSERVER_ServerOptionsNew", pp)
-        self.options_delete = f("TRITONSERVER_ServerOptionsDelete", P)
-        self.set_repository = f("TRITONSERVER_ServerOptionsSetModelRepositoryPath", P, C.c_char_p)
-        self.set_backends = f("TRITONSERVER_ServerOptionsSetBackendDirectory", P, C.c_char_p)
-        self.set_control = f("TRITONSERVER_ServerOptionsSetModelControlMode", P, C.c_int)
-        self.set_strict = f("TRITONSERVER_ServerOptionsSetStrictReadiness", P, C.c_bool)
-        self.set_exit_on_error = f("TRITONSERVER_ServerOptionsSetExitOnError", P, C.c_bool)
-        self.set_exit_timeout = f("TRITONSERVER_ServerOptionsSetExitTimeout", P, C.c_uint)
-        self.set_metrics = f("TRITONSERVER_ServerOptionsSetMetrics", P, C.c_bool)
-        self.set_gpu_metrics = f("TRITONSERVER_ServerOptionsSetGpuMetrics", P, C.c_bool)
-        self.set_log_file = f("TRITONSERVER_ServerOptionsSetLogFile", P, C.c_char_p)
-        self.set_log_verbose = f("TRITONSERVER_ServerOptionsSetLogVerbose", P, C.c_int)
-        self.server_new = f("TRITONSERVER_ServerNew", pp, P)
-        self.server_stop = f("TRITONSERVER_ServerStop", P)
-        self.server_delete = f("TRITONSERVER_ServerDelete", P)
-        self.model_ready = f("TRITONSERVER_ServerModelIsReady", P, C.c_char_p, C.c_int64, C.POINTER(C.c_bool))
-        self.allocator_new = f("TRITONSERVER_ResponseAllocatorNew", pp, _ALLOC, _FREE, P)
-        self.request_new = f("TRITONSERVER_InferenceRequestNew", pp, P, C.c_char_p, C.c_int64)
-        self.request_delete = f("TRITONSERVER_InferenceRequestDelete", P)
-        self.request_id = f("TRITONSERVER_InferenceRequestSetId", P, C.c_char_p)
-        self.add_input = f("TRITONSERVER_InferenceRequestAddInput", P, C.c_char_p, C.c_int, C.POINTER(C.c_int64),
-                           C.c_uint64)
-        self.input_data = f("TRITONSERVER_InferenceRequestAppendInputData", P, C.c_char_p, P, C.c_size_t, C.c_int,
-                            C.c_int64)
-        self.on_release = f("TRITONSERVER_InferenceRequestSetReleaseCallback", P, _REQUEST_RELEASED, P)
-        self.on_response = f("TRITONSERVER_InferenceRequestSetResponseCallback", P, P, P, _RESPONSE, P)
-        self.infer = f("TRITONSERVER_ServerInferAsync", P, P, P)
-        self.response_error = f("TRITONSERVER_InferenceResponseError", P)
-        self.response_delete = f("TRITONSERVER_InferenceResponseDelete", P)
-        self.output_count = f("TRITONSERVER_InferenceResponseOutputCount", P, C.POINTER(C.c_uint32))
-        self.output = f("TRITONSERVER_InferenceResponseOutput", P, C.c_uint32, C.POINTER(C.c_char_p),
-                        C.POINTER(C.c_int), C.POINTER(C.POINTER(C.c_int64)), C.POINTER(C.c_uint64), C.POINTER(P),
-                        C.POINTER(C.c_size_t), C.POINTER(C.c_int), C.POINTER(C.c_int64), C.POINTER(P))
-
-    def message(self, err: int | None, delete: bool = True) -> str | None:
-        """The message of a returned error (deleted: the caller owns it) or None on success."""
-        if not err:
-            return None
-        text = (self.error_message(err) or b"").decode(errors="replace")
-        if delete:
-            self.error_delete(err)
-        return text
-
-    def check(self, err: int | None, what: str) -> None:
-        msg = self.message(err)
-        if msg is not None:
-            raise TritonUnavailable(f"Triton core: {what}: {msg}")
-
-
-def _bytes_tensor(arr: np.ndarray) -> bytes:
-    """A BYTES tensor's wire form: each element as its 4-byte little-endian length and its bytes."""
-    out = bytearray()
-    for v in arr.reshape(-1):
-        b = v if isinstance(v, bytes) else str(v).encode()
-        out += len(b).to_bytes(4, "little") + b
-    return bytes(out)
-
-
-def _from_bytes(buf: bytes, shape: tuple[int, ...]) -> np.ndarray:
-    items, at = [], 0
-    while at + 4 <= len(buf):
-        n = int.from_bytes(buf[at:at + 4], "little")
-        items.append(buf[at + 4:at + 4 + n])
-        at += 4 + n
-    return np.array(items, dtype=np.object_).reshape(shape)
-
 
 @dataclass
 class _Result:
@@ -224,7 +74,7 @@ class TritonCore:
     work_dir: Path | None = None  # the log's folder; default: beside the repository
     exit_timeout_s: int = 10
     install: TritonInstall | None = None
-    _api: _Api | None = field(default=None, repr=False)
+    _api: CoreApi | None = field(default=None, repr=False)
     _server: int | None = field(default=None, repr=False)
     _calls: dict[int, _Call] = field(default_factory=dict, repr=False)
     _ids: Any = field(default_factory=lambda: itertools.count(1), repr=False)
@@ -237,8 +87,8 @@ class TritonCore:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.install = self.install or find_tritonserver(self.work_dir)
         # the callbacks the core calls, kept alive with the object (ctypes frees a collected one under the core)
-        self._alloc, self._free = _ALLOC(self._allocate), _FREE(self._release_buffer)
-        self._released, self._responded = _REQUEST_RELEASED(self._request_released), _RESPONSE(self._response)
+        self._alloc, self._free = AllocFn(self._allocate), FreeFn(self._release_buffer)
+        self._released, self._responded = RequestReleasedFn(self._request_released), ResponseFn(self._response)
         self._libc = C.CDLL(None)
         self._libc.malloc.restype, self._libc.malloc.argtypes = P, [C.c_size_t]
         self._libc.free.restype, self._libc.free.argtypes = None, [P]
@@ -260,7 +110,7 @@ class TritonCore:
         """
         if self._server is not None:
             return self
-        api = self._api = _Api.of(self.install)
+        api = self._api = CoreApi.of(self.install)
         # what the model's stub, a child of this process, runs with (restored by stop)
         self._environ = {k: os.environ.get(k) for k in self.install.env}
         os.environ.update(self.install.env)
@@ -269,7 +119,7 @@ class TritonCore:
         try:
             for err, what in ((api.set_repository(opts, str(self.repo).encode()), "model repository"),
                               (api.set_backends(opts, str(self.install.backend_dir).encode()), "backend directory"),
-                              (api.set_control(opts, _CONTROL_NONE), "model control"),
+                              (api.set_control(opts, CONTROL_NONE), "model control"),
                               (api.set_strict(opts, True), "strict readiness"),
                               (api.set_exit_on_error(opts, True), "exit on error"),
                               (api.set_exit_timeout(opts, int(self.exit_timeout_s)), "exit timeout"),
@@ -349,10 +199,10 @@ class TritonCore:
             for name, arr in tensors.items():
                 arr = np.asarray(arr)
                 if arr.dtype == np.object_:
-                    dtype, data = _BYTES, _bytes_tensor(arr)
+                    dtype, data = BYTES, bytes_tensor(arr)
                     base = C.cast(C.c_char_p(data), P)
-                elif arr.dtype in _DTYPES:
-                    dtype = _DTYPES[arr.dtype]
+                elif arr.dtype in DTYPES:
+                    dtype = DTYPES[arr.dtype]
                     data = np.ascontiguousarray(arr)
                     base = P(data.ctypes.data)
                 else:
@@ -361,7 +211,7 @@ class TritonCore:
                 shape = (C.c_int64 * arr.ndim)(*arr.shape)
                 api.check(api.add_input(req, name.encode(), dtype, shape, arr.ndim), f"input {name}")
                 size = len(data) if isinstance(data, bytes) else data.nbytes
-                api.check(api.input_data(req, name.encode(), base, size, _MEMORY_CPU, 0), f"input {name}")
+                api.check(api.input_data(req, name.encode(), base, size, MEMORY_CPU, 0), f"input {name}")
             api.check(api.on_release(req, self._released, P(key)), "release callback")
             api.check(api.on_response(req, self._allocator, None, self._responded, P(key)), "response callback")
             self._calls[key] = call
@@ -379,7 +229,7 @@ class TritonCore:
                   actual_type, actual_id):
         buffer[0] = self._libc.malloc(size) if size else None
         buffer_userp[0] = None
-        actual_type[0], actual_id[0] = _MEMORY_CPU, 0
+        actual_type[0], actual_id[0] = MEMORY_CPU, 0
         return None
 
     def _release_buffer(self, allocator, buffer, buffer_userp, size, memory_type, memory_type_id):
@@ -388,7 +238,7 @@ class TritonCore:
         return None
 
     def _request_released(self, request, flags, userp) -> None:
-        if flags & _RELEASE_ALL:
+        if flags & RELEASE_ALL:
             self._api.request_delete(request)
             call = self._calls.get(userp or 0)
             if call is not None:
@@ -408,7 +258,7 @@ class TritonCore:
                     self._api.response_delete(response)
         except Exception as exc:  # noqa: BLE001 - nothing may escape into the core's thread
             error = f"malformed response: {exc}"
-        final = bool(flags & _FLAG_FINAL)
+        final = bool(flags & FLAG_FINAL)
         if final:
             self._calls.pop(userp or 0, None)
         if call is not None:
@@ -428,10 +278,10 @@ class TritonCore:
                                  C.byref(base), C.byref(size), C.byref(mtype), C.byref(mid), C.byref(userp)), "output")
             dims_ = tuple(shape[j] for j in range(dims.value))
             raw = C.string_at(base, size.value) if size.value else b""
-            if dtype.value == _BYTES:
-                out[name.value.decode()] = _from_bytes(raw, dims_)
-            elif dtype.value in _NUMPY:
-                out[name.value.decode()] = np.frombuffer(raw, _NUMPY[dtype.value]).reshape(dims_).copy()
+            if dtype.value == BYTES:
+                out[name.value.decode()] = from_bytes(raw, dims_)
+            elif dtype.value in NUMPY:
+                out[name.value.decode()] = np.frombuffer(raw, NUMPY[dtype.value]).reshape(dims_).copy()
         return _Result(out)
 
 
