@@ -318,7 +318,8 @@ def render_headline(s: dict[str, Any]) -> str:
                      f"{s['goodput_ratio_exit_features_ablation_min']:.3f})")
     if "goodput_ratio_vs_best_fixed_at_sla_edge" in s:
         lines.append(f"  real stack at the SLA edge: goodput ratio {s['goodput_ratio_vs_best_fixed_at_sla_edge']} "
-                     f"(at most {s.get('goodput_ceiling_vs_best_fixed_at_sla_edge')}: every request within the SLA), "
+                     f"(ceiling {s.get('goodput_ceiling_vs_best_fixed_at_sla_edge')}: every request within the SLA, the "
+                     f"runs' lengths aside), "
                      f"sim validation max rel err {s['sim_validation_max_rel_err']} below the edge, "
                      f"{s['sim_validation_at_edge_max_rel_err']} at it; sim error / served repeat spread, largest "
                      f"{s.get('sim_error_vs_repeat_spread_max')} (spread {s.get('sim_repeat_spread')}; against runs on "
