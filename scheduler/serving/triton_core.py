@@ -59,7 +59,6 @@ class _Result:
 class _Call:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    inputs: list[np.ndarray | bytes]  # kept alive until the core releases the request
 
 
 @dataclass
@@ -76,7 +75,8 @@ class TritonCore:
     install: TritonInstall | None = None
     _api: CoreApi | None = field(default=None, repr=False)
     _server: int | None = field(default=None, repr=False)
-    _calls: dict[int, _Call] = field(default_factory=dict, repr=False)
+    _calls: dict[int, _Call] = field(default_factory=dict, repr=False)  # until the final response
+    _inputs: dict[int, list] = field(default_factory=dict, repr=False)  # until the core releases the request
     _ids: Any = field(default_factory=lambda: itertools.count(1), repr=False)
 
     def __post_init__(self) -> None:
@@ -192,7 +192,7 @@ class TritonCore:
         req = P()
         api.check(api.request_new(C.byref(req), self._server, MODEL.encode(), -1), "request")
         key = next(self._ids)
-        call = _Call(asyncio.get_running_loop(), asyncio.Queue(), [])
+        call, inputs = _Call(asyncio.get_running_loop(), asyncio.Queue()), []
         try:
             if request_id:
                 api.check(api.request_id(req, request_id.encode()), "request id")
@@ -207,17 +207,18 @@ class TritonCore:
                     base = P(data.ctypes.data)
                 else:
                     raise ConfigError(f"input {name}: no Triton type for {arr.dtype}")
-                call.inputs.append(data)
+                inputs.append(data)
                 shape = (C.c_int64 * arr.ndim)(*arr.shape)
                 api.check(api.add_input(req, name.encode(), dtype, shape, arr.ndim), f"input {name}")
                 size = len(data) if isinstance(data, bytes) else data.nbytes
                 api.check(api.input_data(req, name.encode(), base, size, MEMORY_CPU, 0), f"input {name}")
             api.check(api.on_release(req, self._released, P(key)), "release callback")
             api.check(api.on_response(req, self._allocator, None, self._responded, P(key)), "response callback")
-            self._calls[key] = call
+            self._calls[key], self._inputs[key] = call, inputs
             msg = api.message(api.infer(self._server, req, None))
-            if msg is not None:
+            if msg is not None:  # the request is still ours
                 self._calls.pop(key, None)
+                self._inputs.pop(key, None)
                 raise TritonUnavailable(f"Triton core refused the request: {msg}")
         except BaseException:
             if key not in self._calls:
@@ -240,9 +241,7 @@ class TritonCore:
     def _request_released(self, request, flags, userp) -> None:
         if flags & RELEASE_ALL:
             self._api.request_delete(request)
-            call = self._calls.get(userp or 0)
-            if call is not None:
-                call.inputs.clear()
+            self._inputs.pop(userp or 0, None)  # the core reads the inputs no more
 
     def _response(self, response, flags, userp) -> None:
         """A response (or NULL with the final flag alone) on one of the core's threads: read, deleted, handed over."""

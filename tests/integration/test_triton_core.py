@@ -114,6 +114,17 @@ def test_an_early_close_cancels_the_request_in_the_engine(core):
     assert asyncio.run(leave_early())
 
 
+def test_finished_requests_leave_nothing_behind(core):
+    """Every request of this module answered and released: no response queue and no input kept (the inputs
+    live until the core releases the request, the queue until its final response)."""
+    import time
+
+    deadline = time.monotonic() + 10
+    while (core._calls or core._inputs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert core._calls == {} and core._inputs == {}
+
+
 def test_a_stopped_core_and_a_folder_without_the_model_are_refused(repo, tmp_path):
     from scheduler.serving.triton_client import TritonUnavailable
     from scheduler.serving.triton_core import TritonCore, TritonCoreClient
