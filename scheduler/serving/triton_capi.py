@@ -124,6 +124,11 @@ class CoreApi:
         self.server_delete = f("TRITONSERVER_ServerDelete", P)
         self.model_ready = f("TRITONSERVER_ServerModelIsReady", P, C.c_char_p, C.c_int64, C.POINTER(C.c_bool))
         self.allocator_new = f("TRITONSERVER_ResponseAllocatorNew", pp, AllocFn, FreeFn, P)
+        self.allocator_delete = f("TRITONSERVER_ResponseAllocatorDelete", P)
+        libc = C.CDLL(None)  # the output buffers the allocator hands the core
+        self.malloc, self.free = libc.malloc, libc.free
+        self.malloc.restype, self.malloc.argtypes = P, [C.c_size_t]
+        self.free.restype, self.free.argtypes = None, [P]
         self.request_new = f("TRITONSERVER_InferenceRequestNew", pp, P, C.c_char_p, C.c_int64)
         self.request_delete = f("TRITONSERVER_InferenceRequestDelete", P)
         self.request_id = f("TRITONSERVER_InferenceRequestSetId", P, C.c_char_p)

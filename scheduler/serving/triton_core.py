@@ -41,9 +41,10 @@ from scheduler.serving.triton_client import (MODEL, Chunk, TritonUnavailable, ca
 from scheduler.serving.triton_capi import (BYTES, CONTROL_NONE, DTYPES, FLAG_FINAL, MEMORY_CPU, NUMPY, RELEASE_ALL, P,
                                            AllocFn, CoreApi, FreeFn, RequestReleasedFn, ResponseFn, bytes_tensor,
                                            from_bytes)
-from scheduler.serving.tritonserver import TritonInstall, find_tritonserver
+from scheduler.serving.tritonserver import TritonInstall, find_tritonserver, serving_dirs
 
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class _Result:
@@ -75,23 +76,18 @@ class TritonCore:
     install: TritonInstall | None = None
     _api: CoreApi | None = field(default=None, repr=False)
     _server: int | None = field(default=None, repr=False)
+    _allocator: int | None = field(default=None, repr=False)
     _calls: dict[int, _Call] = field(default_factory=dict, repr=False)  # until the final response
     _inputs: dict[int, list] = field(default_factory=dict, repr=False)  # until the core releases the request
     _ids: Any = field(default_factory=lambda: itertools.count(1), repr=False)
 
     def __post_init__(self) -> None:
-        self.repo = Path(self.repo).resolve()
-        if not (self.repo / MODEL / "config.pbtxt").is_file():
-            raise ConfigError(f"{self.repo} is not a SmartExit model repository (run `smartexit repo`)")
-        self.work_dir = Path(self.work_dir or self.repo.parent / ".tritonserver").resolve()
-        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.repo, self.work_dir = serving_dirs(self.repo, self.work_dir)
         self.install = self.install or find_tritonserver(self.work_dir)
         # the callbacks the core calls, kept alive with the object (ctypes frees a collected one under the core)
         self._alloc, self._free = AllocFn(self._allocate), FreeFn(self._release_buffer)
         self._released, self._responded = RequestReleasedFn(self._request_released), ResponseFn(self._response)
-        self._libc = C.CDLL(None)
-        self._libc.malloc.restype, self._libc.malloc.argtypes = P, [C.c_size_t]
-        self._libc.free.restype, self._libc.free.argtypes = None, [P]
+        self._environ: dict[str, str | None] = {}  # what start changed in this process's environment
 
     @property
     def log_path(self) -> Path:
@@ -111,9 +107,32 @@ class TritonCore:
         if self._server is not None:
             return self
         api = self._api = CoreApi.of(self.install)
-        # what the model's stub, a child of this process, runs with (restored by stop)
+        # what the model's stub, a child of this process, runs with (given back by stop, or if start fails)
         self._environ = {k: os.environ.get(k) for k in self.install.env}
         os.environ.update(self.install.env)
+        try:
+            self._server = self._new_server(api)
+            allocator = P()
+            api.check(api.allocator_new(C.byref(allocator), self._alloc, self._free, None), "response allocator")
+            self._allocator = allocator.value
+            deadline, ready = time.monotonic() + timeout_s, C.c_bool(False)
+            while not ready.value:
+                api.check(api.model_ready(self._server, MODEL.encode(), -1, C.byref(ready)), "model readiness")
+                if not ready.value:
+                    if time.monotonic() > deadline:
+                        raise TritonUnavailable(f"model {MODEL} not ready within {timeout_s:g} s{self._log_tail()}")
+                    time.sleep(0.05)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _new_server(self, api: CoreApi) -> int:
+        """The core, started on the repository with this object's options (it loads the model before returning).
+
+        Raises:
+            TritonUnavailable: an option refused, or the core did not start (the log's tail in the message).
+        """
         opts = P()
         api.check(api.options_new(C.byref(opts)), "options")
         try:
@@ -132,37 +151,29 @@ class TritonCore:
             msg = api.message(api.server_new(C.byref(server), opts))
             if msg is not None:
                 raise TritonUnavailable(f"Triton core did not start on {self.repo}: {msg}{self._log_tail()}")
+            return server.value
         finally:
             api.options_delete(opts)
-        self._server = server.value
-        allocator = P()
-        api.check(api.allocator_new(C.byref(allocator), self._alloc, self._free, None), "response allocator")
-        self._allocator = allocator.value
-        deadline, ready = time.monotonic() + timeout_s, C.c_bool(False)
-        while not ready.value:
-            api.check(api.model_ready(self._server, MODEL.encode(), -1, C.byref(ready)), "model readiness")
-            if not ready.value:
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise TritonUnavailable(f"model {MODEL} not ready within {timeout_s:g} s{self._log_tail()}")
-                time.sleep(0.05)
-        return self
 
     def stop(self) -> None:
-        """Stop the core (its model's stub with it); idempotent. Requests in flight end with an error."""
-        if self._server is None:
-            return
-        server, self._server = self._server, None
+        """Stop the core (its model's stub with it) and give back the environment ``start`` changed; idempotent.
+        Requests in flight end with an error."""
         api = self._api
-        msg = api.message(api.server_stop(server))
-        if msg is not None:
-            log.warning("Triton core stop: %s", msg)
-        api.message(api.server_delete(server))
-        for k, v in getattr(self, "_environ", {}).items():
+        server, self._server = self._server, None
+        if server is not None:
+            msg = api.message(api.server_stop(server))
+            if msg is not None:
+                log.warning("Triton core stop: %s", msg)
+            api.message(api.server_delete(server))
+        allocator, self._allocator = self._allocator, None
+        if allocator is not None:
+            api.message(api.allocator_delete(allocator))
+        for k, v in self._environ.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        self._environ = {}
 
     def __enter__(self) -> "TritonCore":
         return self.start()
@@ -228,14 +239,14 @@ class TritonCore:
 
     def _allocate(self, allocator, name, size, memory_type, memory_type_id, userp, buffer, buffer_userp,
                   actual_type, actual_id):
-        buffer[0] = self._libc.malloc(size) if size else None
+        buffer[0] = self._api.malloc(size) if size else None
         buffer_userp[0] = None
         actual_type[0], actual_id[0] = MEMORY_CPU, 0
         return None
 
     def _release_buffer(self, allocator, buffer, buffer_userp, size, memory_type, memory_type_id):
         if buffer:
-            self._libc.free(buffer)
+            self._api.free(buffer)
         return None
 
     def _request_released(self, request, flags, userp) -> None:

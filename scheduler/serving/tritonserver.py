@@ -126,6 +126,21 @@ def tritonserver_command(install: TritonInstall, repo: Path, ports: TritonPorts,
             f"--log-verbose={log_verbose}"]
 
 
+def serving_dirs(repo: Path, work_dir: Path | None) -> tuple[Path, Path]:
+    """A SmartExit model repository, resolved, and the folder for a server's backends and log (made; default:
+    beside the repository), for a tritonserver or a core in process.
+
+    Raises:
+        ConfigError: ``repo`` holds no ``smartexit`` model (``smartexit repo`` makes one).
+    """
+    repo = Path(repo).resolve()
+    if not (repo / "smartexit" / "config.pbtxt").is_file():
+        raise ConfigError(f"{repo} is not a SmartExit model repository (run `smartexit repo`)")
+    work = Path(work_dir or repo.parent / ".tritonserver").resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    return repo, work
+
+
 @dataclass
 class TritonProcess:
     """One tritonserver serving ``repo``: ``start`` waits for readiness, ``stop`` ends it and its stubs.
@@ -142,11 +157,7 @@ class TritonProcess:
     install: TritonInstall | None = None
 
     def __post_init__(self) -> None:
-        self.repo = Path(self.repo).resolve()
-        if not (self.repo / "smartexit" / "config.pbtxt").is_file():
-            raise ConfigError(f"{self.repo} is not a SmartExit model repository (run `smartexit repo`)")
-        self.work_dir = Path(self.work_dir or self.repo.parent / ".tritonserver").resolve()
-        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.repo, self.work_dir = serving_dirs(self.repo, self.work_dir)
         self.ports = self.ports or TritonPorts.free(self.host)
         self.install = self.install or find_tritonserver(self.work_dir)
 
