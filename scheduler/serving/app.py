@@ -3,10 +3,14 @@
 - ``Ingress`` (FastAPI): the OpenAI routes, bearer-key check, validation and tokenization
   (scheduler/serving/api.py), the front end's in-flight bound, SSE streaming, metrics, the live
   dashboard (its data: scheduler/serving/dashboard.py, sampled every ``dashboard_tick_s``).
-- ``Worker`` and ``Hub``: scheduler/serving/worker.py (the Triton-facing side, the control loop).
+- ``Worker`` and ``Hub``: scheduler/serving/worker.py (the Triton-facing side, the control loop:
+  scheduler/serving/engine_host.py).
 - The tokens: with ``serve.stream_via: triton`` (the default) the ingress streams each request from
   the picked worker's tritonserver itself (scheduler/serving/routes.py); with ``worker``, through the
   worker replica.
+- ``serve.triton_host: ingress``: no worker; each ingress replica (one per device) hosts the engine itself,
+  Triton's core in its own process (``EngineHost`` with a ``TritonCore``: control loop, supervision, stats to
+  the hub), and streams each request from it, without gRPC or a second actor.
 
 Cancellation: when an HTTP client disconnects, Ray Serve's proxy cancels the ingress request; the
 ``asyncio.CancelledError`` raised in the ingress's stream lands in ``Generation._chunks``
@@ -39,6 +43,7 @@ from edge.core.errors import ConfigError
 from scheduler.serving import api
 from scheduler.serving import dashboard
 from scheduler.serving.config import BundleInfo, ServeConfig
+from scheduler.serving.engine_host import EngineHost
 from scheduler.serving.generation import Generation, complete, prepend, sse_events
 from scheduler.serving.ingress_input import http_error, max_token_chars, parse_request, read_body
 from scheduler.serving.loopback import replica_grpc_on_loopback
@@ -63,7 +68,8 @@ fastapi_app.add_exception_handler(HTTPException, http_error)
 class Ingress:
     """The OpenAI-compatible HTTP front end (routes in docs/serving.md)."""
 
-    async def __init__(self, cfg: ServeConfig, worker: DeploymentHandle, hub: DeploymentHandle) -> None:
+    async def __init__(self, cfg: ServeConfig, worker: DeploymentHandle | None, hub: DeploymentHandle,
+                       repo_dir: Path | None = None) -> None:
         from tokenizers import Tokenizer
 
         replica_grpc_on_loopback()
@@ -77,10 +83,17 @@ class Ingress:
                                   cfg.default_sla_tpot_ms, max_token_chars(self._tok))
         self._metrics = ServeMetrics(bundle.exit_layers, bundle.num_layers, cfg.tps_window_s,
                                      sla_ttft_ms=cfg.default_sla_ttft_ms, sla_tpot_ms=cfg.default_sla_tpot_ms)
-        self._worker, self._hub = worker.options(stream=True), hub
+        self._worker, self._hub = None if worker is None else worker.options(stream=True), hub
+        node = ray.get_runtime_context().get_node_id()
+        # triton_host: ingress: this replica hosts its device's Triton (its core in this process) and streams from it
+        self._host: EngineHost | None = None
         self._inflight, self._capacity = 0, cfg.max_inflight * cfg.replicas
-        self._routes = None if cfg.stream_via != "triton" else \
-            Routes(cfg.triton_timeout_s, cfg.max_inflight, ray.get_runtime_context().get_node_id())
+        self._routes = None if cfg.stream_via != "triton" or worker is None else \
+            Routes(cfg.triton_timeout_s, cfg.max_inflight, node)
+        if worker is None:
+            self._capacity = cfg.max_inflight
+            self._host = EngineHost(cfg, hub, serve.get_replica_context().replica_tag, node)
+            await self._host.open(repo_dir, in_process=True)
         self._created = int(time.time())
         self._dashboard = dashboard.Dashboard(self._metrics, bundle.exit_layers, bundle.num_layers,
                                               cfg.default_sla_ttft_ms, cfg.default_sla_tpot_ms, cfg.power_meter,
@@ -188,12 +201,19 @@ class Ingress:
     async def _open_stream(self, payload: dict[str, Any]) -> tuple[Any, Callable[[], None]]:
         """The request's chunk stream and what releases its slots when it ends.
 
-        With ``stream_via: triton``, a stream from a ready tritonserver on this node, else (none ready
-        here) through a worker.
+        With ``triton_host: ingress``, a stream from this replica's own Triton core; with ``stream_via: triton``,
+        from a ready tritonserver on this node, else (none ready here) through a worker.
 
         Raises:
-            ApiError: 429 when each ready tritonserver here has ``max_inflight`` of our requests.
+            ApiError: 429 when each ready tritonserver here has ``max_inflight`` of our requests; 503 while this
+                replica's own Triton restarts.
         """
+        if self._host is not None:
+            if self._host.restarting:
+                raise api.ApiError(503, "Triton is restarting", code="unavailable",
+                                   retry_after_s=self._cfg.retry_after_s)
+            self._metrics.streams.labels(via="core").inc()
+            return TritonStream(self._host.client, payload), self._release
         if self._routes is not None and not self._routes.known:
             await self._refresh_routes()
         if self._routes is None or not self._routes.known:
@@ -221,10 +241,30 @@ class Ingress:
                 log.exception("dashboard sample failed")
             await asyncio.sleep(self._cfg.dashboard_tick_s)
 
+    async def set_policy(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """With ``triton_host: ingress``: :meth:`EngineHost.set_policy` of this replica's engine.
+
+        Raises:
+            ConfigError: no engine here (the workers host it), or the changes refused.
+        """
+        if self._host is None:
+            raise ConfigError("this ingress hosts no engine (serve.triton_host: worker): switch the worker's policy")
+        return await self._host.set_policy(changes)
+
+    def check_health(self) -> None:
+        """Serve's health check: with ``triton_host: ingress``, fails (the replica is replaced) when the
+        control loop died."""
+        if self._host is not None:
+            self._host.check_health()
+
     def __del__(self) -> None:
         sampler = getattr(self, "_sampler", None)
         if sampler is not None:
             sampler.cancel()
+        host = getattr(self, "_host", None)
+        if host is not None:
+            self._host = None
+            host.close()
 
     def _authorize(self, request: Request, cookie: bool = False) -> None:
         """Raises ApiError 401 unless the request carries the key (``cookie``: or the dashboard's cookie)."""
@@ -302,6 +342,11 @@ def build_app(cfg: ServeConfig, repo_dir: Path | None = None) -> serve.Applicati
         raise ConfigError("serving needs a Triton model repository (repo_dir) or serve.triton_url")
     cfg = cfg.resolve_bundle(repo_dir)  # fail here, in the caller, rather than in a replica
     hub = Hub.bind(cfg.stats_ttl_s)
+    if cfg.engine_in_ingress:  # one ingress replica per device, each with Triton's core in its process
+        return Ingress.options(
+            num_replicas=cfg.replicas, max_ongoing_requests=cfg.max_inflight + 32,
+            ray_actor_options={"resources": {DEVICE_RESOURCE: 1}, "num_cpus": 0},
+        ).bind(cfg, None, hub, Path(repo_dir))
     worker = Worker.options(
         num_replicas=cfg.replicas, max_ongoing_requests=cfg.max_inflight + 8,
         ray_actor_options={"resources": {DEVICE_RESOURCE: 1}, "num_cpus": 0},

@@ -24,6 +24,7 @@ TOKENIZER_JSON = "tokenizer.json"
 LOOPBACK_NAMES = ("localhost",)
 STREAM_VIA = ("triton", "worker")  # ServeConfig.stream_via
 INGRESS = ("direct", "proxy")  # ServeConfig.ingress
+TRITON_HOST = ("worker", "ingress")  # ServeConfig.triton_host
 
 
 class PolicyName(str, enum.Enum):
@@ -100,6 +101,12 @@ class ServeConfig:
     # tritonserver on its node (one Ray hop fewer per chunk: scheduler/serving/routes.py; with none ready
     # there, through a worker); "worker", always through the worker replica
     stream_via: str = "triton"
+    # which replica hosts each device's Triton: "ingress", the ingress replica (one per device) runs Triton's
+    # core in its own process (scheduler/serving/triton_core.py) and streams from it without gRPC or another
+    # actor (scheduler/serving/engine_host.py; docs/serving.md, stop 70); "worker", a Worker replica launches a
+    # tritonserver (or reaches triton_url) and the ingress streams from it over gRPC (stream_via). None: ingress
+    # for one device, worker with triton_url or several replicas (the scale-out docs/serving.md describes)
+    triton_host: str | None = None
     # how HTTP reaches the ingress: "direct", the ingress replica's own HTTP server listens on host:port
     # (Ray Serve's direct ingress: no proxy process between the client and the ingress; needs the local
     # Ray that serving_stack starts, so with ray_address the proxy serves); "proxy", Serve's HTTP proxy
@@ -135,6 +142,12 @@ class ServeConfig:
                               f"{self.stream_interval_ms!r}")
         if self.stream_via not in STREAM_VIA:
             raise ConfigError(f"serve.stream_via must be one of {', '.join(STREAM_VIA)}, got {self.stream_via!r}")
+        if self.triton_host is not None and self.triton_host not in TRITON_HOST:
+            raise ConfigError(f"serve.triton_host must be one of {', '.join(TRITON_HOST)} or null, got "
+                              f"{self.triton_host!r}")
+        if self.triton_host == "ingress" and self.triton_url is not None:
+            raise ConfigError("serve.triton_host: ingress runs Triton's core in the ingress; a running server at "
+                              "serve.triton_url is reached with triton_host: worker")
         if self.ingress not in INGRESS:
             raise ConfigError(f"serve.ingress must be one of {', '.join(INGRESS)}, got {self.ingress!r}")
         if self.ingress == "direct" and self.port == 0:
@@ -164,6 +177,13 @@ class ServeConfig:
         if self.restart_backoff_max_s < self.restart_backoff_s:
             raise ConfigError(f"serve.restart_backoff_max_s ({self.restart_backoff_max_s}) must be >= "
                               f"serve.restart_backoff_s ({self.restart_backoff_s})")
+
+    @property
+    def engine_in_ingress(self) -> bool:
+        """Whether the ingress hosts the engine (``triton_host``; None: for one device without ``triton_url``)."""
+        if self.triton_host is None:
+            return self.triton_url is None and self.replicas == 1
+        return self.triton_host == "ingress"
 
     def resolve_bundle(self, repo_dir: Path | None) -> ServeConfig:
         """This config with ``bundle_dir`` (default: the repository's bundle) and ``context_window``

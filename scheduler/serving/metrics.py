@@ -105,7 +105,8 @@ class ServeMetrics:
         self.inflight = Gauge("smartexit_inflight_requests", "Generation requests the front end is serving.",
                               registry=r)
         self.streams = Counter("smartexit_streams", "Generation streams opened, by the way their tokens come: "
-                               "straight from a tritonserver (triton) or through a worker replica (worker).",
+                               "straight from a tritonserver (triton), through a worker replica (worker), or from "
+                               "Triton's core in the ingress (core).",
                                ["via"], registry=r)
         for kind, target_ms in (("ttft", sla_ttft_ms), ("tpot", sla_tpot_ms)):
             if target_ms is not None:

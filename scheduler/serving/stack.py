@@ -90,23 +90,26 @@ def wait_healthy(base_url: str, timeout_s: float) -> dict:
 
 
 def set_policy(changes: dict[str, Any], app: str = "smartexit") -> dict[str, Any]:
-    """Switch the control policy of the running stack's worker (this process started it with
-    :func:`serving_stack`, one replica) to the one ``changes`` names, its other policy fields at their
-    defaults: :meth:`scheduler.serving.worker.Worker.set_policy`. Returns the worker's scheduler state.
+    """Switch the control policy of the running stack's engine host (this process started it with
+    :func:`serving_stack`, one device: the worker, or the ingress with ``serve.triton_host: ingress``) to the one
+    ``changes`` names, its other policy fields at their defaults:
+    :meth:`scheduler.serving.engine_host.EngineHost.set_policy`. Returns the host's scheduler state.
 
     Raises:
-        ConfigError: more than one worker replica (a handle call reaches one of them), or changes the
-            worker refuses.
+        ConfigError: more than one host replica (a handle call reaches one of them), or changes the
+            host refuses.
     """
     from ray import serve
 
     status = serve.status().applications.get(app)
-    replicas = None if status is None else status.deployments.get("Worker")
+    deployments = {} if status is None else status.deployments
+    name = "Worker" if "Worker" in deployments else "Ingress"
+    replicas = deployments.get(name)
     running = None if replicas is None else sum(
         n for state, n in replicas.replica_states.items() if getattr(state, "value", state) == "RUNNING")
     if running != 1:
-        raise ConfigError(f"set_policy switches a stack of one worker replica; {app!r} has {running}")
-    return serve.get_deployment_handle("Worker", app_name=app).set_policy.remote(changes).result()
+        raise ConfigError(f"set_policy switches a stack of one engine host replica; {app!r} has {running}")
+    return serve.get_deployment_handle(name, app_name=app).set_policy.remote(changes).result()
 
 
 def direct_ingress_env(port: int) -> dict[str, str]:
@@ -275,6 +278,10 @@ def serving_stack(run_dir: str | Path, cfg: ServeConfig, ray_address: str | None
         from scheduler.serving.worker import build_policy
         build_policy(cfg)
     direct = cfg.ingress == "direct" and ray_address is None
+    if direct and cfg.engine_in_ingress and cfg.replicas > 1:
+        raise ConfigError("serve.triton_host: ingress runs one ingress replica per device, and direct ingress gives "
+                          "one machine's replicas one port: serve several devices of one machine with "
+                          "serve.ingress: proxy (or serve.triton_host: worker)")
     if cfg.port:  # a port in use fails here, with its name, not as a replica that cannot start
         _wait_bindable(cfg.host, cfg.port)
     # a changed or missing bundle file fails here with its name, not as tritonservers that cannot load the model

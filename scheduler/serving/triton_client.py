@@ -32,6 +32,8 @@ FINISH_REASONS = ("length", "stop", "cancelled", "deadline")
 # the reasons docs/serving.md lists: the client raises it as an ``internal`` rejection
 ENGINE_ERROR = "error"
 DEFAULT_RETRY_AFTER_S = 1.0
+# the python backend's answer once the model's stub process has died ("Stub process 'smartexit_0_0' is not healthy.")
+STUB_LOST = ("Stub process", "is not healthy")
 
 
 class TritonError(Exception):
@@ -93,6 +95,13 @@ def error_from_message(message: str) -> TritonError:
         retry = DEFAULT_RETRY_AFTER_S
     field = body.get("field") if isinstance(body.get("field"), str) else None
     return TritonRejected(body["code"], str(body.get("message", "")), field, retry)
+
+
+def stub_lost(exc: TritonError) -> bool:
+    """Whether ``exc`` says the model's python-backend stub is gone (killed, crashed): Triton answers every
+    request with this until the model is loaded again, so only a restart serves again."""
+    text = str(exc)
+    return STUB_LOST[0] in text and STUB_LOST[1] in text
 
 
 def error_to_dict(exc: TritonError) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from scheduler.serving.triton_capi import (BYTES, CONTROL_NONE, DTYPES, FLAG_FIN
 from scheduler.serving.tritonserver import TritonInstall, find_tritonserver, serving_dirs
 
 log = logging.getLogger(__name__)
+STOPPED = "the Triton core stopped before the request's end"  # the error of the requests a stop cut off
 
 
 @dataclass
@@ -74,6 +75,7 @@ class TritonCore:
     work_dir: Path | None = None  # the log's folder; default: beside the repository
     exit_timeout_s: int = 10
     install: TritonInstall | None = None
+    env: dict[str, str] = field(default_factory=dict)  # added to the stub's environment (as TritonProcess.env)
     _api: CoreApi | None = field(default=None, repr=False)
     _server: int | None = field(default=None, repr=False)
     _allocator: int | None = field(default=None, repr=False)
@@ -108,8 +110,9 @@ class TritonCore:
             return self
         api = self._api = CoreApi.of(self.install)
         # what the model's stub, a child of this process, runs with (given back by stop, or if start fails)
-        self._environ = {k: os.environ.get(k) for k in self.install.env}
-        os.environ.update(self.install.env)
+        env = {**self.install.env, **self.env}
+        self._environ = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
             self._server = self._new_server(api)
             allocator = P()
@@ -168,12 +171,31 @@ class TritonCore:
         allocator, self._allocator = self._allocator, None
         if allocator is not None:
             api.message(api.allocator_delete(allocator))
+        # requests the stopped core will answer no more (a model stub that died leaves them open): their callers
+        # get an error instead of waiting for their timeouts
+        calls, self._calls = self._calls, {}
+        for call in calls.values():
+            try:
+                call.loop.call_soon_threadsafe(call.queue.put_nowait, (None, STOPPED, True))
+            except RuntimeError:  # the caller's loop is closed: nobody waits for it
+                pass
+        self._inputs.clear()
         for k, v in self._environ.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
         self._environ = {}
+
+    def restart(self, timeout_s: float = 180.0) -> "TritonCore":
+        """Stop and start again (a supervisor's restart: a new core, a new stub)."""
+        self.stop()
+        return self.start(timeout_s)
+
+    def kill(self) -> None:
+        """A hung core's end: ``stop`` (the core waits ``exit_timeout_s`` at most for what runs; the stub goes
+        with it). A process of its own would be SIGKILLed; this one is the caller's."""
+        self.stop()
 
     def __enter__(self) -> "TritonCore":
         return self.start()

@@ -1,4 +1,5 @@
-"""The whole serving stack (Ray Serve front end -> worker -> its own tritonserver), started with
+"""The whole serving stack with ``serve.triton_host: worker`` (Ray Serve front end -> worker -> its own
+tritonserver; the ingress's own core: test_serving_ingress_host.py), started with
 ``serving_stack`` on a micro model and driven over HTTP as clients drive it: the ``openai`` package,
 raw bytes (http.client), many concurrent streams (aiohttp).
 
@@ -133,6 +134,21 @@ def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "cond
     raise AssertionError(f"{what} not reached within {timeout} s")
 
 
+def disconnect_settled(url: str, before: dict, timeout: float) -> None:
+    """After one client's disconnect: /metrics records the request once (499, or 200 had it ended first) since
+    ``before``, with nothing in flight or running, within ``timeout``; then a request is served."""
+    def settled():
+        m = metrics(url)
+        counted = sum(sample(m, "smartexit_requests", "smartexit_requests_total", status=code)
+                      - sample(before, "smartexit_requests", "smartexit_requests_total", status=code)
+                      for code in ("200", "499"))
+        return (counted == 1 and sample(m, "smartexit_inflight_requests", "smartexit_inflight_requests") == 0
+                and sample(m, "smartexit_running_sequences", "smartexit_running_sequences") == 0) or None
+    wait_for(settled, timeout=timeout, what="/metrics: the request recorded once, nothing in flight or running")
+    status, _, body = completion(url, max_tokens=4, temperature=0)
+    assert status == 200 and body["usage"]["completion_tokens"] == 4
+
+
 class TritonStats:
     """Control ops on a worker's tritonserver, over its gRPC port (found on its command line)."""
 
@@ -199,9 +215,11 @@ class TestOneReplica:
 
     @pytest.fixture(scope="class")
     def stack(self, served_run, repository_copy, find_processes, tmp_path_factory, free_port):
-        # hang_restart_s 5: a hung tritonserver is found at the first control op that times out (10 s)
+        # hang_restart_s 5: a hung tritonserver is found at the first control op that times out (10 s); the worker
+        # hosts Triton (a tritonserver), the path of triton_url and of several devices (the ingress's own core:
+        # test_serving_ingress_host.py)
         yield from _start(served_run, repository_copy, find_processes, tmp_path_factory, free_port(), "serving1",
-                          hang_restart_s=5.0)
+                          hang_restart_s=5.0, triton_host="worker")
 
     @pytest.fixture(scope="class")
     def client(self, stack):
@@ -482,16 +500,7 @@ class TestOneReplica:
         finally:
             stats.close()
 
-        def settled():
-            m = metrics(stack.url)
-            counted = sum(sample(m, "smartexit_requests", "smartexit_requests_total", status=code)
-                          - sample(before, "smartexit_requests", "smartexit_requests_total", status=code)
-                          for code in ("200", "499"))
-            return (counted == 1 and sample(m, "smartexit_inflight_requests", "smartexit_inflight_requests") == 0
-                    and sample(m, "smartexit_running_sequences", "smartexit_running_sequences") == 0) or None
-        wait_for(settled, timeout=5, what="/metrics: the request recorded once, nothing in flight or running")
-        status, _, body = completion(stack.url, max_tokens=4, temperature=0)
-        assert status == 200 and body["usage"]["completion_tokens"] == 4
+        disconnect_settled(stack.url, before, timeout=5)
 
     @pytest.mark.slow
     def test_tritonserver_killed_mid_stream_is_relaunched_behind_the_same_front_end(self, stack, find_processes):

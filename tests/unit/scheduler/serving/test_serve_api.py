@@ -254,6 +254,8 @@ def test_serve_config_checks_name_the_field(tmp_path):
                       (dict(control_tick_s=0), "serve.control_tick_s"), (dict(max_inflight=True), "serve.max_inflight"),
                       (dict(triton_url="nohost"), "serve.triton_url"),
                       (dict(stream_via="http"), "serve.stream_via"),
+                      (dict(triton_host="server"), "serve.triton_host"),
+                      (dict(triton_host="ingress", triton_url="127.0.0.1:8001"), "serve.triton_host: ingress"),
                       (dict(ingress="nginx"), "serve.ingress"), (dict(port=0), "serve.port 0"),
                       (dict(restart_backoff_s=5, restart_backoff_max_s=1), "serve.restart_backoff_max_s"),
                       (dict(hang_restart_s=0), "serve.hang_restart_s"), (dict(hang_restart_s="x"), "serve.hang_restart_s")):

@@ -63,6 +63,21 @@ def test_serving_stack_refuses_a_busy_port_before_starting_ray(tmp_path):
     assert not ray.is_initialized()
 
 
+def test_serving_stack_refuses_several_core_hosting_ingresses_on_one_port(tmp_path):
+    """``triton_host: ingress`` runs an ingress replica per device; direct ingress gives one machine's replicas
+    one port, so two devices there are refused (naming the settings that work) before Ray starts."""
+    from scheduler.serving.config import ServeConfig
+
+    (tmp_path / "triton" / "smartexit").mkdir(parents=True)
+    (tmp_path / "triton" / "smartexit" / "config.pbtxt").write_text("")
+    cfg = ServeConfig(port=stack.free_port(), triton_host="ingress", replicas=2)
+    with pytest.raises(ConfigError, match="serve.ingress: proxy"):
+        with stack.serving_stack(tmp_path, cfg):
+            pass
+    import ray
+    assert not ray.is_initialized()
+
+
 def _time_wait_port(reuse: bool) -> int:
     """A port of 127.0.0.1 left in TIME_WAIT: its server (listening with SO_REUSEADDR or not) accepted a
     connection and closed it first (as a stack stopped with a client's keep-alive connection open
