@@ -138,3 +138,36 @@ class TestIngressHostsTriton:
         wait_for(lambda: health(stack.url)[0] == 200, timeout=10, interval=0.1, what="/health answering 200")
         assert set(health(stack.url)[1]["replicas"]) == set(before["replicas"])
         assert recovery_s < 60
+
+
+@pytest.mark.slow
+def test_smartexit_serve_stops_everything_on_sigterm(served_run, repository_copy, find_processes, free_port,
+                                                     tmp_path):
+    """``smartexit serve`` (the ingress hosting Triton's core, the default) serves a completion once it prints
+    its ready line; SIGTERM makes it exit 0, and no model stub serving the repository stays behind (the core
+    started it from inside the ingress replica, not as a process of ours)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.integration.test_triton_model import _wait_for_line
+
+    run = repository_copy(served_run, tmp_path / "serve_all")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "edge.pipeline.cli", "serve", f"run_dir={run}",
+                             f"serve.port={port}", f"serve.model_name={MODEL}",
+                             f"serve.max_tokens_limit={MAX_TOKENS_LIMIT}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).parents[2])
+    try:
+        _wait_for_line(proc, "SmartExit serving at", timeout=180)
+        assert [p.name for p in find_processes(run / "triton")] == ["triton_python_backend_stub"]
+        status, _, body = completion(f"http://127.0.0.1:{port}", max_tokens=4, temperature=0)
+        assert status == 200 and body["usage"]["completion_tokens"] == 4
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 0
+        assert "serving stack stopped" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    wait_for(lambda: not find_processes(run / "triton"), timeout=15, what="no model stub after the stop")
