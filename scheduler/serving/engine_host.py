@@ -195,10 +195,10 @@ class EngineHost:
 
     async def set_policy(self, changes: dict[str, Any]) -> dict[str, Any]:
         """Run another control policy from the next tick on, on this running stack (a benchmark compares
-        policies on one stack instead of one stack each), and return once that tick has run (or a timeout). ``changes``: values of :data:`POLICY_FIELDS` for
-        the serving config; the policy fields it leaves out take their defaults (a switch names a whole
-        policy, nothing of the previous one's carries over). An online update in flight finishes on the
-        old policy's tuner. Returns the new scheduler state.
+        policies on one stack instead of one stack each), and return once that tick has run (or a timeout).
+        ``changes``: values of :data:`POLICY_FIELDS` for the serving config; the policy fields it leaves out
+        take their defaults (a switch names a whole policy, nothing of the previous one's carries over). An
+        online update in flight finishes on the old policy's tuner. Returns the new scheduler state.
 
         Raises:
             ConfigError: a field outside :data:`POLICY_FIELDS`, or settings the policy refuses (a missing or
