@@ -79,6 +79,20 @@ def capacity_runs(cfg: BenchServeConfig, reqs: list[ScheduledRequest], url: str)
         return asyncio.run(run())
 
 
+def tokens_path(cfg: BenchServeConfig) -> str:
+    """How the bench's own stack brings the tokens to its ingress (the report's "tokens ..."): from Triton's core in
+    the ingress replica (``serve.triton_host: ingress``), else the worker's tritonserver's ``stream_via``."""
+    from scheduler.serving.config import ServeConfig
+
+    if cfg.url is not None:
+        return "as the server is configured"
+    host = ServeConfig(triton_host=cfg.serve.get("triton_host"), triton_url=cfg.serve.get("triton_url"),
+                       replicas=cfg.serve.get("replicas", 1))
+    if host.engine_in_ingress:
+        return "from Triton's core in the ingress replica"
+    return cfg.serve.get("stream_via", ServeConfig.stream_via)
+
+
 def capacity_section(cfg: BenchServeConfig, cap: dict[str, dict[int, list[Run]]]) -> dict[str, Any]:
     """``serve.json``'s ``capacity``: :func:`scheduler.loadtest.capacity.capacity_report` of the runs, with
     the requests' shape and, with mode exact, the exact / bounded tokens/s ratio at the lowest concurrency
@@ -86,7 +100,7 @@ def capacity_section(cfg: BenchServeConfig, cap: dict[str, dict[int, list[Run]]]
     from scheduler.serving.config import ServeConfig
 
     own = cfg.url is None
-    via = cfg.serve.get("stream_via", ServeConfig.stream_via) if own else "as the server is configured"
+    via = tokens_path(cfg)
     ingress = cfg.serve.get("ingress", ServeConfig.ingress) if own else "as the server is configured"
     meta = {"requests_per_level": cfg.capacity_requests, "prompt_tokens": cfg.capacity_prompt_tokens,
             "max_tokens": cfg.capacity_max_tokens, "policy": cfg.policies[0] if own else "served",

@@ -93,3 +93,16 @@ def test_runs_of_two_systems_pair_by_the_request_not_by_the_system_or_position()
     assert lv["served_vs_inprocess_same_output_lengths"]["median"] == pytest.approx(0.5)
     assert tokens_ratio([served], [local], 500.0, 50.0)["median"] == pytest.approx(
         lv["served_vs_inprocess_tokens_ratio"]["median"])
+
+
+def test_the_report_names_the_way_the_stacks_tokens_come():
+    """The price of serving's "tokens ..." names the stack the bench starts: Triton's core in the ingress for one
+    device (the default), the worker's stream_via with triton_host worker or several replicas, and nothing it
+    cannot know about a server it did not start."""
+    from scheduler.loadtest.bench_serve_capacity import tokens_path
+    from scheduler.loadtest.bench_serve_config import BenchServeConfig
+
+    assert tokens_path(BenchServeConfig()) == "from Triton's core in the ingress replica"
+    assert tokens_path(BenchServeConfig(serve={"triton_host": "worker"})) == "triton"
+    assert tokens_path(BenchServeConfig(serve={"replicas": 2, "stream_via": "worker"})) == "worker"
+    assert tokens_path(BenchServeConfig(url="http://127.0.0.1:1")) == "as the server is configured"
