@@ -128,6 +128,13 @@ class EngineHost:
             ConfigError: no repository and no ``triton_url``; SmartExitError / TritonUnavailable: the engine
                 did not start (the log's tail in the message).
         """
+        try:
+            await self._open(repo_dir, in_process)
+        except BaseException:  # nothing of a host that did not start stays running (its meter, its engine)
+            self.close()
+            raise
+
+    async def _open(self, repo_dir: Path | None, in_process: bool) -> None:
         cfg = self._cfg
         if cfg.triton_url is not None and not in_process:
             self._client = TritonClient(cfg.triton_url, timeout_s=cfg.triton_timeout_s)
@@ -142,11 +149,7 @@ class EngineHost:
             else:
                 from scheduler.serving.tritonserver import TritonProcess
                 self._proc = TritonProcess(Path(repo_dir), env=env)  # its threads are the repository's (bundle.json)
-            try:
-                await asyncio.to_thread(self._proc.start, timeout_s=cfg.triton_start_timeout_s)
-            except BaseException:
-                await asyncio.to_thread(self._proc.stop)
-                raise
+            await asyncio.to_thread(self._proc.start, timeout_s=cfg.triton_start_timeout_s)
             self._client = self._client_of(self._proc)
         self._answered = time.monotonic()  # when the engine last answered a control op, or came up (started: ready)
         self._ready = await self._client.ready()

@@ -79,3 +79,24 @@ def test_a_core_host_pushes_no_route_and_keeps_its_client_across_a_restart():
     h.close()
     h.close()
     assert core.stops == 1  # the core goes with its host, once
+
+
+def test_a_host_that_cannot_open_leaves_nothing_running():
+    """``open`` without a repository (and no ``triton_url``) is refused by name, and the host's meter is closed
+    rather than left sampling in a replica that failed to start."""
+    import pytest
+
+    from edge.core.errors import ConfigError
+    from scheduler.serving.config import ServeConfig
+
+    class Meter:
+        closed = 0
+
+        def close(self):
+            Meter.closed += 1
+
+    h = EngineHost(ServeConfig(), hub=FakeHub(), replica="i0", node="n0")
+    h._power = Meter()
+    with pytest.raises(ConfigError, match="repo_dir"):
+        asyncio.run(h.open(None, in_process=True))
+    assert Meter.closed == 1 and h._power is None
