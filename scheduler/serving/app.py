@@ -48,6 +48,7 @@ from scheduler.serving.generation import Generation, complete, prepend, sse_even
 from scheduler.serving.ingress_input import http_error, max_token_chars, parse_request, read_body
 from scheduler.serving.loopback import replica_grpc_on_loopback
 from scheduler.serving.metrics import CONTENT_TYPE, ServeMetrics
+from scheduler.serving.rebind import ingress_port_rebindable
 from scheduler.serving.routes import Routes, TritonStream
 from scheduler.serving.text_stream import TextStream
 from scheduler.serving.worker import DEVICE_RESOURCE, HUB_TIMEOUT_S, Hub, Worker
@@ -73,6 +74,7 @@ class Ingress:
         from tokenizers import Tokenizer
 
         replica_grpc_on_loopback()
+        ingress_port_rebindable()  # a replica replacing a crashed one binds the same port
         bundle = BundleInfo.load(cfg.bundle_dir)
         self._cfg = cfg = cfg.with_bundle(bundle)
         self._tok = Tokenizer.from_file(str(bundle.tokenizer_path))

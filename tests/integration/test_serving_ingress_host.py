@@ -20,6 +20,13 @@ from tests.integration.test_serving import (MAX_INFLIGHT, MAX_TOKENS_LIMIT, MODE
 pytestmark = pytest.mark.integration
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _parent(pid: int) -> int:
     return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
 
@@ -138,6 +145,31 @@ class TestIngressHostsTriton:
         wait_for(lambda: health(stack.url)[0] == 200, timeout=10, interval=0.1, what="/health answering 200")
         assert set(health(stack.url)[1]["replicas"]) == set(before["replicas"])
         assert recovery_s < 60
+
+    @pytest.mark.slow
+    def test_the_ingress_replica_killed_is_replaced_on_the_same_port(self, stack, find_processes):
+        """SIGKILL of the ingress replica itself (what a crash of Triton's core inside it would do, HTTP connections
+        to its port closed just before): Serve starts a new replica, which binds the same port despite the old
+        connections' TIME_WAIT (scheduler/serving/rebind.py) and starts its own core; within 60 s requests succeed
+        on the same base URL from one new stub, the dead replica's gone with it."""
+        def ingress_pids():
+            return [int(p) for p in os.listdir("/proc")
+                    if p.isdigit() and "ServeReplica:smartexit:Ingress" in _cmdline(int(p))]
+
+        def served():
+            try:
+                return completion(stack.url, max_tokens=4, temperature=0, timeout=10)[0] == 200
+            except OSError:  # nothing listens on the port yet
+                return False
+
+        assert completion(stack.url, max_tokens=4, temperature=0)[0] == 200  # a connection the server closes first
+        (old_stub,) = find_processes(stack.repo)
+        (pid,) = ingress_pids()
+        os.kill(pid, signal.SIGKILL)
+        wait_for(served, timeout=60, interval=0.5, what="a successful request from the replacement ingress")
+        wait_for(lambda: [p.pid for p in find_processes(stack.repo)] not in ([], [old_stub.pid]) and
+                 len(find_processes(stack.repo)) == 1, timeout=15, what="one new stub, the old one gone")
+        assert ingress_pids() and pid not in ingress_pids()
 
 
 @pytest.mark.slow

@@ -20,6 +20,31 @@ def test_direct_ingress_pins_the_replica_to_the_one_port_and_drains_at_once():
     assert list(range(int(env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"]),
                       int(env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]))) == [8123]
     assert float(env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"]) == 0.0
+    # a crashed ingress's port goes back at once to the replica replacing it (no HAProxy to wait for)
+    assert float(env["RAY_SERVE_PORT_QUARANTINE_S"]) == 0.0
+
+
+def test_the_ingress_http_server_binds_with_so_reuseport(monkeypatch):
+    """scheduler/serving/rebind.py: the replica's call to start its HTTP server goes through with SO_REUSEPORT
+    asked (Serve's replica passes False), once however often the constructor runs; the rest of the call unchanged."""
+    from ray.serve._private import replica
+
+    from scheduler.serving.rebind import ingress_port_rebindable
+
+    calls = []
+
+    async def start(app, options, *, event_loop, enable_so_reuseport=False):
+        calls.append((app, options, event_loop, enable_so_reuseport))
+        return "task", "server"
+
+    monkeypatch.setattr(replica, "start_asgi_http_server", start)
+    ingress_port_rebindable()
+    ingress_port_rebindable()
+    wrapped = replica.start_asgi_http_server
+    assert wrapped is not start and getattr(wrapped, "_rebindable", False)
+    import asyncio
+    assert asyncio.run(wrapped("app", "opts", event_loop="loop", enable_so_reuseport=False)) == ("task", "server")
+    assert calls == [("app", "opts", "loop", True)]
 
 
 def test_the_environment_is_restored_even_on_error(monkeypatch):
