@@ -43,7 +43,7 @@ from edge.core.errors import ConfigError
 from scheduler.serving import api
 from scheduler.serving import dashboard
 from scheduler.serving.config import BundleInfo, ServeConfig
-from scheduler.serving.engine_host import EngineHost
+from scheduler.serving.engine_host import HUB_TIMEOUT_S, EngineHost
 from scheduler.serving.generation import Generation, complete, prepend, sse_events
 from scheduler.serving.ingress_input import http_error, max_token_chars, parse_request, read_body
 from scheduler.serving.loopback import replica_grpc_on_loopback
@@ -51,7 +51,7 @@ from scheduler.serving.metrics import CONTENT_TYPE, ServeMetrics
 from scheduler.serving.rebind import ingress_port_rebindable
 from scheduler.serving.routes import Routes, TritonStream
 from scheduler.serving.text_stream import TextStream
-from scheduler.serving.worker import DEVICE_RESOURCE, HUB_TIMEOUT_S, Hub, Worker
+from scheduler.serving.worker import DEVICE_RESOURCE, Hub, Worker
 
 log = logging.getLogger(__name__)
 

@@ -275,7 +275,7 @@ def serving_stack(run_dir: str | Path, cfg: ServeConfig, ray_address: str | None
     if repo is None and cfg.bundle_dir is None:
         raise ConfigError("serve.triton_url needs serve.bundle_dir (the tokenizer and bundle.json)")
     if cfg.policy.value == "ppo":  # a missing, altered or mismatched policy fails here, not inside a replica
-        from scheduler.serving.worker import build_policy
+        from scheduler.serving.engine_host import build_policy
         build_policy(cfg)
     direct = cfg.ingress == "direct" and ray_address is None
     if direct and cfg.engine_in_ingress and cfg.replicas > 1:

@@ -62,6 +62,13 @@ class _Call:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
+    def put(self, item: tuple) -> None:
+        """Hand ``item`` to the caller's queue from any thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody waits for it
+            pass
+
 
 @dataclass
 class TritonCore:
@@ -175,10 +182,7 @@ class TritonCore:
         # get an error instead of waiting for their timeouts
         calls, self._calls = self._calls, {}
         for call in calls.values():
-            try:
-                call.loop.call_soon_threadsafe(call.queue.put_nowait, (None, STOPPED, True))
-            except RuntimeError:  # the caller's loop is closed: nobody waits for it
-                pass
+            call.put((None, STOPPED, True))
         self._inputs.clear()
         for k, v in self._environ.items():
             if v is None:
@@ -294,10 +298,7 @@ class TritonCore:
         if final:
             self._calls.pop(userp or 0, None)
         if call is not None:
-            try:
-                call.loop.call_soon_threadsafe(call.queue.put_nowait, (result, error, final))
-            except RuntimeError:  # the caller's loop is closed: nobody waits for it
-                pass
+            call.put((result, error, final))
 
     def _outputs(self, response) -> _Result:
         api, out = self._api, {}

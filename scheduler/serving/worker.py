@@ -21,8 +21,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from scheduler.serving.config import DEVICE_RESOURCE, ServeConfig  # noqa: F401 - app.py imports it from here
-from scheduler.serving.engine_host import (HUB_TIMEOUT_S, POLICY_FIELDS, EngineHost, build_policy,  # noqa: F401
-                                           control_step)
+from scheduler.serving.engine_host import EngineHost
 from scheduler.serving.loopback import replica_grpc_on_loopback
 
 @serve.deployment(num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})

@@ -110,7 +110,7 @@ def test_aimd_with_long_prompts_stays_within_the_tensorrt_profile(tensorrt):
     """The largest-chunk test. A host over the TensorRT backend (largest chunk 128), AIMD run every tick by
     the serving worker's own control step, 8 prompts of 300-400 tokens: AIMD raises the budget to the chunk
     and no further, every request completes, and no engine ever sees a call of more than 128 new rows."""
-    from scheduler.serving.worker import control_step
+    from scheduler.serving.engine_host import control_step
 
     backend, runner = tensorrt
     assert backend.name == "tensorrt" and backend.max_chunk == CHUNK  # stated by the profile the plans were built with

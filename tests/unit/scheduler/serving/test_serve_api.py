@@ -455,12 +455,12 @@ class FakePolicy:
 
 
 def test_control_step_applies_only_what_changed():
-    from scheduler.serving import worker
+    from scheduler.serving import engine_host
     client = FakeClient({"waiting": 2, "prefill_budget": 128, "max_running": 8})
     policy = FakePolicy(256, 8)
-    stats = asyncio.run(worker.control_step(client, policy, lambda s: ("obs", s["waiting"])))
+    stats = asyncio.run(engine_host.control_step(client, policy, lambda s: ("obs", s["waiting"])))
     assert client.ops == [{"op": "stats"}, {"op": "set", "prefill_budget": 256}]
     assert stats["prefill_budget"] == 256 and policy.seen == [("obs", 2)]
     client.ops.clear()
-    asyncio.run(worker.control_step(client, policy, lambda s: s))
+    asyncio.run(engine_host.control_step(client, policy, lambda s: s))
     assert client.ops == [{"op": "stats"}]  # nothing to change: no set

@@ -9,7 +9,7 @@ import pytest
 from edge.core.errors import ConfigError
 from scheduler.control.learned import DEFAULT_DIR
 from scheduler.serving.config import ServeConfig
-from scheduler.serving.worker import build_policy
+from scheduler.serving.engine_host import build_policy
 
 
 def test_heuristics_by_name_and_the_guarded_learned_policy():
