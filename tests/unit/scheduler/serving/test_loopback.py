@@ -29,11 +29,16 @@ def test_a_local_rays_processes_start_with_the_switch_on_a_loopback_host_only(mo
     """The environment serving_stack starts a local Ray with: the switch for an API on 127.0.0.1 (the default),
     beside direct ingress's settings; none for an API off loopback; the caller's own value back afterwards."""
     from scheduler.serving.config import ServeConfig
-    from scheduler.serving.stack import _environ, direct_ingress_env, ray_start_env
+    from scheduler.serving.stack import USER_CODE_THREAD_ENV, _environ, direct_ingress_env, ray_start_env
 
+    monkeypatch.delenv(USER_CODE_THREAD_ENV, raising=False)
     cfg = ServeConfig(port=8123)
-    assert ray_start_env(cfg, direct=True) == {**direct_ingress_env(8123), loopback.RAY_CLUSTER_ENV: "0"}
-    assert ray_start_env(cfg, direct=False) == {loopback.RAY_CLUSTER_ENV: "0"}
+    assert ray_start_env(cfg, direct=True) == {**direct_ingress_env(8123), loopback.RAY_CLUSTER_ENV: "0",
+                                               USER_CODE_THREAD_ENV: "0"}
+    assert ray_start_env(cfg, direct=False) == {loopback.RAY_CLUSTER_ENV: "0", USER_CODE_THREAD_ENV: "0"}
+    monkeypatch.setenv(USER_CODE_THREAD_ENV, "1")  # the caller's own choice stands
+    assert ray_start_env(cfg, direct=False)[USER_CODE_THREAD_ENV] == "1"
+    monkeypatch.delenv(USER_CODE_THREAD_ENV)
     assert loopback.RAY_CLUSTER_ENV not in ray_start_env(ServeConfig(host="0.0.0.0", api_key="k"), direct=False)
     monkeypatch.delenv(loopback.RAY_CLUSTER_ENV, raising=False)
     with _environ(ray_start_env(cfg, direct=False)):
