@@ -33,7 +33,8 @@ def serve_md(b: dict[str, Any]) -> list[str]:
               f"{b.get('served_vs_inprocess_concurrency', 'n/a')}; TTFT p50 overhead "
               f"{rng('ttft_p50_overhead_ms', '.1f')} ms at concurrency {b.get('ttft_overhead_concurrency', 'n/a')}; "
               f"machine CPU per token added by serving {rng('serving_cpu_ms_per_token', '.2f')} ms at "
-              f"{b.get('served_vs_inprocess_concurrency', 'n/a')} (bench/serve.md: every system and level).",
+              f"{b.get('served_vs_inprocess_concurrency', 'n/a')} (bench/serve.md: every system and level)."
+              + _hops(b),
               "", "![latency CDFs against the SLA](bench/serve_latency_cdf.png)", "",
               "![served throughput](bench/serve_throughput.png)", ""]
     if b.get("dashboard_png"):
@@ -42,6 +43,16 @@ def serve_md(b: dict[str, Any]) -> list[str]:
     elif b.get("dashboard_skipped"):
         lines += [f"Dashboard screenshot not taken: {b['dashboard_skipped']}.", ""]
     return lines
+
+
+def _hops(b: dict) -> str:
+    """Where the served first token's time went, from the stack's stamps (empty without them)."""
+    if b.get("ttft_serving_hops_ms") is None:
+        return ""
+    inproc = b.get("inprocess_ttft_p50_c1_ms")
+    ref = "" if inproc is None else f" against {inproc:.1f} ms in process"
+    return (f" Stamped along the way (concurrency 1, medians): the stack's hops {b['ttft_serving_hops_ms']:.1f} ms "
+            f"per request, the engine's share {b['ttft_engine_served_ms']:.1f} ms served{ref} (bench/serve.md).")
 
 
 def _loads(loads: list[float] | None) -> str:

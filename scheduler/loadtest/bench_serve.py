@@ -22,9 +22,10 @@ runs and report section in ``bench_serve_capacity.py``, ``serve.json`` and the f
 from __future__ import annotations
 
 import asyncio
+import shutil
 from pathlib import Path
 
-from scheduler.loadtest.bench_serve_capacity import capacity_runs
+from scheduler.loadtest.bench_serve_capacity import capacity_runs, stamps_dir
 from scheduler.loadtest.bench_serve_config import BenchServeConfig
 from scheduler.loadtest.bench_serve_inputs import bundle_dir, stop_ids
 from scheduler.loadtest.bench_serve_runs import http_run, warm_then_run
@@ -32,6 +33,7 @@ from scheduler.loadtest.capacity import Run
 from scheduler.loadtest.loadgen import ScheduledRequest
 from scheduler.control.outcomes import RequestResult
 from scheduler.loadtest.senders import InProcessSender
+from scheduler.serving.stamps import enable as enable_stamps
 
 
 def served_runs(cfg: BenchServeConfig, schedule: list[ScheduledRequest],
@@ -55,12 +57,20 @@ def served_runs(cfg: BenchServeConfig, schedule: list[ScheduledRequest],
         bundle = {"bundle_dir": cfg.bundle} if cfg.bundle is not None else {}  # else the stack's own
         # a port of its own unless the config names one (a stack right after another: free_port)
         serve_cfg = apply(ServeConfig(), {**bundle, **sla, "port": free_port(), **cfg.serve, "policy": policy})
-        with serving_stack(cfg.run_dir, serve_cfg, graceful=False) as url:
-            runs[policy] = asyncio.run(http_run(url, schedule, cfg))
-            if k == 0 and capacity:
-                cap = capacity_runs(cfg, capacity, url)
-            if k == 0 and cfg.screenshot:
-                shot = _screenshot(url, Path(cfg.run_dir) / "bench" / "dashboard.png", serve_cfg.api_key)
+        stamping = k == 0 and bool(capacity) and cfg.stamps
+        if stamping:  # before the stack starts: its processes take the setting from their environment
+            shutil.rmtree(stamps_dir(cfg), ignore_errors=True)
+            enable_stamps(stamps_dir(cfg))
+        try:
+            with serving_stack(cfg.run_dir, serve_cfg, graceful=False) as url:
+                runs[policy] = asyncio.run(http_run(url, schedule, cfg))
+                if k == 0 and capacity:
+                    cap = capacity_runs(cfg, capacity, url)
+                if k == 0 and cfg.screenshot:
+                    shot = _screenshot(url, Path(cfg.run_dir) / "bench" / "dashboard.png", serve_cfg.api_key)
+        finally:
+            if stamping:
+                enable_stamps(None)
         print(f"bench serve: policy {policy}: {len(runs[policy])} requests sent", flush=True)
     return runs, cap, shot
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from pathlib import Path
 from typing import Any
 
 from scheduler.loadtest.bench_serve_config import BenchServeConfig
@@ -15,6 +16,7 @@ from scheduler.loadtest.capacity import SERVED as SERVED_SYSTEM
 from scheduler.loadtest.capacity import TRITON as TRITON_SYSTEM
 from scheduler.loadtest.capacity import TRITON_CORE as CORE_SYSTEM
 from scheduler.loadtest.capacity import Run, capacity_report, interleaved, tokens_ratio
+from scheduler.loadtest.hop_stamps import ENGINE, breakdown, read_stamps
 from scheduler.loadtest.loadgen import ScheduledRequest
 from scheduler.loadtest.senders import InProcessSender, TritonSender
 
@@ -93,10 +95,17 @@ def tokens_path(cfg: BenchServeConfig) -> str:
     return cfg.serve.get("stream_via", ServeConfig.stream_via)
 
 
+def stamps_dir(cfg: BenchServeConfig) -> Path:
+    """Where the bench's own stack stamps its requests (scheduler/serving/stamps.py)."""
+    return Path(cfg.run_dir) / "bench" / "stamps"
+
+
 def capacity_section(cfg: BenchServeConfig, cap: dict[str, dict[int, list[Run]]]) -> dict[str, Any]:
     """``serve.json``'s ``capacity``: :func:`scheduler.loadtest.capacity.capacity_report` of the runs, with
     the requests' shape and, with mode exact, the exact / bounded tokens/s ratio at the lowest concurrency
-    (``headline["exact_vs_bounded_tokens_ratio"]``, its spread beside the others)."""
+    (``headline["exact_vs_bounded_tokens_ratio"]``, its spread beside the others); ``ttft_hops``: where the served
+    requests' first tokens spent their time at the lowest concurrency, from the stack's stamps
+    (:func:`scheduler.loadtest.hop_stamps.breakdown`; None without them)."""
     from scheduler.serving.config import ServeConfig
 
     own = cfg.url is None
@@ -111,4 +120,14 @@ def capacity_section(cfg: BenchServeConfig, cap: dict[str, dict[int, list[Run]]]
         spread = tokens_ratio(cap[EXACT_SYSTEM][lo], cap[SERVED_SYSTEM][lo], cfg.sla_ttft_ms, cfg.sla_tpot_ms)
         rep["headline"]["exact_vs_bounded_tokens_ratio"] = spread["median"]
         rep["headline"]["spread"]["exact_vs_bounded_tokens_ratio"] = spread
+    folder = stamps_dir(cfg)
+    if SERVED_SYSTEM in cap and cap[SERVED_SYSTEM] and min(cap[SERVED_SYSTEM]) == 1 and folder.is_dir():
+        spans = [run.span for run in cap[SERVED_SYSTEM][1] if run.span is not None]
+        hops = rep["ttft_hops"] = breakdown(read_stamps(folder), spans)
+        if hops is not None:  # the report's line: what the stack's hops took, and the engine's share, served
+            engine = next(h for h in hops["hops"] if (h["from"], h["to"]) == ENGINE)
+            rep["headline"]["ttft_serving_hops_ms"] = hops["serving_hops"]["median_ms"]
+            rep["headline"]["ttft_engine_served_ms"] = engine["median_ms"]
+            rep["headline"]["inprocess_ttft_p50_c1_ms"] = (rep["levels"]["1"].get(INPROCESS_SYSTEM) or {}).get(
+                "ttft_p50_ms")
     return rep

@@ -60,6 +60,9 @@ class BenchServeConfig:
     # ... and to Triton's core in this process through its C API (no gRPC: scheduler/serving/triton_core.py),
     # which splits the Triton hop into gRPC's part and the core's and the model's stub's
     core_hop: bool = True
+    # the processes of the first policy's stack stamp each request's way to its first token (scheduler/serving/
+    # stamps.py, into <run_dir>/bench/stamps): serve.json's capacity.ttft_hops, where the TTFT overhead goes
+    stamps: bool = True
     # after the first policy's run, a PNG of the live dashboard (/dashboard) of that stack in headless
     # Chromium -> bench/dashboard.png, embedded in the report (skipped, saying why, without a browser)
     screenshot: bool = True

@@ -20,6 +20,7 @@ all). Where ``/proc/stat`` is absent the CPU numbers are None.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ import numpy as np
 
 from scheduler.control.outcomes import RequestResult, summarize
 from scheduler.loadtest.bench_report import same_lengths
+from scheduler.loadtest.hop_stamps import breakdown_markdown
 from scheduler.loadtest.loadgen import ScheduledRequest, run_closed_loop
 
 Send = Callable[[ScheduledRequest], Awaitable[RequestResult]]
@@ -54,6 +56,7 @@ class Run:
     """One closed-loop run of one system: its results and the machine's busy CPU seconds meanwhile."""
     results: list[RequestResult]
     cpu_s: float | None
+    span: tuple[float, float] | None = None  # its start and end, ``time.monotonic()`` in ms (serving/stamps.py's clock)
 
     @property
     def cpu_ms_per_token(self) -> float | None:
@@ -81,10 +84,10 @@ async def interleaved(senders: dict[str, Send], requests: Sequence[ScheduledRequ
             for name in order(list(senders), r):
                 reqs = [ScheduledRequest(0.0, q.prompt_ids, q.max_tokens, f"{q.request_id}-{name}-c{c}-r{r}")
                         for q in requests]
-                cpu0 = busy_cpu_s()
+                cpu0, t0 = busy_cpu_s(), time.monotonic() * 1e3
                 results = await run_closed_loop(reqs, senders[name], c)
-                cpu1 = busy_cpu_s()
-                runs[name][c].append(Run(results, None if cpu0 is None or cpu1 is None else cpu1 - cpu0))
+                cpu1, t1 = busy_cpu_s(), time.monotonic() * 1e3
+                runs[name][c].append(Run(results, None if cpu0 is None or cpu1 is None else cpu1 - cpu0, (t0, t1)))
     return runs
 
 
@@ -207,5 +210,7 @@ def capacity_markdown(cap: dict[str, Any] | None) -> str:
     if exact:
         lines += ["", f"Mode exact (lossless speculative decoding) through the stack / mode {cap.get('mode', 'bounded')}, "
                   f"tokens/s at concurrency {head['ttft_overhead_concurrency']}, paired per repeat: {rng(exact, '.3f')}."]
+    lo = cap["levels"].get(str(head["ttft_overhead_concurrency"]), {})
+    lines += breakdown_markdown(cap.get("ttft_hops"), (lo.get(INPROCESS) or {}).get("ttft_p50_ms"))
     return "\n".join(lines) + "\n"
 

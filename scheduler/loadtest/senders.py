@@ -17,6 +17,7 @@ from typing import Any, Sequence
 from edge.core.errors import SmartExitError
 from scheduler.loadtest.loadgen import ScheduledRequest, _result
 from scheduler.control.outcomes import NORMAL_FINISH, RequestResult
+from scheduler.serving.stamps import stamp
 
 
 # --------------------------------------------------------------------------- server-sent events (pure)
@@ -236,6 +237,7 @@ class HttpSender:
         r = _result(req)
         body = completion_body(req, self.model, self.mode, *self.sla)
         r.t_submit = time.perf_counter()
+        stamp("client_send", req.request_id)
         try:
             async with self._session.post(self.url, json=body, headers=self.headers) as resp:
                 r.http_status = resp.status
@@ -245,8 +247,11 @@ class HttpSender:
                     return r
                 reader = StreamReader(r)
                 async for chunk in resp.content.iter_any():
+                    first = r.t_first_token is None
                     if reader.feed(time.perf_counter(), chunk):
                         break
+                    if first and r.t_first_token is not None:
+                        stamp("client_first", req.request_id)
                 return reader.close(time.perf_counter())
         except asyncio.TimeoutError:
             r.error_kind, r.error = "timeout", f"no complete response within {self.timeout_s} s"

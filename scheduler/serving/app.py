@@ -49,6 +49,7 @@ from scheduler.serving.ingress_input import http_error, max_token_chars, parse_r
 from scheduler.serving.loopback import replica_grpc_on_loopback
 from scheduler.serving.metrics import CONTENT_TYPE, ServeMetrics
 from scheduler.serving.rebind import ingress_port_rebindable
+from scheduler.serving.stamps import stamp
 from scheduler.serving.routes import Routes, TritonStream
 from scheduler.serving.text_stream import TextStream
 from scheduler.serving.worker import DEVICE_RESOURCE, Hub, Worker
@@ -294,6 +295,7 @@ class Ingress:
 
     async def _serve(self, request: Request, parse: Callable[..., api.GenerationRequest]) -> Response:
         t0 = time.monotonic()
+        stamp("ingress_in")
         try:
             self._authorize(request)
             body = await read_body(request, self._cfg.max_body_bytes)
@@ -316,6 +318,7 @@ class Ingress:
             events = sse_events(gen, rid)
             try:
                 first = await events.__anext__()  # a rejection still gets its HTTP status
+                stamp("ingress_first", rid)
             except api.ApiError as err:
                 return self._error(err, record=False)  # sse_events recorded it
             return StreamingResponse(prepend(first, events), media_type="text/event-stream",

@@ -41,6 +41,7 @@ from scheduler.serving.triton_client import (MODEL, Chunk, TritonUnavailable, ca
 from scheduler.serving.triton_capi import (BYTES, CONTROL_NONE, DTYPES, FLAG_FINAL, MEMORY_CPU, NUMPY, RELEASE_ALL, P,
                                            AllocFn, CoreApi, FreeFn, RequestReleasedFn, ResponseFn, bytes_tensor,
                                            from_bytes)
+from scheduler.serving.stamps import stamp
 from scheduler.serving.tritonserver import TritonInstall, find_tritonserver, serving_dirs
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,8 @@ class _Result:
 class _Call:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    key: str = ""          # the request's id, for its stamps (scheduler/serving/stamps.py)
+    answered: bool = False  # a response has come
 
     def put(self, item: tuple) -> None:
         """Hand ``item`` to the caller's queue from any thread."""
@@ -226,10 +229,11 @@ class TritonCore:
         if self._server is None:
             raise TritonUnavailable(f"the Triton core on {self.repo} is not running")
         api = self._api
+        stamp("core_submit", request_id or "")
         req = P()
         api.check(api.request_new(C.byref(req), self._server, MODEL.encode(), -1), "request")
         key = next(self._ids)
-        call, inputs = _Call(asyncio.get_running_loop(), asyncio.Queue()), []
+        call, inputs = _Call(asyncio.get_running_loop(), asyncio.Queue(), request_id or ""), []
         try:
             if request_id:
                 api.check(api.request_id(req, request_id.encode()), "request id")
@@ -283,6 +287,9 @@ class TritonCore:
     def _response(self, response, flags, userp) -> None:
         """A response (or NULL with the final flag alone) on one of the core's threads: read, deleted, handed over."""
         call = self._calls.get(userp or 0)
+        if call is not None and not call.answered:
+            call.answered = True
+            stamp("core_response", call.key)
         result = error = None
         try:
             if response:

@@ -22,6 +22,7 @@ import triton_python_backend_utils as pb_utils  # only inside tritonserver's pyt
 
 from edge.runtime.host_types import Chunk, GenRequest, HostError, merge_chunks
 from scheduler.serving.bundle import open_bundle
+from scheduler.serving.stamps import on as stamps_enabled, stamp
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 CANCEL_CHECK_S = 0.5  # how often a streaming request asks Triton whether its client cancelled (an IPC round trip)
@@ -45,6 +46,7 @@ class Responder:
         self.interval_s = interval_s
         self.held: dict[str, Chunk] = {}      # request id -> its tokens waiting for their response
         self.last_sent: dict[str, float] = {}  # request id -> when its previous response went out
+        self.stamping, self.stamped = stamps_enabled(), set()  # requests whose first chunk is stamped (stamps.py)
         self.stopped = False
         self.thread = threading.Thread(target=self._run, name="smartexit-responder", daemon=True)
         self.thread.start()
@@ -53,6 +55,9 @@ class Responder:
         self.senders[rid] = (sender, [time.monotonic()])
 
     def put(self, chunk: Chunk) -> None:  # on the engine thread
+        if self.stamping and chunk.request_id not in self.stamped:
+            self.stamped.add(chunk.request_id)
+            stamp("engine_first", chunk.request_id)
         self.queue.append(chunk)
         self.wake.set()
 
@@ -78,6 +83,8 @@ class Responder:
                 if (chunk.finish_reason is not None or last is None or now - last >= self.interval_s
                         or self.stopped):
                     del self.held[rid]
+                    if last is None and self.stamping:
+                        stamp("model_send", rid)
                     if chunk.finish_reason is None:
                         self.last_sent[rid] = now
                     else:
@@ -97,6 +104,7 @@ class Responder:
                 return
         if final:
             self.senders.pop(chunk.request_id, None)
+            self.stamped.discard(chunk.request_id)
         if chunk.finish_reason == "shed":  # refused while it waited (the host's load shedding): a rejection
             err = HostError("overloaded", "shed: its TTFT deadline passed while it waited for admission",
                             retry_after_s=chunk.retry_after_s)
@@ -173,6 +181,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
+            stamp("model_execute", request.request_id())
             sender = request.get_response_sender()
             try:
                 control = _scalar(request, "control", str)

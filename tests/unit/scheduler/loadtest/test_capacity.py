@@ -44,6 +44,9 @@ def test_every_system_gets_every_level_in_every_repeat_rotated_after_its_warmup(
         "x": {1: 2, 2: 2}, "y": {1: 2, 2: 2}}
     assert all(len(run.results) == 3 and all(r.ok for r in run.results) for per in runs.values()
                for rs in per.values() for run in rs)
+    # each run's span (the stamps' clock, ms): in the order the runs were made, none overlapping another
+    spans = sorted(run.span for per in runs.values() for rs in per.values() for run in rs)
+    assert all(a[0] <= a[1] <= b[0] for a, b in zip(spans, spans[1:]))
 
 
 def _run(ttft_s: float, n: int = 4, cpu_s: float | None = 1.0) -> Run:
