@@ -284,9 +284,10 @@ def serving_stack(run_dir: str | Path, cfg: ServeConfig, ray_address: str | None
     repo = None if cfg.triton_url is not None else repository(run_dir)
     if repo is None and cfg.bundle_dir is None:
         raise ConfigError("serve.triton_url needs serve.bundle_dir (the tokenizer and bundle.json)")
-    if cfg.policy.value == "ppo":  # a missing, altered or mismatched policy fails here, not inside a replica
-        from scheduler.serving.engine_host import build_policy
-        build_policy(cfg)
+    # a policy setting it does not take, or a missing, altered or mismatched learned policy, fails here, not inside
+    # a replica that Serve then restarts in vain
+    from scheduler.serving.engine_host import build_policy
+    build_policy(cfg)
     direct = cfg.ingress == "direct" and ray_address is None
     if direct and cfg.engine_in_ingress and cfg.replicas > 1:
         raise ConfigError("serve.triton_host: ingress runs one ingress replica per device, and direct ingress gives "

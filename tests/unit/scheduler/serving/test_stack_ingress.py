@@ -143,3 +143,18 @@ def test_waiting_for_a_port_refuses_a_listener_at_once():
         with pytest.raises(ConfigError, match="something listens there"):
             stack._wait_bindable("127.0.0.1", port, timeout_s=30)
         assert time.monotonic() - t0 < 5
+
+
+def test_serving_stack_refuses_a_policy_setting_before_starting_ray(tmp_path):
+    """A setting the heuristic policy does not take is refused with its name before Ray starts (it used to fail
+    inside the ingress replica, which Serve restarted until the stack's start gave up)."""
+    from scheduler.serving.config import ServeConfig
+
+    (tmp_path / "triton" / "smartexit").mkdir(parents=True)
+    (tmp_path / "triton" / "smartexit" / "config.pbtxt").write_text("")
+    cfg = ServeConfig(port=stack.free_port(), policy="fixed", policy_kwargs={"prefill_budget:32": None})
+    with pytest.raises(ConfigError, match="policy 'fixed'.*prefill_budget:32"):
+        with stack.serving_stack(tmp_path, cfg):
+            pass
+    import ray
+    assert not ray.is_initialized()
