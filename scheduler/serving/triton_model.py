@@ -22,7 +22,7 @@ import triton_python_backend_utils as pb_utils  # only inside tritonserver's pyt
 
 from edge.runtime.host_types import Chunk, GenRequest, HostError, merge_chunks
 from scheduler.serving.bundle import open_bundle
-from scheduler.serving.stamps import on as stamps_enabled, stamp
+from scheduler.serving.stamps import stamp
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 CANCEL_CHECK_S = 0.5  # how often a streaming request asks Triton whether its client cancelled (an IPC round trip)
@@ -52,7 +52,6 @@ class Responder:
         self.held: dict[str, Chunk] = {}      # request id -> its tokens waiting for their response
         self.last_sent: dict[str, float] = {}  # request id -> when its previous response went out
         self.started: set[str] = set()         # requests whose first chunk has come (until their last)
-        self.stamping = stamps_enabled()        # scheduler/serving/stamps.py
         self.stopped = False
         self.thread = threading.Thread(target=self._run, name="smartexit-responder", daemon=True)
         self.thread.start()
@@ -64,8 +63,7 @@ class Responder:
         first = chunk.request_id not in self.started
         if first:  # marked before it is queued: its last chunk, which unmarks it, may be this one
             self.started.add(chunk.request_id)
-            if self.stamping:
-                stamp("engine_first", chunk.request_id)
+            stamp("engine_first", chunk.request_id)  # scheduler/serving/stamps.py (off: one comparison)
         self.queue.append(chunk)
         self.wake.set()
         if first:
@@ -93,7 +91,7 @@ class Responder:
                 if (chunk.finish_reason is not None or last is None or now - last >= self.interval_s
                         or self.stopped):
                     del self.held[rid]
-                    if last is None and self.stamping:
+                    if last is None:
                         stamp("model_send", rid)
                     if chunk.finish_reason is None:
                         self.last_sent[rid] = now
