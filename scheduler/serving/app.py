@@ -227,11 +227,11 @@ class Ingress:
             raise api.ApiError(429, f"every worker is at its limit of {self._cfg.max_inflight} requests in "
                                "flight", code="too_many_requests", retry_after_s=self._cfg.retry_after_s)
         url, client = picked
-        self._routes.acquire(url)
+        self._routes.acquire(url, client)
         self._metrics.streams.labels(via="triton").inc()
 
         def release() -> None:
-            self._routes.release(url)
+            self._routes.release(url, client)
             self._release()
         return TritonStream(client, payload), release
 

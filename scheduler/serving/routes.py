@@ -54,13 +54,20 @@ class TritonStream:
 
 
 class Routes:
-    """The ingress's gRPC clients, one per worker's tritonserver, and its requests in flight on each."""
+    """The ingress's gRPC clients, one per worker's tritonserver, and its requests in flight on each.
+
+    A server that drops out of the routes (its worker's control op failed: it died, hung or restarts) gets a
+    new client when it comes back: the old one's channel may sit in gRPC's reconnect backoff, failing every
+    call at once for seconds after the relaunched server (same address) answers again. The old client closes
+    when the last request on it ends."""
 
     def __init__(self, timeout_s: float, limit: int, node: str) -> None:
         self._timeout_s, self._limit, self._node = timeout_s, limit, node
         self._clients: dict[str, TritonClient] = {}
         self._ready: dict[str, str] = {}      # replica -> the gRPC address of its ready tritonserver
         self.inflight: dict[str, int] = {}    # address -> this ingress's requests on it
+        self._users: dict[int, int] = {}      # id(client) -> this ingress's requests on it
+        self._retiring: dict[int, TritonClient] = {}  # clients of servers that dropped out, still in use
 
     @property
     def known(self) -> bool:
@@ -68,16 +75,18 @@ class Routes:
 
     async def update(self, routes: dict[str, tuple[str, str]]) -> None:
         """The hub's current routes (replica -> (address of a ready server, its Ray node)), those on our
-        node kept; clients of addresses no route names any more are closed once nothing of ours runs on them."""
+        node kept; the clients of addresses no route names any more are retired (closed once nothing of
+        ours runs on them)."""
         self._ready = {replica: url for replica, (url, node) in routes.items() if node == self._node}
         live = set(self._ready.values())
-        for url in [u for u in self._clients if u not in live and not self.inflight.get(u)]:
+        for url in [u for u in self._clients if u not in live]:
             client = self._clients.pop(url)
-            self.inflight.pop(url, None)
-            try:
-                await client.close()
-            except Exception as exc:  # noqa: BLE001 - a dead channel: nothing left to close
-                log.debug("closing the client of %s: %r", url, exc)
+            if self._users.get(id(client)):
+                self._retiring[id(client)] = client
+            else:
+                await _close(client)
+        for url in [u for u in self.inflight if u not in live and not self.inflight[u]]:
+            self.inflight.pop(url)
 
     def pick(self) -> tuple[str, TritonClient] | None:
         """The ready server with the fewest of our requests in flight, below ``limit``; None if none."""
@@ -89,8 +98,28 @@ class Routes:
             self._clients[url] = TritonClient(url, timeout_s=self._timeout_s)
         return url, self._clients[url]
 
-    def acquire(self, url: str) -> None:
+    def acquire(self, url: str, client: TritonClient) -> None:
         self.inflight[url] = self.inflight.get(url, 0) + 1
+        self._users[id(client)] = self._users.get(id(client), 0) + 1
 
-    def release(self, url: str) -> None:
+    def release(self, url: str, client: TritonClient) -> None:
         self.inflight[url] = max(0, self.inflight.get(url, 0) - 1)
+        left = self._users.get(id(client), 0) - 1
+        if left > 0:
+            self._users[id(client)] = left
+            return
+        self._users.pop(id(client), None)
+        if self._retiring.pop(id(client), None) is not None:
+            asyncio.ensure_future(_close(client))
+
+    @property
+    def retiring(self) -> int:
+        """Clients of servers that dropped out, kept until their last request ends."""
+        return len(self._retiring)
+
+
+async def _close(client: TritonClient) -> None:
+    try:
+        await client.close()
+    except Exception as exc:  # noqa: BLE001 - a dead channel: nothing left to close
+        log.debug("closing the client of %s: %r", client.url, exc)
