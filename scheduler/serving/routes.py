@@ -59,15 +59,15 @@ class Routes:
     A server that drops out of the routes (its worker's control op failed: it died, hung or restarts) gets a
     new client when it comes back: the old one's channel may sit in gRPC's reconnect backoff, failing every
     call at once for seconds after the relaunched server (same address) answers again. The old client closes
-    when the last request on it ends."""
+    at the first update after the last request on it ended."""
 
     def __init__(self, timeout_s: float, limit: int, node: str) -> None:
         self._timeout_s, self._limit, self._node = timeout_s, limit, node
         self._clients: dict[str, TritonClient] = {}
         self._ready: dict[str, str] = {}      # replica -> the gRPC address of its ready tritonserver
         self.inflight: dict[str, int] = {}    # address -> this ingress's requests on it
-        self._users: dict[int, int] = {}      # id(client) -> this ingress's requests on it
-        self._retiring: dict[int, TritonClient] = {}  # clients of servers that dropped out, still in use
+        self._users: dict[TritonClient, int] = {}  # client -> this ingress's requests on it
+        self._retiring: list[TritonClient] = []    # clients of servers that dropped out, in use when they did
 
     @property
     def known(self) -> bool:
@@ -75,16 +75,17 @@ class Routes:
 
     async def update(self, routes: dict[str, tuple[str, str]]) -> None:
         """The hub's current routes (replica -> (address of a ready server, its Ray node)), those on our
-        node kept; the clients of addresses no route names any more are retired (closed once nothing of
-        ours runs on them)."""
+        node kept; the clients of addresses no route names any more are retired, and closed once nothing of
+        ours runs on them."""
         self._ready = {replica: url for replica, (url, node) in routes.items() if node == self._node}
         live = set(self._ready.values())
-        for url in [u for u in self._clients if u not in live]:
-            client = self._clients.pop(url)
-            if self._users.get(id(client)):
-                self._retiring[id(client)] = client
-            else:
-                await _close(client)
+        self._retiring += [self._clients.pop(u) for u in list(self._clients) if u not in live]
+        for client in [c for c in self._retiring if not self._users.get(c)]:
+            self._retiring.remove(client)
+            try:
+                await client.close()
+            except Exception as exc:  # noqa: BLE001 - a dead channel: nothing left to close
+                log.debug("closing the client of %s: %r", client.url, exc)
         for url in [u for u in self.inflight if u not in live and not self.inflight[u]]:
             self.inflight.pop(url)
 
@@ -100,26 +101,17 @@ class Routes:
 
     def acquire(self, url: str, client: TritonClient) -> None:
         self.inflight[url] = self.inflight.get(url, 0) + 1
-        self._users[id(client)] = self._users.get(id(client), 0) + 1
+        self._users[client] = self._users.get(client, 0) + 1
 
     def release(self, url: str, client: TritonClient) -> None:
         self.inflight[url] = max(0, self.inflight.get(url, 0) - 1)
-        left = self._users.get(id(client), 0) - 1
+        left = self._users.get(client, 0) - 1
         if left > 0:
-            self._users[id(client)] = left
-            return
-        self._users.pop(id(client), None)
-        if self._retiring.pop(id(client), None) is not None:
-            asyncio.ensure_future(_close(client))
+            self._users[client] = left
+        else:
+            self._users.pop(client, None)
 
     @property
     def retiring(self) -> int:
-        """Clients of servers that dropped out, kept until their last request ends."""
+        """Clients of servers that dropped out, kept until the first update after their last request ended."""
         return len(self._retiring)
-
-
-async def _close(client: TritonClient) -> None:
-    try:
-        await client.close()
-    except Exception as exc:  # noqa: BLE001 - a dead channel: nothing left to close
-        log.debug("closing the client of %s: %r", client.url, exc)

@@ -208,7 +208,7 @@ def channel_args(grpc_aio: Any) -> list[tuple[str, int]]:
 
     gRPC's default backoff (1 s, growing 1.6x to 120 s) keeps a channel failing every call at once for
     seconds after a relaunched tritonserver listens again on the same port: measured 2.8 s after 6 s down
-    (docs/serving.md, Recovery). A loopback connection attempt costs well under a millisecond, so the
+    (docs/serving.md, Errors). A loopback connection attempt costs well under a millisecond, so the
     channel retries every 100 ms, at most every 500 ms."""
     keep = grpc_aio.KeepAliveOptions()
     return [("grpc.max_send_message_length", grpc_aio.MAX_GRPC_MESSAGE_SIZE),
